@@ -1,0 +1,1 @@
+"""Accelerate integration of loader-resume (enable_resume lands with its own issue)."""

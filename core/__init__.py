@@ -1,0 +1,13 @@
+"""loader-resume: exact, elastic mid-epoch resume for PyTorch data loading.
+
+``ResumableDataLoader`` is a drop-in ``DataLoader`` whose ``state_dict()`` resumes the batch sequence
+bit-identically — sample ids and the random numbers drawn while loading them — with another
+``num_workers``, batch size or world size if need be.
+"""
+
+from .keyed_rng import GENERATORS
+from .loader import ResumableDataLoader
+from .state import STATE_VERSION, StateError
+
+__all__ = ["GENERATORS", "STATE_VERSION", "ResumableDataLoader", "StateError", "__version__"]
+__version__ = "0.1.0"

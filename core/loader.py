@@ -1,0 +1,337 @@
+"""``ResumableDataLoader``: a drop-in ``torch.utils.data.DataLoader`` that resumes exactly.
+
+It is a real ``DataLoader`` subclass: torch's own iterators, workers and pin-memory thread run
+unchanged. Two points of torch are taken over, both on the loader object: ``_index_sampler`` (where
+torch's iterator draws index lists from) returns our position-tracking stream, and map-style data is
+always auto-collated so each index list can key the RNGs (see ``keyed_rng``). Batches are counted as
+they are *handed to the caller*, so prefetching by workers never skews the saved position.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Generic, TypeVar
+
+import torch
+from torch.utils.data import DataLoader, Dataset, RandomSampler, SequentialSampler
+from torch.utils.data._utils.collate import default_collate, default_convert
+from torch.utils.data.dataloader import _DatasetKind
+
+from .distributed import rank_and_world
+from .keyed_rng import GENERATORS, derive_key, generator_mask
+from .sampler import Shard, steps_per_epoch
+from .state import STATE_VERSION, StateError, check_state
+from .stream import Pass, Plan, index_lists, is_stateful
+
+__all__ = ["ResumableDataLoader"]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+KEYING_MODES = ("batch", "sample", "off")
+
+
+class _Unbatch:
+    """Collate for ``batch_size=None``: the fetcher hands us a one-index batch; give the item alone."""
+
+    def __init__(self, collate_fn: Callable[[Any], Any]) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, items: list[Any]) -> Any:
+        return self.collate_fn(items[0])
+
+
+class _IndexStream:
+    """What torch's iterator draws index lists from; one object for the loader's lifetime.
+
+    Holds its loader weakly: torch's iterator holds this object, and a persistent-workers loader holds
+    that iterator (see ``stream`` for why a cycle there costs seconds).
+    """
+
+    def __init__(self, loader: ResumableDataLoader[Any]) -> None:
+        self._loader = weakref.ref(loader)
+
+    def _get(self) -> ResumableDataLoader[Any]:
+        loader = self._loader()
+        if loader is None:
+            raise RuntimeError("the ResumableDataLoader of this index stream no longer exists")
+        return loader
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self._get()._index_lists()
+
+    def __len__(self) -> int:
+        return self._get()._batches_per_epoch()
+
+
+class _Tracked(Generic[T]):
+    """Wraps torch's iterator; moves the loader's position as each batch is handed over."""
+
+    __slots__ = ("_inner", "_loader", "_pass")
+
+    def __init__(self, loader: ResumableDataLoader[Any], inner: Iterator[T], pass_: Pass) -> None:
+        self._loader, self._inner, self._pass = loader, inner, pass_
+
+    def __iter__(self) -> _Tracked[T]:
+        return self
+
+    def __len__(self) -> int:
+        return len(self._inner)  # type: ignore[arg-type]
+
+    def __next__(self) -> T:
+        try:
+            batch = next(self._inner)
+        except StopIteration:
+            self._loader._pass_ended(self._pass)
+            raise
+        self._loader._delivered(self._pass)
+        return batch
+
+
+class ResumableDataLoader(DataLoader[T]):
+    """A ``DataLoader`` whose ``state_dict()`` resumes the exact batch sequence, elastically.
+
+    Accepts every ``DataLoader`` argument with the same names, defaults and errors, plus:
+
+    Args:
+        seed: decides the shuffle order and every keyed random number. ``None`` means
+            ``generator.initial_seed()`` when a ``generator`` is given, else ``0`` — as
+            ``DistributedSampler`` does, the order is reproducible unless you pass another seed.
+        snapshot_every_n_steps: accepted for torchdata compatibility and ignored: the state is a
+            position, so it is exact at every step for free.
+        keying: ``"batch"`` (default) seeds the keyed generators before each batch from
+            ``(seed, epoch, the batch's global position)``; ``"sample"`` before each sample from
+            ``(seed, epoch, index)`` (values then also survive a change of batch or world size; costs
+            ~7 µs per sample); ``"off"`` leaves every generator alone.
+        keyed_generators: which global generators are keyed: any of ``"torch"`` (default CPU
+            generator), ``"numpy"`` (legacy global ``np.random``) and ``"random"``.
+        rank, world_size: shard for this rank; default from ``torch.distributed`` when initialised.
+
+    Semantics (as torchdata's ``StatefulDataLoader``): ``state_dict()`` may be called at any time and
+    describes the position after the last batch handed to the caller; after ``load_state_dict(s)``
+    the next ``iter()`` continues there; a state taken after an epoch's last batch resumes at the next
+    epoch's first batch. Without a load, each ``iter()`` starts a new epoch, as with ``DataLoader``.
+    ``len(loader)`` is this rank's batches in a whole epoch.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[T],
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: Any = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        seed: int | None = None,
+        snapshot_every_n_steps: int = 1,
+        keying: str = "batch",
+        keyed_generators: Sequence[str] = GENERATORS,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        unbatched = batch_size is None and batch_sampler is None
+        if collate_fn is None:
+            collate_fn = default_convert if unbatched else default_collate
+        super().__init__(
+            dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn, pin_memory,
+            drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
+            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device, in_order=in_order,
+        )
+        _check_options(in_order, snapshot_every_n_steps, keying)
+        self.seed = seed if seed is not None else (generator.initial_seed() if generator is not None else 0)
+        self.keying = keying
+        self.keyed_generators = tuple(keyed_generators)
+        self._mask = generator_mask(self.keyed_generators)
+        self._rank, self._world = rank, world_size
+        rank_and_world(rank, world_size)  # fail at construction on an impossible explicit pair
+        self._map = self._dataset_kind == _DatasetKind.Map
+        self._source, self._source_name, self.shuffle = _classify(self, sampler, batch_sampler, shuffle)
+        self._n = len(dataset) if hasattr(dataset, "__len__") else None
+        if self._map and unbatched and not isinstance(self.collate_fn, _Unbatch):
+            self.collate_fn = _Unbatch(self.collate_fn)
+        self._stream = _IndexStream(self)
+        self._epoch, self._position, self._fresh = 0, 0, True
+        self._pass: Pass | None = None
+        self._sampler_state: Any = None
+        self._sampler_state_to_load: Any = None
+
+    # --- torch hooks -----------------------------------------------------------------------------
+    @property
+    def _auto_collation(self) -> bool:
+        # NOTE: map-style data is always fetched through a list of indices, even with
+        # batch_size=None (then one index, unwrapped by _Unbatch), because iterating that list in
+        # the worker is where keyed randomness is applied.
+        return self.batch_sampler is not None or self._dataset_kind == _DatasetKind.Map
+
+    @property
+    def _index_sampler(self) -> Any:
+        if self._dataset_kind != _DatasetKind.Map:
+            return super()._index_sampler
+        return self._stream
+
+    def __iter__(self) -> Any:
+        if not self._map:
+            return super().__iter__()
+        if not self._fresh:  # the previous pass was abandoned mid-epoch: a new iter() is a new epoch
+            self._epoch, self._position = self._epoch + 1, 0
+        self._fresh = False
+        self._pass = Pass(self._epoch, self._position, self._sampler_state_to_load)
+        self._sampler_state_to_load = None
+        return _Tracked(self, self._torch_iterator(), self._pass)
+
+    def _torch_iterator(self) -> Iterator[Any]:
+        """torch's iterator, built so that it does not draw from the caller's default generator.
+
+        NOTE: torch draws each iterator's worker base seed from ``loader.generator``, i.e. from the
+        caller's default generator when none was given; that would shift the model's dropout stream
+        on every epoch. While keyed, we hand it a private generator keyed by (seed, epoch), which also
+        makes the seeds of any unkeyed generator in the workers a function of the epoch.
+        """
+        if self.generator is not None or self.keying == "off":
+            return super().__iter__()
+        self.generator = torch.Generator().manual_seed(derive_key(self.seed, self._epoch, "workers"))
+        try:
+            return super().__iter__()
+        finally:
+            self.generator = None
+
+    # --- public state API ------------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        """The epoch the next batch belongs to (after a load: the loaded one)."""
+        return self._epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last batch handed to the caller: plain, versioned, < 1 KB."""
+        self._require_map("state_dict")
+        state = self._identity()
+        state.update(epoch=self._epoch, position=self._position)
+        state["sampler_state"] = self._current_sampler_state()
+        dataset_state = getattr(self.dataset, "state_dict", None)
+        state["dataset_state"] = dataset_state() if callable(dataset_state) else None
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue from ``state_dict`` at the next ``iter()``; raises :class:`StateError` if it cannot.
+
+        World size, batch size, ``num_workers`` and ``drop_last`` may differ from the saving run
+        (logged); anything the order depends on (dataset length, seed, shuffle, keying) may not.
+        """
+        self._require_map("load_state_dict")
+        check_state(state_dict, self._identity())
+        self._check_user_state("sampler_state", state_dict["sampler_state"], self._source)
+        self._check_user_state("dataset_state", state_dict["dataset_state"], self.dataset)
+        if state_dict["dataset_state"] is not None:
+            self.dataset.load_state_dict(state_dict["dataset_state"])  # type: ignore[attr-defined]
+        epoch, position = state_dict["epoch"], state_dict["position"]
+        if self._source is None and position == self._n:
+            epoch, position = epoch + 1, 0
+        self._epoch, self._position, self._fresh, self._pass = epoch, position, True, None
+        self._sampler_state = self._sampler_state_to_load = state_dict["sampler_state"]
+
+    # --- internals -------------------------------------------------------------------------------
+    def _identity(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION, "kind": "map", "source": self._source_name, "dataset_len": self._n,
+            "seed": self.seed, "shuffle": self.shuffle, "keying": self.keying,
+            "keyed_generators": list(self.keyed_generators), "epoch": 0, "position": 0,
+            "world_size": rank_and_world(self._rank, self._world)[1], "batch_size": self.batch_size,
+            "num_workers": self.num_workers, "drop_last": self.drop_last,
+        }
+
+    def _require_map(self, what: str) -> None:
+        if not self._map:
+            raise NotImplementedError(
+                f"{what}(): resuming an IterableDataset is not supported yet; ResumableDataLoader "
+                "iterates it exactly like DataLoader. Map-style datasets are fully supported."
+            )
+
+    @staticmethod
+    def _check_user_state(field: str, saved: Any, owner: Any) -> None:
+        stateful = is_stateful(owner)
+        if saved is not None and not stateful:
+            raise StateError(field, "<a saved state>", "None", f"{type(owner).__name__} has no load_state_dict().")
+        if saved is None and stateful:
+            raise StateError(field, None, f"the state of {type(owner).__name__}", "Required state missing.")
+
+    def _current_sampler_state(self) -> Any:
+        if not is_stateful(self._source):
+            return None
+        if self._sampler_state is None:
+            self._sampler_state = self._source.state_dict()
+        return self._sampler_state
+
+    def _shard(self) -> Shard:
+        rank, world = rank_and_world(self._rank, self._world)
+        return Shard(rank, world, self.batch_size or 1, self.drop_last)
+
+    def _batches_per_epoch(self) -> int:
+        if self._source is None:
+            assert self._n is not None  # map-style permutation sources always have a length
+            return steps_per_epoch(self._n, self._shard())
+        return steps_per_epoch(len(self._source), self._shard())
+
+    def _delivered(self, pass_: Pass) -> None:
+        if pass_ is not self._pass:
+            return
+        end, last, sampler_state = pass_.pending.popleft()
+        self._position, self._sampler_state = end, sampler_state
+        if last:
+            self._epoch, self._position, self._fresh, pass_.done = self._epoch + 1, 0, True, True
+
+    def _pass_ended(self, pass_: Pass) -> None:
+        if pass_ is self._pass and not pass_.done:
+            self._epoch, self._position, self._fresh, pass_.done = self._epoch + 1, 0, True, True
+
+    def _index_lists(self) -> Iterator[list[int]]:
+        pass_ = self._pass if self._pass is not None else Pass(self._epoch, self._position)
+        plan = Plan(
+            source=self._source, n=self._n, shard=self._shard(), seed=self.seed, shuffle=self.shuffle,
+            keying=self.keying, mask=self._mask,
+            unit_is_batch=self.batch_sampler is not None and self._source is self.batch_sampler,
+        )
+        return index_lists(plan, pass_)
+
+
+def _check_options(in_order: bool, snapshot_every_n_steps: int, keying: str) -> None:
+    if not in_order:
+        raise ValueError("in_order=False: batches would arrive out of order, so a saved position could not "
+                         "name what was delivered; expected in_order=True")
+    if type(snapshot_every_n_steps) is not int or snapshot_every_n_steps < 1:
+        raise ValueError(f"snapshot_every_n_steps={snapshot_every_n_steps!r}: expected an int >= 1")
+    if keying not in KEYING_MODES:
+        raise ValueError(f"keying={keying!r}: expected one of {list(KEYING_MODES)}")
+
+
+def _classify(loader: DataLoader[Any], sampler: Any, batch_sampler: Any, shuffle: bool | None) -> tuple[Any, str, bool]:
+    """(user source or None for our permutation, its name for the state, shuffle)."""
+    if loader._dataset_kind != _DatasetKind.Map:
+        return None, "iterable", False
+    if batch_sampler is not None:
+        return batch_sampler, f"batch_sampler:{_qualname(batch_sampler)}", False
+    if sampler is None:
+        return None, "permutation", bool(shuffle)
+    if type(sampler) is SequentialSampler:
+        return None, "permutation", False
+    if type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None:
+        return None, "permutation", True
+    return sampler, f"sampler:{_qualname(sampler)}", False
+
+
+def _qualname(obj: Iterable[Any]) -> str:
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"

@@ -1,0 +1,108 @@
+"""The global stream of an epoch, cut into per-rank batches.
+
+One epoch is one global stream of *units* (sample indices, or whole batches when the user brings a
+batch sampler). The only state is how many units the whole job has consumed (``position``). Each
+global step takes ``world * batch`` units; rank ``r`` takes the ``r``-th slice of ``batch`` units.
+So a resume with another world size or batch size simply continues the stream at ``position``.
+
+Tail of an epoch (fewer than ``world * batch`` units left):
+- ``drop_last=True``: those units are dropped (a fresh permutation each epoch drops different ones);
+- otherwise they are spread evenly, ``ceil(left / world)`` per rank, and ranks short of units are
+  padded — with the first units of the epoch (permutation) or by cycling the tail (user samplers) —
+  so every rank yields the same number of batches, as ``DistributedSampler`` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from itertools import islice
+from typing import Any, TypeVar
+
+import numpy as np
+
+from .permutation import KeyedPermutation
+
+__all__ = ["Shard", "Step", "permutation_steps", "source_steps", "steps_per_epoch"]
+
+U = TypeVar("U")
+_CHUNK_UNITS = 4096  # units computed per vectorised permutation call
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """This rank's view of the global stream."""
+
+    rank: int
+    world: int
+    batch: int
+    """Units per rank per global step."""
+    drop_last: bool
+
+    @property
+    def step(self) -> int:
+        return self.world * self.batch
+
+
+# (this rank's units, global position of its first unit, position after the step, last of epoch, sampler state)
+Step = tuple[list[Any], int, int, bool, Any]
+
+
+def steps_per_epoch(total: int, shard: Shard) -> int:
+    """Batches a rank yields in a whole epoch of ``total`` units."""
+    full, left = divmod(total, shard.step)
+    return full + (1 if left and not shard.drop_last else 0)
+
+
+def permutation_steps(perm: KeyedPermutation | None, n: int, start: int, shard: Shard) -> Iterator[Step]:
+    """Steps of a map-style epoch from ``start``; ``perm`` None means the identity order."""
+    step, batch = shard.step, shard.batch
+    full_end = start + (n - start) // step * step
+    ends_clean = full_end == n or shard.drop_last
+    offsets = np.arange(batch, dtype=np.int64) + shard.rank * batch
+    position = start
+    while position < full_end:
+        count = min(max(1, _CHUNK_UNITS // batch), (full_end - position) // step)
+        starts = position + np.arange(count, dtype=np.int64) * step
+        positions = starts[:, None] + offsets[None, :]
+        rows = (positions if perm is None else perm[positions]).tolist()
+        for row, first in zip(rows, starts.tolist(), strict=True):
+            end = first + step
+            yield row, first + shard.rank * batch, end, end == full_end and ends_clean, None
+        position += count * step
+    left = n - position
+    if left > 0 and not shard.drop_last:
+        share = -(-left // shard.world)
+        first = position + shard.rank * share
+        positions = (first + np.arange(share, dtype=np.int64)) % n
+        rows = positions if perm is None else perm[positions]
+        yield rows.tolist(), first, n, True, None
+
+
+def source_steps(units: Iterator[U], start: int, shard: Shard, snapshot: Callable[[], Any] | None) -> Iterator[Step]:
+    """Steps drawn from a user's sampler or batch sampler, already positioned at ``start``.
+
+    Reads one step ahead so the last step of an epoch is known when it is yielded. ``snapshot``
+    (a stateful sampler's ``state_dict``) is taken right after each step's units are drawn.
+    """
+    step, batch, rank = shard.step, shard.batch, shard.rank
+
+    def take() -> tuple[list[U], Any]:
+        chunk = list(islice(units, step))
+        return chunk, (snapshot() if snapshot is not None else None)
+
+    current, state = take()
+    position = start
+    while len(current) == step:
+        following, following_state = take()
+        last = not following or (shard.drop_last and len(following) < step)
+        # NOTE: at the last step the look-ahead has exhausted the sampler, which is when samplers run
+        # their end-of-epoch code (e.g. reset a counter); the state after that is the true boundary state.
+        mine = current[rank * batch : (rank + 1) * batch]
+        yield mine, position + rank * batch, position + step, last, following_state if last else state
+        position += step
+        current, state = ([], None) if last else (following, following_state)
+    if current and not shard.drop_last:
+        share = -(-len(current) // shard.world)
+        mine = [current[(rank * share + i) % len(current)] for i in range(share)]
+        yield mine, position + rank * share, position + len(current), True, state

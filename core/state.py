@@ -1,0 +1,114 @@
+"""The loader's state: a small, plain, versioned dict, validated field by field on load.
+
+Version history:
+  1 — first release: map-style datasets (permutation, custom sampler or batch sampler sources).
+
+Every key is always present (constant shape), values are ints, strings, bools, None or lists of those,
+plus whatever a user's stateful sampler or dataset returns under ``sampler_state``/``dataset_state``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any, Final
+
+__all__ = ["STATE_KEYS", "STATE_VERSION", "StateError", "check_state"]
+
+logger = logging.getLogger(__name__)
+
+STATE_VERSION: Final = 1
+
+# Fields the position depends on: a saved value must equal the current one, or the order differs.
+MUST_MATCH: Final = ("kind", "source", "dataset_len", "seed", "shuffle", "keying", "keyed_generators")
+# Fields that may legitimately change between save and resume (elastic): accepted and logged.
+MAY_CHANGE: Final = ("world_size", "batch_size", "num_workers", "drop_last")
+STATE_KEYS: Final = (
+    "version", *MUST_MATCH, "epoch", "position", *MAY_CHANGE, "sampler_state", "dataset_state",
+)
+
+
+class StateError(ValueError):
+    """A loader state that cannot be resumed here; names the field, the saved and the expected value."""
+
+    def __init__(self, field: str, saved: Any, current: Any, hint: str = "", *, expected: str | None = None) -> None:
+        self.field, self.saved, self.current = field, saved, current
+        message = f"loader state field {field!r}: saved {saved!r}, expected {expected or repr(current)}"
+        super().__init__(f"{message}. {hint}" if hint else message)
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int
+
+
+def _is_opt_int(value: Any) -> bool:
+    return value is None or type(value) is int
+
+
+_TYPES: Final[dict[str, tuple[str, Callable[[Any], bool]]]] = {
+    "version": ("an int", _is_int),
+    "kind": ("a str", lambda v: type(v) is str),
+    "source": ("a str", lambda v: type(v) is str),
+    "dataset_len": ("an int or None", _is_opt_int),
+    "seed": ("an int", _is_int),
+    "shuffle": ("a bool", lambda v: type(v) is bool),
+    "keying": ("a str", lambda v: type(v) is str),
+    "keyed_generators": ("a list of str", lambda v: type(v) is list and all(type(x) is str for x in v)),
+    "epoch": ("an int >= 0", lambda v: _is_int(v) and v >= 0),
+    "position": ("an int >= 0", lambda v: _is_int(v) and v >= 0),
+    "world_size": ("an int >= 1", lambda v: _is_int(v) and v >= 1),
+    "batch_size": ("an int or None", _is_opt_int),
+    "num_workers": ("an int >= 0", lambda v: _is_int(v) and v >= 0),
+    "drop_last": ("a bool", lambda v: type(v) is bool),
+    "sampler_state": ("any value", lambda v: True),
+    "dataset_state": ("any value", lambda v: True),
+}
+
+
+def check_state(saved: Any, current: Mapping[str, Any]) -> None:
+    """Raise :class:`StateError` unless ``saved`` can resume a loader whose own state is ``current``.
+
+    ``current`` is the loader's state as it would be saved now. Nothing is modified, so a loader that
+    refuses a state stays usable.
+    """
+    if not isinstance(saved, Mapping):
+        hint = "Pass the dict that state_dict() returned."
+        raise StateError("<state>", type(saved).__name__, "a dict", hint, expected="a dict")
+    _check_keys(saved)
+    if saved["version"] != STATE_VERSION:
+        hint = "This state comes from an unknown loader-resume release."
+        raise StateError("version", saved["version"], STATE_VERSION, hint)
+    for field, (expected, ok) in _TYPES.items():
+        if not ok(saved[field]):
+            raise StateError(field, saved[field], expected, "The state was edited or corrupted.", expected=expected)
+    for field in MUST_MATCH:
+        if saved[field] != current[field]:
+            raise StateError(field, saved[field], current[field], _MATCH_HINT)
+    length = saved["dataset_len"]
+    if current["source"] == "permutation" and length is not None and saved["position"] > length:
+        limit = f"at most dataset_len={length}"
+        raise StateError("position", saved["position"], limit, "The state was edited or corrupted.", expected=limit)
+    for field in MAY_CHANGE:
+        if saved[field] != current[field]:
+            logger.info("resuming with %s=%r (saved with %r)", field, current[field], saved[field])
+
+
+_MATCH_HINT: Final = (
+    "The data order depends on this field, so resuming would deliver different samples; "
+    "build the loader with the same dataset and settings as the run that saved it."
+)
+
+
+def _check_keys(saved: Mapping[str, Any]) -> None:
+    missing = [k for k in STATE_KEYS if k not in saved]
+    unknown = [k for k in saved if k not in STATE_KEYS]
+    if unknown:
+        key = str(unknown[0])
+        close = difflib.get_close_matches(key, STATE_KEYS, n=1)
+        guess = f"did you mean {close[0]!r}? " if close else ""
+        raise StateError(key, saved[unknown[0]], None, f"Unknown key; {guess}Known keys: {', '.join(STATE_KEYS)}.",
+                         expected="no such key")
+    if missing:
+        raise StateError(missing[0], "<missing>", None, "Required key missing from state.",
+                         expected=f"a value for {missing[0]!r}")

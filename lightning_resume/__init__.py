@@ -1,0 +1,1 @@
+"""Lightning integration of loader-resume (the ResumeCallback lands with its own issue)."""

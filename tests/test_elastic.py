@@ -1,0 +1,123 @@
+"""Changed resources (item 3), DDP sharding with real gloo processes (item 4), elastic resume (item 5)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import ids, make
+from loader_resume.testing import assert_resumes_exactly
+
+
+@pytest.mark.parametrize("workers_after", [0, 1, 3])
+def test_state_from_two_workers_resumes_with_another_worker_count(workers_after: int) -> None:
+    assert_resumes_exactly(
+        lambda: make(10, shuffle=True, num_workers=2),
+        make_resumed=lambda: make(10, shuffle=True, num_workers=workers_after),
+        epochs=2, cuts=[0, 1, 3, 4, 6],
+    )
+
+
+def test_changed_batch_size_resumes_at_the_same_sample_position() -> None:
+    order = sum(ids(list(make(12, batch_size=3, shuffle=True))), [])
+    loader = make(12, batch_size=3, shuffle=True)
+    iterator = iter(loader)
+    before = sum(ids([next(iterator), next(iterator)]), [])
+    resumed = make(12, batch_size=5, shuffle=True)
+    resumed.load_state_dict(loader.state_dict())
+    after = ids(list(resumed))
+    assert [len(b) for b in after] == [5, 1]
+    assert before + sum(after, []) == order
+
+
+def _lockstep(loaders: list[Any], steps: int | None) -> list[list[int]]:
+    """Iterate ranks together for `steps` global steps (None: to the end); ids delivered per rank."""
+    iterators = [iter(loader) for loader in loaders]
+    delivered: list[list[int]] = [[] for _ in loaders]
+    step = 0
+    while steps is None or step < steps:
+        try:
+            batches = [next(it) for it in iterators]
+        except StopIteration:
+            break
+        for rank, batch in enumerate(batches):
+            delivered[rank] += batch["id"].tolist()
+        step += 1
+    return delivered
+
+
+def _values_by_id(loaders: list[Any]) -> dict[int, tuple[float, ...]]:
+    return {i: tuple(row.tolist()) for loader in loaders for b in loader
+            for i, row in zip(b["id"].tolist(), b["torch"], strict=True)}
+
+
+@pytest.mark.parametrize("new_world", [1, 3, 8])
+def test_elastic_resume_from_world_4_delivers_the_rest_exactly_once(new_world: int) -> None:
+    def shard(rank: int, world: int) -> Any:
+        return make(96, batch_size=2, shuffle=True, keying="sample", rank=rank, world_size=world)
+
+    old = [shard(r, 4) for r in range(4)]
+    before = sum(_lockstep(old, 3), [])
+    states = [loader.state_dict() for loader in old]
+    assert all(s == states[0] for s in states) and states[0]["position"] == 24
+    new = [shard(r, new_world) for r in range(new_world)]
+    for loader in new:
+        loader.load_state_dict(states[0])
+    after = sum(_lockstep(new, None), [])
+    assert sorted(before + after) == list(range(96))
+    expected_values = _values_by_id([shard(r, 4) for r in range(4)])
+    resumed = [shard(r, new_world) for r in range(new_world)]
+    for loader in resumed:
+        loader.load_state_dict(states[0])
+    assert _values_by_id(resumed) == {i: expected_values[i] for i in after}
+
+
+def test_ranks_are_disjoint_and_padded_evenly_like_distributed_sampler() -> None:
+    per_rank = _lockstep([make(10, batch_size=2, shuffle=True, rank=r, world_size=3) for r in range(3)], None)
+    assert [len(x) for x in per_rank] == [4, 4, 4]
+    everything = sum(per_rank, [])
+    assert set(everything) == set(range(10)) and len(everything) == 12
+    dropped = _lockstep([make(10, batch_size=2, shuffle=True, drop_last=True, rank=r, world_size=3)
+                         for r in range(3)], None)
+    assert [len(x) for x in dropped] == [2, 2, 2] and len(set(sum(dropped, []))) == 6
+    assert len(make(10, batch_size=2, rank=0, world_size=3)) == 2
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _launch(mode: str, out: Path, workers: int) -> None:
+    port = _free_port()
+    script = Path(__file__).parent / "ddp_child.py"
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "WORKERS": str(workers)}
+        procs.append(subprocess.Popen([sys.executable, str(script), mode, str(out)], env=env))
+    codes = [p.wait(timeout=240) for p in procs]
+    assert codes == [0, 0], f"{mode}: exit codes {codes}"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_two_gloo_processes_resume_each_rank_exactly(tmp_path: Path, workers: int) -> None:
+    for mode in ("full", "save", "resume"):
+        _launch(mode, tmp_path, workers)
+    full = [json.loads((tmp_path / f"full-{r}.json").read_text()) for r in range(2)]
+    resumed = [json.loads((tmp_path / f"resume-{r}.json").read_text()) for r in range(2)]
+    per_epoch = len(full[0]) // 2
+    for rank in range(2):
+        assert resumed[rank] == full[rank][per_epoch + 3 :]
+    for epoch in range(2):
+        seen = [int(x) for r in range(2) for row in full[r][epoch * per_epoch : (epoch + 1) * per_epoch]
+                for x in row[0]]
+        assert set(seen) == set(range(21)) and len(seen) == 22  # one padded sample: 21 over 2 ranks x 2

@@ -1,0 +1,37 @@
+"""The addressable permutation: a bijection for every n, chosen by the key, O(1) at any position."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loader_resume.permutation import KeyedPermutation
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(0, 5000), key=st.integers(0, 2**64 - 1))
+def test_is_a_bijection_of_range_n(n: int, key: int) -> None:
+    values = KeyedPermutation(n, key)[np.arange(n)]
+    assert sorted(values.tolist()) == list(range(n))
+
+
+def test_key_chooses_the_order() -> None:
+    orders = {tuple(KeyedPermutation(100, key)[np.arange(100)].tolist()) for key in range(20)}
+    assert len(orders) == 20
+
+
+def test_positions_are_addressable_deep_in_a_huge_range() -> None:
+    n = 10**12
+    perm = KeyedPermutation(n, 3)
+    deep = np.arange(n - 1000, n)
+    values = perm[deep]
+    assert ((values >= 0) & (values < n)).all() and len(set(values.tolist())) == 1000
+    assert perm[deep[:10]].tolist() == values[:10].tolist()
+
+
+def test_shuffle_is_not_close_to_identity() -> None:
+    values = KeyedPermutation(10_000, 11)[np.arange(10_000)]
+    fixed_points = int((values == np.arange(10_000)).sum())
+    assert fixed_points < 20
+    assert abs(float(np.corrcoef(values, np.arange(10_000))[0, 1])) < 0.05
