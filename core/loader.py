@@ -159,7 +159,7 @@ class ResumableDataLoader(DataLoader[T]):
         self._rank, self._world = rank, world_size
         rank_and_world(rank, world_size)  # fail at construction on an impossible explicit pair
         self._map = self._dataset_kind == _DatasetKind.Map
-        self._source, self._source_name, self.shuffle = _classify(self, sampler, batch_sampler, shuffle)
+        self._source, self._source_name, self._shuffle = _classify(self, sampler, batch_sampler, shuffle)
         self._n = len(dataset) if hasattr(dataset, "__len__") else None
         if self._map and unbatched and not isinstance(self.collate_fn, _Unbatch):
             self.collate_fn = _Unbatch(self.collate_fn)
@@ -247,7 +247,7 @@ class ResumableDataLoader(DataLoader[T]):
     def _identity(self) -> dict[str, Any]:
         return {
             "version": STATE_VERSION, "kind": "map", "source": self._source_name, "dataset_len": self._n,
-            "seed": self.seed, "shuffle": self.shuffle, "keying": self.keying,
+            "seed": self.seed, "shuffle": self._shuffle, "keying": self.keying,
             "keyed_generators": list(self.keyed_generators), "epoch": 0, "position": 0,
             "world_size": rank_and_world(self._rank, self._world)[1], "batch_size": self.batch_size,
             "num_workers": self.num_workers, "drop_last": self.drop_last,
@@ -300,7 +300,7 @@ class ResumableDataLoader(DataLoader[T]):
     def _index_lists(self) -> Iterator[list[int]]:
         pass_ = self._pass if self._pass is not None else Pass(self._epoch, self._position)
         plan = Plan(
-            source=self._source, n=self._n, shard=self._shard(), seed=self.seed, shuffle=self.shuffle,
+            source=self._source, n=self._n, shard=self._shard(), seed=self.seed, shuffle=self._shuffle,
             keying=self.keying, mask=self._mask,
             unit_is_batch=self.batch_sampler is not None and self._source is self.batch_sampler,
         )

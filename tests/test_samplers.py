@@ -157,7 +157,7 @@ def test_torch_random_sampler_with_replacement_is_replayed_exactly() -> None:
 def test_torch_random_sampler_is_treated_as_shuffle() -> None:
     dataset = Augmented(10)
     explicit = ResumableDataLoader(dataset, sampler=torch.utils.data.RandomSampler(dataset), batch_size=3)
-    assert explicit.shuffle and explicit.state_dict()["source"] == "permutation"
+    assert explicit.state_dict()["shuffle"] and explicit.state_dict()["source"] == "permutation"
     assert ids(list(explicit)) == ids(list(ResumableDataLoader(dataset, shuffle=True, batch_size=3)))
 
 

@@ -1,0 +1,171 @@
+"""Core benchmark: ResumableDataLoader vs DataLoader vs torchdata's StatefulDataLoader, same process.
+
+    python benchmarks/bench_core.py            # ~5 min on 2 cores; prints the table, updates README.md
+    python benchmarks/bench_core.py --quick    # fewer rounds, README untouched
+
+Loaders take turns (interleaved rounds, medians), so machine drift affects all of them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from common import Busy, Tiny, batches_per_second, interleaved, markdown, median_micros, write_readme_section
+from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from loader_resume import ResumableDataLoader
+from loader_resume.keyed_rng import CallerRng, KeyedIndices, derive_key, generator_mask
+
+BATCH = 64
+
+
+def throughput(dataset_factory: Any, workers: int, batches: int, rounds: int) -> dict[str, float]:
+    dataset = dataset_factory()
+    common = {"batch_size": BATCH, "shuffle": True, "num_workers": workers, "persistent_workers": workers > 0}
+    loaders = {
+        "DataLoader": DataLoader(dataset, **common),
+        "StatefulDataLoader": StatefulDataLoader(dataset, **common),
+        "ours, keying off": ResumableDataLoader(dataset, keying="off", **common),
+        "ours, per-batch keying": ResumableDataLoader(dataset, **common),
+    }
+    return interleaved({name: (lambda loader=loader: batches_per_second(loader, batches))
+                        for name, loader in loaders.items()}, rounds)
+
+
+def keying_costs() -> dict[str, float]:
+    mask = generator_mask(("torch", "numpy", "random"))
+    indices = list(range(BATCH))
+    batch = KeyedIndices(indices, (derive_key(1, 2), None, mask))
+    per_sample = KeyedIndices(indices, (derive_key(1, 2), derive_key(3, 4), mask))
+    torch.utils.data._utils.worker._worker_info = torch.utils.data._utils.worker.WorkerInfo(  # a worker's view
+        id=0, num_workers=1, seed=0, dataset=None)
+    try:
+        worker_batch = median_micros(lambda: list(iter(batch))) - median_micros(lambda: list(indices))
+        worker_sample = median_micros(lambda: list(iter(per_sample))) - median_micros(lambda: list(indices))
+    finally:
+        torch.utils.data._utils.worker._worker_info = None
+    main_batch = median_micros(lambda: list(iter(batch))) - median_micros(lambda: list(indices))
+    guard = median_micros(lambda: CallerRng(mask).save().restore())
+    numpy_legacy = median_micros(lambda: np.random.set_state(np.random.get_state()), repeat=500)
+    return {"worker, per batch": worker_batch, "worker, per sample": worker_sample / BATCH,
+            "main process, per batch (incl. caller RNG restore)": main_batch,
+            "caller RNG save+restore": guard, "numpy get_state+set_state (for comparison)": numpy_legacy}
+
+
+def state_costs() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for n in (10**3, 10**9):
+        loader = ResumableDataLoader(Tiny(n), batch_size=BATCH, shuffle=True)
+        iterator = iter(loader)
+        next(iterator)
+        out[f"ours state_dict() µs, n={n:.0e}"] = median_micros(loader.state_dict)
+        out[f"ours state bytes, n={n:.0e}"] = len(json.dumps(loader.state_dict()))
+    sdl = StatefulDataLoader(Tiny(10**3), batch_size=BATCH, shuffle=True)
+    iterator = iter(sdl)
+    next(iterator)
+    out["StatefulDataLoader state_dict() µs, n=1e+03"] = median_micros(sdl.state_dict, repeat=500)
+    out["StatefulDataLoader state bytes, n=1e+03"] = len(repr(sdl.state_dict()))
+    return out
+
+
+def resume_latency(n: int = 10**7) -> dict[str, dict[float, float]]:
+    """Seconds from ``load_state_dict`` to the first batch, resuming at a fraction of the epoch.
+
+    Each state is real: taken by iterating the loader to that point (nw=0).
+    """
+    builders = {
+        "ours": lambda: ResumableDataLoader(Tiny(n), batch_size=BATCH, shuffle=True),
+        "StatefulDataLoader": lambda: StatefulDataLoader(Tiny(n), batch_size=BATCH, shuffle=True),
+    }
+    out: dict[str, dict[float, float]] = {name: {} for name in builders}
+    for name, build in builders.items():
+        loader = build()
+        iterator = iter(loader)
+        done = 0
+        for fraction in (0.1, 0.5, 0.9):
+            while done < int(n * fraction) // BATCH:
+                next(iterator)
+                done += 1
+            state = loader.state_dict()
+            fresh = build()
+            start = time.perf_counter()
+            fresh.load_state_dict(state)
+            next(iter(fresh))
+            out[name][fraction] = time.perf_counter() - start
+    return out
+
+
+_PEAK = """
+import resource, sys, torch
+sys.path.insert(0, {bench!r})
+from common import Tiny
+from loader_resume import ResumableDataLoader
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+it = iter(ResumableDataLoader(Tiny({n}), batch_size=64, shuffle=True))
+for _ in range(10):
+    next(it)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+"""
+
+
+def peak_memory_mib(n: int) -> float:
+    code = _PEAK.format(bench=os.path.dirname(os.path.abspath(__file__)), n=n)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"peak-memory probe failed: {done.stderr[-2000:]}")
+    return int(done.stdout.split()[-1]) / 1024
+
+
+def report(args: argparse.Namespace) -> str:
+    rounds = 3 if args.quick else 15
+    sections = []
+    rows = []
+    cases = (("tiny items", lambda: Tiny(1 << 20), 400), ("50 µs items", lambda: Busy(1 << 20), 40))
+    for label, factory, batches in cases:
+        for workers in (0, 2):
+            result = throughput(factory, workers, batches, rounds)
+            ratios = [f"{result[k]:.3f}x" for k in result if k != "DataLoader"]
+            rows.append([label, str(workers), *ratios, f"{result['DataLoader']:,.0f}"])
+            print(rows[-1], flush=True)
+    sections.append(markdown(["items", "num_workers", "StatefulDataLoader", "ours, keying off",
+                              "ours, per-batch keying", "DataLoader batches/s"], rows))
+    costs = keying_costs()
+    sections.append(markdown(["keying cost (3 generators)", "µs"], [[k, f"{v:.1f}"] for k, v in costs.items()]))
+    states = state_costs()
+    sections.append(markdown(["state", "value"], [[k, f"{v:.1f}" if isinstance(v, float) else str(v)]
+                                                   for k, v in states.items()]))
+    latency = resume_latency()
+    sections.append(markdown(["first batch after resume, n=1e7", "10 %", "50 %", "90 %"],
+                             [[name, *(f"{s * 1000:.1f} ms" for s in by_fraction.values())]
+                              for name, by_fraction in latency.items()]))
+    small, huge = peak_memory_mib(10**3), peak_memory_mib(10**9)
+    sections.append(markdown(["peak RSS growth, shuffled loader, 10 batches", "MiB"],
+                             [["n = 1e3", f"{small:.1f}"], ["n = 1e9", f"{huge:.1f}"]]))
+    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, batch {BATCH}"
+    head = (f"Measured by `python benchmarks/bench_core.py` ({machine}). Throughput is the median over {rounds} "
+            "interleaved rounds of each loader's ratio to plain DataLoader in the same round.")
+    return head + "\n\n" + "\n\n".join(sections)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="fewer rounds; do not touch the README")
+    args = parser.parse_args()
+    text = report(args)
+    print(text)
+    if not args.quick:
+        write_readme_section("core", text)
+
+
+if __name__ == "__main__":
+    main()

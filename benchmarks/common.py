@@ -1,0 +1,93 @@
+"""Shared pieces of the benchmarks: timing, datasets, and writing a table into the README."""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+class Tiny(Dataset[torch.Tensor]):
+    """Items that cost nothing to make: the loader's own overhead is all that shows."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.rows = torch.arange(min(n, 1 << 16) * 4, dtype=torch.float32).view(-1, 4)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.rows[index % len(self.rows)]
+
+
+class Busy(Tiny):
+    """Items that cost ~``micros`` µs of CPU each (a busy loop), like light decoding/augmentation."""
+
+    def __init__(self, n: int, micros: float = 50.0) -> None:
+        super().__init__(n)
+        self.seconds = micros / 1e6
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        end = time.perf_counter() + self.seconds
+        while time.perf_counter() < end:
+            pass
+        return self.rows[index % len(self.rows)]
+
+
+def batches_per_second(loader: Iterable[Any], batches: int) -> float:
+    """Throughput over ``batches`` batches after the first (worker start-up excluded)."""
+    iterator = iter(loader)
+    next(iterator)
+    start = time.perf_counter()
+    for _ in range(batches):
+        next(iterator)
+    return batches / (time.perf_counter() - start)
+
+
+def interleaved(runs: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
+    """Each run's throughput as a ratio to the first run of the same round, median over ``rounds``.
+
+    The runs take turns and each ratio is taken within one round, so the slow drift of a shared
+    2-core machine cancels; the first run's own entry is its median throughput.
+    """
+    ratios: dict[str, list[float]] = {name: [] for name in runs}
+    base_name = next(iter(runs))
+    for _ in range(rounds):
+        measured = {name: run() for name, run in runs.items()}
+        for name, value in measured.items():
+            ratios[name].append(value if name == base_name else value / measured[base_name])
+    return {name: statistics.median(values) for name, values in ratios.items()}
+
+
+def median_micros(fn: Callable[[], Any], repeat: int = 2000) -> float:
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1e6
+
+
+def markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_readme_section(name: str, text: str) -> None:
+    """Replace the README's text between ``<!-- bench:NAME:start -->`` and ``<!-- bench:NAME:end -->``."""
+    start, end = f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
+    readme = README.read_text()
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
+    if not pattern.search(readme):
+        raise SystemExit(f"README.md has no {start} ... {end} markers")
+    README.write_text(pattern.sub(lambda _: f"{start}\n{text}\n{end}", readme))

@@ -1,0 +1,93 @@
+"""Drop-in: DataLoader's arguments, defaults and errors; rebuilding from attributes; iterable pass-through."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from conftest import Augmented, ids, make
+from loader_resume import ResumableDataLoader
+from loader_resume.testing import run_epochs
+
+
+def test_accepts_every_dataloader_parameter_with_the_same_default() -> None:
+    ours = inspect.signature(ResumableDataLoader.__init__).parameters
+    for name, parameter in inspect.signature(DataLoader.__init__).parameters.items():
+        assert name in ours, name
+        assert ours[name].default == parameter.default, name
+        assert ours[name].kind == parameter.kind, name
+
+
+BAD = [
+    {"num_workers": -1},
+    {"timeout": -1},
+    {"prefetch_factor": 2},
+    {"num_workers": 2, "prefetch_factor": -1},
+    {"persistent_workers": True},
+    {"batch_sampler": [[0, 1]], "batch_size": 2},
+    {"batch_sampler": [[0, 1]], "batch_size": None, "drop_last": True},
+    {"sampler": [0, 1], "shuffle": True},
+    {"num_workers": 2, "multiprocessing_context": "no-such-method"},
+    {"multiprocessing_context": "spawn"},
+]
+
+
+@pytest.mark.parametrize("kwargs", BAD)
+def test_invalid_combinations_raise_the_same_errors_as_dataloader(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(Exception) as theirs:
+        DataLoader(Augmented(4), **kwargs)
+    with pytest.raises(type(theirs.value)) as ours:
+        ResumableDataLoader(Augmented(4), **kwargs)
+    assert str(ours.value) == str(theirs.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"in_order": False}, r"in_order=False: .* expected in_order=True"),
+        ({"keying": "per-sample"}, r"keying='per-sample': expected one of \['batch', 'sample', 'off'\]"),
+        ({"snapshot_every_n_steps": 0}, r"snapshot_every_n_steps=0: expected an int >= 1"),
+        ({"rank": 2, "world_size": 2}, r"rank=2, world_size=2: expected world_size >= 1 and 0 <= rank"),
+    ],
+)
+def test_our_own_options_fail_clearly(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make(4, **kwargs)
+
+
+_INIT = [name for name in inspect.signature(DataLoader.__init__).parameters if name != "self"]
+
+
+@pytest.mark.parametrize("options", [{"shuffle": True}, {"batch_size": None}, {"drop_last": True, "num_workers": 2}])
+def test_rebuilding_from_attributes_gives_an_equivalent_loader(options: dict[str, Any]) -> None:
+    """Lightning and Accelerate rebuild loaders from their attributes; the copy must behave the same."""
+    original = make(10, **options)
+    rebuilt_kwargs = {name: getattr(original, name) for name in _INIT if hasattr(original, name)}
+    if rebuilt_kwargs.get("batch_sampler") is not None:  # DataLoader's own; passing both is invalid
+        rebuilt_kwargs.pop("batch_sampler")
+    rebuilt = ResumableDataLoader(**rebuilt_kwargs)
+    assert rebuilt.dataset is original.dataset
+    assert run_epochs(rebuilt, 2) == run_epochs(make(10, **options), 2)
+
+
+class Stream(IterableDataset[int]):
+    def __iter__(self) -> Any:
+        return iter(range(7))
+
+
+def test_iterable_datasets_iterate_like_dataloader_but_refuse_state_clearly() -> None:
+    loader = ResumableDataLoader(Stream(), batch_size=3)
+    assert [b.tolist() for b in loader] == [b.tolist() for b in DataLoader(Stream(), batch_size=3)]
+    with pytest.raises(NotImplementedError, match="resuming an IterableDataset is not supported yet"):
+        loader.state_dict()
+
+
+def test_loader_dataset_attributes_stay_reachable() -> None:
+    loader = make(10, shuffle=True)
+    assert isinstance(loader.dataset, Augmented) and loader.dataset.n == 10
+    assert isinstance(loader, DataLoader) and ids(list(loader))[0] != [0, 1, 2]
+    assert torch.is_tensor(next(iter(loader))["torch"])
