@@ -9,6 +9,7 @@ Loaders take turns (interleaved rounds, medians), so machine drift affects all o
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import platform
@@ -62,19 +63,26 @@ def keying_costs() -> dict[str, float]:
             "caller RNG save+restore": guard, "numpy get_state+set_state (for comparison)": numpy_legacy}
 
 
+def _saved_bytes(state: Any) -> int:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return len(buffer.getvalue())
+
+
 def state_costs() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for n in (10**3, 10**9):
         loader = ResumableDataLoader(Tiny(n), batch_size=BATCH, shuffle=True)
         iterator = iter(loader)
         next(iterator)
-        out[f"ours state_dict() µs, n={n:.0e}"] = median_micros(loader.state_dict)
-        out[f"ours state bytes, n={n:.0e}"] = len(json.dumps(loader.state_dict()))
+        out[f"ours: state_dict() µs, n={n:.0e}"] = median_micros(loader.state_dict)
+        out[f"ours: torch.save bytes (JSON bytes), n={n:.0e}"] = (
+            f"{_saved_bytes(loader.state_dict())} ({len(json.dumps(loader.state_dict()))})")
     sdl = StatefulDataLoader(Tiny(10**3), batch_size=BATCH, shuffle=True)
     iterator = iter(sdl)
     next(iterator)
-    out["StatefulDataLoader state_dict() µs, n=1e+03"] = median_micros(sdl.state_dict, repeat=500)
-    out["StatefulDataLoader state bytes, n=1e+03"] = len(repr(sdl.state_dict()))
+    out["StatefulDataLoader: state_dict() µs, n=1e+03"] = median_micros(sdl.state_dict, repeat=500)
+    out["StatefulDataLoader: torch.save bytes, n=1e+03"] = _saved_bytes(sdl.state_dict())
     return out
 
 
@@ -106,24 +114,32 @@ def resume_latency(n: int = 10**7) -> dict[str, dict[float, float]]:
 
 
 _PEAK = """
-import resource, sys, torch
+import sys, tracemalloc
 sys.path.insert(0, {bench!r})
 from common import Tiny
 from loader_resume import ResumableDataLoader
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+before = rss()
+tracemalloc.start()
 it = iter(ResumableDataLoader(Tiny({n}), batch_size=64, shuffle=True))
 for _ in range(10):
     next(it)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+print(rss() - before, tracemalloc.get_traced_memory()[1])
 """
 
 
-def peak_memory_mib(n: int) -> float:
+def peak_memory_mib(n: int) -> tuple[float, float]:
+    """(resident-set growth, tracemalloc peak) in MiB for a shuffled loader over ``n`` samples."""
     code = _PEAK.format(bench=os.path.dirname(os.path.abspath(__file__)), n=n)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"peak-memory probe failed: {done.stderr[-2000:]}")
-    return int(done.stdout.split()[-1]) / 1024
+    rss, peak = done.stdout.split()[-2:]
+    return int(rss) / 2**20, int(peak) / 2**20
 
 
 def report(args: argparse.Namespace) -> str:
@@ -148,9 +164,9 @@ def report(args: argparse.Namespace) -> str:
     sections.append(markdown(["first batch after resume, n=1e7", "10 %", "50 %", "90 %"],
                              [[name, *(f"{s * 1000:.1f} ms" for s in by_fraction.values())]
                               for name, by_fraction in latency.items()]))
-    small, huge = peak_memory_mib(10**3), peak_memory_mib(10**9)
-    sections.append(markdown(["peak RSS growth, shuffled loader, 10 batches", "MiB"],
-                             [["n = 1e3", f"{small:.1f}"], ["n = 1e9", f"{huge:.1f}"]]))
+    memory = {n: peak_memory_mib(n) for n in (10**3, 10**9)}
+    sections.append(markdown(["shuffled loader, first 10 batches", "RSS growth MiB", "Python/numpy peak MiB"],
+                             [[f"n = {n:.0e}", f"{rss:.1f}", f"{peak:.2f}"] for n, (rss, peak) in memory.items()]))
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, batch {BATCH}"
     head = (f"Measured by `python benchmarks/bench_core.py` ({machine}). Throughput is the median over {rounds} "
             "interleaved rounds of each loader's ratio to plain DataLoader in the same round.")

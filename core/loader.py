@@ -95,9 +95,10 @@ class ResumableDataLoader(DataLoader[T]):
     Accepts every ``DataLoader`` argument with the same names, defaults and errors, plus:
 
     Args:
-        seed: decides the shuffle order and every keyed random number. ``None`` means
-            ``generator.initial_seed()`` when a ``generator`` is given, else ``0`` — as
-            ``DistributedSampler`` does, the order is reproducible unless you pass another seed.
+        seed: decides the shuffle order and every keyed random number. ``None`` means the
+            ``initial_seed()`` of ``generator`` (or of a ``RandomSampler``'s generator) when one is
+            given, else ``0`` — as with ``DistributedSampler``, the order is reproducible unless you
+            pass another seed.
         snapshot_every_n_steps: accepted for torchdata compatibility and ignored: the state is a
             position, so it is exact at every step for free.
         keying: ``"batch"`` (default) seeds the keyed generators before each batch from
@@ -152,7 +153,7 @@ class ResumableDataLoader(DataLoader[T]):
             pin_memory_device=pin_memory_device, in_order=in_order,
         )
         _check_options(in_order, snapshot_every_n_steps, keying)
-        self.seed = seed if seed is not None else (generator.initial_seed() if generator is not None else 0)
+        self.seed = seed if seed is not None else _default_seed(generator, sampler)
         self.keying = keying
         self.keyed_generators = tuple(keyed_generators)
         self._mask = generator_mask(self.keyed_generators)
@@ -315,6 +316,13 @@ def _check_options(in_order: bool, snapshot_every_n_steps: int, keying: str) -> 
         raise ValueError(f"snapshot_every_n_steps={snapshot_every_n_steps!r}: expected an int >= 1")
     if keying not in KEYING_MODES:
         raise ValueError(f"keying={keying!r}: expected one of {list(KEYING_MODES)}")
+
+
+def _default_seed(generator: Any, sampler: Any) -> int:
+    """``seed=None``: the seed of the generator that would have shuffled, else 0."""
+    if generator is None and type(sampler) is RandomSampler:
+        generator = sampler.generator
+    return int(generator.initial_seed()) if generator is not None else 0
 
 
 def _classify(loader: DataLoader[Any], sampler: Any, batch_sampler: Any, shuffle: bool | None) -> tuple[Any, str, bool]:

@@ -65,7 +65,7 @@ def index_lists(plan: Plan, pass_: Pass) -> Iterator[list[int]]:
         pass_.pending.append((end, last, sampler_state))
         indices = units[0] if plan.unit_is_batch else units
         if off:
-            yield list(indices)
+            yield indices
         else:
             yield KeyedIndices(indices, (derive_key(batch_base, key_position), sample_base, plan.mask))
 

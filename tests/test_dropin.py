@@ -91,3 +91,38 @@ def test_loader_dataset_attributes_stay_reachable() -> None:
     assert isinstance(loader.dataset, Augmented) and loader.dataset.n == 10
     assert isinstance(loader, DataLoader) and ids(list(loader))[0] != [0, 1, 2]
     assert torch.is_tensor(next(iter(loader))["torch"])
+
+
+def test_seed_defaults_to_the_generator_that_would_have_shuffled() -> None:
+    dataset = Augmented(10)
+    g = torch.Generator().manual_seed(77)
+    assert ResumableDataLoader(dataset, generator=g).seed == 77
+    sampler = torch.utils.data.RandomSampler(dataset, generator=torch.Generator().manual_seed(78))
+    assert ResumableDataLoader(dataset, sampler=sampler).seed == 78
+    assert ResumableDataLoader(dataset, shuffle=True).seed == 0
+
+
+def test_torch_private_details_we_rely_on_still_hold() -> None:
+    """Pins each private torch detail the loader depends on, so a torch upgrade fails here, by name."""
+    from torch.utils.data._utils.fetch import _MapDatasetFetcher
+
+    from loader_resume.keyed_rng import KeyedIndices, generator_mask
+
+    # 1. torch's iterator draws index lists from `loader._index_sampler`, a property we override.
+    assert isinstance(inspect.getattr_static(DataLoader, "_index_sampler"), property)
+    assert isinstance(inspect.getattr_static(DataLoader, "_auto_collation"), property)
+    # 2. the map fetcher iterates the index list right before calling dataset[i] (where we key).
+    seen: list[float] = []
+
+    class Probe(torch.utils.data.Dataset[float]):
+        def __getitem__(self, index: int) -> float:
+            seen.append(torch.rand(()).item())
+            return index
+
+    keyed = KeyedIndices([0, 1], (42, None, generator_mask(["torch"])))
+    _MapDatasetFetcher(Probe(), True, lambda items: items, False).fetch(keyed)
+    torch.manual_seed(42)
+    assert seen == [torch.rand(()).item(), torch.rand(()).item()]
+    # 3. the worker base seed is drawn from `loader.generator` while the iterator is built.
+    source = inspect.getsource(torch.utils.data.dataloader._BaseDataLoaderIter.__init__)
+    assert "random_(generator=loader.generator)" in source

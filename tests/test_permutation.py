@@ -35,3 +35,14 @@ def test_shuffle_is_not_close_to_identity() -> None:
     fixed_points = int((values == np.arange(10_000)).sum())
     assert fixed_points < 20
     assert abs(float(np.corrcoef(values, np.arange(10_000))[0, 1])) < 0.05
+
+
+def test_every_position_is_equally_likely_to_hold_every_index() -> None:
+    """Over many keys, each (position, index) cell of a 16-permutation is hit ~1/16 of the time."""
+    n, keys = 16, 16_000
+    counts = np.zeros((n, n), dtype=np.int64)
+    positions = np.arange(n)
+    for key in range(keys):
+        counts[positions, KeyedPermutation(n, key)[positions]] += 1
+    expected, sigma = keys / n, (keys * (1 / n) * (1 - 1 / n)) ** 0.5
+    assert np.abs(counts - expected).max() < 5 * sigma, counts
