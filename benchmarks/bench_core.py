@@ -35,6 +35,7 @@ def throughput(dataset_factory: Any, workers: int, batches: int, rounds: int) ->
     common = {"batch_size": BATCH, "shuffle": True, "num_workers": workers, "persistent_workers": workers > 0}
     loaders = {
         "DataLoader": DataLoader(dataset, **common),
+        "DataLoader again (noise control)": DataLoader(dataset, **common),
         "StatefulDataLoader": StatefulDataLoader(dataset, **common),
         "ours, keying off": ResumableDataLoader(dataset, keying="off", **common),
         "ours, per-batch keying": ResumableDataLoader(dataset, **common),
@@ -143,18 +144,19 @@ def peak_memory_mib(n: int) -> tuple[float, float]:
 
 
 def report(args: argparse.Namespace) -> str:
-    rounds = 3 if args.quick else 15
+    rounds = 3 if args.quick else 21
     sections = []
     rows = []
-    cases = (("tiny items", lambda: Tiny(1 << 20), 400), ("50 µs items", lambda: Busy(1 << 20), 40))
+    cases = (("tiny items", lambda: Tiny(1 << 20), 400), ("50 µs items", lambda: Busy(1 << 20), 60))
     for label, factory, batches in cases:
         for workers in (0, 2):
             result = throughput(factory, workers, batches, rounds)
             ratios = [f"{result[k]:.3f}x" for k in result if k != "DataLoader"]
             rows.append([label, str(workers), *ratios, f"{result['DataLoader']:,.0f}"])
             print(rows[-1], flush=True)
-    sections.append(markdown(["items", "num_workers", "StatefulDataLoader", "ours, keying off",
-                              "ours, per-batch keying", "DataLoader batches/s"], rows))
+    header = ["items", "num_workers", "DataLoader again (A/A)", "StatefulDataLoader", "ours, keying off",
+              "ours, per-batch keying", "DataLoader batches/s"]
+    sections.append(markdown(header, rows))
     costs = keying_costs()
     sections.append(markdown(["keying cost (3 generators)", "µs"], [[k, f"{v:.1f}"] for k, v in costs.items()]))
     states = state_costs()
@@ -169,7 +171,9 @@ def report(args: argparse.Namespace) -> str:
                              [[f"n = {n:.0e}", f"{rss:.1f}", f"{peak:.2f}"] for n, (rss, peak) in memory.items()]))
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, batch {BATCH}"
     head = (f"Measured by `python benchmarks/bench_core.py` ({machine}). Throughput is the median over {rounds} "
-            "interleaved rounds of each loader's ratio to plain DataLoader in the same round.")
+            "interleaved rounds (order reversed every other round) of each loader's ratio to plain DataLoader "
+            "in the same round. The A/A column, a second identical DataLoader, shows this machine's noise: "
+            "differences of that size are not ours.")
     return head + "\n\n" + "\n\n".join(sections)
 
 

@@ -56,15 +56,16 @@ def batches_per_second(loader: Iterable[Any], batches: int) -> float:
 def interleaved(runs: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
     """Each run's throughput as a ratio to the first run of the same round, median over ``rounds``.
 
-    The runs take turns and each ratio is taken within one round, so the slow drift of a shared
-    2-core machine cancels; the first run's own entry is its median throughput.
+    Runs take turns, in reversed order every other round (so no run always goes first), and each
+    ratio is taken within one round, so the slow drift of a shared 2-core machine cancels. The first
+    run's own entry is its median throughput.
     """
     ratios: dict[str, list[float]] = {name: [] for name in runs}
-    base_name = next(iter(runs))
-    for _ in range(rounds):
-        measured = {name: run() for name, run in runs.items()}
+    names = list(runs)
+    for turn in range(rounds):
+        measured = {name: runs[name]() for name in (names if turn % 2 == 0 else names[::-1])}
         for name, value in measured.items():
-            ratios[name].append(value if name == base_name else value / measured[base_name])
+            ratios[name].append(value if name == names[0] else value / measured[names[0]])
     return {name: statistics.median(values) for name, values in ratios.items()}
 
 
