@@ -1,10 +1,35 @@
-"""Rank and world-size discovery: explicit arguments win, then ``torch.distributed``, then (0, 1)."""
+"""Rank/world discovery, and one checkpoint for all ranks' loader states.
+
+Map-style states are the same on every rank (the position is global). Iterable-dataset states are
+not: each rank's workers hold their own part of the stream. ``gather_states`` collects every rank's
+state so rank 0 can write a single checkpoint; ``load_rank_state`` hands each rank its own part::
+
+    gathered = gather_states(loader)                 # every rank calls it (a collective)
+    if dist.get_rank() == 0:
+        torch.save({"loader": gathered, ...}, path)
+    ...
+    load_rank_state(loader, torch.load(path, weights_only=True)["loader"])
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any, Protocol
+
 import torch.distributed as dist
 
-__all__ = ["rank_and_world"]
+from .state import StateError
+
+__all__ = ["gather_states", "load_rank_state", "rank_and_world"]
+
+
+class _RankedLoader(Protocol):
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
 def rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -17,3 +42,36 @@ def rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank={rank}, world_size={world_size}: expected world_size >= 1 and 0 <= rank < world_size")
     return rank, world_size
+
+
+def gather_states(loader: _RankedLoader) -> dict[str, Any]:
+    """Every rank's ``loader.state_dict()``, in rank order, on every rank (a collective under DDP)."""
+    state = loader.state_dict()
+    if loader.world_size == 1:
+        return {"world_size": 1, "ranks": [state]}
+    states: list[Any] = [None] * loader.world_size
+    dist.all_gather_object(states, state)
+    return {"world_size": loader.world_size, "ranks": states}
+
+
+def load_rank_state(loader: _RankedLoader, gathered: Mapping[str, Any]) -> None:
+    """Load this rank's part of ``gathered`` (from :func:`gather_states`) into ``loader``.
+
+    A map-style state may be resumed with another world size (the rest of the epoch is then spread
+    over the new ranks); an iterable-dataset state only with the world size that saved it.
+    """
+    if not isinstance(gathered, Mapping) or set(gathered) != {"world_size", "ranks"}:
+        raise StateError("<gathered>", gathered, None, "Pass what gather_states() returned.",
+                         expected="a dict with keys world_size, ranks")
+    saved_world, ranks = gathered["world_size"], gathered["ranks"]
+    if type(ranks) is not list or len(ranks) != saved_world or not ranks:
+        raise StateError("ranks", ranks, None, "The state was edited or corrupted.",
+                         expected=f"a list of {saved_world} rank states")
+    if saved_world == loader.world_size:
+        loader.load_state_dict(ranks[loader.rank])
+        return
+    if not all(isinstance(s, Mapping) and s.get("kind") == "map" for s in ranks):
+        raise StateError("world_size", saved_world, loader.world_size,
+                         "An iterable dataset's position lives in each rank's own stream; resume with the "
+                         "world size that saved it.")
+    loader.load_state_dict(ranks[0])

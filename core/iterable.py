@@ -155,7 +155,7 @@ class WorkerInit:
         report_worker_id(worker)
         progress = self.restore.progress[worker]
         if progress is not None and progress.state is not None:
-            info.dataset.load_state_dict(progress.state)  # type: ignore[union-attr]
+            info.dataset.load_state_dict(progress.state)  # type: ignore[attr-defined]
         _IN_WORKER.start(self.restore.epoch, worker, progress, self.restore.replay)
         if self.user_fn is not None:
             self.user_fn(worker)
@@ -164,12 +164,13 @@ class WorkerInit:
 def report_worker_id(worker: int) -> None:
     """Make ``get_worker_info().id`` report ``worker`` in this worker process.
 
-    NOTE: the one private torch detail of this module (``WorkerInfo`` keeps its fields in
-    ``__dict__`` and forbids setattr after init). torch's round-robin always hands the first task to
-    the first worker it started; renumbering which shard each started worker serves is how the order
-    continues at the right worker without forking torch's worker loop. Pinned by a test.
+    NOTE: the one private torch detail of this module: ``WorkerInfo`` is frozen (a frozen slotted
+    dataclass in torch 2.13, a class guarding ``__setattr__`` before), and ``object.__setattr__`` is
+    how its ``id`` is changed in place. torch's round-robin always hands the first task to the first
+    worker it started; renumbering which shard each started worker serves is how the order continues
+    at the right worker without forking torch's worker loop. Pinned by a test.
     """
     info = get_worker_info()
     if info is None:
         raise RuntimeError("report_worker_id() must run inside a DataLoader worker")
-    info.__dict__["id"] = worker
+    object.__setattr__(info, "id", worker)

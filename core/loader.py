@@ -9,6 +9,7 @@ they are *handed to the caller*, so prefetching by workers never skews the saved
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -20,10 +21,12 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 from torch.utils.data.dataloader import _DatasetKind
 
 from .distributed import rank_and_world
+from .iterable import Progress, StreamCollate, Ticket, WorkerInit, WorkerRestore, WorkerSide
 from .keyed_rng import GENERATORS, derive_key, generator_mask
 from .sampler import Shard, steps_per_epoch
 from .state import STATE_VERSION, StateError, check_state
 from .stream import Pass, Plan, index_lists, is_stateful
+from .stream_state import StreamPass, parse_stream, stream_to_dict
 
 __all__ = ["ResumableDataLoader"]
 
@@ -58,7 +61,7 @@ class _IndexStream:
             raise RuntimeError("the ResumableDataLoader of this index stream no longer exists")
         return loader
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def __iter__(self) -> Iterator[list[Any]]:
         return self._get()._index_lists()
 
     def __len__(self) -> int:
@@ -87,6 +90,28 @@ class _Tracked(Generic[T]):
             raise
         self._loader._delivered(self._pass)
         return batch
+
+
+class _StreamTracked(Generic[T]):
+    """Wraps torch's iterator over an iterable dataset: unwraps each batch's worker tag and records it."""
+
+    __slots__ = ("_inner", "_loader", "_pass")
+
+    def __init__(self, loader: ResumableDataLoader[Any], inner: Iterator[Any], pass_: StreamPass) -> None:
+        self._loader, self._inner, self._pass = loader, inner, pass_
+
+    def __iter__(self) -> _StreamTracked[T]:
+        return self
+
+    def __next__(self) -> T:
+        try:
+            batch, meta = next(self._inner)
+        except StopIteration:
+            self._loader._stream_ended(self._pass)
+            raise
+        if self._pass is self._loader._stream_pass:
+            self._pass.deliver(meta)
+        return batch  # type: ignore[no-any-return]
 
 
 class ResumableDataLoader(DataLoader[T]):
@@ -162,55 +187,106 @@ class ResumableDataLoader(DataLoader[T]):
         self._map = self._dataset_kind == _DatasetKind.Map
         self._source, self._source_name, self._shuffle = _classify(self, sampler, batch_sampler, shuffle)
         self._n = len(dataset) if hasattr(dataset, "__len__") else None
-        if self._map and unbatched and not isinstance(self.collate_fn, _Unbatch):
-            self.collate_fn = _Unbatch(self.collate_fn)
-        self._stream = _IndexStream(self)
+        self._unbatched = unbatched
+        self._indices = _IndexStream(self)
         self._epoch, self._position, self._fresh = 0, 0, True
         self._pass: Pass | None = None
         self._sampler_state: Any = None
         self._sampler_state_to_load: Any = None
+        self._stream_pass: StreamPass | None = None
+        self._stream_restore: tuple[list[Progress], int] | None = None
+        self._side = WorkerSide()  # this loader's worker view when num_workers=0
+        self._renumbered_workers = False
 
     # --- torch hooks -----------------------------------------------------------------------------
     @property
     def _auto_collation(self) -> bool:
-        # NOTE: map-style data is always fetched through a list of indices, even with
-        # batch_size=None (then one index, unwrapped by _Unbatch), because iterating that list in
-        # the worker is where keyed randomness is applied.
-        return self.batch_sampler is not None or self._dataset_kind == _DatasetKind.Map
+        # NOTE: data is always fetched through a list of indices, even with batch_size=None (then one
+        # index, unwrapped again after collate), because iterating that list in the worker, right
+        # before the items are read, is where keyed randomness is applied.
+        return True
 
     @property
     def _index_sampler(self) -> Any:
-        if self._dataset_kind != _DatasetKind.Map:
-            return super()._index_sampler
-        return self._stream
+        return self._indices
 
     def __iter__(self) -> Any:
-        if not self._map:
-            return super().__iter__()
         if not self._fresh:  # the previous pass was abandoned mid-epoch: a new iter() is a new epoch
             self._epoch, self._position = self._epoch + 1, 0
+            self._stream_restore = None
         self._fresh = False
+        if not self._map:
+            return self._iter_stream()
         self._pass = Pass(self._epoch, self._position, self._sampler_state_to_load)
         self._sampler_state_to_load = None
-        return _Tracked(self, self._torch_iterator(), self._pass)
+        collate = _Unbatch(self.collate_fn) if self._unbatched else self.collate_fn
+        with self._building(collate_fn=collate):
+            return _Tracked(self, super().__iter__(), self._pass)
 
-    def _torch_iterator(self) -> Iterator[Any]:
-        """torch's iterator, built so that it does not draw from the caller's default generator.
+    def _iter_stream(self) -> _StreamTracked[T]:
+        workers = max(self.num_workers, 1)
+        progress, offset = self._stream_restore or ([Progress() for _ in range(workers)], 0)
+        restored, self._stream_restore = self._stream_restore is not None, None
+        self._stream_pass = StreamPass(self._epoch, list(progress), offset)
+        replay = not is_stateful(self.dataset)
+        if restored and replay and any(p.items for p in progress):
+            logger.warning("%s has no state_dict(): replaying %d items to resume (they are read and dropped); "
+                           "give it state_dict()/load_state_dict() to resume in O(1)",
+                           type(self.dataset).__name__, sum(p.items for p in progress))
+        collate = StreamCollate(self.collate_fn, unbatch=self._unbatched, drop_last=self.drop_last,
+                                batch_size=self.batch_size or 1)
+        if self.num_workers == 0:
+            self._start_in_process(progress[0] if restored else None, replay, collate)
+            with self._building(collate_fn=collate):
+                return _StreamTracked(self, super().__iter__(), self._stream_pass)
+        if self.persistent_workers and (restored or self._renumbered_workers):
+            # NOTE: restored or renumbered workers must be started afresh: a persistent pool keeps the
+            # numbering and the dataset copies it was started with (DataLoader's own `_iterator`).
+            self._iterator = None
+        self._renumbered_workers = offset != 0
+        init = WorkerInit(self.worker_init_fn, WorkerRestore(
+            self._epoch, offset, tuple(progress) if restored else (None,) * workers, replay))
+        with self._building(collate_fn=collate, worker_init_fn=init):
+            return _StreamTracked(self, super().__iter__(), self._stream_pass)
 
-        NOTE: torch draws each iterator's worker base seed from ``loader.generator``, i.e. from the
-        caller's default generator when none was given; that would shift the model's dropout stream
-        on every epoch. While keyed, we hand it a private generator keyed by (seed, epoch), which also
-        makes the seeds of any unkeyed generator in the workers a function of the epoch.
+    def _start_in_process(self, restore: Progress | None, replay: bool, collate: StreamCollate) -> None:
+        if restore is not None and restore.state is not None:
+            self.dataset.load_state_dict(restore.state)  # type: ignore[attr-defined]
+        self._side.start(self._epoch, 0, restore, replay)
+        collate.side, collate.dataset = self._side, self.dataset
+
+    @contextlib.contextmanager
+    def _building(self, **attributes: Any) -> Iterator[None]:
+        """Hand torch's iterator our collate/worker_init_fn (and keyed generator) while it is built.
+
+        torch reads them once, when the iterator is created; afterwards the loader's public attributes
+        are the user's again. NOTE: torch draws each iterator's worker base seed from
+        ``loader.generator`` — the caller's default generator when none was given, which would shift
+        the model's dropout stream every epoch; while keyed, it draws from a private generator keyed
+        by (seed, epoch) instead, which also makes unkeyed worker generators a function of the epoch.
         """
-        if self.generator is not None or self.keying == "off":
-            return super().__iter__()
-        self.generator = torch.Generator().manual_seed(derive_key(self.seed, self._epoch, "workers"))
+        if self.generator is None and self.keying != "off":
+            attributes["generator"] = torch.Generator().manual_seed(derive_key(self.seed, self._epoch, "workers"))
+        saved = {name: getattr(self, name) for name in attributes}
+        for name, value in attributes.items():
+            setattr(self, name, value)
         try:
-            return super().__iter__()
+            yield
         finally:
-            self.generator = None
+            for name, value in saved.items():
+                setattr(self, name, value)
 
     # --- public state API ------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """The rank this loader shards for (explicit, else from ``torch.distributed``, else 0)."""
+        return rank_and_world(self._rank, self._world)[0]
+
+    @property
+    def world_size(self) -> int:
+        """The world size this loader shards for (explicit, else from ``torch.distributed``, else 1)."""
+        return rank_and_world(self._rank, self._world)[1]
+
     @property
     def epoch(self) -> int:
         """The epoch the next batch belongs to (after a load: the loaded one)."""
@@ -218,22 +294,30 @@ class ResumableDataLoader(DataLoader[T]):
 
     def state_dict(self) -> dict[str, Any]:
         """The position after the last batch handed to the caller: plain, versioned, < 1 KB."""
-        self._require_map("state_dict")
         state = self._identity()
-        state.update(epoch=self._epoch, position=self._position)
-        state["sampler_state"] = self._current_sampler_state()
-        dataset_state = getattr(self.dataset, "state_dict", None)
-        state["dataset_state"] = dataset_state() if callable(dataset_state) else None
+        if self._map:
+            state.update(epoch=self._epoch, position=self._position)
+            state["sampler_state"] = self._current_sampler_state()
+            dataset_state = getattr(self.dataset, "state_dict", None)
+            state["dataset_state"] = dataset_state() if callable(dataset_state) else None
+        else:
+            stream = self._current_stream()
+            rank = self._shard().rank
+            state.update(epoch=self._epoch, position=stream.delivered, stream=stream_to_dict(rank, stream))
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from ``state_dict`` at the next ``iter()``; raises :class:`StateError` if it cannot.
 
-        World size, batch size, ``num_workers`` and ``drop_last`` may differ from the saving run
-        (logged); anything the order depends on (dataset length, seed, shuffle, keying) may not.
+        Map-style: world size, batch size, ``num_workers`` and ``drop_last`` may differ from the saving
+        run (logged); anything the order depends on (dataset length, seed, shuffle, keying) may not.
+        Iterable: each worker's position lives in its own dataset copy, so ``num_workers`` and the
+        world size must match the saving run.
         """
-        self._require_map("load_state_dict")
         check_state(state_dict, self._identity())
+        if not self._map:
+            self._load_stream(state_dict)
+            return
         self._check_user_state("sampler_state", state_dict["sampler_state"], self._source)
         self._check_user_state("dataset_state", state_dict["dataset_state"], self.dataset)
         if state_dict["dataset_state"] is not None:
@@ -247,19 +331,44 @@ class ResumableDataLoader(DataLoader[T]):
     # --- internals -------------------------------------------------------------------------------
     def _identity(self) -> dict[str, Any]:
         return {
-            "version": STATE_VERSION, "kind": "map", "source": self._source_name, "dataset_len": self._n,
-            "seed": self.seed, "shuffle": self._shuffle, "keying": self.keying,
-            "keyed_generators": list(self.keyed_generators), "epoch": 0, "position": 0,
+            "version": STATE_VERSION, "kind": "map" if self._map else "iterable", "source": self._source_name,
+            "dataset_len": self._n if self._map else None, "seed": self.seed, "shuffle": self._shuffle,
+            "keying": self.keying, "keyed_generators": list(self.keyed_generators), "epoch": 0, "position": 0,
             "world_size": rank_and_world(self._rank, self._world)[1], "batch_size": self.batch_size,
-            "num_workers": self.num_workers, "drop_last": self.drop_last,
+            "num_workers": self.num_workers, "drop_last": self.drop_last, "sampler_state": None,
+            "dataset_state": None, "stream": None,
         }
 
-    def _require_map(self, what: str) -> None:
-        if not self._map:
-            raise NotImplementedError(
-                f"{what}(): resuming an IterableDataset is not supported yet; ResumableDataLoader "
-                "iterates it exactly like DataLoader. Map-style datasets are fully supported."
-            )
+    def _current_stream(self) -> StreamPass:
+        """The stream position a state taken now describes (see the map-style semantics)."""
+        if self._stream_restore is not None:
+            progress, next_worker = self._stream_restore
+            return StreamPass(self._epoch, list(progress), next_worker, self._position)
+        if self._stream_pass is not None and not self._stream_pass.done:
+            return self._stream_pass
+        return StreamPass(self._epoch, [Progress() for _ in range(max(self.num_workers, 1))], 0)
+
+    def _load_stream(self, state: dict[str, Any]) -> None:
+        rank, world = rank_and_world(self._rank, self._world)
+        for field, current in (("num_workers", self.num_workers), ("world_size", world)):
+            if state[field] != current:
+                raise StateError(field, state[field], current, _RESHARD_HINT)
+        progress, next_worker = parse_stream(state["stream"], rank)
+        if len(progress) != max(self.num_workers, 1):
+            raise StateError("stream.workers", f"{len(progress)} workers", f"{max(self.num_workers, 1)} workers",
+                             "The state was edited or corrupted.")
+        stateful = is_stateful(self.dataset)
+        for i, p in enumerate(progress):
+            if (p.state is not None) != (stateful and p.batches > 0):
+                expected = f"the state of {type(self.dataset).__name__}" if stateful else "None"
+                raise StateError(f"stream.workers[{i}].state", p.state, None, expected=expected)
+        self._epoch, self._position, self._fresh = state["epoch"], state["position"], True
+        self._stream_pass, self._stream_restore = None, (progress, next_worker)
+
+    def _stream_ended(self, pass_: StreamPass) -> None:
+        if pass_ is self._stream_pass and not pass_.done:
+            pass_.done = True
+            self._epoch, self._position, self._fresh = self._epoch + 1, 0, True
 
     @staticmethod
     def _check_user_state(field: str, saved: Any, owner: Any) -> None:
@@ -281,6 +390,8 @@ class ResumableDataLoader(DataLoader[T]):
         return Shard(rank, world, self.batch_size or 1, self.drop_last)
 
     def _batches_per_epoch(self) -> int:
+        if not self._map:
+            raise TypeError("an IterableDataset's stream has no length for the loader to compute")
         if self._source is None:
             assert self._n is not None  # map-style permutation sources always have a length
             return steps_per_epoch(self._n, self._shard())
@@ -298,7 +409,9 @@ class ResumableDataLoader(DataLoader[T]):
         if pass_ is self._pass and not pass_.done:
             self._epoch, self._position, self._fresh, pass_.done = self._epoch + 1, 0, True, True
 
-    def _index_lists(self) -> Iterator[list[int]]:
+    def _index_lists(self) -> Iterator[list[Any]]:
+        if not self._map:
+            return self._tickets()
         pass_ = self._pass if self._pass is not None else Pass(self._epoch, self._position)
         plan = Plan(
             source=self._source, n=self._n, shard=self._shard(), seed=self.seed, shuffle=self._shuffle,
@@ -306,6 +419,26 @@ class ResumableDataLoader(DataLoader[T]):
             unit_is_batch=self.batch_sampler is not None and self._source is self.batch_sampler,
         )
         return index_lists(plan, pass_)
+
+    def _tickets(self) -> Iterator[Ticket]:
+        """Endless tasks for an iterable dataset (torch's own sampler there is endless too)."""
+        epoch = self._stream_pass.epoch if self._stream_pass is not None else self._epoch
+        stream_key = derive_key(self.seed, epoch, "stream", self._shard().rank)
+        mask = 0 if self.keying == "off" else self._mask
+        spec = (epoch, stream_key, mask, self.batch_size or 1)
+        side = self._side if self.num_workers == 0 else None
+        return _endless(spec, side)
+
+
+def _endless(spec: tuple[int, int, int, int], side: WorkerSide | None) -> Iterator[Ticket]:
+    while True:
+        yield Ticket(spec, side)
+
+
+_RESHARD_HINT = (
+    "An iterable dataset's position lives in each worker's (and rank's) own copy of the dataset, so it "
+    "can only resume with the num_workers and world size it was saved with."
+)
 
 
 def _check_options(in_order: bool, snapshot_every_n_steps: int, keying: str) -> None:

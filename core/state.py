@@ -1,7 +1,8 @@
 """The loader's state: a small, plain, versioned dict, validated field by field on load.
 
 Version history:
-  1 — first release: map-style datasets (permutation, custom sampler or batch sampler sources).
+  1 — first release: map-style datasets (permutation, custom sampler or batch sampler sources) and
+      iterable datasets (per-worker progress under ``"stream"``, ``None`` for map-style).
 
 Every key is always present (constant shape), values are ints, strings, bools, None or lists of those,
 plus whatever a user's stateful sampler or dataset returns under ``sampler_state``/``dataset_state``.
@@ -25,7 +26,7 @@ MUST_MATCH: Final = ("kind", "source", "dataset_len", "seed", "shuffle", "keying
 # Fields that may legitimately change between save and resume (elastic): accepted and logged.
 MAY_CHANGE: Final = ("world_size", "batch_size", "num_workers", "drop_last")
 STATE_KEYS: Final = (
-    "version", *MUST_MATCH, "epoch", "position", *MAY_CHANGE, "sampler_state", "dataset_state",
+    "version", *MUST_MATCH, "epoch", "position", *MAY_CHANGE, "sampler_state", "dataset_state", "stream",
 )
 
 
@@ -63,6 +64,7 @@ _TYPES: Final[dict[str, tuple[str, Callable[[Any], bool]]]] = {
     "drop_last": ("a bool", lambda v: type(v) is bool),
     "sampler_state": ("any value", lambda v: True),
     "dataset_state": ("any value", lambda v: True),
+    "stream": ("a dict or None", lambda v: v is None or isinstance(v, dict)),
 }
 
 
@@ -86,6 +88,9 @@ def check_state(saved: Any, current: Mapping[str, Any]) -> None:
         if saved[field] != current[field]:
             raise StateError(field, saved[field], current[field], _MATCH_HINT)
     length = saved["dataset_len"]
+    if (saved["stream"] is None) != (current["kind"] == "map"):
+        raise StateError("stream", saved["stream"], None, "The state was edited or corrupted.",
+                         expected="None" if current["kind"] == "map" else "a dict")
     if current["source"] == "permutation" and length is not None and saved["position"] > length:
         limit = f"at most dataset_len={length}"
         raise StateError("position", saved["position"], limit, "The state was edited or corrupted.", expected=limit)

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
 from conftest import Augmented, ids, make
 from loader_resume import ResumableDataLoader
@@ -72,18 +72,6 @@ def test_rebuilding_from_attributes_gives_an_equivalent_loader(options: dict[str
     rebuilt = ResumableDataLoader(**rebuilt_kwargs)
     assert rebuilt.dataset is original.dataset
     assert run_epochs(rebuilt, 2) == run_epochs(make(10, **options), 2)
-
-
-class Stream(IterableDataset[int]):
-    def __iter__(self) -> Any:
-        return iter(range(7))
-
-
-def test_iterable_datasets_iterate_like_dataloader_but_refuse_state_clearly() -> None:
-    loader = ResumableDataLoader(Stream(), batch_size=3)
-    assert [b.tolist() for b in loader] == [b.tolist() for b in DataLoader(Stream(), batch_size=3)]
-    with pytest.raises(NotImplementedError, match="resuming an IterableDataset is not supported yet"):
-        loader.state_dict()
 
 
 def test_loader_dataset_attributes_stay_reachable() -> None:

@@ -96,9 +96,9 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _launch(mode: str, out: Path, workers: int) -> None:
+def launch(script: Path, mode: str, out: Path, workers: int = 0) -> None:
+    """Run ``script MODE OUT`` as a real 2-process gloo job on loopback; both ranks must exit 0."""
     port = _free_port()
-    script = Path(__file__).parent / "ddp_child.py"
     procs = []
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
@@ -111,7 +111,7 @@ def _launch(mode: str, out: Path, workers: int) -> None:
 @pytest.mark.parametrize("workers", [0, 2])
 def test_two_gloo_processes_resume_each_rank_exactly(tmp_path: Path, workers: int) -> None:
     for mode in ("full", "save", "resume"):
-        _launch(mode, tmp_path, workers)
+        launch(Path(__file__).parent / "ddp_child.py", mode, tmp_path, workers)
     full = [json.loads((tmp_path / f"full-{r}.json").read_text()) for r in range(2)]
     resumed = [json.loads((tmp_path / f"resume-{r}.json").read_text()) for r in range(2)]
     per_epoch = len(full[0]) // 2

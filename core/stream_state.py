@@ -1,0 +1,74 @@
+"""The main process's side of iterable datasets: per-worker progress of delivered batches, as state.
+
+State layout under the loader state's ``"stream"`` key (``None`` for map-style data)::
+
+    {"rank": 0, "next_worker": 1,
+     "workers": [{"batches": 3, "items": 6, "state": <dataset.state_dict() or None>}, ...]}
+
+``workers`` has one entry per worker (one for ``num_workers=0``), in worker order; ``next_worker`` is
+the worker whose batch comes next in torch's round-robin.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .iterable import Progress
+from .state import StateError
+
+__all__ = ["StreamPass", "parse_stream", "stream_to_dict"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StreamPass:
+    """One ``iter()`` over an iterable dataset, as delivered to the caller so far."""
+
+    epoch: int
+    progress: list[Progress]
+    next_worker: int
+    delivered: int = 0
+    done: bool = False
+
+    def deliver(self, meta: tuple[int, int, int, Any]) -> None:
+        worker, batches, items, state = meta
+        self.progress[worker] = Progress(batches, items, state)
+        self.next_worker = (worker + 1) % len(self.progress)
+        self.delivered += 1
+
+
+def stream_to_dict(rank: int, pass_: StreamPass) -> dict[str, Any]:
+    workers = [{"batches": p.batches, "items": p.items, "state": p.state} for p in pass_.progress]
+    return {"rank": rank, "next_worker": pass_.next_worker, "workers": workers}
+
+
+def parse_stream(saved: Any, rank: int) -> tuple[list[Progress], int]:
+    """Validated ``(progress per worker, next worker)`` from a saved ``"stream"`` value."""
+    if not isinstance(saved, Mapping) or set(saved) != {"rank", "next_worker", "workers"}:
+        raise StateError("stream", saved, None, "The state was edited or corrupted.",
+                         expected="a dict with keys rank, next_worker, workers")
+    if saved["rank"] != rank:
+        raise StateError("stream.rank", saved["rank"], rank,
+                         "This is another rank's state: give each rank its own (see loader_resume.distributed).")
+    workers = saved["workers"]
+    if type(workers) is not list or not workers:
+        raise StateError("stream.workers", workers, None, expected="a non-empty list")
+    progress = [_parse_worker(i, entry) for i, entry in enumerate(workers)]
+    next_worker = saved["next_worker"]
+    if type(next_worker) is not int or not 0 <= next_worker < len(progress):
+        raise StateError("stream.next_worker", next_worker, None, expected=f"an int in [0, {len(progress)})")
+    return progress, next_worker
+
+
+def _parse_worker(index: int, entry: Any) -> Progress:
+    where = f"stream.workers[{index}]"
+    if not isinstance(entry, Mapping) or set(entry) != {"batches", "items", "state"}:
+        raise StateError(where, entry, None, expected="a dict with keys batches, items, state")
+    for key in ("batches", "items"):
+        if type(entry[key]) is not int or entry[key] < 0:
+            raise StateError(f"{where}.{key}", entry[key], None, expected="an int >= 0")
+    return Progress(entry["batches"], entry["items"], entry["state"])
