@@ -350,20 +350,39 @@ class ResumableDataLoader(DataLoader[T]):
 
     def _load_stream(self, state: dict[str, Any]) -> None:
         rank, world = rank_and_world(self._rank, self._world)
-        for field, current in (("num_workers", self.num_workers), ("world_size", world)):
-            if state[field] != current:
-                raise StateError(field, state[field], current, _RESHARD_HINT)
         progress, next_worker = parse_stream(state["stream"], rank)
+        resharded = self._maybe_reshard(state, progress, world)
+        if resharded is not None:
+            progress, next_worker = resharded, 0
         if len(progress) != max(self.num_workers, 1):
             raise StateError("stream.workers", f"{len(progress)} workers", f"{max(self.num_workers, 1)} workers",
                              "The state was edited or corrupted.")
         stateful = is_stateful(self.dataset)
         for i, p in enumerate(progress):
-            if (p.state is not None) != (stateful and p.batches > 0):
+            if (p.state is not None and not stateful) or (stateful and p.batches > 0 and p.state is None):
                 expected = f"the state of {type(self.dataset).__name__}" if stateful else "None"
                 raise StateError(f"stream.workers[{i}].state", p.state, None, expected=expected)
         self._epoch, self._position, self._fresh = state["epoch"], state["position"], True
         self._stream_pass, self._stream_restore = None, (progress, next_worker)
+
+    def _maybe_reshard(self, state: dict[str, Any], progress: list[Progress], world: int) -> list[Progress] | None:
+        """New per-worker progress if the worker count changed and the dataset can re-shard, else None."""
+        changed = [(f, state[f], now) for f, now in (("num_workers", self.num_workers), ("world_size", world))
+                   if state[f] != now]
+        if not changed:
+            return None
+        reshard = getattr(self.dataset, "reshard_states", None)
+        if not callable(reshard) or changed[0][0] == "world_size":
+            raise StateError(*changed[0], _RESHARD_HINT)
+        workers = max(self.num_workers, 1)
+        states = list(reshard([p.state if p.batches else None for p in progress], workers))
+        if len(states) != workers:
+            raise ValueError(f"{type(self.dataset).__name__}.reshard_states returned {len(states)} states, "
+                             f"expected {workers} (one per worker)")
+        logger.warning("re-sharded %s from %d to %d workers: delivery continues exactly once as its "
+                       "reshard_states() guarantees, but order and keyed values differ from an uninterrupted run",
+                       type(self.dataset).__name__, len(progress), workers)
+        return [Progress(0, 0, s) for s in states]
 
     def _stream_ended(self, pass_: StreamPass) -> None:
         if pass_ is self._stream_pass and not pass_.done:
@@ -437,7 +456,8 @@ def _endless(spec: tuple[int, int, int, int], side: WorkerSide | None) -> Iterat
 
 _RESHARD_HINT = (
     "An iterable dataset's position lives in each worker's (and rank's) own copy of the dataset, so it "
-    "can only resume with the num_workers and world size it was saved with."
+    "can only resume with the num_workers and world size it was saved with; or give the dataset a "
+    "reshard_states(states, num_shards) method (see README: Iterable datasets) to allow another num_workers."
 )
 
 

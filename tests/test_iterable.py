@@ -220,3 +220,52 @@ def test_worker_renumbering_uses_torchs_worker_info() -> None:
         torch_worker._worker_info = None
     with pytest.raises(RuntimeError, match="must run inside a DataLoader worker"):
         report_worker_id(1)
+
+
+class Pool(IterableDataset[int]):
+    """Opts in to re-sharding: its state is the list of ids its worker has not served yet."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.remaining: list[int] | None = None
+
+    def __iter__(self) -> Iterator[int]:
+        if self.remaining is None:
+            info = get_worker_info()
+            worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+            self.remaining = list(range(worker, self.n, workers))
+        while self.remaining:
+            yield self.remaining.pop(0)
+        self.remaining = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"remaining": None if self.remaining is None else list(self.remaining)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.remaining = None if state["remaining"] is None else list(state["remaining"])
+
+    def reshard_states(self, states: list[Any], num_shards: int) -> list[dict[str, Any]]:
+        """None: that worker served nothing yet, i.e. its whole shard of len(states) remains."""
+        left = []
+        for worker, state in enumerate(states):
+            untouched = state is None or state["remaining"] is None
+            left += list(range(worker, self.n, len(states))) if untouched else state["remaining"]
+        return [{"remaining": sorted(left)[shard::num_shards]} for shard in range(num_shards)]
+
+
+def test_a_dataset_that_can_reshard_resumes_with_another_worker_count(caplog: pytest.LogCaptureFixture) -> None:
+    loader = ResumableDataLoader(Pool(23), batch_size=2, num_workers=2)
+    before = []
+    for batch in loader:
+        before += batch.tolist()
+        if len(before) == 6:
+            break
+    resumed = ResumableDataLoader(Pool(23), batch_size=2, num_workers=3)
+    with caplog.at_level(logging.WARNING, logger="loader_resume"):
+        resumed.load_state_dict(loader.state_dict())
+    after = [i for batch in resumed for i in batch.tolist()]
+    assert sorted(before + after) == list(range(23))
+    assert "re-sharded Pool from 2 to 3 workers" in caplog.text
+    with pytest.raises(StateError, match="'num_workers': saved 2, expected 3"):
+        ResumableDataLoader(StatefulShards(23), batch_size=2, num_workers=3).load_state_dict(
+            ResumableDataLoader(StatefulShards(23), batch_size=2, num_workers=2).state_dict())
