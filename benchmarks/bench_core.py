@@ -20,7 +20,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import Busy, Tiny, batches_per_second, interleaved, markdown, median_micros, write_readme_section
+from common import (
+    Busy,
+    Tiny,
+    TinyStream,
+    batches_per_second,
+    interleaved,
+    markdown,
+    median_micros,
+    write_readme_section,
+)
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -37,6 +46,21 @@ def throughput(dataset_factory: Any, workers: int, batches: int, rounds: int) ->
         "DataLoader": DataLoader(dataset, **common),
         "DataLoader again (noise control)": DataLoader(dataset, **common),
         "StatefulDataLoader": StatefulDataLoader(dataset, **common),
+        "ours, keying off": ResumableDataLoader(dataset, keying="off", **common),
+        "ours, per-batch keying": ResumableDataLoader(dataset, **common),
+    }
+    return interleaved({name: (lambda loader=loader: batches_per_second(loader, batches))
+                        for name, loader in loaders.items()}, rounds)
+
+
+def stream_throughput(workers: int, batches: int, rounds: int) -> dict[str, float]:
+    """An iterable dataset whose state is a few ints: the cost of shipping worker state with batches."""
+    dataset = TinyStream(1 << 22)
+    common = {"batch_size": BATCH, "num_workers": workers}
+    loaders = {
+        "DataLoader": DataLoader(dataset, **common),
+        "DataLoader again (noise control)": DataLoader(dataset, **common),
+        "StatefulDataLoader": StatefulDataLoader(dataset, snapshot_every_n_steps=1, **common),
         "ours, keying off": ResumableDataLoader(dataset, keying="off", **common),
         "ours, per-batch keying": ResumableDataLoader(dataset, **common),
     }
@@ -157,6 +181,13 @@ def report(args: argparse.Namespace) -> str:
     header = ["items", "num_workers", "DataLoader again (A/A)", "StatefulDataLoader", "ours, keying off",
               "ours, per-batch keying", "DataLoader batches/s"]
     sections.append(markdown(header, rows))
+    stream_rows = []
+    for workers in (0, 2):
+        result = stream_throughput(workers, 400, rounds)
+        ratios = [f"{result[k]:.3f}x" for k in result if k != "DataLoader"]
+        stream_rows.append(["stream, state = a few ints", str(workers), *ratios, f"{result['DataLoader']:,.0f}"])
+        print(stream_rows[-1], flush=True)
+    sections.append(markdown(["iterable dataset", *header[1:]], stream_rows))
     costs = keying_costs()
     sections.append(markdown(["keying cost (3 generators)", "µs"], [[k, f"{v:.1f}"] for k, v in costs.items()]))
     states = state_costs()

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -41,6 +41,28 @@ class Busy(Tiny):
         while time.perf_counter() < end:
             pass
         return self.rows[index % len(self.rows)]
+
+
+class TinyStream(IterableDataset[torch.Tensor]):
+    """A stream of tiny items, split across workers, whose state is a few ints (like a file offset)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.i = n, 0
+        self.row = torch.zeros(4)
+
+    def __iter__(self) -> Any:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        while self.i < self.n // workers:
+            self.i += 1
+            yield self.row + (self.i * workers + worker)
+        self.i = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"i": self.i, "n": self.n}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.i = state["i"]
 
 
 def batches_per_second(loader: Iterable[Any], batches: int) -> float:

@@ -58,7 +58,8 @@ def load_rank_state(loader: _RankedLoader, gathered: Mapping[str, Any]) -> None:
     """Load this rank's part of ``gathered`` (from :func:`gather_states`) into ``loader``.
 
     A map-style state may be resumed with another world size (the rest of the epoch is then spread
-    over the new ranks); an iterable-dataset state only with the world size that saved it.
+    over the new ranks); an iterable-dataset state only if its dataset defines ``reshard_states``
+    (which then receives every old rank's workers' states, rank-major).
     """
     if not isinstance(gathered, Mapping) or set(gathered) != {"world_size", "ranks"}:
         raise StateError("<gathered>", gathered, None, "Pass what gather_states() returned.",
@@ -70,8 +71,11 @@ def load_rank_state(loader: _RankedLoader, gathered: Mapping[str, Any]) -> None:
     if saved_world == loader.world_size:
         loader.load_state_dict(ranks[loader.rank])
         return
-    if not all(isinstance(s, Mapping) and s.get("kind") == "map" for s in ranks):
+    if all(isinstance(s, Mapping) and s.get("kind") == "map" for s in ranks):
+        loader.load_state_dict(ranks[0])
+        return
+    reshard = getattr(loader, "_load_resharded", None)
+    if not callable(reshard):
         raise StateError("world_size", saved_world, loader.world_size,
-                         "An iterable dataset's position lives in each rank's own stream; resume with the "
-                         "world size that saved it.")
-    loader.load_state_dict(ranks[0])
+                         "This loader cannot re-shard an iterable dataset's per-rank state.")
+    reshard(ranks)

@@ -350,10 +350,42 @@ class ResumableDataLoader(DataLoader[T]):
 
     def _load_stream(self, state: dict[str, Any]) -> None:
         rank, world = rank_and_world(self._rank, self._world)
+        if state["world_size"] != world:
+            raise StateError("world_size", state["world_size"], world, _RESHARD_HINT)
         progress, next_worker = parse_stream(state["stream"], rank)
-        resharded = self._maybe_reshard(state, progress, world)
-        if resharded is not None:
-            progress, next_worker = resharded, 0
+        if state["num_workers"] != self.num_workers:
+            shards = [p.state if p.batches else None for p in progress]
+            progress, next_worker = self._reshard(shards, ("num_workers", state["num_workers"], self.num_workers)), 0
+        self._set_stream(state["epoch"], state["position"], progress, next_worker)
+
+    def _load_resharded(self, ranks: list[dict[str, Any]]) -> None:
+        """Resume an iterable-dataset checkpoint taken at another world size (see ``load_rank_state``)."""
+        shards: list[Any] = []
+        for rank, state in enumerate(ranks):
+            check_state(state, self._identity())
+            progress, _ = parse_stream(state["stream"], rank)
+            shards += [p.state if p.batches else None for p in progress]
+        progress = self._reshard(shards, ("world_size", len(ranks), self.world_size))
+        self._set_stream(ranks[0]["epoch"], 0, progress, 0)
+
+    def _reshard(self, shards: list[Any], change: tuple[str, int, int]) -> list[Progress]:
+        """This rank's workers' progress after the dataset re-shards ``shards`` (all old shards' states,
+        rank-major; None where a worker had delivered nothing)."""
+        reshard = getattr(self.dataset, "reshard_states", None)
+        if not callable(reshard):
+            raise StateError(*change, _RESHARD_HINT)
+        workers = max(self.num_workers, 1)
+        rank, world = (self.rank, self.world_size) if change[0] == "world_size" else (0, 1)
+        states = list(reshard(shards, world * workers))
+        if len(states) != world * workers:
+            raise ValueError(f"{type(self.dataset).__name__}.reshard_states returned {len(states)} states, "
+                             f"expected {world * workers} (one per new worker of every rank)")
+        logger.warning("re-sharded %s for %s %d -> %d: delivery continues exactly once as its reshard_states() "
+                       "guarantees, but order and keyed values differ from an uninterrupted run",
+                       type(self.dataset).__name__, *change)
+        return [Progress(0, 0, s) for s in states[rank * workers : (rank + 1) * workers]]
+
+    def _set_stream(self, epoch: int, position: int, progress: list[Progress], next_worker: int) -> None:
         if len(progress) != max(self.num_workers, 1):
             raise StateError("stream.workers", f"{len(progress)} workers", f"{max(self.num_workers, 1)} workers",
                              "The state was edited or corrupted.")
@@ -362,27 +394,8 @@ class ResumableDataLoader(DataLoader[T]):
             if (p.state is not None and not stateful) or (stateful and p.batches > 0 and p.state is None):
                 expected = f"the state of {type(self.dataset).__name__}" if stateful else "None"
                 raise StateError(f"stream.workers[{i}].state", p.state, None, expected=expected)
-        self._epoch, self._position, self._fresh = state["epoch"], state["position"], True
+        self._epoch, self._position, self._fresh = epoch, position, True
         self._stream_pass, self._stream_restore = None, (progress, next_worker)
-
-    def _maybe_reshard(self, state: dict[str, Any], progress: list[Progress], world: int) -> list[Progress] | None:
-        """New per-worker progress if the worker count changed and the dataset can re-shard, else None."""
-        changed = [(f, state[f], now) for f, now in (("num_workers", self.num_workers), ("world_size", world))
-                   if state[f] != now]
-        if not changed:
-            return None
-        reshard = getattr(self.dataset, "reshard_states", None)
-        if not callable(reshard) or changed[0][0] == "world_size":
-            raise StateError(*changed[0], _RESHARD_HINT)
-        workers = max(self.num_workers, 1)
-        states = list(reshard([p.state if p.batches else None for p in progress], workers))
-        if len(states) != workers:
-            raise ValueError(f"{type(self.dataset).__name__}.reshard_states returned {len(states)} states, "
-                             f"expected {workers} (one per worker)")
-        logger.warning("re-sharded %s from %d to %d workers: delivery continues exactly once as its "
-                       "reshard_states() guarantees, but order and keyed values differ from an uninterrupted run",
-                       type(self.dataset).__name__, len(progress), workers)
-        return [Progress(0, 0, s) for s in states]
 
     def _stream_ended(self, pass_: StreamPass) -> None:
         if pass_ is self._stream_pass and not pass_.done:
@@ -457,7 +470,8 @@ def _endless(spec: tuple[int, int, int, int], side: WorkerSide | None) -> Iterat
 _RESHARD_HINT = (
     "An iterable dataset's position lives in each worker's (and rank's) own copy of the dataset, so it "
     "can only resume with the num_workers and world size it was saved with; or give the dataset a "
-    "reshard_states(states, num_shards) method (see README: Iterable datasets) to allow another num_workers."
+    "reshard_states(states, num_shards) method (see README: Iterable datasets) to allow a change "
+    "(world size changes go through loader_resume.distributed.load_rank_state)."
 )
 
 

@@ -223,17 +223,18 @@ def test_worker_renumbering_uses_torchs_worker_info() -> None:
 
 
 class Pool(IterableDataset[int]):
-    """Opts in to re-sharding: its state is the list of ids its worker has not served yet."""
+    """Opts in to re-sharding: its state is the list of ids its shard has not served yet.
+    Shard = (rank, worker), rank-major, as loader_resume hands states to reshard_states."""
 
-    def __init__(self, n: int) -> None:
-        self.n = n
+    def __init__(self, n: int, rank: int = 0, world: int = 1) -> None:
+        self.n, self.rank, self.world = n, rank, world
         self.remaining: list[int] | None = None
 
     def __iter__(self) -> Iterator[int]:
         if self.remaining is None:
             info = get_worker_info()
             worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-            self.remaining = list(range(worker, self.n, workers))
+            self.remaining = list(range(self.rank * workers + worker, self.n, self.world * workers))
         while self.remaining:
             yield self.remaining.pop(0)
         self.remaining = None
@@ -265,7 +266,25 @@ def test_a_dataset_that_can_reshard_resumes_with_another_worker_count(caplog: py
         resumed.load_state_dict(loader.state_dict())
     after = [i for batch in resumed for i in batch.tolist()]
     assert sorted(before + after) == list(range(23))
-    assert "re-sharded Pool from 2 to 3 workers" in caplog.text
+    assert "re-sharded Pool for num_workers 2 -> 3" in caplog.text
     with pytest.raises(StateError, match="'num_workers': saved 2, expected 3"):
         ResumableDataLoader(StatefulShards(23), batch_size=2, num_workers=3).load_state_dict(
             ResumableDataLoader(StatefulShards(23), batch_size=2, num_workers=2).state_dict())
+
+
+def test_a_dataset_that_can_reshard_resumes_at_another_world_size() -> None:
+    from loader_resume.distributed import load_rank_state
+
+    old = [ResumableDataLoader(Pool(31, r, 2), batch_size=2, rank=r, world_size=2) for r in range(2)]
+    iterators = [iter(loader) for loader in old]
+    before = [i for _ in range(3) for it in iterators for i in next(it).tolist()]
+    gathered = {"world_size": 2, "ranks": [loader.state_dict() for loader in old]}
+    new = [ResumableDataLoader(Pool(31, r, 3), batch_size=2, rank=r, world_size=3) for r in range(3)]
+    for loader in new:
+        load_rank_state(loader, gathered)
+    after = [i for loader in new for batch in loader for i in batch.tolist()]
+    assert sorted(before + after) == list(range(31))
+    with pytest.raises(StateError, match="'world_size': saved 2, expected 3"):
+        load_rank_state(ResumableDataLoader(StatefulShards(31), batch_size=2, rank=0, world_size=3), {
+            "world_size": 2, "ranks": [ResumableDataLoader(StatefulShards(31), batch_size=2, rank=r,
+                                                           world_size=2).state_dict() for r in range(2)]})
