@@ -322,6 +322,7 @@ class ResumableDataLoader(DataLoader[T]):
         self._check_user_state("dataset_state", state_dict["dataset_state"], self.dataset)
         if state_dict["dataset_state"] is not None:
             self.dataset.load_state_dict(state_dict["dataset_state"])  # type: ignore[attr-defined]
+            self._iterator = None  # persistent workers hold copies of the old dataset: start afresh
         epoch, position = state_dict["epoch"], state_dict["position"]
         if self._source is None and position == self._n:
             epoch, position = epoch + 1, 0

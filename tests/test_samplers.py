@@ -224,3 +224,16 @@ def test_dataset_state_for_a_dataset_without_state_is_refused() -> None:
     state = ResumableDataLoader(StatefulDataset(6), batch_size=2).state_dict()
     with pytest.raises(StateError, match=r"'dataset_state'.*Augmented has no load_state_dict"):
         ResumableDataLoader(Augmented(6), batch_size=2).load_state_dict(state)
+
+
+def test_dataset_state_reaches_persistent_workers_after_a_load() -> None:
+    class Offset(StatefulDataset):
+        def __getitem__(self, index: int) -> dict[str, Any]:
+            return {**super().__getitem__(index), "counter": self.counter}
+
+    loader = ResumableDataLoader(Offset(4), batch_size=2, num_workers=2, persistent_workers=True)
+    assert [b["counter"].tolist() for b in loader] == [[0, 0], [0, 0]]
+    state = loader.state_dict()
+    state["dataset_state"] = {"counter": 5}
+    loader.load_state_dict(state)
+    assert [b["counter"].tolist() for b in loader] == [[5, 5], [5, 5]]
