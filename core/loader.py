@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 import torch
-from torch.utils.data import DataLoader, Dataset, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, SequentialSampler
 from torch.utils.data._utils.collate import default_collate, default_convert
 from torch.utils.data.dataloader import _DatasetKind
 
@@ -182,6 +182,15 @@ class ResumableDataLoader(DataLoader[T]):
         self.keying = keying
         self.keyed_generators = tuple(keyed_generators)
         self._mask = generator_mask(self.keyed_generators)
+        if type(sampler) is DistributedSampler:
+            # NOTE: a DistributedSampler (the user's, or the one Lightning injects by rebuilding the
+            # loader) becomes our sharded permutation with its rank, world size and drop_last, so it
+            # is never applied on top of our own sharding.
+            rank = sampler.rank if rank is None else rank
+            world_size = sampler.num_replicas if world_size is None else world_size
+            self._shard_drop_last: bool | None = sampler.drop_last or drop_last
+        else:
+            self._shard_drop_last = None
         self._rank, self._world = rank, world_size
         rank_and_world(rank, world_size)  # fail at construction on an impossible explicit pair
         self._map = self._dataset_kind == _DatasetKind.Map
@@ -420,7 +429,8 @@ class ResumableDataLoader(DataLoader[T]):
 
     def _shard(self) -> Shard:
         rank, world = rank_and_world(self._rank, self._world)
-        return Shard(rank, world, self.batch_size or 1, self.drop_last)
+        drop_last = self.drop_last if self._shard_drop_last is None else self._shard_drop_last
+        return Shard(rank, world, self.batch_size or 1, drop_last)
 
     def _batches_per_epoch(self) -> int:
         if not self._map:
@@ -487,7 +497,9 @@ def _check_options(in_order: bool, snapshot_every_n_steps: int, keying: str) -> 
 
 
 def _default_seed(generator: Any, sampler: Any) -> int:
-    """``seed=None``: the seed of the generator that would have shuffled, else 0."""
+    """``seed=None``: the seed of the generator (or DistributedSampler) that would have shuffled, else 0."""
+    if type(sampler) is DistributedSampler:
+        return int(sampler.seed)
     if generator is None and type(sampler) is RandomSampler:
         generator = sampler.generator
     return int(generator.initial_seed()) if generator is not None else 0
@@ -501,10 +513,15 @@ def _classify(loader: DataLoader[Any], sampler: Any, batch_sampler: Any, shuffle
         return batch_sampler, f"batch_sampler:{_qualname(batch_sampler)}", False
     if sampler is None:
         return None, "permutation", bool(shuffle)
-    if type(sampler) is SequentialSampler:
+    # NOTE: torch's own samplers become our permutation only when they cover this very dataset
+    # (a SequentialSampler(range(5)) over a 10-item dataset is a custom order, and is kept).
+    covers = getattr(sampler, "data_source", None) is not None and len(sampler) == len(loader.dataset)  # type: ignore[arg-type]
+    if type(sampler) is SequentialSampler and covers:
         return None, "permutation", False
-    if type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None:
+    if type(sampler) is RandomSampler and covers and not sampler.replacement and sampler._num_samples is None:
         return None, "permutation", True
+    if type(sampler) is DistributedSampler:
+        return None, "permutation", bool(sampler.shuffle)
     return sampler, f"sampler:{_qualname(sampler)}", False
 
 

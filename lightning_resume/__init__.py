@@ -1,1 +1,5 @@
-"""Lightning integration of loader-resume (the ResumeCallback lands with its own issue)."""
+"""Lightning integration of loader-resume: ``Trainer(callbacks=[ResumeCallback()])``."""
+
+from .callback import CHECKPOINT_KEY, ResumeCallback
+
+__all__ = ["CHECKPOINT_KEY", "ResumeCallback"]

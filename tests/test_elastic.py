@@ -121,3 +121,16 @@ def test_two_gloo_processes_resume_each_rank_exactly(tmp_path: Path, workers: in
         seen = [int(x) for r in range(2) for row in full[r][epoch * per_epoch : (epoch + 1) * per_epoch]
                 for x in row[0]]
         assert set(seen) == set(range(21)) and len(seen) == 22  # one padded sample: 21 over 2 ranks x 2
+
+
+def test_a_distributed_sampler_becomes_our_sharding_not_a_second_one() -> None:
+    from torch.utils.data import DistributedSampler
+
+    dataset = make(10).dataset
+    shards = [make(10, batch_size=2, sampler=DistributedSampler(dataset, num_replicas=2, rank=r, seed=7))
+              for r in range(2)]
+    assert [(s.rank, s.world_size, s.seed) for s in shards] == [(0, 2, 7), (1, 2, 7)]
+    delivered = _lockstep(shards, None)
+    assert [len(d) for d in delivered] == [5, 5] and sorted(sum(delivered, [])) == list(range(10))
+    ours = _lockstep([make(10, batch_size=2, shuffle=True, seed=7, rank=r, world_size=2) for r in range(2)], None)
+    assert delivered == ours

@@ -1,0 +1,211 @@
+"""``ResumeCallback``: add it to a ``lightning.Trainer`` and mid-epoch resume becomes exact.
+
+The user's module or datamodule keeps returning plain ``torch.utils.data.DataLoader``s. The callback
+converts the training loaders to :class:`loader_resume.ResumableDataLoader` (same dataset, batch size,
+collate, workers, pin-memory, drop-last and shuffle choice), which shard themselves across DDP ranks;
+every checkpoint gets each rank's loader state and RNG states under one key, and a resumed ``fit``
+continues with the very next batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import CombinedLoader
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+
+from loader_resume import GENERATORS, ResumableDataLoader
+from loader_resume.distributed import gather_states, load_rank_state
+
+__all__ = ["CHECKPOINT_KEY", "ResumeCallback"]
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_KEY = "loader_resume"
+"""Where the callback's state lives in a Lightning checkpoint (beside ``state_dict``, ``loops``...)."""
+_FORMAT = 1
+
+
+class ResumeCallback(Callback):
+    """Exact mid-epoch resume for Lightning training loops.
+
+    Args:
+        seed: the data order and keyed augmentation seed (see ``ResumableDataLoader``).
+        keying: ``"batch"``, ``"sample"`` or ``"off"`` (see ``ResumableDataLoader``).
+        keyed_generators: which global generators are keyed inside data loading.
+
+    One per ``Trainer``: a second one is refused at ``setup``. The training loaders' state and every
+    rank's torch/numpy/random RNG states are written under ``checkpoint["loader_resume"]``; Lightning's
+    own copy of loader states (rank 0's only) is dropped from the checkpoint in favour of it.
+    """
+
+    def __init__(self, *, seed: int = 0, keying: str = "batch", keyed_generators: Sequence[str] = GENERATORS) -> None:
+        self.seed, self.keying, self.keyed_generators = seed, keying, tuple(keyed_generators)
+        self._loaders: list[ResumableDataLoader[Any]] = []
+        self._to_load: dict[str, Any] | None = None
+        self._rng_to_restore: Any = None
+
+    @property
+    def state_key(self) -> str:
+        return "loader_resume.ResumeCallback"
+
+    # --- hooks ---------------------------------------------------------------------------------
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if sum(isinstance(c, ResumeCallback) for c in trainer.callbacks) > 1:
+            raise ValueError("Trainer(callbacks=[...]) has more than one ResumeCallback; expected exactly one "
+                             "(each would convert and save the same loaders)")
+        if stage == "fit":
+            self._intercept_train_loaders(trainer)
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        checkpoint[CHECKPOINT_KEY] = {
+            "format": _FORMAT,
+            "loaders": [gather_states(loader) for loader in self._loaders],
+            "rng": _gather_rng(trainer),
+        }
+        _drop_lightning_loader_states(checkpoint)
+
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get(CHECKPOINT_KEY)
+        if saved is None:
+            logger.warning("this checkpoint has no loader_resume state (written before ResumeCallback was "
+                           "added?): the data order restarts from the start of the epoch")
+            return
+        found = saved.get("format") if isinstance(saved, dict) else saved
+        if found != _FORMAT:
+            raise ValueError(f"checkpoint['{CHECKPOINT_KEY}'] has format {found!r}; expected {_FORMAT} "
+                             "(written by another loader-resume release?)")
+        self._to_load = saved
+        rng = saved["rng"]
+        self._rng_to_restore = rng[trainer.global_rank] if trainer.global_rank < len(rng) else None
+        _drop_lightning_loader_states(checkpoint)
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._restore_rng()
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._restore_rng()
+
+    def _restore_rng(self) -> None:
+        # NOTE: right before the first training step after the resume, so the model's dropout stream
+        # continues exactly. Not only at epoch start: Lightning skips on_train_epoch_start when it
+        # resumes in the middle of an epoch. Fetching the batch before it draws nothing from these RNGs.
+        if self._rng_to_restore is not None:
+            _set_rng(self._rng_to_restore)
+            self._rng_to_restore = None
+
+    # --- loaders -------------------------------------------------------------------------------
+    def _intercept_train_loaders(self, trainer: Trainer) -> None:
+        source = trainer.fit_loop._data_source
+        instance = source.instance
+        if isinstance(instance, (DataLoader, CombinedLoader, list, tuple, dict)):
+            source.instance = self._convert(instance)
+            return
+        hook = getattr(instance, source.name, None)
+        if hook is None or getattr(hook, "_loader_resume", False):
+            return
+        converting: Callable[[], Any] = lambda: self._convert(hook())  # noqa: E731
+        converting._loader_resume = True  # type: ignore[attr-defined]
+        setattr(instance, source.name, converting)
+
+    def _convert(self, loaders: Any) -> Any:
+        self._loaders = []
+        converted = self._convert_tree(loaders)
+        if self._to_load is not None:
+            saved = self._to_load["loaders"]
+            if len(saved) != len(self._loaders):
+                raise ValueError(f"the checkpoint holds {len(saved)} training loader states; the module now "
+                                 f"returns {len(self._loaders)} training loaders (expected the same loaders)")
+            for loader, gathered in zip(self._loaders, saved, strict=True):
+                load_rank_state(loader, gathered)
+            self._to_load = None
+        return converted
+
+    def _convert_tree(self, obj: Any) -> Any:
+        if isinstance(obj, CombinedLoader):
+            obj.flattened = [self._convert_tree(loader) for loader in obj.flattened]
+            return obj
+        if isinstance(obj, DataLoader):
+            loader = obj if isinstance(obj, ResumableDataLoader) else self._resumable(obj)
+            self._loaders.append(loader)
+            return loader
+        if isinstance(obj, dict):
+            return {key: self._convert_tree(value) for key, value in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self._convert_tree(value) for value in obj)
+        return obj
+
+    def _resumable(self, loader: DataLoader[Any]) -> ResumableDataLoader[Any]:
+        """The same loader, made resumable: every DataLoader setting kept, the sampler's shuffle choice too."""
+        custom_batches = loader.batch_sampler is not None and type(loader.batch_sampler) is not BatchSampler
+        sampler = None if custom_batches else _unless_iterable(loader, loader.sampler)
+        return ResumableDataLoader(
+            loader.dataset,
+            batch_size=None if custom_batches else loader.batch_size,
+            sampler=self._sharded(loader, sampler),
+            batch_sampler=loader.batch_sampler if custom_batches else None,
+            num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
+            drop_last=False if custom_batches else loader.drop_last, timeout=loader.timeout,
+            worker_init_fn=loader.worker_init_fn, multiprocessing_context=loader.multiprocessing_context,
+            generator=loader.generator, prefetch_factor=loader.prefetch_factor,
+            persistent_workers=loader.persistent_workers, pin_memory_device=loader.pin_memory_device,
+            seed=self.seed, keying=self.keying, keyed_generators=self.keyed_generators,
+        )
+
+
+    def _sharded(self, loader: DataLoader[Any], sampler: Any) -> Any:
+        """Under DDP, the default samplers become an explicit DistributedSampler with the same shuffle.
+
+        NOTE: Lightning rebuilds any training loader whose ``sampler`` is not a ``DistributedSampler``
+        to inject one (and a rebuilt loader would lose the state we load into it). Handing it one that
+        ResumableDataLoader turns into its own sharding keeps the loader we converted and loaded.
+        """
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 or sampler is None:
+            return sampler
+        if type(sampler) not in (RandomSampler, SequentialSampler) or getattr(sampler, "replacement", False):
+            raise ValueError(f"ResumeCallback under DDP supports DataLoader's own shuffle=True/False samplers; "
+                             f"this training loader has a {type(sampler).__name__}, which Lightning would wrap in "
+                             "an unsaved, reshuffling DistributedSamplerWrapper. Use shuffle=..., or build a "
+                             "loader_resume.ResumableDataLoader(sampler=...) yourself (it shards custom samplers)")
+        return DistributedSampler(loader.dataset, shuffle=type(sampler) is RandomSampler,  # type: ignore[arg-type]
+                                  seed=self.seed, drop_last=loader.drop_last)
+
+
+def _unless_iterable(loader: DataLoader[Any], sampler: Any) -> Any:
+    """DataLoader gives an iterable dataset an endless dummy sampler, which may not be passed back."""
+    return None if isinstance(loader.dataset, torch.utils.data.IterableDataset) else sampler
+
+
+def _drop_lightning_loader_states(checkpoint: dict[str, Any]) -> None:
+    """Lightning also saves stateful loaders' states, from rank 0 only; ours (every rank's) replaces it."""
+    fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    if isinstance(fit_loop.get("state_dict"), dict):
+        fit_loop["state_dict"]["combined_loader"] = []
+
+
+def _gather_rng(trainer: Trainer) -> list[Any]:
+    # NOTE: plain values and tensors only: Lightning 2.6 loads checkpoints with weights_only=True.
+    kind, key, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = {"kind": kind, "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
+                   "has_gauss": int(has_gauss), "gauss": float(gauss)}
+    state = {"torch": torch.get_rng_state(), "numpy": numpy_state, "random": random.getstate()}
+    if trainer.world_size == 1:
+        return [state]
+    gathered: list[Any] = [None] * trainer.world_size
+    torch.distributed.all_gather_object(gathered, state)
+    return gathered
+
+
+def _set_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    saved = state["numpy"]
+    key = saved["key"].numpy().astype(np.uint32)
+    np.random.set_state((saved["kind"], key, saved["pos"], saved["has_gauss"], saved["gauss"]))
+    random.setstate(state["random"])

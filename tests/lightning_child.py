@@ -1,0 +1,101 @@
+"""A real Lightning run for test_lightning.py: `python lightning_child.py OUT [--resume CKPT] [options]`.
+
+Trains a small MLP with dropout on generated data whose items draw augmentation noise, with
+ResumeCallback and ModelCheckpoint(every_n_train_steps=K, save_top_k=-1). Each rank writes
+OUT/log-RANK.json: one entry per training step (global step, sample ids, fingerprint of the batch),
+and OUT/weights-RANK.txt: a fingerprint of the final weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_resume import ResumeCallback
+from loader_resume.testing import fingerprint
+
+
+class Noisy(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
+    def __init__(self, n: int) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 8, generator=generator)
+        self.y = (self.x.sum(1) > 0).long()
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.x[index] + 0.1 * torch.randn(8), self.y[index], index
+
+
+class Model(L.LightningModule):
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__()
+        self.args = args
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2))
+        self.log_rows: list[list[Any]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, ids = batch
+        self.log_rows.append([self.global_step, ids.tolist(), fingerprint([x, y])])
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(Noisy(self.args.n), batch_size=4, shuffle=True, num_workers=self.args.workers,
+                          persistent_workers=self.args.workers > 0)
+
+    def on_train_end(self) -> None:
+        out = Path(self.args.out)
+        (out / f"log-{self.global_rank}.json").write_text(json.dumps(self.log_rows))
+        weights = fingerprint([p.detach() for p in self.parameters()])
+        (out / f"weights-{self.global_rank}.txt").write_text(weights)
+
+
+def resume_callbacks(args: argparse.Namespace) -> list[ResumeCallback]:
+    if args.no_callback:
+        return []
+    return [ResumeCallback(seed=7)] * (2 if args.two_callbacks else 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--resume")
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--n", type=int, default=30)
+    parser.add_argument("--every", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--max-steps", type=int, default=-1)
+    parser.add_argument("--n-resume", type=int, help="dataset length after resume (bad-input test)")
+    parser.add_argument("--no-callback", action="store_true")
+    parser.add_argument("--two-callbacks", action="store_true")
+    args = parser.parse_args()
+    if args.resume and args.n_resume:
+        args.n = args.n_resume
+    torch.manual_seed(123)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=args.devices, strategy="ddp" if args.devices > 1 else "auto",
+        max_epochs=args.epochs, max_steps=args.max_steps, logger=False, enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0, default_root_dir=args.out, deterministic=True,
+        callbacks=[*resume_callbacks(args), ModelCheckpoint(dirpath=Path(args.out) / "ckpt",
+                   every_n_train_steps=args.every, save_top_k=-1, save_last=True, filename="{step}")],
+    )
+    assert trainer.world_size == args.devices
+    trainer.fit(Model(args), ckpt_path=args.resume)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Lightning (issue #5): a real `lightning.Trainer`, each resume in a fresh process (tests/lightning_child.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.utilities import CombinedLoader
+from torch.utils.data import DataLoader, SequentialSampler
+
+from conftest import Augmented
+from lightning_resume import ResumeCallback
+from loader_resume import ResumableDataLoader
+
+CHILD = Path(__file__).parent / "lightning_child.py"
+
+
+def run(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    out.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run([sys.executable, str(CHILD), str(out), *args], capture_output=True, text=True, timeout=300)
+    return done
+
+
+def ok(out: Path, *args: str) -> dict[str, Any]:
+    done = run(out, *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = sorted(out.glob("log-*.json"))
+    return {"logs": [json.loads(p.read_text()) for p in ranks],
+            "weights": [(out / f"weights-{p.stem.split('-')[1]}.txt").read_text() for p in ranks],
+            "stderr": done.stderr}
+
+
+def assert_continues(full: dict[str, Any], resumed: dict[str, Any], at: int) -> None:
+    """Every rank's steps after the resume equal the uninterrupted run's, and so do the final weights."""
+    for log, resumed_log in zip(full["logs"], resumed["logs"], strict=True):
+        assert resumed_log[0][0] == at
+        assert resumed_log == log[at:]
+    assert resumed["weights"] == full["weights"]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    out = tmp_path_factory.mktemp("single")
+    return out, ok(out, "--every", "2")
+
+
+@pytest.mark.parametrize(("checkpoint", "at"), [("step=6", 6), ("step=8", 8), ("step=10", 10)])
+def test_resume_from_mid_epoch_and_epoch_end_checkpoints_is_exact(
+    single: tuple[Path, dict[str, Any]], tmp_path: Path, checkpoint: str, at: int
+) -> None:
+    """8 batches an epoch: step 6 is mid-epoch, step 8 the epoch's last batch (no empty epoch), 10 in epoch 1."""
+    out, full = single
+    resumed = ok(tmp_path, "--every", "2", "--resume", str(out / "ckpt" / f"{checkpoint}.ckpt"))
+    assert_continues(full, resumed, at)
+
+
+def test_resume_from_last_is_exact(single: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    """A job killed after step 11: its last.ckpt is the periodic save of step 10 (save_last=True)."""
+    (tmp_path / "ckpt").mkdir()
+    shutil.copy(single[0] / "ckpt" / "step=10.ckpt", tmp_path / "ckpt" / "last.ckpt")
+    resumed = ok(tmp_path, "--every", "100", "--resume", "last")
+    assert_continues(single[1], resumed, 10)
+
+
+def test_resume_with_workers_is_exact(tmp_path: Path) -> None:
+    full = ok(tmp_path / "full", "--workers", "2", "--every", "3")
+    resumed = ok(tmp_path / "resumed", "--workers", "2", "--resume", str(tmp_path / "full" / "ckpt" / "step=9.ckpt"))
+    assert_continues(full, resumed, 9)
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    out = tmp_path_factory.mktemp("ddp")
+    return out, ok(out, "--devices", "2", "--every", "2")
+
+
+def test_ddp_ranks_each_see_half_of_every_epoch_disjoint(ddp: tuple[Path, dict[str, Any]]) -> None:
+    logs = ddp[1]["logs"]
+    assert len(logs) == 2 and len(logs[0]) == len(logs[1]) == 12
+    for epoch in range(3):
+        per_rank = [[i for row in log[4 * epoch : 4 * epoch + 4] for i in row[1]] for log in logs]
+        assert not set(per_rank[0]) & set(per_rank[1])
+        assert sorted(per_rank[0] + per_rank[1]) == list(range(30)) and len(per_rank[0]) == 15
+
+
+def test_ddp_resume_is_exact_per_rank(ddp: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    resumed = ok(tmp_path, "--devices", "2", "--every", "2", "--resume", str(ddp[0] / "ckpt" / "step=2.ckpt"))
+    assert_continues(ddp[1], resumed, 2)
+
+
+def test_ddp_checkpoint_resumes_on_one_device_delivering_the_rest_exactly_once(
+    ddp: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    resumed = ok(tmp_path, "--every", "100", "--resume", str(ddp[0] / "ckpt" / "step=2.ckpt"))
+    before = [i for log in ddp[1]["logs"] for row in log[:2] for i in row[1]]
+    rest: list[int] = []
+    for row in resumed["logs"][0]:
+        if len(before) + len(rest) >= 30:
+            break
+        rest += row[1]
+    assert sorted(before + rest) == list(range(30))
+
+
+def test_single_device_checkpoint_resumes_on_two_devices_delivering_the_rest_exactly_once(
+    single: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    resumed = ok(tmp_path, "--devices", "2", "--every", "100", "--resume", str(single[0] / "ckpt" / "step=4.ckpt"))
+    before = [i for row in single[1]["logs"][0][:4] for i in row[1]]
+    rest = [i for log in resumed["logs"] for row in log if row[0] < 6 for i in row[1]]
+    assert sorted(before + rest) == list(range(30))
+
+
+def test_checkpoint_without_our_state_warns_that_the_order_restarts(tmp_path: Path) -> None:
+    ok(tmp_path / "plain", "--no-callback", "--every", "3")
+    resumed = ok(tmp_path / "resumed", "--resume", str(tmp_path / "plain" / "ckpt" / "step=3.ckpt"))
+    assert "no loader_resume state" in resumed["stderr"] and "restarts from the start of the epoch" in resumed["stderr"]
+
+
+def test_checkpoint_from_another_dataset_length_fails_clearly(
+    single: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    done = run(tmp_path, "--n-resume", "31", "--resume", str(single[0] / "ckpt" / "step=6.ckpt"))
+    assert done.returncode != 0
+    assert "loader state field 'dataset_len': saved 30, expected 31" in done.stderr
+
+
+def test_two_resume_callbacks_are_refused(tmp_path: Path) -> None:
+    done = run(tmp_path, "--two-callbacks")
+    assert done.returncode != 0 and "more than one ResumeCallback" in done.stderr
+
+
+# --- conversion (in process) ------------------------------------------------------------------------
+def _collate(items: list[Any]) -> list[Any]:
+    return items
+
+
+def test_plain_loaders_are_converted_keeping_their_settings() -> None:
+    dataset = Augmented(10)
+    plain = DataLoader(dataset, batch_size=3, shuffle=True, num_workers=2, collate_fn=_collate, pin_memory=True,
+                       drop_last=True, persistent_workers=True)
+    callback = ResumeCallback(seed=3)
+    tree = callback._convert({"a": plain, "b": [DataLoader(dataset, batch_size=2)]})
+    converted = tree["a"]
+    assert isinstance(converted, ResumableDataLoader) and converted.dataset is dataset
+    assert (converted.batch_size, converted.num_workers, converted.collate_fn, converted.pin_memory,
+            converted.drop_last, converted.persistent_workers, converted.seed) == (3, 2, _collate, True, True, True, 3)
+    assert converted.state_dict()["shuffle"] and not tree["b"][0].state_dict()["shuffle"]
+    assert len(callback._loaders) == 2
+
+
+def test_combined_loader_and_custom_sampler_are_converted() -> None:
+    dataset = Augmented(10)
+    custom = SequentialSampler(range(5))  # not DataLoader's own: kept, as a custom sampler
+    combined = CombinedLoader({"x": DataLoader(dataset, batch_size=2, sampler=custom)}, "max_size_cycle")
+    callback = ResumeCallback()
+    callback._convert(combined)
+    (loader,) = combined.flattened
+    assert isinstance(loader, ResumableDataLoader)
+    assert [b["id"].tolist() for b in loader] == [[0, 1], [2, 3], [4]]
+    assert torch.is_tensor(next(iter(loader))["torch"])
