@@ -10,6 +10,7 @@ continues with the very next batch.
 from __future__ import annotations
 
 import logging
+import os
 import random
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,12 +18,14 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import CombinedLoader
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
+from lightning.pytorch.utilities import CombinedLoader, rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from loader_resume import GENERATORS, ResumableDataLoader
 from loader_resume.distributed import gather_states, load_rank_state
+from loader_resume.preemption import IgnoreSignalsInWorker, Preemption
 
 __all__ = ["CHECKPOINT_KEY", "ResumeCallback"]
 
@@ -33,21 +36,53 @@ CHECKPOINT_KEY = "loader_resume"
 _FORMAT = 1
 
 
-class ResumeCallback(Callback):
-    """Exact mid-epoch resume for Lightning training loops.
+class ResumeCallback(OnExceptionCheckpoint):
+    """Exact mid-epoch resume for Lightning training loops, with automatic preemption checkpoints.
 
     Args:
         seed: the data order and keyed augmentation seed (see ``ResumableDataLoader``).
         keying: ``"batch"``, ``"sample"`` or ``"off"`` (see ``ResumableDataLoader``).
         keyed_generators: which global generators are keyed inside data loading.
+        signals: signals that request a preemption checkpoint (``()`` for none). The handler only sets
+            a flag; at the next optimizer-step boundary all ranks agree (one ``all_reduce``), the
+            checkpoint is written atomically and the trainer stops.
+        dirpath: where the preemption checkpoint goes; ``None``: ``trainer.default_root_dir``. A
+            restarted ``fit()`` (no ``ckpt_path``) resumes from the newest of it and your
+            ``ModelCheckpoint``'s ``last`` file. NOTE: Lightning looks for it before any callback hook
+            runs, so with a custom ``default_root_dir`` pass the same ``dirpath`` here.
+        filename: the preemption checkpoint's name, without ``.ckpt``.
+        check_every_n_steps: agree on signals every N optimizer steps (one tiny collective each time).
+        exit_code: after a preemption checkpoint, end the process with this code (143 = 128 + SIGTERM,
+            so a scheduler sees a failure and requeues); ``None``: return from ``fit()`` normally
+            (``callback.preempted_at`` tells the step).
 
     One per ``Trainer``: a second one is refused at ``setup``. The training loaders' state and every
     rank's torch/numpy/random RNG states are written under ``checkpoint["loader_resume"]``; Lightning's
-    own copy of loader states (rank 0's only) is dropped from the checkpoint in favour of it.
+    own copy of loader states (rank 0's only) is dropped from the checkpoint in favour of it. It is an
+    ``OnExceptionCheckpoint`` only so that a restart finds its checkpoint: it never saves on an
+    exception (that would be mid-step), and a finished fit removes its stale preemption checkpoint.
     """
 
-    def __init__(self, *, seed: int = 0, keying: str = "batch", keyed_generators: Sequence[str] = GENERATORS) -> None:
+    def __init__(
+        self,
+        *,
+        seed: int = 0,
+        keying: str = "batch",
+        keyed_generators: Sequence[str] = GENERATORS,
+        signals: Sequence[str | int] = ("SIGTERM", "SIGUSR1"),
+        dirpath: str | os.PathLike[str] | None = None,
+        filename: str = "preempted",
+        check_every_n_steps: int = 1,
+        exit_code: int | None = 143,
+    ) -> None:
+        super().__init__(dirpath if dirpath is not None else os.getcwd(), filename)
+        if type(check_every_n_steps) is not int or check_every_n_steps < 1:
+            raise ValueError(f"ResumeCallback(check_every_n_steps={check_every_n_steps!r}): expected an int >= 1")
         self.seed, self.keying, self.keyed_generators = seed, keying, tuple(keyed_generators)
+        self.preemption = Preemption(signals)
+        self.check_every_n_steps, self.exit_code = check_every_n_steps, exit_code
+        self.preempted_at: int | None = None
+        self._dirpath_given = dirpath is not None
         self._loaders: list[ResumableDataLoader[Any]] = []
         self._to_load: dict[str, Any] | None = None
         self._rng_to_restore: Any = None
@@ -61,8 +96,58 @@ class ResumeCallback(Callback):
         if sum(isinstance(c, ResumeCallback) for c in trainer.callbacks) > 1:
             raise ValueError("Trainer(callbacks=[...]) has more than one ResumeCallback; expected exactly one "
                              "(each would convert and save the same loaders)")
+        if not self._dirpath_given:
+            self.dirpath = str(trainer.default_root_dir)
+            if os.path.abspath(self.dirpath) != os.getcwd():
+                rank_zero_warn(f"ResumeCallback: preemption checkpoints go to {self.dirpath}, but a restarted fit() "
+                               "looks for them before setup; pass ResumeCallback(dirpath=...) for automatic resume")
         if stage == "fit":
             self._intercept_train_loaders(trainer)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # NOTE: installed here, after Lightning registered its own SIGTERM handler (it composes with
+        # ours and, on a signal, kills the launcher's processes, broadcasts inside the handler and then
+        # aborts fit with SIGTERMException: no checkpoint, exit 0, and under DDP a hang). Replacing it
+        # for our signals leaves one flag, read at the next step boundary by every rank together.
+        self.preemption.install()
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        at_step_boundary = (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or trainer.is_last_batch
+        if not at_step_boundary or trainer.global_step % self.check_every_n_steps:
+            return
+        if self.preemption.agreed():
+            self._save_atomically(trainer)
+            self.preempted_at = trainer.global_step
+            trainer.should_stop = True
+
+    def _save_atomically(self, trainer: Trainer) -> None:
+        """Write to a temporary name, then rename: a kill mid-save leaves the previous checkpoint whole."""
+        temporary = self.ckpt_path + ".tmp"
+        trainer.save_checkpoint(temporary)
+        if trainer.is_global_zero:
+            os.replace(temporary, self.ckpt_path)
+        trainer.strategy.barrier("loader_resume.preemption")
+        logger.info("preemption checkpoint written at step %d: %s", trainer.global_step, self.ckpt_path)
+
+    def on_exception(self, trainer: Trainer, *args: Any, **kwargs: Any) -> None:
+        """Nothing: an exception arrives mid-step, and we save only at step boundaries."""
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.preempted_at is None:
+            trainer.strategy.remove_checkpoint(self.ckpt_path)  # finished: nothing left to resume from
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self.preemption.uninstall()
+        if stage != "fit":
+            return
+        if self.preempted_at is not None and trainer.is_global_zero and os.path.exists(self.ckpt_path):
+            # NOTE: a restart resumes from the newest of this file and ModelCheckpoint's last file;
+            # ModelCheckpoint may still write last.ckpt while the stopping fit winds down.
+            os.utime(self.ckpt_path)
+        if self.preempted_at is not None and self.exit_code is not None:
+            raise SystemExit(self.exit_code)
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         checkpoint[CHECKPOINT_KEY] = {
@@ -153,7 +238,8 @@ class ResumeCallback(Callback):
             batch_sampler=loader.batch_sampler if custom_batches else None,
             num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
             drop_last=False if custom_batches else loader.drop_last, timeout=loader.timeout,
-            worker_init_fn=loader.worker_init_fn, multiprocessing_context=loader.multiprocessing_context,
+            worker_init_fn=IgnoreSignalsInWorker(self.preemption.signals, loader.worker_init_fn),
+            multiprocessing_context=loader.multiprocessing_context,
             generator=loader.generator, prefetch_factor=loader.prefetch_factor,
             persistent_workers=loader.persistent_workers, pin_memory_device=loader.pin_memory_device,
             seed=self.seed, keying=self.keying, keyed_generators=self.keyed_generators,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,9 @@ class Model(L.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y, ids = batch
         self.log_rows.append([self.global_step, ids.tolist(), fingerprint([x, y])])
+        if self.args.sleep:  # slow enough for a test to send a signal mid-epoch
+            time.sleep(self.args.sleep)
+            (Path(self.args.out) / f"progress-{self.global_rank}").write_text(str(self.global_step))
         return nn.functional.cross_entropy(self.net(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -57,7 +61,10 @@ class Model(L.LightningModule):
 
     def on_train_end(self) -> None:
         out = Path(self.args.out)
-        (out / f"log-{self.global_rank}.json").write_text(json.dumps(self.log_rows))
+        name = f"log-{self.global_rank}.json"
+        if self.args.append and (out / name).exists():  # a restarted job: keep the log of the first run
+            self.log_rows = json.loads((out / name).read_text()) + self.log_rows
+        (out / name).write_text(json.dumps(self.log_rows))
         weights = fingerprint([p.detach() for p in self.parameters()])
         (out / f"weights-{self.global_rank}.txt").write_text(weights)
 
@@ -65,7 +72,8 @@ class Model(L.LightningModule):
 def resume_callbacks(args: argparse.Namespace) -> list[ResumeCallback]:
     if args.no_callback:
         return []
-    return [ResumeCallback(seed=7)] * (2 if args.two_callbacks else 1)
+    callback = ResumeCallback(seed=7, dirpath=args.out, check_every_n_steps=args.check_every)
+    return [callback] * (2 if args.two_callbacks else 1)
 
 
 def main() -> None:
@@ -81,6 +89,9 @@ def main() -> None:
     parser.add_argument("--n-resume", type=int, help="dataset length after resume (bad-input test)")
     parser.add_argument("--no-callback", action="store_true")
     parser.add_argument("--two-callbacks", action="store_true")
+    parser.add_argument("--sleep", type=float, default=0.0, help="seconds per step, to be signalled mid-epoch")
+    parser.add_argument("--append", action="store_true", help="append to an existing log (restarted job)")
+    parser.add_argument("--check-every", type=int, default=1)
     args = parser.parse_args()
     if args.resume and args.n_resume:
         args.n = args.n_resume
