@@ -86,6 +86,8 @@ class ResumeCallback(OnExceptionCheckpoint):
         self._loaders: list[ResumableDataLoader[Any]] = []
         self._to_load: dict[str, Any] | None = None
         self._rng_to_restore: Any = None
+        self._rng_around_validation: Any = None
+        self._torch_rng_after_step: torch.Tensor | None = None
 
     @property
     def state_key(self) -> str:
@@ -114,6 +116,7 @@ class ResumeCallback(OnExceptionCheckpoint):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._torch_rng_after_step = torch.get_rng_state()  # see on_validation_start
         at_step_boundary = (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or trainer.is_last_batch
         if not at_step_boundary or trainer.global_step % self.check_every_n_steps:
             return
@@ -177,6 +180,21 @@ class ResumeCallback(OnExceptionCheckpoint):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._restore_rng()
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # NOTE: validation inside fit draws from the global RNG: a plain val DataLoader draws its
+        # workers' base seed from torch's generator when Lightning creates its iterator, before this
+        # hook. Putting the RNG back afterwards (torch's as of the last training step) makes training's
+        # random stream independent of when validation runs, so checkpoints around it resume exactly.
+        fitting = trainer.state.fn == "fit" and not trainer.sanity_checking
+        self._rng_around_validation = _rng_state() if fitting else None
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._rng_around_validation is not None:
+            if self._torch_rng_after_step is not None:
+                self._rng_around_validation["torch"] = self._torch_rng_after_step
+            _set_rng(self._rng_around_validation)
+            self._rng_around_validation = None
 
     def _restore_rng(self) -> None:
         # NOTE: right before the first training step after the resume, so the model's dropout stream
@@ -276,12 +294,16 @@ def _drop_lightning_loader_states(checkpoint: dict[str, Any]) -> None:
         fit_loop["state_dict"]["combined_loader"] = []
 
 
-def _gather_rng(trainer: Trainer) -> list[Any]:
+def _rng_state() -> dict[str, Any]:
     # NOTE: plain values and tensors only: Lightning 2.6 loads checkpoints with weights_only=True.
     kind, key, pos, has_gauss, gauss = np.random.get_state()
     numpy_state = {"kind": kind, "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
                    "has_gauss": int(has_gauss), "gauss": float(gauss)}
-    state = {"torch": torch.get_rng_state(), "numpy": numpy_state, "random": random.getstate()}
+    return {"torch": torch.get_rng_state(), "numpy": numpy_state, "random": random.getstate()}
+
+
+def _gather_rng(trainer: Trainer) -> list[Any]:
+    state = _rng_state()
     if trainer.world_size == 1:
         return [state]
     gathered: list[Any] = [None] * trainer.world_size

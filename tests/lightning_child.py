@@ -52,8 +52,21 @@ class Model(L.LightningModule):
             (Path(self.args.out) / f"progress-{self.global_rank}").write_text(str(self.global_step))
         return nn.functional.cross_entropy(self.net(x), y)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        if not self.args.onecycle:
+            return optimizer
+        # NOTE: estimated_stepping_batches loads the training loaders early (Lightning#20550).
+        total = self.trainer.estimated_stepping_batches
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.2, total_steps=int(total))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y, _ = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.net(x), y))
+
+    def val_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(Noisy(12), batch_size=4, shuffle=True, num_workers=self.args.workers)
 
     def train_dataloader(self) -> DataLoader[Any]:
         return DataLoader(Noisy(self.args.n), batch_size=4, shuffle=True, num_workers=self.args.workers,
@@ -92,6 +105,8 @@ def main() -> None:
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds per step, to be signalled mid-epoch")
     parser.add_argument("--append", action="store_true", help="append to an existing log (restarted job)")
     parser.add_argument("--check-every", type=int, default=1)
+    parser.add_argument("--val-every", type=int, default=0, help="val_check_interval in steps (0: no validation)")
+    parser.add_argument("--onecycle", action="store_true", help="OneCycleLR sized by estimated_stepping_batches")
     args = parser.parse_args()
     if args.resume and args.n_resume:
         args.n = args.n_resume
@@ -101,6 +116,7 @@ def main() -> None:
         max_epochs=args.epochs, max_steps=args.max_steps, logger=False, enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0, default_root_dir=args.out, deterministic=True,
+        limit_val_batches=1.0 if args.val_every else 0, val_check_interval=args.val_every or None,
         callbacks=[*resume_callbacks(args), ModelCheckpoint(dirpath=Path(args.out) / "ckpt",
                    every_n_train_steps=args.every, save_top_k=-1, save_last=True, filename="{step}")],
     )

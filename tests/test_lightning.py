@@ -214,3 +214,14 @@ def test_sigterm_checkpoints_at_a_step_boundary_and_a_rerun_continues_exactly(
 def test_unknown_signal_name_is_refused() -> None:
     with pytest.raises(ValueError, match="signals: unknown signal 'SIGTERMM'"):
         ResumeCallback(signals=("SIGTERMM",))
+
+
+def test_validation_mid_epoch_and_estimated_stepping_batches_keep_resume_exact(tmp_path: Path) -> None:
+    """Validation every 3 steps (its own shuffled loader) does not move the training position, a
+    checkpoint written right after it resumes exactly, and estimated_stepping_batches in
+    configure_optimizers (which loads the training loaders early) does not lose the loader state."""
+    options = ["--val-every", "3", "--every", "3", "--onecycle", "--workers", "2"]
+    full = ok(tmp_path / "full", *options)
+    assert [row[0] for row in full["logs"][0]] == list(range(24))
+    resumed = ok(tmp_path / "resumed", *options, "--resume", str(tmp_path / "full" / "ckpt" / "step=6.ckpt"))
+    assert_continues(full, resumed, 6)
