@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,3 +19,36 @@ def test_digits_example_resumes_exactly_in_fresh_processes() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert "identical ids and noise: yes; final weights identical: yes" in done.stdout
     assert "plain DataLoader + skipping seen batches: diverges at the first step after resume" in done.stdout
+
+
+def _digest(output: str) -> str:
+    lines = [line for line in output.splitlines() if line.startswith("final weights digest: ")]
+    assert lines, output[-3000:]
+    return lines[-1].split(": ")[1]
+
+
+def test_lightning_example_interrupted_by_sigterm_and_rerun_ends_with_the_same_weights(tmp_path: Path) -> None:
+    script = str(EXAMPLES / "lightning_digits.py")
+    uninterrupted = subprocess.run([sys.executable, script, f"trainer.default_root_dir={tmp_path / 'a'}"],
+                                   capture_output=True, text=True, timeout=300)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    command = [sys.executable, script, f"trainer.default_root_dir={tmp_path / 'b'}"]
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert first.stdout is not None
+    for line in first.stdout:  # the first progress line: training is under way, mid-epoch 0
+        if line.startswith("epoch 0 step 20"):
+            os.kill(first.pid, signal.SIGTERM)
+            break
+    rest = first.communicate(timeout=120)[0]
+    assert first.returncode == 143 and "final weights digest" not in rest
+    assert (tmp_path / "b" / "preempted.ckpt").exists()
+    rerun = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "epoch 0 step 0 " not in rerun.stdout  # it continued, it did not start over
+    assert _digest(rerun.stdout) == _digest(uninterrupted.stdout)
+
+
+def test_lightning_example_config_typo_fails_clearly(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(EXAMPLES / "lightning_digits.py"), "trainer.max_epoch=2"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "max_epoch" in done.stderr
