@@ -44,9 +44,10 @@ def rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return rank, world_size
 
 
-def gather_states(loader: _RankedLoader) -> dict[str, Any]:
-    """Every rank's ``loader.state_dict()``, in rank order, on every rank (a collective under DDP)."""
-    state = loader.state_dict()
+def gather_states(loader: _RankedLoader, state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every rank's ``loader.state_dict()`` (or ``state``, if given), in rank order, on every rank
+    (a collective under DDP)."""
+    state = loader.state_dict() if state is None else state
     if loader.world_size == 1:
         return {"world_size": 1, "ranks": [state]}
     states: list[Any] = [None] * loader.world_size

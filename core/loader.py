@@ -301,19 +301,32 @@ class ResumableDataLoader(DataLoader[T]):
         """The epoch the next batch belongs to (after a load: the loaded one)."""
         return self._epoch
 
-    def state_dict(self) -> dict[str, Any]:
-        """The position after the last batch handed to the caller: plain, versioned, < 1 KB."""
+    def state_dict(self, *, batches_ago: int = 0) -> dict[str, Any]:
+        """The position after the last batch handed to the caller: plain, versioned, < 1 KB.
+
+        ``batches_ago`` (iterable datasets, up to 8 within the current pass): the state as it was that
+        many deliveries ago — for frameworks that fetch ahead of the step they checkpoint (Lightning
+        prefetches one batch from a loader without ``__len__``).
+        """
         state = self._identity()
         if self._map:
+            if batches_ago:
+                raise ValueError(f"batches_ago={batches_ago}: map-style states are exact at the last delivered "
+                                 "batch; frameworks do not fetch ahead of sized loaders")
             state.update(epoch=self._epoch, position=self._position)
             state["sampler_state"] = self._current_sampler_state()
             dataset_state = getattr(self.dataset, "state_dict", None)
             state["dataset_state"] = dataset_state() if callable(dataset_state) else None
         else:
             stream = self._current_stream()
+            stream = stream.rewound(batches_ago) if batches_ago else stream
             rank = self._shard().rank
-            state.update(epoch=self._epoch, position=stream.delivered, stream=stream_to_dict(rank, stream))
+            state.update(epoch=stream.epoch, position=stream.delivered, stream=stream_to_dict(rank, stream))
         return state
+
+    def _stream_batches_delivered(self) -> int:
+        """Iterable datasets: batches handed to the caller in the current pass (for ``batches_ago``)."""
+        return 0 if self._map else self._current_stream().delivered
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from ``state_dict`` at the next ``iter()``; raises :class:`StateError` if it cannot.

@@ -11,9 +11,11 @@ the worker whose batch comes next in torch's round-robin.
 
 from __future__ import annotations
 
+import copy
 import logging
+from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .iterable import Progress
@@ -22,6 +24,7 @@ from .state import StateError
 __all__ = ["StreamPass", "parse_stream", "stream_to_dict"]
 
 logger = logging.getLogger(__name__)
+HISTORY = 8
 
 
 @dataclass(slots=True)
@@ -33,12 +36,28 @@ class StreamPass:
     next_worker: int
     delivered: int = 0
     done: bool = False
+    history: deque[tuple[int, Progress, int]] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    """What each of the last deliveries replaced, to rewind a few batches (see ``rewound``)."""
 
     def deliver(self, meta: tuple[int, int, int, Any]) -> None:
         worker, batches, items, state = meta
+        self.history.append((worker, self.progress[worker], self.next_worker))
         self.progress[worker] = Progress(batches, items, state)
         self.next_worker = (worker + 1) % len(self.progress)
         self.delivered += 1
+
+    def rewound(self, batches: int) -> StreamPass:
+        """This pass as it was ``batches`` deliveries ago (frameworks that fetch ahead need it)."""
+        if batches > len(self.history):
+            raise ValueError(f"batches_ago={batches}: only the last {len(self.history)} deliveries of this "
+                             f"pass can be rewound (at most {HISTORY})")
+        past = StreamPass(self.epoch, list(self.progress), self.next_worker, self.delivered - batches)
+        for worker, progress, next_worker in list(reversed(self.history))[:batches]:
+            past.progress[worker], past.next_worker = progress, next_worker
+        past.history = copy.copy(self.history)
+        for _ in range(batches):
+            past.history.pop()
+        return past
 
 
 def stream_to_dict(rank: int, pass_: StreamPass) -> dict[str, Any]:

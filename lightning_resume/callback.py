@@ -155,10 +155,22 @@ class ResumeCallback(OnExceptionCheckpoint):
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         checkpoint[CHECKPOINT_KEY] = {
             "format": _FORMAT,
-            "loaders": [gather_states(loader) for loader in self._loaders],
+            "loaders": [gather_states(loader, self._state_at_trainer_step(trainer, loader))
+                        for loader in self._loaders],
             "rng": _gather_rng(trainer),
         }
         _drop_lightning_loader_states(checkpoint)
+
+    def _state_at_trainer_step(self, trainer: Trainer, loader: ResumableDataLoader[Any]) -> dict[str, Any]:
+        """The loader's state at the batch the trainer has taken, not the one it prefetched.
+
+        NOTE: Lightning fetches one batch ahead from a training loader without ``__len__`` (to know
+        when the epoch ends), so such a loader has delivered one more batch than the trainer used.
+        """
+        if len(self._loaders) != 1 or not isinstance(loader.dataset, torch.utils.data.IterableDataset):
+            return loader.state_dict()
+        taken = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        return loader.state_dict(batches_ago=max(0, loader._stream_batches_delivered() - taken))
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.get(CHECKPOINT_KEY)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from lightning_resume import ResumeCallback
 from loader_resume.testing import fingerprint
@@ -35,6 +36,28 @@ class Noisy(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         return self.x[index] + 0.1 * torch.randn(8), self.y[index], index
+
+
+class NoisyStream(IterableDataset[tuple[torch.Tensor, torch.Tensor, int]]):
+    """The same data as a stream without __len__, sharded over workers, with its position as state."""
+
+    def __init__(self, n: int) -> None:
+        self.data, self.i = Noisy(n), 0
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        mine = range(worker, len(self.data), workers)
+        while self.i < len(mine):
+            self.i += 1
+            yield self.data[mine[self.i - 1]]
+        self.i = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"i": self.i}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.i = state["i"]
 
 
 class Model(L.LightningModule):
@@ -69,6 +92,8 @@ class Model(L.LightningModule):
         return DataLoader(Noisy(12), batch_size=4, shuffle=True, num_workers=self.args.workers)
 
     def train_dataloader(self) -> DataLoader[Any]:
+        if self.args.stream:
+            return DataLoader(NoisyStream(self.args.n), batch_size=4, num_workers=self.args.workers)
         return DataLoader(Noisy(self.args.n), batch_size=4, shuffle=True, num_workers=self.args.workers,
                           persistent_workers=self.args.workers > 0)
 
@@ -107,6 +132,7 @@ def main() -> None:
     parser.add_argument("--check-every", type=int, default=1)
     parser.add_argument("--val-every", type=int, default=0, help="val_check_interval in steps (0: no validation)")
     parser.add_argument("--onecycle", action="store_true", help="OneCycleLR sized by estimated_stepping_batches")
+    parser.add_argument("--stream", action="store_true", help="an IterableDataset without __len__")
     args = parser.parse_args()
     if args.resume and args.n_resume:
         args.n = args.n_resume

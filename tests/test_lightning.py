@@ -225,3 +225,12 @@ def test_validation_mid_epoch_and_estimated_stepping_batches_keep_resume_exact(t
     assert [row[0] for row in full["logs"][0]] == list(range(24))
     resumed = ok(tmp_path / "resumed", *options, "--resume", str(tmp_path / "full" / "ckpt" / "step=6.ckpt"))
     assert_continues(full, resumed, 6)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_iterable_dataset_without_len_loses_no_batch_to_lightnings_prefetch(tmp_path: Path, workers: int) -> None:
+    """Lightning fetches one batch ahead from a loader without __len__; the saved state must not skip it."""
+    options = ["--stream", "--workers", str(workers), "--every", "3"]
+    full = ok(tmp_path / "full", *options)
+    resumed = ok(tmp_path / "resumed", *options, "--resume", str(tmp_path / "full" / "ckpt" / "step=6.ckpt"))
+    assert_continues(full, resumed, 6)
