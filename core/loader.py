@@ -23,7 +23,7 @@ from torch.utils.data.dataloader import _DatasetKind
 from .distributed import rank_and_world
 from .iterable import Progress, StreamCollate, Ticket, WorkerInit, WorkerRestore, WorkerSide
 from .keyed_rng import GENERATORS, derive_key, generator_mask
-from .sampler import Shard, steps_per_epoch
+from .sampler import Shard, ShardedSampler, steps_per_epoch
 from .state import STATE_VERSION, StateError, check_state
 from .stream import Pass, Plan, index_lists, is_stateful
 from .stream_state import StreamPass, parse_stream, stream_to_dict
@@ -182,10 +182,10 @@ class ResumableDataLoader(DataLoader[T]):
         self.keying = keying
         self.keyed_generators = tuple(keyed_generators)
         self._mask = generator_mask(self.keyed_generators)
-        if type(sampler) is DistributedSampler:
+        if type(sampler) in (DistributedSampler, ShardedSampler):
             # NOTE: a DistributedSampler (the user's, or the one Lightning injects by rebuilding the
             # loader) becomes our sharded permutation with its rank, world size and drop_last, so it
-            # is never applied on top of our own sharding.
+            # is never applied on top of our own sharding; a ShardedSampler's custom stream likewise.
             rank = sampler.rank if rank is None else rank
             world_size = sampler.num_replicas if world_size is None else world_size
             self._shard_drop_last: bool | None = sampler.drop_last or drop_last
@@ -524,6 +524,8 @@ def _classify(loader: DataLoader[Any], sampler: Any, batch_sampler: Any, shuffle
         return None, "iterable", False
     if batch_sampler is not None:
         return batch_sampler, f"batch_sampler:{_qualname(batch_sampler)}", False
+    if type(sampler) is ShardedSampler:
+        return sampler.sampler, f"sampler:{_qualname(sampler.sampler)}", False
     if sampler is None:
         return None, "permutation", bool(shuffle)
     # NOTE: torch's own samplers become our permutation only when they cover this very dataset

@@ -20,10 +20,11 @@ from itertools import islice
 from typing import Any, TypeVar
 
 import numpy as np
+from torch.utils.data import DistributedSampler
 
 from .permutation import KeyedPermutation
 
-__all__ = ["Shard", "Step", "permutation_steps", "source_steps", "steps_per_epoch"]
+__all__ = ["ShardedSampler", "Shard", "Step", "permutation_steps", "source_steps", "steps_per_epoch"]
 
 U = TypeVar("U")
 _CHUNK_UNITS = 4096  # units computed per vectorised permutation call
@@ -106,3 +107,29 @@ def source_steps(units: Iterator[U], start: int, shard: Shard, snapshot: Callabl
         share = -(-len(current) // shard.world)
         mine = [current[(rank * share + i) % len(current)] for i in range(share)]
         yield mine, position + rank * share, position + len(current), True, state
+
+
+class ShardedSampler(DistributedSampler):  # type: ignore[type-arg]
+    """Marks a custom sampler as "shard me across ranks" for :class:`ResumableDataLoader`.
+
+    The loader takes the wrapped sampler's stream and gives each rank its slice of every global step
+    (the same rules as for shuffled data), saving the wrapped sampler's state if it has one. It is a
+    ``DistributedSampler`` so that frameworks which inject one into unsharded loaders (Lightning does,
+    wrapping custom samplers in an unsaved, reshuffling ``DistributedSamplerWrapper``) leave it alone.
+    Iterated directly (not through the loader), it yields every ``num_replicas``-th index from ``rank``.
+    """
+
+    def __init__(self, sampler: Any, dataset: Any, *, num_replicas: int, rank: int) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[Any]:
+        return islice(iter(self.sampler), self.rank, None, self.num_replicas)
+
+    def __len__(self) -> int:
+        return -(-len(self.sampler) // self.num_replicas)
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)

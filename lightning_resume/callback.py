@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from lightning.pytorch.utilities import CombinedLoader, rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
-from loader_resume import GENERATORS, ResumableDataLoader
+from loader_resume import GENERATORS, ResumableDataLoader, ShardedSampler
 from loader_resume.distributed import gather_states, load_rank_state
 from loader_resume.preemption import IgnoreSignalsInWorker, Preemption
 
@@ -277,7 +277,8 @@ class ResumeCallback(OnExceptionCheckpoint):
 
 
     def _sharded(self, loader: DataLoader[Any], sampler: Any) -> Any:
-        """Under DDP, the default samplers become an explicit DistributedSampler with the same shuffle.
+        """Under DDP, the default samplers become an explicit DistributedSampler with the same shuffle, and a
+        custom sampler a ShardedSampler (kept, sharded by our rules).
 
         NOTE: Lightning rebuilds any training loader whose ``sampler`` is not a ``DistributedSampler``
         to inject one (and a rebuilt loader would lose the state we load into it). Handing it one that
@@ -285,11 +286,10 @@ class ResumeCallback(OnExceptionCheckpoint):
         """
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 or sampler is None:
             return sampler
-        if type(sampler) not in (RandomSampler, SequentialSampler) or getattr(sampler, "replacement", False):
-            raise ValueError(f"ResumeCallback under DDP supports DataLoader's own shuffle=True/False samplers; "
-                             f"this training loader has a {type(sampler).__name__}, which Lightning would wrap in "
-                             "an unsaved, reshuffling DistributedSamplerWrapper. Use shuffle=..., or build a "
-                             "loader_resume.ResumableDataLoader(sampler=...) yourself (it shards custom samplers)")
+        torch_own = type(sampler) in (RandomSampler, SequentialSampler) and not getattr(sampler, "replacement", False)
+        if not torch_own or len(sampler) != len(loader.dataset):  # type: ignore[arg-type]
+            # a custom sampler: kept, and sharded by ResumableDataLoader's rules (not Lightning's wrapper)
+            return ShardedSampler(sampler, loader.dataset, num_replicas=dist.get_world_size(), rank=dist.get_rank())
         return DistributedSampler(loader.dataset, shuffle=type(sampler) is RandomSampler,  # type: ignore[arg-type]
                                   seed=self.seed, drop_last=loader.drop_last)
 

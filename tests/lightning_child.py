@@ -60,6 +60,22 @@ class NoisyStream(IterableDataset[tuple[torch.Tensor, torch.Tensor, int]]):
         self.i = state["i"]
 
 
+class EpochOrder(torch.utils.data.Sampler[int]):
+    """A custom sampler (not torch's): its own order each epoch, no state."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.epoch = n, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(torch.randperm(self.n, generator=torch.Generator().manual_seed(1000 + self.epoch)).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
 class Model(L.LightningModule):
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__()
@@ -94,6 +110,9 @@ class Model(L.LightningModule):
     def train_dataloader(self) -> DataLoader[Any]:
         if self.args.stream:
             return DataLoader(NoisyStream(self.args.n), batch_size=4, num_workers=self.args.workers)
+        if self.args.custom_sampler:
+            return DataLoader(Noisy(self.args.n), batch_size=4, sampler=EpochOrder(self.args.n),
+                              num_workers=self.args.workers)
         return DataLoader(Noisy(self.args.n), batch_size=4, shuffle=True, num_workers=self.args.workers,
                           persistent_workers=self.args.workers > 0)
 
@@ -133,6 +152,7 @@ def main() -> None:
     parser.add_argument("--val-every", type=int, default=0, help="val_check_interval in steps (0: no validation)")
     parser.add_argument("--onecycle", action="store_true", help="OneCycleLR sized by estimated_stepping_batches")
     parser.add_argument("--stream", action="store_true", help="an IterableDataset without __len__")
+    parser.add_argument("--custom-sampler", action="store_true", help="a sampler of our own, not torch's")
     args = parser.parse_args()
     if args.resume and args.n_resume:
         args.n = args.n_resume

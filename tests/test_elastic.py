@@ -134,3 +134,21 @@ def test_a_distributed_sampler_becomes_our_sharding_not_a_second_one() -> None:
     assert [len(d) for d in delivered] == [5, 5] and sorted(sum(delivered, [])) == list(range(10))
     ours = _lockstep([make(10, batch_size=2, shuffle=True, seed=7, rank=r, world_size=2) for r in range(2)], None)
     assert delivered == ours
+
+
+def test_sharded_sampler_splits_a_custom_stream_by_global_steps_and_resumes() -> None:
+    from test_samplers import PlainSampler
+
+    from loader_resume import ShardedSampler
+    from loader_resume.testing import assert_resumes_exactly
+
+    dataset = make(13).dataset
+
+    def shard(rank: int) -> Any:
+        return make(13, batch_size=2, sampler=ShardedSampler(PlainSampler(13), dataset, num_replicas=2, rank=rank))
+
+    delivered = _lockstep([shard(0), shard(1)], None)
+    order = list(iter(PlainSampler(13)))
+    assert sorted(sum(delivered, [])) == sorted([*order, order[-1]])  # the last step is padded evenly
+    assert delivered[0][:2] == order[:2] and delivered[1][:2] == order[2:4]
+    assert_resumes_exactly(lambda: shard(1), epochs=2, cuts=[0, 1, 3, 4])

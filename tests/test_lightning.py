@@ -234,3 +234,13 @@ def test_iterable_dataset_without_len_loses_no_batch_to_lightnings_prefetch(tmp_
     full = ok(tmp_path / "full", *options)
     resumed = ok(tmp_path / "resumed", *options, "--resume", str(tmp_path / "full" / "ckpt" / "step=6.ckpt"))
     assert_continues(full, resumed, 6)
+
+
+def test_ddp_keeps_a_custom_sampler_sharded_by_our_rules_and_resumes_exactly(tmp_path: Path) -> None:
+    options = ["--custom-sampler", "--devices", "2", "--every", "2"]
+    full = ok(tmp_path / "full", *options)
+    for epoch in range(3):
+        halves = [[i for row in log[4 * epoch : 4 * epoch + 4] for i in row[1]] for log in full["logs"]]
+        assert not set(halves[0]) & set(halves[1]) and sorted(halves[0] + halves[1]) == list(range(30))
+    resumed = ok(tmp_path / "resumed", *options, "--resume", str(tmp_path / "full" / "ckpt" / "step=6.ckpt"))
+    assert_continues(full, resumed, 6)
