@@ -244,3 +244,37 @@ def test_ddp_keeps_a_custom_sampler_sharded_by_our_rules_and_resumes_exactly(tmp
         assert not set(halves[0]) & set(halves[1]) and sorted(halves[0] + halves[1]) == list(range(30))
     resumed = ok(tmp_path / "resumed", *options, "--resume", str(tmp_path / "full" / "ckpt" / "step=6.ckpt"))
     assert_continues(full, resumed, 6)
+
+
+def test_under_slurm_sigusr1_saves_at_a_step_boundary_not_in_lightnings_handler(
+    full_with_workers: dict[int, dict[str, Any]], tmp_path: Path
+) -> None:
+    """A simulated SLURM job (Lightning detects SLURMEnvironment and arms its auto-requeue handler, which
+    would save hpc_ckpt_*.ckpt inside the signal handler, mid-step, and call scontrol). The fake scontrol
+    records any call: the only thing that cannot exist here."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "scontrol-calls"
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    slurm = {"SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1", "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "digits",
+             "SLURM_NODELIST": "localhost", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+             "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    out = tmp_path / "job"
+    out.mkdir()
+    command = [sys.executable, str(CHILD), str(out), "--sleep", "0.15", "--append", "--workers", "2"]
+    first = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, **slurm})
+    progress = out / "progress-0"
+    while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= 4):
+        assert first.poll() is None, first.communicate()[1][-3000:]
+        time.sleep(0.02)
+    os.kill(first.pid, signal.SIGUSR1)
+    stderr = first.communicate(timeout=120)[1]
+    assert first.returncode == 143, stderr[-3000:]
+    assert not list(out.glob("hpc_ckpt_*.ckpt")) and (out / "preempted.ckpt").exists() and not calls.exists()
+    rerun = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, **slurm})
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    full = full_with_workers[1]
+    assert json.loads((out / "log-0.json").read_text()) == full["logs"][0]
+    assert (out / "weights-0.txt").read_text() == full["weights"][0]
