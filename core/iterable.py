@@ -85,6 +85,15 @@ class Ticket(list[None]):
         side = self._side()
         if side.epoch != epoch:  # a persistent worker entering a new epoch
             side.start(epoch, side.worker, None, False)
+        if self.side is None and not side.replay:
+            # NOTE: in a worker with nothing to replay: seed, then C's list iterator (no generator).
+            if mask:
+                seed_generators(derive_key(stream_key, side.worker, side.progress.batches), mask)
+            return list.__iter__(self)
+        return self._guarded(stream_key, mask, batch_size, side)
+
+    def _guarded(self, stream_key: int, mask: int, batch_size: int, side: WorkerSide) -> Iterator[None]:
+        """Replay and/or the caller's RNG restored after the last pull (main process)."""
         caller = CallerRng(mask).save() if mask and self.side is not None else None
         try:
             # NOTE: replayed items are pulled under the keys of the batches they first came in.
