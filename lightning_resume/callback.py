@@ -21,9 +21,10 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from lightning.pytorch.utilities import CombinedLoader, rank_zero_warn
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader
 
-from loader_resume import GENERATORS, ResumableDataLoader, ShardedSampler
+from loader_resume import GENERATORS, ResumableDataLoader
+from loader_resume.convert import resumable
 from loader_resume.distributed import gather_states, load_rank_state
 from loader_resume.preemption import IgnoreSignalsInWorker, Preemption
 
@@ -258,45 +259,19 @@ class ResumeCallback(OnExceptionCheckpoint):
         return obj
 
     def _resumable(self, loader: DataLoader[Any]) -> ResumableDataLoader[Any]:
-        """The same loader, made resumable: every DataLoader setting kept, the sampler's shuffle choice too."""
-        custom_batches = loader.batch_sampler is not None and type(loader.batch_sampler) is not BatchSampler
-        sampler = None if custom_batches else _unless_iterable(loader, loader.sampler)
-        return ResumableDataLoader(
-            loader.dataset,
-            batch_size=None if custom_batches else loader.batch_size,
-            sampler=self._sharded(loader, sampler),
-            batch_sampler=loader.batch_sampler if custom_batches else None,
-            num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
-            drop_last=False if custom_batches else loader.drop_last, timeout=loader.timeout,
-            worker_init_fn=IgnoreSignalsInWorker(self.preemption.signals, loader.worker_init_fn),
-            multiprocessing_context=loader.multiprocessing_context,
-            generator=loader.generator, prefetch_factor=loader.prefetch_factor,
-            persistent_workers=loader.persistent_workers, pin_memory_device=loader.pin_memory_device,
-            seed=self.seed, keying=self.keying, keyed_generators=self.keyed_generators,
-        )
+        """The same loader, made resumable (``loader_resume.convert``); under DDP it shards itself.
 
-
-    def _sharded(self, loader: DataLoader[Any], sampler: Any) -> Any:
-        """Under DDP, the default samplers become an explicit DistributedSampler with the same shuffle, and a
-        custom sampler a ShardedSampler (kept, sharded by our rules).
-
-        NOTE: Lightning rebuilds any training loader whose ``sampler`` is not a ``DistributedSampler``
-        to inject one (and a rebuilt loader would lose the state we load into it). Handing it one that
-        ResumableDataLoader turns into its own sharding keeps the loader we converted and loaded.
+        NOTE: Lightning rebuilds any training loader whose ``sampler`` is not a ``DistributedSampler`` to
+        inject one (a rebuilt loader would lose the state we load into it, and a custom sampler would be
+        wrapped in an unsaved, reshuffling ``DistributedSamplerWrapper``). ``resumable`` expresses our
+        sharding as a ``DistributedSampler``/``ShardedSampler``, so Lightning keeps our loader.
         """
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 or sampler is None:
-            return sampler
-        torch_own = type(sampler) in (RandomSampler, SequentialSampler) and not getattr(sampler, "replacement", False)
-        if not torch_own or len(sampler) != len(loader.dataset):  # type: ignore[arg-type]
-            # a custom sampler: kept, and sharded by ResumableDataLoader's rules (not Lightning's wrapper)
-            return ShardedSampler(sampler, loader.dataset, num_replicas=dist.get_world_size(), rank=dist.get_rank())
-        return DistributedSampler(loader.dataset, shuffle=type(sampler) is RandomSampler,  # type: ignore[arg-type]
-                                  seed=self.seed, drop_last=loader.drop_last)
-
-
-def _unless_iterable(loader: DataLoader[Any], sampler: Any) -> Any:
-    """DataLoader gives an iterable dataset an endless dummy sampler, which may not be passed back."""
-    return None if isinstance(loader.dataset, torch.utils.data.IterableDataset) else sampler
+        distributed = dist.is_available() and dist.is_initialized()
+        return resumable(
+            loader, seed=self.seed, keying=self.keying, keyed_generators=self.keyed_generators,
+            rank=dist.get_rank() if distributed else None, world_size=dist.get_world_size() if distributed else None,
+            worker_init_fn=lambda user_fn: IgnoreSignalsInWorker(self.preemption.signals, user_fn),
+        )
 
 
 def _drop_lightning_loader_states(checkpoint: dict[str, Any]) -> None:

@@ -1,0 +1,79 @@
+"""Turn a plain ``torch.utils.data.DataLoader`` into an equivalent :class:`ResumableDataLoader`.
+
+Used by the framework integrations (which receive the user's plain loaders) and by
+``loader-resume check``. Every DataLoader setting is kept, and so is the sampler's shuffle choice; a
+custom sampler or batch sampler is kept as it is. Under DDP the sampler is expressed as a
+``DistributedSampler`` (DataLoader's own samplers) or a :class:`ShardedSampler` (custom ones), which the
+loader turns into its own sharding — and which tells frameworks that inject samplers that the loader is
+already sharded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
+
+from .keyed_rng import GENERATORS
+from .loader import ResumableDataLoader
+from .sampler import ShardedSampler
+
+__all__ = ["resumable"]
+
+
+def resumable(
+    loader: DataLoader[Any],
+    *,
+    seed: int = 0,
+    keying: str = "batch",
+    keyed_generators: Sequence[str] = GENERATORS,
+    num_workers: int | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    worker_init_fn: Callable[[Callable[[int], None] | None], Callable[[int], None]] | None = None,
+) -> ResumableDataLoader[Any]:
+    """``loader`` as a ResumableDataLoader (a ResumableDataLoader is returned as it is).
+
+    Args:
+        num_workers: override the loader's worker count (``loader-resume check`` varies it).
+        rank, world_size: shard for this rank (``world_size > 1``); default: no sharding of our own.
+        worker_init_fn: wraps the loader's ``worker_init_fn`` (integrations add signal handling).
+    """
+    if isinstance(loader, ResumableDataLoader):
+        return loader
+    custom_batches = loader.batch_sampler is not None and type(loader.batch_sampler) is not BatchSampler
+    sampler = None if custom_batches or isinstance(loader.dataset, IterableDataset) else loader.sampler
+    if sampler is not None and world_size is not None and world_size > 1:
+        sampler = _sharded(loader, sampler, seed, rank or 0, world_size)
+    workers = loader.num_workers if num_workers is None else num_workers
+    init = loader.worker_init_fn if worker_init_fn is None else worker_init_fn(loader.worker_init_fn)
+    return ResumableDataLoader(
+        loader.dataset,
+        batch_size=None if custom_batches else loader.batch_size,
+        sampler=sampler,
+        batch_sampler=loader.batch_sampler if custom_batches else None,
+        num_workers=workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
+        drop_last=False if custom_batches else loader.drop_last, timeout=loader.timeout,
+        worker_init_fn=init if workers else None,
+        multiprocessing_context=loader.multiprocessing_context if workers else None,
+        generator=loader.generator, prefetch_factor=loader.prefetch_factor if workers else None,
+        persistent_workers=loader.persistent_workers and workers > 0, pin_memory_device=loader.pin_memory_device,
+        seed=seed, keying=keying, keyed_generators=keyed_generators,
+        rank=None if world_size is None else rank, world_size=world_size,
+    )
+
+
+def _sharded(loader: DataLoader[Any], sampler: Any, seed: int, rank: int, world_size: int) -> Any:
+    torch_own = type(sampler) in (RandomSampler, SequentialSampler) and not getattr(sampler, "replacement", False)
+    if not torch_own or len(sampler) != len(loader.dataset):  # type: ignore[arg-type]
+        return ShardedSampler(sampler, loader.dataset, num_replicas=world_size, rank=rank)
+    return DistributedSampler(loader.dataset, num_replicas=world_size, rank=rank,
+                              shuffle=type(sampler) is RandomSampler, seed=seed, drop_last=loader.drop_last)
