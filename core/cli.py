@@ -1,4 +1,4 @@
-"""The ``loader-resume`` command."""
+"""The ``loader-resume`` command: ``loader-resume check MODULE:FACTORY`` verifies your pipeline resumes exactly."""
 
 from __future__ import annotations
 
@@ -15,16 +15,27 @@ def _parser() -> argparse.ArgumentParser:
         "Run `python examples/digits_resume.py` for the main demonstration.",
     )
     parser.add_argument("--version", action="store_true", help="print the version and exit")
+    commands = parser.add_subparsers(dest="command")
+    from . import check
+
+    check.add_arguments(commands.add_parser(
+        "check", help="verify that a DataLoader factory resumes exactly (cut, resume in fresh processes, compare)"))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the exit code."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     if args.version:
         from . import __version__
 
         sys.stdout.write(f"loader-resume {__version__}\n")
         return 0
-    _parser().print_help()
+    if args.command == "check":
+        sys.path.insert(0, ".")
+        from . import check
+
+        return check.main(args)
+    parser.print_help()
     return 0

@@ -1,0 +1,172 @@
+"""``loader-resume check MODULE:FACTORY``: prove that *your* pipeline resumes exactly.
+
+FACTORY is a callable returning a DataLoader (plain ones are converted with ``loader_resume.convert``).
+The uninterrupted sequence runs in one process; each scenario saves a state after ``cut`` batches in a
+second process and resumes it in a third, possibly with another ``num_workers``. Batches are compared
+by fingerprint, field by field, so a divergence report names the batch, its epoch and the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Scenario", "main", "run_check"]
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """One cut-and-resume run and its verdict."""
+
+    cut: int
+    save_workers: int
+    resume_workers: int
+    exact: bool
+    diverged_at: int | None = None
+    epoch: int | None = None
+    fields: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        if self.exact:
+            return "exact"
+        where = f"batch {self.diverged_at} (epoch {self.epoch})"
+        return f"DIVERGES at {where}: {', '.join(self.fields) or 'missing or extra batches'} differ"
+
+
+def _fields(batch: Any) -> dict[str, str]:
+    from .testing import fingerprint
+
+    if isinstance(batch, Mapping):
+        return {repr(key): fingerprint(value) for key, value in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return {f"[{i}]": fingerprint(value) for i, value in enumerate(batch)}
+    return {"batch": fingerprint(batch)}
+
+
+def _build(spec: str, workers: int | None) -> Any:
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise SystemExit(f"loader-resume check: {spec!r} is not MODULE:FACTORY (e.g. mypkg.data:make_loader)")
+    factory: Callable[[], Any] = getattr(importlib.import_module(module_name), attribute)
+    from .convert import resumable
+
+    return resumable(factory(), num_workers=workers)
+
+
+def _run(spec: str, epochs: int, workers: int | None, cut: int | None, load: str | None, save: str | None) -> None:
+    """Runner (a separate process): print one JSON line per batch: [epoch, {field: fingerprint}]."""
+    import torch
+
+    loader = _build(spec, workers)
+    if load:
+        loader.load_state_dict(torch.load(load, weights_only=True))
+    delivered = 0
+    while loader.epoch < epochs:
+        epoch = loader.epoch
+        for batch in loader:
+            sys.stdout.write(json.dumps([epoch, _fields(batch)]) + "\n")
+            delivered += 1
+            if save and delivered == cut:
+                torch.save(loader.state_dict(), save)
+                return
+
+
+def _spawn(args: list[str]) -> list[list[Any]]:
+    done = subprocess.run([sys.executable, "-m", "loader_resume.check", *args], capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"loader-resume check: the pipeline failed in a subprocess:\n{done.stderr[-3000:]}")
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
+
+
+def _compare(reference: list[list[Any]], resumed: list[list[Any]], cut: int) -> tuple[bool, int | None, int | None,
+                                                                                          tuple[str, ...]]:
+    expected = reference[cut:]
+    for offset, (want, got) in enumerate(zip(expected, resumed, strict=False)):
+        if want != got:
+            fields = tuple(sorted(k for k in set(want[1]) | set(got[1]) if want[1].get(k) != got[1].get(k)))
+            return False, cut + offset, want[0], fields
+    if len(expected) != len(resumed):
+        at = cut + min(len(expected), len(resumed))
+        return False, at, (expected[len(resumed)][0] if len(expected) > len(resumed) else None), ()
+    return True, None, None, ()
+
+
+def run_check(spec: str, *, epochs: int = 2, cuts: list[int] | None = None, workers: list[int] | None = None,
+              progress: Callable[[int, int], None] | None = None) -> list[Scenario]:
+    """The scenarios' verdicts (the uninterrupted run is the reference)."""
+    own_workers = _build(spec, None).num_workers
+    reference = _spawn(["_run", spec, "--epochs", str(epochs)])
+    per_epoch = sum(1 for epoch, _ in reference if epoch == 0)
+    if cuts is None:  # first batch, mid-epoch, an epoch's last batch, the boundary's first batch of the next
+        candidates = (1, per_epoch // 2, per_epoch - 1, per_epoch, per_epoch + 1)
+        cuts = sorted({c for c in candidates if 0 < c <= len(reference)})
+    resume_workers = workers if workers is not None else sorted({own_workers, 0 if own_workers else 2})
+    plan = [(cut, w) for cut in cuts for w in resume_workers]
+    scenarios = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for done, (cut, resume_with) in enumerate(plan):
+            state = str(Path(tmp) / f"state-{cut}.pt")
+            _spawn(["_run", spec, "--epochs", str(epochs), "--cut", str(cut), "--save", state])
+            resumed = _spawn(["_run", spec, "--epochs", str(epochs), "--load", state, "--workers", str(resume_with)])
+            exact, at, epoch, fields = _compare(reference, resumed, cut)
+            scenarios.append(Scenario(cut, own_workers, resume_with, exact, at, epoch, fields))
+            if progress is not None:
+                progress(done + 1, len(plan))
+    return scenarios
+
+
+def _bar(done: int, total: int) -> None:
+    filled = round(30 * done / total)
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{total} scenarios")
+    sys.stderr.write("\n" if done == total else "")
+    sys.stderr.flush()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("factory", metavar="MODULE:FACTORY", help="a callable returning your DataLoader")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--cuts", type=lambda s: [int(x) for x in s.split(",")], help="e.g. 1,5,10 (batches)")
+    parser.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",")],
+                        help="num_workers to resume with, e.g. 0,2 (default: the loader's own and another)")
+    parser.add_argument("--json", action="store_true", help="print the verdicts as JSON")
+
+
+def main(args: argparse.Namespace) -> int:
+    """``loader-resume check``: exit code 0 if every scenario resumes exactly, else 1."""
+    scenarios = run_check(args.factory, epochs=args.epochs, cuts=args.cuts, workers=args.workers,
+                          progress=None if args.json else _bar)
+    if args.json:
+        sys.stdout.write(json.dumps([asdict(s) for s in scenarios], indent=2) + "\n")
+    else:
+        rows = [f"cut after {s.cut:>4} batches, num_workers {s.save_workers} -> {s.resume_workers}: {s.describe()}"
+                for s in scenarios]
+        sys.stdout.write("\n".join(rows) + "\n")
+        bad = sum(not s.exact for s in scenarios)
+        sys.stdout.write(f"{len(scenarios) - bad} exact, {bad} diverging\n")
+    return 0 if all(s.exact for s in scenarios) else 1
+
+
+def _runner_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m loader_resume.check")
+    parser.add_argument("command", choices=["_run"])
+    parser.add_argument("spec")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--workers", type=int)
+    parser.add_argument("--cut", type=int)
+    parser.add_argument("--load")
+    parser.add_argument("--save")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, ".")
+    _run(args.spec, args.epochs, args.workers, args.cut, args.load, args.save)
+
+
+if __name__ == "__main__":
+    _runner_main(sys.argv[1:])
