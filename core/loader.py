@@ -129,7 +129,7 @@ class ResumableDataLoader(DataLoader[T]):
         keying: ``"batch"`` (default) seeds the keyed generators before each batch from
             ``(seed, epoch, the batch's global position)``; ``"sample"`` before each sample from
             ``(seed, epoch, index)`` (values then also survive a change of batch or world size; costs
-            ~7 µs per sample); ``"off"`` leaves every generator alone.
+            ~8 µs per sample); ``"off"`` leaves every generator alone.
         keyed_generators: which global generators are keyed: any of ``"torch"`` (default CPU
             generator), ``"numpy"`` (legacy global ``np.random``) and ``"random"``.
         rank, world_size: shard for this rank; default from ``torch.distributed`` when initialised.
