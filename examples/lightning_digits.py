@@ -2,7 +2,7 @@
 
     python examples/lightning_digits.py                      # Ctrl-C or `kill -TERM <pid>` mid-run...
     python examples/lightning_digits.py                      # ...and the same command continues
-    python examples/lightning_digits.py trainer.devices=2    # DDP on two CPU processes
+    python examples/lightning_digits.py --devices 2          # DDP on two CPU processes (= trainer.devices=2)
     python examples/lightning_digits.py data.num_workers=0 trainer.max_epochs=5   # omegaconf overrides
 
 Settings live in configs/lightning_digits.yaml. On a signal the run checkpoints at the next step and
@@ -82,5 +82,18 @@ def main(overrides: list[str]) -> None:
         print(f"final weights digest: {fingerprint([p.detach() for p in model.parameters()])}", flush=True)
 
 
+def _overrides(argv: list[str]) -> list[str]:
+    """``--devices N`` is accepted as a shorthand for ``trainer.devices=N``; the rest are dotlist overrides."""
+    out, args = [], iter(argv)
+    for arg in args:
+        if arg == "--devices":
+            out.append(f"trainer.devices={next(args)}")
+        elif arg.startswith("--devices="):
+            out.append(f"trainer.devices={arg.split('=', 1)[1]}")
+        else:
+            out.append(arg)
+    return out
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main(_overrides(sys.argv[1:]))

@@ -52,3 +52,11 @@ def test_lightning_example_config_typo_fails_clearly(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(EXAMPLES / "lightning_digits.py"), "trainer.max_epoch=2"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "max_epoch" in done.stderr
+
+
+def test_lightning_example_runs_on_two_processes(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(EXAMPLES / "lightning_digits.py"), "--devices", "2",
+                           "trainer.max_epochs=1", f"trainer.default_root_dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _digest(done.stdout) and "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in done.stderr
