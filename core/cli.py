@@ -16,10 +16,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     commands = parser.add_subparsers(dest="command")
-    from . import check
+    from . import check, demo
 
     check.add_arguments(commands.add_parser(
         "check", help="verify that a DataLoader factory resumes exactly (cut, resume in fresh processes, compare)"))
+    demo.add_arguments(commands.add_parser(
+        "demo", help="train on digits, SIGTERM it mid-epoch, resume, and compare with the uninterrupted run"))
     return parser
 
 
@@ -37,5 +39,9 @@ def main(argv: list[str] | None = None) -> int:
         from . import check
 
         return check.main(args)
+    if args.command == "demo":
+        from . import demo
+
+        return demo.main(args)
     parser.print_help()
     return 0

@@ -19,13 +19,13 @@ from typing import Any
 
 import lightning as L
 import torch
-from digits_resume import NoisyDigits
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_resume import ResumeCallback
+from loader_resume.demo import NoisyDigits
 from loader_resume.testing import fingerprint
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "lightning_digits.yaml"

@@ -13,7 +13,7 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 
 def test_digits_example_resumes_exactly_in_fresh_processes() -> None:
     done = subprocess.run(
-        [sys.executable, str(EXAMPLES / "digits_resume.py"), "--workers", "0", "--stop-at", "25"],
+        [sys.executable, str(EXAMPLES / "digits_resume.py"), "--workers", "0", "--signal-after", "25"],
         capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
@@ -60,3 +60,13 @@ def test_lightning_example_runs_on_two_processes(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert _digest(done.stdout) and "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in done.stderr
+
+
+def test_demo_command_sigterms_resumes_and_reports_exactness() -> None:
+    cli = Path(sys.executable).parent / "loader-resume"
+    done = subprocess.run([str(cli), "demo", "--workers", "0", "--signal-after", "20"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SIGTERM during step 20" in done.stdout and "step 1\n" not in done.stdout
+    assert "identical ids and noise: yes; final weights identical: yes" in done.stdout
+    assert "plain DataLoader + skipping seen batches: diverges at" in done.stdout
