@@ -18,13 +18,11 @@ from torch.utils.data import (
     DataLoader,
     DistributedSampler,
     IterableDataset,
-    RandomSampler,
-    SequentialSampler,
 )
 
 from .keyed_rng import GENERATORS
 from .loader import ResumableDataLoader
-from .sampler import ShardedSampler
+from .sampler import ShardedSampler, torch_order
 
 __all__ = ["resumable"]
 
@@ -72,8 +70,8 @@ def resumable(
 
 
 def _sharded(loader: DataLoader[Any], sampler: Any, seed: int, rank: int, world_size: int) -> Any:
-    torch_own = type(sampler) in (RandomSampler, SequentialSampler) and not getattr(sampler, "replacement", False)
-    if not torch_own or len(sampler) != len(loader.dataset):  # type: ignore[arg-type]
+    shuffle = torch_order(sampler, loader.dataset)
+    if shuffle is None:
         return ShardedSampler(sampler, loader.dataset, num_replicas=world_size, rank=rank)
     return DistributedSampler(loader.dataset, num_replicas=world_size, rank=rank,
-                              shuffle=type(sampler) is RandomSampler, seed=seed, drop_last=loader.drop_last)
+                              shuffle=shuffle, seed=seed, drop_last=loader.drop_last)

@@ -16,14 +16,14 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
 from torch.utils.data._utils.collate import default_collate, default_convert
 from torch.utils.data.dataloader import _DatasetKind
 
 from .distributed import rank_and_world
 from .iterable import Progress, StreamCollate, Ticket, WorkerInit, WorkerRestore, WorkerSide
 from .keyed_rng import GENERATORS, derive_key, generator_mask
-from .sampler import Shard, ShardedSampler, steps_per_epoch
+from .sampler import Shard, ShardedSampler, steps_per_epoch, torch_order
 from .state import STATE_VERSION, StateError, check_state
 from .stream import Pass, Plan, index_lists, is_stateful
 from .stream_state import StreamPass, parse_stream, stream_to_dict
@@ -528,13 +528,9 @@ def _classify(loader: DataLoader[Any], sampler: Any, batch_sampler: Any, shuffle
         return sampler.sampler, f"sampler:{_qualname(sampler.sampler)}", False
     if sampler is None:
         return None, "permutation", bool(shuffle)
-    # NOTE: torch's own samplers become our permutation only when they cover this very dataset
-    # (a SequentialSampler(range(5)) over a 10-item dataset is a custom order, and is kept).
-    covers = getattr(sampler, "data_source", None) is not None and len(sampler) == len(loader.dataset)  # type: ignore[arg-type]
-    if type(sampler) is SequentialSampler and covers:
-        return None, "permutation", False
-    if type(sampler) is RandomSampler and covers and not sampler.replacement and sampler._num_samples is None:
-        return None, "permutation", True
+    shuffle = torch_order(sampler, loader.dataset)
+    if shuffle is not None:
+        return None, "permutation", shuffle
     if type(sampler) is DistributedSampler:
         return None, "permutation", bool(sampler.shuffle)
     return sampler, f"sampler:{_qualname(sampler)}", False

@@ -20,11 +20,11 @@ from itertools import islice
 from typing import Any, TypeVar
 
 import numpy as np
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
 
 from .permutation import KeyedPermutation
 
-__all__ = ["ShardedSampler", "Shard", "Step", "permutation_steps", "source_steps", "steps_per_epoch"]
+__all__ = ["ShardedSampler", "Shard", "torch_order", "Step", "permutation_steps", "source_steps", "steps_per_epoch"]
 
 U = TypeVar("U")
 _CHUNK_UNITS = 4096  # units computed per vectorised permutation call
@@ -107,6 +107,22 @@ def source_steps(units: Iterator[U], start: int, shard: Shard, snapshot: Callabl
         share = -(-len(current) // shard.world)
         mine = [current[(rank * share + i) % len(current)] for i in range(share)]
         yield mine, position + rank * share, position + len(current), True, state
+
+
+def torch_order(sampler: Any, dataset: Any) -> bool | None:
+    """The ``shuffle`` of DataLoader's own order if ``sampler`` is one over exactly ``dataset`` (it then
+    becomes our keyed permutation), else None: a custom order, kept as it is.
+
+    NOTE: only a ``SequentialSampler``/``RandomSampler`` without replacement or ``num_samples`` whose
+    data source has the dataset's length: ``SequentialSampler(range(5))`` over 10 items is custom.
+    """
+    if type(sampler) not in (RandomSampler, SequentialSampler) or getattr(sampler, "data_source", None) is None:
+        return None
+    if len(sampler) != len(dataset):
+        return None
+    if type(sampler) is SequentialSampler:
+        return False
+    return None if sampler.replacement or sampler._num_samples is not None else True
 
 
 class ShardedSampler(DistributedSampler):  # type: ignore[type-arg]
