@@ -11,7 +11,7 @@ already sharded.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from torch.utils.data import (
     BatchSampler,
@@ -26,6 +26,8 @@ from .sampler import ShardedSampler, torch_order
 
 __all__ = ["resumable"]
 
+L = TypeVar("L", bound=ResumableDataLoader[Any])
+
 
 def resumable(
     loader: DataLoader[Any],
@@ -37,23 +39,28 @@ def resumable(
     rank: int | None = None,
     world_size: int | None = None,
     worker_init_fn: Callable[[Callable[[int], None] | None], Callable[[int], None]] | None = None,
-) -> ResumableDataLoader[Any]:
+    loader_class: type[L] = ResumableDataLoader,  # type: ignore[assignment]
+) -> L:
     """``loader`` as a ResumableDataLoader (a ResumableDataLoader is returned as it is).
 
     Args:
         num_workers: override the loader's worker count (``loader-resume check`` varies it).
         rank, world_size: shard for this rank (``world_size > 1``); default: no sharding of our own.
         worker_init_fn: wraps the loader's ``worker_init_fn`` (integrations add signal handling).
+        loader_class: build this ``ResumableDataLoader`` subclass; a ResumableDataLoader of another
+            class is rebuilt as one, keeping its seed, keying and keyed generators.
     """
-    if isinstance(loader, ResumableDataLoader):
+    if isinstance(loader, loader_class):
         return loader
+    if isinstance(loader, ResumableDataLoader):
+        seed, keying, keyed_generators = loader.seed, loader.keying, loader.keyed_generators
     custom_batches = loader.batch_sampler is not None and type(loader.batch_sampler) is not BatchSampler
     sampler = None if custom_batches or isinstance(loader.dataset, IterableDataset) else loader.sampler
     if sampler is not None and world_size is not None and world_size > 1:
         sampler = _sharded(loader, sampler, seed, rank or 0, world_size)
     workers = loader.num_workers if num_workers is None else num_workers
     init = loader.worker_init_fn if worker_init_fn is None else worker_init_fn(loader.worker_init_fn)
-    return ResumableDataLoader(
+    return loader_class(
         loader.dataset,
         batch_size=None if custom_batches else loader.batch_size,
         sampler=sampler,

@@ -18,9 +18,10 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from .keyed_rng import global_rng_state
 from .state import StateError
 
-__all__ = ["gather_states", "load_rank_state", "rank_and_world"]
+__all__ = ["gather_rng_states", "gather_states", "load_rank_state", "rank_and_world"]
 
 
 class _RankedLoader(Protocol):
@@ -80,3 +81,14 @@ def load_rank_state(loader: _RankedLoader, gathered: Mapping[str, Any]) -> None:
         raise StateError("world_size", saved_world, loader.world_size,
                          "This loader cannot re-shard an iterable dataset's per-rank state.")
     reshard(ranks)
+
+
+def gather_rng_states() -> list[dict[str, Any]]:
+    """Every rank's :func:`~loader_resume.keyed_rng.global_rng_state`, in rank order (a collective
+    under ``torch.distributed``)."""
+    state = global_rng_state()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [state]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, state)
+    return gathered

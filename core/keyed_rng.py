@@ -21,7 +21,10 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-__all__ = ["GENERATORS", "CallerRng", "KeyedIndices", "derive_key", "generator_mask", "seed_generators"]
+__all__ = [
+    "GENERATORS", "CallerRng", "KeyedIndices", "derive_key", "generator_mask", "global_rng_state", "seed_generators",
+    "set_global_rng_state",
+]
 
 GENERATORS: Final = ("torch", "numpy", "random")
 _TORCH, _NUMPY, _RANDOM = 1, 2, 4
@@ -155,3 +158,24 @@ class KeyedIndices(list[int]):
         finally:
             if caller is not None:
                 caller.restore()
+
+
+def global_rng_state() -> dict[str, Any]:
+    """torch's default CPU generator, numpy's legacy global and Python's ``random`` states.
+
+    Plain values and tensors only, so a checkpoint holding it loads with ``weights_only=True``
+    (Lightning 2.6 and our own loaders load that way).
+    """
+    kind, key, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    numpy_state = {"kind": kind, "key": torch.from_numpy(np.asarray(key).astype(np.int64)), "pos": int(pos),
+                   "has_gauss": int(has_gauss), "gauss": float(gauss)}
+    return {"torch": torch.get_rng_state(), "numpy": numpy_state, "random": random.getstate()}
+
+
+def set_global_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`global_rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+    saved = state["numpy"]
+    key = saved["key"].numpy().astype(np.uint32)
+    np.random.set_state((saved["kind"], key, saved["pos"], saved["has_gauss"], saved["gauss"]))
+    random.setstate(state["random"])

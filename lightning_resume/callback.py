@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
@@ -25,7 +23,8 @@ from torch.utils.data import DataLoader
 
 from loader_resume import GENERATORS, ResumableDataLoader
 from loader_resume.convert import resumable
-from loader_resume.distributed import gather_states, load_rank_state
+from loader_resume.distributed import gather_rng_states, gather_states, load_rank_state
+from loader_resume.keyed_rng import global_rng_state, set_global_rng_state
 from loader_resume.preemption import IgnoreSignalsInWorker, Preemption
 
 __all__ = ["CHECKPOINT_KEY", "ResumeCallback"]
@@ -117,7 +116,7 @@ class ResumeCallback(OnExceptionCheckpoint):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._torch_rng_after_step = torch.get_rng_state()  # see on_validation_start
+        self._torch_rng_after_step = torch.getglobal_rng_state()  # see on_validation_start
         at_step_boundary = (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or trainer.is_last_batch
         if not at_step_boundary or trainer.global_step % self.check_every_n_steps:
             return
@@ -158,7 +157,7 @@ class ResumeCallback(OnExceptionCheckpoint):
             "format": _FORMAT,
             "loaders": [gather_states(loader, self._state_at_trainer_step(trainer, loader))
                         for loader in self._loaders],
-            "rng": _gather_rng(trainer),
+            "rng": gather_rng_states(),
         }
         _drop_lightning_loader_states(checkpoint)
 
@@ -200,13 +199,13 @@ class ResumeCallback(OnExceptionCheckpoint):
         # hook. Putting the RNG back afterwards (torch's as of the last training step) makes training's
         # random stream independent of when validation runs, so checkpoints around it resume exactly.
         fitting = trainer.state.fn == "fit" and not trainer.sanity_checking
-        self._rng_around_validation = _rng_state() if fitting else None
+        self._rng_around_validation = global_rng_state() if fitting else None
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._rng_around_validation is not None:
             if self._torch_rng_after_step is not None:
                 self._rng_around_validation["torch"] = self._torch_rng_after_step
-            _set_rng(self._rng_around_validation)
+            set_global_rng_state(self._rng_around_validation)
             self._rng_around_validation = None
 
     def _restore_rng(self) -> None:
@@ -214,7 +213,7 @@ class ResumeCallback(OnExceptionCheckpoint):
         # continues exactly. Not only at epoch start: Lightning skips on_train_epoch_start when it
         # resumes in the middle of an epoch. Fetching the batch before it draws nothing from these RNGs.
         if self._rng_to_restore is not None:
-            _set_rng(self._rng_to_restore)
+            set_global_rng_state(self._rng_to_restore)
             self._rng_to_restore = None
 
     # --- loaders -------------------------------------------------------------------------------
@@ -279,28 +278,3 @@ def _drop_lightning_loader_states(checkpoint: dict[str, Any]) -> None:
     fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
     if isinstance(fit_loop.get("state_dict"), dict):
         fit_loop["state_dict"]["combined_loader"] = []
-
-
-def _rng_state() -> dict[str, Any]:
-    # NOTE: plain values and tensors only: Lightning 2.6 loads checkpoints with weights_only=True.
-    kind, key, pos, has_gauss, gauss = np.random.get_state()
-    numpy_state = {"kind": kind, "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
-                   "has_gauss": int(has_gauss), "gauss": float(gauss)}
-    return {"torch": torch.get_rng_state(), "numpy": numpy_state, "random": random.getstate()}
-
-
-def _gather_rng(trainer: Trainer) -> list[Any]:
-    state = _rng_state()
-    if trainer.world_size == 1:
-        return [state]
-    gathered: list[Any] = [None] * trainer.world_size
-    torch.distributed.all_gather_object(gathered, state)
-    return gathered
-
-
-def _set_rng(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    saved = state["numpy"]
-    key = saved["key"].numpy().astype(np.uint32)
-    np.random.set_state((saved["kind"], key, saved["pos"], saved["has_gauss"], saved["gauss"]))
-    random.setstate(state["random"])

@@ -1,0 +1,266 @@
+"""``enable_resume(accelerator)``: exact mid-epoch resume, automatic resume and preemption checkpoints.
+
+How it hooks in, with public Accelerate APIs only:
+- ``accelerator.prepare`` is wrapped (on this instance): DataLoaders become
+  :class:`AcceleratedResumableDataLoader`s sharded by us; everything else goes to Accelerate's own
+  ``prepare`` unchanged. Optimizers get a step post-hook (torch's public
+  ``register_step_post_hook``), which fires only on real steps — not on skipped accumulation steps.
+- A *step boundary* is a request for the next batch, from a loader that delivered a batch since the
+  last boundary, after an optimizer step: an evaluation loader iterated in between is no boundary,
+  and gradient accumulation is never split.
+- ``save_state``/``load_state`` pre-hooks put every rank's loader state and RNG states in
+  ``loader_resume.pt`` of the checkpoint directory, so the user's own ``save_state`` calls carry them too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from omegaconf import DictConfig
+from torch.utils.data import DataLoader
+
+from loader_resume.checkpoint import CheckpointError, complete_checkpoints, seal, temporary_name, verify
+from loader_resume.convert import resumable
+from loader_resume.distributed import gather_rng_states, gather_states, load_rank_state
+from loader_resume.keyed_rng import set_global_rng_state
+from loader_resume.preemption import IgnoreSignalsInWorker, Preemption
+
+from .config import ResumeConfig, load_config
+from .loader import AcceleratedResumableDataLoader
+
+__all__ = ["STATE_FILE", "Resume", "enable_resume"]
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "loader_resume.pt"
+"""Our file inside an Accelerate checkpoint directory (loaded with ``weights_only=True``)."""
+_FORMAT = 1
+
+
+def enable_resume(accelerator: Accelerator,
+                  config: str | os.PathLike[str] | Mapping[str, Any] | DictConfig | None = None,
+                  overrides: Sequence[str] = ()) -> Resume:
+    """Arm ``accelerator`` for exact resume; call it before ``accelerator.prepare``.
+
+    Args:
+        config: a YAML file, dict or DictConfig of :class:`ResumeConfig` keys; ``None``: the defaults
+            (``configs/accelerate_resume.yaml``): SIGTERM and SIGUSR1 handled, checkpoints under
+            ``project_dir``, automatic resume on.
+        overrides: an omegaconf dotlist applied last, e.g. the ``key=value`` words of ``sys.argv``.
+    """
+    return Resume(accelerator, load_config(config, overrides))
+
+
+class Resume:
+    """The handle ``enable_resume`` returns: ``epochs()``, ``step``, ``save()``, ``checkpoints()``."""
+
+    def __init__(self, accelerator: Accelerator, config: ResumeConfig) -> None:
+        if getattr(accelerator, "_loader_resume", None) is not None:
+            raise ValueError("enable_resume(accelerator) was already called for this Accelerator; expected once")
+        if accelerator.split_batches:
+            raise ValueError("enable_resume: Accelerator(split_batches=True) is not supported; expected per-process "
+                             "batch sizes (the default)")
+        self.accelerator, self.config = accelerator, config
+        root = config.checkpoint_dir or os.path.join(accelerator.project_dir or os.getcwd(), "resume_checkpoints")
+        self.checkpoint_dir = Path(root)
+        self._steps = 0  # steps whose boundary has passed
+        self.epoch = 0
+        """The epoch ``epochs()`` is in (restored on resume)."""
+        self.preemption = Preemption(config.signals)
+        self.loaded_from: Path | None = None
+        self._loaders: list[AcceleratedResumableDataLoader] = []
+        self._pending: dict[str, Any] | None = None
+        self._rng_to_restore: dict[str, Any] | None = None
+        self._stepped = False
+        self._participants: set[int] = set()
+        self._started = False
+        self._prepare = accelerator.prepare
+        accelerator.prepare = self._prepare_hooked  # type: ignore[method-assign]
+        accelerator.register_save_state_pre_hook(self._on_save_state)
+        accelerator.register_load_state_pre_hook(self._on_load_state)
+        accelerator._loader_resume = self  # type: ignore[attr-defined]
+        self.preemption.install()
+
+    # --- the user's API ----------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed (restored on resume)."""
+        return self._steps + (1 if self._stepped else 0)
+
+    def epochs(self, num_epochs: int) -> Iterator[int]:
+        """``range(num_epochs)``, starting at the resumed epoch (resuming first, if configured)."""
+        self._start()
+        while self.epoch < num_epochs:
+            yield self.epoch
+            self.epoch += 1
+
+    def checkpoints(self) -> list[Path]:
+        """Complete checkpoints in ``checkpoint_dir``, oldest first."""
+        return complete_checkpoints(self.checkpoint_dir)
+
+    def save(self) -> Path:
+        """Checkpoint now (all processes call it): ``save_state`` into a temporary directory, seal it
+        with a manifest, rename it to ``step_<step>``, delete checkpoints beyond ``keep``."""
+        accelerator = self.accelerator
+        final = self.checkpoint_dir / f"step_{self.step:09d}"
+        temporary = temporary_name(final)
+        if accelerator.is_main_process:
+            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(temporary, ignore_errors=True)
+        accelerator.wait_for_everyone()
+        self._save_state_to(temporary)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            seal(temporary, final, checksums=self.config.verify_checksums)
+            for old in self.checkpoints()[:-self.config.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        accelerator.wait_for_everyone()
+        logger.info("checkpoint written at step %d: %s", self.step, final)
+        return final
+
+    def load(self, directory: str | os.PathLike[str]) -> None:
+        """``accelerator.load_state(directory)`` after verifying its manifest (all processes call it)."""
+        verify(Path(directory))
+        self.accelerator.load_state(os.fspath(directory))
+        self.loaded_from = Path(directory)
+
+    # --- prepare ----------------------------------------------------------------------------------
+    def _prepare_hooked(self, *args: Any, device_placement: list[bool | None] | None = None) -> Any:
+        placements = device_placement or [None] * len(args)
+        results: list[Any] = list(args)
+        others: list[int] = []
+        for i, (obj, placement) in enumerate(zip(args, placements, strict=True)):
+            if isinstance(obj, DataLoader):
+                results[i] = self._convert(obj, placement)
+            else:
+                others.append(i)
+        if others:
+            chosen = None if device_placement is None else [placements[i] for i in others]
+            prepared = self._prepare(*[args[i] for i in others], device_placement=chosen)
+            for i, obj in zip(others, prepared if len(others) > 1 else (prepared,), strict=True):
+                results[i] = obj
+                if isinstance(obj, torch.optim.Optimizer):
+                    getattr(obj, "optimizer", obj).register_step_post_hook(self._on_optimizer_step)
+        return results[0] if len(results) == 1 else tuple(results)
+
+    def _convert(self, loader: DataLoader[Any], placement: bool | None) -> AcceleratedResumableDataLoader:
+        accelerator, config = self.accelerator, self.config
+        ours = resumable(
+            loader, seed=config.seed, keying=config.keying, keyed_generators=config.keyed_generators,
+            rank=accelerator.process_index, world_size=accelerator.num_processes,
+            worker_init_fn=lambda user_fn: IgnoreSignalsInWorker(self.preemption.signals, user_fn),
+            loader_class=AcceleratedResumableDataLoader,
+        )
+        place = accelerator.device_placement if placement is None else placement
+        ours.attach(self, accelerator.device if place else None, bool(accelerator.non_blocking))
+        self._loaders.append(ours)
+        if self._pending is not None and len(self._loaders) == len(self._pending["loaders"]):
+            self._apply_loader_states(self._pending)
+        return ours
+
+    # --- step boundaries --------------------------------------------------------------------------
+    def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._stepped = True
+
+    def _delivered(self, loader: AcceleratedResumableDataLoader) -> None:
+        self._participants.add(id(loader))
+
+    def _before_batch(self, loader: AcceleratedResumableDataLoader) -> None:
+        self._start()
+        if self._rng_to_restore is not None:  # right before the first step after a load
+            set_global_rng_state(self._rng_to_restore)
+            self._rng_to_restore = None
+        if id(loader) in self._participants and self._stepped:
+            self._boundary()
+
+    def _boundary(self) -> None:
+        self._steps, self._stepped = self._steps + 1, False
+        self._participants.clear()
+        config = self.config
+        periodic = config.save_every_n_steps and self.step % config.save_every_n_steps == 0
+        preempted = self.step % config.check_every_n_steps == 0 and self.preemption.agreed()
+        if periodic or preempted:
+            self.save()
+        if preempted:
+            logger.warning("preemption signal: checkpoint written at step %d; exiting with %d",
+                           self.step, config.exit_code)
+            self.preemption.uninstall()
+            self.accelerator.end_training()  # every process is here: tear the process group down cleanly
+            raise SystemExit(config.exit_code)
+
+    def _start(self) -> None:
+        """Once, before the first batch or epoch: load the newest complete checkpoint, if configured."""
+        if self._started:
+            return
+        self._started = True
+        if not self.config.auto_resume:
+            return
+        found = self.checkpoints()
+        if found:
+            logger.info("resuming from %s", found[-1])
+            self.load(found[-1])
+
+    # --- save_state / load_state ------------------------------------------------------------------
+    def _save_state_to(self, directory: Path) -> None:
+        accelerator = self.accelerator
+        naming = accelerator.project_configuration.automatic_checkpoint_naming
+        iteration = accelerator.project_configuration.iteration
+        accelerator.project_configuration.automatic_checkpoint_naming = False  # it would ignore our directory
+        try:
+            accelerator.save_state(os.fspath(directory))
+        finally:
+            accelerator.project_configuration.automatic_checkpoint_naming = naming
+            accelerator.project_configuration.iteration = iteration
+
+    def _on_save_state(self, models: Any, weights: Any, output_dir: str) -> None:
+        # NOTE: every process runs save_state (and this hook), so the gathers below are collectives.
+        state = {
+            "format": _FORMAT, "step": self.step, "epoch": self.epoch,
+            "accelerator_step": self.accelerator.step, "world_size": self.accelerator.num_processes,
+            "loaders": [gather_states(loader, loader.resume_state()) for loader in self._loaders],
+            "rng": gather_rng_states(),
+        }
+        if self.accelerator.is_main_process:
+            torch.save(state, os.path.join(output_dir, STATE_FILE))
+
+    def _on_load_state(self, models: Any, input_dir: str) -> None:
+        path = os.path.join(input_dir, STATE_FILE)
+        if not os.path.exists(path):
+            logger.warning("%s has no %s (saved before enable_resume?): loaders restart their epoch", input_dir,
+                           STATE_FILE)
+            return
+        try:
+            state = torch.load(path, weights_only=True)
+        except Exception as error:
+            raise CheckpointError(f"{path}: unreadable ({error}); expected a state written by loader-resume") from None
+        found = state.get("format") if isinstance(state, dict) else None
+        if found != _FORMAT:
+            raise CheckpointError(f"{path}: format {found!r}; expected {_FORMAT} (written by another loader-resume?)")
+        self._steps, self.epoch, self._stepped = state["step"], state["epoch"], False
+        self._participants.clear()
+        self.accelerator.step = state["accelerator_step"]
+        rank = self.accelerator.process_index
+        self._rng_to_restore = state["rng"][rank] if rank < len(state["rng"]) else None
+        if self._rng_to_restore is None:
+            logger.warning("process %d has no saved RNG state (the checkpoint is from %d processes)", rank,
+                           state["world_size"])
+        self._pending = state
+        if len(self._loaders) >= len(state["loaders"]):
+            self._apply_loader_states(state)
+
+    def _apply_loader_states(self, state: dict[str, Any]) -> None:
+        saved = state["loaders"]
+        if len(saved) != len(self._loaders):
+            raise CheckpointError(f"the checkpoint holds {len(saved)} loader states; {len(self._loaders)} loaders "
+                                  "were prepared (expected the same loaders, in the same order)")
+        for loader, gathered in zip(self._loaders, saved, strict=True):
+            load_rank_state(loader, gathered)
+        self._pending = None
+

@@ -1,0 +1,129 @@
+"""Atomic, verified checkpoint directories (used by the Accelerate hook; usable by any training loop).
+
+A checkpoint directory is written under a temporary name (``.NAME.tmp``), sealed with a manifest
+(every file's size and SHA-256) and renamed into place: a kill at any byte leaves either the previous
+checkpoints untouched plus a ``.tmp`` leftover (ignored, with a warning), or a complete checkpoint.
+Loading verifies the manifest first, so a truncated file, flipped bytes or an edited state are refused
+with an error naming the file, never loaded as wrong data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = ["MANIFEST", "CheckpointError", "complete_checkpoints", "seal", "temporary_name", "verify"]
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "loader_resume_manifest.json"
+"""The file that seals a complete checkpoint directory."""
+_FORMAT = 1
+_CHUNK = 1 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory is incomplete, corrupted or edited."""
+
+
+def temporary_name(final: Path) -> Path:
+    """Where ``final`` is written before it is sealed and renamed."""
+    return final.with_name(f".{final.name}.tmp")
+
+
+def seal(directory: Path, final: Path, *, checksums: bool = True) -> None:
+    """Write ``directory``'s manifest, then rename it to ``final`` (replacing an older ``final``)."""
+    files = {name: _describe(directory / name, checksums) for name in _files(directory)}
+    manifest = directory / MANIFEST
+    _write_atomically(manifest, json.dumps({"format": _FORMAT, "files": files}, indent=1, sort_keys=True))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(directory, final)
+    _fsync_directory(final.parent)
+
+
+def verify(directory: Path) -> None:
+    """Raise :class:`CheckpointError` unless ``directory`` matches its manifest byte for byte."""
+    manifest = directory / MANIFEST
+    try:
+        described = json.loads(manifest.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory}: no {MANIFEST}; expected a checkpoint sealed by loader-resume "
+                              "(killed before it was complete?)") from None
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{manifest}: unreadable ({error}); expected the JSON manifest") from None
+    if not isinstance(described, dict) or described.get("format") != _FORMAT:
+        found = described.get("format") if isinstance(described, dict) else described
+        raise CheckpointError(f"{manifest}: format {found!r}; expected {_FORMAT}")
+    for name, expected in described["files"].items():
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing; the manifest lists it ({expected['size']} bytes)")
+        found = _describe(path, "sha256" in expected)
+        if found != expected:
+            raise CheckpointError(f"{path}: {found} does not match the manifest's {expected} "
+                                  "(truncated, corrupted or edited after it was written); refusing to load it")
+
+
+def complete_checkpoints(root: Path, pattern: str = r"step_(\d+)") -> list[Path]:
+    """Sealed checkpoints under ``root`` named ``pattern`` (one integer group), oldest first.
+
+    Leftovers of interrupted saves (``.NAME.tmp``) and unsealed directories are skipped with a warning.
+    """
+    found: list[tuple[int, Path]] = []
+    if not root.is_dir():
+        return []
+    for path in sorted(root.iterdir()):
+        if not path.is_dir():
+            continue
+        if path.name.startswith(".") and path.name.endswith(".tmp"):
+            logger.warning("skipping %s: an incomplete checkpoint (the save was interrupted)", path)
+            continue
+        match = re.fullmatch(pattern, path.name)
+        if match is None:
+            continue
+        if not (path / MANIFEST).is_file():
+            logger.warning("skipping %s: it has no %s, so it may be incomplete", path, MANIFEST)
+            continue
+        found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def _files(directory: Path) -> Iterator[str]:
+    for path in sorted(directory.rglob("*")):
+        if path.is_file() and path.name != MANIFEST:
+            yield path.relative_to(directory).as_posix()
+
+
+def _describe(path: Path, checksum: bool) -> dict[str, int | str]:
+    described: dict[str, int | str] = {"size": path.stat().st_size}
+    if checksum:
+        digest = hashlib.sha256()
+        with path.open("rb") as file:
+            while chunk := file.read(_CHUNK):
+                digest.update(chunk)
+        described["sha256"] = digest.hexdigest()
+    return described
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    with temporary.open("w") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+
+
+def _fsync_directory(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
