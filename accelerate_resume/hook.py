@@ -83,8 +83,8 @@ class Resume:
         self._started = False
         self._prepare = accelerator.prepare
         accelerator.prepare = self._prepare_hooked  # type: ignore[method-assign]
-        accelerator.register_save_state_pre_hook(self._on_save_state)
-        accelerator.register_load_state_pre_hook(self._on_load_state)
+        self._handles = [accelerator.register_save_state_pre_hook(self._on_save_state),
+                         accelerator.register_load_state_pre_hook(self._on_load_state)]
         accelerator._loader_resume = self  # type: ignore[attr-defined]
         self.preemption.install()
 
@@ -100,6 +100,16 @@ class Resume:
         while self.epoch < num_epochs:
             yield self.epoch
             self.epoch += 1
+
+    def close(self) -> None:
+        """Undo ``enable_resume``: restore the signal handlers and ``accelerator.prepare``, drop the hooks
+        (loaders already prepared stay resumable)."""
+        self.preemption.uninstall()
+        for handle in self._handles:
+            handle.remove()
+        accelerator = self.accelerator
+        del accelerator.prepare
+        accelerator._loader_resume = None  # type: ignore[attr-defined]
 
     def checkpoints(self) -> list[Path]:
         """Complete checkpoints in ``checkpoint_dir``, oldest first."""

@@ -54,9 +54,9 @@ class AcceleratedResumableDataLoader(ResumableDataLoader[Any], DataLoaderStateMi
         self.begin()
         try:
             ahead = not self._map  # no length: fetch one batch ahead to see the end coming
+            epoch = self.epoch
             current = next(inner, _END)
             while current is not _END:
-                epoch = self.epoch
                 upcoming = next(inner, _END) if ahead else None
                 self._held = int(ahead and upcoming is not _END)
                 self.end_of_dataloader = upcoming is _END if ahead else self.epoch != epoch
@@ -67,6 +67,7 @@ class AcceleratedResumableDataLoader(ResumableDataLoader[Any], DataLoaderStateMi
                     return  # NOTE: no boundary on the request that ends the pass, see resume_state
                 if hook is not None:
                     hook._before_batch(self)
+                epoch = self.epoch
                 current = upcoming if ahead else next(inner, _END)
         finally:
             self._held = 0

@@ -1,0 +1,146 @@
+"""A real Accelerate training script for test_accelerate.py.
+
+    python accelerate_child.py OUT [options]                                  # one process
+    accelerate launch --multi_gpu --num_processes 2 accelerate_child.py OUT   # two (gloo, CPU)
+
+Trains a small MLP with dropout on generated data whose items draw augmentation noise from torch,
+numpy and random, with ``enable_resume``. Each process appends one JSON line per micro-batch to
+OUT/log-RANK.jsonl (epoch, optimizer steps done, sample ids, fingerprint of the batch) — so a restarted
+job's log continues the first run's — and writes OUT/weights-RANK.txt (fingerprint of the final weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+
+from accelerate_resume import AcceleratedResumableDataLoader, enable_resume
+from loader_resume.testing import fingerprint
+
+
+class Noisy(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
+    def __init__(self, n: int) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 8, generator=generator)
+        self.y = (self.x.sum(1) > 0).long()
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        noise = 0.1 * torch.randn(8) + float(np.random.rand()) * 0.01 + random.random() * 0.01
+        return self.x[index] + noise, self.y[index], index
+
+
+class NoisyStream(IterableDataset[tuple[torch.Tensor, torch.Tensor, int]]):
+    """The same data as a stream without __len__, sharded over ranks and workers, position as state."""
+
+    def __init__(self, n: int, rank: int, world: int) -> None:
+        self.data, self.rank, self.world, self.i = Noisy(n), rank, world, 0
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        mine = range(self.rank * workers + worker, len(self.data), self.world * workers)
+        while self.i < len(mine):
+            self.i += 1
+            yield self.data[mine[self.i - 1]]
+        self.i = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"i": self.i}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.i = state["i"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--processes", type=int, default=1, help="the world size this run must have")
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--n", type=int, default=30)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--sleep", type=float, default=0.0, help="seconds per step, to be signalled mid-epoch")
+    parser.add_argument("--signal-at", type=int, help="rank 0 sends itself SIGTERM after this micro-batch")
+    parser.add_argument("--save-at", type=int, help="accelerator.save_state(OUT/explicit) at this step, then crash")
+    parser.add_argument("--load", help="accelerator.load_state(DIR) after prepare (automatic resume off)")
+    parser.add_argument("--stream", action="store_true", help="an IterableDataset without __len__")
+    parser.add_argument("--eval-n", type=int, default=0, help="evaluate on this many items after each epoch")
+    parser.add_argument("overrides", nargs="*", help="resume config dotlist, e.g. save_every_n_steps=4")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    torch.manual_seed(123)
+    accelerator = Accelerator(cpu=True, project_dir=str(out), gradient_accumulation_steps=args.accumulate)
+    assert accelerator.num_processes == args.processes, (accelerator.num_processes, args.processes)
+    rank = accelerator.process_index
+    config = {"seed": 7, "auto_resume": args.load is None}
+    resume = enable_resume(accelerator, config, overrides=args.overrides)
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data: Any = NoisyStream(args.n, rank, args.processes) if args.stream else Noisy(args.n)
+    train = DataLoader(data, batch_size=4, shuffle=not args.stream, num_workers=args.workers)
+    evaluation = DataLoader(Noisy(max(args.eval_n, 1)), batch_size=4, num_workers=0)
+    model, optimizer, train, evaluation = accelerator.prepare(model, optimizer, train, evaluation)
+    assert isinstance(train, AcceleratedResumableDataLoader) and train.world_size == args.processes
+    if args.load:
+        accelerator.load_state(args.load)
+
+    log = (out / f"log-{rank}.jsonl").open("a")
+    (out / f"pid-{rank}").write_text(str(os.getpid()))
+    micro = 0
+    for epoch in resume.epochs(args.epochs):
+        model.train()
+        for x, y, ids in train:
+            with accelerator.accumulate(model):
+                loss = nn.functional.cross_entropy(model(x), y)
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            micro += 1
+            row = {"epoch": epoch, "step": resume.step, "sync": accelerator.sync_gradients,
+                   "ids": ids.tolist(), "batch": fingerprint([x, y])}
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+            if args.sleep:
+                time.sleep(args.sleep)
+                (out / f"progress-{rank}").write_text(str(resume.step))
+            if args.signal_at == micro and rank == 0:
+                os.kill(os.getpid(), signal.SIGTERM)
+            if args.save_at == resume.step and accelerator.sync_gradients:
+                accelerator.save_state(str(out / "explicit"))
+                accelerator.wait_for_everyone()
+                os._exit(0)  # a crash right after the save: nothing else is written
+        if args.eval_n:
+            model.eval()
+            seen = []
+            for _, _, ids in evaluation:
+                seen += accelerator.gather_for_metrics(ids).tolist()
+            if rank == 0:
+                log.write(json.dumps({"epoch": epoch, "eval": seen}) + "\n")
+                log.flush()
+    weights = fingerprint([p.detach() for p in model.parameters()])
+    (out / f"weights-{rank}.txt").write_text(weights)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

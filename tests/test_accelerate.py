@@ -1,0 +1,315 @@
+"""Accelerate (issue #4): `enable_resume` in real processes — one (`python`), two (`accelerate launch
+--multi_gpu --num_processes 2` with `Accelerator(cpu=True)`, gloo; the child asserts the world size).
+
+Each case is a failure measured with Accelerate's own resume support (see the issue): wrong samples after
+`load_state`, the epoch counter lost under two processes, prefetch before `load_state` with workers,
+augmentations that never match, a changed worker count, a changed process count, SIGTERM saving nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.state import AcceleratorState, GradientState
+from torch.utils.data import DataLoader
+
+from accelerate_resume import AcceleratedResumableDataLoader, ResumeConfig, enable_resume, load_config
+from conftest import Augmented
+from loader_resume.checkpoint import MANIFEST
+
+CHILD = Path(__file__).parent / "accelerate_child.py"
+ROOT = Path(__file__).parent.parent
+N, EPOCHS = 30, 3  # 1 process: 8 batches an epoch; 2 processes: 4 per rank
+
+
+def command(out: Path, processes: int, *args: str) -> list[str]:
+    if processes == 1:
+        return [sys.executable, str(CHILD), str(out), *args]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    accelerate = Path(sys.executable).with_name("accelerate")
+    return [str(accelerate), "launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
+            str(CHILD), str(out), "--processes", str(processes), *args]
+
+
+def run(out: Path, processes: int, *args: str, expect: int = 0) -> str:
+    done = subprocess.run(command(out, processes, *args), capture_output=True, text=True, timeout=300)
+    failed = expect != 0 and processes > 1  # the launcher reports a failed child with its own code
+    assert (done.returncode != 0 if failed else done.returncode == expect), done.stderr[-3000:]
+    if failed:
+        assert f"exitcode  : {expect}" in done.stderr, done.stderr[-3000:]
+    return done.stderr
+
+
+def logs(out: Path) -> list[list[dict[str, Any]]]:
+    return [[json.loads(line) for line in path.read_text().splitlines()] for path in sorted(out.glob("log-*.jsonl"))]
+
+
+def weights(out: Path) -> list[str]:
+    return [path.read_text() for path in sorted(out.glob("weights-*.txt"))]
+
+
+def trained(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [row for row in rows if "ids" in row]
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """Uninterrupted runs with an evaluation after each epoch, on 1 and 2 processes."""
+    runs = {}
+    for processes in (1, 2):
+        out = tmp_path_factory.mktemp(f"full{processes}")
+        run(out, processes, "--eval-n", "13")
+        runs[processes] = out
+    return runs
+
+
+# --- real runs ------------------------------------------------------------------------------------
+def test_two_processes_shard_every_epoch_disjointly_and_gather_for_metrics_drops_the_padding(
+    full: dict[int, Path],
+) -> None:
+    ranks = logs(full[2])
+    for epoch in range(EPOCHS):
+        seen = [[i for row in trained(rows) if row["epoch"] == epoch for i in row["ids"]] for rows in ranks]
+        assert len(seen[0]) == len(seen[1]) == N // 2 and sorted(seen[0] + seen[1]) == list(range(N))
+    evaluations = [row["eval"] for row in ranks[0] if "eval" in row]
+    assert evaluations == [list(range(13))] * EPOCHS  # 13 items over 2 ranks x 4: the padded item is dropped
+
+
+def test_batches_do_not_depend_on_num_workers(full: dict[int, Path], tmp_path: Path) -> None:
+    run(tmp_path, 1, "--eval-n", "13", "--workers", "2")
+    assert logs(tmp_path) == logs(full[1]) and weights(tmp_path) == weights(full[1])
+
+
+@pytest.mark.parametrize(("processes", "workers", "at"), [(1, 0, 10), (1, 2, 10), (2, 0, 6), (2, 2, 6)])
+def test_save_state_then_load_state_in_a_fresh_process_is_exact(
+    full: dict[int, Path], tmp_path: Path, processes: int, workers: int, at: int
+) -> None:
+    """The user's own save_state / load_state, in the second epoch (the epoch counter must survive)."""
+    options = ["--eval-n", "13", "--workers", str(workers)]
+    run(tmp_path, processes, *options, "--save-at", str(at))
+    assert trained(logs(tmp_path)[0])[-1]["epoch"] == 1
+    run(tmp_path, processes, *options, "--load", str(tmp_path / "explicit"))
+    assert logs(tmp_path) == logs(full[processes])
+    assert weights(tmp_path) == weights(full[processes])
+
+
+def preempt(out: Path, processes: int, whole_group: bool, *args: str) -> None:
+    """A real SIGTERM from the test, mid-epoch, to rank 0 or to the whole process group."""
+    first = subprocess.Popen(command(out, processes, "--sleep", "0.1", *args), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    progress = out / "progress-0"
+    deadline = time.monotonic() + 120
+    while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= 5):
+        assert time.monotonic() < deadline and first.poll() is None, "training never reached step 5"
+        time.sleep(0.02)
+    if whole_group:
+        os.killpg(first.pid, signal.SIGTERM)
+    else:
+        os.kill(int((out / "pid-0").read_text()), signal.SIGTERM)
+    _, stderr = first.communicate(timeout=120)  # a hang between the ranks would fail here
+    assert first.returncode == 143 if processes == 1 else first.returncode != 0, stderr[-3000:]
+    if processes > 1 and not whole_group:  # signalled itself, the launcher lets its ranks finish and reports
+        assert "exitcode  : 143" in stderr, stderr[-3000:]
+
+
+@pytest.mark.parametrize("whole_group", [False, True])
+def test_sigterm_mid_epoch_checkpoints_at_a_step_boundary_and_the_same_command_continues(
+    full: dict[int, Path], tmp_path: Path, whole_group: bool
+) -> None:
+    preempt(tmp_path, 2, whole_group, "--eval-n", "13", "--workers", "2")
+    checkpoints = sorted(p.name for p in (tmp_path / "resume_checkpoints").iterdir())
+    stopped = trained(logs(tmp_path)[0])
+    assert checkpoints == [f"step_{len(stopped):09d}"] and 5 <= len(stopped) < EPOCHS * 4
+    run(tmp_path, 2, "--eval-n", "13", "--workers", "2")
+    assert logs(tmp_path) == logs(full[2])  # the rerun's log appends to the first run's
+    assert weights(tmp_path) == weights(full[2])
+
+
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """A job on 1 and on 2 processes stopped by SIGTERM in the second epoch (copied before any rerun)."""
+    runs = {}
+    for processes, micro in ((1, 11), (2, 6)):
+        out = tmp_path_factory.mktemp(f"preempted{processes}")
+        run(out, processes, "--eval-n", "13", "--signal-at", str(micro), expect=143)
+        runs[processes] = out
+    return runs
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
+def test_checkpoint_resumes_on_another_process_count_delivering_the_rest_exactly_once(
+    preempted: dict[int, Path], tmp_path: Path, before: int, after: int
+) -> None:
+    shutil.copytree(preempted[before], tmp_path, dirs_exist_ok=True)
+    cut = [trained(rows) for rows in logs(tmp_path)]
+    epoch = cut[0][-1]["epoch"]
+    assert epoch == 1
+    for path in tmp_path.glob("log-*.jsonl"):
+        path.unlink()
+    run(tmp_path, after, "--eval-n", "13")
+    resumed = [trained(rows) for rows in logs(tmp_path)]
+    before_cut = [i for rows in cut for row in rows if row["epoch"] == epoch for i in row["ids"]]
+    after_cut = [i for rows in resumed for row in rows if row["epoch"] == epoch for i in row["ids"]]
+    assert sorted(before_cut + after_cut) == list(range(N))  # the rest of the epoch, exactly once
+    for later in range(epoch + 1, EPOCHS):
+        assert sorted(i for rows in resumed for row in rows if row["epoch"] == later for i in row["ids"]) == \
+            list(range(N))
+    assert min(row["step"] for rows in resumed for row in rows) == max(row["step"] for row in cut[0]) + 1
+
+
+def test_automatic_resume_skips_an_interrupted_save_and_an_unsealed_directory_with_a_warning(
+    full: dict[int, Path], preempted: dict[int, Path], tmp_path: Path
+) -> None:
+    shutil.copytree(preempted[1], tmp_path, dirs_exist_ok=True)
+    root = tmp_path / "resume_checkpoints"
+    (sealed,) = root.iterdir()
+    shutil.copytree(sealed, root / ".step_000000099.tmp")  # killed before it was sealed and renamed
+    shutil.copytree(sealed, root / "step_000000098")
+    (root / "step_000000098" / MANIFEST).unlink()
+    stderr = run(tmp_path, 1, "--eval-n", "13")
+    assert "skipping" in stderr and ".step_000000099.tmp: an incomplete checkpoint" in stderr
+    assert "step_000000098: it has no loader_resume_manifest.json" in stderr
+    assert logs(tmp_path) == logs(full[1]) and weights(tmp_path) == weights(full[1])
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "edit"])
+def test_a_damaged_checkpoint_is_refused_naming_the_file(preempted: dict[int, Path], tmp_path: Path,
+                                                         damage: str) -> None:
+    shutil.copytree(preempted[1], tmp_path, dirs_exist_ok=True)
+    (sealed,) = (tmp_path / "resume_checkpoints").iterdir()
+    target = sealed / ("model.safetensors" if damage == "flip" else "loader_resume.pt")
+    data = bytearray(target.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x01
+    elif damage == "truncate":
+        data = data[: len(data) // 2]
+    else:  # an edited state: a valid file, another position
+        state = torch.load(target, weights_only=True)
+        state["loaders"][0]["ranks"][0]["position"] = 0
+        torch.save(state, target)
+        data = bytearray(target.read_bytes())
+    target.write_bytes(bytes(data))
+    stderr = run(tmp_path, 1, "--eval-n", "13", expect=1)
+    assert f"CheckpointError: {target}:" in stderr and "refusing to load it" in stderr
+
+
+def test_gradient_accumulation_is_never_split_and_resume_is_exact(tmp_path: Path) -> None:
+    """26 items, 4 a batch: 7 batches an epoch, so the last accumulation is cut short by the epoch's end."""
+    options = ["--accumulate", "2", "--n", "26", "--workers", "2"]
+    run(tmp_path / "full", 1, *options)
+    run(tmp_path / "job", 1, *options, "--signal-at", "8", expect=143)  # a signal after a non-syncing micro-batch
+    stopped = logs(tmp_path / "job")[0]
+    assert not stopped[7]["sync"] and len(stopped) == 9 and stopped[-1]["sync"]  # it waited for the step
+    run(tmp_path / "job", 1, *options)
+    assert logs(tmp_path / "job") == logs(tmp_path / "full")
+    assert weights(tmp_path / "job") == weights(tmp_path / "full")
+    syncs = [row["sync"] for row in logs(tmp_path / "full")[0][:7]]
+    assert syncs == [False, True, False, True, False, True, True]  # the epoch's end syncs
+
+
+def test_iterable_dataset_with_workers_resumes_exactly_after_sigterm(tmp_path: Path) -> None:
+    options = ["--stream", "--workers", "2"]
+    run(tmp_path / "full", 1, *options)
+    run(tmp_path / "job", 1, *options, "--signal-at", "11", expect=143)
+    run(tmp_path / "job", 1, *options)
+    assert logs(tmp_path / "job") == logs(tmp_path / "full")
+    assert weights(tmp_path / "job") == weights(tmp_path / "full")
+
+
+def test_periodic_checkpoints_keep_the_newest(tmp_path: Path) -> None:
+    run(tmp_path, 1, "save_every_n_steps=5", "keep=2")
+    assert sorted(p.name for p in (tmp_path / "resume_checkpoints").iterdir()) == ["step_000000015",
+                                                                                   "step_000000020"]
+
+
+def test_checkpoint_of_another_dataset_fails_clearly(preempted: dict[int, Path], tmp_path: Path) -> None:
+    shutil.copytree(preempted[1], tmp_path, dirs_exist_ok=True)
+    stderr = run(tmp_path, 1, "--n", "20", expect=1)
+    assert "StateError" in stderr and "dataset_len" in stderr and "30" in stderr and "20" in stderr
+
+
+# --- in-process: configuration and prepare -------------------------------------------------------
+@pytest.fixture
+def accelerator(tmp_path: Path) -> Any:
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = Accelerator(cpu=True, project_dir=str(tmp_path))
+    yield accelerator
+    resume = getattr(accelerator, "_loader_resume", None)
+    if resume is not None:
+        resume.close()
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def test_bare_enable_resume_is_fully_armed(accelerator: Any, tmp_path: Path) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    resume = enable_resume(accelerator)
+    assert resume.config == ResumeConfig()
+    assert resume.checkpoint_dir == tmp_path / "resume_checkpoints"
+    for number in (signal.SIGTERM, signal.SIGUSR1):
+        assert signal.getsignal(number) == resume.preemption._on_signal
+    resume.close()
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_the_shipped_yaml_holds_the_defaults() -> None:
+    assert load_config(ROOT / "configs" / "accelerate_resume.yaml") == ResumeConfig()
+
+
+def test_a_config_typo_fails_at_enable_resume_naming_the_key(accelerator: Any, tmp_path: Path) -> None:
+    path = tmp_path / "resume.yaml"
+    path.write_text("save_every_n_step: 50\n")
+    with pytest.raises(ValueError, match="unknown key 'save_every_n_step' \\(did you mean 'save_every_n_steps'\\?\\)"):
+        enable_resume(accelerator, path)
+    with pytest.raises(ValueError, match="keep: Value 'many' of type 'str' could not be converted to Integer"):
+        enable_resume(accelerator, {"keep": "many"})
+    with pytest.raises(ValueError, match="keying='batches'; expected one of"):
+        enable_resume(accelerator, None, ["keying=batches"])
+
+
+def test_command_line_dotlist_overrides_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "resume.yaml"
+    path.write_text("save_every_n_steps: 50\nkeying: sample\n")
+    config = load_config(path, ["save_every_n_steps=7", "signals=[SIGUSR2]", "keying=off"])
+    assert (config.save_every_n_steps, config.signals, config.keying) == (7, ["SIGUSR2"], "off")
+
+
+def test_prepare_converts_loaders_and_prepares_models_and_optimizers_as_accelerate_does(
+    accelerator: Any, tmp_path: Path
+) -> None:
+    resume = enable_resume(accelerator, {"seed": 3})
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(Augmented(10), batch_size=4, shuffle=True, drop_last=True, collate_fn=_collate)
+    prepared_model, prepared_optimizer, prepared_loader = accelerator.prepare(model, optimizer, loader)
+    assert type(prepared_model) is type(model) and isinstance(prepared_optimizer, AcceleratedOptimizer)
+    assert isinstance(prepared_loader, AcceleratedResumableDataLoader)
+    assert (prepared_loader.seed, prepared_loader.drop_last, prepared_loader.collate_fn) == (3, True, _collate)
+    assert prepared_loader.dataset is loader.dataset and accelerator._dataloaders == []  # not Accelerate's shard
+    batches = list(prepared_loader)
+    assert len(batches) == 2 and all(b["torch"].device == accelerator.device for b in batches)
+    prepared_loader._device = torch.device("meta")  # no GPU here: any other device shows the placement
+    assert all(b["torch"].device.type == "meta" for b in prepared_loader)
+    assert accelerator.prepare(loader).world_size == 1  # a single object comes back alone, as with Accelerate
+    assert resume.step == 0
+
+
+def _collate(items: list[Any]) -> Any:
+    return torch.utils.data.default_collate(items)
