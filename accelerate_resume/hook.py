@@ -59,7 +59,8 @@ def enable_resume(accelerator: Accelerator,
 
 
 class Resume:
-    """The handle ``enable_resume`` returns: ``epochs()``, ``step``, ``save()``, ``checkpoints()``."""
+    """The handle ``enable_resume`` returns: ``epochs()``, ``step``, ``epoch``, ``restore()``, ``save()``,
+    ``checkpoints()``, ``close()``."""
 
     def __init__(self, accelerator: Accelerator, config: ResumeConfig) -> None:
         if getattr(accelerator, "_loader_resume", None) is not None:
@@ -96,7 +97,7 @@ class Resume:
 
     def epochs(self, num_epochs: int) -> Iterator[int]:
         """``range(num_epochs)``, starting at the resumed epoch (resuming first, if configured)."""
-        self._start()
+        self.restore()
         while self.epoch < num_epochs:
             yield self.epoch
             self.epoch += 1
@@ -183,7 +184,7 @@ class Resume:
         self._participants.add(id(loader))
 
     def _before_batch(self, loader: AcceleratedResumableDataLoader) -> None:
-        self._start()
+        self.restore()
         if self._rng_to_restore is not None:  # right before the first step after a load
             set_global_rng_state(self._rng_to_restore)
             self._rng_to_restore = None
@@ -205,17 +206,17 @@ class Resume:
             self.accelerator.end_training()  # every process is here: tear the process group down cleanly
             raise SystemExit(config.exit_code)
 
-    def _start(self) -> None:
-        """Once, before the first batch or epoch: load the newest complete checkpoint, if configured."""
-        if self._started:
-            return
-        self._started = True
-        if not self.config.auto_resume:
-            return
-        found = self.checkpoints()
-        if found:
-            logger.info("resuming from %s", found[-1])
-            self.load(found[-1])
+    def restore(self) -> Path | None:
+        """Load the newest complete checkpoint now, if ``auto_resume`` (all processes call it; only the
+        first call does anything). Otherwise it happens by itself at the first ``epochs()`` or batch.
+        Returns the checkpoint loaded, if any."""
+        if not self._started:
+            self._started = True
+            found = self.checkpoints() if self.config.auto_resume else []
+            if found:
+                logger.info("resuming from %s", found[-1])
+                self.load(found[-1])
+        return self.loaded_from
 
     # --- save_state / load_state ------------------------------------------------------------------
     def _save_state_to(self, directory: Path) -> None:

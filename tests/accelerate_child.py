@@ -127,6 +127,7 @@ def main() -> None:
             if args.save_at == resume.step and accelerator.sync_gradients:
                 accelerator.save_state(str(out / "explicit"))
                 accelerator.wait_for_everyone()
+                accelerator.end_training()  # NOTE: gloo aborts a process whose peer vanished mid-connection
                 os._exit(0)  # a crash right after the save: nothing else is written
         if args.eval_n:
             model.eval()

@@ -70,3 +70,33 @@ def test_demo_command_sigterms_resumes_and_reports_exactness() -> None:
     assert "SIGTERM during step 20" in done.stdout and "step 1\n" not in done.stdout
     assert "identical ids and noise: yes; final weights identical: yes" in done.stdout
     assert "plain DataLoader + skipping seen batches: diverges at" in done.stdout
+
+
+def test_accelerate_example_interrupted_by_sigterm_and_rerun_ends_with_the_same_weights(tmp_path: Path) -> None:
+    script = str(EXAMPLES / "accelerate_digits.py")
+    uninterrupted = subprocess.run([sys.executable, script, f"project_dir={tmp_path / 'a'}"],
+                                   capture_output=True, text=True, timeout=300)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    command = [sys.executable, script, f"project_dir={tmp_path / 'b'}"]
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert first.stdout is not None
+    for line in first.stdout:  # training is under way, mid-epoch 0
+        if line.startswith("epoch 0 step 20 "):
+            os.kill(first.pid, signal.SIGTERM)
+            break
+    rest = first.communicate(timeout=120)[0]
+    assert first.returncode == 143 and "final weights digest" not in rest
+    rerun = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "resumed from" in rerun.stdout and "epoch 0 step 20 " not in rerun.stdout  # it continued
+    assert _digest(rerun.stdout) == _digest(uninterrupted.stdout)
+
+
+def test_accelerate_example_runs_on_two_processes(tmp_path: Path) -> None:
+    accelerate = Path(sys.executable).with_name("accelerate")
+    done = subprocess.run([str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+                           str(EXAMPLES / "accelerate_digits.py"), "--cpu", "epochs=1", f"project_dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "training on 2 process(es)" in done.stdout and _digest(done.stdout)

@@ -1,0 +1,75 @@
+"""Accelerate on scikit-learn's digits with enable_resume: interrupt it, run it again, it continues.
+
+    python examples/accelerate_digits.py                               # Ctrl-C or `kill -TERM <pid>`...
+    python examples/accelerate_digits.py                               # ...and the same command continues
+    accelerate launch --multi_gpu --num_processes 2 examples/accelerate_digits.py --cpu   # two CPU processes
+    python examples/accelerate_digits.py save_every_n_steps=50 epochs=5                   # dotlist overrides
+
+Resume settings come from configs/accelerate_resume.yaml (our keys; override any of them as
+``key=value``); ``epochs``, ``workers``, ``batch_size`` and ``project_dir`` are this script's own.
+On a signal the run checkpoints at the next optimizer step and exits with code 143; the next run
+resumes from the newest complete checkpoint automatically. The last line printed is a digest of the
+final weights: an interrupted-and-rerun job prints the same one as an uninterrupted job.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+from torch.utils.data import DataLoader
+
+from accelerate_resume import enable_resume
+from loader_resume.demo import NoisyDigits
+from loader_resume.testing import fingerprint
+
+CONFIG = Path(__file__).resolve().parent.parent / "configs" / "accelerate_resume.yaml"
+OWN = {"epochs": 3, "workers": 2, "batch_size": 32, "project_dir": "runs/accelerate_digits"}
+
+
+def split(argv: list[str]) -> tuple[dict[str, str], list[str], bool]:
+    """This script's own ``key=value`` settings, the resume config overrides, and ``--cpu``."""
+    own = {key: str(value) for key, value in OWN.items()}
+    overrides = []
+    for arg in argv:
+        key = arg.split("=", 1)[0]
+        if key in own:
+            own[key] = arg.split("=", 1)[1]
+        elif arg != "--cpu":
+            overrides.append(arg)
+    return own, overrides, "--cpu" in argv or not torch.cuda.is_available()
+
+
+def main(argv: list[str]) -> None:
+    own, overrides, cpu = split(argv)
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=cpu, project_dir=own["project_dir"])
+    resume = enable_resume(accelerator, CONFIG, overrides)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train = DataLoader(NoisyDigits(), batch_size=int(own["batch_size"]), shuffle=True,
+                       num_workers=int(own["workers"]))  # a plain DataLoader: prepare makes it resumable
+    model, optimizer, train = accelerator.prepare(model, optimizer, train)
+    accelerator.print(f"training on {accelerator.num_processes} process(es)")
+    if resume.restore() is not None:
+        accelerator.print(f"resumed from {resume.loaded_from} at epoch {resume.epoch}, step {resume.step}")
+    for epoch in resume.epochs(int(own["epochs"])):  # after a resume: the saved epoch, the very next batch
+        model.train()
+        for x, y, _ in train:
+            loss = nn.functional.cross_entropy(model(x), y)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            if resume.step % 20 == 0:
+                accelerator.print(f"epoch {epoch} step {resume.step} loss {loss.item():.3f}", flush=True)
+    accelerator.wait_for_everyone()
+    digest = fingerprint([p.detach().cpu() for p in accelerator.unwrap_model(model).parameters()])
+    accelerator.print(f"final weights digest: {digest}", flush=True)
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
