@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ["bench_core.py", "bench_lightning.py", "bench_resume_plot.py"]
+BENCHMARKS = ["bench_core.py", "bench_lightning.py", "bench_accelerate.py", "bench_resume_plot.py"]
 
 if __name__ == "__main__":
     for script in BENCHMARKS:

@@ -116,7 +116,7 @@ class ResumeCallback(OnExceptionCheckpoint):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._torch_rng_after_step = torch.getglobal_rng_state()  # see on_validation_start
+        self._torch_rng_after_step = torch.get_rng_state()  # see on_validation_start
         at_step_boundary = (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or trainer.is_last_batch
         if not at_step_boundary or trainer.global_step % self.check_every_n_steps:
             return
