@@ -5,15 +5,17 @@ How it hooks in, with public Accelerate APIs only:
   :class:`AcceleratedResumableDataLoader`s sharded by us; everything else goes to Accelerate's own
   ``prepare`` unchanged. Optimizers get a step post-hook (torch's public
   ``register_step_post_hook``), which fires only on real steps — not on skipped accumulation steps.
-- A *step boundary* is a request for the next batch, from a loader that delivered a batch since the
-  last boundary, after an optimizer step: an evaluation loader iterated in between is no boundary,
-  and gradient accumulation is never split.
+- A *step boundary* is a request for the next batch, after an optimizer step, from a loader that
+  delivered a batch before that step: an evaluation loader iterated after the step is no boundary,
+  and gradient accumulation is never split. Without an optimizer passed to ``prepare`` there are no
+  boundaries (nothing is saved by itself; ``Resume.save()`` still works).
 - ``save_state``/``load_state`` pre-hooks put every rank's loader state and RNG states in
   ``loader_resume.pt`` of the checkpoint directory, so the user's own ``save_state`` calls carry them too.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import shutil
@@ -28,7 +30,7 @@ from torch.utils.data import DataLoader
 
 from loader_resume.checkpoint import CheckpointError, complete_checkpoints, seal, temporary_name, verify
 from loader_resume.convert import resumable
-from loader_resume.distributed import gather_rng_states, gather_states, load_rank_state
+from loader_resume.distributed import any_rank, gather_rng_states, gather_states, load_rank_state
 from loader_resume.keyed_rng import set_global_rng_state
 from loader_resume.preemption import IgnoreSignalsInWorker, Preemption
 
@@ -76,11 +78,15 @@ class Resume:
         """The epoch ``epochs()`` is in (restored on resume)."""
         self.preemption = Preemption(config.signals)
         self.loaded_from: Path | None = None
+        self.failed_saves = 0
+        self._collected: dict[str, Any] | None = None
+        """Checkpoints that could not be written (each logged as an error)."""
         self._loaders: list[AcceleratedResumableDataLoader] = []
         self._pending: dict[str, Any] | None = None
         self._rng_to_restore: dict[str, Any] | None = None
         self._stepped = False
-        self._participants: set[int] = set()
+        self._participants: set[int] = set()  # loaders that delivered a batch since the last boundary
+        self._step_loaders: set[int] = set()  # ...of which those that delivered before an optimizer step
         self._started = False
         self._prepare = accelerator.prepare
         accelerator.prepare = self._prepare_hooked  # type: ignore[method-assign]
@@ -116,25 +122,52 @@ class Resume:
         """Complete checkpoints in ``checkpoint_dir``, oldest first."""
         return complete_checkpoints(self.checkpoint_dir)
 
-    def save(self) -> Path:
+    def save(self) -> Path | None:
         """Checkpoint now (all processes call it): ``save_state`` into a temporary directory, seal it
-        with a manifest, rename it to ``step_<step>``, delete checkpoints beyond ``keep``."""
+        with a manifest, rename it to ``step_<step>``, delete checkpoints beyond ``keep``.
+
+        A failed write (a full disk, a lost mount) on any process is agreed by all: the partial
+        directory is removed, the error is logged, the previous checkpoints stay, training goes on,
+        and ``None`` is returned.
+        """
         accelerator = self.accelerator
         final = self.checkpoint_dir / f"step_{self.step:09d}"
         temporary = temporary_name(final)
-        if accelerator.is_main_process:
-            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(temporary, ignore_errors=True)
-        accelerator.wait_for_everyone()
-        self._save_state_to(temporary)
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            seal(temporary, final, checksums=self.config.verify_checksums)
-            for old in self.checkpoints()[:-self.config.keep]:
-                shutil.rmtree(old, ignore_errors=True)
-        accelerator.wait_for_everyone()
+        failure: OSError | None = None
+        try:
+            if accelerator.is_main_process:
+                shutil.rmtree(temporary, ignore_errors=True)
+                temporary.mkdir(parents=True)
+        except OSError as error:
+            failure = error
+        if any_rank(failure is not None):  # NOTE: every process takes the same branch, collectives stay paired
+            return self._failed_save(temporary, failure)
+        self._collected = self._collect()  # every collective before any write: a failed write cannot unpair them
+        try:
+            self._save_state_to(temporary)
+        except OSError as error:
+            failure = error
+        finally:
+            self._collected = None
+        if not any_rank(failure is not None) and accelerator.is_main_process:
+            try:
+                seal(temporary, final, checksums=self.config.verify_checksums)
+                for old in self.checkpoints()[:-self.config.keep]:
+                    shutil.rmtree(old, ignore_errors=True)
+            except OSError as error:
+                failure = error
+        if any_rank(failure is not None):
+            return self._failed_save(temporary, failure)
         logger.info("checkpoint written at step %d: %s", self.step, final)
         return final
+
+    def _failed_save(self, temporary: Path, failure: OSError | None) -> None:
+        if self.accelerator.is_main_process:
+            shutil.rmtree(temporary, ignore_errors=True)
+        kept = self.checkpoints()
+        logger.error("checkpoint at step %d failed (%s); training goes on, the newest checkpoint is still %s",
+                     self.step, failure or "on another process", kept[-1] if kept else "none")
+        self.failed_saves += 1
 
     def load(self, directory: str | os.PathLike[str]) -> None:
         """``accelerator.load_state(directory)`` after verifying its manifest (all processes call it)."""
@@ -179,6 +212,7 @@ class Resume:
     # --- step boundaries --------------------------------------------------------------------------
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._stepped = True
+        self._step_loaders |= self._participants  # loaders that fed this step (an evaluation after it did not)
 
     def _delivered(self, loader: AcceleratedResumableDataLoader) -> None:
         self._participants.add(id(loader))
@@ -188,12 +222,13 @@ class Resume:
         if self._rng_to_restore is not None:  # right before the first step after a load
             set_global_rng_state(self._rng_to_restore)
             self._rng_to_restore = None
-        if id(loader) in self._participants and self._stepped:
+        if self._stepped and id(loader) in self._step_loaders:
             self._boundary()
 
     def _boundary(self) -> None:
         self._steps, self._stepped = self._steps + 1, False
         self._participants.clear()
+        self._step_loaders.clear()
         config = self.config
         periodic = config.save_every_n_steps and self.step % config.save_every_n_steps == 0
         preempted = self.step % config.check_every_n_steps == 0 and self.preemption.agreed()
@@ -203,7 +238,11 @@ class Resume:
             logger.warning("preemption signal: checkpoint written at step %d; exiting with %d",
                            self.step, config.exit_code)
             self.preemption.uninstall()
-            self.accelerator.end_training()  # every process is here: tear the process group down cleanly
+            # NOTE: every process is here. Tear the process group down before the interpreter does: gloo
+            # aborts a process (SIGABRT) whose worker threads still hold collectives' tensors at exit.
+            self.accelerator.wait_for_everyone()
+            gc.collect()
+            self.accelerator.end_training()
             raise SystemExit(config.exit_code)
 
     def restore(self) -> Path | None:
@@ -230,14 +269,19 @@ class Resume:
             accelerator.project_configuration.automatic_checkpoint_naming = naming
             accelerator.project_configuration.iteration = iteration
 
-    def _on_save_state(self, models: Any, weights: Any, output_dir: str) -> None:
-        # NOTE: every process runs save_state (and this hook), so the gathers below are collectives.
-        state = {
+    def _collect(self) -> dict[str, Any]:
+        """What goes into ``loader_resume.pt``; gathers from every process (a collective)."""
+        return {
             "format": _FORMAT, "step": self.step, "epoch": self.epoch,
             "accelerator_step": self.accelerator.step, "world_size": self.accelerator.num_processes,
             "loaders": [gather_states(loader, loader.resume_state()) for loader in self._loaders],
             "rng": gather_rng_states(),
         }
+
+    def _on_save_state(self, models: Any, weights: Any, output_dir: str) -> None:
+        # NOTE: every process runs save_state and this hook; for the user's own save_state calls the
+        # gather happens here, for ours it happened before save_state (see save).
+        state = self._collected if self._collected is not None else self._collect()
         if self.accelerator.is_main_process:
             torch.save(state, os.path.join(output_dir, STATE_FILE))
 
@@ -256,6 +300,7 @@ class Resume:
             raise CheckpointError(f"{path}: format {found!r}; expected {_FORMAT} (written by another loader-resume?)")
         self._steps, self.epoch, self._stepped = state["step"], state["epoch"], False
         self._participants.clear()
+        self._step_loaders.clear()
         self.accelerator.step = state["accelerator_step"]
         rank = self.accelerator.process_index
         self._rng_to_restore = state["rng"][rank] if rank < len(state["rng"]) else None

@@ -16,12 +16,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 
 from .keyed_rng import global_rng_state
 from .state import StateError
 
-__all__ = ["gather_rng_states", "gather_states", "load_rank_state", "rank_and_world"]
+__all__ = ["any_rank", "gather_rng_states", "gather_states", "load_rank_state", "rank_and_world"]
 
 
 class _RankedLoader(Protocol):
@@ -92,3 +93,13 @@ def gather_rng_states() -> list[dict[str, Any]]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, state)
     return gathered
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank: one ``all_reduce`` under ``torch.distributed`` (call on all ranks)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    tensor = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return bool(tensor.item())

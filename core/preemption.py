@@ -16,8 +16,7 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
-import torch
-import torch.distributed as dist
+from .distributed import any_rank
 
 __all__ = ["IgnoreSignalsInWorker", "Preemption", "signal_numbers"]
 
@@ -62,13 +61,7 @@ class Preemption:
 
     def agreed(self) -> bool:
         """Whether any rank received a signal; a collective under ``torch.distributed`` (call on all ranks)."""
-        local = 1 if self.received is not None else 0
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return bool(local)
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-        flag = torch.tensor([local], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return any_rank(self.received is not None)
 
 
 class IgnoreSignalsInWorker:

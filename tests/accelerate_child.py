@@ -76,13 +76,18 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds per step, to be signalled mid-epoch")
-    parser.add_argument("--signal-at", type=int, help="rank 0 sends itself SIGTERM after this micro-batch")
+    parser.add_argument("--signal-at", type=lambda s: [int(x) for x in s.split(",")], default=[],
+                        help="SIGTERM to itself after these micro-batches (a repeated one: twice)")
+    parser.add_argument("--signal-rank", type=int, default=0, help="the rank that signals itself")
+    parser.add_argument("--signal-in-save", action="store_true", help="SIGTERM to itself while a checkpoint is saved")
+    parser.add_argument("--signal-in-eval", action="store_true", help="SIGTERM to itself during the first evaluation")
+    parser.add_argument("--disk-full-at", type=int, help="torch.save fails with ENOSPC in the save at this step")
     parser.add_argument("--save-at", type=int, help="accelerator.save_state(OUT/explicit) at this step, then crash")
     parser.add_argument("--load", help="accelerator.load_state(DIR) after prepare (automatic resume off)")
     parser.add_argument("--stream", action="store_true", help="an IterableDataset without __len__")
     parser.add_argument("--eval-n", type=int, default=0, help="evaluate on this many items after each epoch")
     parser.add_argument("overrides", nargs="*", help="resume config dotlist, e.g. save_every_n_steps=4")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -93,6 +98,21 @@ def main() -> None:
     config = {"seed": 7, "auto_resume": args.load is None}
     resume = enable_resume(accelerator, config, overrides=args.overrides)
 
+    def signal_self() -> None:
+        if rank == args.signal_rank:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    if args.signal_in_save:
+        accelerator.register_save_state_pre_hook(lambda *_: signal_self())
+    if args.disk_full_at is not None:
+        real_save = torch.save
+
+        def full_disk(obj: Any, f: Any, *a: Any, **k: Any) -> None:
+            if resume.step == args.disk_full_at and rank == 0 and isinstance(f, (str, os.PathLike)):
+                raise OSError(28, "No space left on device (simulated)")
+            real_save(obj, f, *a, **k)
+
+        torch.save = full_disk  # type: ignore[assignment]
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data: Any = NoisyStream(args.n, rank, args.processes) if args.stream else Noisy(args.n)
@@ -122,8 +142,8 @@ def main() -> None:
             if args.sleep:
                 time.sleep(args.sleep)
                 (out / f"progress-{rank}").write_text(str(resume.step))
-            if args.signal_at == micro and rank == 0:
-                os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(args.signal_at.count(micro)):
+                signal_self()
             if args.save_at == resume.step and accelerator.sync_gradients:
                 accelerator.save_state(str(out / "explicit"))
                 accelerator.wait_for_everyone()
@@ -134,6 +154,8 @@ def main() -> None:
             seen = []
             for _, _, ids in evaluation:
                 seen += accelerator.gather_for_metrics(ids).tolist()
+                if args.signal_in_eval and epoch == 0:
+                    signal_self()
             if rank == 0:
                 log.write(json.dumps({"epoch": epoch, "eval": seen}) + "\n")
                 log.flush()
