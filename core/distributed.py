@@ -13,7 +13,9 @@ state so rank 0 can write a single checkpoint; ``load_rank_state`` hands each ra
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -22,7 +24,9 @@ import torch.distributed as dist
 from .keyed_rng import global_rng_state
 from .state import StateError
 
-__all__ = ["any_rank", "gather_rng_states", "gather_states", "load_rank_state", "rank_and_world"]
+__all__ = [
+    "any_rank", "gather_rng_states", "gather_states", "init_process_group", "load_rank_state", "rank_and_world",
+]
 
 
 class _RankedLoader(Protocol):
@@ -103,3 +107,26 @@ def any_rank(flag: bool) -> bool:
     tensor = torch.tensor([int(flag)], dtype=torch.int32, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return bool(tensor.item())
+
+
+def init_process_group(backend: str = "gloo", timeout: timedelta = timedelta(minutes=30)) -> None:
+    """``torch.distributed.init_process_group`` from torchrun's environment, safe across its restarts.
+
+    NOTE: torchrun (torch 2.13, static and c10d rendezvous) hands every restarted attempt the same
+    agent store, whose keys hold the previous attempt's addresses; gloo then sometimes connects to a
+    dead worker ("connectFullMesh failed ... Connection refused") and the attempt fails, or hangs.
+    Prefixing the store with ``TORCHELASTIC_RESTART_COUNT`` gives each attempt its own keys. Outside
+    torchrun (no ``TORCHELASTIC_RESTART_COUNT``) this is the plain ``env://`` initialisation.
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(  # type: ignore[attr-defined]  # public API, not re-exported for type checkers
+        address, port, world, is_master=not agent_store and rank == 0, timeout=timeout, multi_tenant=True)
+    prefixed = dist.PrefixStore(f"loader_resume/restart_{restart}", store)  # type: ignore[attr-defined]
+    dist.init_process_group(backend, store=prefixed,
+                            rank=rank, world_size=world, timeout=timeout)

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from accelerate_resume import AcceleratedResumableDataLoader, enable_resume
+from loader_resume.distributed import init_process_group
 from loader_resume.testing import fingerprint
 
 
@@ -72,7 +73,7 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--processes", type=int, default=1, help="the world size this run must have")
     parser.add_argument("--workers", type=int, default=0)
-    parser.add_argument("--n", type=int, default=30)
+    parser.add_argument("--items", type=int, default=30)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds per step, to be signalled mid-epoch")
@@ -86,12 +87,15 @@ def main() -> None:
     parser.add_argument("--load", help="accelerator.load_state(DIR) after prepare (automatic resume off)")
     parser.add_argument("--stream", action="store_true", help="an IterableDataset without __len__")
     parser.add_argument("--eval-n", type=int, default=0, help="evaluate on this many items after each epoch")
+    parser.add_argument("--log-dir", default="", help="logs and weights go to OUT/LOG_DIR (default: OUT)")
     parser.add_argument("overrides", nargs="*", help="resume config dotlist, e.g. save_every_n_steps=4")
     args = parser.parse_intermixed_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
     torch.manual_seed(123)
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # torchrun / accelerate launch: safe across restarts
+        init_process_group("gloo")
     accelerator = Accelerator(cpu=True, project_dir=str(out), gradient_accumulation_steps=args.accumulate)
     assert accelerator.num_processes == args.processes, (accelerator.num_processes, args.processes)
     rank = accelerator.process_index
@@ -115,7 +119,7 @@ def main() -> None:
         torch.save = full_disk  # type: ignore[assignment]
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    data: Any = NoisyStream(args.n, rank, args.processes) if args.stream else Noisy(args.n)
+    data: Any = NoisyStream(args.items, rank, args.processes) if args.stream else Noisy(args.items)
     train = DataLoader(data, batch_size=4, shuffle=not args.stream, num_workers=args.workers)
     evaluation = DataLoader(Noisy(max(args.eval_n, 1)), batch_size=4, num_workers=0)
     model, optimizer, train, evaluation = accelerator.prepare(model, optimizer, train, evaluation)
@@ -123,7 +127,10 @@ def main() -> None:
     if args.load:
         accelerator.load_state(args.load)
 
-    log = (out / f"log-{rank}.jsonl").open("a")
+    logs = out / args.log_dir
+    logs.mkdir(parents=True, exist_ok=True)
+    log = (logs / f"log-{rank}.jsonl").open("a")
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # torchrun's restarts (chaos tests)
     (out / f"pid-{rank}").write_text(str(os.getpid()))
     micro = 0
     for epoch in resume.epochs(args.epochs):
@@ -135,7 +142,7 @@ def main() -> None:
                 optimizer.step()
                 optimizer.zero_grad()
             micro += 1
-            row = {"epoch": epoch, "step": resume.step, "sync": accelerator.sync_gradients,
+            row = {"attempt": attempt, "epoch": epoch, "step": resume.step, "sync": accelerator.sync_gradients,
                    "ids": ids.tolist(), "batch": fingerprint([x, y])}
             log.write(json.dumps(row) + "\n")
             log.flush()
@@ -160,7 +167,7 @@ def main() -> None:
                 log.write(json.dumps({"epoch": epoch, "eval": seen}) + "\n")
                 log.flush()
     weights = fingerprint([p.detach() for p in model.parameters()])
-    (out / f"weights-{rank}.txt").write_text(weights)
+    (logs / f"weights-{rank}.txt").write_text(weights)
     accelerator.wait_for_everyone()
     accelerator.end_training()
 

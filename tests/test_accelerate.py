@@ -211,7 +211,7 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(preempted: dict[int, Pa
 
 def test_gradient_accumulation_is_never_split_and_resume_is_exact(tmp_path: Path) -> None:
     """26 items, 4 a batch: 7 batches an epoch, so the last accumulation is cut short by the epoch's end."""
-    options = ["--accumulate", "2", "--n", "26", "--workers", "2"]
+    options = ["--accumulate", "2", "--items", "26", "--workers", "2"]
     run(tmp_path / "full", 1, *options)
     run(tmp_path / "job", 1, *options, "--signal-at", "8", expect=143)  # a signal after a non-syncing micro-batch
     stopped = logs(tmp_path / "job")[0]
@@ -240,7 +240,7 @@ def test_periodic_checkpoints_keep_the_newest(tmp_path: Path) -> None:
 
 def test_checkpoint_of_another_dataset_fails_clearly(preempted: dict[int, Path], tmp_path: Path) -> None:
     shutil.copytree(preempted[1], tmp_path, dirs_exist_ok=True)
-    stderr = run(tmp_path, 1, "--n", "20", expect=1)
+    stderr = run(tmp_path, 1, "--items", "20", expect=1)
     assert "StateError" in stderr and "dataset_len" in stderr and "30" in stderr and "20" in stderr
 
 
