@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -62,6 +63,19 @@ def effective(history: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list
     return [{key: row[key] for key in KEYS} for row in kept], lost
 
 
+def launch(command: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run torchrun in its own process group; on a timeout the whole group (its workers too) is killed."""
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        raise AssertionError(f"torchrun did not finish in {timeout:.0f} s:\n{stderr[-3000:]}") from None
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
 def plan(kills: int, seed: int, every: int) -> list[dict[str, Any]]:
     """One kill per attempt: a random rank after 1..every+2 steps of the attempt, or rank 0 mid-save."""
     rng = random.Random(seed)
@@ -84,17 +98,16 @@ def chaos(command: list[str], out: Path, kills: list[dict[str, Any]]) -> None:
     # address ("connectFullMesh failed ... Connection refused") and that attempt dies at once; torchrun
     # retries. With --standalone (c10d rendezvous) such a retry could also hang; the static one recovers.
     restarts = len(kills) + 5
-    done = subprocess.run([TORCHRUN, *RENDEZVOUS, "--nproc_per_node", "2", "--max-restarts", str(restarts),
-                           str(HERE / "chaos_wrapper.py"), *command], env=env, capture_output=True, text=True,
-                          timeout=120 + 30 * len(kills))
+    done = launch([TORCHRUN, *RENDEZVOUS, "--nproc_per_node", "2", "--max-restarts", str(restarts),
+                   str(HERE / "chaos_wrapper.py"), *command], env, timeout=120 + 30 * len(kills))
     assert done.returncode == 0, done.stderr[-3000:]
     (out / "stdout.txt").write_text(done.stdout)
 
 
 def reference(command: list[str], out: Path) -> list[list[dict[str, Any]]]:
     (out / "log").mkdir(parents=True)
-    done = subprocess.run([TORCHRUN, *RENDEZVOUS, "--nproc_per_node", "2", str(HERE / "chaos_wrapper.py"),
-                           *command], capture_output=True, text=True, timeout=300)
+    done = launch([TORCHRUN, *RENDEZVOUS, "--nproc_per_node", "2", str(HERE / "chaos_wrapper.py"), *command],
+                  dict(os.environ), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     (out / "stdout.txt").write_text(done.stdout)
     return [[{key: row[key] for key in KEYS} for row in rows(out / "log", rank)] for rank in (0, 1)]
