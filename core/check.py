@@ -33,8 +33,13 @@ class Scenario:
     diverged_at: int | None = None
     epoch: int | None = None
     fields: tuple[str, ...] = ()
+    world: int | None = None
+    """A rescale scenario: resumed over this many ranks (from 1); judged on the samples delivered."""
+    problem: str = ""
 
     def describe(self) -> str:
+        if self.world is not None:
+            return "the rest of the epoch exactly once" if self.exact else f"WRONG: {self.problem}"
         if self.exact:
             return "exact"
         where = f"batch {self.diverged_at} (epoch {self.epoch})"
@@ -79,11 +84,53 @@ def _run(spec: str, epochs: int, workers: int | None, cut: int | None, load: str
                 return
 
 
-def _spawn(args: list[str]) -> list[list[Any]]:
+def _rescale(spec: str, load: str, world: int) -> None:
+    """Runner: the samples of the cut epoch delivered before the cut (1 rank) and after it (``world``
+    ranks), from the loaders' own index plans — no data is read. One JSON line."""
+    import torch
+
+    from .stream import Pass
+
+    state = torch.load(load, weights_only=True)
+    reference = _build(spec, 0)
+    full = [i for batch in reference._plan_indices(Pass(state["epoch"], 0)) for i in batch]
+    after: list[int] = []
+    for rank in range(world):
+        loader = _build(spec, 0)
+        loader._rank, loader._world = rank, world
+        loader.load_state_dict(state)
+        if loader.epoch == state["epoch"]:
+            after += [i for batch in loader._plan_indices() for i in batch]
+    batch = reference.batch_size or 1
+    sys.stdout.write(json.dumps({"full": full, "before": full[: state["position"]], "after": after,
+                                 "drop_last": reference.drop_last, "step": world * batch}) + "\n")
+
+
+def _judge_rescale(found: Mapping[str, Any], world: int) -> tuple[bool, str]:
+    counts: dict[int, int] = {}
+    for index in found["before"] + found["after"]:
+        counts[index] = counts.get(index, 0) + 1
+    lost = sorted(set(found["full"]) - set(counts))
+    extra = sum(counts.values()) - len(counts)
+    if found["drop_last"]:
+        twice = sorted(i for i, c in counts.items() if c > 1)
+        if twice:
+            return False, f"samples delivered twice: {twice[:5]}"
+        if len(lost) >= found["step"]:
+            return False, f"{len(lost)} samples lost (more than one partial global step)"
+        return True, ""
+    if lost:
+        return False, f"samples lost: {lost[:5]}"
+    if extra >= world:
+        return False, f"{extra} repeated samples (more than the last step's padding)"
+    return True, ""
+
+
+def _spawn(args: list[str]) -> list[Any]:
     done = subprocess.run([sys.executable, "-m", "loader_resume.check", *args], capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"loader-resume check: the pipeline failed in a subprocess:\n{done.stderr[-3000:]}")
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith(("[", "{"))]
 
 
 def _compare(reference: list[list[Any]], resumed: list[list[Any]], cut: int) -> tuple[bool, int | None, int | None,
@@ -100,24 +147,37 @@ def _compare(reference: list[list[Any]], resumed: list[list[Any]], cut: int) -> 
 
 
 def run_check(spec: str, *, epochs: int = 2, cuts: list[int] | None = None, workers: list[int] | None = None,
-              progress: Callable[[int, int], None] | None = None) -> list[Scenario]:
-    """The scenarios' verdicts (the uninterrupted run is the reference)."""
-    own_workers = _build(spec, None).num_workers
+              worlds: list[int] | None = None, progress: Callable[[int, int], None] | None = None) -> list[Scenario]:
+    """The scenarios' verdicts (the uninterrupted run is the reference).
+
+    ``worlds``: world sizes to resume a map-style loader's state over (default ``[2]``; ``[]`` for none);
+    those scenarios are judged on the samples delivered, since batches are composed differently.
+    """
+    own = _build(spec, None)
+    own_workers = own.num_workers
+    rescales = (worlds if worlds is not None else [2]) if own._map and own.world_size == 1 else []
     reference = _spawn(["_run", spec, "--epochs", str(epochs)])
     per_epoch = sum(1 for epoch, _ in reference if epoch == 0)
     if cuts is None:  # first batch, mid-epoch, an epoch's last batch, the boundary's first batch of the next
         candidates = (1, per_epoch // 2, per_epoch - 1, per_epoch, per_epoch + 1)
         cuts = sorted({c for c in candidates if 0 < c <= len(reference)})
     resume_workers = workers if workers is not None else sorted({own_workers, 0 if own_workers else 2})
-    plan = [(cut, w) for cut in cuts for w in resume_workers]
+    plan = [(cut, w, None) for cut in cuts for w in resume_workers] + [(cut, 0, r) for cut in cuts for r in rescales]
     scenarios = []
     with tempfile.TemporaryDirectory() as tmp:
-        for done, (cut, resume_with) in enumerate(plan):
+        for done, (cut, resume_with, world) in enumerate(plan):
             state = str(Path(tmp) / f"state-{cut}.pt")
-            _spawn(["_run", spec, "--epochs", str(epochs), "--cut", str(cut), "--save", state])
-            resumed = _spawn(["_run", spec, "--epochs", str(epochs), "--load", state, "--workers", str(resume_with)])
-            exact, at, epoch, fields = _compare(reference, resumed, cut)
-            scenarios.append(Scenario(cut, own_workers, resume_with, exact, at, epoch, fields))
+            if not Path(state).exists():
+                _spawn(["_run", spec, "--epochs", str(epochs), "--cut", str(cut), "--save", state])
+            if world is None:
+                resumed = _spawn(["_run", spec, "--epochs", str(epochs), "--load", state, "--workers",
+                                  str(resume_with)])
+                exact, at, epoch, fields = _compare(reference, resumed, cut)
+                scenarios.append(Scenario(cut, own_workers, resume_with, exact, at, epoch, fields))
+            else:
+                (found,) = _spawn(["_run", spec, "--load", state, "--world", str(world)])
+                exact, problem = _judge_rescale(found, world)
+                scenarios.append(Scenario(cut, own_workers, own_workers, exact, world=world, problem=problem))
             if progress is not None:
                 progress(done + 1, len(plan))
     return scenarios
@@ -136,18 +196,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cuts", type=lambda s: [int(x) for x in s.split(",")], help="e.g. 1,5,10 (batches)")
     parser.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",")],
                         help="num_workers to resume with, e.g. 0,2 (default: the loader's own and another)")
+    parser.add_argument("--worlds", type=lambda s: [int(x) for x in s.split(",") if x],
+                        help="world sizes to resume over, e.g. 2,3 (default: 2; '' for none; map-style data only)")
     parser.add_argument("--json", action="store_true", help="print the verdicts as JSON")
 
 
 def main(args: argparse.Namespace) -> int:
     """``loader-resume check``: exit code 0 if every scenario resumes exactly, else 1."""
     scenarios = run_check(args.factory, epochs=args.epochs, cuts=args.cuts, workers=args.workers,
-                          progress=None if args.json else _bar)
+                          worlds=args.worlds, progress=None if args.json else _bar)
     if args.json:
         sys.stdout.write(json.dumps([asdict(s) for s in scenarios], indent=2) + "\n")
     else:
-        rows = [f"cut after {s.cut:>4} batches, num_workers {s.save_workers} -> {s.resume_workers}: {s.describe()}"
-                for s in scenarios]
+        rows = [f"cut after {s.cut:>4} batches, " + (f"world size 1 -> {s.world}" if s.world is not None else
+                f"num_workers {s.save_workers} -> {s.resume_workers}") + f": {s.describe()}" for s in scenarios]
         sys.stdout.write("\n".join(rows) + "\n")
         bad = sum(not s.exact for s in scenarios)
         sys.stdout.write(f"{len(scenarios) - bad} exact, {bad} diverging\n")
@@ -163,8 +225,12 @@ def _runner_main(argv: list[str]) -> None:
     parser.add_argument("--cut", type=int)
     parser.add_argument("--load")
     parser.add_argument("--save")
+    parser.add_argument("--world", type=int)
     args = parser.parse_args(argv)
     sys.path.insert(0, ".")
+    if args.world:
+        _rescale(args.spec, args.load, args.world)
+        return
     _run(args.spec, args.epochs, args.workers, args.cut, args.load, args.save)
 
 

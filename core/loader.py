@@ -465,6 +465,16 @@ class ResumableDataLoader(DataLoader[T]):
         if pass_ is self._pass and not pass_.done:
             self._epoch, self._position, self._fresh, pass_.done = self._epoch + 1, 0, True, True
 
+    def _plan_indices(self, pass_: Pass | None = None) -> Iterator[list[Any]]:
+        """The index lists of the next pass (or of ``pass_``), without reading data (``loader-resume check``)."""
+        if pass_ is None:
+            pass_ = Pass(self._epoch, self._position, self._sampler_state_to_load)
+        saved, self._pass = self._pass, pass_
+        try:
+            return iter(list(self._index_lists()))
+        finally:
+            self._pass = saved
+
     def _index_lists(self) -> Iterator[list[Any]]:
         if not self._map:
             return self._tickets()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import numpy as np
@@ -32,3 +33,22 @@ def good() -> DataLoader[Any]:
 
 def unkeyed() -> DataLoader[Any]:
     return DataLoader(Unkeyed(), batch_size=3, shuffle=True)
+
+
+class SystemShuffled(torch.utils.data.Sampler[int]):
+    """A custom sampler whose order comes from the OS's entropy: no seed or keying reaches it."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Any:
+        order = list(range(self.n))
+        random.SystemRandom().shuffle(order)
+        return iter(order)
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def unstable_order() -> DataLoader[Any]:
+    return DataLoader(Augmented(14), batch_size=3, sampler=SystemShuffled(14))

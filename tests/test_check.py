@@ -19,20 +19,33 @@ def test_a_deterministic_pipeline_resumes_exactly_in_every_scenario() -> None:
     done = check("check_pipelines:good", "--epochs", "2")
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
-    # 5 batches an epoch: cuts 1, 2, 4 (the epoch's last), 5 (boundary), 6; resumed with 2 and 0 workers
-    assert lines[-1] == "10 exact, 0 diverging"
+    # 5 batches an epoch: cuts 1, 2, 4 (the epoch's last), 5 (boundary), 6; resumed with 2 and 0 workers,
+    # and over 2 ranks (judged on the samples: the batches are composed differently)
+    assert lines[-1] == "15 exact, 0 diverging"
     assert "cut after    4 batches, num_workers 2 -> 0: exact" in lines
+    assert "cut after    2 batches, world size 1 -> 2: the rest of the epoch exactly once" in lines
     assert "scenarios" in done.stderr  # the progress bar
 
 
 def test_an_unseeded_generator_is_caught_and_the_first_diverging_batch_named() -> None:
     done = check("check_pipelines:unkeyed", "--epochs", "1", "--cuts", "2", "--workers", "0", "--json")
     assert done.returncode == 1, done.stdout + done.stderr
-    (scenario,) = json.loads(done.stdout)
+    scenario, rescale = json.loads(done.stdout)
     assert scenario["exact"] is False and scenario["diverged_at"] == 2 and scenario["epoch"] == 0
     assert scenario["fields"] == ["'noise'"]
+    assert rescale["world"] == 2 and rescale["exact"] is True  # its order is fine: only its values are not keyed
 
 
 def test_a_bad_factory_spec_is_refused_clearly() -> None:
     done = check("check_pipelines.good")
     assert done.returncode != 0 and "is not MODULE:FACTORY" in done.stderr
+
+
+def test_an_order_no_seed_reaches_is_caught_on_resume_and_on_rescale() -> None:
+    done = check("check_pipelines:unstable_order", "--epochs", "1", "--cuts", "2", "--workers", "0",
+                 "--worlds", "2,3")
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("cut after    2 batches, num_workers 0 -> 0: DIVERGES at batch 2")
+    assert lines[1].startswith("cut after    2 batches, world size 1 -> 2: WRONG: samples ")
+    assert lines[2].startswith("cut after    2 batches, world size 1 -> 3: WRONG: samples ")
