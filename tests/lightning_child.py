@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from lightning_resume import ResumeCallback
+from loader_resume.distributed import init_process_group
 from loader_resume.testing import fingerprint
 
 
@@ -86,6 +88,11 @@ class Model(L.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y, ids = batch
         self.log_rows.append([self.global_step, ids.tolist(), fingerprint([x, y])])
+        if self.args.batch_log:  # one line per step, as it happens (the chaos tests kill the process)
+            row = {"attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), "step": self.global_step + 1,
+                   "epoch": self.current_epoch, "ids": ids.tolist(), "batch": fingerprint([x, y])}
+            with (Path(self.args.batch_log) / f"log-{self.global_rank}.jsonl").open("a") as log:
+                log.write(json.dumps(row) + "\n")
         if self.args.sleep:  # slow enough for a test to send a signal mid-epoch
             time.sleep(self.args.sleep)
             (Path(self.args.out) / f"progress-{self.global_rank}").write_text(str(self.global_step))
@@ -109,11 +116,11 @@ class Model(L.LightningModule):
 
     def train_dataloader(self) -> DataLoader[Any]:
         if self.args.stream:
-            return DataLoader(NoisyStream(self.args.n), batch_size=4, num_workers=self.args.workers)
+            return DataLoader(NoisyStream(self.args.items), batch_size=4, num_workers=self.args.workers)
         if self.args.custom_sampler:
-            return DataLoader(Noisy(self.args.n), batch_size=4, sampler=EpochOrder(self.args.n),
+            return DataLoader(Noisy(self.args.items), batch_size=4, sampler=EpochOrder(self.args.items),
                               num_workers=self.args.workers)
-        return DataLoader(Noisy(self.args.n), batch_size=4, shuffle=True, num_workers=self.args.workers,
+        return DataLoader(Noisy(self.args.items), batch_size=4, shuffle=True, num_workers=self.args.workers,
                           persistent_workers=self.args.workers > 0)
 
     def on_train_end(self) -> None:
@@ -139,7 +146,7 @@ def main() -> None:
     parser.add_argument("--resume")
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--workers", type=int, default=0)
-    parser.add_argument("--n", type=int, default=30)
+    parser.add_argument("--items", type=int, default=30)
     parser.add_argument("--every", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--max-steps", type=int, default=-1)
@@ -153,10 +160,13 @@ def main() -> None:
     parser.add_argument("--onecycle", action="store_true", help="OneCycleLR sized by estimated_stepping_batches")
     parser.add_argument("--stream", action="store_true", help="an IterableDataset without __len__")
     parser.add_argument("--custom-sampler", action="store_true", help="a sampler of our own, not torch's")
+    parser.add_argument("--batch-log", help="also append one JSON line per step to BATCH_LOG/log-RANK.jsonl")
     args = parser.parse_args()
     if args.resume and args.n_resume:
-        args.n = args.n_resume
+        args.items = args.n_resume
     torch.manual_seed(123)
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # under torchrun: safe across its restarts
+        init_process_group("gloo")
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, strategy="ddp" if args.devices > 1 else "auto",
         max_epochs=args.epochs, max_steps=args.max_steps, logger=False, enable_progress_bar=False,
