@@ -28,8 +28,10 @@ def main() -> None:
     print(output[-4000:])
     if done.returncode != 0:
         raise SystemExit("the long chaos suite failed; the README is left as it is")
-    rows = [[f"SIGKILL under torchrun, {job} job", f"{kills} kills survived, audit exact, final weights equal"]
-            for job, kills in re.findall(r"(\w+): survived (\d+) SIGKILLs under torchrun", output)]
+    rows = [[f"SIGKILL under torchrun, {job} job",
+             f"{kills} kills survived ({planned} planned), audit exact, final weights equal"]
+            for job, kills, planned in re.findall(r"(\w+): survived (\d+) SIGKILLs under torchrun \((\d+) planned\)",
+                                                  output)]
     rows.append(["fuzzing: lengths, batch sizes, world sizes 1-8 before/after, workers, cut points",
                  "10,000 cases, each epoch exactly once"])
     scale = re.search(r"n=1e8 over .*? ranks: ([\d.]+) ms per rank; peak RSS of the whole simulation (\d+) MiB", output)
