@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import platform
@@ -50,7 +51,7 @@ def steps_per_second(with_resume: bool) -> float:
     torch.manual_seed(0)
     data = torch.randn(STEPS * BATCH, 16)
     loader = DataLoader(TensorDataset(data, (data.sum(1) > 0).long()), batch_size=BATCH, shuffle=True,
-                        num_workers=2)
+                        num_workers=2, persistent_workers=True)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
@@ -63,7 +64,18 @@ def steps_per_second(with_resume: bool) -> float:
     rate = (STEPS - WARMUP) / (time.perf_counter() - start)
     if resume is not None:
         resume.close()
+    _shutdown_workers(loader)
     return rate
+
+
+def _shutdown_workers(loader: Any) -> None:
+    """Stop a persistent worker pool now: pools left to the garbage collector across rounds hang the exit."""
+    for owner in (loader, getattr(loader, "base_dataloader", None)):
+        iterator = getattr(owner, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+            owner._iterator = None
+    gc.collect()
 
 
 # --- 2. process start to first batch --------------------------------------------------------------
