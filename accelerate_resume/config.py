@@ -87,7 +87,7 @@ def load_config(config: str | os.PathLike[str] | Mapping[str, Any] | DictConfig 
             raise ValueError(f"resume config: {where}: {message}; expected the types of ResumeConfig") from None
     resolved = OmegaConf.to_container(schema, resolve=True)
     assert isinstance(resolved, dict)
-    return ResumeConfig(**resolved)
+    return ResumeConfig(**{str(key): value for key, value in resolved.items()})
 
 
 def _read_yaml(path: str) -> DictConfig:

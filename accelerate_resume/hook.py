@@ -141,7 +141,8 @@ class Resume:
         except OSError as error:
             failure = error
         if any_rank(failure is not None):  # NOTE: every process takes the same branch, collectives stay paired
-            return self._failed_save(temporary, failure)
+            self._failed_save(temporary, failure)
+            return None
         self._collected = self._collect()  # every collective before any write: a failed write cannot unpair them
         try:
             self._save_state_to(temporary)
@@ -157,7 +158,8 @@ class Resume:
             except OSError as error:
                 failure = error
         if any_rank(failure is not None):
-            return self._failed_save(temporary, failure)
+            self._failed_save(temporary, failure)
+            return None
         logger.info("checkpoint written at step %d: %s", self.step, final)
         return final
 

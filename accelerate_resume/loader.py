@@ -43,7 +43,7 @@ class AcceleratedResumableDataLoader(ResumableDataLoader[Any], DataLoaderStateMi
         self._hook, self._device, self._non_blocking = hook, device, non_blocking
         self.gradient_state = GradientState()
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator, not torch's iterator class
         return self._batches()
 
     def _batches(self) -> Iterator[Any]:

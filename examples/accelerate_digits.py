@@ -14,6 +14,7 @@ final weights: an interrupted-and-rerun job prints the same one as an uninterrup
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -68,6 +69,7 @@ def main(argv: list[str]) -> None:
     accelerator.wait_for_everyone()
     digest = fingerprint([p.detach().cpu() for p in accelerator.unwrap_model(model).parameters()])
     accelerator.print(f"final weights digest: {digest}", flush=True)
+    gc.collect()  # before the process group goes: gloo aborts a process whose threads still hold tensors
     accelerator.end_training()
 
 

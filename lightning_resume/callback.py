@@ -75,7 +75,7 @@ class ResumeCallback(OnExceptionCheckpoint):
         check_every_n_steps: int = 1,
         exit_code: int | None = 143,
     ) -> None:
-        super().__init__(dirpath if dirpath is not None else os.getcwd(), filename)
+        super().__init__(os.fspath(dirpath) if dirpath is not None else os.getcwd(), filename)
         if type(check_every_n_steps) is not int or check_every_n_steps < 1:
             raise ValueError(f"ResumeCallback(check_every_n_steps={check_every_n_steps!r}): expected an int >= 1")
         self.seed, self.keying, self.keyed_generators = seed, keying, tuple(keyed_generators)
@@ -95,7 +95,7 @@ class ResumeCallback(OnExceptionCheckpoint):
 
     # --- hooks ---------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if sum(isinstance(c, ResumeCallback) for c in trainer.callbacks) > 1:
+        if sum(isinstance(c, ResumeCallback) for c in trainer.callbacks) > 1:  # type: ignore[attr-defined]
             raise ValueError("Trainer(callbacks=[...]) has more than one ResumeCallback; expected exactly one "
                              "(each would convert and save the same loaders)")
         if not self._dirpath_given:

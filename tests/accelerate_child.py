@@ -12,6 +12,7 @@ job's log continues the first run's — and writes OUT/weights-RANK.txt (fingerp
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -169,6 +170,7 @@ def main() -> None:
     weights = fingerprint([p.detach() for p in model.parameters()])
     (logs / f"weights-{rank}.txt").write_text(weights)
     accelerator.wait_for_everyone()
+    gc.collect()  # NOTE: as enable_resume does before its own teardown (gloo aborts on tensors held at exit)
     accelerator.end_training()
 
 
