@@ -28,7 +28,7 @@ from accelerate import Accelerator
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
-from loader_resume.checkpoint import CheckpointError, complete_checkpoints, seal, temporary_name, verify
+from loader_resume.checkpoint import CheckpointError, complete_checkpoints, prune, seal, temporary_name, verify
 from loader_resume.convert import resumable
 from loader_resume.distributed import any_rank, gather_rng_states, gather_states, load_rank_state
 from loader_resume.keyed_rng import set_global_rng_state
@@ -153,8 +153,7 @@ class Resume:
         if not any_rank(failure is not None) and accelerator.is_main_process:
             try:
                 seal(temporary, final, checksums=self.config.verify_checksums)
-                for old in self.checkpoints()[:-self.config.keep]:
-                    shutil.rmtree(old, ignore_errors=True)
+                prune(self.checkpoint_dir, self.config.keep)
             except OSError as error:
                 failure = error
         if any_rank(failure is not None):

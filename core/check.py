@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -107,9 +108,7 @@ def _rescale(spec: str, load: str, world: int) -> None:
 
 
 def _judge_rescale(found: Mapping[str, Any], world: int) -> tuple[bool, str]:
-    counts: dict[int, int] = {}
-    for index in found["before"] + found["after"]:
-        counts[index] = counts.get(index, 0) + 1
+    counts = Counter(found["before"] + found["after"])
     lost = sorted(set(found["full"]) - set(counts))
     extra = sum(counts.values()) - len(counts)
     if found["drop_last"]:

@@ -18,7 +18,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["MANIFEST", "CheckpointError", "complete_checkpoints", "seal", "temporary_name", "verify"]
+__all__ = ["MANIFEST", "CheckpointError", "complete_checkpoints", "prune", "seal", "temporary_name", "verify"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,12 @@ def complete_checkpoints(root: Path, pattern: str = r"step_(\d+)") -> list[Path]
             continue
         found.append((int(match.group(1)), path))
     return [path for _, path in sorted(found)]
+
+
+def prune(root: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` sealed checkpoints under ``root``."""
+    for old in complete_checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _files(directory: Path) -> Iterator[str]:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from loader_resume import ResumableDataLoader
-from loader_resume.checkpoint import complete_checkpoints, seal, temporary_name, verify
+from loader_resume.checkpoint import complete_checkpoints, prune, seal, temporary_name, verify
 from loader_resume.demo import NoisyDigits
 from loader_resume.distributed import gather_rng_states, gather_states, init_process_group, load_rank_state
 from loader_resume.keyed_rng import set_global_rng_state
@@ -46,8 +46,7 @@ def save(root: Path, step: int, epoch: int, model: nn.Module, optimizer: torch.o
         temporary.mkdir(parents=True)
         torch.save(state, temporary / "state.pt")
         seal(temporary, final)
-        for old in complete_checkpoints(root)[:-2]:
-            shutil.rmtree(old, ignore_errors=True)
+        prune(root, keep=2)
     if dist.is_initialized():
         dist.barrier()
 

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
@@ -27,25 +28,37 @@ def _digest(output: str) -> str:
     return lines[-1].split(": ")[1]
 
 
-def test_lightning_example_interrupted_by_sigterm_and_rerun_ends_with_the_same_weights(tmp_path: Path) -> None:
-    script = str(EXAMPLES / "lightning_digits.py")
-    uninterrupted = subprocess.run([sys.executable, script, f"trainer.default_root_dir={tmp_path / 'a'}"],
+def interrupted_and_rerun(script: str, directory: str, tmp_path: Path,
+                          stopped: Callable[[], None] = lambda: None) -> tuple[str, str]:
+    """(uninterrupted stdout, rerun stdout): a run of ``script`` SIGTERMed at its "epoch 0 step 20" line
+    (mid-epoch 0) must exit 143 without finishing (then ``stopped()`` checks what it left); the same
+    command again must finish."""
+    uninterrupted = subprocess.run([sys.executable, script, f"{directory}={tmp_path / 'a'}"],
                                    capture_output=True, text=True, timeout=300)
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
-    command = [sys.executable, script, f"trainer.default_root_dir={tmp_path / 'b'}"]
+    command = [sys.executable, script, f"{directory}={tmp_path / 'b'}"]
     first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert first.stdout is not None
-    for line in first.stdout:  # the first progress line: training is under way, mid-epoch 0
-        if line.startswith("epoch 0 step 20"):
+    for line in first.stdout:  # training is under way, mid-epoch 0
+        if line.startswith("epoch 0 step 20 "):
             os.kill(first.pid, signal.SIGTERM)
             break
     rest = first.communicate(timeout=120)[0]
     assert first.returncode == 143 and "final weights digest" not in rest
-    assert (tmp_path / "b" / "preempted.ckpt").exists()
+    stopped()
     rerun = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert "epoch 0 step 0 " not in rerun.stdout  # it continued, it did not start over
-    assert _digest(rerun.stdout) == _digest(uninterrupted.stdout)
+    return uninterrupted.stdout, rerun.stdout
+
+
+def test_lightning_example_interrupted_by_sigterm_and_rerun_ends_with_the_same_weights(tmp_path: Path) -> None:
+    def stopped() -> None:
+        assert (tmp_path / "b" / "preempted.ckpt").exists()
+
+    uninterrupted, rerun = interrupted_and_rerun(str(EXAMPLES / "lightning_digits.py"), "trainer.default_root_dir",
+                                                 tmp_path, stopped)
+    assert "epoch 0 step 0 " not in rerun  # it continued, it did not start over
+    assert _digest(rerun) == _digest(uninterrupted)
 
 
 def test_lightning_example_config_typo_fails_clearly(tmp_path: Path) -> None:
@@ -73,23 +86,9 @@ def test_demo_command_sigterms_resumes_and_reports_exactness() -> None:
 
 
 def test_accelerate_example_interrupted_by_sigterm_and_rerun_ends_with_the_same_weights(tmp_path: Path) -> None:
-    script = str(EXAMPLES / "accelerate_digits.py")
-    uninterrupted = subprocess.run([sys.executable, script, f"project_dir={tmp_path / 'a'}"],
-                                   capture_output=True, text=True, timeout=300)
-    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
-    command = [sys.executable, script, f"project_dir={tmp_path / 'b'}"]
-    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    assert first.stdout is not None
-    for line in first.stdout:  # training is under way, mid-epoch 0
-        if line.startswith("epoch 0 step 20 "):
-            os.kill(first.pid, signal.SIGTERM)
-            break
-    rest = first.communicate(timeout=120)[0]
-    assert first.returncode == 143 and "final weights digest" not in rest
-    rerun = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert "resumed from" in rerun.stdout and "epoch 0 step 20 " not in rerun.stdout  # it continued
-    assert _digest(rerun.stdout) == _digest(uninterrupted.stdout)
+    uninterrupted, rerun = interrupted_and_rerun(str(EXAMPLES / "accelerate_digits.py"), "project_dir", tmp_path)
+    assert "resumed from" in rerun and "epoch 0 step 20 " not in rerun  # it continued
+    assert _digest(rerun) == _digest(uninterrupted)
 
 
 def test_accelerate_example_runs_on_two_processes(tmp_path: Path) -> None:
