@@ -9,6 +9,7 @@ and OUT/weights-RANK.txt: a fingerprint of the final weights.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -178,6 +179,10 @@ def main() -> None:
     )
     assert trainer.world_size == args.devices
     trainer.fit(Model(args), ckpt_path=args.resume)
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # the group is ours: tear it down before the interpreter
+        torch.distributed.barrier()
+        gc.collect()  # NOTE: gloo aborts (SIGABRT) a process whose threads still hold tensors at exit
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
