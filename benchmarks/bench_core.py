@@ -13,6 +13,7 @@ import io
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -48,6 +49,7 @@ def throughput(dataset_factory: Any, workers: int, batches: int, rounds: int) ->
         "StatefulDataLoader": StatefulDataLoader(dataset, **common),
         "ours, keying off": ResumableDataLoader(dataset, keying="off", **common),
         "ours, per-batch keying": ResumableDataLoader(dataset, **common),
+        "ours, per-batch keying, torch only": ResumableDataLoader(dataset, keyed_generators=("torch",), **common),
     }
     return interleaved({name: (lambda loader=loader: batches_per_second(loader, batches))
                         for name, loader in loaders.items()}, rounds)
@@ -83,9 +85,73 @@ def keying_costs() -> dict[str, float]:
     main_batch = median_micros(lambda: list(iter(batch))) - median_micros(lambda: list(indices))
     guard = median_micros(lambda: CallerRng(mask).save().restore())
     numpy_legacy = median_micros(lambda: np.random.set_state(np.random.get_state()), repeat=500)
-    return {"worker, per batch": worker_batch, "worker, per sample": worker_sample / BATCH,
+    return {"worker, per batch": worker_batch,
+            "worker, per batch, inside a running 2-worker loader (cold caches; done by the helper thread)":
+                in_loader_seed_micros(),
+            "worker, per sample": worker_sample / BATCH,
             "main process, per batch (incl. caller RNG restore)": main_batch,
             "caller RNG save+restore": guard, "numpy get_state+set_state (for comparison)": numpy_legacy}
+
+
+_IN_LOADER = """
+import os, statistics, sys, time
+sys.path.insert(0, {bench!r})
+import loader_resume.keyed_rng as keyed_rng
+from common import Tiny
+from loader_resume import ResumableDataLoader
+
+seed, times = keyed_rng.seed_generators, []
+
+def timed(key, mask):  # runs in the workers, which fork with this module patched
+    start = time.perf_counter_ns()
+    seed(key, mask)
+    times.append(time.perf_counter_ns() - start)
+    if len(times) == 1000:
+        print(statistics.median(times) / 1000, flush=True)
+
+keyed_rng.seed_generators = timed
+iterator = iter(ResumableDataLoader(Tiny(1 << 20), batch_size=64, shuffle=True, num_workers=2))
+for _ in range(2001):
+    next(iterator)
+"""
+
+
+def in_loader_seed_micros() -> float:
+    """Median µs of seeding the three generators in a worker while the pipeline runs (caches are cold there)."""
+    code = _IN_LOADER.format(bench=os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    medians = [float(line) for line in done.stdout.split()]
+    if done.returncode or not medians:
+        raise RuntimeError(f"in-loader keying probe failed: {done.stderr[-2000:]}")
+    return statistics.median(medians)
+
+
+_WAKE_CONTROL = """
+import json, sys
+sys.path.insert(0, {bench!r})
+import loader_resume.keyed_rng as keyed_rng
+keyed_rng.seed_generators = lambda key, mask: None  # forked workers inherit it: the helper seeds nothing
+from common import Tiny, batches_per_second, interleaved
+from torch.utils.data import DataLoader
+from loader_resume import ResumableDataLoader
+
+dataset = Tiny(1 << 20)
+common = dict(batch_size=64, shuffle=True, num_workers=2, persistent_workers=True)
+loaders = dict(plain=DataLoader(dataset, **common), off=ResumableDataLoader(dataset, keying="off", **common),
+               empty_helper=ResumableDataLoader(dataset, **common))
+print(json.dumps(interleaved(dict((name, lambda loader=loader: batches_per_second(loader, 400))
+                                  for name, loader in loaders.items()), {rounds})))
+"""
+
+
+def helper_wake_control(rounds: int) -> dict[str, float]:
+    """Tiny items, nw=2, with every seeding stubbed out: what the seed-ahead helper's wake alone does."""
+    code = _WAKE_CONTROL.format(bench=os.path.dirname(os.path.abspath(__file__)), rounds=rounds)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"helper wake control failed: {done.stderr[-2000:]}")
+    result: dict[str, float] = json.loads(done.stdout.splitlines()[-1])
+    return result
 
 
 def _saved_bytes(state: Any) -> int:
@@ -179,15 +245,19 @@ def report(args: argparse.Namespace) -> str:
             rows.append([label, str(workers), *ratios, f"{result['DataLoader']:,.0f}"])
             print(rows[-1], flush=True)
     header = ["items", "num_workers", "DataLoader again (A/A)", "StatefulDataLoader", "ours, keying off",
-              "ours, per-batch keying", "DataLoader batches/s"]
+              "ours, per-batch keying", "ours, per-batch keying, torch only", "DataLoader batches/s"]
     sections.append(markdown(header, rows))
     stream_rows = []
     for workers in (0, 2):
         result = stream_throughput(workers, 400, rounds)
         ratios = [f"{result[k]:.3f}x" for k in result if k != "DataLoader"]
-        stream_rows.append(["stream, state = a few ints", str(workers), *ratios, f"{result['DataLoader']:,.0f}"])
+        stream_rows.append(["stream, state = a few ints", str(workers), *ratios, "n/a", f"{result['DataLoader']:,.0f}"])
         print(stream_rows[-1], flush=True)
     sections.append(markdown(["iterable dataset", *header[1:]], stream_rows))
+    wake = helper_wake_control(rounds)
+    control = ["control: tiny items, nw=2, every seeding stubbed out", "ours, keying off",
+               "ours, seed-ahead helper seeding nothing"]
+    sections.append(markdown(control, [["ratio to DataLoader", f"{wake['off']:.3f}x", f"{wake['empty_helper']:.3f}x"]]))
     costs = keying_costs()
     sections.append(markdown(["keying cost (3 generators)", "µs"], [[k, f"{v:.1f}"] for k, v in costs.items()]))
     states = state_costs()

@@ -22,7 +22,7 @@ from torch.utils.data.dataloader import _DatasetKind
 
 from .distributed import rank_and_world
 from .iterable import Progress, StreamCollate, Ticket, WorkerInit, WorkerRestore, WorkerSide
-from .keyed_rng import GENERATORS, derive_key, generator_mask
+from .keyed_rng import GENERATORS, SeedAheadCollate, derive_key, generator_mask
 from .sampler import Shard, ShardedSampler, steps_per_epoch, torch_order
 from .state import STATE_VERSION, StateError, check_state
 from .stream import Pass, Plan, index_lists, is_stateful
@@ -229,6 +229,8 @@ class ResumableDataLoader(DataLoader[T]):
         self._pass = Pass(self._epoch, self._position, self._sampler_state_to_load)
         self._sampler_state_to_load = None
         collate = _Unbatch(self.collate_fn) if self._unbatched else self.collate_fn
+        if self.num_workers and self.keying == "batch" and self._mask:
+            collate = SeedAheadCollate(collate)
         with self._building(collate_fn=collate):
             return _Tracked(self, super().__iter__(), self._pass)
 
@@ -483,6 +485,7 @@ class ResumableDataLoader(DataLoader[T]):
             source=self._source, n=self._n, shard=self._shard(), seed=self.seed, shuffle=self._shuffle,
             keying=self.keying, mask=self._mask,
             unit_is_batch=self.batch_sampler is not None and self._source is self.batch_sampler,
+            workers=self.num_workers if self.keying == "batch" and self._mask else 0,
         )
         return index_lists(plan, pass_)
 

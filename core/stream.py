@@ -49,6 +49,8 @@ class Plan:
     keying: str
     mask: int
     unit_is_batch: bool
+    workers: int = 0
+    """The loader's ``num_workers``: a worker's next batch is most likely ``workers`` steps later."""
 
 
 def index_lists(plan: Plan, pass_: Pass) -> Iterator[list[int]]:
@@ -67,7 +69,10 @@ def index_lists(plan: Plan, pass_: Pass) -> Iterator[list[int]]:
         if off:
             yield indices
         else:
-            yield KeyedIndices(indices, (derive_key(batch_base, key_position), sample_base, plan.mask))
+            ahead = None
+            if plan.workers and sample_base is None:
+                ahead = derive_key(batch_base, key_position + plan.workers * plan.shard.step)
+            yield KeyedIndices(indices, (derive_key(batch_base, key_position), sample_base, plan.mask), ahead)
 
 
 def is_stateful(owner: Any) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Any
 
 import pytest
@@ -114,3 +115,10 @@ def test_torch_private_details_we_rely_on_still_hold() -> None:
     # 3. the worker base seed is drawn from `loader.generator` while the iterator is built.
     source = inspect.getsource(torch.utils.data.dataloader._BaseDataLoaderIter.__init__)
     assert "random_(generator=loader.generator)" in source
+    # 4. between a batch's collate and the next indices a worker runs only its loop, which seeds no
+    #    global generator (only IterDataPipe's own `shared_rng`): seeding ahead there is unobserved.
+    loop = inspect.getsource(torch.utils.data._utils.worker._worker_loop)
+    body = loop[loop.index("while watchdog.is_alive()"):]
+    assert re.findall(r"[\w.]*seed\w*\(", body) == ["shared_rng.manual_seed(", "apply_random_seed("]
+    calls = ("index_queue.get(", "fetcher.fetch(index)", "data_queue.put((idx, data))")
+    assert [body.index(call) for call in calls] == sorted(body.index(call) for call in calls)

@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import pickle
 import random
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from torch.utils.data._utils.fetch import _MapDatasetFetcher
 
 from conftest import make
-from loader_resume.keyed_rng import CallerRng, generator_mask
+from loader_resume.keyed_rng import (
+    GENERATORS,
+    SEED_AHEAD,
+    CallerRng,
+    KeyedIndices,
+    SeedAheadCollate,
+    derive_key,
+    generator_mask,
+)
 from loader_resume.testing import run_epochs
 
 
@@ -106,3 +118,69 @@ def test_caller_rng_restores_numpy_state_exactly() -> None:
     saved.restore()
     after = np.random.get_state()
     assert np.array_equal(after[1], expected[1]) and after[2] == expected[2]
+
+
+class _Draws(torch.utils.data.Dataset[tuple[float, float, float]]):
+    """Every item draws from the three keyed generators."""
+
+    def __len__(self) -> int:
+        return 100
+
+    def __getitem__(self, index: int) -> tuple[float, float, float]:
+        return torch.rand(()).item(), float(np.random.rand()), random.random()
+
+
+def _fetch_in_a_worker(batches: list[KeyedIndices], between: Any = None) -> tuple[list[Any], list[int]]:
+    """Fetch ``batches`` as a DataLoader worker does: indices unpickled, fetched, collated (our wrapper).
+
+    Returns the values drawn and ``torch.initial_seed()`` as each next batch's indices arrive.
+    """
+    fetcher = _MapDatasetFetcher(_Draws(), True, SeedAheadCollate(lambda items: items), False)
+    worker = torch.utils.data._utils.worker
+    worker._worker_info = worker.WorkerInfo(id=0, num_workers=2, seed=0, dataset=None)
+    try:
+        values, seeds_on_arrival = [], []
+        for batch in batches:
+            arrived = pickle.loads(pickle.dumps(batch))  # waits for the helper thread (`_arrived`)
+            seeds_on_arrival.append(torch.initial_seed())
+            values.append(fetcher.fetch(arrived))
+            if between is not None:
+                between()
+        return values, seeds_on_arrival
+    finally:
+        worker._worker_info = None
+
+
+def test_seeding_ahead_gives_each_batch_its_own_keys_values() -> None:
+    """A worker seeds for its next batch in the background; right or wrong, the values are the batch's own."""
+    mask = generator_mask(GENERATORS)
+    keys = [derive_key(11, i) for i in range(4)]
+    plain = [KeyedIndices([0, 1, 2], (key, None, mask)) for key in keys]
+    expected, _ = _fetch_in_a_worker(plain, between=lambda: (torch.rand(3), np.random.rand(3), random.random()))
+    pairs = zip(keys, [*keys[1:], None], strict=True)
+    guessed = [KeyedIndices([0, 1, 2], (key, None, mask), ahead=after) for key, after in pairs]
+    values, seeds = _fetch_in_a_worker(guessed)
+    assert values == expected
+    assert seeds[1:] == [key & ((1 << 64) - 1) for key in keys[1:]]  # seeded before the indices arrived
+    wrong = [KeyedIndices([0, 1, 2], (key, None, mask), ahead=derive_key(99, i)) for i, key in enumerate(keys)]
+    assert _fetch_in_a_worker(wrong)[0] == expected
+    assert len({v for batch in expected for item in batch for v in item}) == 4 * 3 * 3  # the keys differ
+
+
+def test_seeding_ahead_survives_a_fork() -> None:
+    """A process forked after the helper thread started (a worker's own subprocess) starts its own helper."""
+    SEED_AHEAD.plan(derive_key(1, 2), generator_mask(["torch"]))
+    SEED_AHEAD.start()
+    assert SEED_AHEAD.take() == (derive_key(1, 2), generator_mask(["torch"]))
+    child = multiprocessing.get_context("fork").Process(target=_seed_ahead_in_child)
+    child.start()
+    child.join(timeout=60)
+    assert child.exitcode == 0
+
+
+def _seed_ahead_in_child() -> None:
+    key = derive_key(3, 4)
+    SEED_AHEAD.plan(key, generator_mask(["torch"]))
+    SEED_AHEAD.start()
+    ok = SEED_AHEAD.take() == (key, generator_mask(["torch"])) and torch.initial_seed() == key
+    os._exit(0 if ok else 1)
