@@ -229,7 +229,7 @@ class ResumableDataLoader(DataLoader[T]):
         self._pass = Pass(self._epoch, self._position, self._sampler_state_to_load)
         self._sampler_state_to_load = None
         collate = _Unbatch(self.collate_fn) if self._unbatched else self.collate_fn
-        if self.num_workers and self.keying == "batch" and self._mask:
+        if self._seeds_ahead:
             collate = SeedAheadCollate(collate)
         with self._building(collate_fn=collate):
             return _Tracked(self, super().__iter__(), self._pass)
@@ -477,6 +477,11 @@ class ResumableDataLoader(DataLoader[T]):
         finally:
             self._pass = saved
 
+    @property
+    def _seeds_ahead(self) -> bool:
+        """Whether workers seed each next batch ahead (``keyed_rng.SeedAhead``): per-batch keying in workers."""
+        return bool(self.num_workers and self.keying == "batch" and self._mask)
+
     def _index_lists(self) -> Iterator[list[Any]]:
         if not self._map:
             return self._tickets()
@@ -485,7 +490,7 @@ class ResumableDataLoader(DataLoader[T]):
             source=self._source, n=self._n, shard=self._shard(), seed=self.seed, shuffle=self._shuffle,
             keying=self.keying, mask=self._mask,
             unit_is_batch=self.batch_sampler is not None and self._source is self.batch_sampler,
-            workers=self.num_workers if self.keying == "batch" and self._mask else 0,
+            workers=self.num_workers if self._seeds_ahead else 0,
         )
         return index_lists(plan, pass_)
 

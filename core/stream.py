@@ -50,7 +50,7 @@ class Plan:
     mask: int
     unit_is_batch: bool
     workers: int = 0
-    """The loader's ``num_workers``: a worker's next batch is most likely ``workers`` steps later."""
+    """``num_workers`` when workers seed ahead, else 0: a worker's next batch is most likely ``workers`` steps later."""
 
 
 def index_lists(plan: Plan, pass_: Pass) -> Iterator[list[int]]:
