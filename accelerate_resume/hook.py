@@ -79,8 +79,8 @@ class Resume:
         self.preemption = Preemption(config.signals)
         self.loaded_from: Path | None = None
         self.failed_saves = 0
-        self._collected: dict[str, Any] | None = None
         """Checkpoints that could not be written (each logged as an error)."""
+        self._collected: dict[str, Any] | None = None  # gathered before our own save_state (see save)
         self._loaders: list[AcceleratedResumableDataLoader] = []
         self._pending: dict[str, Any] | None = None
         self._rng_to_restore: dict[str, Any] | None = None

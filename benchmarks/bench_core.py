@@ -93,6 +93,15 @@ def keying_costs() -> dict[str, float]:
             "caller RNG save+restore": guard, "numpy get_state+set_state (for comparison)": numpy_legacy}
 
 
+def _probe(script: str, what: str, **fields: Any) -> str:
+    """Run ``script`` (formatted with ``fields`` and this folder as ``bench``) in a fresh interpreter; its stdout."""
+    code = script.format(bench=os.path.dirname(os.path.abspath(__file__)), **fields)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if done.returncode or not done.stdout.strip():
+        raise RuntimeError(f"{what} failed: {done.stderr[-2000:]}")
+    return done.stdout
+
+
 _IN_LOADER = """
 import os, statistics, sys, time
 sys.path.insert(0, {bench!r})
@@ -118,12 +127,7 @@ for _ in range(2001):
 
 def in_loader_seed_micros() -> float:
     """Median µs of seeding the three generators in a worker while the pipeline runs (caches are cold there)."""
-    code = _IN_LOADER.format(bench=os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    medians = [float(line) for line in done.stdout.split()]
-    if done.returncode or not medians:
-        raise RuntimeError(f"in-loader keying probe failed: {done.stderr[-2000:]}")
-    return statistics.median(medians)
+    return statistics.median(float(line) for line in _probe(_IN_LOADER, "in-loader keying probe").split())
 
 
 _WAKE_CONTROL = """
@@ -146,11 +150,7 @@ print(json.dumps(interleaved(dict((name, lambda loader=loader: batches_per_secon
 
 def helper_wake_control(rounds: int) -> dict[str, float]:
     """Tiny items, nw=2, with every seeding stubbed out: what the seed-ahead helper's wake alone does."""
-    code = _WAKE_CONTROL.format(bench=os.path.dirname(os.path.abspath(__file__)), rounds=rounds)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"helper wake control failed: {done.stderr[-2000:]}")
-    result: dict[str, float] = json.loads(done.stdout.splitlines()[-1])
+    result: dict[str, float] = json.loads(_probe(_WAKE_CONTROL, "helper wake control", rounds=rounds).splitlines()[-1])
     return result
 
 
@@ -225,11 +225,7 @@ print(rss() - before, tracemalloc.get_traced_memory()[1])
 
 def peak_memory_mib(n: int) -> tuple[float, float]:
     """(resident-set growth, tracemalloc peak) in MiB for a shuffled loader over ``n`` samples."""
-    code = _PEAK.format(bench=os.path.dirname(os.path.abspath(__file__)), n=n)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"peak-memory probe failed: {done.stderr[-2000:]}")
-    rss, peak = done.stdout.split()[-2:]
+    rss, peak = _probe(_PEAK, "peak-memory probe", n=n).split()[-2:]
     return int(rss) / 2**20, int(peak) / 2**20
 
 

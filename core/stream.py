@@ -63,16 +63,19 @@ def index_lists(plan: Plan, pass_: Pass) -> Iterator[list[int]]:
     batch_base = derive_key(plan.seed, pass_.epoch, "batch")
     sample_base = derive_key(plan.seed, pass_.epoch, "sample") if plan.keying == "sample" else None
     off = plan.keying == "off"
+    ahead_keys: dict[int, int] = {}  # key position -> key, derived when it was sent ahead (seeding ahead)
     for units, key_position, end, last, sampler_state in _steps(plan, pass_):
         pass_.pending.append((end, last, sampler_state))
         indices = units[0] if plan.unit_is_batch else units
         if off:
             yield indices
-        else:
-            ahead = None
-            if plan.workers and sample_base is None:
-                ahead = derive_key(batch_base, key_position + plan.workers * plan.shard.step)
-            yield KeyedIndices(indices, (derive_key(batch_base, key_position), sample_base, plan.mask), ahead)
+            continue
+        key = ahead_keys.pop(key_position) if key_position in ahead_keys else derive_key(batch_base, key_position)
+        ahead = None
+        if plan.workers and sample_base is None:
+            ahead_position = key_position + plan.workers * plan.shard.step
+            ahead = ahead_keys[ahead_position] = derive_key(batch_base, ahead_position)
+        yield KeyedIndices(indices, (key, sample_base, plan.mask), ahead)
 
 
 def is_stateful(owner: Any) -> bool:
