@@ -13,6 +13,7 @@ import io
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -35,7 +36,7 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from loader_resume import ResumableDataLoader
-from loader_resume.keyed_rng import CallerRng, KeyedIndices, derive_key, generator_mask
+from loader_resume.keyed_rng import CallerRng, derive_key, generator_mask, keyed_indices, seed_generators
 
 BATCH = 64
 
@@ -72,25 +73,27 @@ def stream_throughput(workers: int, batches: int, rounds: int) -> dict[str, floa
 
 def keying_costs() -> dict[str, float]:
     mask = generator_mask(("torch", "numpy", "random"))
-    indices = list(range(BATCH))
-    batch = KeyedIndices(indices, (derive_key(1, 2), None, mask))
-    per_sample = KeyedIndices(indices, (derive_key(1, 2), derive_key(3, 4), mask))
-    torch.utils.data._utils.worker._worker_info = torch.utils.data._utils.worker.WorkerInfo(  # a worker's view
-        id=0, num_workers=1, seed=0, dataset=None)
-    try:
-        worker_batch = median_micros(lambda: list(iter(batch))) - median_micros(lambda: list(indices))
-        worker_sample = median_micros(lambda: list(iter(per_sample))) - median_micros(lambda: list(indices))
-    finally:
-        torch.utils.data._utils.worker._worker_info = None
-    main_batch = median_micros(lambda: list(iter(batch))) - median_micros(lambda: list(indices))
-    guard = median_micros(lambda: CallerRng(mask).save().restore())
-    numpy_legacy = median_micros(lambda: np.random.set_state(np.random.get_state()), repeat=500)
-    return {"worker, per batch": worker_batch,
+    key = derive_key(1, 2)
+    per_sample = keyed_indices(list(range(BATCH)), (key, derive_key(3, 4), mask))
+    guard = CallerRng(mask)
+
+    def main_process_batch() -> None:  # what the loader does around one fetch with num_workers=0
+        guard.save()
+        seed_generators(key, mask)
+        guard.restore()
+
+    return {"worker, per batch (seeding one key; done ahead by the helper thread)":
+                median_micros(lambda: seed_generators(key, mask)),
             "worker, per batch, inside a running 2-worker loader (cold caches; done by the helper thread)":
                 in_loader_seed_micros(),
-            "worker, per sample": worker_sample / BATCH,
-            "main process, per batch (incl. caller RNG restore)": main_batch,
-            "caller RNG save+restore": guard, "numpy get_state+set_state (for comparison)": numpy_legacy}
+            "worker, per sample": (median_micros(lambda: list(iter(per_sample)))
+                                   - median_micros(lambda: list(per_sample[:]))) / BATCH,
+            "main process, per batch (seeding + caller RNG save and restore)": median_micros(main_process_batch),
+            "caller RNG save+restore": median_micros(lambda: guard.save().restore()),
+            "numpy get_state+set_state (for comparison)":
+                median_micros(lambda: np.random.set_state(np.random.get_state()), repeat=500),
+            "random getstate+setstate (for comparison)":
+                median_micros(lambda: random.setstate(random.getstate()), repeat=500)}
 
 
 def _probe(script: str, what: str, **fields: Any) -> str:

@@ -22,7 +22,7 @@ from torch.utils.data.dataloader import _DatasetKind
 
 from .distributed import rank_and_world
 from .iterable import Progress, StreamCollate, Ticket, WorkerInit, WorkerRestore, WorkerSide
-from .keyed_rng import GENERATORS, SeedAheadCollate, derive_key, generator_mask
+from .keyed_rng import GENERATORS, CallerRng, SeedAheadCollate, derive_key, generator_mask
 from .sampler import Shard, ShardedSampler, steps_per_epoch, torch_order
 from .state import STATE_VERSION, StateError, check_state
 from .stream import Pass, Plan, index_lists, is_stateful
@@ -69,12 +69,18 @@ class _IndexStream:
 
 
 class _Tracked(Generic[T]):
-    """Wraps torch's iterator; moves the loader's position as each batch is handed over."""
+    """Wraps torch's iterator; moves the loader's position as each batch is handed over.
 
-    __slots__ = ("_inner", "_loader", "_pass")
+    ``caller`` (keyed, ``num_workers=0``): the caller's generators are saved before torch's iterator
+    draws the next index list (which seeds the batch's key, see ``stream.Plan.fetch_here``) and restored
+    once after the whole fetch and collate, so model code (dropout) sees its own stream undisturbed.
+    """
 
-    def __init__(self, loader: ResumableDataLoader[Any], inner: Iterator[T], pass_: Pass) -> None:
-        self._loader, self._inner, self._pass = loader, inner, pass_
+    __slots__ = ("_caller", "_inner", "_loader", "_pass")
+
+    def __init__(self, loader: ResumableDataLoader[Any], inner: Iterator[T], pass_: Pass,
+                 caller: CallerRng | None = None) -> None:
+        self._loader, self._inner, self._pass, self._caller = loader, inner, pass_, caller
 
     def __iter__(self) -> _Tracked[T]:
         return self
@@ -83,11 +89,17 @@ class _Tracked(Generic[T]):
         return len(self._inner)  # type: ignore[arg-type]
 
     def __next__(self) -> T:
+        caller = self._caller
+        if caller is not None:
+            caller.save()
         try:
             batch = next(self._inner)
         except StopIteration:
             self._loader._pass_ended(self._pass)
             raise
+        finally:
+            if caller is not None:
+                caller.restore()
         self._loader._delivered(self._pass)
         return batch
 
@@ -206,6 +218,8 @@ class ResumableDataLoader(DataLoader[T]):
         self._stream_restore: tuple[list[Progress], int] | None = None
         self._side = WorkerSide()  # this loader's worker view when num_workers=0
         self._renumbered_workers = False
+        if self._map and keying == "sample" and hasattr(dataset, "__getitems__"):
+            _warn_batch_read_once(dataset)
 
     # --- torch hooks -----------------------------------------------------------------------------
     @property
@@ -231,8 +245,9 @@ class ResumableDataLoader(DataLoader[T]):
         collate = _Unbatch(self.collate_fn) if self._unbatched else self.collate_fn
         if self._seeds_ahead:
             collate = SeedAheadCollate(collate)
+        caller = CallerRng(self._mask) if self._fetches_here else None
         with self._building(collate_fn=collate):
-            return _Tracked(self, super().__iter__(), self._pass)
+            return _Tracked(self, super().__iter__(), self._pass, caller)
 
     def _iter_stream(self) -> _StreamTracked[T]:
         workers = max(self.num_workers, 1)
@@ -473,7 +488,7 @@ class ResumableDataLoader(DataLoader[T]):
             pass_ = Pass(self._epoch, self._position, self._sampler_state_to_load)
         saved, self._pass = self._pass, pass_
         try:
-            return iter(list(self._index_lists()))
+            return iter(list(self._index_lists(plan_only=True)))
         finally:
             self._pass = saved
 
@@ -482,7 +497,12 @@ class ResumableDataLoader(DataLoader[T]):
         """Whether workers seed each next batch ahead (``keyed_rng.SeedAhead``): per-batch keying in workers."""
         return bool(self.num_workers and self.keying == "batch" and self._mask)
 
-    def _index_lists(self) -> Iterator[list[Any]]:
+    @property
+    def _fetches_here(self) -> bool:
+        """Whether keyed batches are fetched in this process (seeded here, caller's generators restored)."""
+        return bool(self.num_workers == 0 and self.keying != "off" and self._mask)
+
+    def _index_lists(self, *, plan_only: bool = False) -> Iterator[list[Any]]:
         if not self._map:
             return self._tickets()
         pass_ = self._pass if self._pass is not None else Pass(self._epoch, self._position)
@@ -491,6 +511,7 @@ class ResumableDataLoader(DataLoader[T]):
             keying=self.keying, mask=self._mask,
             unit_is_batch=self.batch_sampler is not None and self._source is self.batch_sampler,
             workers=self.num_workers if self._seeds_ahead else 0,
+            fetch_here=self._fetches_here and not plan_only,
         )
         return index_lists(plan, pass_)
 
@@ -515,6 +536,23 @@ _RESHARD_HINT = (
     "reshard_states(states, num_shards) method (see README: Iterable datasets) to allow a change "
     "(world size changes go through loader_resume.distributed.load_rank_state)."
 )
+
+
+_WARNED_BATCH_READ: set[type] = set()
+
+
+def _warn_batch_read_once(dataset: Any) -> None:
+    """``keying="sample"`` over a dataset that reads a whole batch at once (``__getitems__``): say what is keyed."""
+    cls = type(dataset)
+    if cls in _WARNED_BATCH_READ:
+        return
+    _WARNED_BATCH_READ.add(cls)
+    logger.warning(
+        "keying='sample': %s defines __getitems__, so it reads each batch's index list at once. Random numbers "
+        "it draws while iterating that list item by item are keyed per sample; any it draws after (a batch "
+        "transform, as HF datasets' set_transform runs) are keyed by the batch's key, so they depend on the "
+        "batch's composition (batch size, world size). Use keying='batch' to say so explicitly, or read items "
+        "one by one in __getitem__ for per-sample keys.", cls.__name__)
 
 
 def _check_options(in_order: bool, snapshot_every_n_steps: int, keying: str) -> None:

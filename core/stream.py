@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from itertools import chain, islice
 from typing import Any
 
-from .keyed_rng import GENERATORS, CallerRng, KeyedIndices, derive_key, generator_mask, seed_generators
+from .keyed_rng import GENERATORS, CallerRng, derive_key, generator_mask, keyed_indices, seed_generators
 from .permutation import KeyedPermutation
 from .sampler import Shard, Step, permutation_steps, source_steps
 
@@ -51,6 +51,10 @@ class Plan:
     unit_is_batch: bool
     workers: int = 0
     """``num_workers`` when workers seed ahead, else 0: a worker's next batch is most likely ``workers`` steps later."""
+    fetch_here: bool = False
+    """The batches are fetched in this process (``num_workers=0``): seed each batch's key as its list is
+    handed out, since torch's single-process iterator fetches right after drawing it (the loader restores
+    the caller's generators once the fetch is done)."""
 
 
 def index_lists(plan: Plan, pass_: Pass) -> Iterator[list[int]]:
@@ -75,7 +79,9 @@ def index_lists(plan: Plan, pass_: Pass) -> Iterator[list[int]]:
         if plan.workers and sample_base is None:
             ahead_position = key_position + plan.workers * plan.shard.step
             ahead = ahead_keys[ahead_position] = derive_key(batch_base, ahead_position)
-        yield KeyedIndices(indices, (key, sample_base, plan.mask), ahead)
+        if plan.fetch_here:
+            seed_generators(key, plan.mask)
+        yield keyed_indices(indices, (key, sample_base, plan.mask), ahead)
 
 
 def is_stateful(owner: Any) -> bool:

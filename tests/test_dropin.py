@@ -93,25 +93,15 @@ def test_seed_defaults_to_the_generator_that_would_have_shuffled() -> None:
 
 def test_torch_private_details_we_rely_on_still_hold() -> None:
     """Pins each private torch detail the loader depends on, so a torch upgrade fails here, by name."""
-    from torch.utils.data._utils.fetch import _MapDatasetFetcher
-
-    from loader_resume.keyed_rng import KeyedIndices, generator_mask
-
     # 1. torch's iterator draws index lists from `loader._index_sampler`, a property we override.
     assert isinstance(inspect.getattr_static(DataLoader, "_index_sampler"), property)
     assert isinstance(inspect.getattr_static(DataLoader, "_auto_collation"), property)
-    # 2. the map fetcher iterates the index list right before calling dataset[i] (where we key).
-    seen: list[float] = []
-
-    class Probe(torch.utils.data.Dataset[float]):
-        def __getitem__(self, index: int) -> float:
-            seen.append(torch.rand(()).item())
-            return index
-
-    keyed = KeyedIndices([0, 1], (42, None, generator_mask(["torch"])))
-    _MapDatasetFetcher(Probe(), True, lambda items: items, False).fetch(keyed)
-    torch.manual_seed(42)
-    assert seen == [torch.rand(()).item(), torch.rand(()).item()]
+    # 2. keys are applied at the fetch: the single-process iterator fetches right after drawing an index
+    #    list (where the main process seeds), and a worker fetches right after unpickling one (see 4).
+    next_data = inspect.getsource(torch.utils.data.dataloader._SingleProcessDataLoaderIter._next_data)
+    lines = [line.strip() for line in next_data.splitlines()[1:] if line.strip()]
+    assert lines[:2] == ["index = self._next_index()  # may raise StopIteration",
+                         "data = self._dataset_fetcher.fetch(index)  # may raise StopIteration"], lines
     # 3. the worker base seed is drawn from `loader.generator` while the iterator is built.
     source = inspect.getsource(torch.utils.data.dataloader._BaseDataLoaderIter.__init__)
     assert "random_(generator=loader.generator)" in source
