@@ -9,9 +9,13 @@ DataLoader hooks, torch's worker loop untouched:
 - the *collate function* (:class:`StreamCollate`) runs in the worker right after: it tags the batch with
   the worker's progress and its dataset's ``state_dict()``; the main process keeps the tags of batches
   actually handed to the caller;
-- the *worker_init_fn* (:class:`WorkerInit`) restores each worker's saved state before it iterates and
-  renumbers workers, so torch's round-robin, which always starts with the first worker it started,
-  continues at the worker after the last one delivered (:func:`report_worker_id`).
+- the *worker_init_fn* (:class:`WorkerInit`) renumbers workers, so torch's round-robin, which always
+  starts with the first worker it started, continues at the worker after the last one delivered
+  (:func:`report_worker_id`), and hands each worker the progress it resumes from;
+- torch iterates a :class:`StreamSource` in place of the user's dataset: its iterator opens the user's
+  stream lazily, at the first pull, as torchdata's ``StatefulDataLoader`` does — ``set_epoch(epoch)``,
+  the dataset's saved state, ``iter(dataset)``, then the saved state of the iterator it returned — and
+  remembers a worker that ran dry in this epoch, so that worker stays dry on resume.
 """
 
 from __future__ import annotations
@@ -20,20 +24,34 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch.utils.data import get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 
 from .keyed_rng import CallerRng, derive_key, seed_generators
+from .state import StateError
+from .stream import is_stateful
 
-__all__ = ["Progress", "StreamCollate", "Ticket", "WorkerInit", "WorkerRestore", "WorkerSide", "report_worker_id"]
+__all__ = [
+    "Progress", "StreamCollate", "StreamSource", "Ticket", "WorkerInit", "WorkerRestore", "WorkerSide",
+    "report_worker_id",
+]
 
 
 @dataclass(slots=True)
 class Progress:
-    """One worker's progress in an epoch: batches and items it produced, and its dataset's state."""
+    """One worker's progress in an epoch: batches and items it produced, and what its stream saved."""
 
     batches: int = 0
     items: int = 0
     state: Any = None
+    """The dataset's ``state_dict()`` (Stateful protocol), else None."""
+    iterator: Any = None
+    """The ``state_dict()`` of the iterator ``iter(dataset)`` returned, when that is another stateful object."""
+    dry: bool = False
+    """The worker's stream ended in this epoch (its dataset may already have reset itself for the next)."""
+
+    def needs_replay(self) -> bool:
+        """Nothing restores this position but pulling and dropping the items delivered so far."""
+        return self.items > 0 and not self.dry and self.state is None and self.iterator is None
 
 
 @dataclass(slots=True)
@@ -46,12 +64,74 @@ class WorkerSide:
     progress: Progress = field(default_factory=Progress)
     replay: int = 0
     """Items to pull and drop before the next batch, to reach a restored position (no dataset state)."""
+    restore: Progress | None = None
+    """What the stream is restored to when it is opened (:meth:`open`)."""
+    iterator: Any = None
+    """The iterator the user's dataset returned, once opened."""
 
-    def start(self, epoch: int, worker: int, restore: Progress | None, replay: bool) -> None:
+    def start(self, epoch: int, worker: int, restore: Progress | None) -> None:
         """Become ``worker`` of ``epoch``, at the progress it is restored to (if any)."""
-        self.epoch, self.worker = epoch, worker
-        self.progress = Progress(restore.batches, restore.items, restore.state) if restore else Progress()
-        self.replay = restore.items if restore is not None and replay else 0
+        self.epoch, self.worker, self.restore, self.iterator = epoch, worker, restore, None
+        self.progress = Progress(restore.batches, restore.items, restore.state, restore.iterator,
+                                 restore.dry) if restore else Progress()
+        self.replay = restore.items if restore is not None and restore.needs_replay() else 0
+
+    def open(self, dataset: Any) -> Iterator[Any]:
+        """The user's stream for this epoch, restored as torchdata's StatefulDataLoader restores it."""
+        restore, self.restore = self.restore, None
+        if restore is not None and restore.dry:
+            return iter(())
+        set_epoch = getattr(dataset, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(self.epoch)
+        if restore is not None and restore.state is not None:
+            dataset.load_state_dict(restore.state)
+        iterator = iter(dataset)
+        if restore is not None and restore.iterator is not None:
+            if not is_stateful(iterator):
+                raise StateError(f"stream.workers[{self.worker}].iterator", restore.iterator, None,
+                                 f"iter({type(dataset).__name__}) returned a {type(iterator).__name__}, which "
+                                 "has no state_dict()/load_state_dict().", expected="None")
+            iterator.load_state_dict(restore.iterator)
+        elif iterator is dataset and restore is not None and restore.state is not None:
+            # NOTE: as StatefulDataLoader does: a dataset whose __iter__ resets its position and returns
+            # itself gets its state back *after* iter() too (it is its own iterator).
+            dataset.load_state_dict(restore.state)
+        self.iterator = iterator
+        return iterator  # type: ignore[no-any-return]
+
+    def snapshot(self, dataset: Any) -> None:
+        """Record the dataset's and its iterator's states in this worker's progress."""
+        progress, iterator = self.progress, self.iterator
+        progress.state = dataset.state_dict() if is_stateful(dataset) else None
+        progress.iterator = (iterator.state_dict() if iterator is not None and iterator is not dataset
+                             and is_stateful(iterator) else None)
+
+
+class StreamSource(IterableDataset[Any]):
+    """What torch's iterator iterates in place of the user's iterable dataset (see the module doc).
+
+    ``side`` is set only for ``num_workers=0``; a copy sent to a worker uses the worker's own.
+    """
+
+    def __init__(self, dataset: Any, side: WorkerSide | None = None) -> None:
+        self.dataset, self.side = dataset, side
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (StreamSource, (self.dataset,))
+
+    def __iter__(self) -> Iterator[Any]:
+        # NOTE: a generator, so nothing runs until torch's fetcher pulls the first item, after the
+        # first Ticket of the pass has told the worker its epoch (a persistent worker is handed a new
+        # iterator before it knows the epoch). NOTE: `yield from iterator` would call iter() on it a
+        # second time, which resets a dataset whose __iter__ returns itself; a callable iterator over its
+        # __next__ does not, and keeps the per-item cost at C speed.
+        side = self.side if self.side is not None else _IN_WORKER
+        yield from iter(side.open(self.dataset).__next__, _END)
+        side.progress.dry = True
+
+
+_END: Any = object()
 
 
 _IN_WORKER = WorkerSide()
@@ -84,7 +164,7 @@ class Ticket(list[None]):
         epoch, stream_key, mask, batch_size = self.spec
         side = self._side()
         if side.epoch != epoch:  # a persistent worker entering a new epoch
-            side.start(epoch, side.worker, None, False)
+            side.start(epoch, side.worker, None)
         if self.side is None and not side.replay:
             # NOTE: in a worker with nothing to replay: seed, then C's list iterator (no generator).
             if mask:
@@ -121,7 +201,7 @@ class StreamCollate:
         self.collate_fn, self.unbatch, self.drop_last, self.batch_size = collate_fn, unbatch, drop_last, batch_size
         self.side, self.dataset = side, dataset
 
-    def __call__(self, items: list[Any]) -> tuple[Any, tuple[int, int, int, Any]]:
+    def __call__(self, items: list[Any]) -> tuple[Any, tuple[int, Progress]]:
         side = self.side if self.side is not None else _IN_WORKER
         replayed, side.replay = side.replay, 0
         items = items[replayed:]
@@ -133,11 +213,16 @@ class StreamCollate:
             raise StopIteration
         progress.batches += 1
         progress.items += len(items)
-        dataset = self.dataset if self.side is not None else getattr(get_worker_info(), "dataset", None)
-        state_dict = getattr(dataset, "state_dict", None)
-        progress.state = state_dict() if callable(state_dict) else None
+        side.snapshot(self.dataset if self.side is not None else _worker_dataset())
         batch = self.collate_fn(items[0]) if self.unbatch else self.collate_fn(items)
-        return batch, (side.worker, progress.batches, progress.items, progress.state)
+        return batch, (side.worker, Progress(progress.batches, progress.items, progress.state, progress.iterator,
+                                             progress.dry))
+
+
+def _worker_dataset() -> Any:
+    """The user's dataset copy in this worker (torch's WorkerInfo holds our StreamSource until WorkerInit)."""
+    dataset = get_worker_info().dataset  # type: ignore[union-attr]
+    return dataset.dataset if isinstance(dataset, StreamSource) else dataset
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +233,6 @@ class WorkerRestore:
     offset: int
     """The ``p``-th worker torch starts becomes worker ``(p + offset) % num_workers``."""
     progress: tuple[Progress | None, ...]
-    replay: bool
 
 
 class WorkerInit:
@@ -162,10 +246,10 @@ class WorkerInit:
         assert info is not None  # torch calls worker_init_fn inside a worker, with its info set
         worker = (started_as + self.restore.offset) % info.num_workers
         report_worker_id(worker)
-        progress = self.restore.progress[worker]
-        if progress is not None and progress.state is not None:
-            info.dataset.load_state_dict(progress.state)  # type: ignore[attr-defined]
-        _IN_WORKER.start(self.restore.epoch, worker, progress, self.restore.replay)
+        if isinstance(info.dataset, StreamSource):
+            # NOTE: the user's worker_init_fn sees (and may shard) its own dataset, as with DataLoader.
+            object.__setattr__(info, "dataset", info.dataset.dataset)
+        _IN_WORKER.start(self.restore.epoch, worker, self.restore.progress[worker])
         if self.user_fn is not None:
             self.user_fn(worker)
 

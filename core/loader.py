@@ -21,11 +21,11 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 from torch.utils.data.dataloader import _DatasetKind
 
 from .distributed import rank_and_world
-from .iterable import Progress, StreamCollate, Ticket, WorkerInit, WorkerRestore, WorkerSide
+from .iterable import Progress, StreamCollate, StreamSource, Ticket, WorkerInit, WorkerRestore, WorkerSide
 from .keyed_rng import GENERATORS, CallerRng, SeedAheadCollate, derive_key, generator_mask
 from .sampler import Shard, ShardedSampler, steps_per_epoch, torch_order
 from .state import STATE_VERSION, StateError, check_state
-from .stream import Pass, Plan, index_lists, is_stateful
+from .stream import Pass, Plan, foreign_state_dict, index_lists, is_stateful
 from .stream_state import StreamPass, parse_stream, stream_to_dict
 
 __all__ = ["ResumableDataLoader"]
@@ -218,8 +218,11 @@ class ResumableDataLoader(DataLoader[T]):
         self._stream_restore: tuple[list[Progress], int] | None = None
         self._side = WorkerSide()  # this loader's worker view when num_workers=0
         self._renumbered_workers = False
+        self._pool_epoch: int | None = None  # the epoch a persistent map-style worker pool was told
         if self._map and keying == "sample" and hasattr(dataset, "__getitems__"):
             _warn_batch_read_once(dataset)
+        if foreign_state_dict(dataset) is not None:
+            _warn_foreign_state_once(dataset)
 
     # --- torch hooks -----------------------------------------------------------------------------
     @property
@@ -238,8 +241,15 @@ class ResumableDataLoader(DataLoader[T]):
             self._epoch, self._position = self._epoch + 1, 0
             self._stream_restore = None
         self._fresh = False
+        set_epoch = getattr(self.dataset, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(self._epoch)
         if not self._map:
             return self._iter_stream()
+        if callable(set_epoch) and self.persistent_workers and self._pool_epoch != self._epoch:
+            # NOTE: persistent workers keep the dataset copies they started with; a dataset that is
+            # told its epoch gets a fresh pool each epoch, so every worker's copy is told too.
+            self._iterator, self._pool_epoch = None, self._epoch
         self._pass = Pass(self._epoch, self._position, self._sampler_state_to_load)
         self._sampler_state_to_load = None
         collate = _Unbatch(self.collate_fn) if self._unbatched else self.collate_fn
@@ -254,16 +264,15 @@ class ResumableDataLoader(DataLoader[T]):
         progress, offset = self._stream_restore or ([Progress() for _ in range(workers)], 0)
         restored, self._stream_restore = self._stream_restore is not None, None
         self._stream_pass = StreamPass(self._epoch, list(progress), offset)
-        replay = not is_stateful(self.dataset)
-        if restored and replay and any(p.items for p in progress):
-            logger.warning("%s has no state_dict(): replaying %d items to resume (they are read and dropped); "
-                           "give it state_dict()/load_state_dict() to resume in O(1)",
-                           type(self.dataset).__name__, sum(p.items for p in progress))
+        replay = sum(p.items for p in progress if p.needs_replay()) if restored else 0
+        if replay:
+            _warn_replay(self.dataset, replay)
         collate = StreamCollate(self.collate_fn, unbatch=self._unbatched, drop_last=self.drop_last,
                                 batch_size=self.batch_size or 1)
         if self.num_workers == 0:
-            self._start_in_process(progress[0] if restored else None, replay, collate)
-            with self._building(collate_fn=collate):
+            self._side.start(self._epoch, 0, progress[0] if restored else None)
+            collate.side, collate.dataset = self._side, self.dataset
+            with self._building(collate_fn=collate, dataset=StreamSource(self.dataset, self._side)):
                 return _StreamTracked(self, super().__iter__(), self._stream_pass)
         if self.persistent_workers and (restored or self._renumbered_workers):
             # NOTE: restored or renumbered workers must be started afresh: a persistent pool keeps the
@@ -271,15 +280,9 @@ class ResumableDataLoader(DataLoader[T]):
             self._iterator = None
         self._renumbered_workers = offset != 0
         init = WorkerInit(self.worker_init_fn, WorkerRestore(
-            self._epoch, offset, tuple(progress) if restored else (None,) * workers, replay))
-        with self._building(collate_fn=collate, worker_init_fn=init):
+            self._epoch, offset, tuple(progress) if restored else (None,) * workers))
+        with self._building(collate_fn=collate, worker_init_fn=init, dataset=StreamSource(self.dataset)):
             return _StreamTracked(self, super().__iter__(), self._stream_pass)
-
-    def _start_in_process(self, restore: Progress | None, replay: bool, collate: StreamCollate) -> None:
-        if restore is not None and restore.state is not None:
-            self.dataset.load_state_dict(restore.state)  # type: ignore[attr-defined]
-        self._side.start(self._epoch, 0, restore, replay)
-        collate.side, collate.dataset = self._side, self.dataset
 
     @contextlib.contextmanager
     def _building(self, **attributes: Any) -> Iterator[None]:
@@ -295,12 +298,12 @@ class ResumableDataLoader(DataLoader[T]):
             attributes["generator"] = torch.Generator().manual_seed(derive_key(self.seed, self._epoch, "workers"))
         saved = {name: getattr(self, name) for name in attributes}
         for name, value in attributes.items():
-            setattr(self, name, value)
+            object.__setattr__(self, name, value)  # NOTE: DataLoader refuses to set `dataset` after __init__
         try:
             yield
         finally:
             for name, value in saved.items():
-                setattr(self, name, value)
+                object.__setattr__(self, name, value)
 
     # --- public state API ------------------------------------------------------------------------
     @property
@@ -332,8 +335,7 @@ class ResumableDataLoader(DataLoader[T]):
                                  "batch; frameworks do not fetch ahead of sized loaders")
             state.update(epoch=self._epoch, position=self._position)
             state["sampler_state"] = self._current_sampler_state()
-            dataset_state = getattr(self.dataset, "state_dict", None)
-            state["dataset_state"] = dataset_state() if callable(dataset_state) else None
+            state["dataset_state"] = self.dataset.state_dict() if is_stateful(self.dataset) else None  # type: ignore[attr-defined]
         else:
             stream = self._current_stream()
             stream = stream.rewound(batches_ago) if batches_ago else stream
@@ -539,6 +541,30 @@ _RESHARD_HINT = (
 
 
 _WARNED_BATCH_READ: set[type] = set()
+_WARNED_FOREIGN: set[type] = set()
+
+
+def _warn_replay(dataset: Any, items: int) -> None:
+    foreign = foreign_state_dict(dataset)
+    why = f"has {foreign}, not the Stateful protocol" if foreign else "has no state_dict()"
+    logger.warning("%s %s: replaying %d items to resume (they are read and dropped). The continuation is exact "
+                   "only if its stream depends on nothing but the epoch it is told through set_epoch() and the "
+                   "keyed generators; give it state_dict()/load_state_dict() to resume in O(1)",
+                   type(dataset).__name__, why, items)
+
+
+def _warn_foreign_state_once(dataset: Any) -> None:
+    """A dataset whose ``state_dict`` needs arguments (litdata, Mosaic): say what happens instead."""
+    cls = type(dataset)
+    if cls in _WARNED_FOREIGN:
+        return
+    _WARNED_FOREIGN.add(cls)
+    logger.warning(
+        "%s.%s takes required arguments: it is %s's own resume protocol, not the Stateful protocol "
+        "(state_dict() / load_state_dict(state)) this loader calls. Its position is tracked by the loader and "
+        "restored by replaying items (O(items delivered) per resume), and it is told the epoch through "
+        "set_epoch(). For O(1) resume use that library's own loader.", cls.__name__, foreign_state_dict(dataset),
+        cls.__module__.split(".")[0])
 
 
 def _warn_batch_read_once(dataset: Any) -> None:

@@ -3,6 +3,8 @@
 Version history:
   1 — first release: map-style datasets (permutation, custom sampler or batch sampler sources) and
       iterable datasets (per-worker progress under ``"stream"``, ``None`` for map-style).
+  2 — each stream worker also records its iterator's state (torchdata's Stateful protocol) and whether
+      it ran dry in the epoch. Version-1 states still load (the new fields read as None and False).
 
 Every key is always present (constant shape), values are ints, strings, bools, None or lists of those,
 plus whatever a user's stateful sampler or dataset returns under ``sampler_state``/``dataset_state``.
@@ -19,7 +21,8 @@ __all__ = ["STATE_KEYS", "STATE_VERSION", "StateError", "check_state"]
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION: Final = 1
+STATE_VERSION: Final = 2
+READABLE_VERSIONS: Final = (1, 2)
 
 # Fields the position depends on: a saved value must equal the current one, or the order differs.
 MUST_MATCH: Final = ("kind", "source", "dataset_len", "seed", "shuffle", "keying", "keyed_generators")
@@ -78,9 +81,9 @@ def check_state(saved: Any, current: Mapping[str, Any]) -> None:
         hint = "Pass the dict that state_dict() returned."
         raise StateError("<state>", type(saved).__name__, "a dict", hint, expected="a dict")
     _check_keys(saved)
-    if saved["version"] != STATE_VERSION:
+    if saved["version"] not in READABLE_VERSIONS:
         hint = "This state comes from an unknown loader-resume release."
-        raise StateError("version", saved["version"], STATE_VERSION, hint)
+        raise StateError("version", saved["version"], None, hint, expected=f"one of {list(READABLE_VERSIONS)}")
     for field, (expected, ok) in _TYPES.items():
         if not ok(saved[field]):
             raise StateError(field, saved[field], expected, "The state was edited or corrupted.", expected=expected)

@@ -8,6 +8,8 @@ torch's 5 s join timeout per worker.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
 from collections import deque
 from collections.abc import Iterator
@@ -19,7 +21,7 @@ from .keyed_rng import GENERATORS, CallerRng, derive_key, generator_mask, keyed_
 from .permutation import KeyedPermutation
 from .sampler import Shard, Step, permutation_steps, source_steps
 
-__all__ = ["Pass", "Plan", "index_lists", "is_stateful"]
+__all__ = ["Pass", "Plan", "foreign_state_dict", "index_lists", "is_stateful"]
 
 logger = logging.getLogger(__name__)
 _ALL_GENERATORS = generator_mask(GENERATORS)
@@ -85,8 +87,40 @@ def index_lists(plan: Plan, pass_: Pass) -> Iterator[list[int]]:
 
 
 def is_stateful(owner: Any) -> bool:
-    """Whether ``owner`` implements the Stateful protocol (``state_dict`` and ``load_state_dict``)."""
-    return callable(getattr(owner, "state_dict", None)) and callable(getattr(owner, "load_state_dict", None))
+    """Whether ``owner`` implements the Stateful protocol: ``state_dict()`` and ``load_state_dict(state)``.
+
+    A ``state_dict`` that requires arguments (litdata's ``StreamingDataset.state_dict(num_samples_yielded,
+    num_workers, batch_size)``, Mosaic's ``state_dict(num_samples, from_beginning)``) is another library's
+    protocol, not this one: such an object is treated as stateless (see :func:`foreign_state_dict`).
+    """
+    state_dict, load = getattr(owner, "state_dict", None), getattr(owner, "load_state_dict", None)
+    if not (callable(state_dict) and callable(load)):
+        return False
+    return foreign_state_dict(owner) is None
+
+
+_FOREIGN: dict[Any, str | None] = {}
+
+
+def foreign_state_dict(owner: Any) -> str | None:
+    """The signature of ``owner.state_dict`` when it requires arguments (another library's protocol), else None."""
+    state_dict = getattr(owner, "state_dict", None)
+    function = getattr(state_dict, "__func__", state_dict)
+    try:
+        return _FOREIGN[function]
+    except (KeyError, TypeError):
+        pass
+    try:
+        signature = inspect.signature(state_dict)  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # a builtin without a signature: take it at its word
+        found = None
+    else:
+        required = [p for p in signature.parameters.values() if p.default is p.empty
+                    and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        found = f"state_dict({', '.join(p.name for p in required)})" if required else None
+    with contextlib.suppress(TypeError):
+        _FOREIGN[function] = found
+    return found
 
 
 def _steps(plan: Plan, pass_: Pass) -> Iterator[Step]:

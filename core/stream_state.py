@@ -3,10 +3,13 @@
 State layout under the loader state's ``"stream"`` key (``None`` for map-style data)::
 
     {"rank": 0, "next_worker": 1,
-     "workers": [{"batches": 3, "items": 6, "state": <dataset.state_dict() or None>}, ...]}
+     "workers": [{"batches": 3, "items": 6, "state": <dataset.state_dict() or None>,
+                  "iterator": <state_dict() of the iterator iter(dataset) returned, or None>,
+                  "dry": <bool: the worker's stream ended in this epoch>}, ...]}
 
 ``workers`` has one entry per worker (one for ``num_workers=0``), in worker order; ``next_worker`` is
-the worker whose batch comes next in torch's round-robin.
+the worker whose batch comes next in torch's round-robin. ``iterator`` and ``dry`` are new in state
+version 2; a version-1 entry (without them) reads as ``None`` and ``False``.
 """
 
 from __future__ import annotations
@@ -39,10 +42,10 @@ class StreamPass:
     history: deque[tuple[int, Progress, int]] = field(default_factory=lambda: deque(maxlen=HISTORY))
     """What each of the last deliveries replaced, to rewind a few batches (see ``rewound``)."""
 
-    def deliver(self, meta: tuple[int, int, int, Any]) -> None:
-        worker, batches, items, state = meta
+    def deliver(self, meta: tuple[int, Progress]) -> None:
+        worker, progress = meta
         self.history.append((worker, self.progress[worker], self.next_worker))
-        self.progress[worker] = Progress(batches, items, state)
+        self.progress[worker] = progress
         self.next_worker = (worker + 1) % len(self.progress)
         self.delivered += 1
 
@@ -61,7 +64,8 @@ class StreamPass:
 
 
 def stream_to_dict(rank: int, pass_: StreamPass) -> dict[str, Any]:
-    workers = [{"batches": p.batches, "items": p.items, "state": p.state} for p in pass_.progress]
+    workers = [{"batches": p.batches, "items": p.items, "state": p.state, "iterator": p.iterator, "dry": p.dry}
+               for p in pass_.progress]
     return {"rank": rank, "next_worker": pass_.next_worker, "workers": workers}
 
 
@@ -85,9 +89,16 @@ def parse_stream(saved: Any, rank: int) -> tuple[list[Progress], int]:
 
 def _parse_worker(index: int, entry: Any) -> Progress:
     where = f"stream.workers[{index}]"
-    if not isinstance(entry, Mapping) or set(entry) != {"batches", "items", "state"}:
-        raise StateError(where, entry, None, expected="a dict with keys batches, items, state")
+    if not isinstance(entry, Mapping) or set(entry) not in (_WORKER_KEYS, _WORKER_KEYS_V1):
+        raise StateError(where, entry, None, expected=f"a dict with keys {', '.join(sorted(_WORKER_KEYS))}")
     for key in ("batches", "items"):
         if type(entry[key]) is not int or entry[key] < 0:
             raise StateError(f"{where}.{key}", entry[key], None, expected="an int >= 0")
-    return Progress(entry["batches"], entry["items"], entry["state"])
+    dry = entry.get("dry", False)  # absent only in a version-1 entry (checked above)
+    if type(dry) is not bool:
+        raise StateError(f"{where}.dry", dry, None, expected="a bool")
+    return Progress(entry["batches"], entry["items"], entry["state"], entry.get("iterator"), dry)
+
+
+_WORKER_KEYS_V1 = frozenset({"batches", "items", "state"})
+_WORKER_KEYS = _WORKER_KEYS_V1 | {"iterator", "dry"}
