@@ -26,7 +26,7 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .keyed_rng import CallerRng, derive_key, seed_generators
+from .keyed_rng import derive_key, seed_generators
 from .state import StateError
 from .stream import is_stateful
 
@@ -165,26 +165,22 @@ class Ticket(list[None]):
         side = self._side()
         if side.epoch != epoch:  # a persistent worker entering a new epoch
             side.start(epoch, side.worker, None)
-        if self.side is None and not side.replay:
-            # NOTE: in a worker with nothing to replay: seed, then C's list iterator (no generator).
+        if not side.replay:
+            # NOTE: seed, then C's list iterator (no generator). In the main process the loader saved the
+            # caller's generators before this fetch and restores them after its collate (keyed too).
             if mask:
                 seed_generators(derive_key(stream_key, side.worker, side.progress.batches), mask)
             return list.__iter__(self)
-        return self._guarded(stream_key, mask, batch_size, side)
+        return self._replaying(stream_key, mask, batch_size, side)
 
-    def _guarded(self, stream_key: int, mask: int, batch_size: int, side: WorkerSide) -> Iterator[None]:
-        """Replay and/or the caller's RNG restored after the last pull (main process)."""
-        caller = CallerRng(mask).save() if mask and self.side is not None else None
-        try:
-            # NOTE: replayed items are pulled under the keys of the batches they first came in.
-            left, ordinal = side.replay, 0
-            while left > 0:
-                yield from _keyed_pull(stream_key, mask, side.worker, ordinal, min(batch_size, left))
-                left, ordinal = left - batch_size, ordinal + 1
-            yield from _keyed_pull(stream_key, mask, side.worker, side.progress.batches, batch_size)
-        finally:
-            if caller is not None:
-                caller.restore()
+    @staticmethod
+    def _replaying(stream_key: int, mask: int, batch_size: int, side: WorkerSide) -> Iterator[None]:
+        # NOTE: replayed items are pulled under the keys of the batches they first came in.
+        left, ordinal = side.replay, 0
+        while left > 0:
+            yield from _keyed_pull(stream_key, mask, side.worker, ordinal, min(batch_size, left))
+            left, ordinal = left - batch_size, ordinal + 1
+        yield from _keyed_pull(stream_key, mask, side.worker, side.progress.batches, batch_size)
 
 
 def _keyed_pull(stream_key: int, mask: int, worker: int, ordinal: int, count: int) -> Iterator[None]:

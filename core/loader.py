@@ -105,22 +105,32 @@ class _Tracked(Generic[T]):
 
 
 class _StreamTracked(Generic[T]):
-    """Wraps torch's iterator over an iterable dataset: unwraps each batch's worker tag and records it."""
+    """Wraps torch's iterator over an iterable dataset: unwraps each batch's worker tag and records it.
 
-    __slots__ = ("_inner", "_loader", "_pass")
+    ``caller``: as for :class:`_Tracked`, the caller's generators around each in-process fetch.
+    """
 
-    def __init__(self, loader: ResumableDataLoader[Any], inner: Iterator[Any], pass_: StreamPass) -> None:
-        self._loader, self._inner, self._pass = loader, inner, pass_
+    __slots__ = ("_caller", "_inner", "_loader", "_pass")
+
+    def __init__(self, loader: ResumableDataLoader[Any], inner: Iterator[Any], pass_: StreamPass,
+                 caller: CallerRng | None = None) -> None:
+        self._loader, self._inner, self._pass, self._caller = loader, inner, pass_, caller
 
     def __iter__(self) -> _StreamTracked[T]:
         return self
 
     def __next__(self) -> T:
+        caller = self._caller
+        if caller is not None:
+            caller.save()
         try:
             batch, meta = next(self._inner)
         except StopIteration:
             self._loader._stream_ended(self._pass)
             raise
+        finally:
+            if caller is not None:
+                caller.restore()
         if self._pass is self._loader._stream_pass:
             self._pass.deliver(meta)
         return batch  # type: ignore[no-any-return]
@@ -272,8 +282,9 @@ class ResumableDataLoader(DataLoader[T]):
         if self.num_workers == 0:
             self._side.start(self._epoch, 0, progress[0] if restored else None)
             collate.side, collate.dataset = self._side, self.dataset
+            caller = CallerRng(self._mask) if self._fetches_here else None
             with self._building(collate_fn=collate, dataset=StreamSource(self.dataset, self._side)):
-                return _StreamTracked(self, super().__iter__(), self._stream_pass)
+                return _StreamTracked(self, super().__iter__(), self._stream_pass, caller)
         if self.persistent_workers and (restored or self._renumbered_workers):
             # NOTE: restored or renumbered workers must be started afresh: a persistent pool keeps the
             # numbering and the dataset copies it was started with (DataLoader's own `_iterator`).

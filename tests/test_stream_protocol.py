@@ -253,3 +253,22 @@ def test_a_version_1_stream_state_still_loads() -> None:
     resumed = ResumableDataLoader(StatefulShardsResetAtEnd(9), batch_size=2, num_workers=2)
     resumed.load_state_dict(old)
     assert [b["id"].tolist() for b in resumed] == rest and len(expected) == 3
+
+
+# --- keyed randomness in a stream's collate ------------------------------------------------------------
+def _mixing_collate(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    return {"id": torch.tensor([x["id"] for x in items]), "mix": torch.rand(len(items))}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_streams_collate_randomness_is_keyed_and_the_callers_untouched(workers: int) -> None:
+    def make() -> ResumableDataLoader[Any]:
+        return ResumableDataLoader(ResetsInIter(11), batch_size=2, num_workers=workers, collate_fn=_mixing_collate)
+
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    first = run_epochs(make(), 2)
+    assert torch.equal(torch.rand(3), expected)
+    assert run_epochs(make(), 2) == first
+    assert_resumes_exactly(make)
