@@ -27,6 +27,7 @@ from .sampler import Shard, ShardedSampler, steps_per_epoch, torch_order
 from .state import STATE_VERSION, StateError, check_state
 from .stream import Pass, Plan, foreign_state_dict, index_lists, is_stateful
 from .stream_state import StreamPass, parse_stream, stream_to_dict
+from .thirdparty import irreproducible, unrestorable
 
 __all__ = ["ResumableDataLoader"]
 
@@ -233,6 +234,10 @@ class ResumableDataLoader(DataLoader[T]):
             _warn_batch_read_once(dataset)
         if foreign_state_dict(dataset) is not None:
             _warn_foreign_state_once(dataset)
+        if unrestorable(dataset) is not None:
+            logger.warning("%s: %s; this loader resumes it by replaying the epoch's delivered items instead "
+                           "(exact; costs reading them again at each resume)", type(dataset).__name__,
+                           unrestorable(dataset))
 
     # --- torch hooks -----------------------------------------------------------------------------
     @property
@@ -367,6 +372,10 @@ class ResumableDataLoader(DataLoader[T]):
         world size must match the saving run.
         """
         check_state(state_dict, self._identity())
+        reason = irreproducible(self.dataset)
+        if reason is not None:
+            logger.warning("resuming %s: the continuation will NOT be bit-identical to the uninterrupted run: %s",
+                           type(self.dataset).__name__, reason)
         if not self._map:
             self._load_stream(state_dict)
             return

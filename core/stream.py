@@ -20,6 +20,7 @@ from typing import Any
 from .keyed_rng import GENERATORS, CallerRng, derive_key, generator_mask, keyed_indices, seed_generators
 from .permutation import KeyedPermutation
 from .sampler import Shard, Step, permutation_steps, source_steps
+from .thirdparty import unrestorable
 
 __all__ = ["Pass", "Plan", "foreign_state_dict", "index_lists", "is_stateful"]
 
@@ -91,12 +92,13 @@ def is_stateful(owner: Any) -> bool:
 
     A ``state_dict`` that requires arguments (litdata's ``StreamingDataset.state_dict(num_samples_yielded,
     num_workers, batch_size)``, Mosaic's ``state_dict(num_samples, from_beginning)``) is another library's
-    protocol, not this one: such an object is treated as stateless (see :func:`foreign_state_dict`).
+    protocol, not this one: such an object is treated as stateless (see :func:`foreign_state_dict`), and so
+    is one whose state is known not to restore it exactly (:func:`loader_resume.thirdparty.unrestorable`).
     """
     state_dict, load = getattr(owner, "state_dict", None), getattr(owner, "load_state_dict", None)
     if not (callable(state_dict) and callable(load)):
         return False
-    return foreign_state_dict(owner) is None
+    return foreign_state_dict(owner) is None and unrestorable(owner) is None
 
 
 _FOREIGN: dict[Any, str | None] = {}
