@@ -41,7 +41,8 @@ def resumable(
     worker_init_fn: Callable[[Callable[[int], None] | None], Callable[[int], None]] | None = None,
     loader_class: type[L] = ResumableDataLoader,  # type: ignore[assignment]
 ) -> L:
-    """``loader`` as a ResumableDataLoader (a ResumableDataLoader is returned as it is).
+    """``loader`` as a ResumableDataLoader (one of ``loader_class`` is returned as it is, unless another
+    ``num_workers``, rank or world size is asked for: then it is rebuilt with them).
 
     Args:
         num_workers: override the loader's worker count (``loader-resume check`` varies it).
@@ -50,7 +51,8 @@ def resumable(
         loader_class: build this ``ResumableDataLoader`` subclass; a ResumableDataLoader of another
             class is rebuilt as one, keeping its seed, keying and keyed generators.
     """
-    if isinstance(loader, loader_class):
+    same_build = (num_workers is None or num_workers == loader.num_workers) and world_size is None
+    if isinstance(loader, loader_class) and same_build:
         return loader
     if isinstance(loader, ResumableDataLoader):
         seed, keying, keyed_generators = loader.seed, loader.keying, loader.keyed_generators

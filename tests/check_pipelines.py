@@ -7,9 +7,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from conftest import Augmented
+from loader_resume import ResumableDataLoader
 
 _UNSEEDED: np.random.Generator | None = None
 
@@ -52,3 +53,30 @@ class SystemShuffled(torch.utils.data.Sampler[int]):
 
 def unstable_order() -> DataLoader[Any]:
     return DataLoader(Augmented(14), batch_size=3, sampler=SystemShuffled(14))
+
+
+class WhereItRuns(Dataset[dict[str, Any]]):
+    """Its values depend on the worker count (as a per-worker RNG or cache would): exact only at its own."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        info = torch.utils.data.get_worker_info()
+        return {"id": index, "noise": torch.tensor(float(info.num_workers if info is not None else 0))}
+
+
+def resumable_unkeyed() -> ResumableDataLoader[Any]:
+    """Already resumable, built with num_workers=2: resumes exactly at 2 and diverges at 0."""
+    return ResumableDataLoader(WhereItRuns(), batch_size=3, shuffle=True, num_workers=2)
+
+
+class Counting(IterableDataset[dict[str, Any]]):
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        return iter([{"id": i} for i in range(worker, 10, workers)])
+
+
+def plain_stream() -> DataLoader[Any]:
+    return DataLoader(Counting(), batch_size=2, num_workers=2)

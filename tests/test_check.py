@@ -49,3 +49,24 @@ def test_an_order_no_seed_reaches_is_caught_on_resume_and_on_rescale() -> None:
     assert lines[0].startswith("cut after    2 batches, num_workers 0 -> 0: DIVERGES at batch 2")
     assert lines[1].startswith("cut after    2 batches, world size 1 -> 2: WRONG: samples ")
     assert lines[2].startswith("cut after    2 batches, world size 1 -> 3: WRONG: samples ")
+
+
+def test_a_resumable_factory_is_really_run_at_the_other_worker_count() -> None:
+    """The factory returns a ResumableDataLoader(num_workers=2) whose values depend on the worker count:
+    2 -> 2 is exact and 2 -> 0 must diverge (it did not when the other count was silently ignored)."""
+    done = check("check_pipelines:resumable_unkeyed", "--epochs", "1", "--cuts", "2", "--worlds", "", "--json")
+    assert done.returncode == 1, done.stdout + done.stderr
+    by_workers = {s["resume_workers"]: s for s in json.loads(done.stdout)}
+    assert by_workers[2]["exact"] is True
+    assert by_workers[0]["exact"] is False and by_workers[0]["fields"] == ["'noise'"]
+
+
+def test_a_scenario_refused_by_design_is_reported_as_refused_not_a_traceback() -> None:
+    done = check("check_pipelines:plain_stream", "--epochs", "1", "--cuts", "2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert "cut after    2 batches, num_workers 2 -> 2: exact" in lines
+    refused = [line for line in lines if "num_workers 2 -> 0" in line]
+    assert refused and refused[0].startswith("cut after    2 batches, num_workers 2 -> 0: refused: loader state "
+                                             "field 'num_workers': saved 2, expected 0")
+    assert lines[-1] == "1 exact, 0 diverging, 1 refused by design" and "Traceback" not in done.stderr
