@@ -21,7 +21,7 @@ DataLoader hooks, torch's worker loop untouched:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
@@ -66,19 +66,23 @@ class WorkerSide:
     """Items to pull and drop before the next batch, to reach a restored position (no dataset state)."""
     restore: Progress | None = None
     """What the stream is restored to when it is opened (:meth:`open`)."""
+    dataset: Any = None
+    """The user's dataset copy, once opened; ``dataset_state`` says whether it is Stateful (decided once)."""
+    dataset_state: bool = False
     iterator: Any = None
-    """The iterator the user's dataset returned, once opened."""
+    """The iterator the user's dataset returned, once opened, if it is another Stateful object (else None)."""
 
     def start(self, epoch: int, worker: int, restore: Progress | None) -> None:
         """Become ``worker`` of ``epoch``, at the progress it is restored to (if any)."""
         self.epoch, self.worker, self.restore, self.iterator = epoch, worker, restore, None
-        self.progress = Progress(restore.batches, restore.items, restore.state, restore.iterator,
-                                 restore.dry) if restore else Progress()
+        self.progress = replace(restore) if restore else Progress()
         self.replay = restore.items if restore is not None and restore.needs_replay() else 0
 
     def open(self, dataset: Any) -> Iterator[Any]:
         """The user's stream for this epoch, restored as torchdata's StatefulDataLoader restores it."""
         restore, self.restore = self.restore, None
+        # NOTE: decided once per pass, not per batch: is_stateful walks an HF stream's pipeline.
+        self.dataset, self.dataset_state = dataset, is_stateful(dataset)
         if restore is not None and restore.dry:
             return iter(())
         set_epoch = getattr(dataset, "set_epoch", None)
@@ -97,15 +101,14 @@ class WorkerSide:
             # NOTE: as StatefulDataLoader does: a dataset whose __iter__ resets its position and returns
             # itself gets its state back *after* iter() too (it is its own iterator).
             dataset.load_state_dict(restore.state)
-        self.iterator = iterator
+        self.iterator = iterator if iterator is not dataset and is_stateful(iterator) else None
         return iterator  # type: ignore[no-any-return]
 
-    def snapshot(self, dataset: Any) -> None:
-        """Record the dataset's and its iterator's states in this worker's progress."""
-        progress, iterator = self.progress, self.iterator
-        progress.state = dataset.state_dict() if is_stateful(dataset) else None
-        progress.iterator = (iterator.state_dict() if iterator is not None and iterator is not dataset
-                             and is_stateful(iterator) else None)
+    def snapshot(self) -> None:
+        """Record the dataset's and its iterator's states in this worker's progress (after :meth:`open`)."""
+        progress = self.progress
+        progress.state = self.dataset.state_dict() if self.dataset_state else None
+        progress.iterator = self.iterator.state_dict() if self.iterator is not None else None
 
 
 class StreamSource(IterableDataset[Any]):
@@ -193,9 +196,9 @@ class StreamCollate:
     """Collate in the worker, then tag the batch with the worker's progress and dataset state."""
 
     def __init__(self, collate_fn: Callable[[Any], Any], *, unbatch: bool, drop_last: bool, batch_size: int,
-                 side: WorkerSide | None = None, dataset: Any = None) -> None:
+                 side: WorkerSide | None = None) -> None:
         self.collate_fn, self.unbatch, self.drop_last, self.batch_size = collate_fn, unbatch, drop_last, batch_size
-        self.side, self.dataset = side, dataset
+        self.side = side
 
     def __call__(self, items: list[Any]) -> tuple[Any, tuple[int, Progress]]:
         side = self.side if self.side is not None else _IN_WORKER
@@ -209,16 +212,9 @@ class StreamCollate:
             raise StopIteration
         progress.batches += 1
         progress.items += len(items)
-        side.snapshot(self.dataset if self.side is not None else _worker_dataset())
+        side.snapshot()
         batch = self.collate_fn(items[0]) if self.unbatch else self.collate_fn(items)
-        return batch, (side.worker, Progress(progress.batches, progress.items, progress.state, progress.iterator,
-                                             progress.dry))
-
-
-def _worker_dataset() -> Any:
-    """The user's dataset copy in this worker (torch's WorkerInfo holds our StreamSource until WorkerInit)."""
-    dataset = get_worker_info().dataset  # type: ignore[union-attr]
-    return dataset.dataset if isinstance(dataset, StreamSource) else dataset
+        return batch, (side.worker, replace(progress))
 
 
 @dataclass(frozen=True, slots=True)

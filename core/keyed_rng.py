@@ -270,10 +270,6 @@ class SeedAhead:
         self._idle.clear()
         self._wake.set()
 
-    def settle(self) -> None:
-        """Wait until the helper is done (immediately true when it was not started)."""
-        self._idle.wait()
-
     def take(self) -> tuple[int, int] | None:
         """The (key, mask) the generators were seeded with ahead, once; None if they were not."""
         self._idle.wait()

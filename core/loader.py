@@ -230,14 +230,7 @@ class ResumableDataLoader(DataLoader[T]):
         self._side = WorkerSide()  # this loader's worker view when num_workers=0
         self._renumbered_workers = False
         self._pool_epoch: int | None = None  # the epoch a persistent map-style worker pool was told
-        if self._map and keying == "sample" and hasattr(dataset, "__getitems__"):
-            _warn_batch_read_once(dataset)
-        if foreign_state_dict(dataset) is not None:
-            _warn_foreign_state_once(dataset)
-        if unrestorable(dataset) is not None:
-            logger.warning("%s: %s; this loader resumes it by replaying the epoch's delivered items instead "
-                           "(exact; costs reading them again at each resume)", type(dataset).__name__,
-                           unrestorable(dataset))
+        _warn_at_construction(dataset, batch_read=self._map and keying == "sample")
 
     # --- torch hooks -----------------------------------------------------------------------------
     @property
@@ -286,7 +279,7 @@ class ResumableDataLoader(DataLoader[T]):
                                 batch_size=self.batch_size or 1)
         if self.num_workers == 0:
             self._side.start(self._epoch, 0, progress[0] if restored else None)
-            collate.side, collate.dataset = self._side, self.dataset
+            collate.side = self._side
             caller = CallerRng(self._mask) if self._fetches_here else None
             with self._building(collate_fn=collate, dataset=StreamSource(self.dataset, self._side)):
                 return _StreamTracked(self, super().__iter__(), self._stream_pass, caller)
@@ -560,8 +553,37 @@ _RESHARD_HINT = (
 )
 
 
-_WARNED_BATCH_READ: set[type] = set()
-_WARNED_FOREIGN: set[type] = set()
+_WARNED: set[tuple[str, type]] = set()  # (what, dataset class): the warnings given once per class
+
+
+def _warn_once(what: str, dataset: Any, message: str, *args: Any) -> None:
+    if (what, type(dataset)) not in _WARNED:
+        _WARNED.add((what, type(dataset)))
+        logger.warning(message, *args)
+
+
+def _warn_at_construction(dataset: Any, *, batch_read: bool) -> None:
+    """What this loader cannot do for ``dataset`` as its author may expect: said when the loader is built."""
+    name = type(dataset).__name__
+    if batch_read and hasattr(dataset, "__getitems__"):
+        _warn_once("batch read", dataset,
+                   "keying='sample': %s defines __getitems__, so it reads each batch's index list at once. Random "
+                   "numbers it draws while iterating that list item by item are keyed per sample; any it draws after "
+                   "(a batch transform, as HF datasets' set_transform runs) are keyed by the batch's key, so they "
+                   "depend on the batch's composition (batch size, world size). Use keying='batch' to say so "
+                   "explicitly, or read items one by one in __getitem__ for per-sample keys.", name)
+    foreign = foreign_state_dict(dataset)
+    if foreign is not None:
+        _warn_once("foreign state", dataset,
+                   "%s.%s takes required arguments: it is %s's own resume protocol, not the Stateful protocol "
+                   "(state_dict() / load_state_dict(state)) this loader calls. Its position is tracked by the loader "
+                   "and restored by replaying items (O(items delivered) per resume), and it is told the epoch through "
+                   "set_epoch(). For O(1) resume use that library's own loader.", name, foreign,
+                   type(dataset).__module__.split(".")[0])
+    reason = unrestorable(dataset)
+    if reason is not None:  # NOTE: per loader, not per class: whether it holds depends on the instance
+        logger.warning("%s: %s; this loader resumes it by replaying the epoch's delivered items instead "
+                       "(exact; costs reading them again at each resume)", name, reason)
 
 
 def _warn_replay(dataset: Any, items: int) -> None:
@@ -571,34 +593,6 @@ def _warn_replay(dataset: Any, items: int) -> None:
                    "only if its stream depends on nothing but the epoch it is told through set_epoch() and the "
                    "keyed generators; give it state_dict()/load_state_dict() to resume in O(1)",
                    type(dataset).__name__, why, items)
-
-
-def _warn_foreign_state_once(dataset: Any) -> None:
-    """A dataset whose ``state_dict`` needs arguments (litdata, Mosaic): say what happens instead."""
-    cls = type(dataset)
-    if cls in _WARNED_FOREIGN:
-        return
-    _WARNED_FOREIGN.add(cls)
-    logger.warning(
-        "%s.%s takes required arguments: it is %s's own resume protocol, not the Stateful protocol "
-        "(state_dict() / load_state_dict(state)) this loader calls. Its position is tracked by the loader and "
-        "restored by replaying items (O(items delivered) per resume), and it is told the epoch through "
-        "set_epoch(). For O(1) resume use that library's own loader.", cls.__name__, foreign_state_dict(dataset),
-        cls.__module__.split(".")[0])
-
-
-def _warn_batch_read_once(dataset: Any) -> None:
-    """``keying="sample"`` over a dataset that reads a whole batch at once (``__getitems__``): say what is keyed."""
-    cls = type(dataset)
-    if cls in _WARNED_BATCH_READ:
-        return
-    _WARNED_BATCH_READ.add(cls)
-    logger.warning(
-        "keying='sample': %s defines __getitems__, so it reads each batch's index list at once. Random numbers "
-        "it draws while iterating that list item by item are keyed per sample; any it draws after (a batch "
-        "transform, as HF datasets' set_transform runs) are keyed by the batch's key, so they depend on the "
-        "batch's composition (batch size, world size). Use keying='batch' to say so explicitly, or read items "
-        "one by one in __getitem__ for per-sample keys.", cls.__name__)
 
 
 def _check_options(in_order: bool, snapshot_every_n_steps: int, keying: str) -> None:
