@@ -272,3 +272,43 @@ def test_a_streams_collate_randomness_is_keyed_and_the_callers_untouched(workers
     assert torch.equal(torch.rand(3), expected)
     assert run_epochs(make(), 2) == first
     assert_resumes_exactly(make)
+
+
+# --- bad input in the new state fields -------------------------------------------------------------------
+def _stream_state(cls: type[IterableDataset[Any]]) -> dict[str, Any]:
+    loader = ResumableDataLoader(cls(9), batch_size=2)
+    iterator = iter(loader)
+    next(iterator)
+    return copy.deepcopy(loader.state_dict())
+
+
+def test_a_corrupted_dry_flag_is_refused_naming_the_field() -> None:
+    from loader_resume import StateError
+
+    state = _stream_state(StatefulShardsResetAtEnd)
+    state["stream"]["workers"][0]["dry"] = "yes"
+    with pytest.raises(StateError, match=r"'stream.workers\[0\].dry': saved 'yes', expected a bool"):
+        ResumableDataLoader(StatefulShardsResetAtEnd(9), batch_size=2).load_state_dict(state)
+    state["stream"]["workers"][0] = {"batches": 1, "items": 2, "state": {"i": 2}, "dri": False}
+    with pytest.raises(StateError, match=r"'stream.workers\[0\]'.*expected a dict with keys batches, dry, "
+                                         r"items, iterator, state"):
+        ResumableDataLoader(StatefulShardsResetAtEnd(9), batch_size=2).load_state_dict(state)
+
+
+def test_an_iterator_state_for_an_iterator_without_state_is_refused_naming_the_field() -> None:
+    """A cursor state loaded where iter(dataset) returns a plain generator: never silently ignored."""
+    from loader_resume import StateError
+
+    class SameNameNoCursor(IterableDataset[dict[str, Any]]):
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def __iter__(self) -> Iterator[dict[str, Any]]:
+            return iter([{"id": i, "noise": torch.rand(())} for i in range(self.n)])
+
+    state = _stream_state(ReturnsCursor)
+    resumed = ResumableDataLoader(SameNameNoCursor(9), batch_size=2)
+    resumed.load_state_dict(state)
+    with pytest.raises(StateError, match=r"'stream.workers\[0\].iterator': saved \{'cursor': 2\}, expected None. "
+                                         r"iter\(SameNameNoCursor\) returned a list_iterator, which has no state_dict"):
+        next(iter(resumed))
