@@ -126,15 +126,27 @@ class StreamSource(IterableDataset[Any]):
     def __iter__(self) -> Iterator[Any]:
         # NOTE: a generator, so nothing runs until torch's fetcher pulls the first item, after the
         # first Ticket of the pass has told the worker its epoch (a persistent worker is handed a new
-        # iterator before it knows the epoch). NOTE: `yield from iterator` would call iter() on it a
-        # second time, which resets a dataset whose __iter__ returns itself; a callable iterator over its
-        # __next__ does not, and keeps the per-item cost at C speed.
+        # iterator before it knows the epoch). `yield from` keeps the per-item cost at C speed.
         side = self.side if self.side is not None else _IN_WORKER
-        yield from iter(side.open(self.dataset).__next__, _END)
+        yield from _Opened(side.open(self.dataset))
         side.progress.dry = True
 
 
-_END: Any = object()
+class _Opened:
+    """An iterator already opened, for ``yield from``.
+
+    NOTE: ``yield from iterator`` calls ``iter()`` on it a second time, which resets a dataset whose
+    ``__iter__`` returns itself; ``iter(iterator.__next__, sentinel)`` compares every item with the
+    sentinel, which fails on numpy arrays. This hands the iterator over as it is.
+    """
+
+    __slots__ = ("iterator",)
+
+    def __init__(self, iterator: Iterator[Any]) -> None:
+        self.iterator = iterator
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.iterator
 
 
 _IN_WORKER = WorkerSide()

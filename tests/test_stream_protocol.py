@@ -7,6 +7,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
@@ -312,3 +313,17 @@ def test_an_iterator_state_for_an_iterator_without_state_is_refused_naming_the_f
     with pytest.raises(StateError, match=r"'stream.workers\[0\].iterator': saved \{'cursor': 2\}, expected None. "
                                          r"iter\(SameNameNoCursor\) returned a list_iterator, which has no state_dict"):
         next(iter(resumed))
+
+
+class ArrayStream(IterableDataset[Any]):
+    """Yields numpy arrays (whose == is elementwise): the stream must never compare items."""
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter([np.full(3, i) for i in _my_share(8)])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stream_of_numpy_arrays_is_delivered_untouched(workers: int) -> None:
+    loader = ResumableDataLoader(ArrayStream(), batch_size=2, num_workers=workers)
+    assert sorted(int(row[0]) for batch in loader for row in batch) == list(range(8))
+    assert_resumes_exactly(lambda: ResumableDataLoader(ArrayStream(), batch_size=2, num_workers=workers))
