@@ -71,15 +71,41 @@ class WorkerSide:
     dataset_state: bool = False
     iterator: Any = None
     """The iterator the user's dataset returned, once opened, if it is another Stateful object (else None)."""
+    keyed: tuple[int, int, int] | None = None
+    """``(stream_key, key, mask)`` of the batch being pulled (see :meth:`seed`), None when keying is off."""
+
+    def seed(self, stream_key: int, mask: int, ordinal: int) -> None:
+        """Seed the keyed generators for this worker's batch ``ordinal`` and remember it (:meth:`open`)."""
+        if mask:
+            key = derive_key(stream_key, self.worker, ordinal)
+            self.keyed = (stream_key, key, mask)
+            seed_generators(key, mask)
 
     def start(self, epoch: int, worker: int, restore: Progress | None) -> None:
         """Become ``worker`` of ``epoch``, at the progress it is restored to (if any)."""
-        self.epoch, self.worker, self.restore, self.iterator = epoch, worker, restore, None
+        self.epoch, self.worker, self.restore, self.iterator, self.keyed = epoch, worker, restore, None, None
         self.progress = replace(restore) if restore else Progress()
         self.replay = restore.items if restore is not None and restore.needs_replay() else 0
 
     def open(self, dataset: Any) -> Iterator[Any]:
-        """The user's stream for this epoch, restored as torchdata's StatefulDataLoader restores it."""
+        """The user's stream for this epoch, restored as torchdata's StatefulDataLoader restores it.
+
+        Called at the first pull of a pass, after that batch's key was seeded. NOTE: what opening draws
+        (an ``__iter__`` that shuffles its shards) is keyed by the worker's epoch alone, not by the batch
+        that happens to open it (the first of the epoch, or the one a resume continues with); and the
+        batch's key is seeded again afterwards, since a ``load_state_dict`` may set the global generators
+        back (torchdata's own test iterators save ``torch.get_rng_state()``).
+        """
+        keyed = self.keyed
+        if keyed is not None:
+            seed_generators(derive_key(keyed[0], self.worker, "open"), keyed[2])
+        try:
+            return self._open(dataset)
+        finally:
+            if keyed is not None:
+                seed_generators(keyed[1], keyed[2])
+
+    def _open(self, dataset: Any) -> Iterator[Any]:
         restore, self.restore = self.restore, None
         # NOTE: decided once per pass, not per batch: is_stateful walks an HF stream's pipeline.
         self.dataset, self.dataset_state = dataset, is_stateful(dataset)
@@ -183,8 +209,7 @@ class Ticket(list[None]):
         if not side.replay:
             # NOTE: seed, then C's list iterator (no generator). In the main process the loader saved the
             # caller's generators before this fetch and restores them after its collate (keyed too).
-            if mask:
-                seed_generators(derive_key(stream_key, side.worker, side.progress.batches), mask)
+            side.seed(stream_key, mask, side.progress.batches)
             return list.__iter__(self)
         return self._replaying(stream_key, mask, batch_size, side)
 
@@ -193,15 +218,11 @@ class Ticket(list[None]):
         # NOTE: replayed items are pulled under the keys of the batches they first came in.
         left, ordinal = side.replay, 0
         while left > 0:
-            yield from _keyed_pull(stream_key, mask, side.worker, ordinal, min(batch_size, left))
+            side.seed(stream_key, mask, ordinal)
+            yield from [None] * min(batch_size, left)
             left, ordinal = left - batch_size, ordinal + 1
-        yield from _keyed_pull(stream_key, mask, side.worker, side.progress.batches, batch_size)
-
-
-def _keyed_pull(stream_key: int, mask: int, worker: int, ordinal: int, count: int) -> Iterator[None]:
-    if mask:
-        seed_generators(derive_key(stream_key, worker, ordinal), mask)
-    yield from [None] * count
+        side.seed(stream_key, mask, side.progress.batches)
+        yield from [None] * batch_size
 
 
 class StreamCollate:

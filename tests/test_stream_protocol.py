@@ -327,3 +327,56 @@ def test_a_stream_of_numpy_arrays_is_delivered_untouched(workers: int) -> None:
     loader = ResumableDataLoader(ArrayStream(), batch_size=2, num_workers=workers)
     assert sorted(int(row[0]) for batch in loader for row in batch) == list(range(8))
     assert_resumes_exactly(lambda: ResumableDataLoader(ArrayStream(), batch_size=2, num_workers=workers))
+
+
+class ShufflesInIter(IterableDataset[dict[str, Any]]):
+    """Draws from torch's global generator in __iter__ (shuffles its share) and keeps a position on itself."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.i = n, 0
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        mine = _my_share(self.n)
+        return self._items([mine[j] for j in torch.randperm(len(mine)).tolist()])  # drawn when iter() is called
+
+    def _items(self, order: list[int]) -> Iterator[dict[str, Any]]:
+        while self.i < len(order):
+            self.i += 1
+            yield {"id": order[self.i - 1], "noise": torch.rand(())}
+        self.i = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"i": self.i}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.i = state["i"]
+
+
+class RestoresGlobalRng(IterableDataset[dict[str, Any]]):
+    """Like torchdata's test iterator: its state carries torch.get_rng_state(), set back on load."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.i = n, 0
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        mine = _my_share(self.n)
+        while self.i < len(mine):
+            self.i += 1
+            yield {"id": mine[self.i - 1], "noise": torch.rand(())}
+        self.i = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"i": self.i, "g": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.i = state["i"]
+        torch.set_rng_state(state["g"])
+
+
+@pytest.mark.parametrize("cls", [ShufflesInIter, RestoresGlobalRng])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_what_opening_a_stream_draws_or_restores_does_not_shift_the_keyed_values(
+        cls: type[IterableDataset[Any]], workers: int) -> None:
+    """__iter__'s draws are keyed by (seed, epoch, rank, worker), not by the batch that opens the stream, and a
+    load_state_dict that sets the global generator back does not displace the batch's key."""
+    assert_resumes_exactly(lambda: ResumableDataLoader(cls(13), batch_size=2, num_workers=workers))
