@@ -579,11 +579,17 @@ def _warn_at_construction(dataset: Any, *, batch_read: bool) -> None:
                    "(state_dict() / load_state_dict(state)) this loader calls. Its position is tracked by the loader "
                    "and restored by replaying items (O(items delivered) per resume), and it is told the epoch through "
                    "set_epoch(). For O(1) resume use that library's own loader.", name, foreign,
-                   type(dataset).__module__.split(".")[0])
+                   _defining_library(dataset, "state_dict"))
     reason = unrestorable(dataset)
     if reason is not None:  # NOTE: per loader, not per class: whether it holds depends on the instance
         logger.warning("%s: %s; this loader resumes it by replaying the epoch's delivered items instead "
                        "(exact; costs reading them again at each resume)", name, reason)
+
+
+def _defining_library(obj: Any, method: str) -> str:
+    """The top-level package whose class defines ``obj.method`` (a user's subclass names the library it extends)."""
+    owner = next((cls for cls in type(obj).__mro__ if method in vars(cls)), type(obj))
+    return owner.__module__.split(".")[0]
 
 
 def _warn_replay(dataset: Any, items: int) -> None:
