@@ -30,7 +30,13 @@ from torch.utils.data import DataLoader
 
 from loader_resume.checkpoint import CheckpointError, complete_checkpoints, prune, seal, temporary_name, verify
 from loader_resume.convert import resumable
-from loader_resume.distributed import any_rank, gather_rng_states, gather_states, load_rank_state
+from loader_resume.distributed import (
+    any_rank,
+    check_same_dataset,
+    gather_rng_states,
+    gather_states,
+    load_rank_state,
+)
 from loader_resume.keyed_rng import set_global_rng_state
 from loader_resume.preemption import IgnoreSignalsInWorker, Preemption
 
@@ -203,6 +209,7 @@ class Resume:
             worker_init_fn=lambda user_fn: IgnoreSignalsInWorker(self.preemption.signals, user_fn),
             loader_class=AcceleratedResumableDataLoader,
         )
+        check_same_dataset(ours)  # prepare() runs on every process: a collective is safe
         place = accelerator.device_placement if placement is None else placement
         ours.attach(self, accelerator.device if place else None, bool(accelerator.non_blocking))
         self._loaders.append(ours)

@@ -14,18 +14,21 @@ state so rank 0 can write a single checkpoint; ``load_rank_state`` hands each ra
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sized
 from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import IterableDataset
 
 from .keyed_rng import global_rng_state
 from .state import StateError
+from .thirdparty import content_identity
 
 __all__ = [
-    "any_rank", "gather_rng_states", "gather_states", "init_process_group", "load_rank_state", "rank_and_world",
+    "any_rank", "check_same_dataset", "gather_rng_states", "gather_states", "init_process_group", "load_rank_state",
+    "rank_and_world",
 ]
 
 
@@ -86,6 +89,36 @@ def load_rank_state(loader: _RankedLoader, gathered: Mapping[str, Any]) -> None:
         raise StateError("world_size", saved_world, loader.world_size,
                          "This loader cannot re-shard an iterable dataset's per-rank state.")
     reshard(ranks)
+
+
+def check_same_dataset(loader: _RankedLoader) -> None:
+    """Raise ValueError unless every rank's loader reads the same map-style dataset (a collective: call it on
+    every rank, once, after building the loader; the Lightning callback and the Accelerate hook do).
+
+    The loader shards one whole dataset across ranks itself. A dataset already split per rank (HF
+    ``split_dataset_by_node``, a per-rank ``Subset``) would be sharded a second time: each rank would see
+    half of its half, silently. Compared: the dataset's type and length, and where the library keeps one,
+    a content identity (HF ``datasets``' fingerprint). Two same-length splits of a dataset with no such
+    identity cannot be told apart. Streams shard themselves and are not compared.
+    """
+    dataset = getattr(loader, "dataset", None)
+    initialised = dist.is_available() and dist.is_initialized()
+    if loader.world_size == 1 or not initialised or dist.get_world_size() != loader.world_size \
+            or isinstance(dataset, IterableDataset):
+        return
+    size = len(dataset) if isinstance(dataset, Sized) else None
+    mine = (type(dataset).__qualname__, size, content_identity(dataset))
+    every: list[Any] = [None] * loader.world_size
+    dist.all_gather_object(every, mine)
+    if any(other != every[0] for other in every):
+        described = "; ".join(f"rank {rank}: {kind} of {size} items" + (f", {ident}" if ident else "")
+                              for rank, (kind, size, ident) in enumerate(every))
+        raise ValueError(
+            f"the ranks' datasets differ ({described}); expected the same whole dataset on every rank, which the "
+            "loader shards across ranks itself. A dataset split per rank beforehand (HF split_dataset_by_node, a "
+            "per-rank Subset) would be split again and each rank would see a fraction of its part. Pass the whole "
+            "dataset, or, to keep your own split, build the loader with rank=0, world_size=1 on every rank (each "
+            "rank's state is then its own; save it per rank)")
 
 
 def gather_rng_states() -> list[dict[str, Any]]:

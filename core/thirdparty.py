@@ -1,11 +1,13 @@
 """What we know of third-party datasets that their own API does not say (no third-party import here).
 
-Two questions, asked of the user's dataset by the loader:
+Questions asked of the user's dataset:
 
 - :func:`unrestorable`: its ``state_dict()`` exists but cannot restore it exactly, so the loader does
   not call it and resumes by replay instead (exact, at the cost of re-reading the epoch's delivered items).
 - :func:`irreproducible`: it draws from a random generator no keying reaches, so a resumed continuation
   will *not* be bit-identical; the loader says so when a state is loaded.
+- :func:`content_identity`: what identifies its content beyond its length, so ranks can compare theirs
+  (:func:`loader_resume.distributed.check_same_dataset`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["irreproducible", "unrestorable"]
+__all__ = ["content_identity", "irreproducible", "unrestorable"]
 
 
 def unrestorable(dataset: Any) -> str | None:
@@ -38,6 +40,17 @@ def irreproducible(dataset: Any) -> str | None:
             return ("webdataset's .shuffle(n) without seed= seeds a private random.Random from the process id "
                     "and the time, which no keying reaches; pass seed= (e.g. .shuffle(n, seed=0)) to make it "
                     "reproducible")
+    return None
+
+
+def content_identity(dataset: Any) -> str | None:
+    """A string equal for equal content and different for a per-rank split, where the library keeps one, else None.
+
+    HF ``datasets.Dataset``: its fingerprint, a hash of its origin and every transform applied, arguments
+    included (deterministic across processes; ``split_dataset_by_node`` gives each rank a different one).
+    """
+    if type(dataset).__module__.startswith("datasets.") and isinstance(getattr(dataset, "_fingerprint", None), str):
+        return f"fingerprint {dataset._fingerprint}"
     return None
 
 

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from loader_resume import GENERATORS, ResumableDataLoader
 from loader_resume.convert import resumable
-from loader_resume.distributed import gather_rng_states, gather_states, load_rank_state
+from loader_resume.distributed import check_same_dataset, gather_rng_states, gather_states, load_rank_state
 from loader_resume.keyed_rng import global_rng_state, set_global_rng_state
 from loader_resume.preemption import IgnoreSignalsInWorker, Preemption
 
@@ -233,6 +233,8 @@ class ResumeCallback(OnExceptionCheckpoint):
     def _convert(self, loaders: Any) -> Any:
         self._loaders = []
         converted = self._convert_tree(loaders)
+        for loader in self._loaders:  # Lightning asks for the training loaders on every rank: a collective is safe
+            check_same_dataset(loader)
         if self._to_load is not None:
             saved = self._to_load["loaders"]
             if len(saved) != len(self._loaders):

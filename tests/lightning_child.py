@@ -116,6 +116,12 @@ class Model(L.LightningModule):
         return DataLoader(Noisy(12), batch_size=4, shuffle=True, num_workers=self.args.workers)
 
     def train_dataloader(self) -> DataLoader[Any]:
+        if self.args.split_per_rank:  # HF's own per-rank split: the callback must refuse it, not split it again
+            from datasets import Dataset as HFDataset
+            from datasets.distributed import split_dataset_by_node
+
+            whole = HFDataset.from_dict({"id": list(range(self.args.items))}).with_format("torch")
+            return DataLoader(split_dataset_by_node(whole, self.global_rank, self.trainer.world_size), batch_size=4)
         if self.args.stream:
             return DataLoader(NoisyStream(self.args.items), batch_size=4, num_workers=self.args.workers)
         if self.args.custom_sampler:
@@ -161,6 +167,7 @@ def main() -> None:
     parser.add_argument("--onecycle", action="store_true", help="OneCycleLR sized by estimated_stepping_batches")
     parser.add_argument("--stream", action="store_true", help="an IterableDataset without __len__")
     parser.add_argument("--custom-sampler", action="store_true", help="a sampler of our own, not torch's")
+    parser.add_argument("--split-per-rank", action="store_true", help="an HF dataset split with split_dataset_by_node")
     parser.add_argument("--batch-log", help="also append one JSON line per step to BATCH_LOG/log-RANK.jsonl")
     args = parser.parse_args()
     if args.resume and args.n_resume:

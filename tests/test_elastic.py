@@ -152,3 +152,17 @@ def test_sharded_sampler_splits_a_custom_stream_by_global_steps_and_resumes() ->
     assert sorted(sum(delivered, [])) == sorted([*order, order[-1]])  # the last step is padded evenly
     assert delivered[0][:2] == order[:2] and delivered[1][:2] == order[2:4]
     assert_resumes_exactly(lambda: shard(1), epochs=2, cuts=[0, 1, 3, 4])
+
+
+def test_a_dataset_split_per_rank_beforehand_is_refused_not_split_again(tmp_path: Path) -> None:
+    """HF ``split_dataset_by_node`` on a map-style dataset leaves no marker; the ranks compare fingerprints."""
+    for mode in ("whole", "split"):
+        launch(Path(__file__).parent / "ddp_split_child.py", mode, tmp_path)
+    whole = [json.loads((tmp_path / f"whole-{r}.json").read_text()) for r in range(2)]
+    split = [json.loads((tmp_path / f"split-{r}.json").read_text()) for r in range(2)]
+    assert [w["error"] for w in whole] == ["", ""]
+    assert sorted(whole[0]["ids"] + whole[1]["ids"]) == list(range(24))
+    for rank, result in enumerate(split):
+        assert "the ranks' datasets differ" in result["error"] and "split_dataset_by_node" in result["error"]
+        assert "rank=0, world_size=1" in result["error"]
+        assert sorted(result["ids"]) == list(range(rank * 12, rank * 12 + 12))  # its whole split, not a quarter

@@ -138,6 +138,12 @@ def test_two_resume_callbacks_are_refused(tmp_path: Path) -> None:
     assert done.returncode != 0 and "more than one ResumeCallback" in done.stderr
 
 
+def test_a_dataset_split_per_rank_is_refused_under_ddp(tmp_path: Path) -> None:
+    done = run(tmp_path, "--devices", "2", "--split-per-rank")
+    assert done.returncode != 0
+    assert "the ranks' datasets differ" in done.stderr and "split_dataset_by_node" in done.stderr
+
+
 # --- conversion (in process) ------------------------------------------------------------------------
 def _collate(items: list[Any]) -> list[Any]:
     return items
