@@ -20,6 +20,7 @@ DataLoader hooks, torch's worker loop untouched:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -31,8 +32,8 @@ from .state import StateError
 from .stream import is_stateful
 
 __all__ = [
-    "Progress", "StreamCollate", "StreamSource", "Ticket", "WorkerInit", "WorkerRestore", "WorkerSide",
-    "report_worker_id",
+    "END_OF_STREAM", "ENDED", "Progress", "StreamCollate", "StreamSource", "Ticket", "WorkerInit", "WorkerRestore",
+    "WorkerSide", "report_worker_id",
 ]
 
 
@@ -48,6 +49,13 @@ class Progress:
     """The ``state_dict()`` of the iterator ``iter(dataset)`` returned, when that is another stateful object."""
     dry: bool = False
     """The worker's stream ended in this epoch (its dataset may already have reset itself for the next)."""
+    self_iterator: bool = False
+    """The dataset is its own iterator (``__iter__`` returns ``self``): ``state`` is loaded after ``iter()``
+    only, as StatefulDataLoader does (such a dataset may build its position in ``__iter__``)."""
+    before_epoch: bool = False
+    """``state`` is the dataset's state at the end of the previous epoch, carried over because its copy
+    lives on (``num_workers=0`` or persistent workers): it is loaded *before* ``set_epoch``, as the
+    uninterrupted run told that copy its new epoch after it had ended the last one."""
 
     def needs_replay(self) -> bool:
         """Nothing restores this position but pulling and dropping the items delivered so far."""
@@ -110,13 +118,24 @@ class WorkerSide:
         # NOTE: decided once per pass, not per batch: is_stateful walks an HF stream's pipeline.
         self.dataset, self.dataset_state = dataset, is_stateful(dataset)
         if restore is not None and restore.dry:
+            if restore.state is not None and not restore.self_iterator:
+                # NOTE: its state from after its stream ended: a copy that lives on into the next epoch
+                # (in process, persistent workers) must hold it, as the uninterrupted run's copy does.
+                dataset.load_state_dict(restore.state)
             return iter(())
+        carried = restore is not None and restore.before_epoch
+        if restore is not None and carried and restore.state is not None:
+            dataset.load_state_dict(restore.state)
         set_epoch = getattr(dataset, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(self.epoch)
-        if restore is not None and restore.state is not None:
+        if restore is not None and restore.state is not None and not restore.self_iterator and not carried:
             dataset.load_state_dict(restore.state)
         iterator = iter(dataset)
+        self.progress.self_iterator = iterator is dataset
+        if restore is not None and restore.self_iterator and iterator is not dataset:
+            raise StateError(f"stream.workers[{self.worker}].self_iterator", True, False,
+                             f"iter({type(dataset).__name__}) no longer returns the dataset itself.")
         if restore is not None and restore.iterator is not None:
             if not is_stateful(iterator):
                 raise StateError(f"stream.workers[{self.worker}].iterator", restore.iterator, None,
@@ -131,10 +150,28 @@ class WorkerSide:
         return iterator  # type: ignore[no-any-return]
 
     def snapshot(self) -> None:
-        """Record the dataset's and its iterator's states in this worker's progress (after :meth:`open`)."""
+        """Record the dataset's and its iterator's states in this worker's progress (after :meth:`open`).
+
+        NOTE: deep copies: a ``state_dict()`` may return the live objects the stream goes on mutating, and a
+        worker's batch is pickled by the queue's feeder thread some time after it is put (as StatefulDataLoader).
+        """
         progress = self.progress
-        progress.state = self.dataset.state_dict() if self.dataset_state else None
-        progress.iterator = self.iterator.state_dict() if self.iterator is not None else None
+        progress.state = _snapshot(self.dataset.state_dict()) if self.dataset_state else None
+        progress.iterator = _snapshot(self.iterator.state_dict()) if self.iterator is not None else None
+
+
+_ATOMIC = frozenset({int, float, str, bool, bytes, type(None)})
+
+
+def _snapshot(state: Any) -> Any:
+    """A copy of ``state`` that later changes to the stream cannot reach.
+
+    NOTE: the common state, a flat dict of numbers, is copied shallowly (~0.3 µs); anything else is
+    deep-copied (~3 µs and up), on every batch.
+    """
+    if type(state) is dict and all(type(v) in _ATOMIC for v in state.values()):
+        return dict(state)
+    return copy.deepcopy(state)
 
 
 class StreamSource(IterableDataset[Any]):
@@ -154,8 +191,34 @@ class StreamSource(IterableDataset[Any]):
         # first Ticket of the pass has told the worker its epoch (a persistent worker is handed a new
         # iterator before it knows the epoch). `yield from` keeps the per-item cost at C speed.
         side = self.side if self.side is not None else _IN_WORKER
-        yield from _Opened(side.open(self.dataset))
+        opened = side.open(self.dataset)
+        if side.progress.dry:  # restored dry: its saved progress already holds its end-of-stream state
+            return
+        yield from _Opened(opened)
         side.progress.dry = True
+        side.snapshot()  # the state after the stream ended (a dataset may reset or count epochs there)
+        yield END_OF_STREAM  # so the main process learns that state even when no batch carries it
+
+
+class _EndOfStream:
+    """The last item a worker's stream yields (never collated): the batch carrying it, or an
+    :data:`ENDED` batch, tells the main process the stream's end-of-stream progress."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __reduce__(self) -> str:
+        return self.name  # pickled as the module's singleton
+
+    def __repr__(self) -> str:
+        return f"loader_resume.iterable.{self.name}"
+
+
+END_OF_STREAM = _EndOfStream("END_OF_STREAM")
+ENDED = _EndOfStream("ENDED")
+"""What a worker sends in place of a batch when its stream ended with no items left to batch."""
 
 
 class _Opened:
@@ -235,11 +298,16 @@ class StreamCollate:
 
     def __call__(self, items: list[Any]) -> tuple[Any, tuple[int, Progress]]:
         side = self.side if self.side is not None else _IN_WORKER
+        ended = bool(items) and items[-1] is END_OF_STREAM
+        if ended:
+            items = items[:-1]
         replayed, side.replay = side.replay, 0
         items = items[replayed:]
         progress = side.progress
         progress.items += replayed
         if not items or (self.drop_last and len(items) < self.batch_size):
+            if ended:
+                return ENDED, (side.worker, replace(progress))
             # NOTE: torch's worker loop (and the single-process iterator) take a StopIteration
             # raised while fetching as the end of this worker's stream.
             raise StopIteration

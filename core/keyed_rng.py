@@ -56,11 +56,16 @@ def generator_mask(names: Sequence[str]) -> int:
     return mask
 
 
+_INT63: Final = (1 << 63) - 1
+
+
 def seed_generators(key: int, mask: int) -> None:
     """Seed the global generators selected by ``mask`` from the 64-bit ``key``."""
     if mask & _TORCH:
-        # NOTE: not torch.manual_seed, which also seeds every accelerator (~240 µs here vs ~1 µs).
-        torch.default_generator.manual_seed(key)
+        # NOTE: not torch.manual_seed, which also seeds every accelerator (~240 µs here vs ~1 µs). 63 bits:
+        # torch.initial_seed() in a keyed fetch is then the batch's key as an int64, which torch.tensor and
+        # default_collate take (a 64-bit key overflowed them; torch's DataLoader suite reads it in workers).
+        torch.default_generator.manual_seed(key & _INT63)
     if mask & _NUMPY:
         np.random.seed(key >> 32)
     if mask & _RANDOM:

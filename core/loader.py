@@ -21,7 +21,7 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 from torch.utils.data.dataloader import _DatasetKind
 
 from .distributed import rank_and_world
-from .iterable import Progress, StreamCollate, StreamSource, Ticket, WorkerInit, WorkerRestore, WorkerSide
+from .iterable import ENDED, Progress, StreamCollate, StreamSource, Ticket, WorkerInit, WorkerRestore, WorkerSide
 from .keyed_rng import GENERATORS, CallerRng, SeedAheadCollate, derive_key, generator_mask
 from .sampler import Shard, ShardedSampler, steps_per_epoch, torch_order
 from .state import STATE_VERSION, StateError, check_state
@@ -89,6 +89,12 @@ class _Tracked(Generic[T]):
     def __len__(self) -> int:
         return len(self._inner)  # type: ignore[arg-type]
 
+    def __getattr__(self, name: str) -> Any:
+        # torch's iterator, as DataLoader code and tests reach it (``_workers``, ``_pin_memory_thread``).
+        if name in _Tracked.__slots__:  # not set yet (copy, pickle): no recursion through self._inner
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
     def __next__(self) -> T:
         caller = self._caller
         if caller is not None:
@@ -120,19 +126,29 @@ class _StreamTracked(Generic[T]):
     def __iter__(self) -> _StreamTracked[T]:
         return self
 
+    def __getattr__(self, name: str) -> Any:
+        if name in _StreamTracked.__slots__:  # as _Tracked
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
     def __next__(self) -> T:
         caller = self._caller
         if caller is not None:
             caller.save()
+        ours = self._pass is self._loader._stream_pass
         try:
             batch, meta = next(self._inner)
+            while batch is ENDED:  # a worker's stream ended with nothing left to batch: record, go on
+                if ours:
+                    self._pass.deliver(meta, batch=False)
+                batch, meta = next(self._inner)
         except StopIteration:
             self._loader._stream_ended(self._pass)
             raise
         finally:
             if caller is not None:
                 caller.restore()
-        if self._pass is self._loader._stream_pass:
+        if ours:
             self._pass.deliver(meta)
         return batch  # type: ignore[no-any-return]
 
@@ -147,8 +163,8 @@ class ResumableDataLoader(DataLoader[T]):
             ``initial_seed()`` of ``generator`` (or of a ``RandomSampler``'s generator) when one is
             given, else ``0`` — as with ``DistributedSampler``, the order is reproducible unless you
             pass another seed.
-        snapshot_every_n_steps: accepted for torchdata compatibility and ignored: the state is a
-            position, so it is exact at every step for free.
+        snapshot_every_n_steps: accepted for torchdata compatibility (None or an int >= 0, as there) and
+            ignored: the state is a position, so it is exact at every step for free.
         keying: ``"batch"`` (default) seeds the keyed generators before each batch from
             ``(seed, epoch, the batch's global position)``; ``"sample"`` before each sample from
             ``(seed, epoch, index)`` (values then also survive a change of batch or world size; costs
@@ -185,7 +201,7 @@ class ResumableDataLoader(DataLoader[T]):
         pin_memory_device: str = "",
         in_order: bool = True,
         seed: int | None = None,
-        snapshot_every_n_steps: int = 1,
+        snapshot_every_n_steps: int | None = 1,
         keying: str = "batch",
         keyed_generators: Sequence[str] = GENERATORS,
         rank: int | None = None,
@@ -227,18 +243,22 @@ class ResumableDataLoader(DataLoader[T]):
         self._sampler_state_to_load: Any = None
         self._stream_pass: StreamPass | None = None
         self._stream_restore: tuple[list[Progress], int] | None = None
+        self._stream_carry: list[Progress] | None = None  # end-of-epoch states that live on (see _stream_ended)
         self._side = WorkerSide()  # this loader's worker view when num_workers=0
         self._renumbered_workers = False
         self._pool_epoch: int | None = None  # the epoch a persistent map-style worker pool was told
         _warn_at_construction(dataset, batch_read=self._map and keying == "sample")
 
     # --- torch hooks -----------------------------------------------------------------------------
+    _torch_building = False  # True while torch's iterator is built (see _building)
+
     @property
     def _auto_collation(self) -> bool:
-        # NOTE: data is always fetched through a list of indices, even with batch_size=None (then one
-        # index, unwrapped again after collate), because iterating that list in the worker, right
-        # before the items are read, is where keyed randomness is applied.
-        return True
+        # NOTE: torch's iterator, built inside `_building`, always fetches through a list of indices, even
+        # with batch_size=None (then one index, unwrapped again after collate), because iterating that list
+        # in the worker, right before the items are read, is where keyed randomness is applied. Asked
+        # anywhere else, the answer is DataLoader's.
+        return self._torch_building or self.batch_sampler is not None
 
     @property
     def _index_sampler(self) -> Any:
@@ -247,7 +267,9 @@ class ResumableDataLoader(DataLoader[T]):
     def __iter__(self) -> Any:
         if not self._fresh:  # the previous pass was abandoned mid-epoch: a new iter() is a new epoch
             self._epoch, self._position = self._epoch + 1, 0
-            self._stream_restore = None
+            self._stream_restore = self._stream_carry = None
+        if self._position == 0 and self._n is not None:  # as DataLoader: a dataset may grow between epochs
+            self._n = len(self.dataset)  # type: ignore[arg-type]
         self._fresh = False
         set_epoch = getattr(self.dataset, "set_epoch", None)
         if callable(set_epoch):
@@ -269,9 +291,12 @@ class ResumableDataLoader(DataLoader[T]):
 
     def _iter_stream(self) -> _StreamTracked[T]:
         workers = max(self.num_workers, 1)
-        progress, offset = self._stream_restore or ([Progress() for _ in range(workers)], 0)
-        restored, self._stream_restore = self._stream_restore is not None, None
-        self._stream_pass = StreamPass(self._epoch, list(progress), offset)
+        # NOTE: a carried end-of-epoch state is not loaded into copies that live on (they hold it); it stands
+        # for each worker in this pass's state until that worker delivers.
+        fresh = self._stream_carry or [Progress() for _ in range(workers)]
+        progress, offset = self._stream_restore or (fresh, 0)
+        restored, self._stream_restore, self._stream_carry = self._stream_restore is not None, None, None
+        self._stream_pass = StreamPass(self._epoch, list(progress), offset, self._position if restored else 0)
         replay = sum(p.items for p in progress if p.needs_replay()) if restored else 0
         if replay:
             _warn_replay(self.dataset, replay)
@@ -283,13 +308,16 @@ class ResumableDataLoader(DataLoader[T]):
             caller = CallerRng(self._mask) if self._fetches_here else None
             with self._building(collate_fn=collate, dataset=StreamSource(self.dataset, self._side)):
                 return _StreamTracked(self, super().__iter__(), self._stream_pass, caller)
+        load = restored
         if self.persistent_workers and (restored or self._renumbered_workers):
             # NOTE: restored or renumbered workers must be started afresh: a persistent pool keeps the
-            # numbering and the dataset copies it was started with (DataLoader's own `_iterator`).
+            # numbering and the dataset copies it was started with (DataLoader's own `_iterator`). The
+            # fresh copies of a renumbered pool are given what the old ones carried out of their last epoch.
             self._iterator = None
+            load = restored or any(p.before_epoch for p in progress)
         self._renumbered_workers = offset != 0
         init = WorkerInit(self.worker_init_fn, WorkerRestore(
-            self._epoch, offset, tuple(progress) if restored else (None,) * workers))
+            self._epoch, offset, tuple(progress) if load else (None,) * workers))
         with self._building(collate_fn=collate, worker_init_fn=init, dataset=StreamSource(self.dataset)):
             return _StreamTracked(self, super().__iter__(), self._stream_pass)
 
@@ -308,9 +336,11 @@ class ResumableDataLoader(DataLoader[T]):
         saved = {name: getattr(self, name) for name in attributes}
         for name, value in attributes.items():
             object.__setattr__(self, name, value)  # NOTE: DataLoader refuses to set `dataset` after __init__
+        self._torch_building = True
         try:
             yield
         finally:
+            self._torch_building = False
             for name, value in saved.items():
                 object.__setattr__(self, name, value)
 
@@ -387,7 +417,7 @@ class ResumableDataLoader(DataLoader[T]):
     def _identity(self) -> dict[str, Any]:
         return {
             "version": STATE_VERSION, "kind": "map" if self._map else "iterable", "source": self._source_name,
-            "dataset_len": self._n if self._map else None, "seed": self.seed, "shuffle": self._shuffle,
+            "dataset_len": self._length() if self._map else None, "seed": self.seed, "shuffle": self._shuffle,
             "keying": self.keying, "keyed_generators": list(self.keyed_generators), "epoch": 0, "position": 0,
             "world_size": rank_and_world(self._rank, self._world)[1], "batch_size": self.batch_size,
             "num_workers": self.num_workers, "drop_last": self.drop_last, "sampler_state": None,
@@ -401,7 +431,8 @@ class ResumableDataLoader(DataLoader[T]):
             return StreamPass(self._epoch, list(progress), next_worker, self._position)
         if self._stream_pass is not None and not self._stream_pass.done:
             return self._stream_pass
-        return StreamPass(self._epoch, [Progress() for _ in range(max(self.num_workers, 1))], 0)
+        fresh = self._stream_carry or [Progress() for _ in range(max(self.num_workers, 1))]
+        return StreamPass(self._epoch, list(fresh), 0)
 
     def _load_stream(self, state: dict[str, Any]) -> None:
         rank, world = rank_and_world(self._rank, self._world)
@@ -450,12 +481,22 @@ class ResumableDataLoader(DataLoader[T]):
                 expected = f"the state of {type(self.dataset).__name__}" if stateful else "None"
                 raise StateError(f"stream.workers[{i}].state", p.state, None, expected=expected)
         self._epoch, self._position, self._fresh = epoch, position, True
-        self._stream_pass, self._stream_restore = None, (progress, next_worker)
+        self._stream_pass, self._stream_restore, self._stream_carry = None, (progress, next_worker), None
 
     def _stream_ended(self, pass_: StreamPass) -> None:
+        """The pass is over. Where the dataset copies live on into the next epoch (``num_workers=0`` or
+        persistent workers), each one's end-of-stream state is carried into the next pass's state: a dataset
+        that counts its own epochs, or resets at its end, resumes as that copy would go on. A dataset that is
+        its own iterator is re-initialised by ``iter()`` and carries nothing. Fresh workers start from the
+        main process's copy, in the uninterrupted run as after a resume, so nothing is carried for them."""
         if pass_ is self._stream_pass and not pass_.done:
             pass_.done = True
             self._epoch, self._position, self._fresh = self._epoch + 1, 0, True
+            if self.num_workers == 0 or self.persistent_workers:
+                carry = [Progress(state=p.state, before_epoch=True)
+                         if p.dry and p.state is not None and not p.self_iterator else Progress()
+                         for p in pass_.progress]
+                self._stream_carry = carry if any(p.before_epoch for p in carry) else None
 
     @staticmethod
     def _check_user_state(field: str, saved: Any, owner: Any) -> None:
@@ -464,6 +505,14 @@ class ResumableDataLoader(DataLoader[T]):
             raise StateError(field, "<a saved state>", "None", f"{type(owner).__name__} has no load_state_dict().")
         if saved is None and stateful:
             raise StateError(field, None, f"the state of {type(owner).__name__}", "Required state missing.")
+
+    def _length(self) -> int | None:
+        """The dataset's length: the one the pass in flight was planned with, else (between passes, as
+        ``DataLoader``'s ``len()``) the dataset's length now, since a dataset may grow between epochs."""
+        between = self._position == 0 and (self._pass is None or self._pass.done or self._fresh)
+        if self._n is not None and between:
+            self._n = len(self.dataset)  # type: ignore[arg-type]
+        return self._n
 
     def _current_sampler_state(self) -> Any:
         if not is_stateful(self._source):
@@ -481,8 +530,9 @@ class ResumableDataLoader(DataLoader[T]):
         if not self._map:
             raise TypeError("an IterableDataset's stream has no length for the loader to compute")
         if self._source is None:
-            assert self._n is not None  # map-style permutation sources always have a length
-            return steps_per_epoch(self._n, self._shard())
+            n = self._length()
+            assert n is not None  # map-style permutation sources always have a length
+            return steps_per_epoch(n, self._shard())
         return steps_per_epoch(len(self._source), self._shard())
 
     def _delivered(self, pass_: Pass) -> None:
@@ -601,12 +651,13 @@ def _warn_replay(dataset: Any, items: int) -> None:
                    type(dataset).__name__, why, items)
 
 
-def _check_options(in_order: bool, snapshot_every_n_steps: int, keying: str) -> None:
+def _check_options(in_order: bool, snapshot_every_n_steps: int | None, keying: str) -> None:
     if not in_order:
         raise ValueError("in_order=False: batches would arrive out of order, so a saved position could not "
                          "name what was delivered; expected in_order=True")
-    if type(snapshot_every_n_steps) is not int or snapshot_every_n_steps < 1:
-        raise ValueError(f"snapshot_every_n_steps={snapshot_every_n_steps!r}: expected an int >= 1")
+    if snapshot_every_n_steps is not None and (type(snapshot_every_n_steps) is not int or snapshot_every_n_steps < 0):
+        raise ValueError(f"snapshot_every_n_steps={snapshot_every_n_steps!r}: expected None or an int >= 0 "
+                         "(as StatefulDataLoader; the state is exact at every step whatever the value)")
     if keying not in KEYING_MODES:
         raise ValueError(f"keying={keying!r}: expected one of {list(KEYING_MODES)}")
 

@@ -5,11 +5,15 @@ State layout under the loader state's ``"stream"`` key (``None`` for map-style d
     {"rank": 0, "next_worker": 1,
      "workers": [{"batches": 3, "items": 6, "state": <dataset.state_dict() or None>,
                   "iterator": <state_dict() of the iterator iter(dataset) returned, or None>,
-                  "dry": <bool: the worker's stream ended in this epoch>}, ...]}
+                  "dry": <bool: the worker's stream ended in this epoch>,
+                  "self_iterator": <bool: iter(dataset) returned the dataset; state is loaded after iter()>,
+                  "before_epoch": <bool: state is from the end of the previous epoch, loaded before set_epoch>},
+                  ...]}
 
 ``workers`` has one entry per worker (one for ``num_workers=0``), in worker order; ``next_worker`` is
 the worker whose batch comes next in torch's round-robin. ``iterator`` and ``dry`` are new in state
-version 2; a version-1 entry (without them) reads as ``None`` and ``False``.
+version 2, ``self_iterator`` and ``before_epoch`` later in version 2; an entry without them reads as ``None``
+and ``False``.
 """
 
 from __future__ import annotations
@@ -39,33 +43,36 @@ class StreamPass:
     next_worker: int
     delivered: int = 0
     done: bool = False
-    history: deque[tuple[int, Progress, int]] = field(default_factory=lambda: deque(maxlen=HISTORY))
-    """What each of the last deliveries replaced, to rewind a few batches (see ``rewound``)."""
+    history: deque[tuple[int, Progress, int, bool]] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    """What each of the last deliveries replaced, and whether it was a batch, to rewind (see ``rewound``)."""
 
-    def deliver(self, meta: tuple[int, Progress]) -> None:
+    def deliver(self, meta: tuple[int, Progress], *, batch: bool = True) -> None:
+        """Record a batch handed to the caller, or (``batch=False``) a worker's end-of-stream progress."""
         worker, progress = meta
-        self.history.append((worker, self.progress[worker], self.next_worker))
+        self.history.append((worker, self.progress[worker], self.next_worker, batch))
         self.progress[worker] = progress
         self.next_worker = (worker + 1) % len(self.progress)
-        self.delivered += 1
+        self.delivered += batch
 
     def rewound(self, batches: int) -> StreamPass:
         """This pass as it was ``batches`` deliveries ago (frameworks that fetch ahead need it)."""
-        if batches > len(self.history):
-            raise ValueError(f"batches_ago={batches}: only the last {len(self.history)} deliveries of this "
+        recorded = sum(batch for *_, batch in self.history)
+        if batches > recorded:
+            raise ValueError(f"batches_ago={batches}: only the last {recorded} deliveries of this "
                              f"pass can be rewound (at most {HISTORY})")
         past = StreamPass(self.epoch, list(self.progress), self.next_worker, self.delivered - batches)
-        for worker, progress, next_worker in list(reversed(self.history))[:batches]:
-            past.progress[worker], past.next_worker = progress, next_worker
         past.history = copy.copy(self.history)
-        for _ in range(batches):
-            past.history.pop()
+        undone = 0
+        while undone < batches:  # end-of-stream records after the batch rewound to are undone with it
+            worker, progress, next_worker, batch = past.history.pop()
+            past.progress[worker], past.next_worker = progress, next_worker
+            undone += batch
         return past
 
 
 def stream_to_dict(rank: int, pass_: StreamPass) -> dict[str, Any]:
-    workers = [{"batches": p.batches, "items": p.items, "state": p.state, "iterator": p.iterator, "dry": p.dry}
-               for p in pass_.progress]
+    workers = [{"batches": p.batches, "items": p.items, "state": p.state, "iterator": p.iterator, "dry": p.dry,
+                "self_iterator": p.self_iterator, "before_epoch": p.before_epoch} for p in pass_.progress]
     return {"rank": rank, "next_worker": pass_.next_worker, "workers": workers}
 
 
@@ -89,16 +96,22 @@ def parse_stream(saved: Any, rank: int) -> tuple[list[Progress], int]:
 
 def _parse_worker(index: int, entry: Any) -> Progress:
     where = f"stream.workers[{index}]"
-    if not isinstance(entry, Mapping) or set(entry) not in (_WORKER_KEYS, _WORKER_KEYS_V1):
-        raise StateError(where, entry, None, expected=f"a dict with keys {', '.join(sorted(_WORKER_KEYS))}")
+    if not isinstance(entry, Mapping) or not _WORKER_KEYS_V1 <= set(entry) <= _WORKER_KEYS:
+        raise StateError(where, entry, None, expected=f"a dict with keys {', '.join(sorted(_WORKER_KEYS_V1))} and "
+                         f"optionally {', '.join(sorted(_WORKER_KEYS - _WORKER_KEYS_V1))}")
     for key in ("batches", "items"):
         if type(entry[key]) is not int or entry[key] < 0:
             raise StateError(f"{where}.{key}", entry[key], None, expected="an int >= 0")
     dry = entry.get("dry", False)  # absent only in a version-1 entry (checked above)
     if type(dry) is not bool:
         raise StateError(f"{where}.dry", dry, None, expected="a bool")
-    return Progress(entry["batches"], entry["items"], entry["state"], entry.get("iterator"), dry)
+    flags = {}
+    for key in ("self_iterator", "before_epoch"):
+        flags[key] = entry.get(key, False)
+        if type(flags[key]) is not bool:
+            raise StateError(f"{where}.{key}", flags[key], None, expected="a bool")
+    return Progress(entry["batches"], entry["items"], entry["state"], entry.get("iterator"), dry, **flags)
 
 
 _WORKER_KEYS_V1 = frozenset({"batches", "items", "state"})
-_WORKER_KEYS = _WORKER_KEYS_V1 | {"iterator", "dry"}
+_WORKER_KEYS = _WORKER_KEYS_V1 | {"iterator", "dry", "self_iterator", "before_epoch"}

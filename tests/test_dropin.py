@@ -51,7 +51,7 @@ def test_invalid_combinations_raise_the_same_errors_as_dataloader(kwargs: dict[s
     [
         ({"in_order": False}, r"in_order=False: .* expected in_order=True"),
         ({"keying": "per-sample"}, r"keying='per-sample': expected one of \['batch', 'sample', 'off'\]"),
-        ({"snapshot_every_n_steps": 0}, r"snapshot_every_n_steps=0: expected an int >= 1"),
+        ({"snapshot_every_n_steps": -1}, r"snapshot_every_n_steps=-1: expected None or an int >= 0"),
         ({"rank": 2, "world_size": 2}, r"rank=2, world_size=2: expected world_size >= 1 and 0 <= rank"),
     ],
 )
@@ -112,3 +112,19 @@ def test_torch_private_details_we_rely_on_still_hold() -> None:
     assert re.findall(r"[\w.]*seed\w*\(", body) == ["shared_rng.manual_seed(", "apply_random_seed("]
     calls = ("index_queue.get(", "fetcher.fetch(index)", "data_queue.put((idx, data))")
     assert [body.index(call) for call in calls] == sorted(body.index(call) for call in calls)
+
+
+def test_a_dataset_that_grows_between_epochs_is_read_whole_next_epoch() -> None:
+    """As DataLoader: len() and the next epoch follow the dataset's length at the epoch's start."""
+    data = [torch.tensor(i) for i in range(4)]
+    loader = ResumableDataLoader(data, batch_size=2, shuffle=True)
+    first = sorted(int(x) for batch in loader for x in batch)
+    data.append(torch.tensor(4))
+    assert len(loader) == 3 and loader.state_dict()["dataset_len"] == 5
+    assert first == [0, 1, 2, 3] and sorted(int(x) for batch in loader for x in batch) == [0, 1, 2, 3, 4]
+
+
+def test_the_iterator_reaches_torchs_like_dataloaders_does() -> None:
+    iterator = iter(make(8, batch_size=2, num_workers=2))
+    assert len(iterator._workers) == 2  # torch's own attribute, as DataLoader code and tests read it
+    assert not make(8, batch_size=None)._auto_collation  # DataLoader's answer outside torch's iterator

@@ -291,8 +291,8 @@ def test_a_corrupted_dry_flag_is_refused_naming_the_field() -> None:
     with pytest.raises(StateError, match=r"'stream.workers\[0\].dry': saved 'yes', expected a bool"):
         ResumableDataLoader(StatefulShardsResetAtEnd(9), batch_size=2).load_state_dict(state)
     state["stream"]["workers"][0] = {"batches": 1, "items": 2, "state": {"i": 2}, "dri": False}
-    with pytest.raises(StateError, match=r"'stream.workers\[0\]'.*expected a dict with keys batches, dry, "
-                                         r"items, iterator, state"):
+    with pytest.raises(StateError, match=r"'stream.workers\[0\]'.*expected a dict with keys batches, items, state "
+                                         r"and optionally before_epoch, dry, iterator, self_iterator"):
         ResumableDataLoader(StatefulShardsResetAtEnd(9), batch_size=2).load_state_dict(state)
 
 
