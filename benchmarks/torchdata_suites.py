@@ -64,7 +64,7 @@ def read_suite(repo: Path, name: str) -> str:
     checkout = repo / SUITE_DIR / name
     if checkout.is_file():
         return checkout.read_text()
-    return subprocess.run(["git", f"--git-dir={repo}", "show", f"HEAD:{SUITE_DIR}/{name}"],
+    return subprocess.run(["git", "-C", str(repo), "show", f"HEAD:{SUITE_DIR}/{name}"],
                           check=True, capture_output=True, text=True).stdout
 
 
@@ -123,8 +123,8 @@ def main() -> None:
                          f"{ours_counts.get('passed', 0)} / {ours_counts.get('failed', 0)}",
                          "; ".join(f"{why} ({n})" for why, n in sorted(reasons.items())) or "—"])
             print(rows[-1], flush=True)
-    commit = subprocess.run(["git", f"--git-dir={repo}" if (repo / "HEAD").is_file() else f"--git-dir={repo}/.git",
-                             "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip()
     text = (f"Measured by `python benchmarks/torchdata_suites.py` on pytorch/data `{commit or 'unknown'}` "
             "`test/stateful_dataloader/`, each file run unmodified and with its loader swapped for ours. Passed / "
             "failed are pytest's counts (failed subtests included); the last column counts failing tests.\n\n"

@@ -114,35 +114,35 @@ class WorkerSide:
                 seed_generators(keyed[1], keyed[2])
 
     def _open(self, dataset: Any) -> Iterator[Any]:
-        restore, self.restore = self.restore, None
+        restore, self.restore = self.restore or Progress(), None
         # NOTE: decided once per pass, not per batch: is_stateful walks an HF stream's pipeline.
         self.dataset, self.dataset_state = dataset, is_stateful(dataset)
-        if restore is not None and restore.dry:
-            if restore.state is not None and not restore.self_iterator:
-                # NOTE: its state from after its stream ended: a copy that lives on into the next epoch
-                # (in process, persistent workers) must hold it, as the uninterrupted run's copy does.
-                dataset.load_state_dict(restore.state)
+        state = restore.state if not restore.self_iterator else None  # else loaded after iter() only
+        # A state from after the stream ended (a dry worker's; one carried out of the last epoch) is loaded
+        # before set_epoch, as the uninterrupted run's copy had it when told its next epoch; a mid-epoch one
+        # after, as that copy was told its epoch before it made the state.
+        ended = restore.dry or restore.before_epoch
+        if ended and state is not None:
+            dataset.load_state_dict(state)
+        if restore.dry:
             return iter(())
-        carried = restore is not None and restore.before_epoch
-        if restore is not None and carried and restore.state is not None:
-            dataset.load_state_dict(restore.state)
         set_epoch = getattr(dataset, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(self.epoch)
-        if restore is not None and restore.state is not None and not restore.self_iterator and not carried:
-            dataset.load_state_dict(restore.state)
+        if not ended and state is not None:
+            dataset.load_state_dict(state)
         iterator = iter(dataset)
         self.progress.self_iterator = iterator is dataset
-        if restore is not None and restore.self_iterator and iterator is not dataset:
+        if restore.self_iterator and iterator is not dataset:
             raise StateError(f"stream.workers[{self.worker}].self_iterator", True, False,
                              f"iter({type(dataset).__name__}) no longer returns the dataset itself.")
-        if restore is not None and restore.iterator is not None:
+        if restore.iterator is not None:
             if not is_stateful(iterator):
                 raise StateError(f"stream.workers[{self.worker}].iterator", restore.iterator, None,
                                  f"iter({type(dataset).__name__}) returned a {type(iterator).__name__}, which "
                                  "has no state_dict()/load_state_dict().", expected="None")
             iterator.load_state_dict(restore.iterator)
-        elif iterator is dataset and restore is not None and restore.state is not None:
+        elif iterator is dataset and restore.state is not None:
             # NOTE: as StatefulDataLoader does: a dataset whose __iter__ resets its position and returns
             # itself gets its state back *after* iter() too (it is its own iterator).
             dataset.load_state_dict(restore.state)

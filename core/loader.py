@@ -69,7 +69,18 @@ class _IndexStream:
         return self._get()._batches_per_epoch()
 
 
-class _Tracked(Generic[T]):
+class _WrapsTorch:
+    """Our iterators keep torch's reachable, as DataLoader code and tests read it (``_workers``)."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_inner":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+class _Tracked(_WrapsTorch, Generic[T]):
     """Wraps torch's iterator; moves the loader's position as each batch is handed over.
 
     ``caller`` (keyed, ``num_workers=0``): the caller's generators are saved before torch's iterator
@@ -89,12 +100,6 @@ class _Tracked(Generic[T]):
     def __len__(self) -> int:
         return len(self._inner)  # type: ignore[arg-type]
 
-    def __getattr__(self, name: str) -> Any:
-        # torch's iterator, as DataLoader code and tests reach it (``_workers``, ``_pin_memory_thread``).
-        if name in _Tracked.__slots__:  # not set yet (copy, pickle): no recursion through self._inner
-            raise AttributeError(name)
-        return getattr(self._inner, name)
-
     def __next__(self) -> T:
         caller = self._caller
         if caller is not None:
@@ -111,7 +116,7 @@ class _Tracked(Generic[T]):
         return batch
 
 
-class _StreamTracked(Generic[T]):
+class _StreamTracked(_WrapsTorch, Generic[T]):
     """Wraps torch's iterator over an iterable dataset: unwraps each batch's worker tag and records it.
 
     ``caller``: as for :class:`_Tracked`, the caller's generators around each in-process fetch.
@@ -125,11 +130,6 @@ class _StreamTracked(Generic[T]):
 
     def __iter__(self) -> _StreamTracked[T]:
         return self
-
-    def __getattr__(self, name: str) -> Any:
-        if name in _StreamTracked.__slots__:  # as _Tracked
-            raise AttributeError(name)
-        return getattr(self._inner, name)
 
     def __next__(self) -> T:
         caller = self._caller
@@ -268,8 +268,8 @@ class ResumableDataLoader(DataLoader[T]):
         if not self._fresh:  # the previous pass was abandoned mid-epoch: a new iter() is a new epoch
             self._epoch, self._position = self._epoch + 1, 0
             self._stream_restore = self._stream_carry = None
-        if self._position == 0 and self._n is not None:  # as DataLoader: a dataset may grow between epochs
-            self._n = len(self.dataset)  # type: ignore[arg-type]
+        if self._position == 0:
+            self._read_length()
         self._fresh = False
         set_epoch = getattr(self.dataset, "set_epoch", None)
         if callable(set_epoch):
@@ -509,10 +509,14 @@ class ResumableDataLoader(DataLoader[T]):
     def _length(self) -> int | None:
         """The dataset's length: the one the pass in flight was planned with, else (between passes, as
         ``DataLoader``'s ``len()``) the dataset's length now, since a dataset may grow between epochs."""
-        between = self._position == 0 and (self._pass is None or self._pass.done or self._fresh)
-        if self._n is not None and between:
-            self._n = len(self.dataset)  # type: ignore[arg-type]
+        if self._position == 0 and (self._pass is None or self._pass.done or self._fresh):
+            self._read_length()
         return self._n
+
+    def _read_length(self) -> None:
+        """As DataLoader: a sized dataset's length is read again at each epoch's start (it may grow)."""
+        if self._n is not None:
+            self._n = len(self.dataset)  # type: ignore[arg-type]
 
     def _current_sampler_state(self) -> Any:
         if not is_stateful(self._source):

@@ -36,6 +36,18 @@ def make(n: int = 10, **kwargs: Any) -> ResumableDataLoader[Any]:
     return ResumableDataLoader(Augmented(n), **kwargs)
 
 
+def seed_all(seed: int) -> None:
+    """Seed the three global generators the loader keys (torch, numpy, random)."""
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def caller_draws() -> tuple[float, float, float]:
+    """One draw from each global generator: equal before and after a loop means the loop left them alone."""
+    return torch.rand(()).item(), float(np.random.rand()), random.random()
+
+
 def ids(batches: list[Any]) -> list[list[int]]:
     return [b["id"].tolist() for b in batches]
 
@@ -43,6 +55,4 @@ def ids(batches: list[Any]) -> list[list[int]]:
 @pytest.fixture(autouse=True)
 def _global_seeds() -> None:
     """Tests start from fixed global RNGs, so a test that depends on unkeyed values fails loudly."""
-    torch.manual_seed(1234)
-    np.random.seed(1234)
-    random.seed(1234)
+    seed_all(1234)

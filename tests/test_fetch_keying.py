@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
+from conftest import caller_draws, seed_all
 from loader_resume import ResumableDataLoader
 from loader_resume.keyed_rng import CallerRng, generator_mask
 from loader_resume.testing import assert_resumes_exactly, run_epochs
@@ -67,16 +68,6 @@ def _loader(cls: type[Dataset[Any]], workers: int, **options: Any) -> ResumableD
     return ResumableDataLoader(cls(), batch_size=4, shuffle=True, num_workers=workers, **options)
 
 
-def _seed_all(seed: int) -> None:
-    torch.manual_seed(seed)
-    np.random.seed(seed)
-    random.seed(seed)
-
-
-def _caller_draws() -> tuple[float, float, float]:
-    return torch.rand(()).item(), float(np.random.rand()), random.random()
-
-
 @pytest.mark.parametrize("cls", DATASETS)
 def test_batch_values_are_keyed_whatever_the_dataset_does_with_the_list(cls: type[Dataset[Any]]) -> None:
     in_process = run_epochs(_loader(cls, 0), 2)
@@ -86,11 +77,11 @@ def test_batch_values_are_keyed_whatever_the_dataset_does_with_the_list(cls: typ
 
 @pytest.mark.parametrize("cls", DATASETS)
 def test_the_callers_generators_do_not_move_while_iterating_in_process(cls: type[Dataset[Any]]) -> None:
-    _seed_all(5)
-    expected = _caller_draws()
-    _seed_all(5)
+    seed_all(5)
+    expected = caller_draws()
+    seed_all(5)
     run_epochs(_loader(cls, 0), 2)
-    assert _caller_draws() == expected
+    assert caller_draws() == expected
 
 
 @pytest.mark.parametrize("cls", DATASETS)
@@ -123,11 +114,11 @@ def test_per_sample_keying_over_a_batch_read_dataset_warns_once_what_it_keys(
 
 def test_caller_rng_restores_every_generator_exactly() -> None:
     """The fast paths (numpy's and random's MT structs copied through ctypes) restore exactly."""
-    _seed_all(3)
+    seed_all(3)
     random.gauss(0, 1)  # leaves a cached spare Gaussian in random.gauss_next
     guard = CallerRng(generator_mask(["torch", "numpy", "random"])).save()
-    expected = (*_caller_draws(), random.gauss(0, 1), random.getrandbits(200))
+    expected = (*caller_draws(), random.gauss(0, 1), random.getrandbits(200))
     guard.restore()
-    _seed_all(99)  # a keyed fetch moves everything
+    seed_all(99)  # a keyed fetch moves everything
     guard.restore()
-    assert (*_caller_draws(), random.gauss(0, 1), random.getrandbits(200)) == expected
+    assert (*caller_draws(), random.gauss(0, 1), random.getrandbits(200)) == expected

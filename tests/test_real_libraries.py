@@ -23,6 +23,7 @@ import pytest
 import torch
 import webdataset as wds
 
+from conftest import caller_draws, seed_all
 from loader_resume import ResumableDataLoader
 from loader_resume.testing import assert_resumes_exactly, fingerprint, run_epochs
 
@@ -46,23 +47,13 @@ def _hf_map(workers: int, how: str = "set_transform") -> ResumableDataLoader[Any
     return ResumableDataLoader(dataset, batch_size=4, shuffle=True, seed=1, num_workers=workers)
 
 
-def _seed_all(seed: int) -> None:
-    torch.manual_seed(seed)
-    np.random.seed(seed)
-    random.seed(seed)
-
-
-def _draws() -> tuple[float, float, float]:
-    return torch.rand(()).item(), float(np.random.rand()), random.random()
-
-
 @pytest.mark.parametrize("how", ["set_transform", "with_transform"])
 def test_hf_map_style_transforms_are_keyed_and_leave_the_callers_rng_alone(how: str) -> None:
-    _seed_all(3)
-    expected = _draws()
-    _seed_all(3)
+    seed_all(3)
+    expected = caller_draws()
+    seed_all(3)
     in_process = run_epochs(_hf_map(0, how), 2)
-    assert _draws() == expected
+    assert caller_draws() == expected
     assert run_epochs(_hf_map(2, how), 2) == in_process
 
 
