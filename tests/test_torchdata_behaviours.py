@@ -288,3 +288,31 @@ def test_initial_seed_is_torchs_in_worker_init_fn_and_the_batch_key_while_readin
     assert keys == [key for *_, key in in_process]
     assert len(set(keys)) == 4 and all(0 <= key < 2**63 for key in keys)  # one key per batch of 2
     assert torch.tensor(keys).dtype == torch.int64
+
+
+@pytest.mark.parametrize("field", ["self_iterator", "before_epoch"])
+def test_a_corrupted_flag_is_refused_naming_the_field(field: str) -> None:
+    from loader_resume import StateError
+
+    loader = ResumableDataLoader(BuildsPositionInIter(12), batch_size=2)
+    next(iter(loader))
+    state = loader.state_dict()
+    state["stream"]["workers"][0][field] = "yes"
+    with pytest.raises(StateError, match=rf"'stream.workers\[0\].{field}': saved 'yes', expected a bool"):
+        ResumableDataLoader(BuildsPositionInIter(12), batch_size=2).load_state_dict(state)
+
+
+class _NowAGenerator(BuildsPositionInIter):
+    def __iter__(self) -> Iterator[int]:  # type: ignore[override]
+        yield from _share(self.n)
+
+
+def test_a_state_of_a_self_iterating_dataset_is_refused_when_iter_no_longer_returns_it() -> None:
+    from loader_resume import StateError
+
+    loader = ResumableDataLoader(BuildsPositionInIter(12), batch_size=2)
+    next(iter(loader))
+    resumed = ResumableDataLoader(_NowAGenerator(12), batch_size=2)
+    resumed.load_state_dict(loader.state_dict())
+    with pytest.raises(StateError, match=r"'stream.workers\[0\].self_iterator': saved True, expected False"):
+        next(iter(resumed))
