@@ -14,6 +14,8 @@ state so rank 0 can write a single checkpoint; ``load_rank_state`` hands each ra
 from __future__ import annotations
 
 import os
+import time
+import uuid
 from collections.abc import Mapping, Sized
 from datetime import timedelta
 from typing import Any, Protocol
@@ -27,8 +29,8 @@ from .state import StateError
 from .thirdparty import content_identity
 
 __all__ = [
-    "any_rank", "check_same_dataset", "gather_rng_states", "gather_states", "init_process_group", "load_rank_state",
-    "rank_and_world",
+    "any_rank", "check_same_dataset", "collective_device", "gather_rng_states", "gather_states",
+    "init_process_group", "load_rank_state", "rank_and_world",
 ]
 
 
@@ -136,23 +138,36 @@ def any_rank(flag: bool) -> bool:
     """Whether ``flag`` is true on any rank: one ``all_reduce`` under ``torch.distributed`` (call on all ranks)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return flag
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    tensor = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    tensor = torch.tensor([int(flag)], dtype=torch.int32, device=collective_device())
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return bool(tensor.item())
+
+
+def collective_device() -> torch.device | None:
+    """Where a tensor for a collective must live: the current CUDA device on an NCCL group, else the CPU.
+
+    ``all_gather_object`` picks the same device by itself (torch's rule), so each rank must have called
+    ``torch.cuda.set_device`` (Lightning, Accelerate and :func:`init_process_group` do).
+    """
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend()) else None
 
 
 def init_process_group(backend: str = "gloo", timeout: timedelta = timedelta(minutes=30)) -> None:
     """``torch.distributed.init_process_group`` from torchrun's environment, safe across its restarts.
 
     NOTE: torchrun (torch 2.13, static and c10d rendezvous) hands every restarted attempt the same
-    agent store, whose keys hold the previous attempt's addresses; gloo then sometimes connects to a
-    dead worker ("connectFullMesh failed ... Connection refused") and the attempt fails, or hangs.
-    Prefixing the store with ``TORCHELASTIC_RESTART_COUNT`` gives each attempt its own keys. Outside
-    torchrun (no ``TORCHELASTIC_RESTART_COUNT``) this is the plain ``env://`` initialisation.
+    store, whose keys hold the previous attempt's addresses; gloo then sometimes connects to a dead
+    worker ("connectFullMesh failed ... Connection refused") and the attempt fails, or hangs. So each
+    rendezvous round gets keys of its own: its rank 0 draws a fresh *generation* from the store and
+    every rank learns it (:func:`_agree_on_generation`). ``TORCHELASTIC_RESTART_COUNT`` cannot serve:
+    each agent counts only its own workers' failures, so after one node's worker crashes the two
+    nodes' ranks would wait under different keys until the timeout. Outside torchrun (no
+    ``TORCHELASTIC_RESTART_COUNT``) this is the plain ``env://`` initialisation. On an NCCL backend the
+    CUDA device is set to ``LOCAL_RANK`` first (collectives use the current device).
     """
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if restart is None:
+    if "nccl" in backend and torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT") is None:
         dist.init_process_group(backend, timeout=timeout)
         return
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -160,6 +175,46 @@ def init_process_group(backend: str = "gloo", timeout: timedelta = timedelta(min
     address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     store = dist.TCPStore(  # type: ignore[attr-defined]  # public API, not re-exported for type checkers
         address, port, world, is_master=not agent_store and rank == 0, timeout=timeout, multi_tenant=True)
-    prefixed = dist.PrefixStore(f"loader_resume/restart_{restart}", store)  # type: ignore[attr-defined]
-    dist.init_process_group(backend, store=prefixed,
-                            rank=rank, world_size=world, timeout=timeout)
+    generation = _agree_on_generation(store, rank, world, timeout)
+    prefixed = dist.PrefixStore(f"loader_resume/generation_{generation}", store)  # type: ignore[attr-defined]
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
+
+
+_GENERATION = "loader_resume/generation"
+
+
+def _agree_on_generation(store: Any, rank: int, world: int, timeout: timedelta) -> int:
+    """A number every rank of this rendezvous round agrees on and no earlier round used.
+
+    The store outlives rounds and holds their keys, and the ranks share no round number (each
+    torchrun agent counts its own restarts). Every rank of an earlier round is dead before a new round
+    starts, so: rank 0 takes the next value of a counter (fresh); every other rank posts a nonce of its
+    own and waits for the answer addressed to that nonce (an answer to an earlier round's nonce cannot
+    be mistaken for it); rank 0 answers each nonce it sees until every rank has acknowledged under the
+    new generation (a key no earlier round could have written).
+    """
+    if rank != 0:
+        nonce = uuid.uuid4().hex
+        store.set(f"{_GENERATION}/hello/{rank}", nonce)
+        store.wait([f"{_GENERATION}/welcome/{nonce}"], timeout)
+        generation = int(store.get(f"{_GENERATION}/welcome/{nonce}"))
+        store.set(f"{_GENERATION}/ack/{generation}/{rank}", nonce)
+        return generation
+    generation = int(store.add(f"{_GENERATION}/counter", 1))
+    answered: dict[int, bytes] = {}
+    waiting, deadline = set(range(1, world)), time.monotonic() + timeout.total_seconds()
+    while waiting:
+        for other in sorted(waiting):
+            if store.check([f"{_GENERATION}/ack/{generation}/{other}"]):
+                waiting.discard(other)
+            elif store.check([f"{_GENERATION}/hello/{other}"]):
+                nonce = store.get(f"{_GENERATION}/hello/{other}")
+                if answered.get(other) != nonce:  # a stale nonce gets an answer nobody reads: harmless
+                    store.set(f"{_GENERATION}/welcome/{nonce.decode()}", str(generation))
+                    answered[other] = nonce
+        if waiting:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"init_process_group: ranks {sorted(waiting)} of {world} did not join generation "
+                                   f"{generation} within {timeout}")
+            time.sleep(0.005)
+    return generation

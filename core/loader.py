@@ -88,7 +88,7 @@ class _Tracked(_WrapsTorch, Generic[T]):
     once after the whole fetch and collate, so model code (dropout) sees its own stream undisturbed.
     """
 
-    __slots__ = ("_caller", "_inner", "_loader", "_pass")
+    __slots__ = ("__weakref__", "_caller", "_inner", "_loader", "_pass")
 
     def __init__(self, loader: ResumableDataLoader[Any], inner: Iterator[T], pass_: Pass,
                  caller: CallerRng | None = None) -> None:
@@ -122,7 +122,7 @@ class _StreamTracked(_WrapsTorch, Generic[T]):
     ``caller``: as for :class:`_Tracked`, the caller's generators around each in-process fetch.
     """
 
-    __slots__ = ("_caller", "_inner", "_loader", "_pass")
+    __slots__ = ("__weakref__", "_caller", "_inner", "_loader", "_pass")
 
     def __init__(self, loader: ResumableDataLoader[Any], inner: Iterator[Any], pass_: StreamPass,
                  caller: CallerRng | None = None) -> None:
@@ -247,6 +247,9 @@ class ResumableDataLoader(DataLoader[T]):
         self._side = WorkerSide()  # this loader's worker view when num_workers=0
         self._renumbered_workers = False
         self._pool_epoch: int | None = None  # the epoch a persistent map-style worker pool was told
+        self._live: weakref.ref[Any] | None = None  # the last iterator handed out (see _note_load)
+        self._unused_load = False  # a loaded state no iter() has taken up yet
+        self._warned: set[str] = set()
         _warn_at_construction(dataset, batch_read=self._map and keying == "sample")
 
     # --- torch hooks -----------------------------------------------------------------------------
@@ -270,12 +273,15 @@ class ResumableDataLoader(DataLoader[T]):
             self._stream_restore = self._stream_carry = None
         if self._position == 0:
             self._read_length()
-        self._fresh = False
+        self._fresh, self._unused_load = False, False
         set_epoch = getattr(self.dataset, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(self._epoch)
-        if not self._map:
-            return self._iter_stream()
+        iterator = self._iter_stream() if not self._map else self._iter_map(set_epoch)
+        self._live = weakref.ref(iterator)
+        return iterator
+
+    def _iter_map(self, set_epoch: Any) -> _Tracked[T]:
         if callable(set_epoch) and self.persistent_workers and self._pool_epoch != self._epoch:
             # NOTE: persistent workers keep the dataset copies they started with; a dataset that is
             # told its epoch gets a fresh pool each epoch, so every worker's copy is told too.
@@ -393,8 +399,13 @@ class ResumableDataLoader(DataLoader[T]):
         run (logged); anything the order depends on (dataset length, seed, shuffle, keying) may not.
         Iterable: each worker's position lives in its own dataset copy, so ``num_workers`` and the
         world size must match the saving run.
+
+        A state that would be ignored is named in a warning (once per loader and case): loaded while an
+        iterator of this loader is still mid-epoch (that iterator goes on from where it was; the state
+        applies from the next ``iter()``), or loaded over an earlier state that no ``iter()`` took up.
         """
         check_state(state_dict, self._identity())
+        self._note_load()
         reason = irreproducible(self.dataset)
         if reason is not None:
             logger.warning("resuming %s: the continuation will NOT be bit-identical to the uninterrupted run: %s",
@@ -414,6 +425,24 @@ class ResumableDataLoader(DataLoader[T]):
         self._sampler_state = self._sampler_state_to_load = state_dict["sampler_state"]
 
     # --- internals -------------------------------------------------------------------------------
+    def _note_load(self) -> None:
+        """Warn (once per case) when the state being loaded would be ignored; see ``load_state_dict``."""
+        live = self._live() if self._live is not None else None
+        if live is not None and not live._pass.done:
+            self._warn_here("mid-epoch", "load_state_dict() was called while an iterator of this loader is still "
+                            "mid-epoch: that iterator goes on from where it was and ignores the loaded state, which "
+                            "takes effect at the next iter(loader). Load before iterating (e.g. before the epoch "
+                            "loop) for the loaded position to be the one trained on")
+        if self._unused_load:
+            self._warn_here("unused", "load_state_dict() was called twice with no iter() in between: the state loaded "
+                            "first was never used and is replaced by this one")
+        self._unused_load = True
+
+    def _warn_here(self, case: str, message: str) -> None:
+        if case not in self._warned:
+            self._warned.add(case)
+            logger.warning("%s over %s: %s", type(self).__name__, type(self.dataset).__name__, message)
+
     def _identity(self) -> dict[str, Any]:
         return {
             "version": STATE_VERSION, "kind": "map" if self._map else "iterable", "source": self._source_name,
@@ -446,6 +475,7 @@ class ResumableDataLoader(DataLoader[T]):
 
     def _load_resharded(self, ranks: list[dict[str, Any]]) -> None:
         """Resume an iterable-dataset checkpoint taken at another world size (see ``load_rank_state``)."""
+        self._note_load()
         shards: list[Any] = []
         for rank, state in enumerate(ranks):
             check_state(state, self._identity())
