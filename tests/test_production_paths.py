@@ -87,7 +87,7 @@ def _round(store_port: int, world: int, results: dict[int, int], errors: list[Ba
         try:
             client = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=20))
             results[rank] = _agree_on_generation(client, rank, world, timedelta(seconds=20))
-        except BaseException as error:  # noqa: BLE001 - handed to the test thread
+        except BaseException as error:
             errors.append(error)
     threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in reversed(range(world))]
     for thread in threads:
