@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
-from lightning.pytorch.utilities import CombinedLoader, rank_zero_warn
+from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader
 
 from loader_resume import GENERATORS, ResumableDataLoader
@@ -46,10 +47,10 @@ class ResumeCallback(OnExceptionCheckpoint):
         signals: signals that request a preemption checkpoint (``()`` for none). The handler only sets
             a flag; at the next optimizer-step boundary all ranks agree (one ``all_reduce``), the
             checkpoint is written atomically and the trainer stops.
-        dirpath: where the preemption checkpoint goes; ``None``: ``trainer.default_root_dir``. A
+        dirpath: where the preemption checkpoint goes; ``None``: the trainer's ``default_root_dir``
+            (``Trainer(default_root_dir=...)``, or LightningCLI's ``trainer.default_root_dir``). A
             restarted ``fit()`` (no ``ckpt_path``) resumes from the newest of it and your
-            ``ModelCheckpoint``'s ``last`` file. NOTE: Lightning looks for it before any callback hook
-            runs, so with a custom ``default_root_dir`` pass the same ``dirpath`` here.
+            ``ModelCheckpoint``'s ``last`` file.
         filename: the preemption checkpoint's name, without ``.ckpt``.
         check_every_n_steps: agree on signals every N optimizer steps (one tiny collective each time).
         exit_code: after a preemption checkpoint, end the process with this code (143 = 128 + SIGTERM,
@@ -82,7 +83,8 @@ class ResumeCallback(OnExceptionCheckpoint):
         self.preemption = Preemption(signals)
         self.check_every_n_steps, self.exit_code = check_every_n_steps, exit_code
         self.preempted_at: int | None = None
-        self._dirpath_given = dirpath is not None
+        self._dirpath_known = dirpath is not None  # else: learnt from the trainer (see ckpt_path)
+        self._asked_unknown = False  # Lightning asked for ckpt_path before we could learn the trainer's dir
         self._loaders: list[ResumableDataLoader[Any]] = []
         self._to_load: dict[str, Any] | None = None
         self._rng_to_restore: Any = None
@@ -93,16 +95,36 @@ class ResumeCallback(OnExceptionCheckpoint):
     def state_key(self) -> str:
         return "loader_resume.ResumeCallback"
 
+    @property
+    def ckpt_path(self) -> str:
+        """The preemption checkpoint: ``dirpath/filename.ckpt``.
+
+        NOTE: a restarted ``fit()`` (no ``ckpt_path``) picks its checkpoint before any callback hook
+        runs: Lightning 2.6 reads this property from inside ``Trainer.fit`` (resolving "last" across the
+        checkpoint callbacks). Without a ``dirpath`` we learn the directory there, from the ``Trainer``
+        running ``fit`` with this callback (found on the call stack), so ``Trainer(default_root_dir=d)``
+        resumes from ``d`` by itself. Should that ever fail, ``setup`` refuses to start over silently.
+        """
+        if not self._dirpath_known:
+            trainer = _trainer_calling(self)
+            if trainer is None:
+                self._asked_unknown = True
+            else:
+                self.dirpath, self._dirpath_known = str(trainer.default_root_dir), True
+        return os.path.join(self.dirpath, self.filename + self.FILE_EXTENSION)
+
     # --- hooks ---------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if sum(isinstance(c, ResumeCallback) for c in trainer.callbacks) > 1:  # type: ignore[attr-defined]
             raise ValueError("Trainer(callbacks=[...]) has more than one ResumeCallback; expected exactly one "
                              "(each would convert and save the same loaders)")
-        if not self._dirpath_given:
-            self.dirpath = str(trainer.default_root_dir)
-            if os.path.abspath(self.dirpath) != os.getcwd():
-                rank_zero_warn(f"ResumeCallback: preemption checkpoints go to {self.dirpath}, but a restarted fit() "
-                               "looks for them before setup; pass ResumeCallback(dirpath=...) for automatic resume")
+        if not self._dirpath_known:
+            self.dirpath, self._dirpath_known = str(trainer.default_root_dir), True
+            if self._asked_unknown and stage == "fit" and os.path.exists(self.ckpt_path):
+                raise RuntimeError(
+                    f"ResumeCallback: a preemption checkpoint is waiting in {self.ckpt_path}, but this fit() looked "
+                    f"for its checkpoint before the callback could learn default_root_dir, so it would start over. "
+                    f"Pass ResumeCallback(dirpath={self.dirpath!r}) (or fit(ckpt_path={self.ckpt_path!r})) to resume")
         if stage == "fit":
             self._intercept_train_loaders(trainer)
 
@@ -273,6 +295,17 @@ class ResumeCallback(OnExceptionCheckpoint):
             rank=dist.get_rank() if distributed else None, world_size=dist.get_world_size() if distributed else None,
             worker_init_fn=lambda user_fn: IgnoreSignalsInWorker(self.preemption.signals, user_fn),
         )
+
+
+def _trainer_calling(callback: ResumeCallback) -> Trainer | None:
+    """The ``Trainer`` on the call stack whose callbacks hold ``callback`` (``None`` outside one)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer) and any(c is callback for c in candidate.callbacks):
+            return candidate
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
 
 
 def _drop_lightning_loader_states(checkpoint: dict[str, Any]) -> None:

@@ -143,7 +143,8 @@ class Model(L.LightningModule):
 def resume_callbacks(args: argparse.Namespace) -> list[ResumeCallback]:
     if args.no_callback:
         return []
-    callback = ResumeCallback(seed=7, dirpath=args.out, check_every_n_steps=args.check_every)
+    dirpath = None if args.no_dirpath else args.out  # None: the trainer's default_root_dir (args.out too)
+    callback = ResumeCallback(seed=7, dirpath=dirpath, check_every_n_steps=args.check_every)
     return [callback] * (2 if args.two_callbacks else 1)
 
 
@@ -160,6 +161,7 @@ def main() -> None:
     parser.add_argument("--n-resume", type=int, help="dataset length after resume (bad-input test)")
     parser.add_argument("--no-callback", action="store_true")
     parser.add_argument("--two-callbacks", action="store_true")
+    parser.add_argument("--no-dirpath", action="store_true", help="ResumeCallback() without dirpath")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds per step, to be signalled mid-epoch")
     parser.add_argument("--append", action="store_true", help="append to an existing log (restarted job)")
     parser.add_argument("--check-every", type=int, default=1)

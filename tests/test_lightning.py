@@ -24,14 +24,15 @@ from loader_resume import ResumableDataLoader
 CHILD = Path(__file__).parent / "lightning_child.py"
 
 
-def run(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def run(out: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     out.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run([sys.executable, str(CHILD), str(out), *args], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(CHILD), str(out), *args], capture_output=True, text=True, timeout=300,
+                          cwd=cwd)
     return done
 
 
-def ok(out: Path, *args: str) -> dict[str, Any]:
-    done = run(out, *args)
+def ok(out: Path, *args: str, cwd: Path | None = None) -> dict[str, Any]:
+    done = run(out, *args, cwd=cwd)
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = sorted(out.glob("log-*.json"))
     return {"logs": [json.loads(p.read_text()) for p in ranks],
@@ -176,13 +177,18 @@ def test_combined_loader_and_custom_sampler_are_converted() -> None:
 
 
 # --- preemption: a real SIGTERM from the test, then the same command again ------------------------
-def preempted_then_rerun(out: Path, devices: int, whole_group: bool) -> dict[str, Any]:
-    """SIGTERM mid-epoch (from the test, via os.kill / os.killpg), then rerun the same command."""
+def preempted_then_rerun(out: Path, devices: int, whole_group: bool, natural: bool = False) -> dict[str, Any]:
+    """SIGTERM mid-epoch (from the test, via os.kill / os.killpg), then rerun the same command.
+
+    ``natural``: ``ResumeCallback()`` with no dirpath, ``Trainer(default_root_dir=out)``, run from another
+    working directory: the restart must find the checkpoint in ``default_root_dir`` by itself."""
     command = [sys.executable, str(CHILD), str(out), "--sleep", "0.15", "--append", "--workers", "2",
-               "--devices", str(devices)]
+               "--devices", str(devices), *(["--no-dirpath"] if natural else [])]
     out.mkdir(parents=True)
+    cwd = out.parent / "elsewhere"
+    cwd.mkdir()
     first = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)
+                             start_new_session=True, cwd=cwd)
     progress = out / "progress-0"
     deadline = time.monotonic() + 120
     while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= 4):
@@ -194,7 +200,8 @@ def preempted_then_rerun(out: Path, devices: int, whole_group: bool) -> dict[str
     assert (out / "preempted.ckpt").exists() and not (out / "preempted.ckpt.tmp").exists()
     stopped_at = [len(json.loads((out / f"log-{r}.json").read_text())) for r in range(devices)]
     assert all(4 <= n < 12 * (3 - devices + 1) for n in stopped_at), stopped_at  # stopped mid-training
-    return ok(out, *command[3:])
+    assert not list(cwd.iterdir())  # nothing went to the working directory
+    return ok(out, *command[3:], cwd=cwd)
 
 
 @pytest.fixture(scope="module")
@@ -206,11 +213,13 @@ def full_with_workers(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dic
     return runs
 
 
-@pytest.mark.parametrize(("devices", "whole_group"), [(1, False), (2, False), (2, True)])
+@pytest.mark.parametrize(("devices", "whole_group", "natural"),
+                         [(1, False, False), (2, False, False), (2, True, False), (1, False, True), (2, False, True)])
 def test_sigterm_checkpoints_at_a_step_boundary_and_a_rerun_continues_exactly(
-    full_with_workers: dict[int, dict[str, Any]], tmp_path: Path, devices: int, whole_group: bool
+    full_with_workers: dict[int, dict[str, Any]], tmp_path: Path, devices: int, whole_group: bool, natural: bool
 ) -> None:
-    resumed = preempted_then_rerun(tmp_path / "job", devices, whole_group)
+    """``natural``: what users pick first, ``Trainer(default_root_dir=d, callbacks=[ResumeCallback()])``."""
+    resumed = preempted_then_rerun(tmp_path / "job", devices, whole_group, natural)
     full = full_with_workers[devices]
     assert resumed["logs"] == full["logs"]  # the restarted job's log appends to the first run's
     assert resumed["weights"] == full["weights"]
