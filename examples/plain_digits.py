@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,15 @@ def restore(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     return state["step"], state["epoch"]
 
 
+def incarnation() -> int:
+    """For the batch log: one number per start of the job, agreed by its ranks, growing from start to start
+    (torchrun's restart counts are per node and do not grow on a membership change)."""
+    stamp = [time.time_ns()]
+    if dist.is_initialized():
+        dist.broadcast_object_list(stamp, src=0)
+    return int(stamp[0])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--out", default="runs/plain_digits")
@@ -90,7 +100,7 @@ def main() -> None:
     preemption.install()
     step, first_epoch = restore(root, model, optimizer, loader)
     log = open(Path(args.batch_log) / f"log-{loader.rank}.jsonl", "a") if args.batch_log else None
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    attempt = incarnation() if log is not None else 0
     for epoch in range(first_epoch, args.epochs):
         for x, y, ids in loader:
             loss = nn.functional.cross_entropy(model(x), y)
@@ -99,7 +109,8 @@ def main() -> None:
             optimizer.step()
             step += 1
             if log is not None:
-                log.write(json.dumps({"attempt": attempt, "step": step, "epoch": epoch, "ids": ids.tolist(),
+                log.write(json.dumps({"attempt": attempt, "rank": loader.rank, "step": step, "epoch": epoch,
+                                      "ids": ids.tolist(),
                                       "batch": fingerprint([x, y])}) + "\n")
                 log.flush()
             stop = preemption.agreed()  # every rank, every step: one tiny all_reduce

@@ -293,3 +293,65 @@ def test_under_slurm_sigusr1_saves_at_a_step_boundary_not_in_lightnings_handler(
     full = full_with_workers[1]
     assert json.loads((out / "log-0.json").read_text()) == full["logs"][0]
     assert (out / "weights-0.txt").read_text() == full["weights"][0]
+
+
+# --- LightningCLI: the callback configured in YAML or on the command line --------------------------
+CLI_CHILD = Path(__file__).parent / "lightning_cli_child.py"
+
+
+def cli_command(out: Path, how: str) -> list[str]:
+    """``fit`` with a config file holding the trainer; ``how``: where ResumeCallback is configured.
+
+    ``"yaml"``: in the config's ``trainer.callbacks``, with no dirpath (only ``trainer.default_root_dir`` says
+    where things go); ``"argument"``: ``--trainer.callbacks+=lightning_resume.ResumeCallback`` with a dirpath."""
+    out.mkdir(parents=True, exist_ok=True)
+    callback = {"class_path": "lightning_resume.ResumeCallback", "init_args": {"seed": 7}}
+    config = {
+        "trainer": {"default_root_dir": str(out), "max_epochs": 3, "accelerator": "cpu", "devices": 1,
+                    "logger": False, "enable_progress_bar": False, "enable_model_summary": False,
+                    "deterministic": True, "callbacks": [callback] if how == "yaml" else []},
+        "model": {"out": str(out), "sleep": 0.1, "workers": 2},
+    }
+    (out / "cli.yaml").write_text(json.dumps(config))  # JSON is YAML
+    command = [sys.executable, str(CLI_CHILD), "fit", "--config", str(out / "cli.yaml")]
+    if how == "argument":
+        command += ["--trainer.callbacks+=lightning_resume.ResumeCallback", "--trainer.callbacks.seed=7",
+                    f"--trainer.callbacks.dirpath={out / 'preemption'}"]
+    return command
+
+
+def cli_rows(out: Path) -> list[Any]:
+    log = out / "log.jsonl"
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+@pytest.fixture(scope="module")
+def cli_full(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], str]:
+    out = tmp_path_factory.mktemp("cli_full")
+    done = subprocess.run(cli_command(out, "yaml"), capture_output=True, text=True, timeout=300, cwd=out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return cli_rows(out), (out / "weights.txt").read_text()
+
+
+@pytest.mark.parametrize("how", ["yaml", "argument"])
+def test_lightning_cli_sigterm_and_the_same_command_again_continues_exactly(
+        cli_full: tuple[list[Any], str], tmp_path: Path, how: str) -> None:
+    out, elsewhere = tmp_path / "job", tmp_path / "elsewhere"
+    command = cli_command(out, how)
+    elsewhere.mkdir()
+    first = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=elsewhere)
+    deadline = time.monotonic() + 120
+    while len(cli_rows(out)) < 4:
+        assert time.monotonic() < deadline and first.poll() is None, "training never reached step 4"
+        time.sleep(0.02)
+    first.send_signal(signal.SIGTERM)
+    _, stderr = first.communicate(timeout=120)
+    assert first.returncode == 143, stderr[-3000:]
+    where = out / "preemption" if how == "argument" else out
+    assert (where / "preempted.ckpt").exists()
+    assert 4 <= len(cli_rows(out)) < len(cli_full[0])
+    again = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=elsewhere)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert cli_rows(out) == cli_full[0]  # the rerun's steps continue the first run's: together, the full run
+    assert (out / "weights.txt").read_text() == cli_full[1]
+    assert not (where / "preempted.ckpt").exists()
