@@ -32,6 +32,8 @@ def main() -> None:
              f"{kills} kills survived ({planned} planned), audit exact, final weights equal"]
             for job, kills, planned in re.findall(r"(\w+): survived (\d+) SIGKILLs under torchrun \((\d+) planned\)",
                                                   output)]
+    rows += [[f"two torchrun agents as two nodes: {what}", result]
+             for what, result in re.findall(r"two nodes: (.*?), (no hang, .*?) \(\d+ s", output)]
     rows.append(["fuzzing: lengths, batch sizes, world sizes 1-8 before/after, workers, cut points",
                  "10,000 cases, each epoch exactly once"])
     scale = re.search(r"n=1e8 over .*? ranks: ([\d.]+) ms per rank; peak RSS of the whole simulation (\d+) MiB", output)
