@@ -355,3 +355,15 @@ def test_lightning_cli_sigterm_and_the_same_command_again_continues_exactly(
     assert cli_rows(out) == cli_full[0]  # the rerun's steps continue the first run's: together, the full run
     assert (out / "weights.txt").read_text() == cli_full[1]
     assert not (where / "preempted.ckpt").exists()
+
+
+def test_resume_callback_alone_means_preemption_checkpoints_only() -> None:
+    """What users mean by enable_checkpointing=False (which Lightning refuses with any checkpoint callback, ours
+    included, before our code runs): with ResumeCallback and no ModelCheckpoint, Lightning adds no periodic one."""
+    import lightning as L
+
+    callback = ResumeCallback()
+    trainer = L.Trainer(accelerator="cpu", callbacks=[callback], logger=False)
+    assert trainer.checkpoint_callbacks == [callback]
+    plain = L.Trainer(accelerator="cpu", logger=False)
+    assert [type(c).__name__ for c in plain.checkpoint_callbacks] == ["ModelCheckpoint"]  # the default we replace
