@@ -302,7 +302,7 @@ def _trainer_calling(callback: ResumeCallback) -> Trainer | None:
     frame = sys._getframe(1)
     while frame is not None:
         candidate = frame.f_locals.get("self")
-        if isinstance(candidate, Trainer) and any(c is callback for c in candidate.callbacks):
+        if isinstance(candidate, Trainer) and any(c is callback for c in getattr(candidate, "callbacks", ())):
             return candidate
         frame = frame.f_back  # type: ignore[assignment]
     return None
