@@ -28,7 +28,15 @@ from accelerate import Accelerator
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
-from loader_resume.checkpoint import CheckpointError, complete_checkpoints, prune, seal, temporary_name, verify
+from loader_resume.checkpoint import (
+    CheckpointError,
+    complete_checkpoints,
+    prune,
+    seal,
+    set_global_rng_state,
+    temporary_name,
+    verify,
+)
 from loader_resume.convert import resumable
 from loader_resume.distributed import (
     any_rank,
@@ -37,7 +45,6 @@ from loader_resume.distributed import (
     gather_states,
     load_rank_state,
 )
-from loader_resume.keyed_rng import set_global_rng_state
 from loader_resume.preemption import IgnoreSignalsInWorker, Preemption
 
 from .config import ResumeConfig, load_config

@@ -24,8 +24,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from accelerate_resume import enable_resume
-from loader_resume.demo import NoisyDigits
 from loader_resume.testing import fingerprint
+from loader_resume.tools.demo import NoisyDigits
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "accelerate_resume.yaml"
 OWN = {"epochs": 3, "workers": 2, "batch_size": 32, "project_dir": "runs/accelerate_digits"}

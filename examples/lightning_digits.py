@@ -25,8 +25,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_resume import ResumeCallback
-from loader_resume.demo import NoisyDigits
 from loader_resume.testing import fingerprint
+from loader_resume.tools.demo import NoisyDigits
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "lightning_digits.yaml"
 

@@ -27,12 +27,11 @@ import torch.distributed as dist
 from torch import nn
 
 from loader_resume import ResumableDataLoader
-from loader_resume.checkpoint import complete_checkpoints, prune, seal, temporary_name, verify
-from loader_resume.demo import NoisyDigits
+from loader_resume.checkpoint import complete_checkpoints, prune, seal, set_global_rng_state, temporary_name, verify
 from loader_resume.distributed import gather_rng_states, gather_states, init_process_group, load_rank_state
-from loader_resume.keyed_rng import set_global_rng_state
 from loader_resume.preemption import Preemption
 from loader_resume.testing import fingerprint
+from loader_resume.tools.demo import NoisyDigits
 
 
 def save(root: Path, step: int, epoch: int, model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -16,16 +16,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from loader_resume import GENERATORS, ResumableDataLoader
+from loader_resume.checkpoint import global_rng_state, set_global_rng_state
 from loader_resume.convert import resumable
 from loader_resume.distributed import check_same_dataset, gather_rng_states, gather_states, load_rank_state
-from loader_resume.keyed_rng import global_rng_state, set_global_rng_state
 from loader_resume.preemption import IgnoreSignalsInWorker, Preemption
 
 __all__ = ["CHECKPOINT_KEY", "ResumeCallback"]
@@ -86,16 +86,14 @@ class ResumeCallback(OnExceptionCheckpoint):
         self._dirpath_known = dirpath is not None  # else: learnt from the trainer (see ckpt_path)
         self._asked_unknown = False  # Lightning asked for ckpt_path before we could learn the trainer's dir
         self._loaders: list[ResumableDataLoader[Any]] = []
+        self._shard = (0, 1)  # (trainer.global_rank, trainer.world_size): how the training loaders are sharded
         self._to_load: dict[str, Any] | None = None
         self._rng_to_restore: Any = None
         self._rng_around_validation: Any = None
         self._torch_rng_after_step: torch.Tensor | None = None
 
     @property
-    def state_key(self) -> str:
-        return "loader_resume.ResumeCallback"
-
-    @property
+    @override
     def ckpt_path(self) -> str:
         """The preemption checkpoint: ``dirpath/filename.ckpt``.
 
@@ -114,6 +112,7 @@ class ResumeCallback(OnExceptionCheckpoint):
         return os.path.join(self.dirpath, self.filename + self.FILE_EXTENSION)
 
     # --- hooks ---------------------------------------------------------------------------------
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if sum(isinstance(c, ResumeCallback) for c in trainer.callbacks) > 1:  # type: ignore[attr-defined]
             raise ValueError("Trainer(callbacks=[...]) has more than one ResumeCallback; expected exactly one "
@@ -128,6 +127,7 @@ class ResumeCallback(OnExceptionCheckpoint):
         if stage == "fit":
             self._intercept_train_loaders(trainer)
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # NOTE: installed here, after Lightning registered its own SIGTERM handler (it composes with
         # ours and, on a signal, kills the launcher's processes, broadcasts inside the handler and then
@@ -135,6 +135,7 @@ class ResumeCallback(OnExceptionCheckpoint):
         # for our signals leaves one flag, read at the next step boundary by every rank together.
         self.preemption.install()
 
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -142,7 +143,7 @@ class ResumeCallback(OnExceptionCheckpoint):
         at_step_boundary = (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or trainer.is_last_batch
         if not at_step_boundary or trainer.global_step % self.check_every_n_steps:
             return
-        if self.preemption.agreed():
+        if trainer.strategy.reduce_boolean_decision(self.preemption.received is not None, all=False):
             self._save_atomically(trainer)
             self.preempted_at = trainer.global_step
             trainer.should_stop = True
@@ -156,13 +157,16 @@ class ResumeCallback(OnExceptionCheckpoint):
         trainer.strategy.barrier("loader_resume.preemption")
         logger.info("preemption checkpoint written at step %d: %s", trainer.global_step, self.ckpt_path)
 
+    @override
     def on_exception(self, trainer: Trainer, *args: Any, **kwargs: Any) -> None:
         """Nothing: an exception arrives mid-step, and we save only at step boundaries."""
 
+    @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.preempted_at is None:
             trainer.strategy.remove_checkpoint(self.ckpt_path)  # finished: nothing left to resume from
 
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.preemption.uninstall()
         if stage != "fit":
@@ -174,6 +178,7 @@ class ResumeCallback(OnExceptionCheckpoint):
         if self.preempted_at is not None and self.exit_code is not None:
             raise SystemExit(self.exit_code)
 
+    @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         checkpoint[CHECKPOINT_KEY] = {
             "format": _FORMAT,
@@ -194,6 +199,7 @@ class ResumeCallback(OnExceptionCheckpoint):
         taken = trainer.fit_loop.epoch_loop.batch_progress.current.ready
         return loader.state_dict(batches_ago=max(0, loader._stream_batches_delivered() - taken))
 
+    @override
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.get(CHECKPOINT_KEY)
         if saved is None:
@@ -209,12 +215,15 @@ class ResumeCallback(OnExceptionCheckpoint):
         self._rng_to_restore = rng[trainer.global_rank] if trainer.global_rank < len(rng) else None
         _drop_lightning_loader_states(checkpoint)
 
+    @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._restore_rng()
 
+    @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._restore_rng()
 
+    @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # NOTE: validation inside fit draws from the global RNG: a plain val DataLoader draws its
         # workers' base seed from torch's generator when Lightning creates its iterator, before this
@@ -223,6 +232,7 @@ class ResumeCallback(OnExceptionCheckpoint):
         fitting = trainer.state.fn == "fit" and not trainer.sanity_checking
         self._rng_around_validation = global_rng_state() if fitting else None
 
+    @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._rng_around_validation is not None:
             if self._torch_rng_after_step is not None:
@@ -240,6 +250,7 @@ class ResumeCallback(OnExceptionCheckpoint):
 
     # --- loaders -------------------------------------------------------------------------------
     def _intercept_train_loaders(self, trainer: Trainer) -> None:
+        self._shard = (trainer.global_rank, trainer.world_size)
         source = trainer.fit_loop._data_source
         instance = source.instance
         if isinstance(instance, (DataLoader, CombinedLoader, list, tuple, dict)):
@@ -289,10 +300,10 @@ class ResumeCallback(OnExceptionCheckpoint):
         wrapped in an unsaved, reshuffling ``DistributedSamplerWrapper``). ``resumable`` expresses our
         sharding as a ``DistributedSampler``/``ShardedSampler``, so Lightning keeps our loader.
         """
-        distributed = dist.is_available() and dist.is_initialized()
+        rank, world_size = self._shard
         return resumable(
             loader, seed=self.seed, keying=self.keying, keyed_generators=self.keyed_generators,
-            rank=dist.get_rank() if distributed else None, world_size=dist.get_world_size() if distributed else None,
+            rank=rank, world_size=world_size,
             worker_init_fn=lambda user_fn: IgnoreSignalsInWorker(self.preemption.signals, user_fn),
         )
 

@@ -16,8 +16,8 @@ from torch.utils.data import IterableDataset
 
 from conftest import ids, make
 from loader_resume import ResumableDataLoader
+from loader_resume.checkpoint import global_rng_state, set_global_rng_state
 from loader_resume.distributed import _agree_on_generation, collective_device
-from loader_resume.keyed_rng import global_rng_state, set_global_rng_state
 
 
 class FakeCuda:

@@ -24,9 +24,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from .loader import ResumableDataLoader
-from .preemption import Preemption
-from .testing import fingerprint
+from ..loader import ResumableDataLoader
+from ..preemption import Preemption
+from ..testing import fingerprint
 
 __all__ = ["NoisyDigits", "add_arguments", "main"]
 
@@ -116,7 +116,7 @@ def _train(args: argparse.Namespace) -> int:
 def _phase(phase: str, args: argparse.Namespace, workdir: Path, plain: bool, stop_at: int = 0) -> dict[str, Any]:
     tag = f"{phase}{'-plain' if plain else ''}"
     out = workdir / f"{tag}.json"
-    command = [sys.executable, "-m", "loader_resume.demo", "--phase", phase, "--out", str(out),
+    command = [sys.executable, "-m", "loader_resume.tools.demo", "--phase", phase, "--out", str(out),
                "--checkpoint", str(workdir / f"ckpt{'-plain' if plain else ''}.pt"), "--workers", str(args.workers),
                "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--stop-at", str(stop_at),
                *(["--plain"] if plain else [])]
@@ -182,6 +182,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m loader_resume.demo")
+    _parser = argparse.ArgumentParser(prog="python -m loader_resume.tools.demo")
     add_arguments(_parser)
     sys.exit(main(_parser.parse_args()))

@@ -52,7 +52,7 @@ class Scenario:
 
 
 def _fields(batch: Any) -> dict[str, str]:
-    from .testing import fingerprint
+    from ..testing import fingerprint
 
     if isinstance(batch, Mapping):
         return {repr(key): fingerprint(value) for key, value in batch.items()}
@@ -66,7 +66,7 @@ def _build(spec: str, workers: int | None) -> Any:
     if not module_name or not attribute:
         raise SystemExit(f"loader-resume check: {spec!r} is not MODULE:FACTORY (e.g. mypkg.data:make_loader)")
     factory: Callable[[], Any] = getattr(importlib.import_module(module_name), attribute)
-    from .convert import resumable
+    from ..convert import resumable
 
     return resumable(factory(), num_workers=workers)
 
@@ -75,7 +75,7 @@ def _run(spec: str, epochs: int, workers: int | None, cut: int | None, load: str
     """Runner (a separate process): print one JSON line per batch: [epoch, {field: fingerprint}]."""
     import torch
 
-    from .state import StateError
+    from ..state import StateError
 
     loader = _build(spec, workers)
     if load:
@@ -100,7 +100,7 @@ def _rescale(spec: str, load: str, world: int) -> None:
     ranks), from the loaders' own index plans — no data is read. One JSON line."""
     import torch
 
-    from .stream import Pass
+    from ..stream import Pass
 
     state = torch.load(load, weights_only=True)
     reference = _build(spec, 0)
@@ -136,7 +136,7 @@ def _judge_rescale(found: Mapping[str, Any], world: int) -> tuple[bool, str]:
 
 
 def _spawn(args: list[str]) -> list[Any]:
-    done = subprocess.run([sys.executable, "-m", "loader_resume.check", *args], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "loader_resume.tools.check", *args], capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"loader-resume check: the pipeline failed in a subprocess:\n{done.stderr[-3000:]}")
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith(("[", "{"))]
@@ -235,7 +235,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _runner_main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m loader_resume.check")
+    parser = argparse.ArgumentParser(prog="python -m loader_resume.tools.check")
     parser.add_argument("command", choices=["_run"])
     parser.add_argument("spec")
     parser.add_argument("--epochs", type=int, default=2)

@@ -5,6 +5,9 @@ A checkpoint directory is written under a temporary name (``.NAME.tmp``), sealed
 checkpoints untouched plus a ``.tmp`` leftover (ignored, with a warning), or a complete checkpoint.
 Loading verifies the manifest first, so a truncated file, flipped bytes or an edited state are refused
 with an error naming the file, never loaded as wrong data.
+
+What goes into a checkpoint besides the loader state lives here too: :func:`global_rng_state` and
+:func:`set_global_rng_state` (the process's generators, CPU and accelerators, as plain tensors).
 """
 
 from __future__ import annotations
@@ -13,12 +16,20 @@ import hashlib
 import json
 import logging
 import os
+import random
 import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-__all__ = ["MANIFEST", "CheckpointError", "complete_checkpoints", "prune", "seal", "temporary_name", "verify"]
+import numpy as np
+import torch
+
+__all__ = [
+    "MANIFEST", "CheckpointError", "complete_checkpoints", "global_rng_state", "prune", "seal", "set_global_rng_state",
+    "temporary_name", "verify",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -133,3 +144,59 @@ def _fsync_directory(path: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+# --- RNG states for checkpoints -----------------------------------------------------------------
+def global_rng_state() -> dict[str, Any]:
+    """torch's default CPU generator, numpy's legacy global and Python's ``random`` states, and every
+    accelerator generator this process has: ``"cuda"`` (one state per visible CUDA device) and
+    ``"mps"``, present only where the device is.
+
+    Plain values and tensors only, so a checkpoint holding it loads with ``weights_only=True``
+    (Lightning 2.6 and our own loaders load that way). On a GPU, dropout draws from the CUDA
+    generators, so resuming the model's random stream needs them as much as the CPU one.
+    """
+    kind, key, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    numpy_state = {"kind": kind, "key": torch.from_numpy(np.asarray(key).astype(np.int64)), "pos": int(pos),
+                   "has_gauss": int(has_gauss), "gauss": float(gauss)}
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": numpy_state, "random": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = [torch.cuda.get_rng_state(device) for device in range(torch.cuda.device_count())]
+    if _mps_available():
+        state["mps"] = torch.mps.get_rng_state()
+    return state
+
+
+def set_global_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`global_rng_state` returned.
+
+    CUDA states are restored only onto as many visible CUDA devices as were saved (device ``i`` gets
+    saved state ``i``); otherwise they are left alone with a warning that names both counts, since a
+    state for another device layout would continue another device's stream. Likewise ``"mps"``.
+    """
+    torch.set_rng_state(state["torch"])
+    saved = state["numpy"]
+    key = saved["key"].numpy().astype(np.uint32)
+    np.random.set_state((saved["kind"], key, saved["pos"], saved["has_gauss"], saved["gauss"]))
+    random.setstate(state["random"])
+    cuda = state.get("cuda")
+    if cuda is not None:
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if visible == len(cuda):
+            for device, device_state in enumerate(cuda):
+                torch.cuda.set_rng_state(device_state, device)
+        else:
+            logger.warning("RNG state: saved for %d CUDA device(s), this process sees %d; the CUDA generators "
+                           "are NOT restored (GPU dropout will not continue the saved stream; run with the same "
+                           "CUDA_VISIBLE_DEVICES layout to restore them)", len(cuda), visible)
+    mps = state.get("mps")
+    if mps is not None:
+        if _mps_available():
+            torch.mps.set_rng_state(mps)
+        else:
+            logger.warning("RNG state: saved with an MPS generator, this process has no MPS device; not restored")
+
+
+def _mps_available() -> bool:
+    backend = getattr(torch.backends, "mps", None)
+    return backend is not None and bool(backend.is_available())

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset
 
-from .keyed_rng import global_rng_state
+from .checkpoint import global_rng_state
 from .state import StateError
 from .thirdparty import content_identity
 

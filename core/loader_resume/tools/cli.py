@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.version:
-        from . import __version__
+        from .. import __version__
 
         sys.stdout.write(f"loader-resume {__version__}\n")
         return 0
