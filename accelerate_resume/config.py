@@ -16,12 +16,11 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from loader_resume.keyed_rng import generator_mask
+from loader_resume.keyed_rng import KEYING_MODES, generator_mask
 from loader_resume.preemption import signal_numbers
 
 __all__ = ["ResumeConfig", "load_config"]
 
-_KEYINGS = ("batch", "sample", "off")
 
 
 @dataclass
@@ -60,8 +59,8 @@ class ResumeConfig:
         if self.keying in ("False", "false"):
             # NOTE: YAML reads an unquoted `off` as the boolean false (and omegaconf then as "False").
             self.keying = "off"
-        if self.keying not in _KEYINGS:
-            raise ValueError(f"resume config: keying={self.keying!r}; expected one of {list(_KEYINGS)}")
+        if self.keying not in KEYING_MODES:
+            raise ValueError(f"resume config: keying={self.keying!r}; expected one of {list(KEYING_MODES)}")
         signal_numbers(self.signals)
         generator_mask(self.keyed_generators)
 

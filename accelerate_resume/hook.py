@@ -29,6 +29,7 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
 from loader_resume.checkpoint import (
+    CHECKPOINT_FORMAT,
     CheckpointError,
     complete_checkpoints,
     prune,
@@ -56,7 +57,6 @@ logger = logging.getLogger(__name__)
 
 STATE_FILE = "loader_resume.pt"
 """Our file inside an Accelerate checkpoint directory (loaded with ``weights_only=True``)."""
-_FORMAT = 1
 
 
 def enable_resume(accelerator: Accelerator,
@@ -218,7 +218,7 @@ class Resume:
         )
         check_same_dataset(ours)  # prepare() runs on every process: a collective is safe
         place = accelerator.device_placement if placement is None else placement
-        ours.attach(self, accelerator.device if place else None, bool(accelerator.non_blocking))
+        ours.attach(_Requests(self), accelerator.device if place else None, bool(accelerator.non_blocking))
         self._loaders.append(ours)
         if self._pending is not None and len(self._loaders) == len(self._pending["loaders"]):
             self._apply_loader_states(self._pending)
@@ -229,7 +229,7 @@ class Resume:
         self._stepped = True
         self._step_loaders |= self._participants  # loaders that fed this step (an evaluation after it did not)
 
-    def _delivered(self, loader: AcceleratedResumableDataLoader) -> None:
+    def _delivered(self, loader: AcceleratedResumableDataLoader) -> None:  # see _Requests
         self._participants.add(id(loader))
 
     def _before_batch(self, loader: AcceleratedResumableDataLoader) -> None:
@@ -287,7 +287,7 @@ class Resume:
     def _collect(self) -> dict[str, Any]:
         """What goes into ``loader_resume.pt``; gathers from every process (a collective)."""
         return {
-            "format": _FORMAT, "step": self.step, "epoch": self.epoch,
+            "format": CHECKPOINT_FORMAT, "step": self.step, "epoch": self.epoch,
             "accelerator_step": self.accelerator.step, "world_size": self.accelerator.num_processes,
             "loaders": [gather_states(loader, loader.resume_state()) for loader in self._loaders],
             "rng": gather_rng_states(),
@@ -311,8 +311,9 @@ class Resume:
         except Exception as error:
             raise CheckpointError(f"{path}: unreadable ({error}); expected a state written by loader-resume") from None
         found = state.get("format") if isinstance(state, dict) else None
-        if found != _FORMAT:
-            raise CheckpointError(f"{path}: format {found!r}; expected {_FORMAT} (written by another loader-resume?)")
+        if found != CHECKPOINT_FORMAT:
+            raise CheckpointError(f"{path}: format {found!r}; expected {CHECKPOINT_FORMAT} "
+                                  "(written by another loader-resume?)")
         self._steps, self.epoch, self._stepped = state["step"], state["epoch"], False
         self._participants.clear()
         self._step_loaders.clear()
@@ -335,3 +336,16 @@ class Resume:
             load_rank_state(loader, gathered)
         self._pending = None
 
+
+class _Requests:
+    """``Resume``'s side of the loaders' :class:`~accelerate_resume.loader.BatchRequests` reports (kept off
+    ``Resume``'s public API)."""
+
+    def __init__(self, resume: Resume) -> None:
+        self.resume = resume
+
+    def before_batch(self, loader: AcceleratedResumableDataLoader) -> None:
+        self.resume._before_batch(loader)
+
+    def delivered(self, loader: AcceleratedResumableDataLoader) -> None:
+        self.resume._delivered(loader)

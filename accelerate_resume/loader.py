@@ -4,19 +4,27 @@ plays Accelerate's part (device placement, gradient-state bookkeeping) and repor
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from accelerate.data_loader import DataLoaderStateMixin
 from accelerate.state import GradientState
 from accelerate.utils import send_to_device
+from torch.utils.data import IterableDataset
 
 from loader_resume import ResumableDataLoader
 
-if TYPE_CHECKING:
-    from .hook import Resume
+__all__ = ["AcceleratedResumableDataLoader", "BatchRequests"]
 
-__all__ = ["AcceleratedResumableDataLoader"]
+
+class BatchRequests(Protocol):
+    """What the loader reports to whoever decides step boundaries (the hook's ``Resume``)."""
+
+    def before_batch(self, loader: AcceleratedResumableDataLoader) -> None:
+        """The training loop asks ``loader`` for its next batch (the place for a step boundary)."""
+
+    def delivered(self, loader: AcceleratedResumableDataLoader) -> None:
+        """``loader`` handed a batch to the training loop."""
 
 _END: Any = object()
 
@@ -33,12 +41,12 @@ class AcceleratedResumableDataLoader(ResumableDataLoader[Any], DataLoaderStateMi
     fetches one batch ahead, as ``DataLoaderShard`` does (:meth:`resume_state` accounts for it).
     """
 
-    _hook: Resume | None = None
+    _hook: BatchRequests | None = None
     _device: torch.device | None = None
     _non_blocking: bool = False
     _held = 0
 
-    def attach(self, hook: Resume, device: torch.device | None, non_blocking: bool) -> None:
+    def attach(self, hook: BatchRequests, device: torch.device | None, non_blocking: bool) -> None:
         """Report to ``hook``; move batches to ``device`` (``None``: leave them where they are)."""
         self._hook, self._device, self._non_blocking = hook, device, non_blocking
         self.gradient_state = GradientState()
@@ -49,11 +57,11 @@ class AcceleratedResumableDataLoader(ResumableDataLoader[Any], DataLoaderStateMi
     def _batches(self) -> Iterator[Any]:
         hook = self._hook
         if hook is not None:
-            hook._before_batch(self)  # the first request of a pass: the previous pass's last step ends here
+            hook.before_batch(self)  # the first request of a pass: the previous pass's last step ends here
         inner = super().__iter__()
         self.begin()
         try:
-            ahead = not self._map  # no length: fetch one batch ahead to see the end coming
+            ahead = isinstance(self.dataset, IterableDataset)  # no length: fetch one batch ahead to see the end coming
             epoch = self.epoch
             current = next(inner, _END)
             while current is not _END:
@@ -61,12 +69,12 @@ class AcceleratedResumableDataLoader(ResumableDataLoader[Any], DataLoaderStateMi
                 self._held = int(ahead and upcoming is not _END)
                 self.end_of_dataloader = upcoming is _END if ahead else self.epoch != epoch
                 if hook is not None:
-                    hook._delivered(self)
+                    hook.delivered(self)
                 yield current if self._device is None else self._place(current)
                 if self.end_of_dataloader:
                     return  # NOTE: no boundary on the request that ends the pass, see resume_state
                 if hook is not None:
-                    hook._before_batch(self)
+                    hook.before_batch(self)
                 epoch = self.epoch
                 current = upcoming if ahead else next(inner, _END)
         finally:
@@ -89,6 +97,7 @@ class AcceleratedResumableDataLoader(ResumableDataLoader[Any], DataLoaderStateMi
         """Register with the gradient state; ``remainder`` as Accelerate computes it (for
         ``gather_for_metrics``: our padded tail is rank-major, as the gathered batch is)."""
         self.reset()
-        if self._map and not self.drop_last and self.batch_size:
+        if not isinstance(self.dataset, IterableDataset) and not self.drop_last and self.batch_size:
             self.remainder = len(self.dataset) % (self.batch_size * self.world_size)  # type: ignore[arg-type]
+        # NOTE: Accelerate's own DataLoaderShard registers this way (accelerate 1.15; no public method)
         self.gradient_state._add_dataloader(self)

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from loader_resume import GENERATORS, ResumableDataLoader
-from loader_resume.checkpoint import global_rng_state, set_global_rng_state
+from loader_resume.checkpoint import CHECKPOINT_FORMAT, global_rng_state, set_global_rng_state
 from loader_resume.convert import resumable
 from loader_resume.distributed import check_same_dataset, gather_rng_states, gather_states, load_rank_state
 from loader_resume.preemption import IgnoreSignalsInWorker, Preemption
@@ -34,7 +34,6 @@ logger = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "loader_resume"
 """Where the callback's state lives in a Lightning checkpoint (beside ``state_dict``, ``loops``...)."""
-_FORMAT = 1
 
 
 class ResumeCallback(OnExceptionCheckpoint):
@@ -181,7 +180,7 @@ class ResumeCallback(OnExceptionCheckpoint):
     @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         checkpoint[CHECKPOINT_KEY] = {
-            "format": _FORMAT,
+            "format": CHECKPOINT_FORMAT,
             "loaders": [gather_states(loader, self._state_at_trainer_step(trainer, loader))
                         for loader in self._loaders],
             "rng": gather_rng_states(),
@@ -197,7 +196,7 @@ class ResumeCallback(OnExceptionCheckpoint):
         if len(self._loaders) != 1 or not isinstance(loader.dataset, torch.utils.data.IterableDataset):
             return loader.state_dict()
         taken = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-        return loader.state_dict(batches_ago=max(0, loader._stream_batches_delivered() - taken))
+        return loader.state_dict(batches_ago=max(0, loader.batches_delivered - taken))
 
     @override
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -207,8 +206,8 @@ class ResumeCallback(OnExceptionCheckpoint):
                            "added?): the data order restarts from the start of the epoch")
             return
         found = saved.get("format") if isinstance(saved, dict) else saved
-        if found != _FORMAT:
-            raise ValueError(f"checkpoint['{CHECKPOINT_KEY}'] has format {found!r}; expected {_FORMAT} "
+        if found != CHECKPOINT_FORMAT:
+            raise ValueError(f"checkpoint['{CHECKPOINT_KEY}'] has format {found!r}; expected {CHECKPOINT_FORMAT} "
                              "(written by another loader-resume release?)")
         self._to_load = saved
         rng = saved["rng"]

@@ -1,4 +1,4 @@
-"""Accelerate (issue #4): `enable_resume` in real processes — one (`python`), two (`accelerate launch
+"""Accelerate: `enable_resume` in real processes — one (`python`), two (`accelerate launch
 --multi_gpu --num_processes 2` with `Accelerator(cpu=True)`, gloo; the child asserts the world size).
 
 Each case is a failure measured with Accelerate's own resume support (see the issue): wrong samples after
@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader
 from accelerate_resume import AcceleratedResumableDataLoader, ResumeConfig, enable_resume, load_config
 from conftest import Augmented
 from loader_resume.checkpoint import MANIFEST
+from loader_resume.testing import assert_delivers_rest_exactly_once
 
 CHILD = Path(__file__).parent / "accelerate_child.py"
 ROOT = Path(__file__).parent.parent
@@ -166,7 +167,7 @@ def test_checkpoint_resumes_on_another_process_count_delivering_the_rest_exactly
     resumed = [trained(rows) for rows in logs(tmp_path)]
     before_cut = [i for rows in cut for row in rows if row["epoch"] == epoch for i in row["ids"]]
     after_cut = [i for rows in resumed for row in rows if row["epoch"] == epoch for i in row["ids"]]
-    assert sorted(before_cut + after_cut) == list(range(N))  # the rest of the epoch, exactly once
+    assert_delivers_rest_exactly_once(before_cut, after_cut, N)
     for later in range(epoch + 1, EPOCHS):
         assert sorted(i for rows in resumed for row in rows if row["epoch"] == later for i in row["ids"]) == \
             list(range(N))

@@ -1,4 +1,4 @@
-"""`loader-resume check` (issue #6 item 1): a deterministic pipeline passes; an unkeyed RNG is caught."""
+"""`loader-resume check`: a deterministic pipeline passes; an unkeyed RNG is caught."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from conftest import ids, make
-from loader_resume.testing import assert_resumes_exactly
+from loader_resume.testing import assert_delivers_rest_exactly_once, assert_resumes_exactly
 
 
 @pytest.mark.parametrize("workers_after", [0, 1, 3])
@@ -71,7 +71,7 @@ def test_elastic_resume_from_world_4_delivers_the_rest_exactly_once(new_world: i
     for loader in new:
         loader.load_state_dict(states[0])
     after = sum(_lockstep(new, None), [])
-    assert sorted(before + after) == list(range(96))
+    assert_delivers_rest_exactly_once(before, after, 96)
     expected_values = _values_by_id([shard(r, 4) for r in range(4)])
     resumed = [shard(r, new_world) for r in range(new_world)]
     for loader in resumed:

@@ -1,4 +1,4 @@
-"""Keys are applied at the fetch, whatever the dataset does with the index list (issue #12, item 1)."""
+"""Keys are applied at the fetch, whatever the dataset does with the index list."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Iterable datasets (issue #3): worker state travels with batches; the round-robin resumes in place."""
+"""Iterable datasets: worker state travels with batches; the round-robin resumes in place."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from loader_resume import ResumableDataLoader, StateError
-from loader_resume.testing import assert_resumes_exactly, run_epochs
+from loader_resume.testing import assert_delivers_rest_exactly_once, assert_resumes_exactly, run_epochs
 
 
 class Shards(IterableDataset[dict[str, Any]]):
@@ -265,7 +265,7 @@ def test_a_dataset_that_can_reshard_resumes_with_another_worker_count(caplog: py
     with caplog.at_level(logging.WARNING, logger="loader_resume"):
         resumed.load_state_dict(loader.state_dict())
     after = [i for batch in resumed for i in batch.tolist()]
-    assert sorted(before + after) == list(range(23))
+    assert_delivers_rest_exactly_once(before, after, 23)
     assert "re-sharded Pool for num_workers 2 -> 3" in caplog.text
     with pytest.raises(StateError, match="'num_workers': saved 2, expected 3"):
         ResumableDataLoader(StatefulShards(23), batch_size=2, num_workers=3).load_state_dict(
@@ -283,7 +283,7 @@ def test_a_dataset_that_can_reshard_resumes_at_another_world_size() -> None:
     for loader in new:
         load_rank_state(loader, gathered)
     after = [i for loader in new for batch in loader for i in batch.tolist()]
-    assert sorted(before + after) == list(range(31))
+    assert_delivers_rest_exactly_once(before, after, 31)
     with pytest.raises(StateError, match="'world_size': saved 2, expected 3"):
         load_rank_state(ResumableDataLoader(StatefulShards(31), batch_size=2, rank=0, world_size=3), {
             "world_size": 2, "ranks": [ResumableDataLoader(StatefulShards(31), batch_size=2, rank=r,

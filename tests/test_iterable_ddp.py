@@ -1,4 +1,4 @@
-"""DDP for iterable datasets (issue #3 item 5) and the gather/load helper, with real gloo processes."""
+"""DDP for iterable datasets and the gather/load helper, with real gloo processes."""
 
 from __future__ import annotations
 

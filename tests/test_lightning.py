@@ -1,4 +1,4 @@
-"""Lightning (issue #5): a real `lightning.Trainer`, each resume in a fresh process (tests/lightning_child.py)."""
+"""Lightning: a real `lightning.Trainer`, each resume in a fresh process (tests/lightning_child.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, SequentialSampler
 from conftest import Augmented
 from lightning_resume import ResumeCallback
 from loader_resume import ResumableDataLoader
+from loader_resume.testing import assert_delivers_rest_exactly_once
 
 CHILD = Path(__file__).parent / "lightning_child.py"
 
@@ -108,7 +109,7 @@ def test_ddp_checkpoint_resumes_on_one_device_delivering_the_rest_exactly_once(
         if len(before) + len(rest) >= 30:
             break
         rest += row[1]
-    assert sorted(before + rest) == list(range(30))
+    assert_delivers_rest_exactly_once(before, rest, 30)
 
 
 def test_single_device_checkpoint_resumes_on_two_devices_delivering_the_rest_exactly_once(
@@ -117,7 +118,7 @@ def test_single_device_checkpoint_resumes_on_two_devices_delivering_the_rest_exa
     resumed = ok(tmp_path, "--devices", "2", "--every", "100", "--resume", str(single[0] / "ckpt" / "step=4.ckpt"))
     before = [i for row in single[1]["logs"][0][:4] for i in row[1]]
     rest = [i for log in resumed["logs"] for row in log if row[0] < 6 for i in row[1]]
-    assert sorted(before + rest) == list(range(30))
+    assert_delivers_rest_exactly_once(before, rest, 30)
 
 
 def test_checkpoint_without_our_state_warns_that_the_order_restarts(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The data libraries users actually bring, for real, on data generated here (issue #12, item 8).
+"""The data libraries users actually bring, for real, on data generated here.
 
 HF ``datasets`` (map-style with ``set_transform``/``with_transform``, and streams: ``to_iterable_dataset``,
 ``.map``, ``.shuffle``), WebDataset (local tar shards) and litdata (``litdata.optimize`` into a tmp dir).

@@ -1,4 +1,4 @@
-"""Exact resume: every cut point, 3 epochs, the option matrix of issue #2 item 1."""
+"""Exact resume: every cut point, 3 epochs, the whole option matrix."""
 
 from __future__ import annotations
 

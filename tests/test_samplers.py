@@ -1,4 +1,4 @@
-"""Custom samplers, batch samplers and stateful datasets (issue #2 item 7), incl. torchdata's tutorial."""
+"""Custom samplers, batch samplers and stateful datasets, incl. torchdata's tutorial."""
 
 from __future__ import annotations
 

@@ -153,3 +153,14 @@ def test_works_as_a_distributed_checkpoint_stateful(tmp_path: Path) -> None:
     dcp.load({"loader": fresh}, checkpoint_id=str(tmp_path / "ckpt"))
     assert fresh.state_dict() == loader.state_dict()
     assert run_epochs(fresh, 2) == reference[3:]
+
+
+def test_assert_delivers_rest_exactly_once_names_lost_and_repeated_samples() -> None:
+    from loader_resume.testing import assert_delivers_rest_exactly_once
+
+    assert_delivers_rest_exactly_once([3, 1], [0, 2, 4], 5)
+    assert_delivers_rest_exactly_once([0, 1, 2], [3, 4, 0], 5, padding=1)
+    with pytest.raises(AssertionError, match=r"1 sample\(s\) never delivered: \[4\]"):
+        assert_delivers_rest_exactly_once([0, 1], [2, 3], 5)
+    with pytest.raises(AssertionError, match=r"1 repeat\(s\), 0 allowed as padding: \[1\]"):
+        assert_delivers_rest_exactly_once([0, 1], [1, 2, 3, 4], 5)

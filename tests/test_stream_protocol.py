@@ -1,4 +1,4 @@
-"""Streams written for torchdata's StatefulDataLoader, set_epoch, dry workers, foreign state_dicts (issue #12)."""
+"""Streams written for torchdata's StatefulDataLoader, set_epoch, dry workers, foreign state_dicts."""
 
 from __future__ import annotations
 

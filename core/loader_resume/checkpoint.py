@@ -21,21 +21,23 @@ import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import torch
 
 __all__ = [
-    "MANIFEST", "CheckpointError", "complete_checkpoints", "global_rng_state", "prune", "seal", "set_global_rng_state",
-    "temporary_name", "verify",
+    "CHECKPOINT_FORMAT", "MANIFEST", "CheckpointError", "complete_checkpoints", "global_rng_state", "prune", "seal",
+    "set_global_rng_state", "temporary_name", "verify",
 ]
 
 logger = logging.getLogger(__name__)
 
 MANIFEST = "loader_resume_manifest.json"
 """The file that seals a complete checkpoint directory."""
-_FORMAT = 1
+_MANIFEST_FORMAT = 1
+CHECKPOINT_FORMAT: Final = 1
+"""The format of what loader-resume adds to a training checkpoint (the Lightning entry, the Accelerate file)."""
 _CHUNK = 1 << 20
 
 
@@ -52,7 +54,7 @@ def seal(directory: Path, final: Path, *, checksums: bool = True) -> None:
     """Write ``directory``'s manifest, then rename it to ``final`` (replacing an older ``final``)."""
     files = {name: _describe(directory / name, checksums) for name in _files(directory)}
     manifest = directory / MANIFEST
-    _write_atomically(manifest, json.dumps({"format": _FORMAT, "files": files}, indent=1, sort_keys=True))
+    _write_atomically(manifest, json.dumps({"format": _MANIFEST_FORMAT, "files": files}, indent=1, sort_keys=True))
     if final.exists():
         shutil.rmtree(final)
     os.replace(directory, final)
@@ -69,9 +71,9 @@ def verify(directory: Path) -> None:
                               "(killed before it was complete?)") from None
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{manifest}: unreadable ({error}); expected the JSON manifest") from None
-    if not isinstance(described, dict) or described.get("format") != _FORMAT:
+    if not isinstance(described, dict) or described.get("format") != _MANIFEST_FORMAT:
         found = described.get("format") if isinstance(described, dict) else described
-        raise CheckpointError(f"{manifest}: format {found!r}; expected {_FORMAT}")
+        raise CheckpointError(f"{manifest}: format {found!r}; expected {_MANIFEST_FORMAT}")
     for name, expected in described["files"].items():
         path = directory / name
         if not path.is_file():

@@ -74,21 +74,20 @@ def load_rank_state(loader: _RankedLoader, gathered: Mapping[str, Any]) -> None:
     (which then receives every old rank's workers' states, rank-major).
     """
     if not isinstance(gathered, Mapping) or set(gathered) != {"world_size", "ranks"}:
-        raise StateError("<gathered>", gathered, None, "Pass what gather_states() returned.",
-                         expected="a dict with keys world_size, ranks")
+        raise StateError("<gathered>", gathered, "a dict with keys world_size, ranks",
+                         "Pass what gather_states() returned.")
     saved_world, ranks = gathered["world_size"], gathered["ranks"]
     if type(ranks) is not list or len(ranks) != saved_world or not ranks:
-        raise StateError("ranks", ranks, None, "The state was edited or corrupted.",
-                         expected=f"a list of {saved_world} rank states")
+        raise StateError("ranks", ranks, f"a list of {saved_world} rank states", "The state was edited or corrupted.")
     if saved_world == loader.world_size:
         loader.load_state_dict(ranks[loader.rank])
         return
     if all(isinstance(s, Mapping) and s.get("kind") == "map" for s in ranks):
         loader.load_state_dict(ranks[0])
         return
-    reshard = getattr(loader, "_load_resharded", None)
+    reshard = getattr(loader, "load_resharded", None)
     if not callable(reshard):
-        raise StateError("world_size", saved_world, loader.world_size,
+        raise StateError("world_size", saved_world, repr(loader.world_size),
                          "This loader cannot re-shard an iterable dataset's per-rank state.")
     reshard(ranks)
 

@@ -134,13 +134,13 @@ class WorkerSide:
         iterator = iter(dataset)
         self.progress.self_iterator = iterator is dataset
         if restore.self_iterator and iterator is not dataset:
-            raise StateError(f"stream.workers[{self.worker}].self_iterator", True, False,
+            raise StateError(f"stream.workers[{self.worker}].self_iterator", True, repr(False),
                              f"iter({type(dataset).__name__}) no longer returns the dataset itself.")
         if restore.iterator is not None:
             if not is_stateful(iterator):
-                raise StateError(f"stream.workers[{self.worker}].iterator", restore.iterator, None,
+                raise StateError(f"stream.workers[{self.worker}].iterator", restore.iterator, "None",
                                  f"iter({type(dataset).__name__}) returned a {type(iterator).__name__}, which "
-                                 "has no state_dict()/load_state_dict().", expected="None")
+                                 "has no state_dict()/load_state_dict().")
             iterator.load_state_dict(restore.iterator)
         elif iterator is dataset and restore.state is not None:
             # NOTE: as StatefulDataLoader does: a dataset whose __iter__ resets its position and returns

@@ -28,11 +28,13 @@ import torch
 from torch.utils.data import get_worker_info
 
 __all__ = [
-    "GENERATORS", "SEED_AHEAD", "CallerRng", "KeyedIndices", "SampleKeyedIndices", "SeedAhead", "SeedAheadCollate",
-    "derive_key", "generator_mask", "keyed_indices", "seed_generators",
+    "GENERATORS", "KEYING_MODES", "SEED_AHEAD", "CallerRng", "KeyedIndices", "SampleKeyedIndices", "SeedAhead",
+    "SeedAheadCollate", "derive_key", "generator_mask", "keyed_indices", "seed_generators",
 ]
 
 GENERATORS: Final = ("torch", "numpy", "random")
+KEYING_MODES: Final = ("batch", "sample", "off")
+"""The ``keying`` choices: a key per batch, a key per sample, or no keying."""
 _TORCH, _NUMPY, _RANDOM = 1, 2, 4
 _BIT = {"torch": _TORCH, "numpy": _NUMPY, "random": _RANDOM}
 _MASK64 = (1 << 64) - 1

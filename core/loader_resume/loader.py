@@ -22,7 +22,7 @@ from torch.utils.data.dataloader import _DatasetKind
 
 from .distributed import rank_and_world
 from .iterable import ENDED, Progress, StreamCollate, StreamSource, Ticket, WorkerInit, WorkerRestore, WorkerSide
-from .keyed_rng import GENERATORS, CallerRng, SeedAheadCollate, derive_key, generator_mask
+from .keyed_rng import GENERATORS, KEYING_MODES, CallerRng, SeedAheadCollate, derive_key, generator_mask
 from .sampler import Shard, ShardedSampler, steps_per_epoch, torch_order
 from .state import STATE_VERSION, StateError, check_state
 from .stream import Pass, Plan, foreign_state_dict, index_lists, is_stateful
@@ -33,7 +33,6 @@ __all__ = ["ResumableDataLoader"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-KEYING_MODES = ("batch", "sample", "off")
 
 
 class _Unbatch:
@@ -388,9 +387,21 @@ class ResumableDataLoader(DataLoader[T]):
             state.update(epoch=stream.epoch, position=stream.delivered, stream=stream_to_dict(rank, stream))
         return state
 
-    def _stream_batches_delivered(self) -> int:
-        """Iterable datasets: batches handed to the caller in the current pass (for ``batches_ago``)."""
+    @property
+    def batches_delivered(self) -> int:
+        """Iterable datasets: batches handed to the caller in the current pass, the deliveries
+        ``state_dict(batches_ago=...)`` can go back over; ``0`` for map-style datasets."""
         return 0 if self._map else self._current_stream().delivered
+
+    def planned_indices(self, *, epoch: int | None = None) -> list[list[Any]]:
+        """The index lists the next pass hands torch's fetcher — or, with ``epoch``, that whole epoch's from
+        its start — computed without reading any data (``loader-resume check`` compares them)."""
+        planned = Pass(self._epoch, self._position, self._sampler_state_to_load) if epoch is None else Pass(epoch, 0)
+        saved, self._pass = self._pass, planned
+        try:
+            return list(self._index_lists(plan_only=True))
+        finally:
+            self._pass = saved
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from ``state_dict`` at the next ``iter()``; raises :class:`StateError` if it cannot.
@@ -466,15 +477,16 @@ class ResumableDataLoader(DataLoader[T]):
     def _load_stream(self, state: dict[str, Any]) -> None:
         rank, world = rank_and_world(self._rank, self._world)
         if state["world_size"] != world:
-            raise StateError("world_size", state["world_size"], world, _RESHARD_HINT)
+            raise StateError("world_size", state["world_size"], repr(world), _RESHARD_HINT)
         progress, next_worker = parse_stream(state["stream"], rank)
         if state["num_workers"] != self.num_workers:
             shards = [p.state if p.batches else None for p in progress]
             progress, next_worker = self._reshard(shards, ("num_workers", state["num_workers"], self.num_workers)), 0
         self._set_stream(state["epoch"], state["position"], progress, next_worker)
 
-    def _load_resharded(self, ranks: list[dict[str, Any]]) -> None:
-        """Resume an iterable-dataset checkpoint taken at another world size (see ``load_rank_state``)."""
+    def load_resharded(self, ranks: list[dict[str, Any]]) -> None:
+        """Resume an iterable-dataset checkpoint taken at another world size: ``ranks`` holds every old
+        rank's state (what ``distributed.load_rank_state`` passes on; see there)."""
         self._note_load()
         shards: list[Any] = []
         for rank, state in enumerate(ranks):
@@ -489,7 +501,8 @@ class ResumableDataLoader(DataLoader[T]):
         rank-major; None where a worker had delivered nothing)."""
         reshard = getattr(self.dataset, "reshard_states", None)
         if not callable(reshard):
-            raise StateError(*change, _RESHARD_HINT)
+            field, saved, now = change
+            raise StateError(field, saved, repr(now), _RESHARD_HINT)
         workers = max(self.num_workers, 1)
         rank, world = (self.rank, self.world_size) if change[0] == "world_size" else (0, 1)
         states = list(reshard(shards, world * workers))
@@ -503,13 +516,13 @@ class ResumableDataLoader(DataLoader[T]):
 
     def _set_stream(self, epoch: int, position: int, progress: list[Progress], next_worker: int) -> None:
         if len(progress) != max(self.num_workers, 1):
-            raise StateError("stream.workers", f"{len(progress)} workers", f"{max(self.num_workers, 1)} workers",
-                             "The state was edited or corrupted.")
+            raise StateError("stream.workers", f"{len(progress)} workers",
+                             repr(f"{max(self.num_workers, 1)} workers"), "The state was edited or corrupted.")
         stateful = is_stateful(self.dataset)
         for i, p in enumerate(progress):
             if (p.state is not None and not stateful) or (stateful and p.batches > 0 and p.state is None):
                 expected = f"the state of {type(self.dataset).__name__}" if stateful else "None"
-                raise StateError(f"stream.workers[{i}].state", p.state, None, expected=expected)
+                raise StateError(f"stream.workers[{i}].state", p.state, expected)
         self._epoch, self._position, self._fresh = epoch, position, True
         self._stream_pass, self._stream_restore, self._stream_carry = None, (progress, next_worker), None
 
@@ -532,9 +545,10 @@ class ResumableDataLoader(DataLoader[T]):
     def _check_user_state(field: str, saved: Any, owner: Any) -> None:
         stateful = is_stateful(owner)
         if saved is not None and not stateful:
-            raise StateError(field, "<a saved state>", "None", f"{type(owner).__name__} has no load_state_dict().")
+            raise StateError(field, "<a saved state>", repr("None"),
+                             f"{type(owner).__name__} has no load_state_dict().")
         if saved is None and stateful:
-            raise StateError(field, None, f"the state of {type(owner).__name__}", "Required state missing.")
+            raise StateError(field, None, repr(f"the state of {type(owner).__name__}"), "Required state missing.")
 
     def _length(self) -> int | None:
         """The dataset's length: the one the pass in flight was planned with, else (between passes, as
@@ -580,16 +594,6 @@ class ResumableDataLoader(DataLoader[T]):
     def _pass_ended(self, pass_: Pass) -> None:
         if pass_ is self._pass and not pass_.done:
             self._epoch, self._position, self._fresh, pass_.done = self._epoch + 1, 0, True, True
-
-    def _plan_indices(self, pass_: Pass | None = None) -> Iterator[list[Any]]:
-        """The index lists of the next pass (or of ``pass_``), without reading data (``loader-resume check``)."""
-        if pass_ is None:
-            pass_ = Pass(self._epoch, self._position, self._sampler_state_to_load)
-        saved, self._pass = self._pass, pass_
-        try:
-            return iter(list(self._index_lists(plan_only=True)))
-        finally:
-            self._pass = saved
 
     @property
     def _seeds_ahead(self) -> bool:

@@ -36,9 +36,11 @@ STATE_KEYS: Final = (
 class StateError(ValueError):
     """A loader state that cannot be resumed here; names the field, the saved and the expected value."""
 
-    def __init__(self, field: str, saved: Any, current: Any, hint: str = "", *, expected: str | None = None) -> None:
-        self.field, self.saved, self.current = field, saved, current
-        message = f"loader state field {field!r}: saved {saved!r}, expected {expected or repr(current)}"
+    def __init__(self, field: str, saved: Any, expected: str, hint: str = "") -> None:
+        """``expected``: what would have been accepted, as the message shows it (``repr(value)`` for a value,
+        or a description such as ``"an int >= 0"``); ``hint``: what to do about it."""
+        self.field, self.saved, self.expected, self.hint = field, saved, expected, hint
+        message = f"loader state field {field!r}: saved {saved!r}, expected {expected}"
         super().__init__(f"{message}. {hint}" if hint else message)
 
 
@@ -79,24 +81,24 @@ def check_state(saved: Any, current: Mapping[str, Any]) -> None:
     """
     if not isinstance(saved, Mapping):
         hint = "Pass the dict that state_dict() returned."
-        raise StateError("<state>", type(saved).__name__, "a dict", hint, expected="a dict")
+        raise StateError("<state>", type(saved).__name__, "a dict", hint)
     _check_keys(saved)
     if saved["version"] not in READABLE_VERSIONS:
         hint = "This state comes from an unknown loader-resume release."
-        raise StateError("version", saved["version"], None, hint, expected=f"one of {list(READABLE_VERSIONS)}")
+        raise StateError("version", saved["version"], f"one of {list(READABLE_VERSIONS)}", hint)
     for field, (expected, ok) in _TYPES.items():
         if not ok(saved[field]):
-            raise StateError(field, saved[field], expected, "The state was edited or corrupted.", expected=expected)
+            raise StateError(field, saved[field], expected, "The state was edited or corrupted.")
     for field in MUST_MATCH:
         if saved[field] != current[field]:
-            raise StateError(field, saved[field], current[field], _MATCH_HINT)
+            raise StateError(field, saved[field], repr(current[field]), _MATCH_HINT)
     length = saved["dataset_len"]
     if (saved["stream"] is None) != (current["kind"] == "map"):
-        raise StateError("stream", saved["stream"], None, "The state was edited or corrupted.",
-                         expected="None" if current["kind"] == "map" else "a dict")
+        raise StateError("stream", saved["stream"], "None" if current["kind"] == "map" else "a dict",
+                         "The state was edited or corrupted.")
     if current["source"] == "permutation" and length is not None and saved["position"] > length:
         limit = f"at most dataset_len={length}"
-        raise StateError("position", saved["position"], limit, "The state was edited or corrupted.", expected=limit)
+        raise StateError("position", saved["position"], limit, "The state was edited or corrupted.")
     for field in MAY_CHANGE:
         if saved[field] != current[field]:
             logger.info("resuming with %s=%r (saved with %r)", field, current[field], saved[field])
@@ -115,8 +117,7 @@ def _check_keys(saved: Mapping[str, Any]) -> None:
         key = str(unknown[0])
         close = difflib.get_close_matches(key, STATE_KEYS, n=1)
         guess = f"did you mean {close[0]!r}? " if close else ""
-        raise StateError(key, saved[unknown[0]], None, f"Unknown key; {guess}Known keys: {', '.join(STATE_KEYS)}.",
-                         expected="no such key")
+        raise StateError(key, saved[unknown[0]], "no such key",
+                         f"Unknown key; {guess}Known keys: {', '.join(STATE_KEYS)}.")
     if missing:
-        raise StateError(missing[0], "<missing>", None, "Required key missing from state.",
-                         expected=f"a value for {missing[0]!r}")
+        raise StateError(missing[0], "<missing>", f"a value for {missing[0]!r}", "Required key missing from state.")

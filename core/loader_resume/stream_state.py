@@ -79,37 +79,37 @@ def stream_to_dict(rank: int, pass_: StreamPass) -> dict[str, Any]:
 def parse_stream(saved: Any, rank: int) -> tuple[list[Progress], int]:
     """Validated ``(progress per worker, next worker)`` from a saved ``"stream"`` value."""
     if not isinstance(saved, Mapping) or set(saved) != {"rank", "next_worker", "workers"}:
-        raise StateError("stream", saved, None, "The state was edited or corrupted.",
-                         expected="a dict with keys rank, next_worker, workers")
+        raise StateError("stream", saved, "a dict with keys rank, next_worker, workers",
+                         "The state was edited or corrupted.")
     if saved["rank"] != rank:
-        raise StateError("stream.rank", saved["rank"], rank,
+        raise StateError("stream.rank", saved["rank"], repr(rank),
                          "This is another rank's state: give each rank its own (see loader_resume.distributed).")
     workers = saved["workers"]
     if type(workers) is not list or not workers:
-        raise StateError("stream.workers", workers, None, expected="a non-empty list")
+        raise StateError("stream.workers", workers, "a non-empty list")
     progress = [_parse_worker(i, entry) for i, entry in enumerate(workers)]
     next_worker = saved["next_worker"]
     if type(next_worker) is not int or not 0 <= next_worker < len(progress):
-        raise StateError("stream.next_worker", next_worker, None, expected=f"an int in [0, {len(progress)})")
+        raise StateError("stream.next_worker", next_worker, f"an int in [0, {len(progress)})")
     return progress, next_worker
 
 
 def _parse_worker(index: int, entry: Any) -> Progress:
     where = f"stream.workers[{index}]"
     if not isinstance(entry, Mapping) or not _WORKER_KEYS_V1 <= set(entry) <= _WORKER_KEYS:
-        raise StateError(where, entry, None, expected=f"a dict with keys {', '.join(sorted(_WORKER_KEYS_V1))} and "
+        raise StateError(where, entry, f"a dict with keys {', '.join(sorted(_WORKER_KEYS_V1))} and "
                          f"optionally {', '.join(sorted(_WORKER_KEYS - _WORKER_KEYS_V1))}")
     for key in ("batches", "items"):
         if type(entry[key]) is not int or entry[key] < 0:
-            raise StateError(f"{where}.{key}", entry[key], None, expected="an int >= 0")
+            raise StateError(f"{where}.{key}", entry[key], "an int >= 0")
     dry = entry.get("dry", False)  # absent only in a version-1 entry (checked above)
     if type(dry) is not bool:
-        raise StateError(f"{where}.dry", dry, None, expected="a bool")
+        raise StateError(f"{where}.dry", dry, "a bool")
     flags = {}
     for key in ("self_iterator", "before_epoch"):
         flags[key] = entry.get(key, False)
         if type(flags[key]) is not bool:
-            raise StateError(f"{where}.{key}", flags[key], None, expected="a bool")
+            raise StateError(f"{where}.{key}", flags[key], "a bool")
     return Progress(entry["batches"], entry["items"], entry["state"], entry.get("iterator"), dry, **flags)
 
 

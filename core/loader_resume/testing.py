@@ -18,7 +18,10 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-__all__ = ["ResumeReport", "StatefulLoader", "assert_resumes_exactly", "fingerprint", "run_epochs"]
+__all__ = [
+    "ResumeReport", "StatefulLoader", "assert_delivers_rest_exactly_once", "assert_resumes_exactly", "fingerprint",
+    "run_epochs",
+]
 
 
 class StatefulLoader(Protocol):
@@ -144,3 +147,29 @@ def _shape(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {key: _shape(item) for key, item in value.items()}
     return type(value).__name__
+
+
+def assert_delivers_rest_exactly_once(before: Iterable[int], after: Iterable[int], n: int, *, padding: int = 0) -> None:
+    """The samples delivered before a cut and after the resume (any ranks, any world size, in any order)
+    make up one epoch of ``range(n)``: none lost, none twice — up to ``padding`` repeats allowed (the padding
+    of an epoch's last step without ``drop_last``). Raises AssertionError naming what was lost or repeated.
+
+    For resumes whose batches are composed differently from the uninterrupted run's (another world size,
+    batch size or worker count), where :func:`assert_resumes_exactly` cannot compare batch by batch.
+    """
+    delivered = [*before, *after]
+    counts: dict[int, int] = {}
+    for sample in delivered:
+        counts[sample] = counts.get(sample, 0) + 1
+    lost = sorted(set(range(n)) - set(counts))
+    foreign = sorted(set(counts) - set(range(n)))
+    repeats = sum(count - 1 for count in counts.values())
+    problems = []
+    if lost:
+        problems.append(f"{len(lost)} sample(s) never delivered: {lost[:10]}")
+    if foreign:
+        problems.append(f"sample(s) outside range({n}): {foreign[:10]}")
+    if repeats > padding:
+        twice = sorted(sample for sample, count in counts.items() if count > 1)
+        problems.append(f"{repeats} repeat(s), {padding} allowed as padding: {twice[:10]}")
+    assert not problems, "the epoch was not delivered exactly once: " + "; ".join(problems)

@@ -1,4 +1,4 @@
-"""Faults during training (issue #7 items 2 and 3), on real processes with `enable_resume`
+"""Faults during training, on real processes with `enable_resume`
 (tests/accelerate_child.py): SIGTERM storms, a full disk, writes interrupted at any byte.
 
 Each interrupted run must leave exactly one new consistent checkpoint, and the job's concatenated log

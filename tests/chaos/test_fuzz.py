@@ -1,4 +1,4 @@
-"""Fuzzing (issue #7 item 4): random dataset lengths, batch sizes, world sizes before and after, worker
+"""Fuzzing: random dataset lengths, batch sizes, world sizes before and after, worker
 counts and cut points — each epoch is delivered exactly once across a cut and an elastic resume.
 
 Ranks are simulated in one process (explicit ``rank``/``world_size``), each a real ResumableDataLoader.

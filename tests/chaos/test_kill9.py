@@ -1,4 +1,4 @@
-"""SIGKILL under torchrun (issue #7 item 1): a 2-process job with ``--max-restarts`` is killed at seeded
+"""SIGKILL under torchrun: a 2-process job with ``--max-restarts`` is killed at seeded
 random steps — a rank mid-step, or rank 0 in the middle of writing a checkpoint — and torchrun restarts
 it. The per-rank batch logs are then audited: counted from the checkpoint each restart resumed from
 (work after it is redone), the job trained on exactly the uninterrupted run's batches — every sample of

@@ -1,4 +1,4 @@
-"""Scale by simulation (issue #7 item 5): 1,024 ranks, resumed at 768 and then 1,536, see each sample once.
+"""Scale by simulation: 1,024 ranks, resumed at 768 and then 1,536, see each sample once.
 
 The pure sampler, no processes: every rank's steps are computed exactly as a ResumableDataLoader on that
 rank computes them. The default run uses n = 10^6; `pytest -m chaos` runs n = 10^8 and prints time and

@@ -61,14 +61,14 @@ def _fields(batch: Any) -> dict[str, str]:
     return {"batch": fingerprint(batch)}
 
 
-def _build(spec: str, workers: int | None) -> Any:
+def _build(spec: str, workers: int | None, rank: int | None = None, world: int | None = None) -> Any:
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
         raise SystemExit(f"loader-resume check: {spec!r} is not MODULE:FACTORY (e.g. mypkg.data:make_loader)")
     factory: Callable[[], Any] = getattr(importlib.import_module(module_name), attribute)
     from ..convert import resumable
 
-    return resumable(factory(), num_workers=workers)
+    return resumable(factory(), num_workers=workers, rank=rank, world_size=world)
 
 
 def _run(spec: str, epochs: int, workers: int | None, cut: int | None, load: str | None, save: str | None) -> None:
@@ -100,18 +100,15 @@ def _rescale(spec: str, load: str, world: int) -> None:
     ranks), from the loaders' own index plans — no data is read. One JSON line."""
     import torch
 
-    from ..stream import Pass
-
     state = torch.load(load, weights_only=True)
     reference = _build(spec, 0)
-    full = [i for batch in reference._plan_indices(Pass(state["epoch"], 0)) for i in batch]
+    full = [i for batch in reference.planned_indices(epoch=state["epoch"]) for i in batch]
     after: list[int] = []
     for rank in range(world):
-        loader = _build(spec, 0)
-        loader._rank, loader._world = rank, world
+        loader = _build(spec, 0, rank, world)
         loader.load_state_dict(state)
         if loader.epoch == state["epoch"]:
-            after += [i for batch in loader._plan_indices() for i in batch]
+            after += [i for batch in loader.planned_indices() for i in batch]
     batch = reference.batch_size or 1
     sys.stdout.write(json.dumps({"full": full, "before": full[: state["position"]], "after": after,
                                  "drop_last": reference.drop_last, "step": world * batch}) + "\n")
@@ -162,9 +159,12 @@ def run_check(spec: str, *, epochs: int = 2, cuts: list[int] | None = None, work
     ``worlds``: world sizes to resume a map-style loader's state over (default ``[2]``; ``[]`` for none);
     those scenarios are judged on the samples delivered, since batches are composed differently.
     """
+    from torch.utils.data import IterableDataset
+
     own = _build(spec, None)
     own_workers = own.num_workers
-    rescales = (worlds if worlds is not None else [2]) if own._map and own.world_size == 1 else []
+    rescalable = not isinstance(own.dataset, IterableDataset) and own.world_size == 1
+    rescales = (worlds if worlds is not None else [2]) if rescalable else []
     reference = _spawn(["_run", spec, "--epochs", str(epochs)])
     per_epoch = sum(1 for epoch, _ in reference if epoch == 0)
     if cuts is None:  # first batch, mid-epoch, an epoch's last batch, the boundary's first batch of the next

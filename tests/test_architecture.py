@@ -1,0 +1,60 @@
+"""The codebase's own rules, kept by a test: no module of ours reaches into another module's private names."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = [ROOT / "core" / "loader_resume", ROOT / "lightning_resume", ROOT / "accelerate_resume"]
+
+
+def _modules() -> dict[Path, ast.Module]:
+    paths = [path for package in PACKAGES for path in sorted(package.rglob("*.py"))]
+    return {path: ast.parse(path.read_text(), str(path)) for path in paths}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _defined(tree: ast.Module) -> set[str]:
+    """Private names a module defines: functions, classes, assignments, and attributes it sets (``x._a = ...``)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+            names.add(node.value)  # __slots__ entries, setattr/getattr names
+    return {name for name in names if _private(name)}
+
+
+def test_no_module_reads_or_writes_another_modules_private_names() -> None:
+    modules = _modules()
+    defined = {path: _defined(tree) for path, tree in modules.items()}
+    found = []
+    for path, tree in modules.items():
+        elsewhere = set().union(*(names for other, names in defined.items() if other != path)) - defined[path]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _private(node.attr) and node.attr in elsewhere:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] in
+                                                     {"loader_resume", "lightning_resume", "accelerate_resume"}):
+                found += [f"{path.relative_to(ROOT)}:{node.lineno}: import {alias.name}"
+                          for alias in node.names if _private(alias.name)]
+    assert not found, "private names used across modules (give them a small documented API):\n" + "\n".join(found)
+
+
+def test_the_rule_finds_a_reach_in() -> None:
+    """The scan itself: a module reading a private attribute that only another module defines is reported."""
+    owner = ast.parse("class A:\n    def __init__(self):\n        self._secret = 1\n")
+    reader = ast.parse("def peek(a):\n    return a._secret\n")
+    assert "_secret" in _defined(owner) and "_secret" not in _defined(reader)
+    reads = [n.attr for n in ast.walk(reader) if isinstance(n, ast.Attribute) and _private(n.attr)]
+    assert reads == ["_secret"]
