@@ -9,8 +9,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from conftest import Augmented
 from loader_resume import ResumableDataLoader
+from support.data import Augmented
 
 _UNSEEDED: np.random.Generator | None = None
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import make
+from support.data import make
 
 
 def record(batch: dict[str, torch.Tensor]) -> list[list[float]]:

@@ -21,24 +21,12 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_resume import ResumeCallback
 from loader_resume.distributed import init_process_group
 from loader_resume.testing import fingerprint
-
-
-class Noisy(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
-    def __init__(self, n: int) -> None:
-        generator = torch.Generator().manual_seed(0)
-        self.x = torch.randn(n, 8, generator=generator)
-        self.y = (self.x.sum(1) > 0).long()
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        return self.x[index] + 0.1 * torch.randn(8), self.y[index], index
+from support.data import Noisy
 
 
 class NoisyStream(IterableDataset[tuple[torch.Tensor, torch.Tensor, int]]):

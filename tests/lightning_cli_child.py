@@ -15,11 +15,11 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.cli import LightningCLI
-from lightning_child import Noisy
 from torch import nn
 from torch.utils.data import DataLoader
 
 from loader_resume.testing import fingerprint
+from support.data import Noisy
 
 
 class CliModel(L.LightningModule):

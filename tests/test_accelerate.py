@@ -8,13 +8,10 @@ augmentations that never match, a changed worker count, a changed process count,
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,46 +24,13 @@ from accelerate.state import AcceleratorState, GradientState
 from torch.utils.data import DataLoader
 
 from accelerate_resume import AcceleratedResumableDataLoader, ResumeConfig, enable_resume, load_config
-from conftest import Augmented
 from loader_resume.checkpoint import MANIFEST
 from loader_resume.testing import assert_delivers_rest_exactly_once
+from support.data import Augmented
+from support.launch import command, logs, run, trained, weights
 
-CHILD = Path(__file__).parent / "accelerate_child.py"
 ROOT = Path(__file__).parent.parent
 N, EPOCHS = 30, 3  # 1 process: 8 batches an epoch; 2 processes: 4 per rank
-
-
-def command(out: Path, processes: int, *args: str) -> list[str]:
-    if processes == 1:
-        return [sys.executable, str(CHILD), str(out), *args]
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    accelerate = Path(sys.executable).with_name("accelerate")
-    return [str(accelerate), "launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
-            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
-            str(CHILD), str(out), "--processes", str(processes), *args]
-
-
-def run(out: Path, processes: int, *args: str, expect: int = 0) -> str:
-    done = subprocess.run(command(out, processes, *args), capture_output=True, text=True, timeout=300)
-    failed = expect != 0 and processes > 1  # the launcher reports a failed child with its own code
-    assert (done.returncode != 0 if failed else done.returncode == expect), done.stderr[-3000:]
-    if failed:
-        assert f"exitcode  : {expect}" in done.stderr, done.stderr[-3000:]
-    return done.stderr
-
-
-def logs(out: Path) -> list[list[dict[str, Any]]]:
-    return [[json.loads(line) for line in path.read_text().splitlines()] for path in sorted(out.glob("log-*.jsonl"))]
-
-
-def weights(out: Path) -> list[str]:
-    return [path.read_text() for path in sorted(out.glob("weights-*.txt"))]
-
-
-def trained(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [row for row in rows if "ids" in row]
 
 
 @pytest.fixture(scope="module")

@@ -58,3 +58,21 @@ def test_the_rule_finds_a_reach_in() -> None:
     assert "_secret" in _defined(owner) and "_secret" not in _defined(reader)
     reads = [n.attr for n in ast.walk(reader) if isinstance(n, ast.Attribute) and _private(n.attr)]
     assert reads == ["_secret"]
+
+
+def test_no_test_module_imports_another() -> None:
+    """Shared datasets and launchers live in tests/support; test modules, conftest and child scripts are leaves."""
+    tests = ROOT / "tests"
+    leaves = {path.stem for path in tests.rglob("*.py") if not path.is_relative_to(tests / "support")}
+    found = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            found += [f"{path.relative_to(ROOT)}:{node.lineno}: {name}" for name in names
+                      if name.split(".")[0] in leaves]
+    assert not found, "test modules importing each other (move what they share to tests/support):\n" + "\n".join(found)

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from conftest import Augmented, ids, make
 from loader_resume import ResumableDataLoader
 from loader_resume.testing import run_epochs
+from support.data import Augmented, ids, make
 
 
 def test_accepts_every_dataloader_parameter_with_the_same_default() -> None:

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import ids, make
 from loader_resume.testing import assert_delivers_rest_exactly_once, assert_resumes_exactly
+from support.data import PlainSampler, ids, make
+from support.launch import launch
 
 
 @pytest.mark.parametrize("workers_after", [0, 1, 3])
@@ -90,24 +87,6 @@ def test_ranks_are_disjoint_and_padded_evenly_like_distributed_sampler() -> None
     assert len(make(10, batch_size=2, rank=0, world_size=3)) == 2
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def launch(script: Path, mode: str, out: Path, workers: int = 0) -> None:
-    """Run ``script MODE OUT`` as a real 2-process gloo job on loopback; both ranks must exit 0."""
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "WORKERS": str(workers)}
-        procs.append(subprocess.Popen([sys.executable, str(script), mode, str(out)], env=env))
-    codes = [p.wait(timeout=240) for p in procs]
-    assert codes == [0, 0], f"{mode}: exit codes {codes}"
-
-
 @pytest.mark.parametrize("workers", [0, 2])
 def test_two_gloo_processes_resume_each_rank_exactly(tmp_path: Path, workers: int) -> None:
     for mode in ("full", "save", "resume"):
@@ -137,8 +116,6 @@ def test_a_distributed_sampler_becomes_our_sharding_not_a_second_one() -> None:
 
 
 def test_sharded_sampler_splits_a_custom_stream_by_global_steps_and_resumes() -> None:
-    from test_samplers import PlainSampler
-
     from loader_resume import ShardedSampler
     from loader_resume.testing import assert_resumes_exactly
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from conftest import caller_draws, seed_all
 from loader_resume import ResumableDataLoader
 from loader_resume.keyed_rng import CallerRng, generator_mask
 from loader_resume.testing import assert_resumes_exactly, run_epochs
+from support.data import caller_draws, seed_all
 
 
 def _draw(count: int) -> dict[str, torch.Tensor]:

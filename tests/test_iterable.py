@@ -14,35 +14,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from loader_resume import ResumableDataLoader, StateError
 from loader_resume.testing import assert_delivers_rest_exactly_once, assert_resumes_exactly, run_epochs
-
-
-class Shards(IterableDataset[dict[str, Any]]):
-    """Worker w serves ids w, w+W, ... below n; worker 0 also serves 5 extra ids, so workers run dry
-    at different times. Every item draws from torch, numpy and random, like a stream augmentation."""
-
-    def __init__(self, n: int) -> None:
-        self.n, self.i = n, 0
-
-    def _mine(self) -> list[int]:
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        return list(range(worker, self.n, workers)) + (list(range(self.n, self.n + 5)) if worker == 0 else [])
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        mine = self._mine()
-        while self.i < len(mine):
-            index = mine[self.i]
-            self.i += 1
-            yield {"id": index, "torch": torch.rand(2), "numpy": np.random.rand(), "random": random.random()}
-        self.i = 0
-
-
-class StatefulShards(Shards):
-    def state_dict(self) -> dict[str, int]:
-        return {"i": self.i}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.i = state["i"]
+from support.data import Shards, StatefulShards
 
 
 # --- ported from torchdata's "Stateful DataLoader Tutorial" (iterable part) --------------------------

@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
-from test_elastic import launch
 
-from conftest import make
 from loader_resume import StateError
 from loader_resume.distributed import gather_states, load_rank_state
+from support.data import make
+from support.launch import launch
 
 
 def test_each_rank_resumes_its_own_stream_from_one_gathered_checkpoint(tmp_path: Path) -> None:

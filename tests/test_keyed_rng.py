@@ -13,7 +13,6 @@ import pytest
 import torch
 from torch.utils.data._utils.fetch import _MapDatasetFetcher
 
-from conftest import make
 from loader_resume.keyed_rng import (
     GENERATORS,
     SEED_AHEAD,
@@ -24,6 +23,7 @@ from loader_resume.keyed_rng import (
     generator_mask,
 )
 from loader_resume.testing import run_epochs
+from support.data import make
 
 
 def _values(batches: list[dict[str, Any]]) -> dict[int, tuple[Any, ...]]:

@@ -17,10 +17,10 @@ import torch
 from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader, SequentialSampler
 
-from conftest import Augmented
 from lightning_resume import ResumeCallback
 from loader_resume import ResumableDataLoader
 from loader_resume.testing import assert_delivers_rest_exactly_once
+from support.data import Augmented
 
 CHILD = Path(__file__).parent / "lightning_child.py"
 

@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset
 
-from conftest import ids, make
 from loader_resume import ResumableDataLoader
 from loader_resume.checkpoint import global_rng_state, set_global_rng_state
 from loader_resume.distributed import _agree_on_generation, collective_device
+from support.data import ids, make
 
 
 class FakeCuda:

@@ -23,9 +23,9 @@ import pytest
 import torch
 import webdataset as wds
 
-from conftest import caller_draws, seed_all
 from loader_resume import ResumableDataLoader
 from loader_resume.testing import assert_resumes_exactly, fingerprint, run_epochs
+from support.data import caller_draws, seed_all
 
 N = 24
 

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import Augmented, ids, make
 from loader_resume import ResumableDataLoader
 from loader_resume.testing import assert_resumes_exactly, run_epochs
+from support.data import Augmented, ids, make
 
 
 def _pair_collate(items: list[dict[str, Any]]) -> tuple[list[int], torch.Tensor]:
@@ -93,7 +93,7 @@ def test_batch_size_none_yields_single_items_and_resumes() -> None:
 _CHILD = """
 import json, sys, torch
 sys.path.insert(0, {tests!r})
-from conftest import make
+from support.data import make
 loader = make(10, batch_size=3, shuffle=True, num_workers=2)
 mode, path = sys.argv[1], sys.argv[2]
 if mode == "save":

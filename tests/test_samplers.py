@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import Augmented, ids
 from loader_resume import ResumableDataLoader, StateError
 from loader_resume.testing import assert_resumes_exactly
+from support.data import Augmented, PlainSampler, ids
 
 
 # --- ported from torchdata's "Stateful DataLoader Tutorial" (map-style part) ------------------------
@@ -115,23 +115,6 @@ def test_stateful_sampler_state_is_taken_at_the_last_yielded_batch_not_the_prefe
 def test_stateful_sampler_resumes_at_every_cut() -> None:
     assert_resumes_exactly(lambda: ResumableDataLoader(Augmented(11), sampler=CountingSampler(11), batch_size=3),
                            epochs=2)
-
-
-class PlainSampler(torch.utils.data.Sampler[int]):
-    """No state: a function of the epoch only, so it can be replayed."""
-
-    def __init__(self, n: int) -> None:
-        self.n, self.epoch = n, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[int]:
-        g = torch.Generator().manual_seed(self.epoch)
-        return iter(torch.randperm(self.n, generator=g).tolist())
-
-    def __len__(self) -> int:
-        return self.n
 
 
 def test_stateless_sampler_is_replayed_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from conftest import Augmented
 from loader_resume import ResumableDataLoader
 from loader_resume.testing import assert_resumes_exactly, run_epochs
+from support.data import Augmented, StatefulShards
 
 
 def test_map_style_resumes_exactly_with_spawned_workers() -> None:
@@ -19,8 +19,6 @@ def test_map_style_resumes_exactly_with_spawned_workers() -> None:
 
 
 def test_iterable_resumes_exactly_with_spawned_workers() -> None:
-    from test_iterable import StatefulShards
-
     def build() -> ResumableDataLoader[Any]:
         return ResumableDataLoader(StatefulShards(9), batch_size=2, num_workers=2, multiprocessing_context="spawn")
 

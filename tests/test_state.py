@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import Dataset
 
-from conftest import Augmented, ids, make
 from loader_resume import STATE_VERSION, ResumableDataLoader, StateError
 from loader_resume.testing import run_epochs
+from support.data import Augmented, ids, make
 
 
 class Huge(Dataset[int]):

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import islice
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
@@ -45,8 +45,19 @@ class Shard:
         return self.world * self.batch
 
 
-# (this rank's units, global position of its first unit, position after the step, last of epoch, sampler state)
-Step = tuple[list[Any], int, int, bool, Any]
+class Step(NamedTuple):
+    """One global step, as this rank sees it."""
+
+    units: list[Any]
+    """This rank's units (indices, or index lists for a batch sampler)."""
+    key_position: int
+    """The global position of its first unit: what keys the batch's randomness."""
+    end: int
+    """The epoch position after the whole global step (every rank's units)."""
+    last: bool
+    """Whether it is the epoch's last step."""
+    sampler_state: Any
+    """A user sampler's state after the step (``None`` for our own orders)."""
 
 
 def steps_per_epoch(total: int, shard: Shard) -> int:
@@ -69,7 +80,7 @@ def permutation_steps(perm: KeyedPermutation | None, n: int, start: int, shard: 
         rows = (positions if perm is None else perm[positions]).tolist()
         for row, first in zip(rows, starts.tolist(), strict=True):
             end = first + step
-            yield row, first + shard.rank * batch, end, end == full_end and ends_clean, None
+            yield Step(row, first + shard.rank * batch, end, end == full_end and ends_clean, None)
         position += count * step
     left = n - position
     if left > 0 and not shard.drop_last:
@@ -77,7 +88,7 @@ def permutation_steps(perm: KeyedPermutation | None, n: int, start: int, shard: 
         first = position + shard.rank * share
         positions = (first + np.arange(share, dtype=np.int64)) % n
         rows = positions if perm is None else perm[positions]
-        yield rows.tolist(), first, n, True, None
+        yield Step(rows.tolist(), first, n, True, None)
 
 
 def source_steps(units: Iterator[U], start: int, shard: Shard, snapshot: Callable[[], Any] | None) -> Iterator[Step]:
@@ -100,13 +111,13 @@ def source_steps(units: Iterator[U], start: int, shard: Shard, snapshot: Callabl
         # NOTE: at the last step the look-ahead has exhausted the sampler, which is when samplers run
         # their end-of-epoch code (e.g. reset a counter); the state after that is the true boundary state.
         mine = current[rank * batch : (rank + 1) * batch]
-        yield mine, position + rank * batch, position + step, last, following_state if last else state
+        yield Step(mine, position + rank * batch, position + step, last, following_state if last else state)
         position += step
         current, state = ([], None) if last else (following, following_state)
     if current and not shard.drop_last:
         share = -(-len(current) // shard.world)
         mine = [current[(rank * share + i) % len(current)] for i in range(share)]
-        yield mine, position + rank * share, position + len(current), True, state
+        yield Step(mine, position + rank * share, position + len(current), True, state)
 
 
 def torch_order(sampler: Any, dataset: Any) -> bool | None:

@@ -15,17 +15,25 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import chain, islice
-from typing import Any
+from typing import Any, NamedTuple
 
 from .keyed_rng import GENERATORS, CallerRng, derive_key, generator_mask, keyed_indices, seed_generators
 from .permutation import KeyedPermutation
 from .sampler import Shard, Step, permutation_steps, source_steps
 from .thirdparty import unrestorable
 
-__all__ = ["Pass", "Plan", "foreign_state_dict", "index_lists", "is_stateful"]
+__all__ = ["Pass", "Pending", "Plan", "foreign_state_dict", "index_lists", "is_stateful"]
 
 logger = logging.getLogger(__name__)
 _ALL_GENERATORS = generator_mask(GENERATORS)
+
+
+class Pending(NamedTuple):
+    """A step handed to torch and not yet delivered: where the position goes once it is."""
+
+    end: int
+    last: bool
+    sampler_state: Any
 
 
 class Pass:
@@ -36,7 +44,7 @@ class Pass:
     def __init__(self, epoch: int, start: int, sampler_state_to_load: Any = None) -> None:
         self.epoch, self.start, self.done = epoch, start, False
         self.sampler_state_to_load = sampler_state_to_load
-        self.pending: deque[tuple[int, bool, Any]] = deque()
+        self.pending: deque[Pending] = deque()
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +80,7 @@ def index_lists(plan: Plan, pass_: Pass) -> Iterator[list[int]]:
     off = plan.keying == "off"
     ahead_keys: dict[int, int] = {}  # key position -> key, derived when it was sent ahead (seeding ahead)
     for units, key_position, end, last, sampler_state in _steps(plan, pass_):
-        pass_.pending.append((end, last, sampler_state))
+        pass_.pending.append(Pending(end, last, sampler_state))
         indices = units[0] if plan.unit_is_batch else units
         if off:
             yield indices

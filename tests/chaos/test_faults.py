@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from loader_resume.checkpoint import MANIFEST, CheckpointError, complete_checkpoints, seal, temporary_name, verify
-from test_accelerate import logs, run, trained, weights
+from support.launch import logs, run, trained, weights
 
 EVAL = ("--eval-n", "13")
 

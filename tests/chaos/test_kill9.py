@@ -13,25 +13,18 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from support.launch import BATCH_KEYS as KEYS
+from support.launch import TORCHRUN, free_port
+
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-KEYS = ("step", "epoch", "ids", "batch")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 RENDEZVOUS = ["--rdzv-backend", "static", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]

@@ -21,7 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_kill9 import HERE, KEYS, ROOT, TORCHRUN, free_port
+
+from support.launch import BATCH_KEYS as KEYS
+from support.launch import ROOT, TORCHRUN, free_port
+
+HERE = Path(__file__).parent
 
 N = 1797  # load_digits
 STEPS_PER_EPOCH = 15  # at world size 2: ceil(1797 / 128); at world size 1: 29 (ceil(1797 / 64))

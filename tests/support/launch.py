@@ -1,0 +1,69 @@
+"""Launchers of real processes shared by the tests: gloo jobs, ``accelerate launch``, torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+TESTS = Path(__file__).resolve().parent.parent
+ROOT = TESTS.parent
+ACCELERATE_CHILD = TESTS / "accelerate_child.py"
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+BATCH_KEYS = ("step", "epoch", "ids", "batch")
+"""The fields of a batch-log row that an audit compares (``--batch-log`` of the examples and child scripts)."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def launch(script: Path, mode: str, out: Path, workers: int = 0) -> None:
+    """Run ``script MODE OUT`` as a real 2-process gloo job on loopback; both ranks must exit 0."""
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "WORKERS": str(workers)}
+        procs.append(subprocess.Popen([sys.executable, str(script), mode, str(out)], env=env))
+    codes = [p.wait(timeout=240) for p in procs]
+    assert codes == [0, 0], f"{mode}: exit codes {codes}"
+
+
+def command(out: Path, processes: int, *args: str) -> list[str]:
+    if processes == 1:
+        return [sys.executable, str(ACCELERATE_CHILD), str(out), *args]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    accelerate = Path(sys.executable).with_name("accelerate")
+    return [str(accelerate), "launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
+            str(ACCELERATE_CHILD), str(out), "--processes", str(processes), *args]
+
+
+def run(out: Path, processes: int, *args: str, expect: int = 0) -> str:
+    done = subprocess.run(command(out, processes, *args), capture_output=True, text=True, timeout=300)
+    failed = expect != 0 and processes > 1  # the launcher reports a failed child with its own code
+    assert (done.returncode != 0 if failed else done.returncode == expect), done.stderr[-3000:]
+    if failed:
+        assert f"exitcode  : {expect}" in done.stderr, done.stderr[-3000:]
+    return done.stderr
+
+
+def logs(out: Path) -> list[list[dict[str, Any]]]:
+    return [[json.loads(line) for line in path.read_text().splitlines()] for path in sorted(out.glob("log-*.jsonl"))]
+
+
+def weights(out: Path) -> list[str]:
+    return [path.read_text() for path in sorted(out.glob("weights-*.txt"))]
+
+
+def trained(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [row for row in rows if "ids" in row]
