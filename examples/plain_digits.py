@@ -15,6 +15,7 @@ final weights, the same for an interrupted-and-resumed job as for an uninterrupt
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -122,6 +123,7 @@ def main() -> None:
         print(f"final weights digest: {fingerprint([p.detach() for p in net.parameters()])}", flush=True)
     if dist.is_initialized():
         dist.barrier()
+        gc.collect()  # NOTE: gloo aborts (SIGABRT) a process whose threads still hold tensors at exit
         dist.destroy_process_group()
 
 

@@ -27,7 +27,7 @@ from accelerate_resume import AcceleratedResumableDataLoader, ResumeConfig, enab
 from loader_resume.checkpoint import MANIFEST
 from loader_resume.testing import assert_delivers_rest_exactly_once
 from support.data import Augmented
-from support.launch import command, logs, run, trained, weights
+from support.launch import command, logs, progress_of, run, trained, weights
 
 ROOT = Path(__file__).parent.parent
 N, EPOCHS = 30, 3  # 1 process: 8 batches an epoch; 2 processes: 4 per rank
@@ -80,7 +80,7 @@ def preempt(out: Path, processes: int, whole_group: bool, *args: str) -> None:
                              stderr=subprocess.PIPE, text=True, start_new_session=True)
     progress = out / "progress-0"
     deadline = time.monotonic() + 120
-    while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= 5):
+    while progress_of(progress) < 5:
         assert time.monotonic() < deadline and first.poll() is None, "training never reached step 5"
         time.sleep(0.02)
     if whole_group:

@@ -21,6 +21,7 @@ from lightning_resume import ResumeCallback
 from loader_resume import ResumableDataLoader
 from loader_resume.testing import assert_delivers_rest_exactly_once
 from support.data import Augmented
+from support.launch import progress_of
 
 CHILD = Path(__file__).parent / "lightning_child.py"
 
@@ -192,7 +193,7 @@ def preempted_then_rerun(out: Path, devices: int, whole_group: bool, natural: bo
                              start_new_session=True, cwd=cwd)
     progress = out / "progress-0"
     deadline = time.monotonic() + 120
-    while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= 4):
+    while progress_of(progress) < 4:
         assert time.monotonic() < deadline and first.poll() is None, "training never reached step 4"
         time.sleep(0.02)
     (os.killpg if whole_group else os.kill)(first.pid, signal.SIGTERM)
@@ -282,7 +283,7 @@ def test_under_slurm_sigusr1_saves_at_a_step_boundary_not_in_lightnings_handler(
     first = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                              env={**os.environ, **slurm})
     progress = out / "progress-0"
-    while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= 4):
+    while progress_of(progress) < 4:
         assert first.poll() is None, first.communicate()[1][-3000:]
         time.sleep(0.02)
     os.kill(first.pid, signal.SIGUSR1)

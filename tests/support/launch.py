@@ -67,3 +67,13 @@ def weights(out: Path) -> list[str]:
 
 def trained(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [row for row in rows if "ids" in row]
+
+
+def progress_of(path: Path) -> int:
+    """The step a child script last wrote to ``path`` (-1 before the first): read once, since the child
+    rewrites the file while the test polls it (two reads can see two different contents)."""
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return -1
+    return int(text) if text else -1
