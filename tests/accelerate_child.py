@@ -26,21 +26,16 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+import support.data
 from accelerate_resume import AcceleratedResumableDataLoader, enable_resume
 from loader_resume.distributed import init_process_group
 from loader_resume.testing import fingerprint
 
 
-class Noisy(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
-    def __init__(self, n: int) -> None:
-        generator = torch.Generator().manual_seed(0)
-        self.x = torch.randn(n, 8, generator=generator)
-        self.y = (self.x.sum(1) > 0).long()
-
-    def __len__(self) -> int:
-        return len(self.y)
+class Noisy(support.data.Noisy):
+    """The shared data; its augmentation also draws from numpy and random (all three keyed generators)."""
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         noise = 0.1 * torch.randn(8) + float(np.random.rand()) * 0.01 + random.random() * 0.01

@@ -39,9 +39,7 @@ def launch(script: Path, mode: str, out: Path, workers: int = 0) -> None:
 def command(out: Path, processes: int, *args: str) -> list[str]:
     if processes == 1:
         return [sys.executable, str(ACCELERATE_CHILD), str(out), *args]
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     accelerate = Path(sys.executable).with_name("accelerate")
     return [str(accelerate), "launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
             "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
