@@ -18,7 +18,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import shutil
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,24 +31,16 @@ from loader_resume.checkpoint import (
     CHECKPOINT_FORMAT,
     CheckpointError,
     complete_checkpoints,
-    prune,
-    seal,
     set_global_rng_state,
-    temporary_name,
     verify,
 )
 from loader_resume.convert import resumable
-from loader_resume.distributed import (
-    any_rank,
-    check_same_dataset,
-    gather_rng_states,
-    gather_states,
-    load_rank_state,
-)
+from loader_resume.distributed import check_same_dataset, gather_rng_states, gather_states, load_rank_state
 from loader_resume.preemption import IgnoreSignalsInWorker, Preemption
 
 from .config import ResumeConfig, load_config
 from .loader import AcceleratedResumableDataLoader
+from .saving import write_checkpoint
 
 __all__ = ["STATE_FILE", "Resume", "enable_resume"]
 
@@ -143,45 +134,18 @@ class Resume:
         directory is removed, the error is logged, the previous checkpoints stay, training goes on,
         and ``None`` is returned.
         """
-        accelerator = self.accelerator
         final = self.checkpoint_dir / f"step_{self.step:09d}"
-        temporary = temporary_name(final)
-        failure: OSError | None = None
-        try:
-            if accelerator.is_main_process:
-                shutil.rmtree(temporary, ignore_errors=True)
-                temporary.mkdir(parents=True)
-        except OSError as error:
-            failure = error
-        if any_rank(failure is not None):  # NOTE: every process takes the same branch, collectives stay paired
-            self._failed_save(temporary, failure)
-            return None
         self._collected = self._collect()  # every collective before any write: a failed write cannot unpair them
         try:
-            self._save_state_to(temporary)
-        except OSError as error:
-            failure = error
+            written = write_checkpoint(self.accelerator, final, step=self.step,
+                                       checksums=self.config.verify_checksums, keep=self.config.keep)
         finally:
             self._collected = None
-        if not any_rank(failure is not None) and accelerator.is_main_process:
-            try:
-                seal(temporary, final, checksums=self.config.verify_checksums)
-                prune(self.checkpoint_dir, self.config.keep)
-            except OSError as error:
-                failure = error
-        if any_rank(failure is not None):
-            self._failed_save(temporary, failure)
+        if not written:
+            self.failed_saves += 1
             return None
         logger.info("checkpoint written at step %d: %s", self.step, final)
         return final
-
-    def _failed_save(self, temporary: Path, failure: OSError | None) -> None:
-        if self.accelerator.is_main_process:
-            shutil.rmtree(temporary, ignore_errors=True)
-        kept = self.checkpoints()
-        logger.error("checkpoint at step %d failed (%s); training goes on, the newest checkpoint is still %s",
-                     self.step, failure or "on another process", kept[-1] if kept else "none")
-        self.failed_saves += 1
 
     def load(self, directory: str | os.PathLike[str]) -> None:
         """``accelerator.load_state(directory)`` after verifying its manifest (all processes call it)."""
@@ -273,17 +237,6 @@ class Resume:
         return self.loaded_from
 
     # --- save_state / load_state ------------------------------------------------------------------
-    def _save_state_to(self, directory: Path) -> None:
-        accelerator = self.accelerator
-        naming = accelerator.project_configuration.automatic_checkpoint_naming
-        iteration = accelerator.project_configuration.iteration
-        accelerator.project_configuration.automatic_checkpoint_naming = False  # it would ignore our directory
-        try:
-            accelerator.save_state(os.fspath(directory))
-        finally:
-            accelerator.project_configuration.automatic_checkpoint_naming = naming
-            accelerator.project_configuration.iteration = iteration
-
     def _collect(self) -> dict[str, Any]:
         """What goes into ``loader_resume.pt``; gathers from every process (a collective)."""
         return {

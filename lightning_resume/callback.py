@@ -28,6 +28,8 @@ from loader_resume.convert import resumable
 from loader_resume.distributed import check_same_dataset, gather_rng_states, gather_states, load_rank_state
 from loader_resume.preemption import IgnoreSignalsInWorker, Preemption
 
+from .loaders import resumable_tree
+
 __all__ = ["CHECKPOINT_KEY", "ResumeCallback"]
 
 logger = logging.getLogger(__name__)
@@ -227,7 +229,7 @@ class ResumeCallback(OnExceptionCheckpoint):
         # NOTE: validation inside fit draws from the global RNG: a plain val DataLoader draws its
         # workers' base seed from torch's generator when Lightning creates its iterator, before this
         # hook. Putting the RNG back afterwards (torch's as of the last training step) makes training's
-        # random stream independent of when validation runs, so checkpoints around it resume exactly.
+        # random sequence independent of when validation runs, so checkpoints around it resume exactly.
         fitting = trainer.state.fn == "fit" and not trainer.sanity_checking
         self._rng_around_validation = global_rng_state() if fitting else None
 
@@ -240,7 +242,7 @@ class ResumeCallback(OnExceptionCheckpoint):
             self._rng_around_validation = None
 
     def _restore_rng(self) -> None:
-        # NOTE: right before the first training step after the resume, so the model's dropout stream
+        # NOTE: right before the first training step after the resume, so the model's dropout sequence
         # continues exactly. Not only at epoch start: Lightning skips on_train_epoch_start when it
         # resumes in the middle of an epoch. Fetching the batch before it draws nothing from these RNGs.
         if self._rng_to_restore is not None:
@@ -263,8 +265,7 @@ class ResumeCallback(OnExceptionCheckpoint):
         setattr(instance, source.name, converting)
 
     def _convert(self, loaders: Any) -> Any:
-        self._loaders = []
-        converted = self._convert_tree(loaders)
+        converted, self._loaders = resumable_tree(loaders, self._resumable)
         for loader in self._loaders:  # Lightning asks for the training loaders on every rank: a collective is safe
             check_same_dataset(loader)
         if self._to_load is not None:
@@ -276,20 +277,6 @@ class ResumeCallback(OnExceptionCheckpoint):
                 load_rank_state(loader, gathered)
             self._to_load = None
         return converted
-
-    def _convert_tree(self, obj: Any) -> Any:
-        if isinstance(obj, CombinedLoader):
-            obj.flattened = [self._convert_tree(loader) for loader in obj.flattened]
-            return obj
-        if isinstance(obj, DataLoader):
-            loader = obj if isinstance(obj, ResumableDataLoader) else self._resumable(obj)
-            self._loaders.append(loader)
-            return loader
-        if isinstance(obj, dict):
-            return {key: self._convert_tree(value) for key, value in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(self._convert_tree(value) for value in obj)
-        return obj
 
     def _resumable(self, loader: DataLoader[Any]) -> ResumableDataLoader[Any]:
         """The same loader, made resumable (``loader_resume.convert``); under DDP it shards itself.
