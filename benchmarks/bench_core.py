@@ -36,7 +36,8 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from loader_resume import ResumableDataLoader
-from loader_resume.keyed_rng import CallerRng, derive_key, generator_mask, keyed_indices, seed_generators
+from loader_resume.keyed_fetch import KeySpec, keyed_indices
+from loader_resume.keyed_rng import CallerRng, derive_key, generator_mask, seed_generators
 
 BATCH = 64
 
@@ -74,7 +75,7 @@ def stream_throughput(workers: int, batches: int, rounds: int) -> dict[str, floa
 def keying_costs() -> dict[str, float]:
     mask = generator_mask(("torch", "numpy", "random"))
     key = derive_key(1, 2)
-    per_sample = keyed_indices(list(range(BATCH)), (key, derive_key(3, 4), mask))
+    per_sample = keyed_indices(list(range(BATCH)), KeySpec(key, derive_key(3, 4), mask))
     guard = CallerRng(mask)
 
     def main_process_batch() -> None:  # what the loader does around one fetch with num_workers=0
@@ -108,11 +109,11 @@ def _probe(script: str, what: str, **fields: Any) -> str:
 _IN_LOADER = """
 import os, statistics, sys, time
 sys.path.insert(0, {bench!r})
-import loader_resume.keyed_rng as keyed_rng
+import loader_resume.keyed_fetch as keyed_fetch
 from common import Tiny
 from loader_resume import ResumableDataLoader
 
-seed, times = keyed_rng.seed_generators, []
+seed, times = keyed_fetch.seed_generators, []
 
 def timed(key, mask):  # runs in the workers, which fork with this module patched
     start = time.perf_counter_ns()
@@ -121,7 +122,7 @@ def timed(key, mask):  # runs in the workers, which fork with this module patche
     if len(times) == 1000:  # one write: two workers' lines must not interleave on the shared pipe
         os.write(1, f"{{statistics.median(times) / 1000}}\\n".encode())
 
-keyed_rng.seed_generators = timed
+keyed_fetch.seed_generators = timed  # where workers seed (the batch's arrival, the helper thread)
 iterator = iter(ResumableDataLoader(Tiny(1 << 20), batch_size=64, shuffle=True, num_workers=2))
 for _ in range(2001):
     next(iterator)
@@ -136,8 +137,8 @@ def in_loader_seed_micros() -> float:
 _WAKE_CONTROL = """
 import json, sys
 sys.path.insert(0, {bench!r})
-import loader_resume.keyed_rng as keyed_rng
-keyed_rng.seed_generators = lambda key, mask: None  # forked workers inherit it: the helper seeds nothing
+import loader_resume.keyed_fetch as keyed_fetch
+keyed_fetch.seed_generators = lambda key, mask: None  # forked workers inherit it: the helper seeds nothing
 from common import Tiny, batches_per_second, interleaved
 from torch.utils.data import DataLoader
 from loader_resume import ResumableDataLoader

@@ -1,4 +1,4 @@
-"""Changed resources (item 3), DDP sharding with real gloo processes (item 4), elastic resume (item 5)."""
+"""Changed resources (batch size, workers), DDP sharding with real gloo processes, elastic resume."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from loader_resume.testing import assert_delivers_rest_exactly_once, assert_resumes_exactly
-from support.data import PlainSampler, ids, make
+from loader_resume import ResumableDataLoader
+from loader_resume.testing import assert_delivers_rest_exactly_once, assert_resumes_exactly, run_epochs
+from support.data import PlainSampler, StatefulShards, ids, make
 from support.launch import launch
 
 
@@ -20,6 +21,25 @@ def test_state_from_two_workers_resumes_with_another_worker_count(workers_after:
         make_resumed=lambda: make(10, shuffle=True, num_workers=workers_after),
         epochs=2, cuts=[0, 1, 3, 4, 6],
     )
+
+
+def test_num_workers_set_between_passes_takes_effect_as_with_dataloader() -> None:
+    reference = run_epochs(make(10, batch_size=3, shuffle=True), 3)
+    loader = make(10, batch_size=3, shuffle=True, num_workers=2)  # from 0, torch itself lacks a prefetch_factor
+    first = run_epochs(loader, 1)
+    loader.num_workers = 0
+    assert first + run_epochs(loader, 3, 1) == reference  # keyed values do not depend on the worker count
+
+
+def test_a_stream_told_another_num_workers_after_its_load_says_to_set_it_before() -> None:
+    saved = ResumableDataLoader(StatefulShards(9), batch_size=2, num_workers=2)
+    iterator = iter(saved)
+    next(iterator)
+    resumed = ResumableDataLoader(StatefulShards(9), batch_size=2, num_workers=2)
+    resumed.load_state_dict(saved.state_dict())
+    resumed.num_workers = 1
+    with pytest.raises(ValueError, match=r"num_workers=1, but the state loaded holds 2 workers' positions"):
+        iter(resumed)
 
 
 def test_changed_batch_size_resumes_at_the_same_sample_position() -> None:

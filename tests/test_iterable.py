@@ -171,7 +171,7 @@ def test_worker_error_reaches_caller_and_last_good_state_resumes(workers: int) -
     if workers:
         assert "Original Traceback" in str(caught.value) and "raise RuntimeError" in str(caught.value)
     state = loader.state_dict()
-    assert state["position"] == len(delivered) > 0
+    assert state["stream"]["delivered"] == len(delivered) > 0
     resumed = build(None)
     resumed.load_state_dict(state)
     assert run_epochs(resumed, 1) == reference[len(delivered):]
@@ -181,7 +181,7 @@ def test_worker_renumbering_uses_torchs_worker_info() -> None:
     """Pins the private detail iterable.report_worker_id relies on: a frozen WorkerInfo's id can be reset."""
     from torch.utils.data._utils import worker as torch_worker
 
-    from loader_resume.iterable import report_worker_id
+    from loader_resume.stream_tasks import report_worker_id
 
     torch_worker._worker_info = torch_worker.WorkerInfo(id=0, num_workers=3, seed=1, dataset=None)
     try:

@@ -13,15 +13,8 @@ import pytest
 import torch
 from torch.utils.data._utils.fetch import _MapDatasetFetcher
 
-from loader_resume.keyed_rng import (
-    GENERATORS,
-    SEED_AHEAD,
-    CallerRng,
-    KeyedIndices,
-    SeedAheadCollate,
-    derive_key,
-    generator_mask,
-)
+from loader_resume.keyed_fetch import SEED_AHEAD, KeyedIndices, KeySpec, SeedAheadCollate
+from loader_resume.keyed_rng import GENERATORS, CallerRng, derive_key, generator_mask
 from loader_resume.testing import run_epochs
 from support.data import make
 
@@ -155,14 +148,14 @@ def test_seeding_ahead_gives_each_batch_its_own_keys_values() -> None:
     """A worker seeds for its next batch in the background; right or wrong, the values are the batch's own."""
     mask = generator_mask(GENERATORS)
     keys = [derive_key(11, i) for i in range(4)]
-    plain = [KeyedIndices([0, 1, 2], (key, None, mask)) for key in keys]
+    plain = [KeyedIndices([0, 1, 2], KeySpec(key, None, mask)) for key in keys]
     expected, _ = _fetch_in_a_worker(plain, between=lambda: (torch.rand(3), np.random.rand(3), random.random()))
     pairs = zip(keys, [*keys[1:], None], strict=True)
-    guessed = [KeyedIndices([0, 1, 2], (key, None, mask), ahead=after) for key, after in pairs]
+    guessed = [KeyedIndices([0, 1, 2], KeySpec(key, None, mask), ahead=after) for key, after in pairs]
     values, seeds = _fetch_in_a_worker(guessed)
     assert values == expected
     assert seeds[1:] == [key & ((1 << 63) - 1) for key in keys[1:]]  # seeded (63 bits) before the indices arrived
-    wrong = [KeyedIndices([0, 1, 2], (key, None, mask), ahead=derive_key(99, i)) for i, key in enumerate(keys)]
+    wrong = [KeyedIndices([0, 1, 2], KeySpec(key, None, mask), ahead=derive_key(99, i)) for i, key in enumerate(keys)]
     assert _fetch_in_a_worker(wrong)[0] == expected
     assert len({v for batch in expected for item in batch for v in item}) == 4 * 3 * 3  # the keys differ
 

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+import functools
 from typing import Any
 
 import pytest
@@ -14,7 +10,7 @@ import torch
 
 from loader_resume import ResumableDataLoader
 from loader_resume.testing import assert_resumes_exactly, run_epochs
-from support.data import Augmented, ids, make
+from support.data import Augmented, StatefulShards, ids, make
 
 
 def _pair_collate(items: list[dict[str, Any]]) -> tuple[list[int], torch.Tensor]:
@@ -90,40 +86,47 @@ def test_batch_size_none_yields_single_items_and_resumes() -> None:
     assert item["id"] == 0 and item["torch"].shape == (2,)
 
 
-_CHILD = """
-import json, sys, torch
-sys.path.insert(0, {tests!r})
-from support.data import make
-loader = make(10, batch_size=3, shuffle=True, num_workers=2)
-mode, path = sys.argv[1], sys.argv[2]
-if mode == "save":
-    delivered = [b for e in range(2) for b in loader][:5]
-    loader = make(10, batch_size=3, shuffle=True, num_workers=2)
-    for epoch in range(2):
-        for batch in loader:
-            delivered = delivered[1:]
-            if not delivered:
-                torch.save(loader.state_dict(), path)
-                sys.exit(0)
-else:
-    loader.load_state_dict(torch.load(path, weights_only=True))
-    out = [b["id"].tolist() + b["torch"].flatten().tolist() for e in range(2) for b in loader]
-    print(json.dumps(out))
-"""
+def _shuffled_in_workers() -> ResumableDataLoader[Any]:
+    return make(10, batch_size=3, shuffle=True, num_workers=2)
 
 
-def test_resume_across_a_real_process_boundary(tmp_path: Path) -> None:
-    script = tmp_path / "child.py"
-    script.write_text(_CHILD.format(tests=str(Path(__file__).parent)))
-    state = tmp_path / "state.pt"
-    env = {**os.environ, "PYTHONHASHSEED": "0"}
-    subprocess.run([sys.executable, str(script), "save", str(state)], check=True, env=env)
-    done = subprocess.run([sys.executable, str(script), "load", str(state)], check=True, env=env,
-                          capture_output=True, text=True)
-    reference = make(10, batch_size=3, shuffle=True, num_workers=2)
-    batches = [b for e in range(3) for b in reference]
-    expected = [b["id"].tolist() + b["torch"].flatten().tolist() for b in batches[5:]]
-    assert json.loads(done.stdout) == expected
+def _stateful_stream(workers: int = 2) -> ResumableDataLoader[Any]:
+    return ResumableDataLoader(StatefulShards(11), batch_size=2, num_workers=workers)
+
+
+@pytest.mark.parametrize("round_trip", ["json", "torch", "dcp"])
+def test_map_style_states_resume_exactly_after_each_round_trip(round_trip: str) -> None:
+    """Through JSON, a weights_only torch.load, or torch.distributed.checkpoint into the fresh loader (a Stateful)."""
+    assert_resumes_exactly(_shuffled_in_workers, round_trip=round_trip)
+
+
+@pytest.mark.parametrize("round_trip", ["json", "torch"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stream_states_resume_exactly_after_each_round_trip(round_trip: str, workers: int) -> None:
+    assert_resumes_exactly(functools.partial(_stateful_stream, workers), round_trip=round_trip)
+
+
+@pytest.mark.parametrize("build", [_shuffled_in_workers, _stateful_stream])
+def test_states_resume_exactly_in_a_fresh_process(build: Any) -> None:
+    """The state crosses a process boundary as torch.save bytes; a spawned process builds the loader and resumes."""
+    report = assert_resumes_exactly(build, round_trip="process", cuts=[0, 5])
+    assert report.cuts == (0, 5) and report.batches > 5
+
+
+class _SetState(StatefulShards):
+    """A stream whose state holds a set: JSON cannot carry it."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"i": self.i, "tags": {"a"}}
+
+
+def test_a_round_trip_the_state_cannot_make_is_reported() -> None:
+    make_loader = lambda: ResumableDataLoader(_SetState(7), batch_size=2)  # noqa: E731
+    assert_resumes_exactly(make_loader, cuts=[2])  # a deep copy carries a set
+    with pytest.raises(TypeError, match="set is not JSON serializable"):
+        assert_resumes_exactly(make_loader, cuts=[2], round_trip="json")
+    with pytest.raises(ValueError, match=r"round_trip='yaml': expected one of \['copy', 'json'"):
+        assert_resumes_exactly(make_loader, round_trip="yaml")
 
 
 def test_run_epochs_helper_labels_epochs() -> None:

@@ -1,23 +1,20 @@
-"""The state: tiny, plain, versioned (item 6); strict on bad input (item 8); DCP Stateful (item 9)."""
+"""The state: tiny, plain and versioned; strict on bad input, naming the field; older versions still load."""
 
 from __future__ import annotations
 
 import copy
 import json
 import tracemalloc
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import Dataset
 
 from loader_resume import STATE_VERSION, ResumableDataLoader, StateError
-from loader_resume.testing import run_epochs
-from support.data import Augmented, ids, make
+from support.data import Augmented, StatefulShards, ids, make
 
 
 class Huge(Dataset[int]):
@@ -39,18 +36,6 @@ def test_state_is_plain_json_under_one_kilobyte(n: int) -> None:
     text = json.dumps(state)
     assert json.loads(text) == state and len(text.encode()) < 1024
     assert state["version"] == STATE_VERSION and state["dataset_len"] == n and state["position"] == 4
-
-
-def test_weights_only_round_trip_continues_exactly(tmp_path: Path) -> None:
-    reference = run_epochs(make(10, shuffle=True), 2)
-    loader = make(10, shuffle=True)
-    iterator = iter(loader)
-    next(iterator)
-    next(iterator)
-    torch.save(loader.state_dict(), tmp_path / "s.pt")
-    fresh = make(10, shuffle=True)
-    fresh.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True))
-    assert run_epochs(fresh, 2) == reference[2:]
 
 
 def test_billion_sample_shuffle_starts_without_materialising_a_permutation() -> None:
@@ -87,7 +72,7 @@ def _saved() -> dict[str, Any]:
         (lambda s: s.update(keying="sample"), "keying", r"saved 'sample', expected 'batch'"),
         (lambda s: s.update(shuffle=False), "shuffle", r"saved False, expected True"),
         (lambda s: s.update(version=99), "version",
-         r"saved 99, expected one of \[1, 2\].*unknown loader-resume release"),
+         r"saved 99, expected one of \[1, 2, 3\].*unknown loader-resume release"),
         (lambda s: s.pop("position"), "position", r"saved '<missing>'"),
         (lambda s: s.update(positon=s.pop("position")), "positon",
          r"'positon': saved 3, expected no such key. Unknown key; did you mean 'position'\?"),
@@ -104,6 +89,48 @@ def test_bad_state_names_field_saved_and_expected(edit: Any, field: str, message
         loader.load_state_dict(state)
     assert caught.value.field == field
     assert ids(list(loader)) == ids(list(make(10, shuffle=True)))  # still usable, untouched
+
+
+def _stream_state(delivered: int) -> dict[str, Any]:
+    loader = ResumableDataLoader(StatefulShards(9), batch_size=2, num_workers=2)
+    iterator = iter(loader)
+    for _ in range(delivered):
+        next(iterator)
+    return copy.deepcopy(loader.state_dict())
+
+
+def test_position_counts_global_samples_and_a_stream_counts_its_batches_under_its_own_name() -> None:
+    loader = make(10, batch_size=3, world_size=2, rank=1)
+    iterator = iter(loader)
+    next(iterator)
+    assert loader.state_dict()["position"] == 6  # one global step of two ranks' batches of three
+    state = _stream_state(3)
+    assert state["position"] is None and state["stream"]["delivered"] == 3
+
+
+def test_a_version_2_stream_state_whose_position_counted_batches_still_resumes() -> None:
+    state = _stream_state(3)
+    rest = ids(list(_resumed(state)))
+    stream = {key: value for key, value in state["stream"].items() if key != "delivered"}
+    old = {**state, "version": 2, "position": 3, "stream": stream}
+    resumed = _resumed(old)
+    assert resumed.state_dict()["stream"] == state["stream"]  # read back in this version's layout
+    assert ids(list(resumed)) == rest and len(rest) > 0
+
+
+def _resumed(state: dict[str, Any]) -> ResumableDataLoader[Any]:
+    loader = ResumableDataLoader(StatefulShards(9), batch_size=2, num_workers=2)
+    loader.load_state_dict(copy.deepcopy(state))
+    return loader
+
+
+def test_a_position_of_the_wrong_kind_is_refused() -> None:
+    stream = _stream_state(1)
+    with pytest.raises(StateError, match=r"'position': saved 2, expected None") as caught:
+        _resumed({**stream, "position": 2})
+    assert caught.value.field == "position"
+    with pytest.raises(StateError, match=r"'position': saved None, expected an int >= 0"):
+        make(10, shuffle=True).load_state_dict({**_saved(), "position": None})
 
 
 def test_garbage_is_refused() -> None:
@@ -139,20 +166,6 @@ def test_one_corrupted_field_is_refused_or_resumes_validly(field: str, value: An
         return
     delivered = sum(ids(list(loader)), [])
     assert len(set(delivered)) == len(delivered) and set(delivered) <= set(range(10))
-
-
-# --- torch.distributed.checkpoint -------------------------------------------------------------------
-def test_works_as_a_distributed_checkpoint_stateful(tmp_path: Path) -> None:
-    reference = run_epochs(make(10, shuffle=True, batch_size=2), 2)
-    loader = make(10, shuffle=True, batch_size=2)
-    iterator = iter(loader)
-    for _ in range(3):
-        next(iterator)
-    dcp.save({"loader": loader}, checkpoint_id=str(tmp_path / "ckpt"))
-    fresh = make(10, shuffle=True, batch_size=2)
-    dcp.load({"loader": fresh}, checkpoint_id=str(tmp_path / "ckpt"))
-    assert fresh.state_dict() == loader.state_dict()
-    assert run_epochs(fresh, 2) == reference[3:]
 
 
 def test_assert_delivers_rest_exactly_once_names_lost_and_repeated_samples() -> None:

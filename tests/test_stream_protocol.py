@@ -249,7 +249,9 @@ def test_a_version_1_stream_state_still_loads() -> None:
     expected = [next(iterator) for _ in range(3)]
     state = copy.deepcopy(loader.state_dict())
     rest = [b["id"].tolist() for b in iterator]
-    old = {**state, "version": 1, "stream": {**state["stream"], "workers": [
+    # version 1: the stream's delivered count was the state's position; workers had three keys
+    stream = {k: v for k, v in state["stream"].items() if k != "delivered"}
+    old = {**state, "version": 1, "position": state["stream"]["delivered"], "stream": {**stream, "workers": [
         {k: w[k] for k in ("batches", "items", "state")} for w in state["stream"]["workers"]]}}
     resumed = ResumableDataLoader(StatefulShardsResetAtEnd(9), batch_size=2, num_workers=2)
     resumed.load_state_dict(old)

@@ -247,7 +247,7 @@ def test_a_state_requested_right_after_a_load_resumes_exactly_and_counts_from_th
     iterator = iter(loader)
     next(iterator)
     again = loader.state_dict()
-    assert again == after_one and again["position"] == state["position"] + 1 == 8
+    assert again == after_one and again["stream"]["delivered"] == state["stream"]["delivered"] + 1 == 8
     resumed = make()
     resumed.load_state_dict(again)
     assert list(resumed) == rest

@@ -156,7 +156,7 @@ def global_rng_state() -> dict[str, Any]:
 
     Plain values and tensors only, so a checkpoint holding it loads with ``weights_only=True``
     (Lightning 2.6 and our own loaders load that way). On a GPU, dropout draws from the CUDA
-    generators, so resuming the model's random stream needs them as much as the CPU one.
+    generators, so resuming the model's random sequence needs them as much as the CPU one.
     """
     kind, key, pos, has_gauss, gauss = np.random.get_state(legacy=True)
     numpy_state = {"kind": kind, "key": torch.from_numpy(np.asarray(key).astype(np.int64)), "pos": int(pos),
@@ -174,7 +174,7 @@ def set_global_rng_state(state: dict[str, Any]) -> None:
 
     CUDA states are restored only onto as many visible CUDA devices as were saved (device ``i`` gets
     saved state ``i``); otherwise they are left alone with a warning that names both counts, since a
-    state for another device layout would continue another device's stream. Likewise ``"mps"``.
+    state for another device layout would continue another device's sequence. Likewise ``"mps"``.
     """
     torch.set_rng_state(state["torch"])
     saved = state["numpy"]
@@ -189,7 +189,7 @@ def set_global_rng_state(state: dict[str, Any]) -> None:
                 torch.cuda.set_rng_state(device_state, device)
         else:
             logger.warning("RNG state: saved for %d CUDA device(s), this process sees %d; the CUDA generators "
-                           "are NOT restored (GPU dropout will not continue the saved stream; run with the same "
+                           "are NOT restored (GPU dropout will not continue the saved sequence; run with the same "
                            "CUDA_VISIBLE_DEVICES layout to restore them)", len(cuda), visible)
     mps = state.get("mps")
     if mps is not None:

@@ -1,9 +1,9 @@
-"""The global stream of an epoch, cut into per-rank batches.
+"""The global order of an epoch, cut into per-rank batches.
 
-One epoch is one global stream of *units* (sample indices, or whole batches when the user brings a
+One epoch is one global order of *units* (sample indices, or whole batches when the user brings a
 batch sampler). The only state is how many units the whole job has consumed (``position``). Each
 global step takes ``world * batch`` units; rank ``r`` takes the ``r``-th slice of ``batch`` units.
-So a resume with another world size or batch size simply continues the stream at ``position``.
+So a resume with another world size or batch size simply continues the order at ``position``.
 
 Tail of an epoch (fewer than ``world * batch`` units left):
 - ``drop_last=True``: those units are dropped (a fresh permutation each epoch drops different ones);
@@ -14,7 +14,7 @@ Tail of an epoch (fewer than ``world * batch`` units left):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any, NamedTuple, TypeVar
@@ -24,7 +24,10 @@ from torch.utils.data import DistributedSampler, RandomSampler, SequentialSample
 
 from .permutation import KeyedPermutation
 
-__all__ = ["ShardedSampler", "Shard", "torch_order", "Step", "permutation_steps", "source_steps", "steps_per_epoch"]
+__all__ = [
+    "ShardedSampler", "Shard", "Source", "Step", "classify_source", "default_seed", "permutation_steps", "source_steps",
+    "steps_per_epoch", "torch_order",
+]
 
 U = TypeVar("U")
 _CHUNK_UNITS = 4096  # units computed per vectorised permutation call
@@ -32,7 +35,7 @@ _CHUNK_UNITS = 4096  # units computed per vectorised permutation call
 
 @dataclass(frozen=True, slots=True)
 class Shard:
-    """This rank's view of the global stream."""
+    """This rank's view of the global order."""
 
     rank: int
     world: int
@@ -136,10 +139,23 @@ def torch_order(sampler: Any, dataset: Any) -> bool | None:
     return None if sampler.replacement or sampler._num_samples is not None else True
 
 
+class Source(NamedTuple):
+    """What orders a map-style dataset's units: the user's (batch) sampler, or our keyed permutation."""
+
+    sampler: Any
+    """The user's sampler or batch sampler, or None for our keyed permutation of ``range(len(dataset))``."""
+    name: str
+    """How the state names it (``"permutation"``, ``"sampler:<class>"``, ``"batch_sampler:<class>"``)."""
+    shuffle: bool
+    """Our permutation shuffles (else it is ``range(n)`` in order)."""
+    unit_is_batch: bool = False
+    """The units are whole index lists (a batch sampler)."""
+
+
 class ShardedSampler(DistributedSampler):  # type: ignore[type-arg]
     """Marks a custom sampler as "shard me across ranks" for :class:`ResumableDataLoader`.
 
-    The loader takes the wrapped sampler's stream and gives each rank its slice of every global step
+    The loader takes the wrapped sampler's order and gives each rank its slice of every global step
     (the same rules as for shuffled data), saving the wrapped sampler's state if it has one. It is a
     ``DistributedSampler`` so that frameworks which inject one into unsharded loaders (Lightning does,
     wrapping custom samplers in an unsaved, reshuffling ``DistributedSamplerWrapper``) leave it alone.
@@ -160,3 +176,33 @@ class ShardedSampler(DistributedSampler):  # type: ignore[type-arg]
         super().set_epoch(epoch)
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
+
+
+def default_seed(generator: Any, sampler: Any) -> int:
+    """``seed=None``: the seed of the generator (or DistributedSampler) that would have shuffled, else 0."""
+    if type(sampler) is DistributedSampler:
+        return int(sampler.seed)
+    if generator is None and type(sampler) is RandomSampler:
+        generator = sampler.generator
+    return int(generator.initial_seed()) if generator is not None else 0
+
+
+def classify_source(dataset: Any, sampler: Any, batch_sampler: Any, shuffle: bool | None) -> Source:
+    """What orders a map-style ``dataset``'s units, given DataLoader's arguments."""
+    if batch_sampler is not None:
+        return Source(batch_sampler, f"batch_sampler:{_qualname(batch_sampler)}", False, unit_is_batch=True)
+    if type(sampler) is ShardedSampler:
+        return Source(sampler.sampler, f"sampler:{_qualname(sampler.sampler)}", False)
+    if sampler is None:
+        return Source(None, "permutation", bool(shuffle))
+    ordered = torch_order(sampler, dataset)
+    if ordered is not None:
+        return Source(None, "permutation", ordered)
+    if type(sampler) is DistributedSampler:
+        return Source(None, "permutation", bool(sampler.shuffle))
+    return Source(sampler, f"sampler:{_qualname(sampler)}", False)
+
+
+def _qualname(obj: Iterable[Any]) -> str:
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"

@@ -5,6 +5,9 @@ Version history:
       iterable datasets (per-worker progress under ``"stream"``, ``None`` for map-style).
   2 — each stream worker also records its iterator's state (torchdata's Stateful protocol) and whether
       it ran dry in the epoch. Version-1 states still load (the new fields read as None and False).
+  3 — ``position`` means one thing: global samples delivered of map-style data (None for iterable
+      datasets, whose delivered-batch count moved to ``stream["delivered"]``). Version-1 and -2 states
+      still load: :func:`check_state` returns them in this layout.
 
 Every key is always present (constant shape), values are ints, strings, bools, None or lists of those,
 plus whatever a user's stateful sampler or dataset returns under ``sampler_state``/``dataset_state``.
@@ -21,8 +24,8 @@ __all__ = ["STATE_KEYS", "STATE_VERSION", "StateError", "check_state"]
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION: Final = 2
-READABLE_VERSIONS: Final = (1, 2)
+STATE_VERSION: Final = 3
+READABLE_VERSIONS: Final = (1, 2, 3)
 
 # Fields the position depends on: a saved value must equal the current one, or the order differs.
 MUST_MATCH: Final = ("kind", "source", "dataset_len", "seed", "shuffle", "keying", "keyed_generators")
@@ -62,7 +65,7 @@ _TYPES: Final[dict[str, tuple[str, Callable[[Any], bool]]]] = {
     "keying": ("a str", lambda v: type(v) is str),
     "keyed_generators": ("a list of str", lambda v: type(v) is list and all(type(x) is str for x in v)),
     "epoch": ("an int >= 0", lambda v: _is_int(v) and v >= 0),
-    "position": ("an int >= 0", lambda v: _is_int(v) and v >= 0),
+    "position": ("an int >= 0 or None", lambda v: v is None or (_is_int(v) and v >= 0)),
     "world_size": ("an int >= 1", lambda v: _is_int(v) and v >= 1),
     "batch_size": ("an int or None", _is_opt_int),
     "num_workers": ("an int >= 0", lambda v: _is_int(v) and v >= 0),
@@ -73,11 +76,12 @@ _TYPES: Final[dict[str, tuple[str, Callable[[Any], bool]]]] = {
 }
 
 
-def check_state(saved: Any, current: Mapping[str, Any]) -> None:
-    """Raise :class:`StateError` unless ``saved`` can resume a loader whose own state is ``current``.
+def check_state(saved: Any, current: Mapping[str, Any]) -> dict[str, Any]:
+    """``saved`` in this version's layout; raises :class:`StateError` unless it can resume a loader whose own
+    state is ``current``.
 
-    ``current`` is the loader's state as it would be saved now. Nothing is modified, so a loader that
-    refuses a state stays usable.
+    ``current`` is the loader's state as it would be saved now. Nothing is modified (an older version's
+    state is returned as a new dict), so a loader that refuses a state stays usable.
     """
     if not isinstance(saved, Mapping):
         hint = "Pass the dict that state_dict() returned."
@@ -86,22 +90,38 @@ def check_state(saved: Any, current: Mapping[str, Any]) -> None:
     if saved["version"] not in READABLE_VERSIONS:
         hint = "This state comes from an unknown loader-resume release."
         raise StateError("version", saved["version"], f"one of {list(READABLE_VERSIONS)}", hint)
+    state = _upgraded(saved)
     for field, (expected, ok) in _TYPES.items():
-        if not ok(saved[field]):
-            raise StateError(field, saved[field], expected, "The state was edited or corrupted.")
+        if not ok(state[field]):
+            raise StateError(field, state[field], expected, "The state was edited or corrupted.")
     for field in MUST_MATCH:
-        if saved[field] != current[field]:
-            raise StateError(field, saved[field], repr(current[field]), _MATCH_HINT)
-    length = saved["dataset_len"]
-    if (saved["stream"] is None) != (current["kind"] == "map"):
-        raise StateError("stream", saved["stream"], "None" if current["kind"] == "map" else "a dict",
-                         "The state was edited or corrupted.")
-    if current["source"] == "permutation" and length is not None and saved["position"] > length:
+        if state[field] != current[field]:
+            raise StateError(field, state[field], repr(current[field]), _MATCH_HINT)
+    is_map = current["kind"] == "map"
+    corrupted = "The state was edited or corrupted."
+    if (state["stream"] is None) != is_map:
+        raise StateError("stream", state["stream"], "None" if is_map else "a dict", corrupted)
+    if (state["position"] is None) == is_map:
+        raise StateError("position", state["position"], "an int >= 0" if is_map else "None", corrupted)
+    length = state["dataset_len"]
+    if current["source"] == "permutation" and length is not None and state["position"] > length:
         limit = f"at most dataset_len={length}"
-        raise StateError("position", saved["position"], limit, "The state was edited or corrupted.")
+        raise StateError("position", state["position"], limit, "The state was edited or corrupted.")
     for field in MAY_CHANGE:
-        if saved[field] != current[field]:
-            logger.info("resuming with %s=%r (saved with %r)", field, current[field], saved[field])
+        if state[field] != current[field]:
+            logger.info("resuming with %s=%r (saved with %r)", field, current[field], state[field])
+    return state
+
+
+def _upgraded(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """``saved`` in the current layout: before version 3, an iterable's ``position`` was its delivered count."""
+    state = dict(saved)
+    stream = state["stream"]
+    if state["version"] < 3 and isinstance(stream, Mapping) and "delivered" not in stream:
+        state["stream"] = {**stream, "delivered": state["position"]}
+        state["position"] = None
+    state["version"] = STATE_VERSION
+    return state
 
 
 _MATCH_HINT: Final = (

@@ -2,7 +2,7 @@
 
 State layout under the loader state's ``"stream"`` key (``None`` for map-style data)::
 
-    {"rank": 0, "next_worker": 1,
+    {"rank": 0, "next_worker": 1, "delivered": 5,
      "workers": [{"batches": 3, "items": 6, "state": <dataset.state_dict() or None>,
                   "iterator": <state_dict() of the iterator iter(dataset) returned, or None>,
                   "dry": <bool: the worker's stream ended in this epoch>,
@@ -11,9 +11,11 @@ State layout under the loader state's ``"stream"`` key (``None`` for map-style d
                   ...]}
 
 ``workers`` has one entry per worker (one for ``num_workers=0``), in worker order; ``next_worker`` is
-the worker whose batch comes next in torch's round-robin. ``iterator`` and ``dry`` are new in state
-version 2, ``self_iterator`` and ``before_epoch`` later in version 2; an entry without them reads as ``None``
-and ``False``.
+the worker whose batch comes next in torch's round-robin; ``delivered`` counts the batches this rank
+handed to the caller in the epoch (before state version 3 it was the state's ``position``, which now
+means global samples of map-style data only). ``iterator`` and ``dry`` are new in state version 2,
+``self_iterator`` and ``before_epoch`` later in version 2; an entry without them reads as ``None`` and
+``False``.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .iterable import Progress
 from .state import StateError
+from .stream_tasks import WorkerMeta
+from .stream_worker import Progress
 
 __all__ = ["StreamPass", "parse_stream", "stream_to_dict"]
 
@@ -46,7 +49,7 @@ class StreamPass:
     history: deque[tuple[int, Progress, int, bool]] = field(default_factory=lambda: deque(maxlen=HISTORY))
     """What each of the last deliveries replaced, and whether it was a batch, to rewind (see ``rewound``)."""
 
-    def deliver(self, meta: tuple[int, Progress], *, batch: bool = True) -> None:
+    def deliver(self, meta: WorkerMeta, *, batch: bool = True) -> None:
         """Record a batch handed to the caller, or (``batch=False``) a worker's end-of-stream progress."""
         worker, progress = meta
         self.history.append((worker, self.progress[worker], self.next_worker, batch))
@@ -73,13 +76,13 @@ class StreamPass:
 def stream_to_dict(rank: int, pass_: StreamPass) -> dict[str, Any]:
     workers = [{"batches": p.batches, "items": p.items, "state": p.state, "iterator": p.iterator, "dry": p.dry,
                 "self_iterator": p.self_iterator, "before_epoch": p.before_epoch} for p in pass_.progress]
-    return {"rank": rank, "next_worker": pass_.next_worker, "workers": workers}
+    return {"rank": rank, "next_worker": pass_.next_worker, "delivered": pass_.delivered, "workers": workers}
 
 
-def parse_stream(saved: Any, rank: int) -> tuple[list[Progress], int]:
-    """Validated ``(progress per worker, next worker)`` from a saved ``"stream"`` value."""
-    if not isinstance(saved, Mapping) or set(saved) != {"rank", "next_worker", "workers"}:
-        raise StateError("stream", saved, "a dict with keys rank, next_worker, workers",
+def parse_stream(saved: Any, rank: int) -> tuple[list[Progress], int, int]:
+    """Validated ``(progress per worker, next worker, batches delivered)`` from a saved ``"stream"`` value."""
+    if not isinstance(saved, Mapping) or set(saved) != {"rank", "next_worker", "delivered", "workers"}:
+        raise StateError("stream", saved, "a dict with keys rank, next_worker, delivered, workers",
                          "The state was edited or corrupted.")
     if saved["rank"] != rank:
         raise StateError("stream.rank", saved["rank"], repr(rank),
@@ -91,7 +94,10 @@ def parse_stream(saved: Any, rank: int) -> tuple[list[Progress], int]:
     next_worker = saved["next_worker"]
     if type(next_worker) is not int or not 0 <= next_worker < len(progress):
         raise StateError("stream.next_worker", next_worker, f"an int in [0, {len(progress)})")
-    return progress, next_worker
+    delivered = saved["delivered"]
+    if type(delivered) is not int or delivered < 0:
+        raise StateError("stream.delivered", delivered, "an int >= 0")
+    return progress, next_worker, delivered
 
 
 def _parse_worker(index: int, entry: Any) -> Progress:

@@ -3,25 +3,44 @@
 Runs the uninterrupted sequence, takes the state before the first batch and after every batch (so
 an epoch's last batch and the epoch boundary are included), restores each into a fresh loader and
 checks that the rest of the run is bit-identical. It also checks that a loaded state reads back
-unchanged, that get/set/get is idempotent and that the state keeps one shape throughout. Use it on
-your own pipelines; our test suite uses it everywhere.
+unchanged, that get/set/get is idempotent and that the state keeps one shape throughout. With
+``round_trip``, each state first goes where checkpoints go (JSON, ``torch.save`` loaded with
+``weights_only=True``, ``torch.distributed.checkpoint``, another process). Use it on your own
+pipelines; our test suite uses it everywhere.
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
+import io
+import json
+import multiprocessing
+import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import numpy as np
 import torch
 
 __all__ = [
-    "ResumeReport", "StatefulLoader", "assert_delivers_rest_exactly_once", "assert_resumes_exactly", "fingerprint",
-    "run_epochs",
+    "ROUND_TRIPS", "ResumeReport", "StatefulLoader", "assert_delivers_rest_exactly_once", "assert_resumes_exactly",
+    "fingerprint", "run_epochs",
 ]
+
+ROUND_TRIPS: Final = ("copy", "json", "torch", "dcp", "process")
+"""Where :func:`assert_resumes_exactly` sends each state before the resumed loader gets it:
+
+- ``"copy"``: a deep copy (the default);
+- ``"json"``: ``json.dumps`` and back (the state is plain data);
+- ``"torch"``: ``torch.save`` and ``torch.load(weights_only=True)`` (what framework checkpoints do);
+- ``"dcp"``: ``torch.distributed.checkpoint.save`` of the state, then ``load`` into the resumed loader as a
+  ``Stateful`` (DCP reads into the fresh loader's own ``state_dict()`` as its template, so a state whose
+  user parts change shape between a fresh loader and a running one fails here; such states need wrapping);
+- ``"process"``: ``torch.save`` bytes resumed in another, spawned process (``make_loader`` must then be
+  picklable: a module-level function or a ``functools.partial`` of one)."""
 
 
 class StatefulLoader(Protocol):
@@ -79,6 +98,7 @@ def assert_resumes_exactly(
     epochs: int = 2,
     cuts: Sequence[int] | None = None,
     make_resumed: Callable[[], StatefulLoader] | None = None,
+    round_trip: str = "copy",
 ) -> ResumeReport:
     """Raise AssertionError unless every saved state resumes the exact rest of the run.
 
@@ -88,7 +108,10 @@ def assert_resumes_exactly(
         cuts: batch counts after which to cut (0 = before the first batch); default: every one.
         make_resumed: builds the loader that resumes (default ``make_loader``): pass another
             ``num_workers`` or batch size here to prove the state is portable.
+        round_trip: where each state goes before it is loaded, one of :data:`ROUND_TRIPS`.
     """
+    if round_trip not in ROUND_TRIPS:
+        raise ValueError(f"round_trip={round_trip!r}: expected one of {list(ROUND_TRIPS)}")
     reference = make_loader()
     records: list[tuple[int, str]] = []
     states = [copy.deepcopy(reference.state_dict())]
@@ -103,33 +126,88 @@ def assert_resumes_exactly(
             # batch ("maybe more in this epoch") and after the epoch ended differ; both must resume.
             epoch_ends.append((len(records), ended))
     chosen = tuple(range(len(records) + 1)) if cuts is None else tuple(cuts)
+    checks = [(cut, states[cut]) for cut in chosen]
+    checks += [(cut, ended) for cut, ended in epoch_ends if cuts is None or cut in chosen]
     make = make_resumed or make_loader
-    for cut in chosen:
-        _check_cut(make, states[cut], states[0], records, cut, epochs, make_resumed is None)
-    for cut, ended in epoch_ends:
-        if cuts is None or cut in chosen:
-            _check_cut(make, ended, states[0], records, cut, epochs, make_resumed is None)
+    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) if round_trip == "process" else None
+    try:
+        for cut, state in checks:
+            if _shape(state) != _shape(states[0]):
+                raise AssertionError(f"cut {cut}: state shape changed: {_shape(state)} vs {_shape(states[0])}")
+            fallback = records[cut][0] if cut < len(records) else epochs
+            if pool is not None:
+                saved = io.BytesIO()
+                torch.save(state, saved)
+                outcome = pool.submit(_resume_from_bytes, make, saved.getvalue(), epochs, fallback).result()
+            else:
+                outcome = _resume(make, _through(state, round_trip), epochs, fallback, dcp=round_trip == "dcp")
+            _check_cut(outcome, records, cut, make_resumed is None)
+    finally:
+        if pool is not None:
+            pool.shutdown()
     return ResumeReport(batches=len(records), cuts=chosen)
 
 
-def _check_cut(
-    make: Callable[[], StatefulLoader], state: dict[str, Any], initial: dict[str, Any],
-    records: list[tuple[int, str]], cut: int, epochs: int, same_build: bool,
-) -> None:
-    if _shape(state) != _shape(initial):
-        raise AssertionError(f"cut {cut}: state shape changed: {_shape(state)} vs {_shape(initial)}")
+_Outcome = tuple[dict[str, Any], dict[str, Any], dict[str, Any], list[tuple[int, str]]]
+"""(the state as loaded, after its round trip; the state read back after the load; the state a second loader
+loaded from that reads back; the rest of the run)."""
+
+
+def _through(state: dict[str, Any], round_trip: str) -> dict[str, Any]:
+    if round_trip == "json":
+        return json.loads(json.dumps(state))  # type: ignore[no-any-return]
+    if round_trip == "torch":
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        buffer.seek(0)
+        return torch.load(buffer, weights_only=True)  # type: ignore[no-any-return]
+    return copy.deepcopy(state)
+
+
+def _resume_from_bytes(make: Callable[[], StatefulLoader], saved: bytes, epochs: int, fallback: int) -> _Outcome:
+    """In another process: the state as ``torch.load(weights_only=True)`` reads it there, resumed."""
+    return _resume(make, torch.load(io.BytesIO(saved), weights_only=True), epochs, fallback, dcp=False)
+
+
+def _resume(make: Callable[[], StatefulLoader], state: dict[str, Any], epochs: int, fallback: int,
+            *, dcp: bool) -> _Outcome:
     resumed = make()
-    resumed.load_state_dict(copy.deepcopy(state))
-    read_back = resumed.state_dict()
-    if same_build:  # a loader built differently (other num_workers) may record its own settings
-        _same(read_back, state, f"cut {cut}: state read back after load_state_dict")
+    if dcp:
+        from torch.distributed.checkpoint.state_dict_loader import load
+        from torch.distributed.checkpoint.state_dict_saver import save
+
+        with tempfile.TemporaryDirectory() as directory:
+            save({"loader": _Holding(state)}, checkpoint_id=directory, no_dist=True)
+            load({"loader": resumed}, checkpoint_id=directory, no_dist=True)
+    else:
+        resumed.load_state_dict(state)
+    read_back = copy.deepcopy(resumed.state_dict())
     again = make()
     again.load_state_dict(copy.deepcopy(read_back))
-    _same(again.state_dict(), read_back, f"cut {cut}: get/set/get")
     # NOTE: an iterable stream cannot know it is spent until it is asked for more, so a state taken
     # after its last batch says "still in this epoch"; the loader's own epoch says where it resumes.
-    first_epoch = getattr(resumed, "epoch", records[cut][0] if cut < len(records) else epochs)
-    rest = run_epochs(resumed, epochs, first_epoch)
+    first_epoch = getattr(resumed, "epoch", fallback)
+    return state, read_back, again.state_dict(), run_epochs(resumed, epochs, first_epoch)
+
+
+class _Holding:
+    """A saved state as a DCP ``Stateful``."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.state = state_dict
+
+
+def _check_cut(outcome: _Outcome, records: list[tuple[int, str]], cut: int, same_build: bool) -> None:
+    loaded, read_back, again, rest = outcome
+    if same_build:  # a loader built differently (other num_workers) may record its own settings
+        _same(read_back, loaded, f"cut {cut}: state read back after load_state_dict")
+    _same(again, read_back, f"cut {cut}: get/set/get")
     expected = records[cut:]
     for offset, (got, want) in enumerate(zip(rest, expected, strict=False)):
         if got != want:

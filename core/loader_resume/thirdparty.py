@@ -1,21 +1,73 @@
-"""What we know of third-party datasets that their own API does not say (no third-party import here).
+"""What we know of the user's objects, and of third-party datasets, that their own API does not say
+(no third-party import here).
 
-Questions asked of the user's dataset:
+Questions asked of the user's dataset (or sampler):
 
+- :func:`is_stateful`: does it implement the Stateful protocol the loader calls (``state_dict()`` and
+  ``load_state_dict(state)``)? :func:`foreign_state_dict` names another library's protocol instead;
 - :func:`unrestorable`: its ``state_dict()`` exists but cannot restore it exactly, so the loader does
   not call it and resumes by replay instead (exact, at the cost of re-reading the epoch's delivered items).
 - :func:`irreproducible`: it draws from a random generator no keying reaches, so a resumed continuation
   will *not* be bit-identical; the loader says so when a state is loaded.
 - :func:`content_identity`: what identifies its content beyond its length, so ranks can compare theirs
   (:func:`loader_resume.distributed.check_same_dataset`).
+
+What the loader cannot do for a dataset as its author may expect is said when the loader is built
+(:func:`warn_at_construction`) and when a resume replays items (:func:`warn_replay`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import logging
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["content_identity", "irreproducible", "unrestorable"]
+__all__ = [
+    "content_identity", "foreign_state_dict", "irreproducible", "is_stateful", "unrestorable", "warn_at_construction",
+    "warn_replay",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def is_stateful(owner: Any) -> bool:
+    """Whether ``owner`` implements the Stateful protocol: ``state_dict()`` and ``load_state_dict(state)``.
+
+    A ``state_dict`` that requires arguments (litdata's ``StreamingDataset.state_dict(num_samples_yielded,
+    num_workers, batch_size)``, Mosaic's ``state_dict(num_samples, from_beginning)``) is another library's
+    protocol, not this one: such an object is treated as stateless (see :func:`foreign_state_dict`), and so
+    is one whose state is known not to restore it exactly (:func:`loader_resume.thirdparty.unrestorable`).
+    """
+    state_dict, load = getattr(owner, "state_dict", None), getattr(owner, "load_state_dict", None)
+    if not (callable(state_dict) and callable(load)):
+        return False
+    return foreign_state_dict(owner) is None and unrestorable(owner) is None
+
+
+_FOREIGN: dict[Any, str | None] = {}
+
+
+def foreign_state_dict(owner: Any) -> str | None:
+    """The signature of ``owner.state_dict`` when it requires arguments (another library's protocol), else None."""
+    state_dict = getattr(owner, "state_dict", None)
+    function = getattr(state_dict, "__func__", state_dict)
+    try:
+        return _FOREIGN[function]
+    except (KeyError, TypeError):
+        pass
+    try:
+        signature = inspect.signature(state_dict)  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # a builtin without a signature: take it at its word
+        found = None
+    else:
+        required = [p for p in signature.parameters.values() if p.default is p.empty
+                    and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        found = f"state_dict({', '.join(p.name for p in required)})" if required else None
+    with contextlib.suppress(TypeError):
+        _FOREIGN[function] = found
+    return found
 
 
 def unrestorable(dataset: Any) -> str | None:
@@ -52,6 +104,54 @@ def content_identity(dataset: Any) -> str | None:
     if type(dataset).__module__.startswith("datasets.") and isinstance(getattr(dataset, "_fingerprint", None), str):
         return f"fingerprint {dataset._fingerprint}"
     return None
+
+
+_WARNED: set[tuple[str, type]] = set()  # (what, dataset class): the warnings given once per class
+
+
+def _warn_once(what: str, dataset: Any, message: str, *args: Any) -> None:
+    if (what, type(dataset)) not in _WARNED:
+        _WARNED.add((what, type(dataset)))
+        logger.warning(message, *args)
+
+
+def warn_at_construction(dataset: Any, *, batch_read: bool) -> None:
+    """What this loader cannot do for ``dataset`` as its author may expect: said when the loader is built."""
+    name = type(dataset).__name__
+    if batch_read and hasattr(dataset, "__getitems__"):
+        _warn_once("batch read", dataset,
+                   "keying='sample': %s defines __getitems__, so it reads each batch's index list at once. Random "
+                   "numbers it draws while iterating that list item by item are keyed per sample; any it draws after "
+                   "(a batch transform, as HF datasets' set_transform runs) are keyed by the batch's key, so they "
+                   "depend on the batch's composition (batch size, world size). Use keying='batch' to say so "
+                   "explicitly, or read items one by one in __getitem__ for per-sample keys.", name)
+    foreign = foreign_state_dict(dataset)
+    if foreign is not None:
+        _warn_once("foreign state", dataset,
+                   "%s.%s takes required arguments: it is %s's own resume protocol, not the Stateful protocol "
+                   "(state_dict() / load_state_dict(state)) this loader calls. Its position is tracked by the loader "
+                   "and restored by replaying items (O(items delivered) per resume), and it is told the epoch through "
+                   "set_epoch(). For O(1) resume use that library's own loader.", name, foreign,
+                   _defining_library(dataset, "state_dict"))
+    reason = unrestorable(dataset)
+    if reason is not None:  # NOTE: per loader, not per class: whether it holds depends on the instance
+        logger.warning("%s: %s; this loader resumes it by replaying the epoch's delivered items instead "
+                       "(exact; costs reading them again at each resume)", name, reason)
+
+
+def _defining_library(obj: Any, method: str) -> str:
+    """The top-level package whose class defines ``obj.method`` (a user's subclass names the library it extends)."""
+    owner = next((cls for cls in type(obj).__mro__ if method in vars(cls)), type(obj))
+    return owner.__module__.split(".")[0]
+
+
+def warn_replay(dataset: Any, items: int) -> None:
+    foreign = foreign_state_dict(dataset)
+    why = f"has {foreign}, not the Stateful protocol" if foreign else "has no state_dict()"
+    logger.warning("%s %s: replaying %d items to resume (they are read and dropped). The continuation is exact "
+                   "only if its stream depends on nothing but the epoch it is told through set_epoch() and the "
+                   "keyed generators; give it state_dict()/load_state_dict() to resume in O(1)",
+                   type(dataset).__name__, why, items)
 
 
 def _hf_iterable(dataset: Any) -> bool:

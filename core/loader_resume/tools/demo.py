@@ -82,7 +82,7 @@ def _train(args: argparse.Namespace) -> int:
         saved = torch.load(checkpoint, weights_only=True)
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
-        torch.set_rng_state(saved["rng"])  # the model's dropout stream continues too
+        torch.set_rng_state(saved["rng"])  # the model's dropout draws continue too
         step, first_epoch = saved["step"], saved["epoch"]
         if args.plain:  # the usual workaround: skip the batches already seen in this epoch
             skip = saved["batch_in_epoch"]

@@ -1,40 +1,28 @@
-"""Iterable datasets: each worker's state travels with its batches; the round-robin resumes in place.
+"""Iterable datasets, worker side: the user's stream opened in each worker, and its progress.
 
-An ``IterableDataset`` owns its position, one copy per worker. Everything here runs through public
-DataLoader hooks, torch's worker loop untouched:
-
-- the *index list* of each task (:class:`Ticket`) is iterated by torch's fetcher right before it pulls
-  items from the stream: there the keyed generators are reseeded from (seed, epoch, rank, worker, batch
-  ordinal of that worker), and skipped items are replayed for datasets without state;
-- the *collate function* (:class:`StreamCollate`) runs in the worker right after: it tags the batch with
-  the worker's progress and its dataset's ``state_dict()``; the main process keeps the tags of batches
-  actually handed to the caller;
-- the *worker_init_fn* (:class:`WorkerInit`) renumbers workers, so torch's round-robin, which always
-  starts with the first worker it started, continues at the worker after the last one delivered
-  (:func:`report_worker_id`), and hands each worker the progress it resumes from;
-- torch iterates a :class:`StreamSource` in place of the user's dataset: its iterator opens the user's
-  stream lazily, at the first pull, as torchdata's ``StatefulDataLoader`` does — ``set_epoch(epoch)``,
-  the dataset's saved state, ``iter(dataset)``, then the saved state of the iterator it returned — and
-  remembers a worker that ran dry in this epoch, so that worker stays dry on resume.
+An ``IterableDataset`` owns its position, one copy per worker. torch iterates a :class:`StreamSource` in
+place of the user's dataset: its iterator opens the user's stream lazily, at the first pull, as
+torchdata's ``StatefulDataLoader`` does — ``set_epoch(epoch)``, the dataset's saved state,
+``iter(dataset)``, then the saved state of the iterator it returned — and remembers a worker that ran
+dry in this epoch, so that worker stays dry on resume. What a worker knows of itself (its number, its
+:class:`Progress`, items to replay) is its :class:`WorkerSide`. The tasks torch sends a worker, and the
+collate that tags each batch with the worker's progress, are :mod:`loader_resume.stream_tasks`.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Final
 
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset
 
 from .keyed_rng import derive_key, seed_generators
 from .state import StateError
-from .stream import is_stateful
+from .thirdparty import is_stateful
 
-__all__ = [
-    "END_OF_STREAM", "ENDED", "Progress", "StreamCollate", "StreamSource", "Ticket", "WorkerInit", "WorkerRestore",
-    "WorkerSide", "report_worker_id",
-]
+__all__ = ["END_OF_STREAM", "ENDED", "IN_WORKER", "Progress", "StreamSource", "WorkerSide"]
 
 
 @dataclass(slots=True)
@@ -190,7 +178,7 @@ class StreamSource(IterableDataset[Any]):
         # NOTE: a generator, so nothing runs until torch's fetcher pulls the first item, after the
         # first Ticket of the pass has told the worker its epoch (a persistent worker is handed a new
         # iterator before it knows the epoch). `yield from` keeps the per-item cost at C speed.
-        side = self.side if self.side is not None else _IN_WORKER
+        side = self.side if self.side is not None else IN_WORKER
         opened = side.open(self.dataset)
         if side.progress.dry:  # restored dry: its saved progress already holds its end-of-stream state
             return
@@ -213,7 +201,7 @@ class _EndOfStream:
         return self.name  # pickled as the module's singleton
 
     def __repr__(self) -> str:
-        return f"loader_resume.iterable.{self.name}"
+        return f"loader_resume.stream_worker.{self.name}"
 
 
 END_OF_STREAM = _EndOfStream("END_OF_STREAM")
@@ -238,125 +226,5 @@ class _Opened:
         return self.iterator
 
 
-_IN_WORKER = WorkerSide()
-
-
-class Ticket(list[None]):
-    """The ``[None] * batch_size`` task torch sends a worker; iterating it keys the pull of one batch.
-
-    ``spec = (epoch, stream_key, mask, batch_size)``; ``mask`` 0 means keying is off. ``side`` is set
-    only for ``num_workers=0`` (a ticket sent to a worker is pickled without it).
-    """
-
-    __slots__ = ("side", "spec")
-
-    def __init__(self, spec: tuple[int, int, int, int], side: WorkerSide | None = None) -> None:
-        super().__init__([None] * spec[3])
-        self.spec, self.side = spec, side
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (Ticket, (self.spec,))
-
-    def _side(self) -> WorkerSide:
-        return self.side if self.side is not None else _IN_WORKER
-
-    def __len__(self) -> int:
-        # NOTE: torch's fetcher compares the items it got with len(index) for drop_last.
-        return self.spec[3] + self._side().replay
-
-    def __iter__(self) -> Iterator[None]:
-        epoch, stream_key, mask, batch_size = self.spec
-        side = self._side()
-        if side.epoch != epoch:  # a persistent worker entering a new epoch
-            side.start(epoch, side.worker, None)
-        if not side.replay:
-            # NOTE: seed, then C's list iterator (no generator). In the main process the loader saved the
-            # caller's generators before this fetch and restores them after its collate (keyed too).
-            side.seed(stream_key, mask, side.progress.batches)
-            return list.__iter__(self)
-        return self._replaying(stream_key, mask, batch_size, side)
-
-    @staticmethod
-    def _replaying(stream_key: int, mask: int, batch_size: int, side: WorkerSide) -> Iterator[None]:
-        # NOTE: replayed items are pulled under the keys of the batches they first came in.
-        left, ordinal = side.replay, 0
-        while left > 0:
-            side.seed(stream_key, mask, ordinal)
-            yield from [None] * min(batch_size, left)
-            left, ordinal = left - batch_size, ordinal + 1
-        side.seed(stream_key, mask, side.progress.batches)
-        yield from [None] * batch_size
-
-
-class StreamCollate:
-    """Collate in the worker, then tag the batch with the worker's progress and dataset state."""
-
-    def __init__(self, collate_fn: Callable[[Any], Any], *, unbatch: bool, drop_last: bool, batch_size: int,
-                 side: WorkerSide | None = None) -> None:
-        self.collate_fn, self.unbatch, self.drop_last, self.batch_size = collate_fn, unbatch, drop_last, batch_size
-        self.side = side
-
-    def __call__(self, items: list[Any]) -> tuple[Any, tuple[int, Progress]]:
-        side = self.side if self.side is not None else _IN_WORKER
-        ended = bool(items) and items[-1] is END_OF_STREAM
-        if ended:
-            items = items[:-1]
-        replayed, side.replay = side.replay, 0
-        items = items[replayed:]
-        progress = side.progress
-        progress.items += replayed
-        if not items or (self.drop_last and len(items) < self.batch_size):
-            if ended:
-                return ENDED, (side.worker, replace(progress))
-            # NOTE: torch's worker loop (and the single-process iterator) take a StopIteration
-            # raised while fetching as the end of this worker's stream.
-            raise StopIteration
-        progress.batches += 1
-        progress.items += len(items)
-        side.snapshot()
-        batch = self.collate_fn(items[0]) if self.unbatch else self.collate_fn(items)
-        return batch, (side.worker, replace(progress))
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerRestore:
-    """What each worker needs at start: its new number and the progress it resumes from."""
-
-    epoch: int
-    offset: int
-    """The ``p``-th worker torch starts becomes worker ``(p + offset) % num_workers``."""
-    progress: tuple[Progress | None, ...]
-
-
-class WorkerInit:
-    """``worker_init_fn`` wrapper: renumber, restore the dataset copy, then call the user's function."""
-
-    def __init__(self, user_fn: Callable[[int], None] | None, restore: WorkerRestore) -> None:
-        self.user_fn, self.restore = user_fn, restore
-
-    def __call__(self, started_as: int) -> None:
-        info = get_worker_info()
-        assert info is not None  # torch calls worker_init_fn inside a worker, with its info set
-        worker = (started_as + self.restore.offset) % info.num_workers
-        report_worker_id(worker)
-        if isinstance(info.dataset, StreamSource):
-            # NOTE: the user's worker_init_fn sees (and may shard) its own dataset, as with DataLoader.
-            object.__setattr__(info, "dataset", info.dataset.dataset)
-        _IN_WORKER.start(self.restore.epoch, worker, self.restore.progress[worker])
-        if self.user_fn is not None:
-            self.user_fn(worker)
-
-
-def report_worker_id(worker: int) -> None:
-    """Make ``get_worker_info().id`` report ``worker`` in this worker process.
-
-    NOTE: the one private torch detail of this module: ``WorkerInfo`` is frozen (a frozen slotted
-    dataclass in torch 2.13, a class guarding ``__setattr__`` before), and ``object.__setattr__`` is
-    how its ``id`` is changed in place. torch's round-robin always hands the first task to the first
-    worker it started; renumbering which shard each started worker serves is how the order continues
-    at the right worker without forking torch's worker loop. Pinned by a test.
-    """
-    info = get_worker_info()
-    if info is None:
-        raise RuntimeError("report_worker_id() must run inside a DataLoader worker")
-    object.__setattr__(info, "id", worker)
+IN_WORKER: Final = WorkerSide()
+"""A worker process's one :class:`WorkerSide` (with ``num_workers=0`` each loader has its own)."""

@@ -1,0 +1,121 @@
+"""Planning one pass over a map-style dataset: its index lists, each keyed, from a plan and a position.
+
+:func:`plan_indices` is a function of ``(plan, epoch, start, sampler state)``: it reads nothing else and
+writes nothing back (only a user's own sampler, which it iterates, changes). The map-style position
+(:mod:`loader_resume.map_position`) records what each list will move the position to once delivered.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import chain, islice
+from typing import Any, NamedTuple
+
+from .keyed_fetch import KeySpec, keyed_indices
+from .keyed_rng import GENERATORS, CallerRng, derive_key, generator_mask, seed_generators
+from .permutation import KeyedPermutation
+from .sampler import Shard, Step, permutation_steps, source_steps
+from .thirdparty import is_stateful
+
+__all__ = ["Pending", "Plan", "plan_indices"]
+
+logger = logging.getLogger(__name__)
+_ALL_GENERATORS = generator_mask(GENERATORS)
+
+
+class Pending(NamedTuple):
+    """A step handed to torch and not yet delivered: where the position goes once it is."""
+
+    end: int
+    last: bool
+    sampler_state: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Everything a pass's index lists depend on besides its epoch and start."""
+
+    source: Any
+    """The user's sampler or batch sampler, or None for our keyed permutation of ``range(n)``."""
+    n: int | None
+    shard: Shard
+    seed: int
+    shuffle: bool
+    keying: str
+    mask: int
+    unit_is_batch: bool
+    workers: int = 0
+    """``num_workers`` when workers seed ahead, else 0: a worker's next batch is most likely ``workers`` steps later."""
+    fetch_here: bool = False
+    """The batches are fetched in this process (``num_workers=0``): seed each batch's key as its list is
+    handed out, since torch's single-process iterator fetches right after drawing it (the loader restores
+    the caller's generators once the fetch is done)."""
+
+
+def plan_indices(plan: Plan, epoch: int, start: int, sampler_state: Any = None) -> Iterator[tuple[list[int], Pending]]:
+    """The index lists of ``epoch`` from global position ``start``, each with where it moves the position.
+
+    ``sampler_state``: a user sampler's saved state, loaded into it before it is iterated (else the sampler
+    is replayed up to ``start``).
+
+    NOTE: a generator, so nothing runs until the first ``next()``: torch's multi-process iterator
+    calls ``iter(index_sampler)`` twice (base ``__init__``, then ``_reset``) and drops the first; a user
+    sampler must not be advanced, nor its loaded state used, by the dropped one.
+    """
+    batch_base = derive_key(plan.seed, epoch, "batch")
+    sample_base = derive_key(plan.seed, epoch, "sample") if plan.keying == "sample" else None
+    off = plan.keying == "off"
+    ahead_keys: dict[int, int] = {}  # key position -> key, derived when it was sent ahead (seeding ahead)
+    for units, key_position, end, last, state in _steps(plan, epoch, start, sampler_state):
+        pending = Pending(end, last, state)
+        indices = units[0] if plan.unit_is_batch else units
+        if off:
+            yield indices, pending
+            continue
+        key = ahead_keys.pop(key_position) if key_position in ahead_keys else derive_key(batch_base, key_position)
+        ahead = None
+        if plan.workers and sample_base is None:
+            ahead_position = key_position + plan.workers * plan.shard.step
+            ahead = ahead_keys[ahead_position] = derive_key(batch_base, ahead_position)
+        if plan.fetch_here:
+            seed_generators(key, plan.mask)
+        yield keyed_indices(indices, KeySpec(key, sample_base, plan.mask), ahead), pending
+
+
+def _steps(plan: Plan, epoch: int, start: int, sampler_state: Any) -> Iterator[Step]:
+    if plan.source is None:
+        assert plan.n is not None  # a permutation source is only planned for sized datasets
+        key = derive_key(plan.seed, epoch, "perm")
+        perm = KeyedPermutation(plan.n, key) if plan.shuffle else None
+        return permutation_steps(perm, plan.n, start, plan.shard)
+    snapshot = plan.source.state_dict if is_stateful(plan.source) else None
+    return source_steps(_source_units(plan, epoch, start, sampler_state), start, plan.shard, snapshot)
+
+
+def _source_units(plan: Plan, epoch: int, start: int, sampler_state: Any) -> Iterator[Any]:
+    """The user's sampler positioned at ``start``: by its own loaded state, else by replay."""
+    source = plan.source
+    if hasattr(source, "set_epoch"):
+        source.set_epoch(epoch)
+    if sampler_state is not None:
+        source.load_state_dict(sampler_state)
+    skip = start if sampler_state is None else 0
+    if skip:
+        logger.warning(
+            "%s has no state_dict(): replaying %d of its indices to resume (no data is loaded); "
+            "give it state_dict()/load_state_dict() to resume in O(1)", type(source).__name__, skip,
+        )
+    # NOTE: a sampler that draws its seed from the global RNG when iteration starts (torch's
+    # RandomSampler without a generator does) is given a keyed seed, so a replay is exact.
+    caller = CallerRng(_ALL_GENERATORS).save() if plan.keying != "off" else None
+    try:
+        if caller is not None:
+            seed_generators(derive_key(plan.seed, epoch, "sampler"), _ALL_GENERATORS)
+        units = iter(source)
+        head = list(islice(units, skip, skip + 1))
+    finally:
+        if caller is not None:
+            caller.restore()
+    return chain(head, units)

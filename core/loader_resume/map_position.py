@@ -1,0 +1,178 @@
+"""Map-style data: the position is a count of global samples delivered in one keyed global order.
+
+The order of an epoch is a function of ``(seed, epoch)`` (our permutation) or of the user's sampler; each
+global step takes ``world * batch`` units of it (:mod:`loader_resume.sampler`). So the position is the same
+number on every rank, and a resume at another world size, batch size or worker count continues there.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from .index_plan import Pending, Plan, plan_indices
+from .keyed_fetch import SeedAheadCollate
+from .position import Begun, Setup, tell_epoch
+from .sampler import Source, steps_per_epoch
+from .state import StateError
+from .thirdparty import is_stateful
+
+__all__ = ["MapPass", "MapPosition"]
+
+
+class MapPass:
+    """One ``iter()`` over map-style data: where it starts, and the steps produced but not yet delivered."""
+
+    __slots__ = ("done", "epoch", "pending", "sampler_state", "start")
+
+    def __init__(self, epoch: int, start: int, sampler_state: Any = None) -> None:
+        self.epoch, self.start, self.done = epoch, start, False
+        self.sampler_state = sampler_state
+        """A user sampler's state to load before it is iterated (a resume), else None."""
+        self.pending: deque[Pending] = deque()
+
+
+class MapPosition:
+    """Epoch and global samples delivered; see :class:`loader_resume.position.Position` for the interface."""
+
+    kind = "map"
+
+    def __init__(self, setup: Setup, source: Source) -> None:
+        """``source``: what orders the units (the user's sampler or batch sampler, or our keyed permutation)."""
+        self.setup, self.source, self.shuffle = setup, source.sampler, source.shuffle
+        self.unit_is_batch = source.unit_is_batch
+        self._n: int | None = len(setup.dataset) if hasattr(setup.dataset, "__len__") else None
+        self._pool_epoch: int | None = None  # the epoch a persistent worker pool was told
+        self._restart = False  # a loaded dataset state: a persistent pool's copies are stale
+        self.reset(None)
+
+    # --- Position --------------------------------------------------------------------------------
+    def reset(self, state: Mapping[str, Any] | None) -> None:
+        epoch, position, sampler_state, restart = 0, 0, None, False
+        if state is not None:  # validated by check_state; the user's own states are checked here, before any change
+            _check_user_state("sampler_state", state["sampler_state"], self.source)
+            _check_user_state("dataset_state", state["dataset_state"], self.setup.dataset)
+            if state["dataset_state"] is not None:
+                self.setup.dataset.load_state_dict(state["dataset_state"])
+                restart = True  # persistent workers hold copies of the old dataset
+            epoch, position, sampler_state = state["epoch"], state["position"], state["sampler_state"]
+            if self.source is None and position == self._n:
+                epoch, position = epoch + 1, 0
+        self._pass: MapPass | None = None
+        self._restart = self._restart or restart
+        self.epoch, self._position, self._fresh = epoch, position, True
+        self._sampler_state = self._sampler_state_to_load = sampler_state
+
+    def begin(self, collate_fn: Callable[[Any], Any], worker_init_fn: Callable[[int], None] | None) -> Begun:
+        if not self._fresh:  # the previous pass was left mid-epoch: a new iter() is a new epoch
+            self.epoch, self._position = self.epoch + 1, 0
+        if self._position == 0:
+            self._read_length()
+        self._fresh = False
+        told = tell_epoch(self.setup.dataset, self.epoch)
+        restart, self._restart = self._restart, False
+        if told and self.setup.persistent_workers and self._pool_epoch != self.epoch:
+            # NOTE: persistent workers keep the dataset copies they started with; a dataset that is
+            # told its epoch gets a fresh pool each epoch, so every worker's copy is told too.
+            restart, self._pool_epoch = True, self.epoch
+        self._pass = MapPass(self.epoch, self._position, self._sampler_state_to_load)
+        self._sampler_state_to_load = None
+        collate = _Unbatch(collate_fn) if self.setup.unbatched else collate_fn
+        if self.setup.seeds_ahead:
+            collate = SeedAheadCollate(collate)
+        return Begun(self._pass, {"collate_fn": collate}, restart)
+
+    def deliver(self, pass_: MapPass, item: Any) -> Any:
+        if pass_ is self._pass:
+            end, last, self._sampler_state = pass_.pending.popleft()
+            self._position = end
+            if last:
+                self._next_epoch(pass_)
+        return item
+
+    def end(self, pass_: MapPass) -> None:
+        if pass_ is self._pass and not pass_.done:
+            self._next_epoch(pass_)
+
+    def state(self, batches_ago: int = 0) -> dict[str, Any]:
+        if batches_ago:
+            raise ValueError(f"batches_ago={batches_ago}: map-style states are exact at the last delivered "
+                             "batch; frameworks do not fetch ahead of sized loaders")
+        dataset = self.setup.dataset
+        return {"epoch": self.epoch, "position": self._position, "sampler_state": self._current_sampler_state(),
+                "dataset_state": dataset.state_dict() if is_stateful(dataset) else None, "stream": None}
+
+    def batches_per_epoch(self) -> int:
+        total = self.dataset_len() if self.source is None else len(self.source)
+        assert total is not None  # our permutation is only chosen for sized datasets
+        return steps_per_epoch(total, self.setup.shard())
+
+    def dataset_len(self) -> int | None:
+        """The length the pass in flight was planned with, else (between passes, as ``DataLoader``'s
+        ``len()``) the dataset's length now, since a dataset may grow between epochs."""
+        if self._position == 0 and (self._pass is None or self._pass.done or self._fresh):
+            self._read_length()
+        return self._n
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        pass_ = self._pass if self._pass is not None else MapPass(self.epoch, self._position)
+        return self._recorded(pass_, plan_indices(self._plan(), pass_.epoch, pass_.start, pass_.sampler_state))
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch()
+
+    # --- beyond the interface --------------------------------------------------------------------
+    def planned(self, epoch: int | None = None) -> list[list[Any]]:
+        """The index lists of the next pass (or of ``epoch`` from its start), computed without reading data."""
+        start, to_load = (self._position, self._sampler_state_to_load) if epoch is None else (0, None)
+        lists = plan_indices(self._plan(fetch_here=False), self.epoch if epoch is None else epoch, start, to_load)
+        return [indices for indices, _ in lists]
+
+    # --- internals -------------------------------------------------------------------------------
+    def _plan(self, *, fetch_here: bool = True) -> Plan:
+        setup = self.setup
+        return Plan(
+            source=self.source, n=self._n, shard=setup.shard(), seed=setup.seed, shuffle=self.shuffle,
+            keying=setup.keying, mask=setup.mask, unit_is_batch=self.unit_is_batch,
+            workers=setup.num_workers if setup.seeds_ahead else 0, fetch_here=fetch_here and setup.fetches_here,
+        )
+
+    @staticmethod
+    def _recorded(pass_: MapPass, lists: Iterator[tuple[list[Any], Pending]]) -> Iterator[list[Any]]:
+        for indices, pending in lists:
+            pass_.pending.append(pending)
+            yield indices
+
+    def _next_epoch(self, pass_: MapPass) -> None:
+        self.epoch, self._position, self._fresh, pass_.done = self.epoch + 1, 0, True, True
+
+    def _read_length(self) -> None:
+        """As DataLoader: a sized dataset's length is read again at each epoch's start (it may grow)."""
+        if self._n is not None:
+            self._n = len(self.setup.dataset)
+
+    def _current_sampler_state(self) -> Any:
+        if not is_stateful(self.source):
+            return None
+        if self._sampler_state is None:
+            self._sampler_state = self.source.state_dict()
+        return self._sampler_state
+
+
+class _Unbatch:
+    """Collate for ``batch_size=None``: the fetcher hands us a one-index batch; give the item alone."""
+
+    def __init__(self, collate_fn: Callable[[Any], Any]) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, items: list[Any]) -> Any:
+        return self.collate_fn(items[0])
+
+
+def _check_user_state(field: str, saved: Any, owner: Any) -> None:
+    stateful = is_stateful(owner)
+    if saved is not None and not stateful:
+        raise StateError(field, "<a saved state>", repr("None"), f"{type(owner).__name__} has no load_state_dict().")
+    if saved is None and stateful:
+        raise StateError(field, None, repr(f"the state of {type(owner).__name__}"), "Required state missing.")

@@ -1,0 +1,177 @@
+"""Where a loader stands in its data: the one interface the loader delegates to, and what both kinds share.
+
+``ResumableDataLoader`` keeps torch's hooks; what a batch handed over means is a :class:`Position`'s:
+
+- :class:`loader_resume.map_position.MapPosition`: map-style data, a count of global samples delivered
+  in one global order (the same on every rank);
+- :class:`loader_resume.stream_position.StreamPosition`: iterable datasets (*streams*), each worker's
+  progress and the round-robin's next worker, on this rank.
+
+A position is what torch's iterator draws its index lists from (``iter(position)``), so it holds nothing
+that holds the loader: a persistent-workers loader holds its iterator, and a cycle back would make every
+shutdown wait out torch's 5 s worker join timeout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Generic, Protocol, TypeVar
+
+from .distributed import rank_and_world
+from .keyed_rng import CallerRng
+from .sampler import Shard
+
+__all__ = ["SKIP", "Begun", "Position", "Setup", "Tracked", "tell_epoch"]
+
+T = TypeVar("T")
+
+SKIP: Final = object()
+"""What :meth:`Position.deliver` returns for an item of torch's iterator that is not a batch for the caller."""
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """The loader's settings a position depends on, fixed when the loader is built."""
+
+    dataset: Any
+    seed: int
+    keying: str
+    mask: int
+    """The keyed generators (:func:`loader_resume.keyed_rng.generator_mask`)."""
+    batch_size: int | None
+    unbatched: bool
+    """``batch_size=None`` without a batch sampler: items are handed over one by one, not collated."""
+    drop_last: bool
+    num_workers: int
+    persistent_workers: bool
+    rank: int | None
+    """Explicit rank, else None: read from ``torch.distributed`` when needed (it may start later)."""
+    world_size: int | None
+    shard_drop_last: bool | None = None
+    """A ``DistributedSampler``'s own ``drop_last`` when the loader took one over, else None."""
+
+    def shard(self) -> Shard:
+        """This rank's view of the global order (rank and world size resolved now)."""
+        rank, world = rank_and_world(self.rank, self.world_size)
+        drop_last = self.drop_last if self.shard_drop_last is None else self.shard_drop_last
+        return Shard(rank, world, self.batch_size or 1, drop_last)
+
+    @property
+    def workers(self) -> int:
+        """Dataset copies that make batches: one per worker, one in this process for ``num_workers=0``."""
+        return max(self.num_workers, 1)
+
+    @property
+    def seeds_ahead(self) -> bool:
+        """Whether workers seed each next batch ahead (``keyed_fetch.SeedAhead``): per-batch keying in workers."""
+        return bool(self.num_workers and self.keying == "batch" and self.mask)
+
+    @property
+    def fetches_here(self) -> bool:
+        """Whether keyed batches are fetched in this process (seeded here, caller's generators restored)."""
+        return bool(self.num_workers == 0 and self.keying != "off" and self.mask)
+
+
+@dataclass(frozen=True, slots=True)
+class Begun:
+    """A pass a position has begun: what the loader hands torch's iterator while it is built."""
+
+    pass_: Any
+    """The pass's token: deliveries are recorded against it, and only while it is the position's current one."""
+    attributes: dict[str, Any]
+    """Loader attributes torch reads while building its iterator (``collate_fn``, ``worker_init_fn``, ``dataset``)."""
+    restart_workers: bool
+    """A persistent worker pool must be started afresh (its dataset copies are stale)."""
+
+
+class Position(Protocol):
+    """Where a loader stands; fresh start and resume go through one entry, :meth:`reset` (as torchdata nodes)."""
+
+    kind: str
+    """The state's ``kind``: ``"map"`` or ``"iterable"``."""
+    setup: Setup
+    """The loader's settings (replaced by the loader when its ``num_workers`` changes between passes)."""
+    epoch: int
+    """The epoch the next batch belongs to."""
+
+    def reset(self, state: Mapping[str, Any] | None) -> None:
+        """Stand at the start of epoch 0 (``None``), or where a validated loader ``state`` says."""
+
+    def begin(self, collate_fn: Callable[[Any], Any], worker_init_fn: Callable[[int], None] | None) -> Begun:
+        """Begin a pass at the current position (the next epoch's start if the last pass was left mid-epoch)."""
+
+    def deliver(self, pass_: Any, item: Any) -> Any:
+        """torch's iterator produced ``item`` for the caller: move the position; return the batch (or :data:`SKIP`)."""
+
+    def end(self, pass_: Any) -> None:
+        """torch's iterator of ``pass_`` is exhausted: the next pass is the next epoch."""
+
+    def state(self, batches_ago: int = 0) -> dict[str, Any]:
+        """The state's position fields (``epoch``, ``position``, ``sampler_state``, ``dataset_state``, ``stream``)."""
+
+    def batches_per_epoch(self) -> int:
+        """This rank's batches in a whole epoch (TypeError for a stream: it has no length to compute)."""
+
+    def dataset_len(self) -> int | None:
+        """The dataset length the state records (None for a stream)."""
+
+    def __iter__(self) -> Iterator[Any]:
+        """The index lists of the current pass: what torch's iterator draws from (``_index_sampler``)."""
+
+
+class Tracked(Generic[T]):
+    """What ``iter(loader)`` returns: torch's iterator, each item recorded by the position as it is handed
+    over (or skipped).
+
+    ``caller`` (keyed, ``num_workers=0``): the caller's generators are saved before torch's iterator
+    draws the next index list (which seeds the batch's key, see ``index_plan.Plan.fetch_here``) and
+    restored once after the whole fetch and collate, so model code (dropout) sees its own stream
+    undisturbed. torch's iterator stays reachable (``_workers``), as DataLoader code and tests read it.
+    """
+
+    __slots__ = ("__weakref__", "_caller", "_inner", "_pass", "_position")
+
+    def __init__(self, position: Position, pass_: Any, inner: Iterator[Any], caller: CallerRng | None) -> None:
+        self._position, self._pass, self._inner, self._caller = position, pass_, inner, caller
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_inner":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    def __iter__(self) -> Tracked[T]:
+        return self
+
+    def __len__(self) -> int:
+        return len(self._inner)  # type: ignore[arg-type]
+
+    def __next__(self) -> T:
+        caller, position, pass_ = self._caller, self._position, self._pass
+        if caller is not None:
+            caller.save()
+        try:
+            batch = position.deliver(pass_, next(self._inner))
+            while batch is SKIP:
+                batch = position.deliver(pass_, next(self._inner))
+        except StopIteration:
+            position.end(pass_)
+            raise
+        finally:
+            if caller is not None:
+                caller.restore()
+        return batch  # type: ignore[no-any-return]
+
+    @property
+    def mid_epoch(self) -> bool:
+        """Whether this iterator's pass is still going on."""
+        return not self._pass.done
+
+
+def tell_epoch(dataset: Any, epoch: int) -> bool:
+    """Call ``dataset.set_epoch(epoch)`` if it has one (as ``DistributedSampler``'s users do); whether it had."""
+    set_epoch = getattr(dataset, "set_epoch", None)
+    if callable(set_epoch):
+        set_epoch(epoch)
+        return True
+    return False

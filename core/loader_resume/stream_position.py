@@ -1,0 +1,211 @@
+"""Iterable datasets (streams): the position is each worker's progress and the round-robin's next worker.
+
+A stream's position lives in the dataset copies (one per worker, per rank); the main process keeps the
+progress each delivered batch was tagged with (:mod:`loader_resume.stream_tasks`) and restores the
+workers from it. Ticket keys and the saved layout: :mod:`loader_resume.stream_tasks`,
+:mod:`loader_resume.stream_state`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from .keyed_rng import derive_key
+from .position import SKIP, Begun, Setup, tell_epoch
+from .state import StateError
+from .stream_state import StreamPass, parse_stream, stream_to_dict
+from .stream_tasks import StreamCollate, Ticket, TicketSpec, WorkerInit, WorkerRestore
+from .stream_worker import ENDED, Progress, StreamSource, WorkerSide
+from .thirdparty import is_stateful, warn_replay
+
+__all__ = ["RESHARD_HINT", "StreamPosition"]
+
+logger = logging.getLogger(__name__)
+
+RESHARD_HINT = (
+    "An iterable dataset's position lives in each worker's (and rank's) own copy of the dataset, so it "
+    "can only resume with the num_workers and world size it was saved with; or give the dataset a "
+    "reshard_states(states, num_shards) method (see README: Iterable datasets) to allow a change "
+    "(world size changes go through loader_resume.distributed.load_rank_state)."
+)
+
+
+class StreamPosition:
+    """Each worker's progress in the epoch; see :class:`loader_resume.position.Position` for the interface."""
+
+    kind = "iterable"
+
+    def __init__(self, setup: Setup) -> None:
+        self.setup = setup
+        self._side = WorkerSide()  # this loader's worker view when num_workers=0
+        self._renumbered = False  # the last pool was started renumbered (see begin)
+        self.reset(None)
+
+    # --- Position --------------------------------------------------------------------------------
+    def reset(self, state: Mapping[str, Any] | None) -> None:
+        if state is None:
+            self._pass: StreamPass | None = None
+            self._carry: list[Progress] | None = None  # end-of-epoch states that live on (see end)
+            self.epoch, self._delivered, self._fresh = 0, 0, True
+            self._restore: tuple[list[Progress], int] | None = None  # where the next pass starts, after a load
+            return
+        world = self.setup.shard().world
+        if state["world_size"] != world:
+            raise StateError("world_size", state["world_size"], repr(world), RESHARD_HINT)
+        progress, next_worker, delivered = parse_stream(state["stream"], self.setup.shard().rank)
+        if state["num_workers"] != self.setup.num_workers:
+            shards = [p.state if p.batches else None for p in progress]
+            change = ("num_workers", state["num_workers"], self.setup.num_workers)
+            progress, next_worker = self._reshard(shards, change), 0
+        self._restore_to(state["epoch"], delivered, progress, next_worker)
+
+    def begin(self, collate_fn: Callable[[Any], Any], worker_init_fn: Callable[[int], None] | None) -> Begun:
+        setup = self.setup
+        if not self._fresh:  # the previous pass was left mid-epoch: a new iter() is a new epoch
+            self.epoch, self._delivered, self._restore, self._carry = self.epoch + 1, 0, None, None
+        self._fresh = False
+        tell_epoch(setup.dataset, self.epoch)
+        # NOTE: a carried end-of-epoch state is not loaded into copies that live on (they hold it); it stands
+        # for each worker in this pass's state until that worker delivers.
+        carry = self._carry if self._carry is not None and len(self._carry) == setup.workers else None
+        fresh = carry or [Progress() for _ in range(setup.workers)]
+        progress, offset = self._restore or (fresh, 0)
+        if len(progress) != setup.workers:
+            raise ValueError(f"num_workers={setup.num_workers}, but the state loaded holds {len(progress)} workers' "
+                             "positions: set num_workers before load_state_dict() (a stream re-shards only there)")
+        restored, self._restore, self._carry = self._restore is not None, None, None
+        self._pass = StreamPass(self.epoch, list(progress), offset, self._delivered if restored else 0)
+        replay = sum(p.items for p in progress if p.needs_replay()) if restored else 0
+        if replay:
+            warn_replay(setup.dataset, replay)
+        collate = StreamCollate(collate_fn, unbatch=setup.unbatched, drop_last=setup.drop_last,
+                                batch_size=setup.batch_size or 1)
+        if setup.num_workers == 0:
+            self._side.start(self.epoch, 0, progress[0] if restored else None)
+            collate.side = self._side
+            return Begun(self._pass, {"collate_fn": collate, "dataset": StreamSource(setup.dataset, self._side)},
+                         False)
+        load, restart = restored, False
+        if setup.persistent_workers and (restored or self._renumbered):
+            # NOTE: restored or renumbered workers must be started afresh: a persistent pool keeps the
+            # numbering and the dataset copies it was started with (DataLoader's own `_iterator`). The
+            # fresh copies of a renumbered pool are given what the old ones carried out of their last epoch.
+            restart, load = True, restored or any(p.before_epoch for p in progress)
+        self._renumbered = offset != 0
+        init = WorkerInit(worker_init_fn, WorkerRestore(
+            self.epoch, offset, tuple(progress) if load else (None,) * setup.workers))
+        attributes = {"collate_fn": collate, "worker_init_fn": init, "dataset": StreamSource(setup.dataset)}
+        return Begun(self._pass, attributes, restart)
+
+    def deliver(self, pass_: StreamPass, item: Any) -> Any:
+        batch, meta = item
+        ours = pass_ is self._pass
+        if batch is ENDED:  # a worker's stream ended with nothing left to batch: record, go on
+            if ours:
+                pass_.deliver(meta, batch=False)
+            return SKIP
+        if ours:
+            pass_.deliver(meta)
+        return batch
+
+    def end(self, pass_: StreamPass) -> None:
+        """The pass is over. Where the dataset copies live on into the next epoch (``num_workers=0`` or
+        persistent workers), each one's end-of-stream state is carried into the next pass's state: a dataset
+        that counts its own epochs, or resets at its end, resumes as that copy would go on. A dataset that is
+        its own iterator is re-initialised by ``iter()`` and carries nothing. Fresh workers start from the
+        main process's copy, in the uninterrupted run as after a resume, so nothing is carried for them."""
+        if pass_ is not self._pass or pass_.done:
+            return
+        pass_.done = True
+        self.epoch, self._delivered, self._fresh = self.epoch + 1, 0, True
+        if self.setup.num_workers == 0 or self.setup.persistent_workers:
+            carry = [Progress(state=p.state, before_epoch=True)
+                     if p.dry and p.state is not None and not p.self_iterator else Progress()
+                     for p in pass_.progress]
+            self._carry = carry if any(p.before_epoch for p in carry) else None
+
+    def state(self, batches_ago: int = 0) -> dict[str, Any]:
+        current = self._current()
+        current = current.rewound(batches_ago) if batches_ago else current
+        return {"epoch": current.epoch, "position": None, "sampler_state": None, "dataset_state": None,
+                "stream": stream_to_dict(self.setup.shard().rank, current)}
+
+    def batches_per_epoch(self) -> int:
+        raise TypeError("an IterableDataset's stream has no length for the loader to compute")
+
+    def dataset_len(self) -> None:
+        return None
+
+    def __iter__(self) -> Iterator[Ticket]:
+        """Endless tasks (torch's own sampler for an iterable dataset is endless too)."""
+        epoch = self._pass.epoch if self._pass is not None else self.epoch
+        setup = self.setup
+        stream_key = derive_key(setup.seed, epoch, "stream", setup.shard().rank)
+        spec = TicketSpec(epoch, stream_key, 0 if setup.keying == "off" else setup.mask, setup.batch_size or 1)
+        return _endless(spec, self._side if setup.num_workers == 0 else None)
+
+    # --- beyond the interface --------------------------------------------------------------------
+    @property
+    def batches_delivered(self) -> int:
+        """Batches handed to the caller in the current pass (what ``state(batches_ago)`` can go back over)."""
+        return self._current().delivered
+
+    def reset_resharded(self, ranks: list[dict[str, Any]]) -> None:
+        """Resume from every old rank's validated state, saved at another world size (see ``reshard_states``)."""
+        shards: list[Any] = []
+        for rank, state in enumerate(ranks):
+            progress, _, _ = parse_stream(state["stream"], rank)
+            shards += [p.state if p.batches else None for p in progress]
+        progress = self._reshard(shards, ("world_size", len(ranks), self.setup.shard().world))
+        self._restore_to(ranks[0]["epoch"], 0, progress, 0)
+
+    # --- internals -------------------------------------------------------------------------------
+    def _current(self) -> StreamPass:
+        """The pass a state taken now describes (see the loader's semantics)."""
+        if self._restore is not None:
+            progress, next_worker = self._restore
+            return StreamPass(self.epoch, list(progress), next_worker, self._delivered)
+        if self._pass is not None and not self._pass.done:
+            return self._pass
+        fresh = self._carry or [Progress() for _ in range(self.setup.workers)]
+        return StreamPass(self.epoch, list(fresh), 0)
+
+    def _reshard(self, shards: list[Any], change: tuple[str, int, int]) -> list[Progress]:
+        """This rank's workers' progress after the dataset re-shards ``shards`` (all old shards' states,
+        rank-major; None where a worker had delivered nothing)."""
+        dataset = self.setup.dataset
+        reshard = getattr(dataset, "reshard_states", None)
+        if not callable(reshard):
+            field, saved, now = change
+            raise StateError(field, saved, repr(now), RESHARD_HINT)
+        workers = self.setup.workers
+        shard = self.setup.shard()
+        rank, world = (shard.rank, shard.world) if change[0] == "world_size" else (0, 1)
+        states = list(reshard(shards, world * workers))
+        if len(states) != world * workers:
+            raise ValueError(f"{type(dataset).__name__}.reshard_states returned {len(states)} states, "
+                             f"expected {world * workers} (one per new worker of every rank)")
+        logger.warning("re-sharded %s for %s %d -> %d: delivery continues exactly once as its reshard_states() "
+                       "guarantees, but order and keyed values differ from an uninterrupted run",
+                       type(dataset).__name__, *change)
+        return [Progress(0, 0, s) for s in states[rank * workers : (rank + 1) * workers]]
+
+    def _restore_to(self, epoch: int, delivered: int, progress: list[Progress], next_worker: int) -> None:
+        workers = self.setup.workers
+        if len(progress) != workers:
+            raise StateError("stream.workers", f"{len(progress)} workers", repr(f"{workers} workers"),
+                             "The state was edited or corrupted.")
+        stateful = is_stateful(self.setup.dataset)
+        for i, p in enumerate(progress):
+            if (p.state is not None and not stateful) or (stateful and p.batches > 0 and p.state is None):
+                expected = f"the state of {type(self.setup.dataset).__name__}" if stateful else "None"
+                raise StateError(f"stream.workers[{i}].state", p.state, expected)
+        self.epoch, self._delivered, self._fresh = epoch, delivered, True
+        self._pass, self._restore, self._carry = None, (progress, next_worker), None
+
+
+def _endless(spec: TicketSpec, side: WorkerSide | None) -> Iterator[Ticket]:
+    while True:
+        yield Ticket(spec, side)

@@ -1,0 +1,169 @@
+"""Iterable datasets, the tasks and hooks torch runs: keyed pulls, tagged batches, renumbered workers.
+
+Everything here runs through public DataLoader hooks, torch's worker loop untouched:
+
+- the *index list* of each task (:class:`Ticket`) is iterated by torch's fetcher right before it pulls
+  items from the stream: there the keyed generators are reseeded from (seed, epoch, rank, worker, batch
+  ordinal of that worker), and skipped items are replayed for datasets without state;
+- the *collate function* (:class:`StreamCollate`) runs in the worker right after: it tags the batch with
+  the worker's progress and its dataset's ``state_dict()`` (:class:`WorkerMeta`); the main process keeps
+  the tags of batches actually handed to the caller;
+- the *worker_init_fn* (:class:`WorkerInit`) renumbers workers, so torch's round-robin, which always
+  starts with the first worker it started, continues at the worker after the last one delivered
+  (:func:`report_worker_id`), and hands each worker the progress it resumes from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
+
+from torch.utils.data import get_worker_info
+
+from .stream_worker import END_OF_STREAM, ENDED, IN_WORKER, Progress, StreamSource, WorkerSide
+
+__all__ = ["StreamCollate", "Ticket", "TicketSpec", "WorkerInit", "WorkerMeta", "WorkerRestore", "report_worker_id"]
+
+
+class TicketSpec(NamedTuple):
+    """What every task of one pass over an iterable dataset shares."""
+
+    epoch: int
+    stream_key: int
+    """This rank's key for the epoch; a worker's batch is keyed by (stream_key, worker, batch ordinal)."""
+    mask: int
+    """The keyed generators; 0 when keying is off."""
+    batch_size: int
+
+
+class WorkerMeta(NamedTuple):
+    """The tag a worker sends with each batch: who made it, and that worker's progress after it."""
+
+    worker: int
+    progress: Progress
+
+
+class Ticket(list[None]):
+    """The ``[None] * batch_size`` task torch sends a worker; iterating it keys the pull of one batch.
+
+    ``side`` is set only for ``num_workers=0`` (a ticket sent to a worker is pickled without it).
+    """
+
+    __slots__ = ("side", "spec")
+
+    def __init__(self, spec: TicketSpec, side: WorkerSide | None = None) -> None:
+        super().__init__([None] * spec.batch_size)
+        self.spec, self.side = spec, side
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # NOTE: the spec's fields travel as plain values (a NamedTuple pickles its class too, per batch).
+        return (_ticket, tuple(self.spec))
+
+    def _side(self) -> WorkerSide:
+        return self.side if self.side is not None else IN_WORKER
+
+    def __len__(self) -> int:
+        # NOTE: torch's fetcher compares the items it got with len(index) for drop_last.
+        return self.spec.batch_size + self._side().replay
+
+    def __iter__(self) -> Iterator[None]:
+        epoch, stream_key, mask, batch_size = self.spec
+        side = self._side()
+        if side.epoch != epoch:  # a persistent worker entering a new epoch
+            side.start(epoch, side.worker, None)
+        if not side.replay:
+            # NOTE: seed, then C's list iterator (no generator). In the main process the loader saved the
+            # caller's generators before this fetch and restores them after its collate (keyed too).
+            side.seed(stream_key, mask, side.progress.batches)
+            return list.__iter__(self)
+        return self._replaying(stream_key, mask, batch_size, side)
+
+    @staticmethod
+    def _replaying(stream_key: int, mask: int, batch_size: int, side: WorkerSide) -> Iterator[None]:
+        # NOTE: replayed items are pulled under the keys of the batches they first came in.
+        left, ordinal = side.replay, 0
+        while left > 0:
+            side.seed(stream_key, mask, ordinal)
+            yield from [None] * min(batch_size, left)
+            left, ordinal = left - batch_size, ordinal + 1
+        side.seed(stream_key, mask, side.progress.batches)
+        yield from [None] * batch_size
+
+
+def _ticket(epoch: int, stream_key: int, mask: int, batch_size: int) -> Ticket:
+    return Ticket(TicketSpec(epoch, stream_key, mask, batch_size))
+
+
+class StreamCollate:
+    """Collate in the worker, then tag the batch with the worker's progress and dataset state."""
+
+    def __init__(self, collate_fn: Callable[[Any], Any], *, unbatch: bool, drop_last: bool, batch_size: int,
+                 side: WorkerSide | None = None) -> None:
+        self.collate_fn, self.unbatch, self.drop_last, self.batch_size = collate_fn, unbatch, drop_last, batch_size
+        self.side = side
+
+    def __call__(self, items: list[Any]) -> tuple[Any, WorkerMeta]:
+        side = self.side if self.side is not None else IN_WORKER
+        ended = bool(items) and items[-1] is END_OF_STREAM
+        if ended:
+            items = items[:-1]
+        replayed, side.replay = side.replay, 0
+        items = items[replayed:]
+        progress = side.progress
+        progress.items += replayed
+        if not items or (self.drop_last and len(items) < self.batch_size):
+            if ended:
+                return ENDED, WorkerMeta(side.worker, replace(progress))
+            # NOTE: torch's worker loop (and the single-process iterator) take a StopIteration
+            # raised while fetching as the end of this worker's stream.
+            raise StopIteration
+        progress.batches += 1
+        progress.items += len(items)
+        side.snapshot()
+        batch = self.collate_fn(items[0]) if self.unbatch else self.collate_fn(items)
+        return batch, WorkerMeta(side.worker, replace(progress))
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRestore:
+    """What each worker needs at start: its new number and the progress it resumes from."""
+
+    epoch: int
+    offset: int
+    """The ``p``-th worker torch starts becomes worker ``(p + offset) % num_workers``."""
+    progress: tuple[Progress | None, ...]
+
+
+class WorkerInit:
+    """``worker_init_fn`` wrapper: renumber, restore the dataset copy, then call the user's function."""
+
+    def __init__(self, user_fn: Callable[[int], None] | None, restore: WorkerRestore) -> None:
+        self.user_fn, self.restore = user_fn, restore
+
+    def __call__(self, started_as: int) -> None:
+        info = get_worker_info()
+        assert info is not None  # torch calls worker_init_fn inside a worker, with its info set
+        worker = (started_as + self.restore.offset) % info.num_workers
+        report_worker_id(worker)
+        if isinstance(info.dataset, StreamSource):
+            # NOTE: the user's worker_init_fn sees (and may shard) its own dataset, as with DataLoader.
+            object.__setattr__(info, "dataset", info.dataset.dataset)
+        IN_WORKER.start(self.restore.epoch, worker, self.restore.progress[worker])
+        if self.user_fn is not None:
+            self.user_fn(worker)
+
+
+def report_worker_id(worker: int) -> None:
+    """Make ``get_worker_info().id`` report ``worker`` in this worker process.
+
+    NOTE: the one private torch detail of this module: ``WorkerInfo`` is frozen (a frozen slotted
+    dataclass in torch 2.13, a class guarding ``__setattr__`` before), and ``object.__setattr__`` is
+    how its ``id`` is changed in place. torch's round-robin always hands the first task to the first
+    worker it started; renumbering which shard each started worker serves is how the order continues
+    at the right worker without forking torch's worker loop. Pinned by a test.
+    """
+    info = get_worker_info()
+    if info is None:
+        raise RuntimeError("report_worker_id() must run inside a DataLoader worker")
+    object.__setattr__(info, "id", worker)
