@@ -128,3 +128,13 @@ def test_the_iterator_reaches_torchs_like_dataloaders_does() -> None:
     iterator = iter(make(8, batch_size=2, num_workers=2))
     assert len(iterator._workers) == 2  # torch's own attribute, as DataLoader code and tests read it
     assert not make(8, batch_size=None)._auto_collation  # DataLoader's answer outside torch's iterator
+
+
+def test_a_datapipe_with_a_lambda_reaches_spawned_workers_through_torchs_dill_wrapper() -> None:
+    """DataLoader wraps a datapipe so that spawned workers unpickle it with dill; the wrapped one is what we send."""
+    import dill  # noqa: F401  (HF datasets, a test dependency, requires it; torch uses it when present)
+    from torch.utils.data.datapipes.iter import IterableWrapper
+
+    pipe = IterableWrapper([[1, 2], [3, 4, 5], [6, 7]]).filter(lambda row: len(row) == 2)
+    batches = ResumableDataLoader(pipe, batch_size=None, num_workers=1, multiprocessing_context="spawn")
+    assert list(batches) == [[1, 2], [6, 7]]

@@ -115,7 +115,7 @@ class ResumableDataLoader(DataLoader[T]):
             shard_drop_last = sampler.drop_last or drop_last
         rank_and_world(rank, world_size)  # fail at construction on an impossible explicit pair
         self._setup = Setup(
-            dataset=dataset, seed=self.seed, keying=keying, mask=generator_mask(self.keyed_generators),
+            dataset=self.dataset, seed=self.seed, keying=keying, mask=generator_mask(self.keyed_generators),
             batch_size=batch_size, unbatched=unbatched, drop_last=drop_last, num_workers=num_workers,
             persistent_workers=persistent_workers, rank=rank, world_size=world_size, shard_drop_last=shard_drop_last,
         )

@@ -35,6 +35,7 @@ class Setup:
     """The loader's settings a position depends on, fixed when the loader is built."""
 
     dataset: Any
+    """``DataLoader.dataset`` (torch wraps a datapipe there so that workers unpickle it with dill)."""
     seed: int
     keying: str
     mask: int
