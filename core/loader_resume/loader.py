@@ -189,12 +189,12 @@ class ResumableDataLoader(DataLoader[T]):
     @property
     def rank(self) -> int:
         """The rank this loader shards for (explicit, else from ``torch.distributed``, else 0)."""
-        return self._setup.shard().rank
+        return rank_and_world(self._setup.rank, self._setup.world_size)[0]
 
     @property
     def world_size(self) -> int:
         """The world size this loader shards for (explicit, else from ``torch.distributed``, else 1)."""
-        return self._setup.shard().world
+        return rank_and_world(self._setup.rank, self._setup.world_size)[1]
 
     @property
     def epoch(self) -> int:
