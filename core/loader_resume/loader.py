@@ -168,7 +168,7 @@ class ResumableDataLoader(DataLoader[T]):
         torch reads them once, when the iterator is created; afterwards the loader's public attributes
         are the user's again. NOTE: torch draws each iterator's worker base seed from
         ``loader.generator`` — the caller's default generator when none was given, which would shift
-        the model's dropout stream every epoch; while keyed, it draws from a private generator keyed
+        the model's dropout sequence every epoch; while keyed, it draws from a private generator keyed
         by (seed, epoch) instead, which also makes unkeyed worker generators a function of the epoch.
         """
         if self.generator is None and self.keying != "off":

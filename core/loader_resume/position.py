@@ -127,7 +127,7 @@ class Tracked(Generic[T]):
 
     ``caller`` (keyed, ``num_workers=0``): the caller's generators are saved before torch's iterator
     draws the next index list (which seeds the batch's key, see ``index_plan.Plan.fetch_here``) and
-    restored once after the whole fetch and collate, so model code (dropout) sees its own stream
+    restored once after the whole fetch and collate, so model code (dropout) sees its own sequence
     undisturbed. torch's iterator stays reachable (``_workers``), as DataLoader code and tests read it.
     """
 
