@@ -1,7 +1,9 @@
-"""Run by test_iterable_ddp.py as a real 2-process gloo job: `python ddp_stream_child.py MODE OUTDIR`.
+"""Run by test_iterable_ddp.py as a real 2-process gloo job: `python ddp_stream_child.py MODE OUTDIR [VIA]`.
 
 Each rank streams its own shard (split by rank, then by worker); MODE full | save | resume as in
 ddp_child.py, but the checkpoint holds every rank's state (gather_states) and each rank loads its part.
+VIA ``torch`` (default): rank 0 writes the gathered states with torch.save; ``dcp``: every rank calls
+torch.distributed.checkpoint with a DCPLoaderState.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.utils.data import IterableDataset, get_worker_info
 
 from loader_resume import ResumableDataLoader
-from loader_resume.distributed import gather_states, load_rank_state
+from loader_resume.distributed import DCPLoaderState, gather_states, load_rank_state
 
 
 class RankShards(IterableDataset[dict[str, Any]]):
@@ -43,6 +46,7 @@ class RankShards(IterableDataset[dict[str, Any]]):
 
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
+    via = sys.argv[3] if len(sys.argv) > 3 else "torch"
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     assert dist.get_world_size() == 2
@@ -56,10 +60,15 @@ def main() -> None:
                 break
         gathered = gather_states(loader)
         assert gathered["ranks"][rank] == loader.state_dict() and gathered["ranks"][0] != gathered["ranks"][1]
-        if rank == 0:
+        if via == "dcp":
+            dcp.save({"loader": DCPLoaderState(loader)}, checkpoint_id=str(out / "dcp"))
+        elif rank == 0:
             torch.save(gathered, out / "state.pt")
     else:
-        load_rank_state(loader, torch.load(out / "state.pt", weights_only=True))
+        if via == "dcp":
+            dcp.load({"loader": DCPLoaderState(loader)}, checkpoint_id=str(out / "dcp"))
+        else:
+            load_rank_state(loader, torch.load(out / "state.pt", weights_only=True))
         rows = [[b["id"].tolist(), b["noise"].flatten().tolist()] for _ in range(loader.epoch, 2) for b in loader]
     (out / f"{mode}-{rank}.json").write_text(json.dumps(rows))
     dist.barrier()

@@ -13,6 +13,7 @@ state so rank 0 can write a single checkpoint; ``load_rank_state`` hands each ra
 
 from __future__ import annotations
 
+import io
 import os
 import time
 import uuid
@@ -29,7 +30,7 @@ from .state import StateError
 from .thirdparty import content_identity
 
 __all__ = [
-    "any_rank", "check_same_dataset", "collective_device", "gather_rng_states", "gather_states",
+    "DCPLoaderState", "any_rank", "check_same_dataset", "collective_device", "gather_rng_states", "gather_states",
     "init_process_group", "load_rank_state", "rank_and_world",
 ]
 
@@ -90,6 +91,40 @@ def load_rank_state(loader: _RankedLoader, gathered: Mapping[str, Any]) -> None:
         raise StateError("world_size", saved_world, repr(loader.world_size),
                          "This loader cannot re-shard an iterable dataset's per-rank state.")
     reshard(ranks)
+
+
+class DCPLoaderState:
+    """A loader as a ``torch.distributed.checkpoint`` ``Stateful``: every rank's state, in one value.
+
+    ``dcp.load`` reads into the object's own ``state_dict()`` as a template, key by key, and keeps one copy
+    of a non-tensor value that every rank saves under the same key. A loader's own state fits neither: a
+    stream's states are per rank, and its shape changes as it runs (a worker's ``None`` becomes the
+    dataset's state dict, which DCP then refuses: "Missing key in checkpoint"). This holds what
+    :func:`gather_states` returns — the same on every rank — as ``torch.save`` bytes under one key, and
+    loads it through :func:`load_rank_state`, so another world size resumes as it does there::
+
+        dcp.save({"loader": DCPLoaderState(loader), ...}, checkpoint_id=path)   # every rank
+        dcp.load({"loader": DCPLoaderState(loader), ...}, checkpoint_id=path)   # every rank
+
+    ``state_dict()`` is a collective under ``torch.distributed`` (DCP calls it on every rank, when saving
+    and, for the template, when loading). A map-style loader also works as a ``Stateful`` by itself.
+    """
+
+    KEY = "loader_resume"
+
+    def __init__(self, loader: _RankedLoader) -> None:
+        self.loader = loader
+
+    def state_dict(self) -> dict[str, bytes]:
+        buffer = io.BytesIO()
+        torch.save(gather_states(self.loader), buffer)
+        return {self.KEY: buffer.getvalue()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        saved = state_dict.get(self.KEY) if isinstance(state_dict, Mapping) else None
+        if not isinstance(saved, bytes):
+            raise StateError(self.KEY, type(saved).__name__, "bytes", "Save with DCPLoaderState(loader).")
+        load_rank_state(self.loader, torch.load(io.BytesIO(saved), weights_only=True))
 
 
 def check_same_dataset(loader: _RankedLoader) -> None:

@@ -38,7 +38,8 @@ ROUND_TRIPS: Final = ("copy", "json", "torch", "dcp", "process")
 - ``"torch"``: ``torch.save`` and ``torch.load(weights_only=True)`` (what framework checkpoints do);
 - ``"dcp"``: ``torch.distributed.checkpoint.save`` of the state, then ``load`` into the resumed loader as a
   ``Stateful`` (DCP reads into the fresh loader's own ``state_dict()`` as its template, so a state whose
-  user parts change shape between a fresh loader and a running one fails here; such states need wrapping);
+  user parts change shape between a fresh loader and a running one fails here: wrap such a loader in
+  :class:`loader_resume.distributed.DCPLoaderState`);
 - ``"process"``: ``torch.save`` bytes resumed in another, spawned process (``make_loader`` must then be
   picklable: a module-level function or a ``functools.partial`` of one)."""
 

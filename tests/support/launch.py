@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +25,14 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def launch(script: Path, mode: str, out: Path, workers: int = 0) -> None:
-    """Run ``script MODE OUT`` as a real 2-process gloo job on loopback; both ranks must exit 0."""
+def launch(script: Path, mode: str, out: Path, workers: int = 0, args: Sequence[str] = ()) -> None:
+    """Run ``script MODE OUT *args`` as a real 2-process gloo job on loopback; both ranks must exit 0."""
     port = free_port()
     procs = []
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "WORKERS": str(workers)}
-        procs.append(subprocess.Popen([sys.executable, str(script), mode, str(out)], env=env))
+        procs.append(subprocess.Popen([sys.executable, str(script), mode, str(out), *args], env=env))
     codes = [p.wait(timeout=240) for p in procs]
     assert codes == [0, 0], f"{mode}: exit codes {codes}"
 
