@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import OnExceptionCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader
 from typing_extensions import override
@@ -125,6 +125,12 @@ class ResumeCallback(OnExceptionCheckpoint):
                     f"ResumeCallback: a preemption checkpoint is waiting in {self.ckpt_path}, but this fit() looked "
                     f"for its checkpoint before the callback could learn default_root_dir, so it would start over. "
                     f"Pass ResumeCallback(dirpath={self.dirpath!r}) (or fit(ckpt_path={self.ckpt_path!r})) to resume")
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]
+        if any(isinstance(c, ModelCheckpoint) for c in callbacks[callbacks.index(self) + 1:]):
+            # NOTE: Lightning (ckpt_path="best", its launchers and loggers) reads ModelCheckpoint attributes from
+            # trainer.checkpoint_callback, the first Checkpoint in the list: move after the user's. A new list,
+            # as the hook loop running now iterates the old one.
+            trainer.callbacks = [c for c in callbacks if c is not self] + [self]  # type: ignore[attr-defined]
         if stage == "fit":
             self._intercept_train_loaders(trainer)
 

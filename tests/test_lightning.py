@@ -369,3 +369,42 @@ def test_resume_callback_alone_means_preemption_checkpoints_only() -> None:
     assert trainer.checkpoint_callbacks == [callback]
     plain = L.Trainer(accelerator="cpu", logger=False)
     assert [type(c).__name__ for c in plain.checkpoint_callbacks] == ["ModelCheckpoint"]  # the default we replace
+
+
+def test_a_model_checkpoint_listed_after_ours_stays_lightnings_checkpoint_callback(tmp_path: Path) -> None:
+    """Lightning (ckpt_path="best", its launchers, its loggers) reads ModelCheckpoint attributes from the first
+    checkpoint callback in the list; listing ResumeCallback first must not make it that one."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import TensorDataset
+
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch: Any, index: int) -> torch.Tensor:
+            loss = self.layer(batch[0]).pow(2).mean()
+            self.log("loss", loss)
+            return loss
+
+        def test_step(self, batch: Any, index: int) -> None:
+            self.log("test_loss", self.layer(batch[0]).pow(2).mean())
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self) -> DataLoader[Any]:
+            return DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=4)
+
+        def test_dataloader(self) -> DataLoader[Any]:
+            return DataLoader(TensorDataset(torch.randn(4, 2)), batch_size=4)
+
+    best = ModelCheckpoint(dirpath=tmp_path / "best", monitor="loss", save_top_k=1)
+    trainer = L.Trainer(accelerator="cpu", max_epochs=2, callbacks=[ResumeCallback(dirpath=str(tmp_path)), best],
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path)
+    trainer.fit(Tiny())
+    assert trainer.checkpoint_callback is best and best.best_model_path
+    trainer.test(ckpt_path="best")
+    assert trainer.ckpt_path == best.best_model_path
