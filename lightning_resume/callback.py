@@ -12,23 +12,22 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
-from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from loader_resume import GENERATORS, ResumableDataLoader
 from loader_resume.checkpoint import CHECKPOINT_FORMAT, global_rng_state, set_global_rng_state
 from loader_resume.convert import resumable
-from loader_resume.distributed import check_same_dataset, gather_rng_states, gather_states, load_rank_state
+from loader_resume.distributed import gather_rng_states, gather_states
 from loader_resume.preemption import IgnoreSignalsInWorker, Preemption
 
-from .loaders import resumable_tree
+from .loaders import TrainingLoaders
 
 __all__ = ["CHECKPOINT_KEY", "ResumeCallback"]
 
@@ -86,9 +85,7 @@ class ResumeCallback(OnExceptionCheckpoint):
         self.preempted_at: int | None = None
         self._dirpath_known = dirpath is not None  # else: learnt from the trainer (see ckpt_path)
         self._asked_unknown = False  # Lightning asked for ckpt_path before we could learn the trainer's dir
-        self._loaders: list[ResumableDataLoader[Any]] = []
-        self._shard = (0, 1)  # (trainer.global_rank, trainer.world_size): how the training loaders are sharded
-        self._to_load: dict[str, Any] | None = None
+        self._training = TrainingLoaders(self._resumable)
         self._rng_to_restore: Any = None
         self._rng_around_validation: Any = None
         self._torch_rng_after_step: torch.Tensor | None = None
@@ -132,7 +129,7 @@ class ResumeCallback(OnExceptionCheckpoint):
             # as the hook loop running now iterates the old one.
             trainer.callbacks = [c for c in callbacks if c is not self] + [self]  # type: ignore[attr-defined]
         if stage == "fit":
-            self._intercept_train_loaders(trainer)
+            self._training.intercept(trainer)
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -190,7 +187,7 @@ class ResumeCallback(OnExceptionCheckpoint):
         checkpoint[CHECKPOINT_KEY] = {
             "format": CHECKPOINT_FORMAT,
             "loaders": [gather_states(loader, self._state_at_trainer_step(trainer, loader))
-                        for loader in self._loaders],
+                        for loader in self._training.loaders],
             "rng": gather_rng_states(),
         }
         _drop_lightning_loader_states(checkpoint)
@@ -201,7 +198,7 @@ class ResumeCallback(OnExceptionCheckpoint):
         NOTE: Lightning fetches one batch ahead from a training loader without ``__len__`` (to know
         when the epoch ends), so such a loader has delivered one more batch than the trainer used.
         """
-        if len(self._loaders) != 1 or not isinstance(loader.dataset, torch.utils.data.IterableDataset):
+        if len(self._training.loaders) != 1 or not isinstance(loader.dataset, torch.utils.data.IterableDataset):
             return loader.state_dict()
         taken = trainer.fit_loop.epoch_loop.batch_progress.current.ready
         return loader.state_dict(batches_ago=max(0, loader.batches_delivered - taken))
@@ -217,7 +214,7 @@ class ResumeCallback(OnExceptionCheckpoint):
         if found != CHECKPOINT_FORMAT:
             raise ValueError(f"checkpoint['{CHECKPOINT_KEY}'] has format {found!r}; expected {CHECKPOINT_FORMAT} "
                              "(written by another loader-resume release?)")
-        self._to_load = saved
+        self._training.load(saved["loaders"])
         rng = saved["rng"]
         self._rng_to_restore = rng[trainer.global_rank] if trainer.global_rank < len(rng) else None
         _drop_lightning_loader_states(checkpoint)
@@ -256,35 +253,7 @@ class ResumeCallback(OnExceptionCheckpoint):
             self._rng_to_restore = None
 
     # --- loaders -------------------------------------------------------------------------------
-    def _intercept_train_loaders(self, trainer: Trainer) -> None:
-        self._shard = (trainer.global_rank, trainer.world_size)
-        source = trainer.fit_loop._data_source
-        instance = source.instance
-        if isinstance(instance, (DataLoader, CombinedLoader, list, tuple, dict)):
-            source.instance = self._convert(instance)
-            return
-        hook = getattr(instance, source.name, None)
-        if hook is None or getattr(hook, "_loader_resume", False):
-            return
-        converting: Callable[[], Any] = lambda: self._convert(hook())  # noqa: E731
-        converting._loader_resume = True  # type: ignore[attr-defined]
-        setattr(instance, source.name, converting)
-
-    def _convert(self, loaders: Any) -> Any:
-        converted, self._loaders = resumable_tree(loaders, self._resumable)
-        for loader in self._loaders:  # Lightning asks for the training loaders on every rank: a collective is safe
-            check_same_dataset(loader)
-        if self._to_load is not None:
-            saved = self._to_load["loaders"]
-            if len(saved) != len(self._loaders):
-                raise ValueError(f"the checkpoint holds {len(saved)} training loader states; the module now "
-                                 f"returns {len(self._loaders)} training loaders (expected the same loaders)")
-            for loader, gathered in zip(self._loaders, saved, strict=True):
-                load_rank_state(loader, gathered)
-            self._to_load = None
-        return converted
-
-    def _resumable(self, loader: DataLoader[Any]) -> ResumableDataLoader[Any]:
+    def _resumable(self, loader: DataLoader[Any], rank: int, world_size: int) -> ResumableDataLoader[Any]:
         """The same loader, made resumable (``loader_resume.convert``); under DDP it shards itself.
 
         NOTE: Lightning rebuilds any training loader whose ``sampler`` is not a ``DistributedSampler`` to
@@ -292,7 +261,6 @@ class ResumeCallback(OnExceptionCheckpoint):
         wrapped in an unsaved, reshuffling ``DistributedSamplerWrapper``). ``resumable`` expresses our
         sharding as a ``DistributedSampler``/``ShardedSampler``, so Lightning keeps our loader.
         """
-        rank, world_size = self._shard
         return resumable(
             loader, seed=self.seed, keying=self.keying, keyed_generators=self.keyed_generators,
             rank=rank, world_size=world_size,

@@ -5,12 +5,76 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader
 
 from loader_resume import ResumableDataLoader
+from loader_resume.distributed import check_same_dataset, load_rank_state
 
-__all__ = ["resumable_tree"]
+__all__ = ["TrainingLoaders", "resumable_tree"]
+
+
+class TrainingLoaders:
+    """One fit's training loaders: made resumable where Lightning holds them (or once the module returns
+    them), sharded for the trainer's rank, and given a checkpoint's states as soon as they exist.
+
+    ``make_resumable(loader, rank, world_size)`` converts one loader.
+    """
+
+    def __init__(self, make_resumable: Callable[[DataLoader[Any], int, int], ResumableDataLoader[Any]]) -> None:
+        self.loaders: list[ResumableDataLoader[Any]] = []
+        """The converted loaders of this fit, in the order their states are saved (empty until converted)."""
+        self._to_load: list[Any] | None = None
+        self._make = make_resumable
+        self._shard = (0, 1)
+
+    def load(self, saved: list[Any]) -> None:
+        """Each loader's gathered states from a checkpoint (``gather_states``): loaded now if the loaders exist,
+        else as they are converted.
+
+        NOTE: Lightning restores callbacks' checkpoint state after ``setup``. Loaders handed to ``fit()``
+        directly are converted at ``setup``, so they exist by then; a module's or datamodule's
+        ``train_dataloader()`` is called later, and its loaders are converted then.
+        """
+        self._to_load = saved
+        if self.loaders:
+            self._apply()
+
+    def intercept(self, trainer: Trainer) -> None:
+        """Convert the trainer's training loaders now, or wrap the hook that will return them."""
+        self._shard = (trainer.global_rank, trainer.world_size)
+        self.loaders = []
+        source = trainer.fit_loop._data_source
+        instance = source.instance
+        if isinstance(instance, (DataLoader, CombinedLoader, list, tuple, dict)):
+            source.instance = self.convert(instance)
+            return
+        hook = getattr(instance, source.name, None)
+        if hook is None or getattr(hook, "_loader_resume", False):
+            return
+        converting: Callable[[], Any] = lambda: self.convert(hook())  # noqa: E731
+        converting._loader_resume = True  # type: ignore[attr-defined]
+        setattr(instance, source.name, converting)
+
+    def convert(self, loaders: Any) -> Any:
+        """``loaders`` (what a module's ``train_dataloader()`` returns) with every DataLoader made resumable;
+        a checkpoint's states waiting in :meth:`load` go into them."""
+        converted, self.loaders = resumable_tree(loaders, lambda loader: self._make(loader, *self._shard))
+        for loader in self.loaders:  # Lightning asks for the training loaders on every rank: a collective is safe
+            check_same_dataset(loader)
+        self._apply()
+        return converted
+
+    def _apply(self) -> None:
+        if self._to_load is None:
+            return
+        saved, self._to_load = self._to_load, None
+        if len(saved) != len(self.loaders):
+            raise ValueError(f"the checkpoint holds {len(saved)} training loader states; the module now "
+                             f"returns {len(self.loaders)} training loaders (expected the same loaders)")
+        for loader, gathered in zip(self.loaders, saved, strict=True):
+            load_rank_state(loader, gathered)
 
 
 def resumable_tree(

@@ -12,10 +12,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import CombinedLoader
-from torch.utils.data import DataLoader, SequentialSampler
+from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 
 from lightning_resume import ResumeCallback
 from loader_resume import ResumableDataLoader
@@ -157,13 +159,13 @@ def test_plain_loaders_are_converted_keeping_their_settings() -> None:
     plain = DataLoader(dataset, batch_size=3, shuffle=True, num_workers=2, collate_fn=_collate, pin_memory=True,
                        drop_last=True, persistent_workers=True)
     callback = ResumeCallback(seed=3)
-    tree = callback._convert({"a": plain, "b": [DataLoader(dataset, batch_size=2)]})
+    tree = callback._training.convert({"a": plain, "b": [DataLoader(dataset, batch_size=2)]})
     converted = tree["a"]
     assert isinstance(converted, ResumableDataLoader) and converted.dataset is dataset
     assert (converted.batch_size, converted.num_workers, converted.collate_fn, converted.pin_memory,
             converted.drop_last, converted.persistent_workers, converted.seed) == (3, 2, _collate, True, True, True, 3)
     assert converted.state_dict()["shuffle"] and not tree["b"][0].state_dict()["shuffle"]
-    assert len(callback._loaders) == 2
+    assert len(callback._training.loaders) == 2
 
 
 def test_combined_loader_and_custom_sampler_are_converted() -> None:
@@ -171,7 +173,7 @@ def test_combined_loader_and_custom_sampler_are_converted() -> None:
     custom = SequentialSampler(range(5))  # not DataLoader's own: kept, as a custom sampler
     combined = CombinedLoader({"x": DataLoader(dataset, batch_size=2, sampler=custom)}, "max_size_cycle")
     callback = ResumeCallback()
-    callback._convert(combined)
+    callback._training.convert(combined)
     (loader,) = combined.flattened
     assert isinstance(loader, ResumableDataLoader)
     assert [b["id"].tolist() for b in loader] == [[0, 1], [2, 3], [4]]
@@ -371,40 +373,59 @@ def test_resume_callback_alone_means_preemption_checkpoints_only() -> None:
     assert [type(c).__name__ for c in plain.checkpoint_callbacks] == ["ModelCheckpoint"]  # the default we replace
 
 
+class _Tiny(L.LightningModule):
+    """Records the sample ids of every training batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+        self.seen: list[list[int]] = []
+
+    def training_step(self, batch: Any, index: int) -> torch.Tensor:
+        self.seen.append(batch[0].flatten().long().tolist())
+        loss = self.layer(batch[0]).pow(2).mean()
+        self.log("loss", loss)
+        return loss
+
+    def test_step(self, batch: Any, index: int) -> None:
+        self.log("test_loss", self.layer(batch[0]).pow(2).mean())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return _ids_loader()
+
+    def test_dataloader(self) -> DataLoader[Any]:
+        return _ids_loader()
+
+
+def _ids_loader() -> DataLoader[Any]:
+    return DataLoader(TensorDataset(torch.arange(8.0).unsqueeze(1)), batch_size=2, shuffle=True)
+
+
+def _quiet_trainer(root: Path, callbacks: list[Any]) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", max_epochs=2, callbacks=callbacks, logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, default_root_dir=root)
+
+
+def test_loaders_handed_to_fit_resume_mid_epoch_too(tmp_path: Path) -> None:
+    """fit(model, train_dataloaders=...): those loaders exist before Lightning restores the checkpoint's state."""
+    full = _Tiny()
+    periodic = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=3, save_top_k=-1)
+    _quiet_trainer(tmp_path, [ResumeCallback(), periodic]).fit(full, train_dataloaders=_ids_loader())
+    (mid_epoch,) = (tmp_path / "ckpts").glob("*step=3.ckpt")  # 4 steps an epoch
+    resumed = _Tiny()
+    _quiet_trainer(tmp_path, [ResumeCallback()]).fit(resumed, train_dataloaders=_ids_loader(), ckpt_path=mid_epoch)
+    assert len(full.seen) == 8 and resumed.seen == full.seen[3:]
+
+
 def test_a_model_checkpoint_listed_after_ours_stays_lightnings_checkpoint_callback(tmp_path: Path) -> None:
     """Lightning (ckpt_path="best", its launchers, its loggers) reads ModelCheckpoint attributes from the first
     checkpoint callback in the list; listing ResumeCallback first must not make it that one."""
-    import lightning as L
-    from lightning.pytorch.callbacks import ModelCheckpoint
-    from torch.utils.data import TensorDataset
-
-    class Tiny(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = torch.nn.Linear(2, 1)
-
-        def training_step(self, batch: Any, index: int) -> torch.Tensor:
-            loss = self.layer(batch[0]).pow(2).mean()
-            self.log("loss", loss)
-            return loss
-
-        def test_step(self, batch: Any, index: int) -> None:
-            self.log("test_loss", self.layer(batch[0]).pow(2).mean())
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-        def train_dataloader(self) -> DataLoader[Any]:
-            return DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=4)
-
-        def test_dataloader(self) -> DataLoader[Any]:
-            return DataLoader(TensorDataset(torch.randn(4, 2)), batch_size=4)
-
     best = ModelCheckpoint(dirpath=tmp_path / "best", monitor="loss", save_top_k=1)
-    trainer = L.Trainer(accelerator="cpu", max_epochs=2, callbacks=[ResumeCallback(dirpath=str(tmp_path)), best],
-                        logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=tmp_path)
-    trainer.fit(Tiny())
+    trainer = _quiet_trainer(tmp_path, [ResumeCallback(dirpath=str(tmp_path)), best])
+    trainer.fit(_Tiny())
     assert trainer.checkpoint_callback is best and best.best_model_path
     trainer.test(ckpt_path="best")
     assert trainer.ckpt_path == best.best_model_path
