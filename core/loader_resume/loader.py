@@ -114,7 +114,7 @@ class ResumableDataLoader(DataLoader[T]):
             world_size = sampler.num_replicas if world_size is None else world_size
             shard_drop_last = sampler.drop_last or drop_last
         rank_and_world(rank, world_size)  # fail at construction on an impossible explicit pair
-        self._setup = Setup(
+        setup = Setup(
             dataset=self.dataset, seed=self.seed, keying=keying, mask=generator_mask(self.keyed_generators),
             batch_size=batch_size, unbatched=unbatched, drop_last=drop_last, num_workers=num_workers,
             persistent_workers=persistent_workers, rank=rank, world_size=world_size, shard_drop_last=shard_drop_last,
@@ -122,10 +122,10 @@ class ResumableDataLoader(DataLoader[T]):
         self._position: Position
         if self._dataset_kind == _DatasetKind.Map:
             source = classify_source(dataset, sampler, batch_sampler, shuffle)
-            self._position = MapPosition(self._setup, source)
+            self._position = MapPosition(setup, source)
         else:
             source = Source(None, "iterable", False)
-            self._position = StreamPosition(self._setup)
+            self._position = StreamPosition(setup)
         self._source_name, self._shuffle = source.name, source.shuffle
         self._live: weakref.ref[Tracked[T]] | None = None  # the last iterator handed out (see _note_load)
         self._unused_load = False  # a loaded state no iter() has taken up yet
@@ -148,14 +148,14 @@ class ResumableDataLoader(DataLoader[T]):
         return self._position
 
     def __iter__(self) -> Any:
-        if self.num_workers != self._setup.num_workers:  # DataLoader lets it change between passes
-            self._setup = dataclasses.replace(self._setup, num_workers=self.num_workers)
-            self._position.setup = self._setup
+        setup = self._position.setup
+        if self.num_workers != setup.num_workers:  # DataLoader lets it change between passes
+            setup = self._position.setup = dataclasses.replace(setup, num_workers=self.num_workers)
         self._unused_load = False
         begun = self._position.begin(self.collate_fn, self.worker_init_fn)
         if begun.restart_workers:
             self._iterator = None
-        caller = CallerRng(self._setup.mask) if self._setup.fetches_here else None
+        caller = CallerRng(setup.mask) if setup.fetches_here else None
         with self._building(**begun.attributes):
             iterator: Tracked[T] = Tracked(self._position, begun.pass_, super().__iter__(), caller)
         self._live = weakref.ref(iterator)
@@ -189,12 +189,12 @@ class ResumableDataLoader(DataLoader[T]):
     @property
     def rank(self) -> int:
         """The rank this loader shards for (explicit, else from ``torch.distributed``, else 0)."""
-        return rank_and_world(self._setup.rank, self._setup.world_size)[0]
+        return rank_and_world(self._position.setup.rank, self._position.setup.world_size)[0]
 
     @property
     def world_size(self) -> int:
         """The world size this loader shards for (explicit, else from ``torch.distributed``, else 1)."""
-        return rank_and_world(self._setup.rank, self._setup.world_size)[1]
+        return rank_and_world(self._position.setup.rank, self._position.setup.world_size)[1]
 
     @property
     def epoch(self) -> int:

@@ -51,10 +51,10 @@ class StreamPosition:
             self.epoch, self._delivered, self._fresh = 0, 0, True
             self._restore: tuple[list[Progress], int] | None = None  # where the next pass starts, after a load
             return
-        world = self.setup.shard().world
-        if state["world_size"] != world:
-            raise StateError("world_size", state["world_size"], repr(world), RESHARD_HINT)
-        progress, next_worker, delivered = parse_stream(state["stream"], self.setup.shard().rank)
+        shard = self.setup.shard()
+        if state["world_size"] != shard.world:
+            raise StateError("world_size", state["world_size"], repr(shard.world), RESHARD_HINT)
+        progress, next_worker, delivered = parse_stream(state["stream"], shard.rank)
         if state["num_workers"] != self.setup.num_workers:
             shards = [p.state if p.batches else None for p in progress]
             change = ("num_workers", state["num_workers"], self.setup.num_workers)
@@ -156,8 +156,7 @@ class StreamPosition:
         """Resume from every old rank's validated state, saved at another world size (see ``reshard_states``)."""
         shards: list[Any] = []
         for rank, state in enumerate(ranks):
-            progress, _, _ = parse_stream(state["stream"], rank)
-            shards += [p.state if p.batches else None for p in progress]
+            shards += [p.state if p.batches else None for p in parse_stream(state["stream"], rank).progress]
         progress = self._reshard(shards, ("world_size", len(ranks), self.setup.shard().world))
         self._restore_to(ranks[0]["epoch"], 0, progress, 0)
 

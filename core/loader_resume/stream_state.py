@@ -25,13 +25,13 @@ import logging
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from .state import StateError
 from .stream_tasks import WorkerMeta
 from .stream_worker import Progress
 
-__all__ = ["StreamPass", "parse_stream", "stream_to_dict"]
+__all__ = ["SavedStream", "StreamPass", "parse_stream", "stream_to_dict"]
 
 logger = logging.getLogger(__name__)
 HISTORY = 8
@@ -79,8 +79,17 @@ def stream_to_dict(rank: int, pass_: StreamPass) -> dict[str, Any]:
     return {"rank": rank, "next_worker": pass_.next_worker, "delivered": pass_.delivered, "workers": workers}
 
 
-def parse_stream(saved: Any, rank: int) -> tuple[list[Progress], int, int]:
-    """Validated ``(progress per worker, next worker, batches delivered)`` from a saved ``"stream"`` value."""
+class SavedStream(NamedTuple):
+    """A saved ``"stream"`` value, validated."""
+
+    progress: list[Progress]
+    """Each worker's progress, in worker order."""
+    next_worker: int
+    delivered: int
+
+
+def parse_stream(saved: Any, rank: int) -> SavedStream:
+    """The validated :class:`SavedStream` of a saved ``"stream"`` value."""
     if not isinstance(saved, Mapping) or set(saved) != {"rank", "next_worker", "delivered", "workers"}:
         raise StateError("stream", saved, "a dict with keys rank, next_worker, delivered, workers",
                          "The state was edited or corrupted.")
@@ -97,7 +106,7 @@ def parse_stream(saved: Any, rank: int) -> tuple[list[Progress], int, int]:
     delivered = saved["delivered"]
     if type(delivered) is not int or delivered < 0:
         raise StateError("stream.delivered", delivered, "an int >= 0")
-    return progress, next_worker, delivered
+    return SavedStream(progress, next_worker, delivered)
 
 
 def _parse_worker(index: int, entry: Any) -> Progress:
