@@ -1,6 +1,6 @@
 """Every benchmark of the project, each in its own process, tables printed and written into the README.
 
-    python benchmarks/run_all.py        # ~6 min on 2 cores
+    python benchmarks/run_all.py        # ~7 min on 2 cores
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ["bench_core.py", "bench_lightning.py", "bench_accelerate.py", "bench_resume_plot.py"]
+BENCHMARKS = ["bench_core.py", "bench_lightning.py", "bench_accelerate.py", "bench_resume_plot.py",
+              "bench_litdata_resume.py"]
 
 if __name__ == "__main__":
     for script in BENCHMARKS:

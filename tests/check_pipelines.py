@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from loader_resume import ResumableDataLoader
-from support.data import Augmented
+from support.data import Augmented, CountsOwnEpochs
 
 _UNSEEDED: np.random.Generator | None = None
 
@@ -80,3 +80,7 @@ class Counting(IterableDataset[dict[str, Any]]):
 
 def plain_stream() -> DataLoader[Any]:
     return DataLoader(Counting(), batch_size=2, num_workers=2)
+
+
+def counts_own_epochs() -> DataLoader[Any]:
+    return DataLoader(CountsOwnEpochs(), batch_size=3)

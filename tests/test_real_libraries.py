@@ -200,15 +200,14 @@ LIT_CASES = [(0, False), (0, True), (2, False), (2, True)]
 
 
 @pytest.mark.parametrize(("workers", "shuffle"), LIT_CASES)
-def test_litdata_iterates_plainly_and_resumes_exactly_by_replay(lit_dir: str, workers: int, shuffle: bool) -> None:
-    """litdata's ``state_dict(num_samples_yielded, num_workers, batch_size)`` is never called (it raised a
-    TypeError on the first batch); its position is the loader's, restored by replay."""
+def test_litdata_resumes_exactly_through_its_own_state(lit_dir: str, workers: int, shuffle: bool) -> None:
+    """litdata's ``state_dict(num_samples_yielded, num_workers, batch_size)`` is fed with each worker's count."""
     loader = _lit(lit_dir, workers, shuffle)
     orders = [[int(i) for b in loader for i in b["id"]] for _ in range(2)]
     assert all(sorted(order) == list(range(N)) for order in orders)
     if shuffle:  # set_epoch reaches litdata, whose shuffle is seeded by (seed, epoch)
         assert orders[0] != orders[1]
-    assert_resumes_exactly(lambda: _lit(lit_dir, workers, shuffle))
+    assert_resumes_exactly(lambda: _lit(lit_dir, workers, shuffle), epochs=3)
 
 
 def test_litdata_with_persistent_workers_resumes_exactly_across_later_epochs(lit_dir: str) -> None:
@@ -216,11 +215,25 @@ def test_litdata_with_persistent_workers_resumes_exactly_across_later_epochs(lit
     assert_resumes_exactly(lambda: _lit(lit_dir, 2, True, persistent=True), epochs=3)
 
 
-def test_litdata_is_named_at_construction_as_resumed_by_replay(lit_dir: str, caplog: pytest.LogCaptureFixture) -> None:
-    class Fresh(litdata.StreamingDataset):  # type: ignore[misc]  # a class of its own: the warning is once per class
-        pass
+class _CountingLit(_NoisyLit):
+    reads = 0
 
+    def __getitem__(self, index: Any) -> Any:
+        type(self).reads += 1
+        return super().__getitem__(index)
+
+
+def test_litdata_resume_reads_nothing_to_skip(lit_dir: str, caplog: pytest.LogCaptureFixture) -> None:
+    """O(1): the first batch after a resume at 90 % of the epoch reads that batch's items and no other."""
+    loader = ResumableDataLoader(_CountingLit(input_dir=lit_dir, shuffle=True, seed=3), batch_size=4)
+    iterator = iter(loader)
+    for _ in range(5):
+        next(iterator)
+    state, rest = loader.state_dict(), [fingerprint(b) for b in iterator]
     with caplog.at_level(logging.WARNING, logger="loader_resume"):
-        ResumableDataLoader(Fresh(input_dir=lit_dir), batch_size=4)
-    assert ("state_dict(num_samples_yielded, num_workers, batch_size) takes required arguments: it is litdata's own "
-            "resume protocol" in caplog.text and "replaying items" in caplog.text)
+        resumed = ResumableDataLoader(_CountingLit(input_dir=lit_dir, shuffle=True, seed=3), batch_size=4)
+        resumed.load_state_dict(state)
+        _CountingLit.reads = 0
+        first = next(iter(resumed))
+    assert _CountingLit.reads == 4 and [fingerprint(first)] == rest
+    assert "replaying" not in caplog.text and "resume protocol" not in caplog.text

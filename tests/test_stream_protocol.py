@@ -294,7 +294,7 @@ def test_a_corrupted_dry_flag_is_refused_naming_the_field() -> None:
         ResumableDataLoader(StatefulShardsResetAtEnd(9), batch_size=2).load_state_dict(state)
     state["stream"]["workers"][0] = {"batches": 1, "items": 2, "state": {"i": 2}, "dri": False}
     with pytest.raises(StateError, match=r"'stream.workers\[0\]'.*expected a dict with keys batches, items, state "
-                                         r"and optionally before_epoch, dry, iterator, self_iterator"):
+                                         r"and optionally before_epoch, dry, iterator, own, self_iterator"):
         ResumableDataLoader(StatefulShardsResetAtEnd(9), batch_size=2).load_state_dict(state)
 
 

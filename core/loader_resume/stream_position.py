@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 from .keyed_rng import derive_key
+from .library_protocols import LibraryProtocol, library_protocol
 from .position import SKIP, Begun, Setup, tell_epoch
 from .state import StateError
 from .stream_state import StreamPass, parse_stream, stream_to_dict
 from .stream_tasks import StreamCollate, Ticket, TicketSpec, WorkerInit, WorkerRestore
 from .stream_worker import ENDED, Progress, StreamSource, WorkerSide
-from .thirdparty import is_stateful, warn_replay
+from .thirdparty import is_stateful, warn_replay, warn_self_kept
 
 __all__ = ["RESHARD_HINT", "StreamPosition"]
 
@@ -72,6 +74,9 @@ class StreamPosition:
         carry = self._carry if self._carry is not None and len(self._carry) == setup.workers else None
         fresh = carry or [Progress() for _ in range(setup.workers)]
         progress, offset = self._restore or (fresh, 0)
+        protocol = library_protocol(setup.dataset)
+        if protocol is not None:
+            progress, offset = self._through_library(protocol, progress, offset, self._restore is not None)
         if len(progress) != setup.workers:
             raise ValueError(f"num_workers={setup.num_workers}, but the state loaded holds {len(progress)} workers' "
                              "positions: set num_workers before load_state_dict() (a stream re-shards only there)")
@@ -95,7 +100,8 @@ class StreamPosition:
             restart, load = True, restored or any(p.before_epoch for p in progress)
         self._renumbered = offset != 0
         init = WorkerInit(worker_init_fn, WorkerRestore(
-            self.epoch, offset, tuple(progress) if load else (None,) * setup.workers))
+            self.epoch, offset, tuple(progress) if load else (None,) * setup.workers,
+            report=protocol is None or protocol.per_worker))
         attributes = {"collate_fn": collate, "worker_init_fn": init, "dataset": StreamSource(setup.dataset)}
         return Begun(self._pass, attributes, restart)
 
@@ -121,10 +127,10 @@ class StreamPosition:
         pass_.done = True
         self.epoch, self._delivered, self._fresh = self.epoch + 1, 0, True
         if self.setup.num_workers == 0 or self.setup.persistent_workers:
-            carry = [Progress(state=p.state, before_epoch=True)
-                     if p.dry and p.state is not None and not p.self_iterator else Progress()
+            carry = [Progress(state=p.state, before_epoch=True, own=p.own)
+                     if p.dry and p.state is not None and not p.self_iterator else Progress(own=p.own)
                      for p in pass_.progress]
-            self._carry = carry if any(p.before_epoch for p in carry) else None
+            self._carry = carry if any(p.before_epoch or p.own for p in carry) else None
 
     def state(self, batches_ago: int = 0) -> dict[str, Any]:
         current = self._current()
@@ -161,6 +167,27 @@ class StreamPosition:
         self._restore_to(ranks[0]["epoch"], 0, progress, 0)
 
     # --- internals -------------------------------------------------------------------------------
+    def _through_library(self, protocol: LibraryProtocol, progress: list[Progress], offset: int,
+                         restored: bool) -> tuple[list[Progress], int]:
+        """The pass's starting progress when the dataset keeps its own position (see ``library_protocols``):
+        its library's protocol is fed with the loader's counts, in this process, before any worker starts."""
+        dataset, workers, world = self.setup.dataset, self.setup.workers, self.setup.shard().world
+        size = self.setup.batch_size or 1
+        if protocol.per_worker:
+            if not restored:
+                return progress, offset
+            return [replace(p, library=protocol.main_process(dataset, epoch=self.epoch, items=p.items, worker=i,
+                                                              workers=workers, world=world, batch_size=size))
+                    if p.items and not p.dry else p for i, p in enumerate(progress)], offset
+        items = sum(p.items for p in progress) if restored else 0
+        handed = protocol.main_process(dataset, epoch=self.epoch, items=items, worker=0, workers=workers, world=world,
+                                       batch_size=size)
+        # NOTE: the library re-partitions the rest of the epoch from the worker torch starts first, and reads
+        # the worker's number itself (so workers are not renumbered for it, see WorkerRestore.report); in the
+        # round-robin that worker's batch is the one the saved next_worker would have made, whose number and
+        # count key it, as in the uninterrupted run.
+        return ([replace(p, library=handed) for p in progress] if restored else progress), offset
+
     def _current(self) -> StreamPass:
         """The pass a state taken now describes (see the loader's semantics)."""
         if self._restore is not None:
@@ -201,6 +228,10 @@ class StreamPosition:
             if (p.state is not None and not stateful) or (stateful and p.batches > 0 and p.state is None):
                 expected = f"the state of {type(self.setup.dataset).__name__}" if stateful else "None"
                 raise StateError(f"stream.workers[{i}].state", p.state, expected)
+        own = sorted({name for p in progress for name in p.own})
+        lives_on = self.setup.num_workers == 0 or self.setup.persistent_workers
+        if own and epoch > 0 and lives_on and not stateful and library_protocol(self.setup.dataset) is None:
+            warn_self_kept(self.setup.dataset, own)
         self.epoch, self._delivered, self._fresh = epoch, delivered, True
         self._pass, self._restore, self._carry = None, (progress, next_worker), None
 

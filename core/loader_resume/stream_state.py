@@ -7,15 +7,16 @@ State layout under the loader state's ``"stream"`` key (``None`` for map-style d
                   "iterator": <state_dict() of the iterator iter(dataset) returned, or None>,
                   "dry": <bool: the worker's stream ended in this epoch>,
                   "self_iterator": <bool: iter(dataset) returned the dataset; state is loaded after iter()>,
-                  "before_epoch": <bool: state is from the end of the previous epoch, loaded before set_epoch>},
+                  "before_epoch": <bool: state is from the end of the previous epoch, loaded before set_epoch>,
+                  "own": [<attributes the copy's own iter() changed (no state restores them)>]},
                   ...]}
 
 ``workers`` has one entry per worker (one for ``num_workers=0``), in worker order; ``next_worker`` is
 the worker whose batch comes next in torch's round-robin; ``delivered`` counts the batches this rank
 handed to the caller in the epoch (before state version 3 it was the state's ``position``, which now
 means global samples of map-style data only). ``iterator`` and ``dry`` are new in state version 2,
-``self_iterator`` and ``before_epoch`` later in version 2; an entry without them reads as ``None`` and
-``False``.
+``self_iterator`` and ``before_epoch`` later in version 2, ``own`` in version 3; an entry without them reads
+as ``None``, ``False`` and ``[]``.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ class StreamPass:
 
 def stream_to_dict(rank: int, pass_: StreamPass) -> dict[str, Any]:
     workers = [{"batches": p.batches, "items": p.items, "state": p.state, "iterator": p.iterator, "dry": p.dry,
-                "self_iterator": p.self_iterator, "before_epoch": p.before_epoch} for p in pass_.progress]
+                "self_iterator": p.self_iterator, "before_epoch": p.before_epoch, "own": list(p.own)}
+               for p in pass_.progress]
     return {"rank": rank, "next_worker": pass_.next_worker, "delivered": pass_.delivered, "workers": workers}
 
 
@@ -125,8 +127,12 @@ def _parse_worker(index: int, entry: Any) -> Progress:
         flags[key] = entry.get(key, False)
         if type(flags[key]) is not bool:
             raise StateError(f"{where}.{key}", flags[key], "a bool")
-    return Progress(entry["batches"], entry["items"], entry["state"], entry.get("iterator"), dry, **flags)
+    own = entry.get("own", [])
+    if type(own) is not list or not all(type(name) is str for name in own):
+        raise StateError(f"{where}.own", own, "a list of attribute names")
+    return Progress(entry["batches"], entry["items"], entry["state"], entry.get("iterator"), dry, **flags,
+                    own=tuple(own))
 
 
 _WORKER_KEYS_V1 = frozenset({"batches", "items", "state"})
-_WORKER_KEYS = _WORKER_KEYS_V1 | {"iterator", "dry", "self_iterator", "before_epoch"}
+_WORKER_KEYS = _WORKER_KEYS_V1 | {"iterator", "dry", "self_iterator", "before_epoch", "own"}

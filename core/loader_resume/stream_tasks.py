@@ -133,6 +133,9 @@ class WorkerRestore:
     offset: int
     """The ``p``-th worker torch starts becomes worker ``(p + offset) % num_workers``."""
     progress: tuple[Progress | None, ...]
+    report: bool = True
+    """Whether ``get_worker_info().id`` reports the new number; a library that partitions an epoch's rest by the
+    number itself keeps torch's (see ``library_protocols``), while keys and tags use the new one."""
 
 
 class WorkerInit:
@@ -145,7 +148,8 @@ class WorkerInit:
         info = get_worker_info()
         assert info is not None  # torch calls worker_init_fn inside a worker, with its info set
         worker = (started_as + self.restore.offset) % info.num_workers
-        report_worker_id(worker)
+        if self.restore.report:
+            report_worker_id(worker)
         if isinstance(info.dataset, StreamSource):
             # NOTE: the user's worker_init_fn sees (and may shard) its own dataset, as with DataLoader.
             object.__setattr__(info, "dataset", info.dataset.dataset)

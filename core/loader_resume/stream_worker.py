@@ -19,6 +19,7 @@ from typing import Any, Final
 from torch.utils.data import IterableDataset
 
 from .keyed_rng import derive_key, seed_generators
+from .library_protocols import library_protocol
 from .state import StateError
 from .thirdparty import is_stateful
 
@@ -44,10 +45,17 @@ class Progress:
     """``state`` is the dataset's state at the end of the previous epoch, carried over because its copy
     lives on (``num_workers=0`` or persistent workers): it is loaded *before* ``set_epoch``, as the
     uninterrupted run told that copy its new epoch after it had ended the last one."""
+    own: tuple[str, ...] = ()
+    """Attributes the dataset copy changed in its own ``iter()`` (not through ``set_epoch`` or a state): a copy
+    that lives on into later epochs carries them, and a replay in a new process starts them afresh."""
+    library: Any = None
+    """Restored through its library's own protocol: what the copy that iterates is handed
+    (:mod:`loader_resume.library_protocols`). Made at each restore from the counts above; never saved."""
 
     def needs_replay(self) -> bool:
         """Nothing restores this position but pulling and dropping the items delivered so far."""
-        return self.items > 0 and not self.dry and self.state is None and self.iterator is None
+        return self.items > 0 and not self.dry and self.state is None and self.iterator is None \
+            and self.library is None
 
 
 @dataclass(slots=True)
@@ -80,7 +88,7 @@ class WorkerSide:
     def start(self, epoch: int, worker: int, restore: Progress | None) -> None:
         """Become ``worker`` of ``epoch``, at the progress it is restored to (if any)."""
         self.epoch, self.worker, self.restore, self.iterator, self.keyed = epoch, worker, restore, None, None
-        self.progress = replace(restore) if restore else Progress()
+        self.progress = replace(restore, library=None) if restore else Progress()  # (sent with every batch)
         self.replay = restore.items if restore is not None and restore.needs_replay() else 0
 
     def open(self, dataset: Any) -> Iterator[Any]:
@@ -117,9 +125,16 @@ class WorkerSide:
         set_epoch = getattr(dataset, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(self.epoch)
+        protocol = library_protocol(dataset)
+        if protocol is not None:
+            protocol.in_worker(dataset, restore.library, epoch=self.epoch)
         if not ended and state is not None:
             dataset.load_state_dict(state)
+        before = _scalars(dataset) if not self.dataset_state and protocol is None else None
         iterator = iter(dataset)
+        if before is not None:
+            own = {name for name, value in _scalars(dataset).items() if before.get(name, value) != value}
+            self.progress.own = tuple(sorted(own.union(self.progress.own)))
         self.progress.self_iterator = iterator is dataset
         if restore.self_iterator and iterator is not dataset:
             raise StateError(f"stream.workers[{self.worker}].self_iterator", True, repr(False),
@@ -149,6 +164,15 @@ class WorkerSide:
 
 
 _ATOMIC = frozenset({int, float, str, bool, bytes, type(None)})
+
+
+def _scalars(dataset: Any) -> dict[str, Any]:
+    """The dataset's plain instance attributes (numbers, strings): where a stream keeps its own epoch or position."""
+    try:
+        attributes = vars(dataset)
+    except TypeError:  # no __dict__
+        return {}
+    return {name: value for name, value in attributes.items() if type(value) in _ATOMIC}
 
 
 def _snapshot(state: Any) -> Any:

@@ -24,9 +24,11 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+from .library_protocols import library_protocol
+
 __all__ = [
     "content_identity", "foreign_state_dict", "irreproducible", "is_stateful", "unrestorable", "warn_at_construction",
-    "warn_replay",
+    "warn_replay", "warn_self_kept",
 ]
 
 logger = logging.getLogger(__name__)
@@ -126,7 +128,7 @@ def warn_at_construction(dataset: Any, *, batch_read: bool) -> None:
                    "depend on the batch's composition (batch size, world size). Use keying='batch' to say so "
                    "explicitly, or read items one by one in __getitem__ for per-sample keys.", name)
     foreign = foreign_state_dict(dataset)
-    if foreign is not None:
+    if foreign is not None and library_protocol(dataset) is None:
         _warn_once("foreign state", dataset,
                    "%s.%s takes required arguments: it is %s's own resume protocol, not the Stateful protocol "
                    "(state_dict() / load_state_dict(state)) this loader calls. Its position is tracked by the loader "
@@ -152,6 +154,16 @@ def warn_replay(dataset: Any, items: int) -> None:
                    "only if its stream depends on nothing but the epoch it is told through set_epoch() and the "
                    "keyed generators; give it state_dict()/load_state_dict() to resume in O(1)",
                    type(dataset).__name__, why, items)
+
+
+def warn_self_kept(dataset: Any, names: list[str]) -> None:
+    """At a resume: the dataset keeps its own epoch or position in ``names``, which nothing restores."""
+    name = type(dataset).__name__
+    logger.warning("resuming %s: the continuation will NOT be bit-identical to the uninterrupted run: its own "
+                   "iter() changes %s (it keeps its own epoch or position), and its copy lived on across epochs in "
+                   "the saving run, while no state_dict() restores them here: a new copy starts them afresh. Give "
+                   "%s state_dict()/load_state_dict() (the Stateful protocol), or derive them from the epoch the "
+                   "loader tells it through set_epoch(epoch)", name, ", ".join(repr(n) for n in names), name)
 
 
 def _hf_iterable(dataset: Any) -> bool:

@@ -109,3 +109,16 @@ class PlainSampler(torch.utils.data.Sampler[int]):
 
     def __len__(self) -> int:
         return self.n
+
+
+class CountsOwnEpochs(IterableDataset[int]):
+    """A stream that keeps its own epoch count (no set_epoch, no state_dict): its order depends on it."""
+
+    def __init__(self) -> None:
+        self.epochs_seen = 0
+
+    def __iter__(self) -> Iterator[int]:
+        self.epochs_seen += 1
+        order = list(range(12))
+        random.Random(self.epochs_seen).shuffle(order)
+        return iter(order)

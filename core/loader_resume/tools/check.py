@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
 import subprocess
 import sys
 import tempfile
@@ -39,16 +40,19 @@ class Scenario:
     problem: str = ""
     refused: str = ""
     """The loader refuses this resume by design (e.g. an iterable dataset at another num_workers): why."""
+    warned: tuple[str, ...] = ()
+    """What the resume itself warned (loader_resume's log), e.g. that the continuation will not be bit-identical."""
 
     def describe(self) -> str:
+        warned = "".join(f"; the resume warned: {message}" for message in self.warned)
         if self.refused:
             return f"refused: {self.refused}"
         if self.world is not None:
             return "the rest of the epoch exactly once" if self.exact else f"WRONG: {self.problem}"
         if self.exact:
-            return "exact"
+            return "exact" + warned
         where = f"batch {self.diverged_at} (epoch {self.epoch})"
-        return f"DIVERGES at {where}: {', '.join(self.fields) or 'missing or extra batches'} differ"
+        return f"DIVERGES at {where}: {', '.join(self.fields) or 'missing or extra batches'} differ{warned}"
 
 
 def _fields(batch: Any) -> dict[str, str]:
@@ -78,7 +82,9 @@ def _run(spec: str, epochs: int, workers: int | None, cut: int | None, load: str
     from ..state import StateError
 
     loader = _build(spec, workers)
+    warned = _Warnings()
     if load:
+        logging.getLogger("loader_resume").addHandler(warned)
         try:
             loader.load_state_dict(torch.load(load, weights_only=True))
         except StateError as error:  # refused by design: a verdict of its own, not a crash
@@ -93,6 +99,21 @@ def _run(spec: str, epochs: int, workers: int | None, cut: int | None, load: str
             if save and delivered == cut:
                 torch.save(loader.state_dict(), save)
                 return
+    if load:
+        sys.stdout.write(json.dumps({"warned": warned.messages}) + "\n")
+
+
+class _Warnings(logging.Handler):
+    """The warnings loader_resume logs while a resumed runner loads and iterates, for the verdict."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "will NOT be bit-identical" in message and message not in self.messages:
+            self.messages.append(message)
 
 
 def _rescale(spec: str, load: str, world: int) -> None:
@@ -184,8 +205,9 @@ def run_check(spec: str, *, epochs: int = 2, cuts: list[int] | None = None, work
                 if resumed and isinstance(resumed[0], dict) and "refused" in resumed[0]:
                     scenarios.append(Scenario(cut, own_workers, resume_with, False, refused=resumed[0]["refused"]))
                 else:
+                    warned = tuple(resumed.pop()["warned"]) if resumed and isinstance(resumed[-1], dict) else ()
                     exact, at, epoch, fields = _compare(reference, resumed, cut)
-                    scenarios.append(Scenario(cut, own_workers, resume_with, exact, at, epoch, fields))
+                    scenarios.append(Scenario(cut, own_workers, resume_with, exact, at, epoch, fields, warned=warned))
             else:
                 (found,) = _spawn(["_run", spec, "--load", state, "--world", str(world)])
                 exact, problem = _judge_rescale(found, world)
