@@ -163,3 +163,28 @@ def test_a_dataset_split_per_rank_beforehand_is_refused_not_split_again(tmp_path
         assert "the ranks' datasets differ" in result["error"] and "split_dataset_by_node" in result["error"]
         assert "rank=0, world_size=1" in result["error"]
         assert sorted(result["ids"]) == list(range(rank * 12, rank * 12 + 12))  # its whole split, not a quarter
+
+
+def test_a_plain_loader_refuses_a_dataset_split_per_rank_without_hanging(tmp_path: Path) -> None:
+    """No integration, no check called: a plain loop over a split is refused at the first ``iter()`` of at
+    least one rank (each rank publishes before it looks); the job stops there."""
+    launch(Path(__file__).parent / "ddp_split_child.py", "plain-split", tmp_path)
+    results = [json.loads((tmp_path / f"plain-split-{r}.json").read_text()) for r in range(2)]
+    refused = [r for r in results if r["error"]]
+    assert refused and all("the ranks' datasets differ" in r["error"] and "split_dataset_by_node" in r["error"]
+                           and "rank=0, world_size=1" in r["error"] for r in refused)
+    first = [r for r in refused if r["epoch"] == 0]
+    assert first and all(r["ids"] == [] for r in first)  # refused before a single batch
+
+
+def test_a_loader_on_some_ranks_only_is_neither_refused_nor_a_hang(tmp_path: Path) -> None:
+    """A validation loader on rank 0 alone: nobody waits for a rank that never builds it."""
+    launch(Path(__file__).parent / "ddp_split_child.py", "plain-partial", tmp_path)
+    results = [json.loads((tmp_path / f"plain-partial-{r}.json").read_text()) for r in range(2)]
+    assert [r["error"] for r in results] == ["", ""]
+    # (under DDP every loader shards: rank 0's is its half of the 10 items; rank 1 never built one)
+    assert len(results[0]["validation"]) == 5 and set(results[0]["validation"]) < set(range(10))
+    assert results[1]["validation"] == []
+    for epoch in range(2):
+        both = results[0]["ids"][epoch * 12:(epoch + 1) * 12] + results[1]["ids"][epoch * 12:(epoch + 1) * 12]
+        assert sorted(both) == list(range(24))

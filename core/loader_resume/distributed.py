@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.utils.data import IterableDataset
 
 from .checkpoint import global_rng_state
+from .split_check import describe_difference
 from .state import StateError
 from .thirdparty import content_identity
 
@@ -147,14 +148,7 @@ def check_same_dataset(loader: _RankedLoader) -> None:
     every: list[Any] = [None] * loader.world_size
     dist.all_gather_object(every, mine)
     if any(other != every[0] for other in every):
-        described = "; ".join(f"rank {rank}: {kind} of {size} items" + (f", {ident}" if ident else "")
-                              for rank, (kind, size, ident) in enumerate(every))
-        raise ValueError(
-            f"the ranks' datasets differ ({described}); expected the same whole dataset on every rank, which the "
-            "loader shards across ranks itself. A dataset split per rank beforehand (HF split_dataset_by_node, a "
-            "per-rank Subset) would be split again and each rank would see a fraction of its part. Pass the whole "
-            "dataset, or, to keep your own split, build the loader with rank=0, world_size=1 on every rank (each "
-            "rank's state is then its own; save it per rank)")
+        raise ValueError(describe_difference(every))
 
 
 def gather_rng_states() -> list[dict[str, Any]]:

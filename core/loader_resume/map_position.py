@@ -15,6 +15,7 @@ from .index_plan import Pending, Plan, plan_indices
 from .keyed_fetch import SeedAheadCollate
 from .position import Begun, Setup, tell_epoch
 from .sampler import Source, steps_per_epoch
+from .split_check import SplitCheck
 from .state import StateError
 from .thirdparty import is_stateful
 
@@ -45,6 +46,8 @@ class MapPosition:
         self._n: int | None = len(setup.dataset) if hasattr(setup.dataset, "__len__") else None
         self._pool_epoch: int | None = None  # the epoch a persistent worker pool was told
         self._restart = False  # a loaded dataset state: a persistent pool's copies are stale
+        settings = (setup.batch_size, setup.seed, source.shuffle, setup.drop_last)
+        self._split_check: SplitCheck | None = SplitCheck(setup.dataset, settings)
         self.reset(None)
 
     # --- Position --------------------------------------------------------------------------------
@@ -65,6 +68,9 @@ class MapPosition:
         self._sampler_state = self._sampler_state_to_load = sampler_state
 
     def begin(self, collate_fn: Callable[[Any], Any], worker_init_fn: Callable[[int], None] | None) -> Begun:
+        if self._split_check is not None:  # under torch.distributed: a dataset split per rank is refused
+            shard = self.setup.shard()
+            self._split_check = self._split_check.at_iter(shard.rank, shard.world)
         if not self._fresh:  # the previous pass was left mid-epoch: a new iter() is a new epoch
             self.epoch, self._position = self.epoch + 1, 0
         if self._position == 0:
