@@ -23,11 +23,12 @@ that follows one of these protocols is restored through it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 from typing import Any, Protocol
 
-__all__ = ["LibraryProtocol", "library_protocol"]
+__all__ = ["LibraryProtocol", "library_protocol", "required_parameters"]
 
 
 class LibraryProtocol(Protocol):
@@ -103,29 +104,35 @@ _PROTOCOLS: tuple[tuple[tuple[str, ...], tuple[str, ...], LibraryProtocol], ...]
     (("num_samples_yielded", "num_workers", "batch_size"), ("reset_state_dict", "set_epoch"), _Litdata()),
     (("num_samples", "from_beginning"), ("next_epoch",), _Mosaic()),
 )
-_CHECKED: dict[Any, LibraryProtocol | None] = {}
 
 
 def library_protocol(dataset: Any) -> LibraryProtocol | None:
     """The library protocol ``dataset`` follows (see the module doc), else None."""
     state_dict = getattr(dataset, "state_dict", None)
-    function = getattr(state_dict, "__func__", state_dict)
+    if not (callable(state_dict) and callable(getattr(dataset, "load_state_dict", None))):
+        return None
+    required = required_parameters(state_dict)
+    return next((protocol for names, members, protocol in _PROTOCOLS
+                 if required == names and all(hasattr(type(dataset), m) for m in members)), None)
+
+
+_REQUIRED: dict[Any, tuple[str, ...]] = {}
+
+
+def required_parameters(method: Any) -> tuple[str, ...]:
+    """The names of the parameters ``method`` requires, in order (cached per function); ``()`` for none, and for a
+    builtin without a signature."""
+    function = getattr(method, "__func__", method)
     try:
-        return _CHECKED[function]
+        return _REQUIRED[function]
     except (KeyError, TypeError):
         pass
-    found = None
-    if callable(state_dict) and callable(getattr(dataset, "load_state_dict", None)):
-        try:
-            parameters = list(inspect.signature(state_dict).parameters.values())
-        except (TypeError, ValueError):  # a builtin without a signature: no protocol of these
-            parameters = []
-        required = tuple(p.name for p in parameters
-                         if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
-        found = next((protocol for names, members, protocol in _PROTOCOLS
-                      if required == names and all(hasattr(type(dataset), m) for m in members)), None)
     try:
-        _CHECKED[function] = found
-    except TypeError:
-        pass
-    return found
+        parameters = list(inspect.signature(method).parameters.values())
+    except (TypeError, ValueError):
+        parameters = []
+    required = tuple(p.name for p in parameters
+                     if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+    with contextlib.suppress(TypeError):
+        _REQUIRED[function] = required
+    return required

@@ -18,13 +18,11 @@ What the loader cannot do for a dataset as its author may expect is said when th
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import logging
 from collections.abc import Iterator
 from typing import Any
 
-from .library_protocols import library_protocol
+from .library_protocols import library_protocol, required_parameters
 
 __all__ = [
     "content_identity", "foreign_state_dict", "irreproducible", "is_stateful", "unrestorable", "warn_at_construction",
@@ -48,28 +46,10 @@ def is_stateful(owner: Any) -> bool:
     return foreign_state_dict(owner) is None and unrestorable(owner) is None
 
 
-_FOREIGN: dict[Any, str | None] = {}
-
-
 def foreign_state_dict(owner: Any) -> str | None:
     """The signature of ``owner.state_dict`` when it requires arguments (another library's protocol), else None."""
-    state_dict = getattr(owner, "state_dict", None)
-    function = getattr(state_dict, "__func__", state_dict)
-    try:
-        return _FOREIGN[function]
-    except (KeyError, TypeError):
-        pass
-    try:
-        signature = inspect.signature(state_dict)  # type: ignore[arg-type]
-    except (TypeError, ValueError):  # a builtin without a signature: take it at its word
-        found = None
-    else:
-        required = [p for p in signature.parameters.values() if p.default is p.empty
-                    and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-        found = f"state_dict({', '.join(p.name for p in required)})" if required else None
-    with contextlib.suppress(TypeError):
-        _FOREIGN[function] = found
-    return found
+    required = required_parameters(getattr(owner, "state_dict", None))
+    return f"state_dict({', '.join(required)})" if required else None
 
 
 def unrestorable(dataset: Any) -> str | None:
