@@ -34,7 +34,6 @@ __all__ = ["LibraryProtocol", "library_protocol", "required_parameters"]
 class LibraryProtocol(Protocol):
     """How one library's own resume protocol is fed with the loader's counts."""
 
-    library: str
     per_worker: bool
     """Each worker resumes its own items (litdata); else the rank's items as one global count (Mosaic)."""
 
@@ -49,7 +48,6 @@ class LibraryProtocol(Protocol):
 
 
 class _Litdata:
-    library = "litdata"
     per_worker = True
 
     def main_process(self, dataset: Any, *, epoch: int, items: int, worker: int, workers: int, world: int,
@@ -76,7 +74,6 @@ class _Litdata:
 
 
 class _Mosaic:
-    library = "streaming"
     per_worker = False
 
     def main_process(self, dataset: Any, *, epoch: int, items: int, worker: int, workers: int, world: int,
