@@ -24,10 +24,13 @@ import numpy as np
 import torch
 from common import (
     Busy,
+    Drawing,
+    Ints,
     Tiny,
     TinyStream,
     batches_per_second,
     interleaved,
+    interleaved_epochs,
     markdown,
     median_micros,
     write_readme_section,
@@ -38,23 +41,41 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from loader_resume import ResumableDataLoader
 from loader_resume.keyed_fetch import KeySpec, keyed_indices
 from loader_resume.keyed_rng import CallerRng, derive_key, generator_mask, seed_generators
+from loader_resume.rng_memory import generator_states
 
 BATCH = 64
 
 
-def throughput(dataset_factory: Any, workers: int, batches: int, rounds: int) -> dict[str, float]:
-    dataset = dataset_factory()
+ROWS = (  # (label, dataset): whole epochs of ~300 to ~1,600 batches, lengths that are not powers of two
+    ("Python ints, n = 100,000", lambda: Ints(100_000)),
+    ("tiny tensors (`Tiny`), n = 100,000", lambda: Tiny(100_000)),
+    ("tiny tensors drawing torch + numpy + `random` per item, n = 20,000", lambda: Drawing(20_000)),
+    ("50 µs items (`Busy`), n = 20,000", lambda: Busy(20_000)),
+)
+COLUMNS = ("DataLoader again (A/A)", "StatefulDataLoader", "ours, keying off", "ours, default keying",
+           "ours, keying torch only")
+
+
+def throughput(dataset: Any, workers: int, rounds: int) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Whole epochs of each loader over ``dataset`` (shuffled, batch 64), interleaved; see ``interleaved_epochs``."""
     common = {"batch_size": BATCH, "shuffle": True, "num_workers": workers, "persistent_workers": workers > 0}
-    loaders = {
-        "DataLoader": DataLoader(dataset, **common),
-        "DataLoader again (noise control)": DataLoader(dataset, **common),
-        "StatefulDataLoader": StatefulDataLoader(dataset, **common),
-        "ours, keying off": ResumableDataLoader(dataset, keying="off", **common),
-        "ours, per-batch keying": ResumableDataLoader(dataset, **common),
-        "ours, per-batch keying, torch only": ResumableDataLoader(dataset, keyed_generators=("torch",), **common),
-    }
-    return interleaved({name: (lambda loader=loader: batches_per_second(loader, batches))
-                        for name, loader in loaders.items()}, rounds)
+    loaders = dict(zip(("DataLoader", *COLUMNS), (
+        DataLoader(dataset, **common), DataLoader(dataset, **common), StatefulDataLoader(dataset, **common),
+        ResumableDataLoader(dataset, keying="off", **common), ResumableDataLoader(dataset, **common),
+        ResumableDataLoader(dataset, keyed_generators=("torch",), **common)), strict=True))
+    return interleaved_epochs(loaders, rounds)
+
+
+def state_dict_micros(workers: int, calls: int = 400) -> float:
+    """Median µs of ``state_dict()`` between ``next()`` calls of a running shuffled loader."""
+    loader = ResumableDataLoader(Tiny(1 << 20), batch_size=BATCH, shuffle=True, num_workers=workers)
+    iterator, samples = iter(loader), []
+    for _ in range(calls):
+        next(iterator)
+        start = time.perf_counter()
+        loader.state_dict()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1e6
 
 
 def stream_throughput(workers: int, batches: int, rounds: int) -> dict[str, float]:
@@ -78,10 +99,19 @@ def keying_costs() -> dict[str, float]:
     per_sample = keyed_indices(list(range(BATCH)), KeySpec(key, derive_key(3, 4), mask))
     guard = CallerRng(mask)
 
-    def main_process_batch() -> None:  # what the loader does around one fetch with num_workers=0
+    def main_process_batch() -> None:  # num_workers=0, a dataset that draws from all three generators
         guard.save()
         seed_generators(key, mask)
         guard.restore()
+
+    states = generator_states()
+
+    def draws_nothing() -> None:  # num_workers=0, a dataset that draws nothing: a copy before, a comparison after
+        states.changed(states.take(), mask)
+
+    def profiler_range() -> None:
+        with torch.autograd.profiler.record_function("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__"):
+            pass
 
     return {"worker, per batch (seeding one key; done ahead by the helper thread)":
                 median_micros(lambda: seed_generators(key, mask)),
@@ -89,12 +119,17 @@ def keying_costs() -> dict[str, float]:
                 in_loader_seed_micros(),
             "worker, per sample": (median_micros(lambda: list(iter(per_sample)))
                                    - median_micros(lambda: list(per_sample[:]))) / BATCH,
-            "main process, per batch (seeding + caller RNG save and restore)": median_micros(main_process_batch),
+            "main process, per batch, a dataset that draws from all three (seeding + caller RNG save and restore)":
+                median_micros(main_process_batch),
+            "main process, per batch, a dataset that draws nothing (RNG states copied and compared)":
+                median_micros(draws_nothing),
             "caller RNG save+restore": median_micros(lambda: guard.save().restore()),
             "numpy get_state+set_state (for comparison)":
                 median_micros(lambda: np.random.set_state(np.random.get_state()), repeat=500),
             "random getstate+setstate (for comparison)":
-                median_micros(lambda: random.setstate(random.getstate()), repeat=500)}
+                median_micros(lambda: random.setstate(random.getstate()), repeat=500),
+            "torch's per-batch profiler range (record_function), skipped by ours while no profiler records":
+                median_micros(profiler_range)}
 
 
 def _probe(script: str, what: str, **fields: Any) -> str:
@@ -173,6 +208,9 @@ def state_costs() -> dict[str, Any]:
         out[f"ours: state_dict() µs, n={n:.0e}"] = median_micros(loader.state_dict)
         out[f"ours: torch.save bytes (JSON bytes), n={n:.0e}"] = (
             f"{_saved_bytes(loader.state_dict())} ({len(json.dumps(loader.state_dict()))})")
+    for workers in (0, 2):
+        out[f"ours: state_dict() µs between next() calls of a running loader, num_workers={workers}"] = \
+            state_dict_micros(workers)
     sdl = StatefulDataLoader(Tiny(10**3), batch_size=BATCH, shuffle=True)
     iterator = iter(sdl)
     next(iterator)
@@ -234,26 +272,30 @@ def peak_memory_mib(n: int) -> tuple[float, float]:
 
 
 def report(args: argparse.Namespace) -> str:
-    rounds = 3 if args.quick else 21
+    rounds = 3 if args.quick else 15
     sections = []
     rows = []
-    cases = (("tiny items", lambda: Tiny(1 << 20), 400), ("50 µs items", lambda: Busy(1 << 20), 60))
-    for label, factory, batches in cases:
+    for label, factory in ROWS:
+        dataset = factory()
         for workers in (0, 2):
-            result = throughput(factory, workers, batches, rounds)
-            ratios = [f"{result[k]:.3f}x" for k in result if k != "DataLoader"]
-            rows.append([label, str(workers), *ratios, f"{result['DataLoader']:,.0f}"])
+            ratios, micros = throughput(dataset, workers, rounds)
+            keying = statistics.median(d - o for d, o in zip(micros["ours, default keying"], micros["ours, keying off"],
+                                                             strict=True))
+            rows.append([label, str(workers), *(f"{ratios[name]:.3f}x" for name in COLUMNS), f"{keying:+.1f}",
+                         f"{statistics.median(micros['DataLoader']):.1f}"])
             print(rows[-1], flush=True)
-    header = ["items", "num_workers", "DataLoader again (A/A)", "StatefulDataLoader", "ours, keying off",
-              "ours, per-batch keying", "ours, per-batch keying, torch only", "DataLoader batches/s"]
+    header = ["items (whole epochs)", "num_workers", *COLUMNS, "keying cost, µs a batch (default - off)",
+              "DataLoader µs a batch"]
     sections.append(markdown(header, rows))
     stream_rows = []
     for workers in (0, 2):
         result = stream_throughput(workers, 400, rounds)
         ratios = [f"{result[k]:.3f}x" for k in result if k != "DataLoader"]
-        stream_rows.append(["stream, state = a few ints", str(workers), *ratios, "n/a", f"{result['DataLoader']:,.0f}"])
+        stream_rows.append(["stream, state = a few ints", str(workers), *ratios, f"{result['DataLoader']:,.0f}"])
         print(stream_rows[-1], flush=True)
-    sections.append(markdown(["iterable dataset", *header[1:]], stream_rows))
+    stream_header = ["iterable dataset (400 batches after the first)", "num_workers", *COLUMNS[:4],
+                     "DataLoader batches/s"]
+    sections.append(markdown(stream_header, stream_rows))
     wake = helper_wake_control(rounds)
     control = ["control: tiny items, nw=2, every seeding stubbed out", "ours, keying off",
                "ours, seed-ahead helper seeding nothing"]
@@ -271,10 +313,12 @@ def report(args: argparse.Namespace) -> str:
     sections.append(markdown(["shuffled loader, first 10 batches", "RSS growth MiB", "Python/numpy peak MiB"],
                              [[f"n = {n:.0e}", f"{rss:.1f}", f"{peak:.2f}"] for n, (rss, peak) in memory.items()]))
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, batch {BATCH}"
-    head = (f"Measured by `python benchmarks/bench_core.py` ({machine}). Throughput is the median over {rounds} "
-            "interleaved rounds (order reversed every other round) of each loader's ratio to plain DataLoader "
-            "in the same round. The A/A column, a second identical DataLoader, shows this machine's noise: "
-            "differences of that size are not ours.")
+    head = (f"Measured by `python benchmarks/bench_core.py` ({machine}). Each loader runs whole shuffled epochs "
+            "(from `iter()` to its end, so per-epoch costs count; `persistent_workers=True` at 2 workers, one "
+            f"untimed warm-up epoch each), taking turns in {rounds} interleaved rounds (order reversed every "
+            "other round); a ratio is the median of its throughput over plain DataLoader's in the same round. "
+            "The A/A column, a second identical DataLoader, shows this machine's noise: differences of that "
+            "size are not ours.")
     return head + "\n\n" + "\n\n".join(sections)
 
 

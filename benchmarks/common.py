@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import re
 import statistics
 import time
@@ -9,6 +10,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
@@ -43,6 +45,27 @@ class Busy(Tiny):
         return self.rows[index % len(self.rows)]
 
 
+class Ints(Dataset[int]):
+    """Python ints (``__getitem__`` returns the index): the cheapest item a map-style dataset can have."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+class Drawing(Tiny):
+    """Tiny items with an augmentation that draws from torch, numpy and ``random`` for every item."""
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        row = self.rows[index % len(self.rows)]
+        return row * torch.rand(()) + float(np.random.rand()) + random.random()
+
+
 class TinyStream(IterableDataset[torch.Tensor]):
     """A stream of tiny items, split across workers, whose state is a few ints (like a file offset)."""
 
@@ -73,6 +96,33 @@ def batches_per_second(loader: Iterable[Any], batches: int) -> float:
     for _ in range(batches):
         next(iterator)
     return batches / (time.perf_counter() - start)
+
+
+def epoch_micros(loader: Iterable[Any]) -> float:
+    """µs a batch over one whole epoch, from ``iter()`` to its end (every per-epoch cost included)."""
+    start, batches = time.perf_counter(), 0
+    for _ in loader:
+        batches += 1
+    return (time.perf_counter() - start) / max(batches, 1) * 1e6
+
+
+def interleaved_epochs(
+    loaders: dict[str, Iterable[Any]], rounds: int,
+) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Whole epochs, loaders taking turns (order reversed every other round) after one untimed warm-up epoch
+    each: (each loader's median ratio of throughput to the first loader's in the same round, µs a batch in
+    each round)."""
+    for loader in loaders.values():
+        epoch_micros(loader)
+    micros: dict[str, list[float]] = {name: [] for name in loaders}
+    names = list(loaders)
+    for turn in range(rounds):
+        for name in names if turn % 2 == 0 else names[::-1]:
+            micros[name].append(epoch_micros(loaders[name]))
+    first = micros[names[0]]
+    ratios = {name: statistics.median(f / m for f, m in zip(first, values, strict=True))
+              for name, values in micros.items()}
+    return ratios, micros
 
 
 def interleaved(runs: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:

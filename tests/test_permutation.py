@@ -46,3 +46,32 @@ def test_every_position_is_equally_likely_to_hold_every_index() -> None:
         counts[positions, KeyedPermutation(n, key)[positions]] += 1
     expected, sigma = keys / n, (keys * (1 / n) * (1 - 1 / n)) ** 0.5
     assert np.abs(counts - expected).max() < 5 * sigma, counts
+
+
+def _reference(n: int, key: int, position: int) -> int:
+    """The permutation written out in plain integers, one position at a time (the definition the vectorised,
+    tabulated code must keep: checkpoints of every earlier version resume in this order)."""
+    import hashlib
+
+    half = max(1, ((max(n, 2) - 1).bit_length() + 1) // 2)
+    words = hashlib.shake_256(key.to_bytes(16, "little")).digest(96)
+    xors = [int.from_bytes(words[8 * i : 8 * i + 8], "little") for i in range(6)]
+    multipliers = [int.from_bytes(words[48 + 8 * i : 56 + 8 * i], "little") | 1 for i in range(6)]
+    mask = (1 << half) - 1
+    x = position
+    while True:
+        left, right = x >> half, x & mask
+        for xor, multiplier in zip(xors, multipliers, strict=True):
+            left, right = right, left ^ ((((right ^ xor) * multiplier) & (2**64 - 1)) >> (64 - half))
+        x = (left << half) | right
+        if x < n:
+            return x
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.one_of(st.integers(1, 5000), st.integers(1, 2**40)), key=st.integers(0, 2**64 - 1),
+       seed=st.integers(0, 2**32 - 1))
+def test_values_are_those_of_the_plain_integer_definition(n: int, key: int, seed: int) -> None:
+    """Both code paths (lookup tables up to n = 2^32, 64-bit arithmetic above) against the definition."""
+    positions = np.random.default_rng(seed).integers(0, n, size=50)
+    assert KeyedPermutation(n, key)[positions].tolist() == [_reference(n, key, int(p)) for p in positions]

@@ -11,10 +11,10 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import chain, islice
-from typing import Any, NamedTuple
+from typing import Any
 
-from .keyed_fetch import KeySpec, keyed_indices
-from .keyed_rng import GENERATORS, CallerRng, derive_key, generator_mask, seed_generators
+from .keyed_fetch import KeySpec, NextFetch, keyed_indices
+from .keyed_rng import GENERATORS, CallerRng, KeysUnder, derive_key, generator_mask, seed_generators
 from .permutation import KeyedPermutation
 from .sampler import Shard, Step, permutation_steps, source_steps
 from .thirdparty import is_stateful
@@ -25,12 +25,9 @@ logger = logging.getLogger(__name__)
 _ALL_GENERATORS = generator_mask(GENERATORS)
 
 
-class Pending(NamedTuple):
-    """A step handed to torch and not yet delivered: where the position goes once it is."""
-
-    end: int
-    last: bool
-    sampler_state: Any
+Pending = tuple[int, bool, Any]
+"""A step handed to torch and not yet delivered: where the position goes once it is — ``(end, last,
+sampler_state)`` (a plain tuple: one is made per batch)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,10 +45,9 @@ class Plan:
     unit_is_batch: bool
     workers: int = 0
     """``num_workers`` when workers seed ahead, else 0: a worker's next batch is most likely ``workers`` steps later."""
-    fetch_here: bool = False
-    """The batches are fetched in this process (``num_workers=0``): seed each batch's key as its list is
-    handed out, since torch's single-process iterator fetches right after drawing it (the loader restores
-    the caller's generators once the fetch is done)."""
+    next_fetch: NextFetch | None = None
+    """Per-batch keying in this process (``num_workers=0``): each list's key parts are recorded here as it is
+    handed out, for the fetch (``keyed_fetch.KeyedFetch``), instead of a key carried by the list."""
 
 
 def plan_indices(plan: Plan, epoch: int, start: int, sampler_state: Any = None) -> Iterator[tuple[list[int], Pending]]:
@@ -64,23 +60,25 @@ def plan_indices(plan: Plan, epoch: int, start: int, sampler_state: Any = None) 
     calls ``iter(index_sampler)`` twice (base ``__init__``, then ``_reset``) and drops the first; a user
     sampler must not be advanced, nor its loaded state used, by the dropped one.
     """
-    batch_base = derive_key(plan.seed, epoch, "batch")
+    batch_keys = KeysUnder(derive_key(plan.seed, epoch, "batch"))  # derive_key(batch_base, position)
     sample_base = derive_key(plan.seed, epoch, "sample") if plan.keying == "sample" else None
     off = plan.keying == "off"
     ahead_keys: dict[int, int] = {}  # key position -> key, derived when it was sent ahead (seeding ahead)
     for units, key_position, end, last, state in _steps(plan, epoch, start, sampler_state):
-        pending = Pending(end, last, state)
+        pending = (end, last, state)
         indices = units[0] if plan.unit_is_batch else units
         if off:
             yield indices, pending
             continue
-        key = ahead_keys.pop(key_position) if key_position in ahead_keys else derive_key(batch_base, key_position)
+        if plan.next_fetch is not None and sample_base is None:
+            plan.next_fetch.record(indices, batch_keys, key_position, plan.mask)
+            yield indices, pending
+            continue
+        key = ahead_keys.pop(key_position) if key_position in ahead_keys else batch_keys(key_position)
         ahead = None
         if plan.workers and sample_base is None:
             ahead_position = key_position + plan.workers * plan.shard.step
-            ahead = ahead_keys[ahead_position] = derive_key(batch_base, ahead_position)
-        if plan.fetch_here:
-            seed_generators(key, plan.mask)
+            ahead = ahead_keys[ahead_position] = batch_keys(ahead_position)
         yield keyed_indices(indices, KeySpec(key, sample_base, plan.mask), ahead), pending
 
 

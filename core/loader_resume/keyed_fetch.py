@@ -16,10 +16,12 @@ from typing import Any, Final, NamedTuple
 
 from torch.utils.data import get_worker_info
 
-from .keyed_rng import derive_key, seed_generators
+from .keyed_rng import TORCH, KeysUnder, derive_key, seed_generators
+from .rng_memory import generator_states
 
 __all__ = [
-    "SEED_AHEAD", "KeySpec", "KeyedIndices", "SampleKeyedIndices", "SeedAhead", "SeedAheadCollate", "keyed_indices",
+    "SEED_AHEAD", "DrawnGenerators", "KeySpec", "KeyedFetch", "KeyedIndices", "NextFetch", "SampleKeyedIndices",
+    "SeedAhead", "SeedAheadCollate", "keyed_indices",
 ]
 
 logger = logging.getLogger(__name__)
@@ -177,3 +179,130 @@ class SeedAheadCollate:
         batch = self.collate_fn(items)
         SEED_AHEAD.start()
         return batch
+
+
+class DrawnGenerators:
+    """Which keyed generators a loader's dataset draws from in the main process, learned from its fetches."""
+
+    __slots__ = ("learned", "mask")
+
+    def __init__(self) -> None:
+        self.learned = False
+        """Whether a fetch has shown it yet (the first keyed fetch seeds every keyed generator)."""
+        self.mask = 0
+        """The generators seen drawn from (bits of :func:`loader_resume.keyed_rng.generator_mask`)."""
+
+
+class NextFetch:
+    """``num_workers=0``, per-batch keying: the index list torch's single-process iterator fetches next, and
+    its key's parts (the list itself carries nothing: no key is derived for a batch nothing is seeded for).
+
+    torch's single-process iterator fetches each list right after drawing it from the loader's index plan,
+    which records it here as it hands it out (:class:`KeyedFetch` checks it is the same list object).
+    """
+
+    __slots__ = ("indices", "keys", "mask", "position")
+
+    def __init__(self) -> None:
+        self.indices: Any = None
+        self.keys: KeysUnder | None = None
+        self.position = self.mask = 0
+
+    def record(self, indices: Any, keys: KeysUnder, position: int, mask: int) -> None:
+        """``indices`` is handed out next; its key is ``keys(position)``."""
+        self.indices, self.keys, self.position, self.mask = indices, keys, position, mask
+
+
+class KeyedFetch:
+    """The main process's fetch of a keyed batch (``num_workers=0``): the caller's generators stay as they were,
+    and only the generators the dataset draws from are seeded.
+
+    Wraps torch's fetcher. Before the fetch, the generators' states are copied (as memory,
+    :mod:`loader_resume.rng_memory`); the generators the dataset is known to draw from
+    (:class:`DrawnGenerators`; at a loader's first keyed fetch, all of them), and torch's always (datasets
+    read ``torch.initial_seed()`` to derive generators of their own), are seeded with the batch's key.
+    After it, the states are compared with those: a seeded generator that moved is one the dataset draws from;
+    an unseeded one that moved means the dataset drew from the caller's generator, so its state is put
+    back, it is learned as drawn, and the fetch is done again, seeded (values are then the batch key's, as
+    if it had been seeded from the start). Finally every seeded generator gets the caller's state back.
+    A dataset that draws no random number thus pays a copy and a comparison of three small blocks of memory
+    a batch and torch's seeding (~1 µs); one that draws pays a second read of one batch, once per generator
+    it first draws from after the loader's first batch.
+    """
+
+    __slots__ = ("_drawn", "_fetcher", "_next")
+
+    def __init__(self, fetcher: Any, drawn: DrawnGenerators, next_fetch: NextFetch | None) -> None:
+        self._fetcher, self._drawn, self._next = fetcher, drawn, next_fetch
+
+    def __getattr__(self, name: str) -> Any:  # torch's fetcher's own attributes (dataset, collate_fn, ...)
+        if name == "_fetcher":
+            raise AttributeError(name)
+        return getattr(self._fetcher, name)
+
+    def fetch(self, indices: Any) -> Any:
+        slot = self._next
+        if slot is not None and slot.indices is indices:
+            slot.indices = None
+            return self._keyed(indices, slot.mask, slot.keys, slot.position)
+        spec: KeySpec | None = getattr(indices, "spec", None)
+        if spec is None or not spec.mask:
+            return self._fetcher.fetch(indices)
+        if spec.sample_base is not None:  # each item is seeded again as the list is iterated
+            return self._seeded(indices, spec.key, spec.mask)
+        return self._keyed(indices, spec.mask, None, spec.key)
+
+    def _seeded(self, indices: Any, key: int, mask: int) -> Any:
+        states = generator_states()
+        caller = states.take()
+        try:
+            seed_generators(key, mask)
+            return self._fetcher.fetch(indices)
+        finally:
+            states.put(caller, mask)
+
+    def _keyed(self, indices: Any, mask: int, keys: KeysUnder | None, position: int) -> Any:
+        """Fetch ``indices`` keyed by ``keys(position)`` (``keys`` None: ``position`` is the key)."""
+        drawn = self._drawn
+        if not drawn.learned:
+            return self._learn(indices, position if keys is None else keys(position), mask)
+        states = generator_states()
+        caller = states.take()
+        # NOTE: torch's generator is seeded for every batch all the same: torch.initial_seed(), which datasets
+        # read (without drawing) to derive their own generators from, must report the batch's key.
+        seeded = (drawn.mask | TORCH) & mask
+        key: int | None = None
+        try:
+            while True:
+                if seeded:
+                    if key is None:
+                        key = position if keys is None else keys(position)
+                    seed_generators(key, seeded)
+                data = self._fetcher.fetch(indices)
+                unseeded = mask & ~seeded
+                if not unseeded:
+                    return data
+                strays = states.changed(caller, unseeded)
+                if not strays:
+                    return data
+                logger.debug("the dataset drew from generator(s) %d unkeyed: fetching the batch again, keyed", strays)
+                states.put(caller, strays)
+                drawn.mask |= strays
+                seeded |= strays
+        finally:
+            if seeded:
+                states.put(caller, seeded)
+
+    def _learn(self, indices: Any, key: int, mask: int) -> Any:
+        """A loader's first keyed fetch: every keyed generator seeded; those that move are the ones drawn from."""
+        states = generator_states()
+        caller = states.take()
+        try:
+            seed_generators(key, mask)
+            keyed = states.take()
+            data = self._fetcher.fetch(indices)
+            drawn = self._drawn
+            drawn.learned, drawn.mask = True, states.changed(keyed, mask)
+            return data
+        finally:
+            states.put(caller, mask)

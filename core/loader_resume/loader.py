@@ -24,6 +24,7 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 from torch.utils.data.dataloader import _DatasetKind
 
 from .distributed import rank_and_world
+from .keyed_fetch import DrawnGenerators, KeyedFetch
 from .keyed_rng import GENERATORS, KEYING_MODES, CallerRng, derive_key, generator_mask
 from .map_position import MapPosition
 from .position import Position, Setup, Tracked
@@ -51,9 +52,10 @@ class ResumableDataLoader(DataLoader[T]):
         snapshot_every_n_steps: accepted for torchdata compatibility (None or an int >= 0, as there) and
             ignored: the state is a position, so it is exact at every step for free.
         keying: ``"batch"`` (default) seeds the keyed generators before each batch from
-            ``(seed, epoch, the batch's global position)``; ``"sample"`` before each sample from
-            ``(seed, epoch, index)`` (values then also survive a change of batch or world size; costs
-            ~8 µs per sample); ``"off"`` leaves every generator alone.
+            ``(seed, epoch, the batch's global position)`` (with ``num_workers=0``, only torch's and those
+            the dataset is seen to draw from: a batch that first draws from another is read again, keyed);
+            ``"sample"`` before each sample from ``(seed, epoch, index)`` (values then also survive a change
+            of batch or world size; costs ~8 µs per sample); ``"off"`` leaves every generator alone.
         keyed_generators: which global generators are keyed: any of ``"torch"`` (default CPU
             generator), ``"numpy"`` (legacy global ``np.random``) and ``"random"``.
         rank, world_size: shard for this rank; default from ``torch.distributed`` when initialised.
@@ -130,6 +132,7 @@ class ResumableDataLoader(DataLoader[T]):
         self._live: weakref.ref[Tracked[T]] | None = None  # the last iterator handed out (see _note_load)
         self._unused_load = False  # a loaded state no iter() has taken up yet
         self._warned: set[str] = set()
+        self._drawn = DrawnGenerators()  # the generators this dataset draws from in this process (num_workers=0)
         warn_at_construction(dataset, batch_read=self._position.kind == "map" and keying == "sample")
 
     # --- torch hooks -----------------------------------------------------------------------------
@@ -155,9 +158,17 @@ class ResumableDataLoader(DataLoader[T]):
         begun = self._position.begin(self.collate_fn, self.worker_init_fn)
         if begun.restart_workers:
             self._iterator = None
-        caller = CallerRng(setup.mask) if setup.fetches_here else None
+        # NOTE: keyed fetches in this process: map-style batches through KeyedFetch (torch's fetcher wrapped),
+        # stream batches (which cannot be read twice) with the caller's generators saved around each next().
+        position = self._position
+        by_fetch = setup.fetches_here and isinstance(position, MapPosition)
+        caller = CallerRng(setup.mask) if setup.fetches_here and not by_fetch else None
         with self._building(**begun.attributes):
-            iterator: Tracked[T] = Tracked(self._position, begun.pass_, super().__iter__(), caller)
+            inner = super().__iter__()
+            if by_fetch and isinstance(position, MapPosition):
+                fetcher = inner._dataset_fetcher  # type: ignore[attr-defined]  # torch's single-process iterator's
+                inner._dataset_fetcher = KeyedFetch(fetcher, self._drawn, position.next_fetch)  # type: ignore[attr-defined]
+            iterator: Tracked[T] = Tracked(self._position, begun.pass_, inner, caller)
         self._live = weakref.ref(iterator)
         return iterator
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from .index_plan import Pending, Plan, plan_indices
-from .keyed_fetch import SeedAheadCollate
+from .keyed_fetch import NextFetch, SeedAheadCollate
 from .position import Begun, Setup, tell_epoch
 from .sampler import Source, steps_per_epoch
 from .split_check import SplitCheck
@@ -48,6 +48,8 @@ class MapPosition:
         self._restart = False  # a loaded dataset state: a persistent pool's copies are stale
         settings = (setup.batch_size, setup.seed, source.shuffle, setup.drop_last)
         self._split_check: SplitCheck | None = SplitCheck(setup.dataset, settings)
+        self.next_fetch = NextFetch()
+        """Where the index plan records each list's key for the fetch in this process (``num_workers=0``)."""
         self.reset(None)
 
     # --- Position --------------------------------------------------------------------------------
@@ -123,7 +125,8 @@ class MapPosition:
 
     def __iter__(self) -> Iterator[list[Any]]:
         pass_ = self._pass if self._pass is not None else MapPass(self.epoch, self._position)
-        return self._recorded(pass_, plan_indices(self._plan(), pass_.epoch, pass_.start, pass_.sampler_state))
+        plan = self._plan(fetch_here=self.setup.fetches_here)
+        return self._recorded(pass_, plan_indices(plan, pass_.epoch, pass_.start, pass_.sampler_state))
 
     def __len__(self) -> int:
         return self.batches_per_epoch()
@@ -132,16 +135,16 @@ class MapPosition:
     def planned(self, epoch: int | None = None) -> list[list[Any]]:
         """The index lists of the next pass (or of ``epoch`` from its start), computed without reading data."""
         start, to_load = (self._position, self._sampler_state_to_load) if epoch is None else (0, None)
-        lists = plan_indices(self._plan(fetch_here=False), self.epoch if epoch is None else epoch, start, to_load)
+        lists = plan_indices(self._plan(), self.epoch if epoch is None else epoch, start, to_load)
         return [indices for indices, _ in lists]
 
     # --- internals -------------------------------------------------------------------------------
-    def _plan(self, *, fetch_here: bool = True) -> Plan:
+    def _plan(self, *, fetch_here: bool = False) -> Plan:
         setup = self.setup
         return Plan(
             source=self.source, n=self._n, shard=setup.shard(), seed=setup.seed, shuffle=self.shuffle,
             keying=setup.keying, mask=setup.mask, unit_is_batch=self.unit_is_batch,
-            workers=setup.num_workers if setup.seeds_ahead else 0, fetch_here=fetch_here and setup.fetches_here,
+            workers=setup.num_workers if setup.seeds_ahead else 0, next_fetch=self.next_fetch if fetch_here else None,
         )
 
     @staticmethod

@@ -21,6 +21,7 @@ from typing import Any, Final, Generic, Protocol, TypeVar
 from .distributed import rank_and_world
 from .keyed_rng import CallerRng
 from .sampler import Shard
+from .torch_internals import next_batch
 
 __all__ = ["SKIP", "Begun", "Position", "Setup", "Tracked", "tell_epoch"]
 
@@ -125,10 +126,11 @@ class Tracked(Generic[T]):
     """What ``iter(loader)`` returns: torch's iterator, each item recorded by the position as it is handed
     over (or skipped).
 
-    ``caller`` (keyed, ``num_workers=0``): the caller's generators are saved before torch's iterator
-    draws the next index list (which seeds the batch's key, see ``index_plan.Plan.fetch_here``) and
-    restored once after the whole fetch and collate, so model code (dropout) sees its own sequence
-    undisturbed. torch's iterator stays reachable (``_workers``), as DataLoader code and tests read it.
+    ``caller`` (a keyed stream, ``num_workers=0``): the caller's generators are saved before torch's
+    iterator reads the next batch (seeded with its key where the stream is read) and restored once after
+    the whole fetch and collate, so model code (dropout) sees its own sequence undisturbed (map-style
+    batches do this at the fetch: ``keyed_fetch.KeyedFetch``). torch's iterator stays reachable
+    (``_workers``), as DataLoader code and tests read it.
     """
 
     __slots__ = ("__weakref__", "_caller", "_inner", "_pass", "_position")
@@ -152,9 +154,9 @@ class Tracked(Generic[T]):
         if caller is not None:
             caller.save()
         try:
-            batch = position.deliver(pass_, next(self._inner))
+            batch = position.deliver(pass_, next_batch(self._inner))
             while batch is SKIP:
-                batch = position.deliver(pass_, next(self._inner))
+                batch = position.deliver(pass_, next_batch(self._inner))
         except StopIteration:
             position.end(pass_)
             raise

@@ -30,7 +30,8 @@ __all__ = [
 ]
 
 U = TypeVar("U")
-_CHUNK_UNITS = 4096  # units computed per vectorised permutation call
+_FIRST_CHUNK_UNITS = 1024  # units computed by a pass's first vectorised permutation call (a resume's first batch)
+_MAX_CHUNK_UNITS = 1 << 16  # chunks double up to this: the walk's per-call cost spread over ~1000 batches
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,19 +49,12 @@ class Shard:
         return self.world * self.batch
 
 
-class Step(NamedTuple):
-    """One global step, as this rank sees it."""
-
-    units: list[Any]
-    """This rank's units (indices, or index lists for a batch sampler)."""
-    key_position: int
-    """The global position of its first unit: what keys the batch's randomness."""
-    end: int
-    """The epoch position after the whole global step (every rank's units)."""
-    last: bool
-    """Whether it is the epoch's last step."""
-    sampler_state: Any
-    """A user sampler's state after the step (``None`` for our own orders)."""
+Step = tuple[list[Any], int, int, bool, Any]
+"""One global step, as this rank sees it: ``(units, key_position, end, last, sampler_state)`` — this rank's
+units (indices, or index lists for a batch sampler); the global position of its first unit (what keys the
+batch's randomness); the epoch position after the whole global step (every rank's units); whether it is the
+epoch's last step; a user sampler's state after the step (``None`` for our own orders). A plain tuple: one
+is made per batch."""
 
 
 def steps_per_epoch(total: int, shard: Shard) -> int:
@@ -75,15 +69,16 @@ def permutation_steps(perm: KeyedPermutation | None, n: int, start: int, shard: 
     full_end = start + (n - start) // step * step
     ends_clean = full_end == n or shard.drop_last
     offsets = np.arange(batch, dtype=np.int64) + shard.rank * batch
-    position = start
+    position, chunk = start, _FIRST_CHUNK_UNITS
     while position < full_end:
-        count = min(max(1, _CHUNK_UNITS // batch), (full_end - position) // step)
+        count = min(max(1, chunk // batch), (full_end - position) // step)
+        chunk = min(2 * chunk, _MAX_CHUNK_UNITS)
         starts = position + np.arange(count, dtype=np.int64) * step
         positions = starts[:, None] + offsets[None, :]
         rows = (positions if perm is None else perm[positions]).tolist()
         for row, first in zip(rows, starts.tolist(), strict=True):
             end = first + step
-            yield Step(row, first + shard.rank * batch, end, end == full_end and ends_clean, None)
+            yield row, first + shard.rank * batch, end, end == full_end and ends_clean, None
         position += count * step
     left = n - position
     if left > 0 and not shard.drop_last:
@@ -91,7 +86,7 @@ def permutation_steps(perm: KeyedPermutation | None, n: int, start: int, shard: 
         first = position + shard.rank * share
         positions = (first + np.arange(share, dtype=np.int64)) % n
         rows = positions if perm is None else perm[positions]
-        yield Step(rows.tolist(), first, n, True, None)
+        yield rows.tolist(), first, n, True, None
 
 
 def source_steps(units: Iterator[U], start: int, shard: Shard, snapshot: Callable[[], Any] | None) -> Iterator[Step]:
@@ -114,13 +109,13 @@ def source_steps(units: Iterator[U], start: int, shard: Shard, snapshot: Callabl
         # NOTE: at the last step the look-ahead has exhausted the sampler, which is when samplers run
         # their end-of-epoch code (e.g. reset a counter); the state after that is the true boundary state.
         mine = current[rank * batch : (rank + 1) * batch]
-        yield Step(mine, position + rank * batch, position + step, last, following_state if last else state)
+        yield mine, position + rank * batch, position + step, last, following_state if last else state
         position += step
         current, state = ([], None) if last else (following, following_state)
     if current and not shard.drop_last:
         share = -(-len(current) // shard.world)
         mine = [current[(rank * share + i) % len(current)] for i in range(share)]
-        yield Step(mine, position + rank * share, position + len(current), True, state)
+        yield mine, position + rank * share, position + len(current), True, state
 
 
 def torch_order(sampler: Any, dataset: Any) -> bool | None:

@@ -1,0 +1,306 @@
+"""The global generators' states as memory: copied, compared and put back in well under a microsecond each.
+
+A keyed fetch in the main process must leave the caller's generators as they were, and must know whether
+the dataset drew from a generator it did not key (:class:`loader_resume.keyed_fetch.KeyedFetch`). The
+public APIs copy a whole state into Python objects (torch ``get_state``/``set_state`` ~1.5 µs a pair,
+numpy's legacy ``get_state``/``set_state`` ~50 µs, ``random.getstate``/``setstate`` ~9 µs). Each of the
+three is an MT19937 whose state lies in one block of memory, so a state is taken as ``bytes`` of that
+block, compared with ``==`` and written back, through a ``memoryview`` made once per process:
+
+- torch: ``CPUGeneratorImpl``'s engine (seed, counters, 624 words) and its two cached normal samples;
+- numpy: the ``MT19937`` bit generator's ``state_address`` struct, and ``RandomState``'s cached Gaussian;
+- ``random``: CPython's ``RandomObject`` (index and 624 words) and ``gauss_next``.
+
+NOTE: torch's and numpy's block offsets are found by a probe on a private generator of the same class,
+checked against the public API (values, a round trip, a cached normal) once per process; where any check
+fails, that generator falls back to its public API (slower, same values).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import random
+import struct
+import sys
+from itertools import accumulate
+from typing import Any, Final
+
+import numpy as np
+import torch
+
+__all__ = ["GENERATOR_NAMES", "GeneratorStates", "generator_states"]
+
+logger = logging.getLogger(__name__)
+
+GENERATOR_NAMES: Final = ("torch", "numpy", "random")
+_MT_WORDS: Final = 624
+_TORCH_ENGINE_BYTES: Final = 8 + 4 + 4 + 4 + 4 * _MT_WORDS  # seed_, left_, seeded_ (padded), next_, state_[624]
+_TORCH_BLOCK_BYTES: Final = _TORCH_ENGINE_BYTES + 8 + 4 + 16  # optional<float>, padding, optional<double>
+_NP_STATE_BYTES: Final = 4 * _MT_WORDS + 4  # mt19937_state: uint32 key[624]; int pos
+_RANDOM_STATE_BYTES: Final = 4 + 4 * _MT_WORDS  # RandomObject after PyObject_HEAD: int index; uint32 state[624]
+
+
+def _view(address: int, size: int) -> memoryview:
+    return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
+
+
+class _Api:
+    """A generator through its public API (where its memory layout is not the probed one): slower, same values."""
+
+    __slots__ = ("_get", "_set")
+
+    def __init__(self, get: Any, set_: Any) -> None:
+        self._get, self._set = get, set_
+
+    def take(self) -> Any:
+        return self._get()
+
+    def put(self, taken: Any) -> None:
+        self._set(taken)
+
+
+class _Block:
+    """A generator whose state is one block of memory (``extra``: a second block, e.g. a cached normal)."""
+
+    __slots__ = ("extra", "main", "owner")
+
+    def __init__(self, main: memoryview, extra: memoryview | None, owner: Any) -> None:
+        self.main, self.extra = main, extra
+        self.owner = owner
+        """The object the blocks belong to (kept alive; compared to find a replaced numpy bit generator)."""
+
+    def take(self) -> Any:
+        return bytes(self.main) if self.extra is None else (bytes(self.main), bytes(self.extra))
+
+    def put(self, taken: Any) -> None:
+        if self.extra is None:
+            self.main[:] = taken
+        else:
+            self.main[:], self.extra[:] = taken
+
+
+class _RandomBlock(_Block):
+    """``random``: the MT19937 struct, and ``gauss_next`` (a Python attribute of the shared instance)."""
+
+    __slots__ = ()
+
+    def take(self) -> Any:
+        return bytes(self.main), random._inst.gauss_next  # type: ignore[attr-defined]
+
+    def put(self, taken: Any) -> None:
+        self.main[:], random._inst.gauss_next = taken  # type: ignore[attr-defined]
+
+
+def _torch_block() -> _Block | None:
+    """torch's default CPU generator as memory, or None when its layout is not the one probed for."""
+    if sys.implementation.name != "cpython":
+        return None
+    probe, seed = torch.Generator(), 0x5EED_1234_ABCD_0077
+    probe.manual_seed(seed)
+    impl = ctypes.c_void_p.from_address(id(probe) + object.__basicsize__).value  # THPGenerator: head; Generator
+    if not impl:
+        return None
+    offset = ctypes.string_at(impl, 512).find(struct.pack("<QiB", seed, 1, 1))
+    if offset < 0:
+        return None
+
+    def block(generator: torch.Generator) -> _Block:
+        address = ctypes.c_void_p.from_address(id(generator) + object.__basicsize__).value
+        assert address is not None
+        return _Block(_view(address + offset, _TORCH_BLOCK_BYTES), None, generator)
+
+    def words(view: _Block) -> tuple[int, ...]:
+        return struct.unpack_from(f"<{_MT_WORDS}I", view.take(), 20)
+
+    def serialized_words(generator: torch.Generator) -> tuple[int, ...]:  # CPUGeneratorImplState's legacy pod
+        serialized = generator.get_state().numpy().tobytes()
+        return tuple(w & 0xFFFFFFFF for w in struct.unpack_from(f"<{_MT_WORDS}Q", serialized, 24))
+
+    mine = block(probe)
+    if words(mine) != serialized_words(probe):
+        return None
+    torch.randn(1, generator=probe)  # a pair drawn, one normal cached
+    taken, state = mine.take(), probe.get_state()
+    torch.randn(1, generator=probe)  # the cached normal consumed: the engine does not move, the block must
+    if mine.take() == taken:
+        return None
+    torch.rand(1000, generator=probe)
+    mine.put(taken)
+    again = torch.Generator().set_state(state)
+    if not torch.equal(probe.get_state(), state) or not torch.equal(torch.randn(3, generator=probe),
+                                                                    torch.randn(3, generator=again)):
+        return None
+    default = block(torch.default_generator)
+    return default if words(default) == serialized_words(torch.default_generator) else None
+
+
+def _numpy_block() -> _Block | None:
+    """numpy's legacy global ``RandomState`` as memory (its MT19937 struct and cached Gaussian), or None."""
+    state = np.random.mtrand._rand
+    bit_generator = state._bit_generator
+    if type(bit_generator).__name__ != "MT19937" or sys.implementation.name != "cpython":
+        return None
+    probe = np.random.RandomState(np.random.MT19937(5))
+    probe.normal()  # a Gaussian cached: find has_gauss (int) and gauss (double) in the object
+    legacy: Any = probe.get_state()
+    _, _, _, has_gauss, gauss = legacy
+    head = ctypes.string_at(id(probe), type(probe).__basicsize__)
+    offset = head.find(struct.pack("<i4xd", has_gauss, gauss))
+    if has_gauss != 1 or offset < 0:
+        return None
+
+    def block(random_state: Any, mt19937: Any) -> _Block:
+        key, aug = int(mt19937.ctypes.state_address), id(random_state) + offset
+        return _Block(_view(key, _NP_STATE_BYTES), _view(aug, 16), mt19937)
+
+    mine = block(probe, probe._bit_generator)
+    taken = mine.take()
+    probe.normal()  # consumed: the MT19937 does not move, the block must
+    legacy = probe.get_state()
+    if mine.take() == taken or legacy[3] != 0:
+        return None
+    probe.random(1000)
+    mine.put(taken)
+    legacy = probe.get_state()
+    if legacy[2:] != (legacy[2], has_gauss, gauss) or probe.normal() != gauss:
+        return None
+    return block(state, bit_generator)
+
+
+def _random_block() -> _Block | None:
+    """``random``'s shared instance as memory, or None when this interpreter lays it out otherwise."""
+    instance = random._inst
+    if type(instance) is not random.Random or sys.implementation.name != "cpython":
+        return None
+    address = id(instance) + object.__basicsize__  # PyObject_HEAD: refcount and type pointer
+    index, *words = struct.unpack("i624I", ctypes.string_at(address, _RANDOM_STATE_BYTES))
+    version, internal, _ = random.getstate()
+    if version != 3 or (*words, index) != internal:
+        return None
+    return _RandomBlock(_view(address, _RANDOM_STATE_BYTES), None, instance)
+
+
+def _numpy_api() -> _Api:
+    return _Api(lambda: _Comparable(np.random.get_state(legacy=False)),
+                lambda taken: np.random.set_state(taken.state))
+
+
+class _Comparable:
+    """numpy's state dict, compared by value (its key array would compare element-wise)."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Comparable) and _equal(self.state, other.state)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_equal(a[key], b[key]) for key in a)
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return bool(np.array_equal(a, b))
+    return bool(a == b)
+
+
+class _TorchState:
+    """torch's state tensor, compared by value."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: torch.Tensor) -> None:
+        self.state = state
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _TorchState) and torch.equal(self.state, other.state)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class GeneratorStates:
+    """The keyed global generators of this process, in bit order (1 torch, 2 numpy, 4 ``random``).
+
+    :meth:`take` copies their whole states (compared with ``==``, put back with :meth:`put`). Where all
+    three are blocks of memory (the usual case), a copy is one ``bytes`` of the blocks joined (~0.4 µs)
+    and ``random.gauss_next``.
+    """
+
+    __slots__ = ("_generators", "_numpy_owner", "_spans", "_views")
+
+    def __init__(self) -> None:
+        blocks = _torch_block(), _numpy_block(), _random_block()
+        fallbacks = [name for name, block in zip(GENERATOR_NAMES, blocks, strict=True) if block is None]
+        if fallbacks:
+            logger.info("generator states through the public API (slower) for %s: layout not as probed", fallbacks)
+        torch_api = _Api(lambda: _TorchState(torch.default_generator.get_state()),
+                         lambda taken: torch.default_generator.set_state(taken.state))
+        self._generators: tuple[_Block | _Api, ...] = (
+            blocks[0] or torch_api, blocks[1] or _numpy_api(), blocks[2] or _Api(random.getstate, random.setstate))
+        self._numpy_owner = blocks[1].owner if blocks[1] is not None else None
+        self._views: tuple[memoryview, ...] | None = None
+        self._spans: tuple[tuple[tuple[memoryview, int, int], ...], ...] = ()
+        torch_block, numpy_block, random_block = blocks
+        if torch_block is not None and numpy_block is not None and numpy_block.extra is not None \
+                and random_block is not None:
+            self._views = (torch_block.main, numpy_block.main, numpy_block.extra, random_block.main)
+            ends = list(accumulate(view.nbytes for view in self._views))
+            spans = [(view, end - view.nbytes, end) for view, end in zip(self._views, ends, strict=True)]
+            self._spans = ((spans[0],), (spans[1], spans[2]), (spans[3],))
+
+    def take(self) -> tuple[Any, ...]:
+        """The three generators' whole states."""
+        if self._numpy_owner is not None and self._numpy_owner is not np.random.mtrand._rand._bit_generator:
+            self.__init__()  # type: ignore[misc]  # np.random.set_bit_generator replaced numpy's: probe again
+        if self._views is not None:
+            return b"".join(self._views), random._inst.gauss_next  # type: ignore[attr-defined]
+        return tuple([generator.take() for generator in self._generators])
+
+    def changed(self, taken: tuple[Any, ...], among: int) -> int:
+        """The generators of ``among`` whose state is no longer the one ``taken``."""
+        now = self.take()
+        if now == taken:
+            return 0
+        out = 0
+        for i in range(3):
+            if among >> i & 1 and self._part(now, i) != self._part(taken, i):
+                out |= 1 << i
+        return out
+
+    def put(self, taken: tuple[Any, ...], only: int) -> None:
+        """Put the generators of ``only`` back to their states in ``taken``."""
+        if not only:
+            return
+        if self._views is None:
+            for i, generator in enumerate(self._generators):
+                if only >> i & 1:
+                    generator.put(taken[i])
+            return
+        joined = taken[0]
+        for i in range(3):
+            if only >> i & 1:
+                for view, start, end in self._spans[i]:
+                    view[:] = joined[start:end]
+        if only & 4:
+            random._inst.gauss_next = taken[1]  # type: ignore[attr-defined]
+
+    def _part(self, taken: tuple[Any, ...], i: int) -> Any:
+        if self._views is None:
+            return taken[i]
+        part = tuple(taken[0][start:end] for _, start, end in self._spans[i])
+        return (*part, taken[1]) if i == 2 else part
+
+
+_STATES: GeneratorStates | None = None
+
+
+def generator_states() -> GeneratorStates:
+    """This process's :class:`GeneratorStates` (probed on first use; a fork inherits the same addresses)."""
+    global _STATES
+    if _STATES is None:
+        _STATES = GeneratorStates()
+    return _STATES

@@ -1,0 +1,169 @@
+"""num_workers=0: only the generators a dataset draws from are seeded, and its values are still the keyed ones.
+
+The reference for "the keyed values" is a 2-worker loader: workers seed every keyed generator before every
+batch, so equal values mean the main process's lazy keying changed nothing a batch sees.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from loader_resume import ResumableDataLoader
+from loader_resume.rng_memory import GeneratorStates, generator_states
+from loader_resume.testing import assert_resumes_exactly, run_epochs
+from support.data import caller_draws, seed_all
+
+
+class Draws(Dataset[dict[str, Any]]):
+    """Draws from the generators ``which(index, epoch)`` names; counts its reads."""
+
+    def __init__(self, n: int, which: Any) -> None:
+        self.n, self.which, self.reads, self.epoch = n, which, 0, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        self.reads += 1
+        names = self.which(index, self.epoch)
+        return {"id": index,
+                "torch": torch.rand(()).item() if "torch" in names else -1.0,
+                "numpy": float(np.random.normal()) if "numpy" in names else -1.0,
+                "random": random.gauss(0, 1) if "random" in names else -1.0}
+
+
+def _nothing(index: int, epoch: int) -> set[str]:
+    return set()
+
+
+def _everything(index: int, epoch: int) -> set[str]:
+    return {"torch", "numpy", "random"}
+
+
+def _later(index: int, epoch: int) -> set[str]:
+    """Nothing in epoch 0; torch in epoch 1; torch and random from epoch 2."""
+    return {"torch", "random"} if epoch >= 2 else {"torch"} if epoch == 1 else set()
+
+
+def _one_numpy_item(index: int, epoch: int) -> set[str]:
+    """One item of the whole dataset draws one normal from numpy (the cached spare is the only move after)."""
+    return {"numpy"} if index == 7 else set()
+
+
+PATTERNS = [_nothing, _everything, _later, _one_numpy_item]
+
+
+def _loader(which: Any, workers: int, seed: int = 3) -> ResumableDataLoader[Any]:
+    return ResumableDataLoader(Draws(30, which), batch_size=4, shuffle=True, seed=seed, num_workers=workers)
+
+
+@pytest.mark.parametrize("which", PATTERNS, ids=lambda f: f.__name__)
+def test_values_equal_those_of_workers_that_seed_every_batch(which: Any) -> None:
+    lazy = run_epochs(_loader(which, 0), 3)
+    assert lazy == run_epochs(_loader(which, 2), 3)
+    if which is not _nothing:
+        assert lazy != run_epochs(_loader(which, 0, seed=4), 3)  # keyed: another seed, other values
+
+
+@pytest.mark.parametrize("which", PATTERNS, ids=lambda f: f.__name__)
+def test_the_callers_generators_and_cached_normals_are_left_alone(which: Any) -> None:
+    """The caller draws between batches (as a model's dropout does), cached normals included."""
+
+    def caller_step() -> tuple[float, ...]:
+        return (*caller_draws(), torch.randn(1).item(), float(np.random.normal()), random.gauss(0, 1))
+
+    seed_all(11)
+    expected = [caller_step() for _ in range(3 * 8)]
+    seed_all(11)
+    seen = []
+    loader = _loader(which, 0)
+    for _ in range(3):
+        for _ in loader:
+            seen.append(caller_step())
+    assert seen == expected
+
+
+@pytest.mark.parametrize("which", [_later, _one_numpy_item], ids=lambda f: f.__name__)
+def test_a_dataset_that_starts_drawing_later_resumes_exactly(which: Any) -> None:
+    assert_resumes_exactly(lambda: _loader(which, 0), epochs=3)
+    assert_resumes_exactly(lambda: _loader(which, 0), make_resumed=lambda: _loader(which, 2), epochs=3,
+                           cuts=[0, 3, 8, 9, 17])
+
+
+def test_a_batch_is_read_again_only_when_a_generator_is_first_seen_drawn() -> None:
+    """_later draws nothing in epoch 0 (learned at the first batch: no generator), torch from epoch 1 and
+    random from epoch 2. torch's generator is seeded for every batch regardless (torch.initial_seed() must
+    report the batch's key), so only the first batch of epoch 2 is read twice."""
+    loader = _loader(_later, 0)
+    run_epochs(loader, 3)
+    assert loader.dataset.reads == 3 * 30 + 4
+    everything = _loader(_everything, 0)
+    run_epochs(everything, 3)
+    assert everything.dataset.reads == 3 * 30  # learned at the first batch, which seeds every generator
+
+
+def test_generator_states_round_trip_with_cached_normals() -> None:
+    states = generator_states()
+    torch.randn(1), np.random.normal(), random.gauss(0, 1)  # a cached normal in each
+    taken = states.take()
+    expected = (torch.randn(3).tolist(), np.random.normal(size=3).tolist(), [random.gauss(0, 1) for _ in range(3)])
+    assert states.changed(taken, 7) == 7
+    states.put(taken, 7)
+    assert states.changed(taken, 7) == 0
+    assert (torch.randn(3).tolist(), np.random.normal(size=3).tolist(), [random.gauss(0, 1) for _ in range(3)]) \
+        == expected
+
+
+@pytest.mark.parametrize("bit,draw", [(1, lambda: torch.randn(1)), (2, np.random.normal),
+                                      (4, lambda: random.gauss(0, 1))], ids=["torch", "numpy", "random"])
+def test_using_a_cached_normal_is_a_change(bit: int, draw: Any) -> None:
+    """The draw after a normal draw takes the cached spare and leaves MT19937 as it was: still seen as a move."""
+    seed_all(2)
+    draw()
+    states = generator_states()
+    taken = states.take()
+    draw()
+    assert states.changed(taken, 7) == bit
+
+
+def test_the_public_api_fallback_gives_the_same_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the memory layout is not the probed one (another torch, numpy or Python), the public APIs serve."""
+    import loader_resume.rng_memory as rng_memory
+
+    expected = run_epochs(_loader(_later, 0), 3)
+    for probe in ("_torch_block", "_numpy_block", "_random_block"):
+        monkeypatch.setattr(rng_memory, probe, lambda: None)
+    monkeypatch.setattr(rng_memory, "_STATES", GeneratorStates())
+    assert run_epochs(_loader(_later, 0), 3) == expected
+    seed_all(5)
+    before = caller_draws()
+    seed_all(5)
+    run_epochs(_loader(_one_numpy_item, 0), 2)
+    assert caller_draws() == before
+
+
+def test_a_replaced_numpy_bit_generator_is_followed() -> None:
+    """np.random.set_bit_generator swaps the legacy global state's generator: states follow the new one."""
+    original = np.random.get_bit_generator()
+    try:
+        np.random.set_bit_generator(np.random.PCG64(1))
+        taken = generator_states().take()
+        first = np.random.rand(3).tolist()
+        generator_states().put(taken, 2)
+        assert np.random.rand(3).tolist() == first
+    finally:
+        np.random.set_bit_generator(original)
+    seed_all(5)
+    before = caller_draws()
+    seed_all(5)
+    run_epochs(_loader(_one_numpy_item, 0), 2)
+    assert caller_draws() == before
