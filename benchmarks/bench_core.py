@@ -1,6 +1,6 @@
 """Core benchmark: ResumableDataLoader vs DataLoader vs torchdata's StatefulDataLoader, same process.
 
-    python benchmarks/bench_core.py            # ~5 min on 2 cores; prints the table, updates README.md
+    python benchmarks/bench_core.py            # ~15 min on 2 cores; prints the table, updates README.md
     python benchmarks/bench_core.py --quick    # fewer rounds, README untouched
 
 Loaders take turns (interleaved rounds, medians), so machine drift affects all of them alike.
@@ -47,8 +47,8 @@ BATCH = 64
 
 
 ROWS = (  # (label, dataset): whole epochs of ~300 to ~1,600 batches, lengths that are not powers of two
-    ("Python ints, n = 100,000", lambda: Ints(100_000)),
-    ("tiny tensors (`Tiny`), n = 100,000", lambda: Tiny(100_000)),
+    ("Python ints, n = 50,000", lambda: Ints(50_000)),
+    ("tiny tensors (`Tiny`), n = 50,000", lambda: Tiny(50_000)),
     ("tiny tensors drawing torch + numpy + `random` per item, n = 20,000", lambda: Drawing(20_000)),
     ("50 µs items (`Busy`), n = 20,000", lambda: Busy(20_000)),
 )
@@ -272,7 +272,7 @@ def peak_memory_mib(n: int) -> tuple[float, float]:
 
 
 def report(args: argparse.Namespace) -> str:
-    rounds = 3 if args.quick else 15
+    rounds = 3 if args.quick else 9
     sections = []
     rows = []
     for label, factory in ROWS:

@@ -133,6 +133,9 @@ class ResumableDataLoader(DataLoader[T]):
         self._unused_load = False  # a loaded state no iter() has taken up yet
         self._warned: set[str] = set()
         self._drawn = DrawnGenerators()  # the generators this dataset draws from in this process (num_workers=0)
+        self._template: dict[str, Any] | None = None  # the state's fixed fields (see _identity)
+        # (the iterator's weak reference, the settings, the identity fields) of the last iter(); see state_dict
+        self._pass_identity: tuple[weakref.ref[Tracked[T]], tuple[Any, ...], dict[str, Any]] | None = None
         warn_at_construction(dataset, batch_read=self._position.kind == "map" and keying == "sample")
 
     # --- torch hooks -----------------------------------------------------------------------------
@@ -170,6 +173,7 @@ class ResumableDataLoader(DataLoader[T]):
                 inner._dataset_fetcher = KeyedFetch(fetcher, self._drawn, position.next_fetch)  # type: ignore[attr-defined]
             iterator: Tracked[T] = Tracked(self._position, begun.pass_, inner, caller)
         self._live = weakref.ref(iterator)
+        self._pass_identity = (self._live, self._identity_key(), self._identity())
         return iterator
 
     @contextlib.contextmanager
@@ -219,7 +223,15 @@ class ResumableDataLoader(DataLoader[T]):
         many deliveries ago — for frameworks that fetch ahead of the step they checkpoint (Lightning
         prefetches one batch from a loader without ``__len__``).
         """
-        state = self._identity()
+        # NOTE: while an iterator is mid-epoch, the identity fields are those of its pass (computed at iter():
+        # the length and world size it was planned with), unless a setting changed since.
+        cached, live = self._pass_identity, self._live() if self._live is not None else None
+        if cached is not None and cached[0] is self._live and live is not None and live.mid_epoch \
+                and cached[1] == (self.seed, self.num_workers, self.keyed_generators):
+            state = cached[2].copy()
+            state["keyed_generators"] = list(self.keyed_generators)
+        else:
+            state = self._identity()
         state.update(self._position.state(batches_ago))
         return state
 
@@ -292,15 +304,26 @@ class ResumableDataLoader(DataLoader[T]):
             self._warned.add(case)
             logger.warning("%s over %s: %s", type(self).__name__, type(self.dataset).__name__, message)
 
+    def _identity_key(self) -> tuple[Any, ...]:
+        """The settings a user may change on a built loader that the identity fields record."""
+        return self.seed, self.num_workers, self.keyed_generators
+
     def _identity(self) -> dict[str, Any]:
         """The state's fields that say what this loader reads and how (the position's fields zeroed)."""
-        return {
-            "version": STATE_VERSION, "kind": self._position.kind, "source": self._source_name,
-            "dataset_len": self._position.dataset_len(), "seed": self.seed, "shuffle": self._shuffle,
-            "keying": self.keying, "keyed_generators": list(self.keyed_generators), "epoch": 0, "position": None,
-            "world_size": self.world_size, "batch_size": self.batch_size, "num_workers": self.num_workers,
-            "drop_last": self.drop_last, "sampler_state": None, "dataset_state": None, "stream": None,
-        }
+        # NOTE: a fresh dict from a template per call (state_dict() runs between steps): the fields DataLoader
+        # fixes at construction are copied; those that can change (seed, num_workers, world size, length) read.
+        if self._template is None:
+            self._template = {
+                "version": STATE_VERSION, "kind": self._position.kind, "source": self._source_name, "dataset_len": None,
+                "seed": None, "shuffle": self._shuffle, "keying": self.keying, "keyed_generators": None, "epoch": 0,
+                "position": None, "world_size": None, "batch_size": self.batch_size, "num_workers": None,
+                "drop_last": self.drop_last, "sampler_state": None, "dataset_state": None, "stream": None,
+            }
+        state = self._template.copy()
+        state["dataset_len"], state["seed"] = self._position.dataset_len(), self.seed
+        state["keyed_generators"], state["world_size"] = list(self.keyed_generators), self.world_size
+        state["num_workers"] = self.num_workers
+        return state
 
 
 def _check_options(in_order: bool, snapshot_every_n_steps: int | None, keying: str) -> None:

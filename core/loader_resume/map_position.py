@@ -48,6 +48,7 @@ class MapPosition:
         self._restart = False  # a loaded dataset state: a persistent pool's copies are stale
         settings = (setup.batch_size, setup.seed, source.shuffle, setup.drop_last)
         self._split_check: SplitCheck | None = SplitCheck(setup.dataset, settings)
+        self._stateful: tuple[bool, bool] | None = None  # (sampler, dataset): read once a pass, at its first state()
         self.next_fetch = NextFetch()
         """Where the index plan records each list's key for the fetch in this process (``num_workers=0``)."""
         self.reset(None)
@@ -84,6 +85,7 @@ class MapPosition:
             # NOTE: persistent workers keep the dataset copies they started with; a dataset that is
             # told its epoch gets a fresh pool each epoch, so every worker's copy is told too.
             restart, self._pool_epoch = True, self.epoch
+        self._stateful = None
         self._pass = MapPass(self.epoch, self._position, self._sampler_state_to_load)
         self._sampler_state_to_load = None
         collate = _Unbatch(collate_fn) if self.setup.unbatched else collate_fn
@@ -107,9 +109,10 @@ class MapPosition:
         if batches_ago:
             raise ValueError(f"batches_ago={batches_ago}: map-style states are exact at the last delivered "
                              "batch; frameworks do not fetch ahead of sized loaders")
-        dataset = self.setup.dataset
-        return {"epoch": self.epoch, "position": self._position, "sampler_state": self._current_sampler_state(),
-                "dataset_state": dataset.state_dict() if is_stateful(dataset) else None, "stream": None}
+        sampler_stateful, dataset_stateful = self._stateful or self._stateful_flags()
+        return {"epoch": self.epoch, "position": self._position,
+                "sampler_state": self._current_sampler_state() if sampler_stateful else None,
+                "dataset_state": self.setup.dataset.state_dict() if dataset_stateful else None, "stream": None}
 
     def batches_per_epoch(self) -> int:
         total = self.dataset_len() if self.source is None else len(self.source)
@@ -161,8 +164,14 @@ class MapPosition:
         if self._n is not None:
             self._n = len(self.setup.dataset)
 
+    def _stateful_flags(self) -> tuple[bool, bool]:
+        """Whether the sampler and the dataset are Stateful (read once a pass)."""
+        if self._stateful is None:
+            self._stateful = (is_stateful(self.source), is_stateful(self.setup.dataset))
+        return self._stateful
+
     def _current_sampler_state(self) -> Any:
-        if not is_stateful(self.source):
+        if not self._stateful_flags()[0]:
             return None
         if self._sampler_state is None:
             self._sampler_state = self.source.state_dict()
