@@ -221,7 +221,8 @@ class KeyedFetch:
     :mod:`loader_resume.rng_memory`); the generators the dataset is known to draw from
     (:class:`DrawnGenerators`; at a loader's first keyed fetch, all of them), and torch's always (datasets
     read ``torch.initial_seed()`` to derive generators of their own), are seeded with the batch's key.
-    After it, the states are compared with those: a seeded generator that moved is one the dataset draws from;
+    After it, the generators not seeded are compared with those (first by a few words each, the position
+    counters: ``rng_memory``'s marks): a seeded generator that moved is one the dataset draws from;
     an unseeded one that moved means the dataset drew from the caller's generator, so its state is put
     back, it is learned as drawn, and the fetch is done again, seeded (values are then the batch key's, as
     if it had been seeded from the start). Finally every seeded generator gets the caller's state back.
@@ -278,9 +279,10 @@ class KeyedFetch:
                     if key is None:
                         key = position if keys is None else keys(position)
                     seed_generators(key, seeded)
-                data = self._fetcher.fetch(indices)
                 unseeded = mask & ~seeded
-                if not unseeded:
+                marks = states.marks(unseeded) if unseeded else None
+                data = self._fetcher.fetch(indices)
+                if not unseeded or states.marks(unseeded) == marks:
                     return data
                 strays = states.changed(caller, unseeded)
                 if not strays:
