@@ -38,7 +38,8 @@ class Draws(Dataset[dict[str, Any]]):
         return {"id": index,
                 "torch": torch.rand(()).item() if "torch" in names else -1.0,
                 "numpy": float(np.random.normal()) if "numpy" in names else -1.0,
-                "random": random.gauss(0, 1) if "random" in names else -1.0}
+                "random": random.gauss(0, 1) if "random" in names else -1.0,
+                "refill": sum(random.getrandbits(32) for _ in range(624)) if "refill" in names else -1}
 
 
 def _nothing(index: int, epoch: int) -> set[str]:
@@ -59,7 +60,12 @@ def _one_numpy_item(index: int, epoch: int) -> set[str]:
     return {"numpy"} if index == 7 else set()
 
 
-PATTERNS = [_nothing, _everything, _later, _one_numpy_item]
+def _one_whole_refill(index: int, epoch: int) -> set[str]:
+    """From epoch 1, item 5 draws exactly 624 words from ``random`` (its position counter ends where it began)."""
+    return {"refill"} if index == 5 and epoch >= 1 else set()
+
+
+PATTERNS = [_nothing, _everything, _later, _one_numpy_item, _one_whole_refill]
 
 
 def _loader(which: Any, workers: int, seed: int = 3) -> ResumableDataLoader[Any]:
@@ -92,7 +98,7 @@ def test_the_callers_generators_and_cached_normals_are_left_alone(which: Any) ->
     assert seen == expected
 
 
-@pytest.mark.parametrize("which", [_later, _one_numpy_item], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("which", [_later, _one_numpy_item, _one_whole_refill], ids=lambda f: f.__name__)
 def test_a_dataset_that_starts_drawing_later_resumes_exactly(which: Any) -> None:
     assert_resumes_exactly(lambda: _loader(which, 0), epochs=3)
     assert_resumes_exactly(lambda: _loader(which, 0), make_resumed=lambda: _loader(which, 2), epochs=3,
@@ -126,13 +132,29 @@ def test_generator_states_round_trip_with_cached_normals() -> None:
 @pytest.mark.parametrize("bit,draw", [(1, lambda: torch.randn(1)), (2, np.random.normal),
                                       (4, lambda: random.gauss(0, 1))], ids=["torch", "numpy", "random"])
 def test_using_a_cached_normal_is_a_change(bit: int, draw: Any) -> None:
-    """The draw after a normal draw takes the cached spare and leaves MT19937 as it was: still seen as a move."""
+    """The draw after a normal draw takes the cached spare and leaves MT19937 as it was: still seen as a move,
+    by the whole states and by the marks a fetch compares first."""
     seed_all(2)
     draw()
     states = generator_states()
-    taken = states.take()
+    taken, marks = states.take(), states.marks(7)
     draw()
     assert states.changed(taken, 7) == bit
+    assert states.marks(7) != marks
+
+
+@pytest.mark.parametrize("bit,words", [(2, lambda: np.random.bytes(4 * 624)),
+                                       (4, lambda: [random.getrandbits(32) for _ in range(624)])],
+                         ids=["numpy", "random"])
+def test_a_whole_refill_of_the_state_is_a_change(bit: int, words: Any) -> None:
+    """Exactly 624 words drawn: the position counter ends where it began; the state words beside it do not."""
+    seed_all(4)
+    np.random.bytes(40), random.getrandbits(32)  # mid-state, not at a refill
+    states = generator_states()
+    taken, marks = states.take(), states.marks(bit)
+    words()
+    assert states.changed(taken, 7) == bit
+    assert states.marks(bit) != marks
 
 
 def test_the_public_api_fallback_gives_the_same_values(monkeypatch: pytest.MonkeyPatch) -> None:

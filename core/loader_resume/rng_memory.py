@@ -65,14 +65,12 @@ class _Api:
 class _Block:
     """A generator whose state is one block of memory (``extra``: a second block, e.g. a cached normal)."""
 
-    __slots__ = ("_cells", "_parts", "_split", "extra", "main", "owner")
+    __slots__ = ("_cells", "extra", "main", "owner")
 
     def __init__(self, main: memoryview, extra: memoryview | None, owner: Any, marks: list[int]) -> None:
         self.main, self.extra = main, extra
         self.owner = owner
         """The object the blocks belong to (kept alive; compared to find a replaced numpy bit generator)."""
-        self._parts = (main,) if extra is None else (main, extra)
-        self._split = main.nbytes
         self._cells = [ctypes.c_uint64.from_address(address) for address in marks]
 
     def marks(self) -> Any:
@@ -83,13 +81,13 @@ class _Block:
         return tuple([cell.value for cell in self._cells])
 
     def take(self) -> Any:
-        return b"".join(self._parts)
+        return bytes(self.main) if self.extra is None else (bytes(self.main), bytes(self.extra))
 
     def put(self, taken: Any) -> None:
         if self.extra is None:
             self.main[:] = taken
         else:
-            self.main[:], self.extra[:] = taken[:self._split], taken[self._split:]
+            self.main[:], self.extra[:] = taken
 
 
 class _RandomBlock(_Block):
