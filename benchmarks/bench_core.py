@@ -46,11 +46,11 @@ from loader_resume.rng_memory import generator_states
 BATCH = 64
 
 
-ROWS = (  # (label, dataset): whole epochs of ~300 to ~1,600 batches, lengths that are not powers of two
+ROWS = (  # (label, dataset): whole epochs of ~80 to ~800 batches, lengths that are not powers of two
     ("Python ints, n = 50,000", lambda: Ints(50_000)),
     ("tiny tensors (`Tiny`), n = 50,000", lambda: Tiny(50_000)),
-    ("tiny tensors drawing torch + numpy + `random` per item, n = 20,000", lambda: Drawing(20_000)),
-    ("50 µs items (`Busy`), n = 20,000", lambda: Busy(20_000)),
+    ("tiny tensors drawing torch + numpy + `random` per item, n = 5,000", lambda: Drawing(5_000)),
+    ("50 µs items (`Busy`), n = 5,000", lambda: Busy(5_000)),
 )
 COLUMNS = ("DataLoader again (A/A)", "StatefulDataLoader", "ours, keying off", "ours, default keying",
            "ours, keying torch only")
@@ -63,7 +63,9 @@ def throughput(dataset: Any, workers: int, rounds: int) -> tuple[dict[str, float
         DataLoader(dataset, **common), DataLoader(dataset, **common), StatefulDataLoader(dataset, **common),
         ResumableDataLoader(dataset, keying="off", **common), ResumableDataLoader(dataset, **common),
         ResumableDataLoader(dataset, keyed_generators=("torch",), **common)), strict=True))
-    return interleaved_epochs(loaders, rounds)
+    # NOTE: at num_workers=0 all the work is in this process: its CPU time leaves out what a shared VM's
+    # other tenants take (wall time moved rows by ±10 % between rounds here); workers need wall time.
+    return interleaved_epochs(loaders, rounds, time.process_time if workers == 0 else time.perf_counter)
 
 
 def state_dict_micros(workers: int, calls: int = 400) -> float:
@@ -272,7 +274,7 @@ def peak_memory_mib(n: int) -> tuple[float, float]:
 
 
 def report(args: argparse.Namespace) -> str:
-    rounds = 3 if args.quick else 9
+    rounds = 3 if args.quick else 21
     sections = []
     rows = []
     for label, factory in ROWS:
@@ -317,8 +319,9 @@ def report(args: argparse.Namespace) -> str:
             "(from `iter()` to its end, so per-epoch costs count; `persistent_workers=True` at 2 workers, one "
             f"untimed warm-up epoch each), taking turns in {rounds} interleaved rounds (order reversed every "
             "other round); a ratio is the median of its throughput over plain DataLoader's in the same round. "
-            "The A/A column, a second identical DataLoader, shows this machine's noise: differences of that "
-            "size are not ours.")
+            "Time is the process's CPU time at `num_workers=0` (all the work is in it; this shared VM's other "
+            "tenants are left out) and wall time at 2 workers. The A/A column, a second identical DataLoader, "
+            "shows the remaining noise: differences of that size are not ours.")
     return head + "\n\n" + "\n\n".join(sections)
 
 

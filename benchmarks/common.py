@@ -98,27 +98,27 @@ def batches_per_second(loader: Iterable[Any], batches: int) -> float:
     return batches / (time.perf_counter() - start)
 
 
-def epoch_micros(loader: Iterable[Any]) -> float:
+def epoch_micros(loader: Iterable[Any], clock: Callable[[], float] = time.perf_counter) -> float:
     """µs a batch over one whole epoch, from ``iter()`` to its end (every per-epoch cost included)."""
-    start, batches = time.perf_counter(), 0
+    start, batches = clock(), 0
     for _ in loader:
         batches += 1
-    return (time.perf_counter() - start) / max(batches, 1) * 1e6
+    return (clock() - start) / max(batches, 1) * 1e6
 
 
 def interleaved_epochs(
-    loaders: dict[str, Iterable[Any]], rounds: int,
+    loaders: dict[str, Iterable[Any]], rounds: int, clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[dict[str, float], dict[str, list[float]]]:
     """Whole epochs, loaders taking turns (order reversed every other round) after one untimed warm-up epoch
     each: (each loader's median ratio of throughput to the first loader's in the same round, µs a batch in
-    each round)."""
+    each round). ``clock``: wall time, or ``time.process_time`` where all the work is in this process."""
     for loader in loaders.values():
-        epoch_micros(loader)
+        epoch_micros(loader, clock)
     micros: dict[str, list[float]] = {name: [] for name in loaders}
     names = list(loaders)
     for turn in range(rounds):
         for name in names if turn % 2 == 0 else names[::-1]:
-            micros[name].append(epoch_micros(loaders[name]))
+            micros[name].append(epoch_micros(loaders[name], clock))
     first = micros[names[0]]
     ratios = {name: statistics.median(f / m for f, m in zip(first, values, strict=True))
               for name, values in micros.items()}
