@@ -134,8 +134,8 @@ class ResumableDataLoader(DataLoader[T]):
         self._warned: set[str] = set()
         self._drawn = DrawnGenerators()  # the generators this dataset draws from in this process (num_workers=0)
         self._template: dict[str, Any] | None = None  # the state's fixed fields (see _identity)
-        # (the iterator's weak reference, the settings, the identity fields) of the last iter(); see state_dict
-        self._pass_identity: tuple[weakref.ref[Tracked[T]], tuple[Any, ...], dict[str, Any]] | None = None
+        # (the pass, the settings, the identity fields) of the last iter(); see state_dict
+        self._pass_identity: tuple[Any, tuple[Any, ...], dict[str, Any]] | None = None
         warn_at_construction(dataset, batch_read=self._position.kind == "map" and keying == "sample")
 
     # --- torch hooks -----------------------------------------------------------------------------
@@ -173,7 +173,7 @@ class ResumableDataLoader(DataLoader[T]):
                 inner._dataset_fetcher = KeyedFetch(fetcher, self._drawn, position.next_fetch)  # type: ignore[attr-defined]
             iterator: Tracked[T] = Tracked(self._position, begun.pass_, inner, caller)
         self._live = weakref.ref(iterator)
-        self._pass_identity = (self._live, self._identity_key(), self._identity())
+        self._pass_identity = (begun.pass_, self._identity_key(), self._identity())
         return iterator
 
     @contextlib.contextmanager
@@ -223,16 +223,17 @@ class ResumableDataLoader(DataLoader[T]):
         many deliveries ago — for frameworks that fetch ahead of the step they checkpoint (Lightning
         prefetches one batch from a loader without ``__len__``).
         """
-        # NOTE: while an iterator is mid-epoch, the identity fields are those of its pass (computed at iter():
-        # the length and world size it was planned with), unless a setting changed since.
-        cached, live = self._pass_identity, self._live() if self._live is not None else None
-        if cached is not None and cached[0] is self._live and live is not None and live.mid_epoch \
+        # NOTE: while the last pass is mid-epoch, the identity fields are those computed at its iter() (the
+        # length and world size it was planned with), unless a setting changed since; the key is inlined
+        # (_identity_key) as this runs between steps.
+        cached = self._pass_identity
+        if cached is not None and not cached[0].done \
                 and cached[1] == (self.seed, self.num_workers, self.keyed_generators):
             state = cached[2].copy()
             state["keyed_generators"] = list(self.keyed_generators)
         else:
             state = self._identity()
-        state.update(self._position.state(batches_ago))
+        self._position.fill_state(state, batches_ago)
         return state
 
     @property
@@ -265,6 +266,7 @@ class ResumableDataLoader(DataLoader[T]):
         """
         state = check_state(state_dict, self._identity())
         self._note_load()
+        self._pass_identity = None  # the loaded position is reported with the identity as it is now
         self._warn_irreproducible()
         self._position.reset(state)
 
@@ -276,6 +278,7 @@ class ResumableDataLoader(DataLoader[T]):
             raise TypeError("load_resharded(): map-style states load at any world size through load_state_dict()")
         states = [check_state(state, self._identity()) for state in ranks]
         self._note_load()
+        self._pass_identity = None  # the loaded position is reported with the identity as it is now
         self._warn_irreproducible()
         self._position.reset_resharded(states)
 

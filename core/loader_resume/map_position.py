@@ -105,14 +105,16 @@ class MapPosition:
         if pass_ is self._pass and not pass_.done:
             self._next_epoch(pass_)
 
-    def state(self, batches_ago: int = 0) -> dict[str, Any]:
+    def fill_state(self, state: dict[str, Any], batches_ago: int = 0) -> None:
         if batches_ago:
             raise ValueError(f"batches_ago={batches_ago}: map-style states are exact at the last delivered "
                              "batch; frameworks do not fetch ahead of sized loaders")
+        state["epoch"], state["position"] = self.epoch, self._position
         sampler_stateful, dataset_stateful = self._stateful or self._stateful_flags()
-        return {"epoch": self.epoch, "position": self._position,
-                "sampler_state": self._current_sampler_state() if sampler_stateful else None,
-                "dataset_state": self.setup.dataset.state_dict() if dataset_stateful else None, "stream": None}
+        if sampler_stateful:
+            state["sampler_state"] = self._current_sampler_state()
+        if dataset_stateful:
+            state["dataset_state"] = self.setup.dataset.state_dict()
 
     def batches_per_epoch(self) -> int:
         total = self.dataset_len() if self.source is None else len(self.source)

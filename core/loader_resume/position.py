@@ -109,8 +109,10 @@ class Position(Protocol):
     def end(self, pass_: Any) -> None:
         """torch's iterator of ``pass_`` is exhausted: the next pass is the next epoch."""
 
-    def state(self, batches_ago: int = 0) -> dict[str, Any]:
-        """The state's position fields (``epoch``, ``position``, ``sampler_state``, ``dataset_state``, ``stream``)."""
+    def fill_state(self, state: dict[str, Any], batches_ago: int = 0) -> None:
+        """Write the state's position fields (``epoch``, ``position``, ``sampler_state``, ``dataset_state``,
+        ``stream``) into ``state``, a copy of the loader's identity fields; those left unwritten keep the
+        identity's zeroed values (``state_dict()`` runs between steps: no dict of its own)."""
 
     def batches_per_epoch(self) -> int:
         """This rank's batches in a whole epoch (TypeError for a stream: it has no length to compute)."""

@@ -132,11 +132,10 @@ class StreamPosition:
                      for p in pass_.progress]
             self._carry = carry if any(p.before_epoch or p.own for p in carry) else None
 
-    def state(self, batches_ago: int = 0) -> dict[str, Any]:
+    def fill_state(self, state: dict[str, Any], batches_ago: int = 0) -> None:
         current = self._current()
         current = current.rewound(batches_ago) if batches_ago else current
-        return {"epoch": current.epoch, "position": None, "sampler_state": None, "dataset_state": None,
-                "stream": stream_to_dict(self.setup.shard().rank, current)}
+        state["epoch"], state["stream"] = current.epoch, stream_to_dict(self.setup.shard().rank, current)
 
     def batches_per_epoch(self) -> int:
         raise TypeError("an IterableDataset's stream has no length for the loader to compute")
