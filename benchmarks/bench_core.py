@@ -33,15 +33,16 @@ from common import (
     interleaved_epochs,
     markdown,
     median_micros,
+    pipeline_cpu_clock,
     write_readme_section,
 )
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from loader_resume import ResumableDataLoader
-from loader_resume.keyed_fetch import KeySpec, keyed_indices
 from loader_resume.keyed_rng import CallerRng, derive_key, generator_mask, seed_generators
 from loader_resume.rng_memory import generator_states
+from loader_resume.worker_fetch import KeySpec, keyed_indices
 
 BATCH = 64
 
@@ -63,9 +64,13 @@ def throughput(dataset: Any, workers: int, rounds: int) -> tuple[dict[str, float
         DataLoader(dataset, **common), DataLoader(dataset, **common), StatefulDataLoader(dataset, **common),
         ResumableDataLoader(dataset, keying="off", **common), ResumableDataLoader(dataset, **common),
         ResumableDataLoader(dataset, keyed_generators=("torch",), **common)), strict=True))
-    # NOTE: at num_workers=0 all the work is in this process: its CPU time leaves out what a shared VM's
-    # other tenants take (wall time moved rows by ±10 % between rounds here); workers need wall time.
-    return interleaved_epochs(loaders, rounds, time.process_time if workers == 0 else time.perf_counter)
+    # NOTE: CPU time, which leaves out what a shared VM's other tenants take (wall time moved rows by ±10 %
+    # between rounds here, and an A/A pair by as much): at num_workers=0 this process's, where all the work
+    # is; at 2 workers that of this process and of the loader's worker processes, all their threads (the
+    # pipeline fills both cores of this machine, so its CPU time is what an epoch costs).
+    if workers == 0:
+        return interleaved_epochs(loaders, rounds, time.process_time)
+    return interleaved_epochs(loaders, rounds, lambda loader: pipeline_cpu_clock(loader, workers), per_loader=True)
 
 
 def state_dict_micros(workers: int, calls: int = 400) -> float:
@@ -117,8 +122,10 @@ def keying_costs() -> dict[str, float]:
 
     return {"worker, per batch (seeding one key; done ahead by the helper thread)":
                 median_micros(lambda: seed_generators(key, mask)),
-            "worker, per batch, inside a running 2-worker loader (cold caches; done by the helper thread)":
-                in_loader_seed_micros(),
+            "worker, per batch, inside a running 2-worker loader, `Drawing` (draws from all three; cold caches; "
+            "done by the helper thread)": in_loader_seed_micros("Drawing"),
+            "worker, per batch, inside a running 2-worker loader, `Tiny` (draws nothing: torch's generator alone "
+            "is seeded, for `torch.initial_seed()`)": in_loader_seed_micros("Tiny"),
             "worker, per sample": (median_micros(lambda: list(iter(per_sample)))
                                    - median_micros(lambda: list(per_sample[:]))) / BATCH,
             "main process, per batch, a dataset that draws from all three (seeding + caller RNG save and restore)":
@@ -146,11 +153,11 @@ def _probe(script: str, what: str, **fields: Any) -> str:
 _IN_LOADER = """
 import os, statistics, sys, time
 sys.path.insert(0, {bench!r})
-import loader_resume.keyed_fetch as keyed_fetch
-from common import Tiny
+import loader_resume.worker_fetch as worker_fetch
+from common import {dataset}
 from loader_resume import ResumableDataLoader
 
-seed, times = keyed_fetch.seed_generators, []
+seed, times = worker_fetch.seed_generators, []
 
 def timed(key, mask):  # runs in the workers, which fork with this module patched
     start = time.perf_counter_ns()
@@ -159,23 +166,25 @@ def timed(key, mask):  # runs in the workers, which fork with this module patche
     if len(times) == 1000:  # one write: two workers' lines must not interleave on the shared pipe
         os.write(1, f"{{statistics.median(times) / 1000}}\\n".encode())
 
-keyed_fetch.seed_generators = timed  # where workers seed (the batch's arrival, the helper thread)
-iterator = iter(ResumableDataLoader(Tiny(1 << 20), batch_size=64, shuffle=True, num_workers=2))
+worker_fetch.seed_generators = timed  # where workers seed (the batch's arrival, the helper thread)
+iterator = iter(ResumableDataLoader({dataset}(1 << 20), batch_size=64, shuffle=True, num_workers=2))
 for _ in range(2001):
     next(iterator)
 """
 
 
-def in_loader_seed_micros() -> float:
-    """Median µs of seeding the three generators in a worker while the pipeline runs (caches are cold there)."""
-    return statistics.median(float(line) for line in _probe(_IN_LOADER, "in-loader keying probe").split())
+def in_loader_seed_micros(dataset: str) -> float:
+    """Median µs of a worker's seeding a batch while the pipeline runs (caches are cold there): the generators
+    the dataset (a class of ``common``) draws from, and torch's."""
+    return statistics.median(float(line) for line in _probe(_IN_LOADER, "in-loader keying probe",
+                                                            dataset=dataset).split())
 
 
 _WAKE_CONTROL = """
 import json, sys
 sys.path.insert(0, {bench!r})
-import loader_resume.keyed_fetch as keyed_fetch
-keyed_fetch.seed_generators = lambda key, mask: None  # forked workers inherit it: the helper seeds nothing
+import loader_resume.worker_fetch as worker_fetch
+worker_fetch.seed_generators = lambda key, mask: None  # forked workers inherit it: the helper seeds nothing
 from common import Tiny, batches_per_second, interleaved
 from torch.utils.data import DataLoader
 from loader_resume import ResumableDataLoader
@@ -251,7 +260,7 @@ def resume_latency(n: int = 10**7) -> dict[str, dict[float, float]]:
 _PEAK = """
 import sys, tracemalloc
 sys.path.insert(0, {bench!r})
-from common import Tiny
+from common import {dataset}
 from loader_resume import ResumableDataLoader
 
 def rss():
@@ -319,9 +328,11 @@ def report(args: argparse.Namespace) -> str:
             "(from `iter()` to its end, so per-epoch costs count; `persistent_workers=True` at 2 workers, one "
             f"untimed warm-up epoch each), taking turns in {rounds} interleaved rounds (order reversed every "
             "other round); a ratio is the median of its throughput over plain DataLoader's in the same round. "
-            "Time is the process's CPU time at `num_workers=0` (all the work is in it; this shared VM's other "
-            "tenants are left out) and wall time at 2 workers. The A/A column, a second identical DataLoader, "
-            "shows the remaining noise: differences of that size are not ours.")
+            "Time is CPU time, which leaves out what this shared VM's other tenants take (wall time moved an "
+            "A/A pair by ±10 % between rounds): the process's at `num_workers=0`, where all the work is, and at "
+            "2 workers the sum of the main process's and the loader's two worker processes' (all their threads, "
+            "from `/proc`): the pipeline fills both cores, so that is what an epoch costs. The A/A column, a "
+            "second identical DataLoader, shows the remaining noise: differences of that size are not ours.")
     return head + "\n\n" + "\n\n".join(sections)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import statistics
@@ -107,22 +108,50 @@ def epoch_micros(loader: Iterable[Any], clock: Callable[[], float] = time.perf_c
 
 
 def interleaved_epochs(
-    loaders: dict[str, Iterable[Any]], rounds: int, clock: Callable[[], float] = time.perf_counter,
+    loaders: dict[str, Iterable[Any]], rounds: int,
+    clock: Callable[[], float] | Callable[[Any], Callable[[], float]] = time.perf_counter, *, per_loader: bool = False,
 ) -> tuple[dict[str, float], dict[str, list[float]]]:
     """Whole epochs, loaders taking turns (order reversed every other round) after one untimed warm-up epoch
     each: (each loader's median ratio of throughput to the first loader's in the same round, µs a batch in
-    each round). ``clock``: wall time, or ``time.process_time`` where all the work is in this process."""
-    for loader in loaders.values():
-        epoch_micros(loader, clock)
+    each round). ``clock``: wall time, or ``time.process_time`` where all the work is in this process; with
+    ``per_loader``, a function of the loader that gives its clock (:func:`pipeline_cpu_clock`)."""
+    clocks = {name: clock(loader) if per_loader else clock for name, loader in loaders.items()}  # type: ignore[call-arg]
+    for name, loader in loaders.items():
+        epoch_micros(loader, clocks[name])  # type: ignore[arg-type]
     micros: dict[str, list[float]] = {name: [] for name in loaders}
     names = list(loaders)
     for turn in range(rounds):
         for name in names if turn % 2 == 0 else names[::-1]:
-            micros[name].append(epoch_micros(loaders[name], clock))
+            micros[name].append(epoch_micros(loaders[name], clocks[name]))  # type: ignore[arg-type]
     first = micros[names[0]]
     ratios = {name: statistics.median(f / m for f, m in zip(first, values, strict=True))
               for name, values in micros.items()}
     return ratios, micros
+
+
+def _threads_cpu_seconds(pid: int) -> float:
+    """CPU seconds of every thread of process ``pid`` so far (the scheduler's own count, in ns)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as stat:
+                total += int(stat.read().split()[0])
+        except FileNotFoundError:  # a thread that ended since the listing
+            continue
+    return total / 1e9
+
+
+def pipeline_cpu_clock(loader: Any, workers: int) -> Callable[[], float]:
+    """A clock of the CPU time of this process (all its threads) and of ``loader``'s persistent worker
+    processes (all theirs): on a machine whose cores the pipeline fills, the work an epoch costs, without
+    the time other tenants take (Linux; reads ``/proc``). Fails if the loader's workers cannot be found."""
+    def clock() -> float:
+        iterator = getattr(loader, "_iterator", None)  # NOTE: torch's; persistent workers live there
+        pids = [worker.pid for worker in getattr(iterator, "_workers", ())]
+        if iterator is not None and len(pids) != workers:
+            raise RuntimeError(f"{type(loader).__name__}: found {len(pids)} worker processes, expected {workers}")
+        return time.process_time() + sum(_threads_cpu_seconds(pid) for pid in pids)
+    return clock
 
 
 def interleaved(runs: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:

@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch.utils.data._utils.fetch import _MapDatasetFetcher
 
-from loader_resume.keyed_fetch import SEED_AHEAD, KeyedIndices, KeySpec, SeedAheadCollate
 from loader_resume.keyed_rng import GENERATORS, CallerRng, derive_key, generator_mask
 from loader_resume.testing import run_epochs
+from loader_resume.worker_fetch import SEED_AHEAD, KeyedIndices, KeySpec, SeedAheadCollate, WorkerFetch
 from support.data import make
 
 
@@ -177,3 +177,27 @@ def _seed_ahead_in_child() -> None:
     SEED_AHEAD.start()
     ok = SEED_AHEAD.take() == (key, generator_mask(["torch"])) and torch.initial_seed() == key & ((1 << 63) - 1)
     os._exit(0 if ok else 1)
+
+
+def test_a_worker_fetch_left_unchecked_makes_the_worker_seed_every_generator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch whose fetch ends before our collate check (the dataset raised) leaves its worker seeding every
+    keyed generator for every later batch: a generator first drawn then is keyed as in a worker that seeds all."""
+    mask = generator_mask(GENERATORS)
+    keys = [derive_key(21, i) for i in range(3)]
+    fetcher = _MapDatasetFetcher(list(range(10)), True, SeedAheadCollate(lambda items: items), False)
+    worker = torch.utils.data._utils.worker
+
+    def arrive_third(eager: bool) -> list[float]:
+        worker._worker_info = worker.WorkerInfo(id=0, num_workers=1, seed=0, dataset=None)
+        try:
+            with monkeypatch.context() as patch:
+                if eager:
+                    patch.setattr(WorkerFetch, "seeds_for", lambda self, mask: mask)
+                fetcher.fetch(pickle.loads(pickle.dumps(KeyedIndices([0, 1], KeySpec(keys[0], None, mask)))))
+                pickle.loads(pickle.dumps(KeyedIndices([2, 3], KeySpec(keys[1], None, mask))))  # its fetch raised
+                pickle.loads(pickle.dumps(KeyedIndices([4, 5], KeySpec(keys[2], None, mask))))
+                return [float(np.random.rand()), random.random()]  # the third batch's first draws
+        finally:
+            worker._worker_info = None
+
+    assert arrive_third(eager=False) == arrive_third(eager=True)

@@ -1,12 +1,17 @@
-"""num_workers=0: only the generators a dataset draws from are seeded, and its values are still the keyed ones.
+"""Only the generators a dataset draws from are seeded (in the main process and in workers), and its values
+are still the keyed ones.
 
-The reference for "the keyed values" is a 2-worker loader: workers seed every keyed generator before every
-batch, so equal values mean the main process's lazy keying changed nothing a batch sees.
+The reference for "the keyed values" is a 2-worker loader whose workers seed every keyed generator before
+every batch (``WorkerFetch.seeds_for`` made to answer "all of them"): equal values mean lazy keying changed
+nothing a batch sees.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -17,14 +22,16 @@ from torch.utils.data import Dataset
 from loader_resume import ResumableDataLoader
 from loader_resume.rng_memory import GeneratorStates, generator_states
 from loader_resume.testing import assert_resumes_exactly, run_epochs
+from loader_resume.worker_fetch import WorkerFetch
 from support.data import caller_draws, seed_all
 
 
 class Draws(Dataset[dict[str, Any]]):
     """Draws from the generators ``which(index, epoch)`` names; counts its reads."""
 
-    def __init__(self, n: int, which: Any) -> None:
+    def __init__(self, n: int, which: Any, shared_reads: Any = None) -> None:
         self.n, self.which, self.reads, self.epoch = n, which, 0, 0
+        self.shared_reads = shared_reads  # a multiprocessing.Value: reads in forked workers
 
     def __len__(self) -> int:
         return self.n
@@ -34,6 +41,9 @@ class Draws(Dataset[dict[str, Any]]):
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         self.reads += 1
+        if self.shared_reads is not None:
+            with self.shared_reads.get_lock():
+                self.shared_reads.value += 1
         names = self.which(index, self.epoch)
         return {"id": index,
                 "torch": torch.rand(()).item() if "torch" in names else -1.0,
@@ -68,16 +78,48 @@ def _one_whole_refill(index: int, epoch: int) -> set[str]:
 PATTERNS = [_nothing, _everything, _later, _one_numpy_item, _one_whole_refill]
 
 
-def _loader(which: Any, workers: int, seed: int = 3) -> ResumableDataLoader[Any]:
-    return ResumableDataLoader(Draws(30, which), batch_size=4, shuffle=True, seed=seed, num_workers=workers)
+def _loader(which: Any, workers: int, seed: int = 3, **options: Any) -> ResumableDataLoader[Any]:
+    return ResumableDataLoader(Draws(30, which, options.pop("shared_reads", None)), batch_size=4, shuffle=True,
+                               seed=seed, num_workers=workers, **options)
+
+
+@contextmanager
+def _eager_workers() -> Iterator[None]:
+    """Workers (forked: they inherit the patch) seed every keyed generator before every batch."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(WorkerFetch, "seeds_for", lambda self, mask: mask)
+        yield
+
+
+def _eager(which: Any, epochs: int = 3) -> list[Any]:
+    with _eager_workers():
+        return run_epochs(_loader(which, 2, multiprocessing_context="fork"), epochs)
 
 
 @pytest.mark.parametrize("which", PATTERNS, ids=lambda f: f.__name__)
 def test_values_equal_those_of_workers_that_seed_every_batch(which: Any) -> None:
     lazy = run_epochs(_loader(which, 0), 3)
-    assert lazy == run_epochs(_loader(which, 2), 3)
+    assert lazy == _eager(which)
     if which is not _nothing:
         assert lazy != run_epochs(_loader(which, 0, seed=4), 3)  # keyed: another seed, other values
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh-workers", "persistent-workers"])
+@pytest.mark.parametrize("which", PATTERNS, ids=lambda f: f.__name__)
+def test_lazy_workers_give_the_values_of_workers_that_seed_every_batch(which: Any, persistent: bool) -> None:
+    assert run_epochs(_loader(which, 2, persistent_workers=persistent), 3) == _eager(which)
+
+
+def test_a_worker_reads_a_batch_again_only_when_it_first_sees_a_generator_drawn() -> None:
+    """_one_numpy_item: item 7 draws numpy. Workers start fresh each epoch (the dataset has set_epoch); a
+    worker's first batch seeds every generator, so the batch holding item 7 is read twice only when it is
+    not its worker's first batch (torch hands batches to the 2 workers in turn: batches 0 and 1 are firsts)."""
+    reads = multiprocessing.get_context("fork").Value("i", 0)
+    loader = _loader(_one_numpy_item, 2, shared_reads=reads, multiprocessing_context="fork")
+    run_epochs(loader, 3)
+    again = sum(len(batch) for epoch in range(3) for b, batch in enumerate(loader.planned_indices(epoch=epoch))
+                if 7 in batch and b >= 2)
+    assert reads.value == 3 * 30 + again
 
 
 @pytest.mark.parametrize("which", PATTERNS, ids=lambda f: f.__name__)
@@ -103,6 +145,7 @@ def test_a_dataset_that_starts_drawing_later_resumes_exactly(which: Any) -> None
     assert_resumes_exactly(lambda: _loader(which, 0), epochs=3)
     assert_resumes_exactly(lambda: _loader(which, 0), make_resumed=lambda: _loader(which, 2), epochs=3,
                            cuts=[0, 3, 8, 9, 17])
+    assert_resumes_exactly(lambda: _loader(which, 2, persistent_workers=True), epochs=3, cuts=[0, 5, 9, 13, 20])
 
 
 def test_a_batch_is_read_again_only_when_a_generator_is_first_seen_drawn() -> None:

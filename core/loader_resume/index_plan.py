@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from itertools import chain, islice
 from typing import Any
 
-from .keyed_fetch import KeySpec, NextFetch, keyed_indices
+from .keyed_fetch import NextFetch
 from .keyed_rng import GENERATORS, CallerRng, KeysUnder, derive_key, generator_mask, seed_generators
 from .permutation import KeyedPermutation
 from .sampler import Shard, Step, permutation_steps, source_steps
 from .thirdparty import is_stateful
+from .worker_fetch import KeySpec, keyed_indices
 
 __all__ = ["Pending", "Plan", "plan_indices"]
 

@@ -24,7 +24,8 @@ import torch
 from .rng_memory import generator_states
 
 __all__ = [
-    "GENERATORS", "KEYING_MODES", "TORCH", "CallerRng", "KeysUnder", "derive_key", "generator_mask", "seed_generators",
+    "GENERATORS", "KEYING_MODES", "TORCH", "CallerRng", "DrawnGenerators", "KeysUnder", "derive_key", "generator_mask",
+    "seed_generators",
 ]
 
 GENERATORS: Final = ("torch", "numpy", "random")
@@ -104,3 +105,16 @@ class CallerRng:
     def restore(self) -> None:
         if self._taken is not None:
             generator_states().put(self._taken, self._mask)
+
+
+class DrawnGenerators:
+    """Which keyed generators a dataset draws from in one process (a loader's main process, or a worker),
+    learned from its fetches."""
+
+    __slots__ = ("learned", "mask")
+
+    def __init__(self) -> None:
+        self.learned = False
+        """Whether a fetch has shown it yet (the first keyed fetch seeds every keyed generator)."""
+        self.mask = 0
+        """The generators seen drawn from (bits of :func:`loader_resume.keyed_rng.generator_mask`)."""

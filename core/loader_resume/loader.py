@@ -24,8 +24,8 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 from torch.utils.data.dataloader import _DatasetKind
 
 from .distributed import rank_and_world
-from .keyed_fetch import DrawnGenerators, KeyedFetch
-from .keyed_rng import GENERATORS, KEYING_MODES, CallerRng, derive_key, generator_mask
+from .keyed_fetch import KeyedFetch
+from .keyed_rng import GENERATORS, KEYING_MODES, CallerRng, DrawnGenerators, derive_key, generator_mask
 from .map_position import MapPosition
 from .position import Position, Setup, Tracked
 from .sampler import ShardedSampler, Source, classify_source, default_seed

@@ -12,12 +12,13 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from .index_plan import Pending, Plan, plan_indices
-from .keyed_fetch import NextFetch, SeedAheadCollate
+from .keyed_fetch import NextFetch
 from .position import Begun, Setup, tell_epoch
 from .sampler import Source, steps_per_epoch
 from .split_check import SplitCheck
 from .state import StateError
 from .thirdparty import is_stateful
+from .worker_fetch import SeedAheadCollate
 
 __all__ = ["MapPass", "MapPosition"]
 

@@ -262,15 +262,30 @@ class GeneratorStates:
 
     def take(self) -> tuple[Any, ...]:
         """The three generators' whole states."""
-        if self._numpy_owner is not None and self._numpy_owner is not np.random.mtrand._rand._bit_generator:
-            self.__init__()  # type: ignore[misc]  # np.random.set_bit_generator replaced numpy's: probe again
+        self._follow_numpy()
         torch_state, numpy_state, random_state = self._generators
         return torch_state.take(), numpy_state.take(), random_state.take()
 
     def marks(self, among: int) -> tuple[Any, ...]:
         """The marks (:meth:`_Block.marks`) of the generators of ``among``: equal marks before and after a fetch
         mean the generators did not move (different ones are confirmed by :meth:`changed`)."""
+        self._follow_numpy()
         return tuple([generator.marks() for i, generator in enumerate(self._generators) if among >> i & 1])
+
+    def _follow_numpy(self) -> None:
+        if self._numpy_owner is not None and self._numpy_owner is not np.random.mtrand._rand._bit_generator:
+            self.__init__()  # type: ignore[misc]  # np.random.set_bit_generator replaced numpy's: probe again
+
+    def moved(self, marks: tuple[Any, ...], among: int) -> int:
+        """The generators of ``among`` whose marks are no longer ``marks`` (taken by :meth:`marks` with the same
+        ``among``): marks are words of a state, so these have moved."""
+        out, j = 0, 0
+        for i, generator in enumerate(self._generators):
+            if among >> i & 1:
+                if generator.marks() != marks[j]:
+                    out |= 1 << i
+                j += 1
+        return out
 
     def changed(self, taken: tuple[Any, ...], among: int) -> int:
         """The generators of ``among`` whose state is no longer the one ``taken``."""

@@ -5,6 +5,9 @@ around every batch, whether or not a profiler is recording (~10 µs a batch meas
 an operator dispatch to enter it, one to leave). While none records, the loader runs the same steps
 without the range; while one does (``torch.profiler``, ``torch.autograd.profiler``, NVTX/ITT emission),
 it calls torch's own ``__next__``, so traces show the DataLoader ranges as before.
+
+:func:`fetch_items`: a worker that must read a batch again (``worker_fetch.WorkerFetch``) reads its items
+as torch's map-style fetcher does, which it cannot reach from the worker loop.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any, Final
 from torch._C._autograd import _profiler_enabled
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-__all__ = ["next_batch"]
+__all__ = ["fetch_items", "next_batch"]
 
 _TORCH_NEXT: Final = _BaseDataLoaderIter.__next__
 _STEPS: Final = {"record_function", "_sampler_iter", "_reset", "_next_data", "_num_yielded",
@@ -35,3 +38,11 @@ def next_batch(iterator: Any) -> Any:
     data = iterator._next_data()
     iterator._num_yielded += 1
     return data
+
+
+def fetch_items(dataset: Any, indices: Any) -> Any:
+    """The items torch's map-style fetcher reads for a batch's index list (auto-collation, before the collate):
+    ``dataset.__getitems__(indices)`` where the dataset defines it, else ``[dataset[i] for i in indices]``."""
+    if hasattr(dataset, "__getitems__") and dataset.__getitems__:
+        return dataset.__getitems__(indices)
+    return [dataset[index] for index in indices]
