@@ -1,8 +1,14 @@
-"""``enable_resume``'s settings: our own YAML, read with omegaconf against a typed schema.
+"""``enable_resume``'s settings: our own YAML and ``LOADER_RESUME_*`` environment variables, read with
+omegaconf against a typed schema.
 
-Accelerate's config file rejects keys it does not know, so ours live apart. The schema below *is* the
-defaults; ``configs/accelerate_resume.yaml`` ships the same values with comments (a test keeps the two
-equal). Unknown or mistyped keys fail at ``enable_resume`` with the key named and the closest valid one.
+Accelerate's config file cannot carry them: it rejects top-level keys it does not know, and its
+dict-valued sections drop unknown keys silently. What ``accelerate launch`` hands every rank is the
+environment, so, as Accelerate reads its own ``ACCELERATE_*`` variables, ours are read on every rank.
+Layers, each over the one before: the schema's defaults; a YAML file (the ``config`` path, else
+``$LOADER_RESUME_CONFIG``); ``LOADER_RESUME_<FIELD>`` variables (``LOADER_RESUME_SAVE_EVERY_N_STEPS=100``);
+``config`` given as a mapping; the ``overrides`` dotlist. The schema below *is* the defaults;
+``configs/accelerate_resume.yaml`` ships the same values with comments (a test keeps the two equal).
+Unknown or mistyped keys and variables fail at ``enable_resume`` naming them and the closest valid one.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ import difflib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from typing import Any, Final, Optional
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -19,7 +25,12 @@ from omegaconf.errors import OmegaConfBaseException
 from loader_resume.keyed_rng import KEYING_MODES, generator_mask
 from loader_resume.preemption import signal_numbers
 
-__all__ = ["ResumeConfig", "load_config"]
+__all__ = ["CONFIG_VARIABLE", "ENV_PREFIX", "ResumeConfig", "load_config"]
+
+ENV_PREFIX: Final = "LOADER_RESUME_"
+"""Environment variables ``LOADER_RESUME_<FIELD>`` (the field's name in capitals) set a field on every rank."""
+CONFIG_VARIABLE: Final = "LOADER_RESUME_CONFIG"
+"""A YAML file of :class:`ResumeConfig` keys, read when ``enable_resume`` is given no path."""
 
 
 
@@ -50,6 +61,10 @@ class ResumeConfig:
     """On start, load the newest complete checkpoint in ``checkpoint_dir`` without user code."""
     verify_checksums: bool = True
     """Seal each checkpoint with SHA-256 sums and verify them on load (else sizes only)."""
+    enabled: bool = True
+    """``False`` (e.g. ``LOADER_RESUME_ENABLED=0``, no code edited): ``enable_resume`` leaves the Accelerator
+    stock — Accelerate's own loaders, no preemption handling, no checkpoints of ours, no automatic
+    resume — and says so in a warning."""
 
     def __post_init__(self) -> None:
         for name in ("save_every_n_steps", "keep", "check_every_n_steps"):
@@ -66,27 +81,55 @@ class ResumeConfig:
 
 
 def load_config(config: str | os.PathLike[str] | Mapping[str, Any] | DictConfig | None = None,
-                overrides: Sequence[str] = ()) -> ResumeConfig:
-    """The schema's defaults, merged with ``config`` (a YAML path, a dict or a DictConfig), then with
-    ``overrides`` (an omegaconf dotlist such as ``["save_every_n_steps=50", "keying=off"]``)."""
+                overrides: Sequence[str] = (), environ: Mapping[str, str] | None = None) -> ResumeConfig:
+    """The schema's defaults, merged with a YAML file (``config`` if it is a path, else the one
+    ``$LOADER_RESUME_CONFIG`` names), then ``LOADER_RESUME_<FIELD>`` variables of ``environ`` (default:
+    ``os.environ``), then ``config`` if it is a dict or DictConfig, then ``overrides`` (an omegaconf dotlist
+    such as ``["save_every_n_steps=50", "keying=off"]``). An argument thus wins over a variable, a variable
+    over the YAML file, the file over the defaults."""
+    environ = os.environ if environ is None else environ
     schema = OmegaConf.structured(ResumeConfig)
-    layers: list[Any] = []
-    if isinstance(config, (str, os.PathLike)):
-        layers.append(_read_yaml(os.fspath(config)))
-    elif config is not None:
-        layers.append(config if isinstance(config, DictConfig) else OmegaConf.create(dict(config)))
+    layers: list[tuple[str, Any]] = []  # (where it comes from, the layer)
+    path = os.fspath(config) if isinstance(config, (str, os.PathLike)) else environ.get(CONFIG_VARIABLE)
+    if path:
+        where = "resume config" if isinstance(config, (str, os.PathLike)) else f"{CONFIG_VARIABLE}={path}"
+        layers.append((where, _read_yaml(path)))
+    variables = _variables(environ)
+    if variables:
+        layers.append(("environment", OmegaConf.from_dotlist([f"{key}={value}" for key, value in variables.items()])))
+    if config is not None and not isinstance(config, (str, os.PathLike)):
+        layers.append(("resume config", config if isinstance(config, DictConfig) else OmegaConf.create(dict(config))))
     if overrides:
-        layers.append(OmegaConf.from_dotlist(list(overrides)))
-    for layer in layers:
+        layers.append(("resume config", OmegaConf.from_dotlist(list(overrides))))
+    for where, layer in layers:
         _check_keys(layer)
         try:
             schema = OmegaConf.merge(schema, layer)
         except OmegaConfBaseException as error:
-            where, message = getattr(error, "full_key", None), str(error.msg).splitlines()[0]
-            raise ValueError(f"resume config: {where}: {message}; expected the types of ResumeConfig") from None
+            key, message = getattr(error, "full_key", None), str(error.msg).splitlines()[0]
+            if where == "environment":
+                raise ValueError(f"{ENV_PREFIX}{str(key).upper()}={variables.get(str(key))!r}: {message}; expected "
+                                 "the types of ResumeConfig") from None
+            raise ValueError(f"{where}: {key}: {message}; expected the types of ResumeConfig") from None
     resolved = OmegaConf.to_container(schema, resolve=True)
     assert isinstance(resolved, dict)
     return ResumeConfig(**{str(key): value for key, value in resolved.items()})
+
+
+def _variables(environ: Mapping[str, str]) -> dict[str, str]:
+    """``{field: value}`` of the ``LOADER_RESUME_<FIELD>`` variables; an unknown one fails, naming the closest."""
+    valid = {ENV_PREFIX + f.name.upper(): f.name for f in fields(ResumeConfig)}
+    found = {}
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX) or name == CONFIG_VARIABLE:
+            continue
+        if name not in valid:
+            close = difflib.get_close_matches(name, [*valid, CONFIG_VARIABLE], n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ValueError(f"environment variable {name}: unknown{hint}; expected one of "
+                             f"{[*valid, CONFIG_VARIABLE]}")
+        found[valid[name]] = value
+    return found
 
 
 def _read_yaml(path: str) -> DictConfig:

@@ -58,7 +58,10 @@ def enable_resume(accelerator: Accelerator,
     Args:
         config: a YAML file, dict or DictConfig of :class:`ResumeConfig` keys; ``None``: the defaults
             (``configs/accelerate_resume.yaml``): SIGTERM and SIGUSR1 handled, checkpoints under
-            ``project_dir``, automatic resume on.
+            ``project_dir``, automatic resume on. Either way ``$LOADER_RESUME_CONFIG`` (a YAML file, when
+            ``config`` is no path) and ``LOADER_RESUME_<FIELD>`` variables are read on every process
+            (see :func:`load_config`: argument > variable > YAML > default); ``LOADER_RESUME_ENABLED=0``
+            switches it all off without a code change.
         overrides: an omegaconf dotlist applied last, e.g. the ``key=value`` words of ``sys.argv``.
     """
     return Resume(accelerator, load_config(config, overrides))
@@ -93,6 +96,12 @@ class Resume:
         self._step_loaders: set[int] = set()  # ...of which those that delivered before an optimizer step
         self._started = False
         self._prepare = accelerator.prepare
+        if not config.enabled:
+            self._started = True  # nothing to resume from
+            self._handles = []
+            logger.warning("loader-resume is switched off (enabled=False, e.g. LOADER_RESUME_ENABLED=0): "
+                           "Accelerate's own loaders, no preemption checkpoints, no automatic resume")
+            return
         accelerator.prepare = self._prepare_hooked  # type: ignore[method-assign]
         self._handles = [accelerator.register_save_state_pre_hook(self._on_save_state),
                          accelerator.register_load_state_pre_hook(self._on_load_state)]
@@ -115,6 +124,8 @@ class Resume:
     def close(self) -> None:
         """Undo ``enable_resume``: restore the signal handlers and ``accelerator.prepare``, drop the hooks
         (loaders already prepared stay resumable)."""
+        if not self.config.enabled:
+            return
         self.preemption.uninstall()
         for handle in self._handles:
             handle.remove()
@@ -132,8 +143,11 @@ class Resume:
 
         A failed write (a full disk, a lost mount) on any process is agreed by all: the partial
         directory is removed, the error is logged, the previous checkpoints stay, training goes on,
-        and ``None`` is returned.
+        and ``None`` is returned. Switched off (``enabled=False``): nothing is written, ``None``.
         """
+        if not self.config.enabled:
+            logger.warning("Resume.save(): loader-resume is switched off (enabled=False); nothing written")
+            return None
         final = self.checkpoint_dir / f"step_{self.step:09d}"
         self._collected = self._collect()  # every collective before any write: a failed write cannot unpair them
         try:

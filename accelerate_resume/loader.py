@@ -41,6 +41,7 @@ class AcceleratedResumableDataLoader(ResumableDataLoader[Any], DataLoaderStateMi
     fetches one batch ahead, as ``DataLoaderShard`` does (:meth:`resume_state` accounts for it).
     """
 
+    _is_accelerate_prepared = True  # Accelerate's own prepare_data_loader keeps it as it is
     _hook: BatchRequests | None = None
     _device: torch.device | None = None
     _non_blocking: bool = False

@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from accelerate_resume import AcceleratedResumableDataLoader, ResumeConfig, enab
 from loader_resume.checkpoint import MANIFEST
 from loader_resume.testing import assert_delivers_rest_exactly_once
 from support.data import Augmented
-from support.launch import command, logs, progress_of, run, trained, weights
+from support.launch import command, free_port, logs, progress_of, run, trained, weights
 
 ROOT = Path(__file__).parent.parent
 N, EPOCHS = 30, 3  # 1 process: 8 batches an epoch; 2 processes: 4 per rank
@@ -203,10 +204,42 @@ def test_periodic_checkpoints_keep_the_newest(tmp_path: Path) -> None:
                                                                                    "step_000000020"]
 
 
+def test_accelerate_launch_hands_loader_resume_variables_to_every_rank(tmp_path: Path) -> None:
+    """``LOADER_RESUME_SAVE_EVERY_N_STEPS=5 accelerate launch ...`` on 2 processes: 12 steps, checkpoints at 5
+    and 10 (every rank must take part in each save), the same batches as without them; a misspelt variable
+    stops the launch at once, naming it."""
+    run(tmp_path / "job", 2, env={"LOADER_RESUME_SAVE_EVERY_N_STEPS": "5", "LOADER_RESUME_KEEP": "2"})
+    assert sorted(p.name for p in (tmp_path / "job" / "resume_checkpoints").iterdir()) == ["step_000000005",
+                                                                                           "step_000000010"]
+    run(tmp_path / "plain", 2)
+    assert logs(tmp_path / "job") == logs(tmp_path / "plain")
+    stderr = run(tmp_path / "typo", 2, expect=1, env={"LOADER_RESUME_SAVE_EVERY_N_STEP": "5"})
+    assert "LOADER_RESUME_SAVE_EVERY_N_STEP: unknown (did you mean LOADER_RESUME_SAVE_EVERY_N_STEPS?)" in stderr
+
+
 def test_checkpoint_of_another_dataset_fails_clearly(preempted: dict[int, Path], tmp_path: Path) -> None:
     shutil.copytree(preempted[1], tmp_path, dirs_exist_ok=True)
     stderr = run(tmp_path, 1, "--items", "20", expect=1)
     assert "StateError" in stderr and "dataset_len" in stderr and "30" in stderr and "20" in stderr
+
+
+@pytest.mark.parametrize("stateful", [False, True], ids=["DataLoaderShard", "use_stateful_dataloader"])
+def test_a_resumable_loader_given_to_a_stock_accelerator_is_refused_on_every_rank(tmp_path: Path,
+                                                                                  stateful: bool) -> None:
+    """Without enable_resume, Accelerate would rebuild the loader into its own (measured: a DataLoaderShard over
+    a plain DataLoader, or over a StatefulDataLoader): prepare() refuses it on both ranks, naming the call to
+    make; a loader enable_resume converted is kept as it is by Accelerate's own prepare_data_loader."""
+    accelerate = Path(sys.executable).with_name("accelerate")
+    done = subprocess.run([str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+                           str(ROOT / "tests" / "accelerate_stock_child.py"), str(tmp_path),
+                           *(["--stateful"] if stateful else [])], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not list(tmp_path.glob("replaced-*.txt"))
+    for rank in (0, 1):
+        message = (tmp_path / f"refused-{rank}.txt").read_text()
+        assert "enable_resume(accelerator) was not called" in message and "DataLoaderShard" in message
+        assert (tmp_path / f"kept-{rank}.txt").read_text() == "True"
 
 
 # --- in-process: configuration and prepare -------------------------------------------------------
@@ -247,6 +280,50 @@ def test_a_config_typo_fails_at_enable_resume_naming_the_key(accelerator: Any, t
         enable_resume(accelerator, {"keep": "many"})
     with pytest.raises(ValueError, match="keying='batches'; expected one of"):
         enable_resume(accelerator, None, ["keying=batches"])
+
+
+def test_environment_variables_set_fields_between_the_yaml_file_and_the_argument(tmp_path: Path) -> None:
+    """argument > LOADER_RESUME_<FIELD> > the YAML file ($LOADER_RESUME_CONFIG, or a path argument) > default."""
+    path, other = tmp_path / "resume.yaml", tmp_path / "other.yaml"
+    path.write_text("save_every_n_steps: 50\nkeep: 5\nkeying: sample\n")
+    other.write_text("exit_code: 99\n")
+    environ = {"LOADER_RESUME_CONFIG": str(path), "LOADER_RESUME_SAVE_EVERY_N_STEPS": "7", "LOADER_RESUME_KEEP": "3",
+               "LOADER_RESUME_SIGNALS": "[SIGUSR1]", "UNRELATED": "x"}
+    config = load_config({"keep": 4}, environ=environ)
+    assert (config.save_every_n_steps, config.keep, config.keying, config.signals, config.seed) == \
+        (7, 4, "sample", ["SIGUSR1"], 0)
+    assert load_config(None, ["keep=9"], environ=environ).keep == 9
+    from_path = load_config(other, environ=environ)  # a path argument replaces $LOADER_RESUME_CONFIG
+    assert (from_path.exit_code, from_path.keying, from_path.save_every_n_steps) == (99, "batch", 7)
+
+
+def test_a_misspelt_variable_fails_at_enable_resume_naming_it_and_the_closest(
+    accelerator: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LOADER_RESUME_SAVE_EVERY_N_STEP", "100")
+    with pytest.raises(ValueError, match="LOADER_RESUME_SAVE_EVERY_N_STEP: unknown \\(did you mean "
+                                         "LOADER_RESUME_SAVE_EVERY_N_STEPS\\?\\)"):
+        enable_resume(accelerator)
+    monkeypatch.delenv("LOADER_RESUME_SAVE_EVERY_N_STEP")
+    monkeypatch.setenv("LOADER_RESUME_KEEP", "many")
+    with pytest.raises(ValueError, match="LOADER_RESUME_KEEP='many': Value 'many' of type 'str' could not be"):
+        enable_resume(accelerator)
+
+
+def test_switched_off_from_the_environment_accelerate_is_left_stock(
+    accelerator: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path,
+) -> None:
+    monkeypatch.setenv("LOADER_RESUME_ENABLED", "0")
+    before = signal.getsignal(signal.SIGTERM)
+    with caplog.at_level("WARNING", logger="accelerate_resume.hook"):
+        resume = enable_resume(accelerator, {"save_every_n_steps": 1})
+    assert "switched off" in caplog.text
+    assert signal.getsignal(signal.SIGTERM) == before
+    loader = accelerator.prepare(DataLoader(list(range(10)), batch_size=2))
+    assert not isinstance(loader, AcceleratedResumableDataLoader)
+    assert type(loader).__module__.startswith("accelerate.")  # Accelerate's own DataLoaderShard
+    assert list(resume.epochs(2)) == [0, 1] and resume.save() is None
+    assert not (tmp_path / "resume_checkpoints").exists()
 
 
 def test_command_line_dotlist_overrides_the_file(tmp_path: Path) -> None:

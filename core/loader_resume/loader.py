@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import sys
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -31,7 +32,7 @@ from .position import Position, Setup, Tracked
 from .sampler import ShardedSampler, Source, classify_source, default_seed
 from .state import STATE_VERSION, check_state
 from .stream_position import StreamPosition
-from .thirdparty import irreproducible, warn_at_construction
+from .thirdparty import irreproducible, refuse_stock_accelerate, warn_at_construction
 
 __all__ = ["ResumableDataLoader"]
 
@@ -152,6 +153,13 @@ class ResumableDataLoader(DataLoader[T]):
     @property
     def _index_sampler(self) -> Any:
         return self._position
+
+    @property
+    def _is_accelerate_prepared(self) -> bool:
+        # NOTE: Accelerate's prepare_data_loader reads this right before it rebuilds a DataLoader into its own,
+        # which would drop everything this loader guarantees: refused there (enable_resume's loaders say True).
+        refuse_stock_accelerate(sys._getframe(1).f_globals.get("__name__"))
+        return False
 
     def __iter__(self) -> Any:
         setup = self._position.setup

@@ -25,11 +25,24 @@ from typing import Any
 from .library_protocols import library_protocol, required_parameters
 
 __all__ = [
+    "refuse_stock_accelerate",
     "content_identity", "foreign_state_dict", "irreproducible", "is_stateful", "unrestorable", "warn_at_construction",
     "warn_replay", "warn_self_kept",
 ]
 
 logger = logging.getLogger(__name__)
+
+
+def refuse_stock_accelerate(reader: str | None) -> None:
+    """Raise when ``reader`` (the module that asked a ``ResumableDataLoader`` whether it is prepared) is
+    Accelerate's: its ``prepare_data_loader`` asks right before rebuilding a loader into its own."""
+    if reader is not None and reader.split(".")[0] == "accelerate":
+        raise TypeError(
+            "accelerator.prepare() got a ResumableDataLoader, but enable_resume(accelerator) was not called first: "
+            "Accelerate would rebuild it into its own DataLoaderShard over a plain DataLoader (or over a "
+            "StatefulDataLoader with use_stateful_dataloader=True), and its order, keyed randomness and per-rank "
+            "state would be gone without a word. Call accelerate_resume.enable_resume(accelerator) before "
+            "accelerator.prepare() (it takes plain DataLoaders too), or pass a plain DataLoader to a stock Accelerator")
 
 
 def is_stateful(owner: Any) -> bool:
