@@ -260,7 +260,7 @@ def resume_latency(n: int = 10**7) -> dict[str, dict[float, float]]:
 _PEAK = """
 import sys, tracemalloc
 sys.path.insert(0, {bench!r})
-from common import {dataset}
+from common import Tiny
 from loader_resume import ResumableDataLoader
 
 def rss():
