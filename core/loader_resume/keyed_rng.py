@@ -21,14 +21,13 @@ from typing import Any, Final
 import numpy as np
 import torch
 
-from .rng_memory import generator_states
+from .rng_memory import GENERATORS, generator_states
 
 __all__ = [
     "GENERATORS", "KEYING_MODES", "TORCH", "CallerRng", "DrawnGenerators", "KeysUnder", "derive_key", "generator_mask",
     "seed_generators",
 ]
 
-GENERATORS: Final = ("torch", "numpy", "random")
 KEYING_MODES: Final = ("batch", "sample", "off")
 """The ``keying`` choices: a key per batch, a key per sample, or no keying."""
 TORCH: Final = 1

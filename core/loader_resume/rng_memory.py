@@ -28,11 +28,12 @@ from typing import Any, Final
 import numpy as np
 import torch
 
-__all__ = ["GENERATOR_NAMES", "GeneratorStates", "generator_states"]
+__all__ = ["GENERATORS", "GeneratorStates", "generator_states"]
 
 logger = logging.getLogger(__name__)
 
-GENERATOR_NAMES: Final = ("torch", "numpy", "random")
+GENERATORS: Final = ("torch", "numpy", "random")
+"""The keyed global generators, in bit order (1, 2, 4)."""
 _MT_WORDS: Final = 624
 _TORCH_ENGINE_BYTES: Final = 8 + 4 + 4 + 4 + 4 * _MT_WORDS  # seed_, left_, seeded_ (padded), next_, state_[624]
 _TORCH_BLOCK_BYTES: Final = _TORCH_ENGINE_BYTES + 8 + 4 + 16  # optional<float>, padding, optional<double>
@@ -251,7 +252,7 @@ class GeneratorStates:
 
     def __init__(self) -> None:
         blocks = _torch_block(), _numpy_block(), _random_block()
-        fallbacks = [name for name, block in zip(GENERATOR_NAMES, blocks, strict=True) if block is None]
+        fallbacks = [name for name, block in zip(GENERATORS, blocks, strict=True) if block is None]
         if fallbacks:
             logger.info("generator states through the public API (slower) for %s: layout not as probed", fallbacks)
         torch_api = _Api(lambda: _TorchState(torch.default_generator.get_state()),
