@@ -85,8 +85,8 @@ def load_config(config: str | os.PathLike[str] | Mapping[str, Any] | DictConfig 
     """The schema's defaults, merged with a YAML file (``config`` if it is a path, else the one
     ``$LOADER_RESUME_CONFIG`` names), then ``LOADER_RESUME_<FIELD>`` variables of ``environ`` (default:
     ``os.environ``), then ``config`` if it is a dict or DictConfig, then ``overrides`` (an omegaconf dotlist
-    such as ``["save_every_n_steps=50", "keying=off"]``). An argument thus wins over a variable, a variable
-    over the YAML file, the file over the defaults."""
+    such as ``["save_every_n_steps=50", "keying=off"]``). A dict or dotlist argument thus wins over a
+    variable, a variable over the YAML file (a path argument too), the file over the defaults."""
     environ = os.environ if environ is None else environ
     schema = OmegaConf.structured(ResumeConfig)
     layers: list[tuple[str, Any]] = []  # (where it comes from, the layer)
@@ -111,7 +111,12 @@ def load_config(config: str | os.PathLike[str] | Mapping[str, Any] | DictConfig 
                 raise ValueError(f"{ENV_PREFIX}{str(key).upper()}={variables.get(str(key))!r}: {message}; expected "
                                  "the types of ResumeConfig") from None
             raise ValueError(f"{where}: {key}: {message}; expected the types of ResumeConfig") from None
-    resolved = OmegaConf.to_container(schema, resolve=True)
+    try:
+        resolved = OmegaConf.to_container(schema, resolve=True)
+    except OmegaConfBaseException as error:  # an interpolation (${...}) that does not resolve
+        key, message = getattr(error, "full_key", None), str(error.msg).splitlines()[0]
+        raise ValueError(f"resume config: {key} (or {ENV_PREFIX}{str(key).upper()}): {message}; expected a plain "
+                         "value (interpolations are omegaconf's, not the shell's)") from None
     assert isinstance(resolved, dict)
     return ResumeConfig(**{str(key): value for key, value in resolved.items()})
 

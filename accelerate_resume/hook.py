@@ -99,6 +99,7 @@ class Resume:
         if not config.enabled:
             self._started = True  # nothing to resume from
             self._handles = []
+            accelerator._loader_resume_stock = True  # type: ignore[attr-defined]  # see refuse_stock_accelerate
             logger.warning("loader-resume is switched off (enabled=False, e.g. LOADER_RESUME_ENABLED=0): "
                            "Accelerate's own loaders, no preemption checkpoints, no automatic resume")
             return
@@ -125,6 +126,7 @@ class Resume:
         """Undo ``enable_resume``: restore the signal handlers and ``accelerator.prepare``, drop the hooks
         (loaders already prepared stay resumable)."""
         if not self.config.enabled:
+            self.accelerator._loader_resume_stock = False  # type: ignore[attr-defined]
             return
         self.preemption.uninstall()
         for handle in self._handles:

@@ -25,6 +25,7 @@ from accelerate.state import AcceleratorState, GradientState
 from torch.utils.data import DataLoader
 
 from accelerate_resume import AcceleratedResumableDataLoader, ResumeConfig, enable_resume, load_config
+from loader_resume import ResumableDataLoader
 from loader_resume.checkpoint import MANIFEST
 from loader_resume.testing import assert_delivers_rest_exactly_once
 from support.data import Augmented
@@ -322,8 +323,23 @@ def test_switched_off_from_the_environment_accelerate_is_left_stock(
     loader = accelerator.prepare(DataLoader(list(range(10)), batch_size=2))
     assert not isinstance(loader, AcceleratedResumableDataLoader)
     assert type(loader).__module__.startswith("accelerate.")  # Accelerate's own DataLoaderShard
+    ours = accelerator.prepare(ResumableDataLoader(list(range(10)), batch_size=2))  # switched off: stock, no error
+    assert type(ours).__module__.startswith("accelerate.")
     assert list(resume.epochs(2)) == [0, 1] and resume.save() is None
     assert not (tmp_path / "resume_checkpoints").exists()
+
+
+def test_with_enable_resume_accelerates_own_prepare_data_loader_refuses_an_unconverted_loader(
+    accelerator: Any,
+) -> None:
+    enable_resume(accelerator, {"auto_resume": False})
+    with pytest.raises(TypeError, match=r"converts loaders in accelerator.prepare\(\); pass the loader there"):
+        accelerator.prepare_data_loader(ResumableDataLoader(list(range(10)), batch_size=2))
+
+
+def test_an_unresolvable_interpolation_in_a_variable_is_named() -> None:
+    with pytest.raises(ValueError, match="LOADER_RESUME_CHECKPOINT_DIR\\): Interpolation key 'SLURM_JOB_ID' not found"):
+        load_config(environ={"LOADER_RESUME_CHECKPOINT_DIR": "/ckpt/${SLURM_JOB_ID}"})
 
 
 def test_command_line_dotlist_overrides_the_file(tmp_path: Path) -> None:

@@ -158,7 +158,8 @@ class ResumableDataLoader(DataLoader[T]):
     def _is_accelerate_prepared(self) -> bool:
         # NOTE: Accelerate's prepare_data_loader reads this right before it rebuilds a DataLoader into its own,
         # which would drop everything this loader guarantees: refused there (enable_resume's loaders say True).
-        refuse_stock_accelerate(sys._getframe(1).f_globals.get("__name__"))
+        reader = sys._getframe(1)  # Accelerate's frame: its module, and the Accelerator as `self`
+        refuse_stock_accelerate(reader.f_globals.get("__name__"), reader.f_locals.get("self"))
         return False
 
     def __iter__(self) -> Any:

@@ -33,16 +33,24 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def refuse_stock_accelerate(reader: str | None) -> None:
+def refuse_stock_accelerate(reader: str | None, accelerator: Any) -> None:
     """Raise when ``reader`` (the module that asked a ``ResumableDataLoader`` whether it is prepared) is
-    Accelerate's: its ``prepare_data_loader`` asks right before rebuilding a loader into its own."""
-    if reader is not None and reader.split(".")[0] == "accelerate":
+    Accelerate's: its ``prepare_data_loader`` asks right before rebuilding a loader into its own. Not when
+    ``accelerator`` (the Accelerator asking) was switched off on purpose (``enable_resume`` with
+    ``enabled=False`` marks it ``_loader_resume_stock``): the user asked for Accelerate's own loaders."""
+    if reader is None or reader.split(".")[0] != "accelerate" or getattr(accelerator, "_loader_resume_stock", False):
+        return
+    if getattr(accelerator, "_loader_resume", None) is not None:
         raise TypeError(
-            "accelerator.prepare() got a ResumableDataLoader, but enable_resume(accelerator) was not called first: "
-            "Accelerate would rebuild it into its own DataLoaderShard over a plain DataLoader (or over a "
-            "StatefulDataLoader with use_stateful_dataloader=True), and its order, keyed randomness and per-rank "
-            "state would be gone without a word. Call accelerate_resume.enable_resume(accelerator) before "
-            "accelerator.prepare() (it takes plain DataLoaders too), or pass a plain DataLoader to a stock Accelerator")
+            "Accelerate's own prepare_data_loader() got a ResumableDataLoader: it would rebuild it into its own "
+            "DataLoaderShard, dropping its order, keyed randomness and per-rank state. enable_resume(accelerator) "
+            "converts loaders in accelerator.prepare(); pass the loader there")
+    raise TypeError(
+        "accelerator.prepare() got a ResumableDataLoader, but enable_resume(accelerator) was not called first: "
+        "Accelerate would rebuild it into its own DataLoaderShard over a plain DataLoader (or over a "
+        "StatefulDataLoader with use_stateful_dataloader=True), and its order, keyed randomness and per-rank "
+        "state would be gone without a word. Call accelerate_resume.enable_resume(accelerator) before "
+        "accelerator.prepare() (it takes plain DataLoaders too), or pass a plain DataLoader to a stock Accelerator")
 
 
 def is_stateful(owner: Any) -> bool:
