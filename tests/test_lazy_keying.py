@@ -232,3 +232,82 @@ def test_a_replaced_numpy_bit_generator_is_followed() -> None:
     seed_all(5)
     run_epochs(_loader(_one_numpy_item, 0), 2)
     assert caller_draws() == before
+
+
+class Picky(Dataset[dict[str, Any]]):
+    """From epoch 1 draws from numpy, then raises unless numpy's generator had just been seeded (as it is for
+    every batch when every generator is seeded): a dataset that fails on what an unkeyed generator gave it."""
+
+    def __init__(self, n: int = 30) -> None:
+        self.n, self.epoch = n, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
+        if self.epoch >= 1:
+            fresh = np.random.get_state()[2] == 624
+            items = [{"id": i, "numpy": float(np.random.rand())} for i in indices]
+            if not fresh:
+                raise ValueError("numpy's generator was not seeded for this batch")
+            return items
+        return [{"id": i, "numpy": -1.0} for i in indices]
+
+
+def test_an_exception_from_an_unkeyed_draw_is_a_read_again_keyed() -> None:
+    """Main process: the batch that raised after drawing from a generator not seeded is read again with it
+    seeded, as a loader seeding every generator reads it; the caller's generators are left alone."""
+    with _eager_workers():
+        eager = run_epochs(ResumableDataLoader(Picky(), batch_size=4, shuffle=True, seed=3, num_workers=2,
+                                               multiprocessing_context="fork"), 3)
+    seed_all(5)
+    np.random.rand()  # the caller's numpy generator is not freshly seeded
+    caller = generator_states().take()
+    assert run_epochs(ResumableDataLoader(Picky(), batch_size=4, shuffle=True, seed=3), 3) == eager
+    assert generator_states().changed(caller, 0b111) == 0
+
+
+class Keeps(Dataset[dict[str, Any]]):
+    """After its first batch (4 reads of this copy) each item draws one numpy number the first time it is read,
+    and keeps it."""
+
+    def __init__(self, n: int = 30) -> None:
+        self.n, self.reads, self.kept = n, 0, {}
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        self.reads += 1
+        if self.reads > 4 and index not in self.kept:
+            self.kept[index] = float(np.random.rand())
+        return {"id": index, "numpy": self.kept.get(index, -1.0)}
+
+
+def test_a_dataset_that_keeps_an_unkeyed_draw_is_named_in_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="loader_resume"):
+        run_epochs(ResumableDataLoader(Keeps(), batch_size=4, shuffle=True, seed=3), 2)
+    assert any('keying="sample"' in r.getMessage() and "resume may NOT" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="loader_resume"):
+        run_epochs(ResumableDataLoader(Draws(30, _later), batch_size=4, shuffle=True, seed=3), 3)
+    assert not caplog.records  # a dataset that draws again when read again: no warning
+
+
+def test_a_worker_names_a_dataset_that_keeps_an_unkeyed_draw(tmp_path: Any) -> None:
+    """The warning comes from the worker process (forked: it inherits this handler)."""
+    import logging
+
+    handler = logging.FileHandler(tmp_path / "log")
+    logger = logging.getLogger("loader_resume.worker_fetch")
+    logger.addHandler(handler)
+    try:
+        run_epochs(ResumableDataLoader(Keeps(), batch_size=4, shuffle=True, seed=3, num_workers=2,
+                                       persistent_workers=True, multiprocessing_context="fork"), 2)
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+    assert "resume may NOT" in (tmp_path / "log").read_text()

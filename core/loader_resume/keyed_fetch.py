@@ -14,7 +14,7 @@ from typing import Any
 
 from .keyed_rng import TORCH, DrawnGenerators, KeysUnder, seed_generators
 from .rng_memory import generator_states
-from .worker_fetch import KeySpec
+from .worker_fetch import KeySpec, check_read_again
 
 __all__ = ["KeyedFetch", "NextFetch"]
 
@@ -101,24 +101,37 @@ class KeyedFetch:
         # read (without drawing) to derive their own generators from, must report the batch's key.
         seeded = (drawn.mask | TORCH) & mask
         key: int | None = None
+        again: tuple[tuple[Any, ...], int] | None = None  # a read again: the marks of the generators it seeded anew
         try:
             while True:
                 if seeded:
                     if key is None:
                         key = position if keys is None else keys(position)
                     seed_generators(key, seeded)
+                    if again is not None:
+                        again = (states.marks(again[1]), again[1])
                 unseeded = mask & ~seeded
                 marks = states.marks(unseeded) if unseeded else None
-                data = self._fetcher.fetch(indices)
-                if not unseeded or states.marks(unseeded) == marks:
-                    return data
-                strays = states.changed(caller, unseeded)
-                if not strays:
-                    return data
+                try:
+                    data = self._fetcher.fetch(indices)
+                except Exception:
+                    # NOTE: the dataset may have raised because of what it drew unkeyed: read it again, keyed, as
+                    # a fetch seeded in full would have (if that raises, the exception is the batch's own)
+                    if not unseeded or not (strays := states.changed(caller, unseeded)):
+                        raise
+                else:
+                    if again is not None:
+                        check_read_again(states, *again)
+                    if not unseeded or states.marks(unseeded) == marks:
+                        return data
+                    strays = states.changed(caller, unseeded)
+                    if not strays:
+                        return data
                 logger.debug("the dataset drew from generator(s) %d unkeyed: fetching the batch again, keyed", strays)
                 states.put(caller, strays)
                 drawn.mask |= strays
                 seeded |= strays
+                again = ((), strays)
         finally:
             if seeded:
                 states.put(caller, seeded)

@@ -22,10 +22,24 @@ from .torch_internals import fetch_items
 
 __all__ = [
     "SEED_AHEAD", "WORKER_FETCH", "KeySpec", "KeyedIndices", "SampleKeyedIndices", "SeedAhead", "SeedAheadCollate",
-    "WorkerFetch", "keyed_indices",
+    "WorkerFetch", "check_read_again", "keyed_indices",
 ]
 
 logger = logging.getLogger(__name__)
+
+
+def check_read_again(states: Any, marks: tuple[Any, ...], strays: int) -> None:
+    """A batch that drew from generators ``strays`` unkeyed was read again with them seeded (``marks``: their
+    marks right after that seeding). If one of them did not move this time, the first read left something
+    behind (a dataset that memoizes what it drew): its values cannot be the keyed ones, and a resume may
+    see others. Said loudly, as a warning naming the remedy."""
+    quiet = strays & ~states.moved(marks, strays)
+    if quiet:
+        logger.warning(
+            "the dataset drew from generator(s) %d before they were keyed, and did not draw from them when the "
+            "batch was read again keyed: it keeps what it drew (a cache?). Those values are not keyed, and a "
+            "resume may NOT reproduce them; use keying=\"sample\" (every generator seeded before every item) or "
+            "a dataset that does not keep its random draws", quiet)
 
 
 class KeySpec(NamedTuple):
@@ -178,9 +192,11 @@ class WorkerFetch:
                 drawn.mask |= strays
                 seeded |= strays
                 seed_generators(key, seeded)
+                fresh = states.marks(strays)
                 unseeded = mask & ~seeded
                 before = states.marks(unseeded) if unseeded else None
                 batch = collate_fn(fetch_items(self._worker.dataset, indices))
+                check_read_again(states, fresh, strays)
         seeds = self.seeds_for(mask)
         # NOTE: torch's seeding alone (~1 µs) costs less in line than a wake of the helper thread
         SEED_AHEAD.plan(ahead if seeds & ~TORCH else None, seeds)
