@@ -37,6 +37,7 @@ from loader_resume.checkpoint import (
 from loader_resume.convert import resumable
 from loader_resume.distributed import check_same_dataset, gather_rng_states, gather_states, load_rank_state
 from loader_resume.preemption import IgnoreSignalsInWorker, Preemption
+from loader_resume.step_boundary import ReportingDataLoader, StepBoundaries
 
 from .config import ResumeConfig, load_config
 from .loader import AcceleratedResumableDataLoader
@@ -80,7 +81,7 @@ class Resume:
         self.accelerator, self.config = accelerator, config
         root = config.checkpoint_dir or os.path.join(accelerator.project_dir or os.getcwd(), "resume_checkpoints")
         self.checkpoint_dir = Path(root)
-        self._steps = 0  # steps whose boundary has passed
+        self._boundaries = StepBoundaries()
         self.epoch = 0
         """The epoch ``epochs()`` is in (restored on resume)."""
         self.preemption = Preemption(config.signals)
@@ -91,9 +92,6 @@ class Resume:
         self._loaders: list[AcceleratedResumableDataLoader] = []
         self._pending: dict[str, Any] | None = None
         self._rng_to_restore: dict[str, Any] | None = None
-        self._stepped = False
-        self._participants: set[int] = set()  # loaders that delivered a batch since the last boundary
-        self._step_loaders: set[int] = set()  # ...of which those that delivered before an optimizer step
         self._started = False
         self._prepare = accelerator.prepare
         if not config.enabled:
@@ -113,7 +111,7 @@ class Resume:
     @property
     def step(self) -> int:
         """Optimizer steps completed (restored on resume)."""
-        return self._steps + (1 if self._stepped else 0)
+        return self._boundaries.step
 
     def epochs(self, num_epochs: int) -> Iterator[int]:
         """``range(num_epochs)``, starting at the resumed epoch (resuming first, if configured)."""
@@ -185,7 +183,7 @@ class Resume:
             for i, obj in zip(others, prepared if len(others) > 1 else (prepared,), strict=True):
                 results[i] = obj
                 if isinstance(obj, torch.optim.Optimizer):
-                    getattr(obj, "optimizer", obj).register_step_post_hook(self._on_optimizer_step)
+                    self._boundaries.hook(obj)
         return results[0] if len(results) == 1 else tuple(results)
 
     def _convert(self, loader: DataLoader[Any], placement: bool | None) -> AcceleratedResumableDataLoader:
@@ -198,32 +196,25 @@ class Resume:
         )
         check_same_dataset(ours)  # prepare() runs on every process: a collective is safe
         place = accelerator.device_placement if placement is None else placement
-        ours.attach(_Requests(self), accelerator.device if place else None, bool(accelerator.non_blocking))
+        ours.attach_accelerate(_Requests(self), accelerator.device if place else None, bool(accelerator.non_blocking))
         self._loaders.append(ours)
         if self._pending is not None and len(self._loaders) == len(self._pending["loaders"]):
             self._apply_loader_states(self._pending)
         return ours
 
     # --- step boundaries --------------------------------------------------------------------------
-    def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self._stepped = True
-        self._step_loaders |= self._participants  # loaders that fed this step (an evaluation after it did not)
+    def _delivered(self, loader: ReportingDataLoader) -> None:  # see _Requests
+        self._boundaries.delivered(loader)
 
-    def _delivered(self, loader: AcceleratedResumableDataLoader) -> None:  # see _Requests
-        self._participants.add(id(loader))
-
-    def _before_batch(self, loader: AcceleratedResumableDataLoader) -> None:
+    def _before_batch(self, loader: ReportingDataLoader) -> None:
         self.restore()
         if self._rng_to_restore is not None:  # right before the first step after a load
             set_global_rng_state(self._rng_to_restore)
             self._rng_to_restore = None
-        if self._stepped and id(loader) in self._step_loaders:
+        if self._boundaries.crossed(loader):
             self._boundary()
 
     def _boundary(self) -> None:
-        self._steps, self._stepped = self._steps + 1, False
-        self._participants.clear()
-        self._step_loaders.clear()
         config = self.config
         periodic = config.save_every_n_steps and self.step % config.save_every_n_steps == 0
         preempted = self.step % config.check_every_n_steps == 0 and self.preemption.agreed()
@@ -283,9 +274,8 @@ class Resume:
         if found != CHECKPOINT_FORMAT:
             raise CheckpointError(f"{path}: format {found!r}; expected {CHECKPOINT_FORMAT} "
                                   "(written by another loader-resume?)")
-        self._steps, self.epoch, self._stepped = state["step"], state["epoch"], False
-        self._participants.clear()
-        self._step_loaders.clear()
+        self._boundaries.reset(state["step"])
+        self.epoch = state["epoch"]
         self.accelerator.step = state["accelerator_step"]
         rank = self.accelerator.process_index
         self._rng_to_restore = state["rng"][rank] if rank < len(state["rng"]) else None
@@ -313,8 +303,8 @@ class _Requests:
     def __init__(self, resume: Resume) -> None:
         self.resume = resume
 
-    def before_batch(self, loader: AcceleratedResumableDataLoader) -> None:
+    def before_batch(self, loader: ReportingDataLoader) -> None:
         self.resume._before_batch(loader)
 
-    def delivered(self, loader: AcceleratedResumableDataLoader) -> None:
+    def delivered(self, loader: ReportingDataLoader) -> None:
         self.resume._delivered(loader)

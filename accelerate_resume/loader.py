@@ -3,8 +3,7 @@ plays Accelerate's part (device placement, gradient-state bookkeeping) and repor
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from accelerate.data_loader import DataLoaderStateMixin
@@ -12,24 +11,12 @@ from accelerate.state import GradientState
 from accelerate.utils import send_to_device
 from torch.utils.data import IterableDataset
 
-from loader_resume import ResumableDataLoader
+from loader_resume.step_boundary import BatchRequests, ReportingDataLoader
 
-__all__ = ["AcceleratedResumableDataLoader", "BatchRequests"]
-
-
-class BatchRequests(Protocol):
-    """What the loader reports to whoever decides step boundaries (the hook's ``Resume``)."""
-
-    def before_batch(self, loader: AcceleratedResumableDataLoader) -> None:
-        """The training loop asks ``loader`` for its next batch (the place for a step boundary)."""
-
-    def delivered(self, loader: AcceleratedResumableDataLoader) -> None:
-        """``loader`` handed a batch to the training loop."""
-
-_END: Any = object()
+__all__ = ["AcceleratedResumableDataLoader"]
 
 
-class AcceleratedResumableDataLoader(ResumableDataLoader[Any], DataLoaderStateMixin):
+class AcceleratedResumableDataLoader(ReportingDataLoader, DataLoaderStateMixin):
     """A :class:`~loader_resume.ResumableDataLoader` sharded by us across Accelerate's processes.
 
     As Accelerate's ``DataLoaderShard`` does, it moves each batch to ``device``, tells the gradient
@@ -42,57 +29,22 @@ class AcceleratedResumableDataLoader(ResumableDataLoader[Any], DataLoaderStateMi
     """
 
     _is_accelerate_prepared = True  # Accelerate's own prepare_data_loader keeps it as it is
-    _hook: BatchRequests | None = None
-    _device: torch.device | None = None
     _non_blocking: bool = False
-    _held = 0
 
-    def attach(self, hook: BatchRequests, device: torch.device | None, non_blocking: bool) -> None:
-        """Report to ``hook``; move batches to ``device`` (``None``: leave them where they are)."""
-        self._hook, self._device, self._non_blocking = hook, device, non_blocking
+    def attach_accelerate(self, reports: BatchRequests, device: torch.device | None, non_blocking: bool) -> None:
+        """Report to ``reports``; move batches to ``device`` (``None``: leave them where they are)."""
+        self.attach(reports, device)
+        self._non_blocking = non_blocking
         self.gradient_state = GradientState()
 
-    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator, not torch's iterator class
-        return self._batches()
+    def place(self, batch: Any, device: torch.device) -> Any:
+        return send_to_device(batch, device, non_blocking=self._non_blocking)
 
-    def _batches(self) -> Iterator[Any]:
-        hook = self._hook
-        if hook is not None:
-            hook.before_batch(self)  # the first request of a pass: the previous pass's last step ends here
-        inner = super().__iter__()
+    def pass_begins(self) -> None:
         self.begin()
-        try:
-            ahead = isinstance(self.dataset, IterableDataset)  # no length: fetch one batch ahead to see the end coming
-            epoch = self.epoch
-            current = next(inner, _END)
-            while current is not _END:
-                upcoming = next(inner, _END) if ahead else None
-                self._held = int(ahead and upcoming is not _END)
-                self.end_of_dataloader = upcoming is _END if ahead else self.epoch != epoch
-                if hook is not None:
-                    hook.delivered(self)
-                yield current if self._device is None else self._place(current)
-                if self.end_of_dataloader:
-                    return  # NOTE: no boundary on the request that ends the pass, see resume_state
-                if hook is not None:
-                    hook.before_batch(self)
-                epoch = self.epoch
-                current = upcoming if ahead else next(inner, _END)
-        finally:
-            self._held = 0
-            self.end()
 
-    def resume_state(self) -> dict[str, Any]:
-        """The state at the last batch handed to the training loop (not at a batch fetched ahead).
-
-        NOTE: a step boundary is never taken on the request that ends a pass, but on the next pass's
-        first request: by then the loop has run its end-of-epoch code and moved to the next epoch,
-        so the loader's state (the next epoch) and the loop's epoch agree.
-        """
-        return self.state_dict(batches_ago=self._held) if self._held else self.state_dict()
-
-    def _place(self, batch: Any) -> Any:
-        return send_to_device(batch, self._device, non_blocking=self._non_blocking)
+    def pass_ends(self) -> None:
+        self.end()
 
     def begin(self) -> None:
         """Register with the gradient state; ``remainder`` as Accelerate computes it (for

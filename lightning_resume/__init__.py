@@ -1,5 +1,7 @@
-"""Lightning integration of loader-resume: ``Trainer(callbacks=[ResumeCallback()])``."""
+"""Lightning integration of loader-resume: ``Trainer(callbacks=[ResumeCallback()])``, and
+``FabricResume(fabric)`` for Lightning Fabric loops."""
 
 from .callback import CHECKPOINT_KEY, ResumeCallback
+from .fabric import FabricResumableDataLoader, FabricResume
 
-__all__ = ["CHECKPOINT_KEY", "ResumeCallback"]
+__all__ = ["CHECKPOINT_KEY", "FabricResumableDataLoader", "FabricResume", "ResumeCallback"]

@@ -15,53 +15,21 @@ import argparse
 import gc
 import json
 import os
-import random
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from accelerate import Accelerator
 from torch import nn
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader
 
-import support.data
 from accelerate_resume import AcceleratedResumableDataLoader, enable_resume
 from loader_resume.distributed import init_process_group
 from loader_resume.testing import fingerprint
-
-
-class Noisy(support.data.Noisy):
-    """The shared data; its augmentation also draws from numpy and random (all three keyed generators)."""
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        noise = 0.1 * torch.randn(8) + float(np.random.rand()) * 0.01 + random.random() * 0.01
-        return self.x[index] + noise, self.y[index], index
-
-
-class NoisyStream(IterableDataset[tuple[torch.Tensor, torch.Tensor, int]]):
-    """The same data as a stream without __len__, sharded over ranks and workers, position as state."""
-
-    def __init__(self, n: int, rank: int, world: int) -> None:
-        self.data, self.rank, self.world, self.i = Noisy(n), rank, world, 0
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        mine = range(self.rank * workers + worker, len(self.data), self.world * workers)
-        while self.i < len(mine):
-            self.i += 1
-            yield self.data[mine[self.i - 1]]
-        self.i = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"i": self.i}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.i = state["i"]
+from support.data import NoisyEverywhere as Noisy
+from support.data import NoisyStream
 
 
 def main() -> None:

@@ -99,3 +99,25 @@ def test_accelerate_example_runs_on_two_processes(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "training on 2 process(es)" in done.stdout and _digest(done.stdout)
+
+
+def test_fabric_example_interrupted_by_sigterm_and_rerun_ends_with_the_same_weights(tmp_path: Path) -> None:
+    def stopped() -> None:  # one sealed checkpoint, at a step boundary after the signal (step 20 or a later one)
+        (written,) = (tmp_path / "b").iterdir()
+        assert written.name.startswith("step_") and int(written.name[5:]) >= 20
+        assert (written / "loader_resume_manifest.json").is_file()
+
+    uninterrupted, rerun = interrupted_and_rerun(str(EXAMPLES / "fabric_digits.py"), "checkpoint_dir", tmp_path,
+                                                 stopped)
+    assert "resumed from" in rerun and "epoch 0 step 20 " not in rerun  # it continued
+    assert _digest(rerun) == _digest(uninterrupted)
+
+
+def test_fabric_example_runs_on_two_processes_and_a_typo_fails_clearly(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(EXAMPLES / "fabric_digits.py"), "--devices", "2", "epochs=1",
+                           f"checkpoint_dir={tmp_path}"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "training on 2 process(es)" in done.stdout and _digest(done.stdout)
+    typo = subprocess.run([sys.executable, str(EXAMPLES / "fabric_digits.py"), "epoch=1"], capture_output=True,
+                          text=True, timeout=300)
+    assert typo.returncode != 0 and "unknown setting 'epoch=1'" in typo.stderr

@@ -19,7 +19,7 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Final
 
@@ -28,7 +28,7 @@ import torch
 
 __all__ = [
     "CHECKPOINT_FORMAT", "MANIFEST", "CheckpointError", "complete_checkpoints", "global_rng_state", "prune", "seal",
-    "set_global_rng_state", "temporary_name", "verify",
+    "set_global_rng_state", "temporary_name", "verify", "write_sealed",
 ]
 
 logger = logging.getLogger(__name__)
@@ -112,6 +112,46 @@ def prune(root: Path, keep: int) -> None:
     """Delete all but the newest ``keep`` sealed checkpoints under ``root``."""
     for old in complete_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def write_sealed(final: Path, write_into: Callable[[Path], None], *, main: bool, agree: Callable[[bool], bool],
+                 step: int, checksums: bool = True, keep: int = 2) -> bool:
+    """Write a checkpoint directory atomically, every process of a job together: ``write_into(temporary)`` on
+    every process (the main one creates the directory first), then the main process seals it and renames it
+    to ``final`` (:func:`seal`), and deletes checkpoints beyond the newest ``keep`` (:func:`prune`).
+
+    ``agree(flag)`` is whether ``flag`` holds on any process (a collective; on one process, ``flag``). A
+    failed write (a full disk, a lost mount) on any process is agreed by all: the partial directory is
+    removed, the error is logged, the previous checkpoints stay and ``False`` is returned. NOTE: every
+    process takes the same branch at each agreement, so the collectives stay paired.
+    """
+    temporary = temporary_name(final)
+    failure: OSError | None = None
+    try:
+        if main:
+            shutil.rmtree(temporary, ignore_errors=True)
+            temporary.mkdir(parents=True)
+    except OSError as error:
+        failure = error
+    if not agree(failure is not None):
+        try:
+            write_into(temporary)
+        except OSError as error:
+            failure = error
+        if not agree(failure is not None) and main:
+            try:
+                seal(temporary, final, checksums=checksums)
+                prune(final.parent, keep)
+            except OSError as error:
+                failure = error
+        if not agree(failure is not None):
+            return True
+    if main:
+        shutil.rmtree(temporary, ignore_errors=True)
+    kept = complete_checkpoints(final.parent)
+    logger.error("checkpoint at step %d failed (%s); training goes on, the newest checkpoint is still %s",
+                 step, failure or "on another process", kept[-1] if kept else "none")
+    return False
 
 
 def _files(directory: Path) -> Iterator[str]:

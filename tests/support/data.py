@@ -65,6 +65,36 @@ class Noisy(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
         return self.x[index] + 0.1 * torch.randn(8), self.y[index], index
 
 
+class NoisyEverywhere(Noisy):
+    """The shared data; its augmentation also draws from numpy and random (all three keyed generators)."""
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        noise = 0.1 * torch.randn(8) + float(np.random.rand()) * 0.01 + random.random() * 0.01
+        return self.x[index] + noise, self.y[index], index
+
+
+class NoisyStream(IterableDataset[tuple[torch.Tensor, torch.Tensor, int]]):
+    """The same data as a stream without __len__, sharded over ranks and workers, position as state."""
+
+    def __init__(self, n: int, rank: int, world: int) -> None:
+        self.data, self.rank, self.world, self.i = NoisyEverywhere(n), rank, world, 0
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        mine = range(self.rank * workers + worker, len(self.data), self.world * workers)
+        while self.i < len(mine):
+            self.i += 1
+            yield self.data[mine[self.i - 1]]
+        self.i = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"i": self.i}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.i = state["i"]
+
+
 class Shards(IterableDataset[dict[str, Any]]):
     """Worker w serves ids w, w+W, ... below n; worker 0 also serves 5 extra ids, so workers run dry
     at different times. Every item draws from torch, numpy and random, like a stream augmentation."""

@@ -1,0 +1,162 @@
+"""Step boundaries of a hand-written training loop, seen from its loaders and optimizers.
+
+A checkpoint must be taken where an uninterrupted run could be cut without a trace: after an optimizer
+step *and* after everything the loop does once it stepped (an LR scheduler's step, logging, an evaluation),
+before the next batch is fetched. Loops written by hand (Accelerate, Lightning Fabric) have no hook
+there, so it is found from two signals:
+
+- :class:`ReportingDataLoader` reports every request for a batch, before it fetches, and every batch it
+  hands over;
+- an optimizer step post-hook (torch's public ``register_step_post_hook``), which fires on real steps only
+  (never on a skipped accumulation step).
+
+:class:`StepBoundaries` combines them: a *step boundary* is a request for the next batch, after an
+optimizer step, from a loader that delivered a batch before that step. An evaluation loader iterated
+after the step is no boundary, and gradient accumulation is never split. The request that ends a pass
+is no boundary either: the next pass's first request is, once the loop has run its end-of-epoch code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+from torch.utils.data import IterableDataset
+
+from .loader import ResumableDataLoader
+
+__all__ = ["BatchRequests", "ReportingDataLoader", "StepBoundaries"]
+
+
+class BatchRequests(Protocol):
+    """What a :class:`ReportingDataLoader` reports to whoever decides step boundaries."""
+
+    def before_batch(self, loader: ReportingDataLoader) -> None:
+        """The training loop asks ``loader`` for its next batch (the place for a step boundary)."""
+
+    def delivered(self, loader: ReportingDataLoader) -> None:
+        """``loader`` handed a batch to the training loop."""
+
+
+_END: Any = object()
+
+
+class ReportingDataLoader(ResumableDataLoader[Any]):
+    """A :class:`~loader_resume.ResumableDataLoader` that reports each batch request, before the fetch, to a
+    :class:`BatchRequests` (:meth:`attach`), and can move batches to a device.
+
+    ``end_of_dataloader`` is true while the last batch of a pass is out. A map-style loader knows its last
+    batch from its position; a loader over an ``IterableDataset`` fetches one batch ahead to see the end
+    coming (:meth:`resume_state` accounts for it).
+    """
+
+    _reports: BatchRequests | None = None
+    _device: torch.device | None = None
+    _held = 0
+    end_of_dataloader = False
+
+    def attach(self, reports: BatchRequests | None, device: torch.device | None) -> None:
+        """Report to ``reports``; move batches to ``device`` (``None``: leave them where they are)."""
+        self._reports, self._device = reports, device
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator, not torch's iterator class
+        return self._batches()
+
+    def _batches(self) -> Iterator[Any]:
+        reports = self._reports
+        if reports is not None:
+            reports.before_batch(self)  # the first request of a pass: the previous pass's last step ends here
+        inner = super().__iter__()
+        self.pass_begins()
+        try:
+            ahead = isinstance(self.dataset, IterableDataset)  # no length: fetch one batch ahead to see the end coming
+            epoch = self.epoch
+            current = next(inner, _END)
+            while current is not _END:
+                upcoming = next(inner, _END) if ahead else None
+                self._held = int(ahead and upcoming is not _END)
+                self.end_of_dataloader = upcoming is _END if ahead else self.epoch != epoch
+                if reports is not None:
+                    reports.delivered(self)
+                yield current if self._device is None else self.place(current, self._device)
+                if self.end_of_dataloader:
+                    return  # NOTE: no boundary on the request that ends the pass, see resume_state
+                if reports is not None:
+                    reports.before_batch(self)
+                epoch = self.epoch
+                current = upcoming if ahead else next(inner, _END)
+        finally:
+            self._held = 0
+            self.pass_ends()
+
+    def resume_state(self) -> dict[str, Any]:
+        """The state at the last batch handed to the training loop (not at a batch fetched ahead).
+
+        NOTE: a step boundary is never taken on the request that ends a pass, but on the next pass's
+        first request: by then the loop has run its end-of-epoch code and moved to the next epoch,
+        so the loader's state (the next epoch) and the loop's epoch agree.
+        """
+        return self.state_dict(batches_ago=self._held) if self._held else self.state_dict()
+
+    def place(self, batch: Any, device: torch.device) -> Any:
+        """``batch`` on ``device`` (tensors in nested lists, tuples and dicts)."""
+        if isinstance(batch, torch.Tensor):
+            return batch.to(device)
+        if isinstance(batch, dict):
+            return type(batch)({key: self.place(value, device) for key, value in batch.items()})
+        if isinstance(batch, (list, tuple)):
+            placed = [self.place(value, device) for value in batch]
+            return type(batch)(*placed) if hasattr(batch, "_fields") else type(batch)(placed)
+        return batch
+
+    def pass_begins(self) -> None:
+        """A pass begins (after ``iter()``): for subclasses."""
+
+    def pass_ends(self) -> None:
+        """A pass ends, or its iterator is dropped: for subclasses."""
+
+
+class StepBoundaries:
+    """Counts a hand-written loop's optimizer steps and tells which batch request is a step boundary (see
+    the module docstring). Feed it :meth:`optimizer_stepped` (an optimizer step post-hook),
+    :meth:`delivered` and ask :meth:`crossed` at each request (both from :class:`BatchRequests`)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        """Steps whose boundary has passed."""
+        self._stepped = False
+        self._participants: set[int] = set()  # loaders that delivered a batch since the last boundary
+        self._step_loaders: set[int] = set()  # ...of which those that delivered before an optimizer step
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed (a step whose boundary has not come yet included)."""
+        return self.steps + (1 if self._stepped else 0)
+
+    def hook(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Count ``optimizer``'s steps (a Fabric or Accelerate wrapper: the optimizer inside it); the hook's
+        handle."""
+        return getattr(optimizer, "optimizer", optimizer).register_step_post_hook(self.optimizer_stepped)
+
+    def optimizer_stepped(self, *_: Any) -> None:
+        self._stepped = True
+        self._step_loaders |= self._participants  # loaders that fed this step (an evaluation after it did not)
+
+    def delivered(self, loader: Any) -> None:
+        self._participants.add(id(loader))
+
+    def crossed(self, loader: Any) -> bool:
+        """Whether this request for a batch from ``loader`` is a step boundary (then counted)."""
+        if not (self._stepped and id(loader) in self._step_loaders):
+            return False
+        self.steps, self._stepped = self.steps + 1, False
+        self._participants.clear()
+        self._step_loaders.clear()
+        return True
+
+    def reset(self, steps: int) -> None:
+        """A checkpoint was loaded: ``steps`` steps are done, none pending."""
+        self.steps, self._stepped = steps, False
+        self._participants.clear()
+        self._step_loaders.clear()

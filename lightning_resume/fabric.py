@@ -1,0 +1,391 @@
+"""``FabricResume``: exact mid-epoch resume for Lightning Fabric loops, with preemption checkpoints.
+
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
+    fabric.launch()
+    resume = FabricResume(fabric, seed=0)                       # before fabric.setup_dataloaders
+    model, optimizer = fabric.setup(model, optimizer)
+    loader = fabric.setup_dataloaders(DataLoader(data, batch_size=32, shuffle=True))
+    state = {"model": model, "optimizer": optimizer}
+    resume.restore(state)                                       # the newest complete checkpoint, if any
+    for epoch in resume.epochs(10):
+        for batch in loader:
+            ...
+
+How it hooks in, on this ``Fabric`` instance and with public APIs only:
+
+- ``fabric.setup_dataloaders`` returns :class:`FabricResumableDataLoader`s sharded by us for Fabric's rank
+  and world size (Fabric's ``DistributedSampler`` is not added: ``use_distributed_sampler`` is ignored),
+  moving batches to ``fabric.device`` as Fabric's own wrapper does.
+- ``fabric.save``/``fabric.load`` carry every rank's loader state and RNG state (CPU, numpy, random, CUDA)
+  under ``checkpoint["loader_resume"]`` and give each rank its own part, also at another world size.
+  Fabric saves one copy, from rank 0; a loader passed in ``state`` is saved as a reference to that entry.
+- Preemption: a signal only sets a flag; at the next step boundary (:mod:`loader_resume.step_boundary`:
+  the first request for a batch after an optimizer step) the ranks agree through Fabric's strategy, a
+  checkpoint directory is written atomically (``step_<N>/checkpoint.ckpt``, sealed with a manifest) and
+  every process exits with ``exit_code``. :meth:`FabricResume.restore` loads the newest complete one.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric import Fabric
+from torch.utils.data import DataLoader
+
+from loader_resume import GENERATORS
+from loader_resume.checkpoint import (
+    CHECKPOINT_FORMAT,
+    CheckpointError,
+    complete_checkpoints,
+    set_global_rng_state,
+    verify,
+    write_sealed,
+)
+from loader_resume.convert import resumable
+from loader_resume.distributed import check_same_dataset, gather_rng_states, gather_states, load_rank_state
+from loader_resume.preemption import IgnoreSignalsInWorker, Preemption
+from loader_resume.step_boundary import ReportingDataLoader, StepBoundaries
+
+from .callback import CHECKPOINT_KEY
+
+__all__ = ["CHECKPOINT_FILE", "FabricResumableDataLoader", "FabricResume"]
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_FILE = "checkpoint.ckpt"
+"""The file ``fabric.save`` writes inside a checkpoint directory of :class:`FabricResume`."""
+
+
+class FabricResumableDataLoader(ReportingDataLoader):
+    """What ``fabric.setup_dataloaders`` returns under :class:`FabricResume`: a
+    :class:`~loader_resume.ResumableDataLoader` sharded across Fabric's processes that moves batches to the
+    device with ``fabric.to_device`` and reports batch requests (step boundaries)."""
+
+    _to_device: Callable[[Any], Any] | None = None
+
+    def move_with(self, to_device: Callable[[Any], Any]) -> None:
+        """Move each batch with ``to_device`` (``fabric.to_device``)."""
+        self._to_device = to_device
+
+    def place(self, batch: Any, device: torch.device) -> Any:
+        return batch if self._to_device is None else self._to_device(batch)
+
+
+class FabricResume:
+    """Exact mid-epoch resume for a Lightning Fabric loop; see the module docstring for the whole picture.
+
+    Args:
+        fabric: the launched ``Fabric`` (one ``FabricResume`` per instance).
+        seed: the data order and keyed augmentation seed (see ``ResumableDataLoader``).
+        keying: ``"batch"``, ``"sample"`` or ``"off"`` (see ``ResumableDataLoader``).
+        keyed_generators: which global generators are keyed inside data loading.
+        signals: signals that request a preemption checkpoint (``()`` for none); handled once
+            :meth:`restore` has the state to save.
+        checkpoint_dir: where checkpoints go; ``None``: ``./resume_checkpoints``.
+        save_every_n_steps: also checkpoint every N optimizer steps (0: only on preemption).
+        check_every_n_steps: agree on signals every N optimizer steps (one tiny collective each time).
+        keep: how many complete checkpoints to keep.
+        exit_code: the exit status after a preemption checkpoint (143 = 128 + SIGTERM, so a scheduler sees a
+            failure and requeues).
+        verify_checksums: seal checkpoints with SHA-256 checksums (else sizes only).
+    """
+
+    def __init__(
+        self,
+        fabric: Fabric,
+        *,
+        seed: int = 0,
+        keying: str = "batch",
+        keyed_generators: Sequence[str] = GENERATORS,
+        signals: Sequence[str | int] = ("SIGTERM", "SIGUSR1"),
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        save_every_n_steps: int = 0,
+        check_every_n_steps: int = 1,
+        keep: int = 2,
+        exit_code: int = 143,
+        verify_checksums: bool = True,
+    ) -> None:
+        for name, value, least in (("save_every_n_steps", save_every_n_steps, 0),
+                                   ("check_every_n_steps", check_every_n_steps, 1), ("keep", keep, 1),
+                                   ("exit_code", exit_code, 0)):
+            if type(value) is not int or value < least:
+                raise ValueError(f"FabricResume({name}={value!r}): expected an int >= {least}")
+        if isinstance(getattr(fabric, "loader_resume", None), FabricResume):
+            raise ValueError("FabricResume(fabric): this Fabric already has one; expected one per Fabric")
+        self.fabric = fabric
+        self.seed, self.keying, self.keyed_generators = seed, keying, tuple(keyed_generators)
+        self.checkpoint_dir = Path(checkpoint_dir if checkpoint_dir is not None else "resume_checkpoints")
+        self.save_every_n_steps, self.check_every_n_steps = save_every_n_steps, check_every_n_steps
+        self.keep, self.exit_code, self.verify_checksums = keep, exit_code, verify_checksums
+        self.preemption = Preemption(signals)
+        self.epoch = 0
+        """The epoch :meth:`epochs` is in (restored on resume)."""
+        self.loaded_from: Path | None = None
+        """The checkpoint directory :meth:`restore` loaded, if any."""
+        self.loaders: list[FabricResumableDataLoader] = []
+        """The loaders set up so far, in the order their states are saved."""
+        self.preempted_at: int | None = None
+        """The step of the preemption checkpoint, once taken."""
+        self._boundaries = StepBoundaries()
+        self._hooked: set[int] = set()
+        self._state: dict[str, Any] | None = None
+        self._pending: list[Any] | None = None
+        self._rng_to_restore: dict[str, Any] | None = None
+        self._fabric_save, self._fabric_load = fabric.save, fabric.load
+        fabric.setup_dataloaders = self.setup_dataloaders  # type: ignore[method-assign]
+        fabric.save = self.save_to  # type: ignore[method-assign]
+        fabric.load = self.load_from  # type: ignore[method-assign]
+        fabric.loader_resume = self  # type: ignore[attr-defined]
+
+    # --- the user's API ----------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed (restored on resume)."""
+        return self._boundaries.step
+
+    def epochs(self, num_epochs: int) -> Iterator[int]:
+        """``range(num_epochs)``, starting at the resumed epoch."""
+        while self.epoch < num_epochs:
+            yield self.epoch
+            self.epoch += 1
+
+    def setup_dataloaders(self, *dataloaders: DataLoader[Any], use_distributed_sampler: bool = True,
+                          move_to_device: bool = True) -> Any:
+        """``fabric.setup_dataloaders``: each loader as a :class:`FabricResumableDataLoader` sharded for this
+        rank (``use_distributed_sampler`` is ignored: the loader shards itself); one loader or a list, as
+        Fabric returns them. Every rank must call it (the ranks' datasets are compared)."""
+        if not dataloaders:
+            raise ValueError("setup_dataloaders(): expected at least one DataLoader")
+        converted = [self._convert(loader, move_to_device) for loader in dataloaders]
+        return converted[0] if len(converted) == 1 else converted
+
+    def restore(self, state: dict[str, Any]) -> Path | None:
+        """Start resuming: ``state`` (the dict you pass to ``fabric.save``, holding the model and optimizer(s)
+        set up by Fabric) is what checkpoints save; the newest complete checkpoint under ``checkpoint_dir``,
+        if any, is loaded into it (every rank calls this). Installs the signal handlers. Returns the
+        checkpoint directory loaded, or ``None``."""
+        optimizers = [value for value in state.values() if isinstance(getattr(value, "optimizer", value),
+                                                                          torch.optim.Optimizer)]
+        if not optimizers:
+            raise ValueError(f"FabricResume.restore(state): state (keys {sorted(state)}) holds no optimizer; "
+                             "expected the dict you pass to fabric.save, with the optimizer(s) from fabric.setup "
+                             "(its steps mark where checkpoints may be taken)")
+        for optimizer in optimizers:
+            inner = getattr(optimizer, "optimizer", optimizer)
+            if id(inner) not in self._hooked:
+                self._hooked.add(id(inner))
+                self._boundaries.hook(inner)
+        self._state = state
+        self.preemption.install()
+        found = self.checkpoints()
+        if found:
+            logger.info("resuming from %s", found[-1])
+            verify(found[-1])
+            self.fabric.load(found[-1] / CHECKPOINT_FILE, state)
+            self.loaded_from = found[-1]
+        return self.loaded_from
+
+    def checkpoints(self) -> list[Path]:
+        """Complete checkpoints in ``checkpoint_dir``, oldest first."""
+        return complete_checkpoints(self.checkpoint_dir)
+
+    def save(self) -> Path | None:
+        """Checkpoint now (every rank calls it): ``fabric.save`` of the state given to :meth:`restore` into
+        ``checkpoint_dir/step_<step>/`` written atomically; checkpoints beyond ``keep`` are deleted. A failed
+        write on any rank is agreed by all: logged, the previous checkpoints stay, ``None`` is returned."""
+        if self._state is None:
+            raise RuntimeError("FabricResume.save(): no state to save; call resume.restore(state) first")
+        state, fabric = self._state, self.fabric
+        final = self.checkpoint_dir / f"step_{self.step:09d}"
+
+        def write_into(directory: Path) -> None:
+            try:
+                fabric.save(directory / CHECKPOINT_FILE, state)
+            except OSError:
+                if fabric.world_size > 1:
+                    fabric.barrier()  # NOTE: the one fabric.save ends with, which the other ranks are in
+                raise
+
+        written = write_sealed(final, write_into, main=fabric.is_global_zero, agree=self._any_rank, step=self.step,
+                               checksums=self.verify_checksums, keep=self.keep)
+        if not written:
+            return None
+        logger.info("checkpoint written at step %d: %s", self.step, final)
+        return final
+
+    def close(self) -> None:
+        """Undo ``FabricResume``: restore the signal handlers and Fabric's methods (loaders already set up stay
+        resumable)."""
+        self.preemption.uninstall()
+        fabric = self.fabric
+        for name in ("setup_dataloaders", "save", "load", "loader_resume"):
+            fabric.__dict__.pop(name, None)
+
+    # --- fabric.save / fabric.load ----------------------------------------------------------------------
+    def save_to(self, path: str | Path, state: dict[str, Any],
+                filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
+        """``fabric.save``, with every rank's loader and RNG states under ``checkpoint["loader_resume"]``
+        (a collective: every rank calls ``fabric.save``, as Fabric requires)."""
+        if CHECKPOINT_KEY in state:
+            raise ValueError(f"fabric.save(path, state): state has a key {CHECKPOINT_KEY!r}, which loader-resume "
+                             "writes; expected another name")
+        entry = {
+            "format": CHECKPOINT_FORMAT, "step": self.step, "epoch": self.epoch,
+            "world_size": self.fabric.world_size,
+            "loaders": [gather_states(loader, loader.resume_state()) for loader in self.loaders],
+            "rng": gather_rng_states(),
+        }
+        self._fabric_save(path, {**self._referenced(state), CHECKPOINT_KEY: entry}, filter=filter)
+
+    def load_from(self, path: str | Path, state: dict[str, Any] | None = None, strict: bool = True,
+                  *, weights_only: bool | None = None) -> dict[str, Any]:
+        """``fabric.load``; a checkpoint's ``loader_resume`` entry goes into the loaders and this rank's RNG
+        (restored right before the next batch is fetched)."""
+        if not state:
+            return self._fabric_load(path, state, strict, weights_only=weights_only)  # type: ignore[no-any-return, unused-ignore]
+        referenced = self._referenced(state)
+        remainder: dict[str, Any] = self._fabric_load(path, referenced, strict, weights_only=weights_only)
+        for key, value in referenced.items():  # Fabric's load updates plain values in the dict it is given
+            if not isinstance(value, _LoaderReference):
+                state[key] = value
+        saved = remainder.pop(CHECKPOINT_KEY, None)
+        if saved is None:
+            logger.warning("%s has no %s entry (saved without FabricResume?): loaders restart their epoch and the "
+                           "RNG is not restored", path, CHECKPOINT_KEY)
+        else:
+            self._apply(saved, path)
+        return remainder
+
+    def _referenced(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """``state`` with each of our loaders replaced by a reference to the ``loader_resume`` entry."""
+        ids = {id(loader): i for i, loader in enumerate(self.loaders)}
+        return {key: _LoaderReference(ids[id(value)]) if id(value) in ids else value for key, value in state.items()}
+
+    def _apply(self, saved: Any, path: str | Path) -> None:
+        found = saved.get("format") if isinstance(saved, dict) else saved
+        if found != CHECKPOINT_FORMAT:
+            raise CheckpointError(f"{path}: checkpoint['{CHECKPOINT_KEY}'] has format {found!r}; expected "
+                                  f"{CHECKPOINT_FORMAT} (written by another loader-resume release?)")
+        self._boundaries.reset(saved["step"])
+        self.epoch = saved["epoch"]
+        rank = self.fabric.global_rank
+        self._rng_to_restore = saved["rng"][rank] if rank < len(saved["rng"]) else None
+        if self._rng_to_restore is None:
+            logger.warning("rank %d has no saved RNG state (the checkpoint is from %d processes)", rank,
+                           saved["world_size"])
+        self._pending = saved["loaders"]
+        self._load_pending()
+
+    def _load_pending(self) -> None:
+        saved = self._pending
+        if saved is None or len(self.loaders) < len(saved):
+            return  # the rest are loaded as they are set up
+        if len(saved) != len(self.loaders):
+            raise CheckpointError(f"the checkpoint holds {len(saved)} loader states; {len(self.loaders)} loaders "
+                                  "were set up (expected the same loaders, in the same order)")
+        for loader, gathered in zip(self.loaders, saved, strict=True):
+            load_rank_state(loader, gathered)
+        self._pending = None
+
+    # --- loaders and step boundaries ----------------------------------------------------------------
+    def _convert(self, loader: DataLoader[Any], move_to_device: bool) -> FabricResumableDataLoader:
+        fabric = self.fabric
+        if not isinstance(loader, DataLoader):
+            raise TypeError(f"setup_dataloaders(): {type(loader).__name__} is not a torch DataLoader; expected the "
+                            "DataLoader itself (not one already set up by Fabric)")
+        ours = resumable(
+            loader, seed=self.seed, keying=self.keying, keyed_generators=self.keyed_generators,
+            rank=fabric.global_rank, world_size=fabric.world_size,
+            worker_init_fn=lambda user_fn: IgnoreSignalsInWorker(self.preemption.signals, user_fn),
+            loader_class=FabricResumableDataLoader,
+        )
+        check_same_dataset(ours)
+        ours.attach(self, fabric.device if move_to_device else None)
+        if move_to_device:
+            ours.move_with(fabric.to_device)
+        self.loaders.append(ours)
+        self._load_pending()
+        return ours
+
+    def _any_rank(self, flag: bool) -> bool:
+        return bool(self.fabric.strategy.reduce_boolean_decision(flag, all=False))
+
+    def before_batch(self, loader: ReportingDataLoader) -> None:
+        """A loader is asked for a batch: the RNG of a loaded checkpoint goes back here; a step boundary is here."""
+        if self._rng_to_restore is not None:  # right before the first step after a load
+            set_global_rng_state(self._rng_to_restore)
+            self._rng_to_restore = None
+        if self._boundaries.crossed(loader):
+            self._boundary()
+
+    def delivered(self, loader: ReportingDataLoader) -> None:
+        """A loader handed a batch to the loop."""
+        self._boundaries.delivered(loader)
+
+    def _boundary(self) -> None:
+        if self._state is None:
+            return  # restore(state) was not called: nothing to save
+        step = self.step
+        periodic = self.save_every_n_steps and step % self.save_every_n_steps == 0
+        preempted = step % self.check_every_n_steps == 0 and self._any_rank(self.preemption.received is not None)
+        if periodic or preempted:
+            self.save()
+        if preempted:
+            self.preempted_at = step
+            logger.warning("preemption signal: checkpoint written at step %d; exiting with %d", step, self.exit_code)
+            self._exit()
+
+    def _exit(self) -> None:
+        self.preemption.uninstall()
+        fabric = self.fabric
+        if fabric.world_size > 1:
+            fabric.barrier()
+        gc.collect()  # NOTE: gloo aborts a process whose worker threads still hold collectives' tensors at exit
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        if fabric.global_rank != 0:
+            _outlive_launching_rank()
+        raise SystemExit(self.exit_code)
+
+
+class _LoaderReference:
+    """A loader of :class:`FabricResume` inside the state given to ``fabric.save``/``fabric.load``: saved as a
+    reference to the ``loader_resume`` entry, which holds every rank's state (loaded from there)."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def state_dict(self) -> dict[str, Any]:
+        return {CHECKPOINT_KEY: "loaders", "index": self.index}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if not isinstance(state, Mapping) or state.get(CHECKPOINT_KEY) != "loaders" or state.get("index") != self.index:
+            raise CheckpointError(f"the loader's entry holds {state!r}; expected a reference to checkpoint"
+                                  f"['{CHECKPOINT_KEY}'] loader {self.index} (saved without FabricResume, or the "
+                                  "loaders were set up in another order?)")
+
+
+def _outlive_launching_rank(timeout: float = 60.0) -> None:
+    """Wait for the process that launched this one to end, if it is rank 0 running this same command.
+
+    NOTE: Fabric's own launcher runs rank 0 as the main process and the other ranks as its children, and
+    a thread of rank 0 SIGKILLs everything once a child ends with a non-zero status: a child leaving first
+    with ``exit_code`` could get rank 0 killed before it leaves with its own. Under torchrun (a parent that
+    is not this command) there is nothing to wait for.
+    """
+    parent = os.getppid()
+    try:
+        same = Path(f"/proc/{parent}/cmdline").read_bytes() == Path("/proc/self/cmdline").read_bytes()
+    except OSError:
+        return
+    deadline = time.monotonic() + timeout
+    while same and os.getppid() == parent and time.monotonic() < deadline:
+        time.sleep(0.05)

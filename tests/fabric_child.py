@@ -1,0 +1,102 @@
+"""A real Lightning Fabric training script for test_fabric.py.
+
+    python fabric_child.py OUT --devices 2    # Fabric's own launcher starts rank 1 (gloo, CPU)
+
+Trains a small MLP with dropout and a step LR schedule on generated data whose items draw augmentation
+noise from torch, numpy and random, under ``FabricResume``. Each rank appends one JSON line per
+micro-batch to OUT/log-RANK.jsonl (epoch, optimizer steps done, sample ids, fingerprint of the batch), so a
+rerun's log continues the first run's, and writes OUT/weights-RANK.txt (fingerprint of the final weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric import Fabric
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_resume import FabricResumableDataLoader, FabricResume
+from loader_resume.testing import fingerprint
+from support.data import NoisyEverywhere, NoisyStream
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--devices", type=int, default=1, help="the world size this run must have")
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--items", type=int, default=30)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--stream", action="store_true", help="an IterableDataset without __len__")
+    parser.add_argument("--sleep", type=float, default=0.0, help="seconds per micro-batch, to be signalled mid-epoch")
+    parser.add_argument("--signal-at", type=int, help="rank 0 sends itself SIGTERM after this micro-batch")
+    parser.add_argument("--save-at", type=int, help="fabric.save(OUT/explicit.ckpt) with the loader in the state at "
+                        "this optimizer step, then end the process at once")
+    parser.add_argument("--load", help="fabric.load(PATH) with the loader in the state, after restore()")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    fabric = Fabric(accelerator="cpu", devices=args.devices, strategy="ddp" if args.devices > 1 else "auto")
+    fabric.launch()
+    assert fabric.world_size == args.devices, (fabric.world_size, args.devices)
+    rank = fabric.global_rank
+    resume = FabricResume(fabric, seed=7, checkpoint_dir=out / "resume_checkpoints")
+    torch.manual_seed(123)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.7)
+    model, optimizer = fabric.setup(model, optimizer)
+    data: Any = NoisyStream(args.items, rank, args.devices) if args.stream else NoisyEverywhere(args.items)
+    train = fabric.setup_dataloaders(DataLoader(data, batch_size=4, shuffle=not args.stream,
+                                                num_workers=args.workers))
+    assert isinstance(train, FabricResumableDataLoader) and train.world_size == args.devices
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+    resume.restore(state)
+    if args.load:
+        fabric.load(args.load, {**state, "loader": train})
+
+    log = (out / f"log-{rank}.jsonl").open("a")
+    (out / f"pid-{rank}").write_text(str(os.getpid()))
+    micro = 0
+    for epoch in resume.epochs(args.epochs):
+        for x, y, ids in train:
+            model.train()
+            loss = nn.functional.cross_entropy(model(x), y) / args.accumulate
+            micro += 1
+            stepping = micro % args.accumulate == 0 or train.end_of_dataloader
+            with fabric.no_backward_sync(model, enabled=not stepping):
+                fabric.backward(loss)
+            if stepping:
+                optimizer.step()
+                optimizer.zero_grad()
+                scheduler.step()
+            row = {"epoch": epoch, "step": resume.step, "ids": ids.tolist(), "batch": fingerprint([x, y]),
+                   "lr": scheduler.get_last_lr()[0]}
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+            if args.sleep:
+                time.sleep(args.sleep)
+                (out / f"progress-{rank}").write_text(str(resume.step))
+            if args.signal_at == micro and rank == 0:
+                os.kill(os.getpid(), signal.SIGTERM)
+            if args.save_at is not None and args.save_at == resume.step and stepping:
+                fabric.save(out / "explicit.ckpt", {**state, "loader": train})
+                fabric.barrier()
+                os._exit(0)  # a crash right after the save: nothing else is written
+    weights = fingerprint([p.detach() for p in model.parameters()])
+    (out / f"weights-{rank}.txt").write_text(weights)
+    fabric.barrier()
+
+
+if __name__ == "__main__":
+    main()
