@@ -31,7 +31,7 @@ class AcceleratedResumableDataLoader(ReportingDataLoader, DataLoaderStateMixin):
     _is_accelerate_prepared = True  # Accelerate's own prepare_data_loader keeps it as it is
     _non_blocking: bool = False
 
-    def attach_accelerate(self, reports: BatchRequests, device: torch.device | None, non_blocking: bool) -> None:
+    def attach_accelerate(self, reports: BatchRequests | None, device: torch.device | None, non_blocking: bool) -> None:
         """Report to ``reports``; move batches to ``device`` (``None``: leave them where they are)."""
         self.attach(reports, device)
         self._non_blocking = non_blocking

@@ -6,7 +6,9 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = [ROOT / "core" / "loader_resume", ROOT / "lightning_resume", ROOT / "accelerate_resume"]
+PACKAGES = [ROOT / "core" / "loader_resume", ROOT / "lightning_resume", ROOT / "accelerate_resume",
+            ROOT / "transformers_resume"]
+OURS = {"loader_resume", "lightning_resume", "accelerate_resume", "transformers_resume"}
 
 
 def _modules() -> dict[Path, ast.Module]:
@@ -44,8 +46,7 @@ def test_no_module_reads_or_writes_another_modules_private_names() -> None:
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and _private(node.attr) and node.attr in elsewhere:
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
-            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] in
-                                                     {"loader_resume", "lightning_resume", "accelerate_resume"}):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] in OURS):
                 found += [f"{path.relative_to(ROOT)}:{node.lineno}: import {alias.name}"
                           for alias in node.names if _private(alias.name)]
     assert not found, "private names used across modules (give them a small documented API):\n" + "\n".join(found)

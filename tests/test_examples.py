@@ -121,3 +121,19 @@ def test_fabric_example_runs_on_two_processes_and_a_typo_fails_clearly(tmp_path:
     typo = subprocess.run([sys.executable, str(EXAMPLES / "fabric_digits.py"), "epoch=1"], capture_output=True,
                           text=True, timeout=300)
     assert typo.returncode != 0 and "unknown setting 'epoch=1'" in typo.stderr
+
+
+def test_transformers_example_stopped_and_extended_ends_with_the_uninterrupted_weights(tmp_path: Path) -> None:
+    """max_steps=25, then the same job with max_steps=60 continues mid-epoch from checkpoint-25; it ends with the
+    weights of a job run to 60 at once (a constant learning rate: the same job either way)."""
+    script = str(EXAMPLES / "transformers_digits.py")
+
+    def job(steps: int, directory: str) -> str:
+        done = subprocess.run([sys.executable, script, f"max_steps={steps}", f"output_dir={tmp_path / directory}"],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return _digest(done.stdout)
+
+    stopped = job(25, "a")
+    assert (tmp_path / "a" / "checkpoint-25" / "loader_resume_0.pt").is_file()
+    assert job(60, "a") == job(60, "b") != stopped

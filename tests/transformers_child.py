@@ -1,0 +1,105 @@
+"""A real transformers Trainer run for test_transformers.py.
+
+    python transformers_child.py OUT [options]                               # one process
+    torchrun --nproc_per_node 2 transformers_child.py OUT --processes 2      # two (gloo, CPU)
+
+A tiny model (dropout, returns ``{"loss": ...}``) on generated data whose items draw augmentation noise
+from torch, numpy and random, trained by ``ResumableTrainer`` (``--stock``: ``Trainer``), checkpointing
+every step. Each process appends one JSON line per training micro-batch to OUT/log-RANK.jsonl (the
+sample ids and a fingerprint of the batch's values), so a resumed run's log continues the first run's,
+and writes OUT/weights-RANK.txt (a fingerprint of the final weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from loader_resume.testing import fingerprint
+from support.data import NoisyEverywhere
+from transformers_resume import ResumableTrainer
+
+
+class Items(NoisyEverywhere):
+    """The shared data as dicts, the form Trainer's default collator stacks; counts its reads (in DataLoader
+    workers too: they are forked and share the counter)."""
+
+    reads = multiprocessing.Value("i", 0)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:  # type: ignore[override]
+        with Items.reads.get_lock():
+            Items.reads.value += 1
+        x, y, i = super().__getitem__(index)
+        return {"x": x, "labels": y, "idx": i}
+
+
+class Tiny(nn.Module):
+    def __init__(self, log: Any) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2))
+        self.log = log
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor, idx: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.training:
+            self.log.write(json.dumps({"ids": idx.tolist(), "batch": fingerprint([x, labels])}) + "\n")
+            self.log.flush()
+        return {"loss": nn.functional.cross_entropy(self.net(x), labels)}
+
+
+class CrashAfterSave(TrainerCallback):
+    """Ends the process right after the checkpoint of ``step`` is written: a crash, nothing else is saved."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.step:
+            if torch.distributed.is_initialized():
+                torch.distributed.barrier()
+            os._exit(0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--processes", type=int, default=1, help="the world size this run must have")
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--crash-at", type=int, help="end the process right after the checkpoint of this step")
+    parser.add_argument("--resume", default=None, help="'true' or a checkpoint path for train(resume_from_checkpoint)")
+    parser.add_argument("--stock", action="store_true", help="a stock transformers Trainer")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ.get("RANK", 0))
+    log = (out / f"log-{rank}.jsonl").open("a")
+    torch.manual_seed(123)
+    model = Tiny(log)
+    training = TrainingArguments(
+        output_dir=str(out / "run"), use_cpu=True, ddp_backend="gloo" if args.processes > 1 else None,
+        report_to=[], seed=7,
+        per_device_train_batch_size=4, gradient_accumulation_steps=args.accumulate, num_train_epochs=args.epochs,
+        learning_rate=0.1, save_strategy="steps", save_steps=1, save_total_limit=2, logging_strategy="no",
+        dataloader_num_workers=args.workers, disable_tqdm=True,
+    )
+    kind = Trainer if args.stock else ResumableTrainer
+    trainer = kind(model=model, args=training, train_dataset=Items(30),
+                   callbacks=[] if args.crash_at is None else [CrashAfterSave(args.crash_at)])
+    assert trainer.args.world_size == args.processes, (trainer.args.world_size, args.processes)
+    resume: str | bool | None = True if args.resume == "true" else args.resume
+    trainer.train(resume_from_checkpoint=resume)
+    (out / f"weights-{rank}.txt").write_text(fingerprint([p.detach() for p in model.parameters()]))
+    (out / f"reads-{rank}.txt").write_text(str(Items.reads.value))
+
+
+if __name__ == "__main__":
+    main()

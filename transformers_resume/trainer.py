@@ -1,0 +1,223 @@
+"""``ResumableTrainer``: the transformers ``Trainer`` resuming mid-epoch with the very next batch.
+
+Stock ``Trainer`` resumes by re-reading ``global_step % steps_per_epoch`` batches through Accelerate's
+``skip_first_batches`` (a plain ``DataLoader`` over a skipping batch sampler), so every skipped batch is
+loaded again, and the order and augmentation values after the resume are not the uninterrupted run's.
+Here, with public Trainer APIs where they exist:
+
+- ``get_train_dataloader`` builds Trainer's own training ``DataLoader`` (its collator, workers, pinning,
+  sampler choice) and makes it an :class:`~accelerate_resume.AcceleratedResumableDataLoader`, sharded by
+  us across ``args.world_size`` (instead of Accelerate's ``DataLoaderShard``), seeded by ``args.data_seed``
+  (else ``args.seed``).
+- Every checkpoint ``checkpoint-N`` gets one ``loader_resume_<rank>.pt`` per rank, written (atomically)
+  before Trainer writes its ``trainer_state.json``, the file whose presence makes a Trainer checkpoint
+  complete. ``train(resume_from_checkpoint=True)`` resumes from the newest *complete* checkpoint (one that
+  lacks either file is skipped with a warning naming it); an explicit path that lacks one is refused,
+  naming the file.
+- While ``train`` runs, Trainer's skipping is a no-op for our loader: it already stands at the next
+  batch, so no batch is read to be skipped. Trainer still counts the skipped steps as done, and restores
+  its own RNG files (``rng_state_<rank>.pth``) as usual.
+
+A checkpoint resumes on the same number of processes; another world size is refused (Trainer counts its
+steps per world size: ``global_step`` would not name the same samples).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers.trainer as trainer_module
+from torch.utils.data import DataLoader
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from accelerate_resume import AcceleratedResumableDataLoader
+from loader_resume import GENERATORS
+from loader_resume.checkpoint import CHECKPOINT_FORMAT, CheckpointError
+from loader_resume.convert import resumable
+from loader_resume.distributed import check_same_dataset, load_rank_state
+
+__all__ = ["LOADER_STATE_FILE", "ResumableTrainer", "ResumeTrainerMixin"]
+
+logger = logging.getLogger(__name__)
+
+LOADER_STATE_FILE = "loader_resume_{rank}.pt"
+"""Each rank's training-loader state inside a Trainer ``checkpoint-N`` (beside ``rng_state_<rank>.pth``)."""
+TRAINER_STATE = "trainer_state.json"
+
+
+class ResumeTrainerMixin:
+    """Exact mid-epoch resume for a ``transformers.Trainer`` subclass: put it first in the bases
+    (``class MyTrainer(ResumeTrainerMixin, Trainer)``); see the module docstring.
+
+    Keyword arguments taken off the Trainer's: ``keying`` (``"batch"``, ``"sample"`` or ``"off"``) and
+    ``keyed_generators`` (see ``ResumableDataLoader``).
+    """
+
+    args: Any
+    accelerator: Any
+    state: Any
+
+    def __init__(self, *args: Any, keying: str = "batch", keyed_generators: Sequence[str] = GENERATORS,
+                 **kwargs: Any) -> None:
+        self.resume_keying, self.resume_keyed_generators = keying, tuple(keyed_generators)
+        self.resume_loader: AcceleratedResumableDataLoader | None = None
+        """The training loader of the current ``train()`` (``None`` before)."""
+        self._loader_states: dict[str, Any] | None = None
+        super().__init__(*args, **kwargs)
+
+    # --- the loader -------------------------------------------------------------------------------
+    def get_train_dataloader(self) -> DataLoader[Any]:
+        """Trainer's training loader, as an :class:`~accelerate_resume.AcceleratedResumableDataLoader` sharded
+        across the processes; a checkpoint's state being resumed goes into it."""
+        plain = _unprepared(self.accelerator, super().get_train_dataloader)  # type: ignore[misc]
+        args, accelerator = self.args, self.accelerator
+        ours = resumable(
+            plain, seed=args.data_seed if args.data_seed is not None else args.seed, keying=self.resume_keying,
+            keyed_generators=self.resume_keyed_generators, rank=args.process_index, world_size=args.world_size,
+            loader_class=AcceleratedResumableDataLoader,
+        )
+        check_same_dataset(ours)
+        ours.attach_accelerate(None, accelerator.device if accelerator.device_placement else None,
+                               bool(accelerator.non_blocking))
+        if self._loader_states is not None:
+            load_rank_state(ours, self._loader_states)
+            self._loader_states = None
+        self.resume_loader = ours
+        return ours
+
+    # --- train / checkpoints ------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; ``resume_from_checkpoint=True`` picks the newest complete checkpoint in
+        ``args.output_dir`` (see the module docstring)."""
+        checkpoint: str | None
+        if resume_from_checkpoint is True:
+            checkpoint = self.resumable_checkpoint()
+            if checkpoint is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+        else:
+            checkpoint = resume_from_checkpoint or None
+            if checkpoint is not None:
+                missing = _missing(Path(checkpoint))
+                if missing:
+                    raise CheckpointError(f"{missing}: missing; expected a complete checkpoint written by "
+                                          f"ResumableTrainer (killed while saving, or saved by another Trainer?)")
+        self._loader_states = None if checkpoint is None else self._read_states(Path(checkpoint))
+        with _no_skipping():
+            return super().train(checkpoint, *args, **kwargs)  # type: ignore[misc]
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        # NOTE: Trainer's own (transformers 4.x and 5.x), run by every process; its last write is trainer_state.json
+        loader = self.resume_loader
+        if loader is not None:
+            run_dir = self.args.output_dir if trial is None else self._get_output_dir(trial=trial)  # type: ignore[attr-defined]
+            directory = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            directory.mkdir(parents=True, exist_ok=True)
+            rank = self.args.process_index
+            state = {"format": CHECKPOINT_FORMAT, "world_size": self.args.world_size, "rank": rank,
+                     "global_step": self.state.global_step, "loader": loader.resume_state()}
+            final = directory / LOADER_STATE_FILE.format(rank=rank)
+            temporary = final.with_name(f".{final.name}.tmp")
+            torch.save(state, temporary)
+            os.replace(temporary, final)
+        super()._save_checkpoint(model, trial)  # type: ignore[misc]
+
+    def resumable_checkpoint(self) -> str | None:
+        """The newest complete checkpoint in ``args.output_dir`` (what ``train(resume_from_checkpoint=True)``
+        resumes from), or ``None``: ``trainer.train(resume_from_checkpoint=trainer.resumable_checkpoint() is not
+        None)`` starts or continues with one command."""
+        found = []
+        root = Path(self.args.output_dir)
+        for path in root.iterdir() if root.is_dir() else ():
+            prefix = f"{PREFIX_CHECKPOINT_DIR}-"
+            if path.is_dir() and path.name.startswith(prefix) and path.name[len(prefix):].isdigit():
+                found.append((int(path.name[len(prefix):]), path))
+        for _, path in sorted(found, reverse=True):
+            missing = _missing(path)
+            if missing is None:
+                return os.fspath(path)
+            logger.warning("skipping %s: %s is missing (killed while saving?)", path, missing.name)
+        return None
+
+    def _read_states(self, checkpoint: Path) -> dict[str, Any]:
+        """Every saved rank's loader state, as ``gather_states`` returns them; refused at another world size."""
+        first = _load(checkpoint / LOADER_STATE_FILE.format(rank=0))
+        world = first["world_size"]
+        if world != self.args.world_size:
+            raise CheckpointError(f"{checkpoint}: written by {world} process(es), resumed on {self.args.world_size}; "
+                                  "expected the same number (Trainer counts its steps per world size)")
+        ranks = [first] + [_load(checkpoint / LOADER_STATE_FILE.format(rank=r)) for r in range(1, world)]
+        return {"world_size": world, "ranks": [saved["loader"] for saved in ranks]}
+
+
+class ResumableTrainer(ResumeTrainerMixin, trainer_module.Trainer):
+    """``transformers.Trainer`` with exact mid-epoch resume (:class:`ResumeTrainerMixin`)."""
+
+
+def _missing(checkpoint: Path) -> Path | None:
+    """The first file a complete checkpoint must have and ``checkpoint`` lacks (``None``: complete)."""
+    first = checkpoint / LOADER_STATE_FILE.format(rank=0)
+    if not first.is_file():
+        return first
+    world = _load(first)["world_size"]
+    for path in [*(checkpoint / LOADER_STATE_FILE.format(rank=r) for r in range(1, world)),
+                 checkpoint / TRAINER_STATE]:
+        if not path.is_file():
+            return path
+    return None
+
+
+def _load(path: Path) -> dict[str, Any]:
+    try:
+        saved = torch.load(path, weights_only=True)
+    except Exception as error:
+        raise CheckpointError(f"{path}: unreadable ({error}); expected a loader state written by ResumableTrainer") \
+            from None
+    found = saved.get("format") if isinstance(saved, dict) else None
+    if found != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path}: format {found!r}; expected {CHECKPOINT_FORMAT}")
+    return saved  # type: ignore[no-any-return]
+
+
+def _unprepared(accelerator: Any, build: Callable[[], DataLoader[Any]]) -> DataLoader[Any]:
+    """What ``build()`` returns, with ``accelerator.prepare`` answering a lone DataLoader with itself (Trainer
+    builds its loader and hands it straight to ``prepare``)."""
+    had = "prepare" in vars(accelerator)
+    prepare = accelerator.prepare
+
+    def keep_loader(*objects: Any, **kwargs: Any) -> Any:
+        if len(objects) == 1 and isinstance(objects[0], DataLoader):
+            return objects[0]
+        return prepare(*objects, **kwargs)
+
+    accelerator.prepare = keep_loader
+    try:
+        return build()
+    finally:
+        if had:
+            accelerator.prepare = prepare
+        else:
+            del accelerator.prepare
+
+
+@contextmanager
+def _no_skipping() -> Iterator[None]:
+    """While Trainer trains: its ``skip_first_batches`` hands our loader back as it is (it stands at the next
+    batch already); any other loader is skipped as Trainer does."""
+    skip = trainer_module.skip_first_batches
+
+    def skip_unless_ours(dataloader: Any, num_batches: int = 0) -> Any:
+        if isinstance(dataloader, AcceleratedResumableDataLoader):
+            return dataloader
+        return skip(dataloader, num_batches)
+
+    trainer_module.skip_first_batches = skip_unless_ours
+    try:
+        yield
+    finally:
+        trainer_module.skip_first_batches = skip
