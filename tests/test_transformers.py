@@ -82,6 +82,25 @@ def test_two_processes_resume_with_the_uninterrupted_runs_batches(full: dict[str
     assert sorted(last.glob("loader_resume_*.pt")) == [last / f"loader_resume_{r}.pt" for r in range(2)]
 
 
+def test_sigterm_checkpoints_at_the_step_agreed_by_both_ranks_and_the_same_command_continues(
+        full: dict[str, Path], tmp_path: Path) -> None:
+    """Rank 0 alone gets SIGTERM at the end of step 3 (no checkpoint is due: save_steps=100); both ranks
+    agree there, Trainer writes checkpoint-3 with both ranks' loader states, both exit 143; the rerun with
+    resume_from_checkpoint=True continues exactly (num_workers 2: the workers ignore the signal)."""
+    options = ["--accumulate", "3", "--workers", "2", "--save-steps", "100"]
+    stderr = run(tmp_path, 2, *options, "--signal-at", "3", expect=143)
+    # NOTE: both ranks say so; torchrun reports the first to exit (it then stops the other)
+    assert stderr.count("checkpoint written at step 3; exiting with 143") == 2 and "exitcode  : 143" in stderr
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-3"]
+    run(tmp_path, 2, *options, "--resume", "true")
+    assert logs(tmp_path) == logs(full["2-acc3"]) and weights(tmp_path) == weights(full["2-acc3"])
+
+
+def test_transformers_own_jit_checkpoint_is_refused_naming_ours(tmp_path: Path) -> None:
+    stderr = run(tmp_path, 1, "--jit", expect=1)
+    assert "enable_jit_checkpoint=True) with ResumableTrainer: expected it off" in stderr
+
+
 @pytest.fixture(scope="module")
 def crashed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One process crashed right after the checkpoint of step 10 (checkpoints 9 and 10 kept)."""

@@ -16,6 +16,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,17 @@ class CrashAfterSave(TrainerCallback):
             os._exit(0)
 
 
+class SignalAt(TrainerCallback):
+    """Rank 0 sends itself SIGTERM at the end of optimizer step ``step`` (before the ranks agree on signals)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.step and int(os.environ.get("RANK", 0)) == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -75,6 +87,9 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--crash-at", type=int, help="end the process right after the checkpoint of this step")
+    parser.add_argument("--signal-at", type=int, help="rank 0 sends itself SIGTERM at the end of this step")
+    parser.add_argument("--save-steps", type=int, default=1)
+    parser.add_argument("--jit", action="store_true", help="TrainingArguments(enable_jit_checkpoint=True)")
     parser.add_argument("--resume", default=None, help="'true' or a checkpoint path for train(resume_from_checkpoint)")
     parser.add_argument("--stock", action="store_true", help="a stock transformers Trainer")
     args = parser.parse_args()
@@ -88,12 +103,13 @@ def main() -> None:
         output_dir=str(out / "run"), use_cpu=True, ddp_backend="gloo" if args.processes > 1 else None,
         report_to=[], seed=7,
         per_device_train_batch_size=4, gradient_accumulation_steps=args.accumulate, num_train_epochs=args.epochs,
-        learning_rate=0.1, save_strategy="steps", save_steps=1, save_total_limit=2, logging_strategy="no",
-        dataloader_num_workers=args.workers, disable_tqdm=True,
+        learning_rate=0.1, save_strategy="steps", save_steps=args.save_steps, save_total_limit=2, logging_strategy="no",
+        dataloader_num_workers=args.workers, disable_tqdm=True, enable_jit_checkpoint=args.jit,
     )
     kind = Trainer if args.stock else ResumableTrainer
-    trainer = kind(model=model, args=training, train_dataset=Items(30),
-                   callbacks=[] if args.crash_at is None else [CrashAfterSave(args.crash_at)])
+    callbacks: list[Any] = [] if args.crash_at is None else [CrashAfterSave(args.crash_at)]
+    callbacks += [] if args.signal_at is None else [SignalAt(args.signal_at)]
+    trainer = kind(model=model, args=training, train_dataset=Items(30), callbacks=callbacks)
     assert trainer.args.world_size == args.processes, (trainer.args.world_size, args.processes)
     resume: str | bool | None = True if args.resume == "true" else args.resume
     trainer.train(resume_from_checkpoint=resume)

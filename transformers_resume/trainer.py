@@ -18,12 +18,21 @@ Here, with public Trainer APIs where they exist:
   batch, so no batch is read to be skipped. Trainer still counts the skipped steps as done, and restores
   its own RNG files (``rng_state_<rank>.pth``) as usual.
 
+- Preemption: SIGTERM or SIGUSR1 only sets a flag; at the end of the next optimizer step (Trainer's
+  ``on_step_end``, after the LR scheduler's step) all ranks agree (one ``all_reduce``), Trainer writes its
+  checkpoint (ours included) and stops, and every process exits with ``exit_code`` (143). The same command
+  with ``resume_from_checkpoint=True`` continues with the next batch. transformers' own
+  ``enable_jit_checkpoint`` is refused: it checkpoints on one process, without agreement, and can do so
+  before an optimizer step (from ``on_pre_optimizer_step``), when the loader has already delivered that
+  step's batches.
+
 A checkpoint resumes on the same number of processes; another world size is refused (Trainer counts its
 steps per world size: ``global_step`` would not name the same samples).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -34,6 +43,7 @@ from typing import Any
 import torch
 import transformers.trainer as trainer_module
 from torch.utils.data import DataLoader
+from transformers.trainer_callback import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from accelerate_resume import AcceleratedResumableDataLoader
@@ -41,6 +51,7 @@ from loader_resume import GENERATORS
 from loader_resume.checkpoint import CHECKPOINT_FORMAT, CheckpointError
 from loader_resume.convert import resumable
 from loader_resume.distributed import check_same_dataset, load_rank_state
+from loader_resume.preemption import IgnoreSignalsInWorker, Preemption
 
 __all__ = ["LOADER_STATE_FILE", "ResumableTrainer", "ResumeTrainerMixin"]
 
@@ -56,7 +67,9 @@ class ResumeTrainerMixin:
     (``class MyTrainer(ResumeTrainerMixin, Trainer)``); see the module docstring.
 
     Keyword arguments taken off the Trainer's: ``keying`` (``"batch"``, ``"sample"`` or ``"off"``) and
-    ``keyed_generators`` (see ``ResumableDataLoader``).
+    ``keyed_generators`` (see ``ResumableDataLoader``); ``signals`` that request a preemption checkpoint
+    (``()``: none), ``check_every_n_steps`` (how often the ranks agree on them) and ``exit_code`` (after a
+    preemption checkpoint).
     """
 
     args: Any
@@ -64,12 +77,28 @@ class ResumeTrainerMixin:
     state: Any
 
     def __init__(self, *args: Any, keying: str = "batch", keyed_generators: Sequence[str] = GENERATORS,
-                 **kwargs: Any) -> None:
+                 signals: Sequence[str | int] = ("SIGTERM", "SIGUSR1"), check_every_n_steps: int = 1,
+                 exit_code: int = 143, **kwargs: Any) -> None:
+        for name, value, least in (("check_every_n_steps", check_every_n_steps, 1), ("exit_code", exit_code, 0)):
+            if type(value) is not int or value < least:
+                raise ValueError(f"{type(self).__name__}({name}={value!r}): expected an int >= {least}")
         self.resume_keying, self.resume_keyed_generators = keying, tuple(keyed_generators)
         self.resume_loader: AcceleratedResumableDataLoader | None = None
         """The training loader of the current ``train()`` (``None`` before)."""
+        self.preemption = Preemption(signals)
+        self.check_every_n_steps, self.exit_code = check_every_n_steps, exit_code
+        self.preempted_at: int | None = None
+        """The step of the preemption checkpoint, once taken."""
         self._loader_states: dict[str, Any] | None = None
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if getattr(training_args, "enable_jit_checkpoint", False):  # NOTE: before Trainer installs its handler
+            raise ValueError(
+                f"TrainingArguments(enable_jit_checkpoint=True) with {type(self).__name__}: expected it off. It "
+                "checkpoints on one process without the others' agreement, possibly before an optimizer step when "
+                "the loader has delivered that step's batches; ResumableTrainer handles SIGTERM/SIGUSR1 itself, "
+                "agreed by every rank at a step boundary (its signals= argument)")
         super().__init__(*args, **kwargs)
+        self.add_callback(_AgreeOnSignals(self))  # type: ignore[attr-defined]
 
     # --- the loader -------------------------------------------------------------------------------
     def get_train_dataloader(self) -> DataLoader[Any]:
@@ -81,6 +110,7 @@ class ResumeTrainerMixin:
             plain, seed=args.data_seed if args.data_seed is not None else args.seed, keying=self.resume_keying,
             keyed_generators=self.resume_keyed_generators, rank=args.process_index, world_size=args.world_size,
             loader_class=AcceleratedResumableDataLoader,
+            worker_init_fn=lambda user_fn: IgnoreSignalsInWorker(self.preemption.signals, user_fn),
         )
         check_same_dataset(ours)
         ours.attach_accelerate(None, accelerator.device if accelerator.device_placement else None,
@@ -108,8 +138,23 @@ class ResumeTrainerMixin:
                     raise CheckpointError(f"{missing}: missing; expected a complete checkpoint written by "
                                           f"ResumableTrainer (killed while saving, or saved by another Trainer?)")
         self._loader_states = None if checkpoint is None else self._read_states(Path(checkpoint))
-        with _no_skipping():
-            return super().train(checkpoint, *args, **kwargs)  # type: ignore[misc]
+        self.preempted_at = None
+        self.preemption.install()
+        try:
+            with _no_skipping():
+                output = super().train(checkpoint, *args, **kwargs)  # type: ignore[misc]
+        finally:
+            self.preemption.uninstall()
+        if self.preempted_at is not None:
+            logger.warning("preemption signal: checkpoint written at step %d; exiting with %d", self.preempted_at,
+                           self.exit_code)
+            # NOTE: every process is here. Tear the process group down before the interpreter does: gloo aborts a
+            # process (SIGABRT) whose worker threads still hold collectives' tensors at exit.
+            self.accelerator.wait_for_everyone()
+            gc.collect()
+            self.accelerator.end_training()
+            raise SystemExit(self.exit_code)
+        return output
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         # NOTE: Trainer's own (transformers 4.x and 5.x), run by every process; its last write is trainer_state.json
@@ -153,6 +198,21 @@ class ResumeTrainerMixin:
                                   "expected the same number (Trainer counts its steps per world size)")
         ranks = [first] + [_load(checkpoint / LOADER_STATE_FILE.format(rank=r)) for r in range(1, world)]
         return {"world_size": world, "ranks": [saved["loader"] for saved in ranks]}
+
+
+class _AgreeOnSignals(TrainerCallback):
+    """At the end of each optimizer step (every ``check_every_n_steps``), the ranks agree on a preemption signal;
+    if any rank got one, Trainer saves a checkpoint now and stops."""
+
+    def __init__(self, trainer: ResumeTrainerMixin) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self.trainer
+        if state.global_step % trainer.check_every_n_steps == 0 and trainer.preemption.agreed():
+            trainer.preempted_at = state.global_step
+            control.should_save = True
+            control.should_training_stop = True
 
 
 class ResumableTrainer(ResumeTrainerMixin, trainer_module.Trainer):
