@@ -4,10 +4,10 @@
     torchrun --nproc_per_node 2 transformers_child.py OUT --processes 2      # two (gloo, CPU)
 
 A tiny model (dropout, returns ``{"loss": ...}``) on generated data whose items draw augmentation noise
-from torch, numpy and random, trained by ``ResumableTrainer`` (``--stock``: ``Trainer``), checkpointing
-every step. Each process appends one JSON line per training micro-batch to OUT/log-RANK.jsonl (the
-sample ids and a fingerprint of the batch's values), so a resumed run's log continues the first run's,
-and writes OUT/weights-RANK.txt (a fingerprint of the final weights).
+from torch, numpy and random, and whose collator draws from numpy, trained by ``ResumableTrainer``
+(``--stock``: ``Trainer``), checkpointing every step. Each process appends one JSON line per training
+micro-batch to OUT/log-RANK.jsonl (the sample ids and a fingerprint of the batch's values), so a resumed
+run's log continues the first run's, and writes OUT/weights-RANK.txt (a fingerprint of the final weights).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -40,6 +41,13 @@ class Items(NoisyEverywhere):
             Items.reads.value += 1
         x, y, i = super().__getitem__(index)
         return {"x": x, "labels": y, "idx": i}
+
+
+def collate(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Stacks the items and adds a per-batch augmentation drawn from numpy (as a collator may)."""
+    batch = {key: torch.stack([torch.as_tensor(item[key]) for item in items]) for key in items[0]}
+    batch["x"] = batch["x"] + float(np.random.rand()) * 0.01
+    return batch
 
 
 class Tiny(nn.Module):
@@ -109,7 +117,7 @@ def main() -> None:
     kind = Trainer if args.stock else ResumableTrainer
     callbacks: list[Any] = [] if args.crash_at is None else [CrashAfterSave(args.crash_at)]
     callbacks += [] if args.signal_at is None else [SignalAt(args.signal_at)]
-    trainer = kind(model=model, args=training, train_dataset=Items(30), callbacks=callbacks)
+    trainer = kind(model=model, args=training, train_dataset=Items(30), data_collator=collate, callbacks=callbacks)
     assert trainer.args.world_size == args.processes, (trainer.args.world_size, args.processes)
     resume: str | bool | None = True if args.resume == "true" else args.resume
     trainer.train(resume_from_checkpoint=resume)
