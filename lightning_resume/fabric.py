@@ -383,9 +383,14 @@ def _outlive_launching_rank(timeout: float = 60.0) -> None:
     """
     parent = os.getppid()
     try:
-        same = Path(f"/proc/{parent}/cmdline").read_bytes() == Path("/proc/self/cmdline").read_bytes()
+        theirs = Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")
+        mine = Path("/proc/self/cmdline").read_bytes().split(b"\0")
     except OSError:
         return
+    # NOTE: Fabric starts the other ranks as [sys.executable, abspath(script), *args]: compare the script's name
+    # and the arguments, not the paths
+    same = len(theirs) == len(mine) > 1 and theirs[2:] == mine[2:] and \
+        os.path.basename(theirs[1]) == os.path.basename(mine[1])
     deadline = time.monotonic() + timeout
     while same and os.getppid() == parent and time.monotonic() < deadline:
         time.sleep(0.05)
