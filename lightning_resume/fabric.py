@@ -164,6 +164,9 @@ class FabricResume:
         Fabric returns them. Every rank must call it (the ranks' datasets are compared)."""
         if not dataloaders:
             raise ValueError("setup_dataloaders(): expected at least one DataLoader")
+        if self.fabric.world_size > 1 and not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(f"setup_dataloaders(): Fabric has {self.fabric.world_size} processes but none is "
+                               "started yet; call fabric.launch() first (each rank shards the data by its rank)")
         converted = [self._convert(loader, move_to_device) for loader in dataloaders]
         return converted[0] if len(converted) == 1 else converted
 

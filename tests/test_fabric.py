@@ -147,6 +147,14 @@ def test_bad_use_is_refused_naming_what_was_expected(fabric_resume: tuple[Fabric
         fabric.load(tmp_path / "plain.ckpt", {"model": model, "loader": loader})
 
 
+def test_loaders_are_refused_before_launch_on_several_devices(tmp_path: Path) -> None:
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")  # fabric.launch() forgotten
+    resume = FabricResume(fabric, checkpoint_dir=tmp_path)
+    with pytest.raises(RuntimeError, match=r"call fabric.launch\(\) first"):
+        fabric.setup_dataloaders(DataLoader(list(range(8)), batch_size=2))
+    resume.close()
+
+
 def test_a_checkpoint_written_without_it_loads_with_a_warning(fabric_resume: tuple[Fabric, FabricResume],
                                                               tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     fabric, _ = fabric_resume
