@@ -113,11 +113,7 @@ def test_fabric_example_interrupted_by_sigterm_and_rerun_ends_with_the_same_weig
     assert _digest(rerun) == _digest(uninterrupted)
 
 
-def test_fabric_example_runs_on_two_processes_and_a_typo_fails_clearly(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, str(EXAMPLES / "fabric_digits.py"), "--devices", "2", "epochs=1",
-                           f"checkpoint_dir={tmp_path}"], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "training on 2 process(es)" in done.stdout and _digest(done.stdout)
+def test_fabric_example_typo_fails_clearly() -> None:
     typo = subprocess.run([sys.executable, str(EXAMPLES / "fabric_digits.py"), "epoch=1"], capture_output=True,
                           text=True, timeout=300)
     assert typo.returncode != 0 and "unknown setting 'epoch=1'" in typo.stderr

@@ -71,11 +71,23 @@ def test_one_process_resumes_with_the_uninterrupted_runs_batches(full: dict[str,
     assert reads(tmp_path) == [read_after]  # no batch read to be skipped
 
 
+@pytest.fixture(scope="module")
+def crashed_on_two(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two processes, accumulation 3, crashed right after the checkpoint of step 3, by each launcher."""
+    runs = {}
+    for launcher in ("torchrun", "accelerate"):
+        out = tmp_path_factory.mktemp(f"crashed2-{launcher}")
+        run(out, 2, "--accumulate", "3", "--crash-at", "3", launcher=launcher)
+        runs[launcher] = out
+    return runs
+
+
 @pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
-def test_two_processes_resume_with_the_uninterrupted_runs_batches(full: dict[str, Path], tmp_path: Path,
+def test_two_processes_resume_with_the_uninterrupted_runs_batches(full: dict[str, Path],
+                                                                  crashed_on_two: dict[str, Path], tmp_path: Path,
                                                                   launcher: str) -> None:
     """4 batches a rank and epoch, accumulation 3 (3 + 1 micro-batches a step); step 3 is in the second epoch."""
-    run(tmp_path, 2, "--accumulate", "3", "--crash-at", "3", launcher=launcher)
+    shutil.copytree(crashed_on_two[launcher], tmp_path, dirs_exist_ok=True)
     run(tmp_path, 2, "--accumulate", "3", "--resume", "true", launcher=launcher)
     assert logs(tmp_path) == logs(full["2-acc3"]) and weights(tmp_path) == weights(full["2-acc3"])
     last = tmp_path / "run" / "checkpoint-6"  # 3 epochs of 2 steps
@@ -130,9 +142,9 @@ def test_an_explicit_checkpoint_missing_our_file_is_refused_naming_it(crashed: P
     assert f"{checkpoint / 'loader_resume_0.pt'}: missing; expected a complete checkpoint" in stderr
 
 
-def test_another_world_size_is_refused_naming_both(tmp_path: Path) -> None:
-    run(tmp_path, 2, "--crash-at", "3")
-    stderr = run(tmp_path, 1, "--resume", "true", expect=1)
+def test_another_world_size_is_refused_naming_both(crashed_on_two: dict[str, Path], tmp_path: Path) -> None:
+    shutil.copytree(crashed_on_two["torchrun"], tmp_path, dirs_exist_ok=True)
+    stderr = run(tmp_path, 1, "--accumulate", "3", "--resume", "true", expect=1)
     assert "written by 2 process(es), resumed on 1" in stderr
 
 
