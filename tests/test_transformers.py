@@ -142,10 +142,42 @@ def test_an_explicit_checkpoint_missing_our_file_is_refused_naming_it(crashed: P
     assert f"{checkpoint / 'loader_resume_0.pt'}: missing; expected a complete checkpoint" in stderr
 
 
-def test_another_world_size_is_refused_naming_both(crashed_on_two: dict[str, Path], tmp_path: Path) -> None:
+def learning_rates(out: Path) -> dict[int, float]:
+    return {row["step"]: row["lr"] for row in map(json.loads, (out / "lr-0.jsonl").read_text().splitlines())}
+
+
+def test_two_processes_resume_on_one_with_the_rest_of_the_epoch_exactly_once(
+        full: dict[str, Path], crashed_on_two: dict[str, Path], tmp_path: Path) -> None:
+    """Crashed after step 3 on 2 processes (accumulation 3): epoch 1 has delivered 3 batches a rank, samples
+    0-23 of its order. On one process that is step 5 (8 batches an epoch: steps of 3 + 3 + 2; 6 batches in):
+    the resumed run trains the 6 samples left of epoch 1, then epoch 2, exactly as the uninterrupted
+    one-process run does from its step 5 (same batches and values, same learning rates, same last step)."""
     shutil.copytree(crashed_on_two["torchrun"], tmp_path, dirs_exist_ok=True)
-    stderr = run(tmp_path, 1, "--accumulate", "3", "--resume", "true", expect=1)
-    assert "written by 2 process(es), resumed on 1" in stderr
+    before = [logs(tmp_path)[rank] for rank in range(2)]
+    stderr = run(tmp_path, 1, "--accumulate", "3", "--resume", "true")
+    assert "written by 2 process(es), resumed on 1: step 3 is step 5 here" in stderr
+    after = logs(tmp_path)[0][len(before[0]):]
+    one = logs(full["1-acc3"])[0]
+    assert len(after) == 2 + 8 and after == one[-len(after):]
+    epoch_one = [i for rank in range(2) for row in before[rank][4:] for i in row["ids"]]  # 4 batches a rank in epoch 0
+    epoch_one += [i for row in after[:2] for i in row["ids"]]
+    assert sorted(epoch_one) == list(range(ITEMS))
+    resumed, uninterrupted = learning_rates(tmp_path), learning_rates(full["1-acc3"])
+    assert {step: resumed[step] for step in range(6, 10)} == {step: uninterrupted[step] for step in range(6, 10)}
+    assert max(resumed) == max(uninterrupted) == 9
+    assert sorted(p.name for p in (tmp_path / "run").iterdir())[-1] == "checkpoint-9"
+
+
+def test_a_position_between_steps_at_the_new_world_size_is_refused() -> None:
+    """One process crashed after step 9 (GA 1, batch 4): epoch 1 at sample 4, half a step of two processes."""
+    from loader_resume.checkpoint import CheckpointError
+    from transformers_resume.trainer import _step_at
+
+    state = {"epoch": 1, "position": 4}
+    assert _step_at(state, world_size=1, batch_size=4, accumulation=1, steps_per_epoch=8, checkpoint=Path("c")) == 9
+    with pytest.raises(CheckpointError, match=r"c: sample 4 of epoch 1 is not an optimizer-step boundary on 2 "
+                                              r"process\(es\) \(steps of 2 \* batch 4 \* accumulation 1 = 8 "):
+        _step_at(state, world_size=2, batch_size=4, accumulation=1, steps_per_epoch=4, checkpoint=Path("c"))
 
 
 def test_stock_trainer_continues_differently(tmp_path: Path) -> None:

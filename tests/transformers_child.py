@@ -6,8 +6,9 @@
 A tiny model (dropout, returns ``{"loss": ...}``) on generated data whose items draw augmentation noise
 from torch, numpy and random, and whose collator draws from numpy, trained by ``ResumableTrainer``
 (``--stock``: ``Trainer``), checkpointing every step. Each process appends one JSON line per training
-micro-batch to OUT/log-RANK.jsonl (the sample ids and a fingerprint of the batch's values), so a resumed
-run's log continues the first run's, and writes OUT/weights-RANK.txt (a fingerprint of the final weights).
+micro-batch to OUT/log-RANK.jsonl (the sample ids and a fingerprint of the batch's values) and one per
+optimizer step to OUT/lr-RANK.jsonl (its learning rate), so a resumed run's logs continue the first run's, and
+writes OUT/weights-RANK.txt (a fingerprint of the final weights).
 """
 
 from __future__ import annotations
@@ -76,6 +77,18 @@ class CrashAfterSave(TrainerCallback):
             os._exit(0)
 
 
+class LogLearningRate(TrainerCallback):
+    """Appends the learning rate of each optimizer step, as it begins, to OUT/lr-RANK.jsonl."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        with self.path.open("a") as file:
+            file.write(json.dumps({"step": state.global_step + 1,
+                                   "lr": kwargs["optimizer"].param_groups[0]["lr"]}) + "\n")
+
+
 class SignalAt(TrainerCallback):
     """Rank 0 sends itself SIGTERM at the end of optimizer step ``step`` (before the ranks agree on signals)."""
 
@@ -115,7 +128,8 @@ def main() -> None:
         dataloader_num_workers=args.workers, disable_tqdm=True, enable_jit_checkpoint=args.jit,
     )
     kind = Trainer if args.stock else ResumableTrainer
-    callbacks: list[Any] = [] if args.crash_at is None else [CrashAfterSave(args.crash_at)]
+    callbacks: list[Any] = [LogLearningRate(out / f"lr-{rank}.jsonl")]
+    callbacks += [] if args.crash_at is None else [CrashAfterSave(args.crash_at)]
     callbacks += [] if args.signal_at is None else [SignalAt(args.signal_at)]
     trainer = kind(model=model, args=training, train_dataset=Items(30), data_collator=collate, callbacks=callbacks)
     assert trainer.args.world_size == args.processes, (trainer.args.world_size, args.processes)

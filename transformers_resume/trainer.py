@@ -26,8 +26,15 @@ Here, with public Trainer APIs where they exist:
   before an optimizer step (from ``on_pre_optimizer_step``), when the loader has already delivered that
   step's batches.
 
-A checkpoint resumes on the same number of processes; another world size is refused (Trainer counts its
-steps per world size: ``global_step`` would not name the same samples).
+Another number of processes (map-style datasets): the rest of the epoch is spread over the new ranks, each
+sample exactly once, and Trainer's step counter is re-expressed at the new world size: ``global_step`` becomes
+the optimizer steps a run started on the new number of processes would have taken to reach the same sample
+(completed epochs * its steps per epoch + its steps into this epoch), and the LR scheduler is moved to that
+step. Everything Trainer derives from steps (the epoch, ``max_steps`` and the LR horizon, ``save_steps``,
+logging) then means what it means in a run started on the new number of processes: the run ends where that
+run ends, with its learning rates from the resume on. A ``max_steps`` budget counts steps of the new world size.
+A position that is not an optimizer-step boundary there (e.g. 1 → 2 processes after an odd number of steps)
+is refused, naming the sample and what it must divide; so is an iterable dataset's state.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 import transformers.trainer as trainer_module
 from torch.utils.data import DataLoader
 from transformers.trainer_callback import TrainerCallback
@@ -90,6 +98,8 @@ class ResumeTrainerMixin:
         self.preempted_at: int | None = None
         """The step of the preemption checkpoint, once taken."""
         self._loader_states: dict[str, Any] | None = None
+        self._moved_from: tuple[Path, int, dict[str, Any]] | None = None  # checkpoint, its world size, rank 0's
+        self._move_scheduler_to: int | None = None
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if getattr(training_args, "enable_jit_checkpoint", False):  # NOTE: before Trainer installs its handler
             raise ValueError(
@@ -137,6 +147,7 @@ class ResumeTrainerMixin:
                 if missing:
                     raise CheckpointError(f"{missing}: missing; expected a complete checkpoint written by "
                                           f"ResumableTrainer (killed while saving, or saved by another Trainer?)")
+        self._moved_from = self._move_scheduler_to = None
         self._loader_states = None if checkpoint is None else self._read_states(Path(checkpoint))
         self.preempted_at = None
         self.preemption.install()
@@ -172,6 +183,40 @@ class ResumeTrainerMixin:
             os.replace(temporary, final)
         super()._save_checkpoint(model, trial)  # type: ignore[misc]
 
+    def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, *args: Any) -> tuple[int, int]:
+        # NOTE: Trainer's own (transformers 5.x): restores trainer_state.json and derives the epoch and the batches
+        # into it from global_step; after a change of world size, global_step is re-expressed first
+        epochs, batches = super()._init_training_state(  # type: ignore[misc]
+            max_steps, num_update_steps_per_epoch, *args)
+        if self._moved_from is None:
+            return epochs, batches
+        checkpoint, world, state = self._moved_from
+        loader, accumulation = self.resume_loader, self.args.gradient_accumulation_steps
+        assert loader is not None and loader.batch_size is not None
+        step = _step_at(state, world_size=self.args.world_size, batch_size=loader.batch_size,
+                       accumulation=accumulation, steps_per_epoch=num_update_steps_per_epoch, checkpoint=checkpoint)
+        logger.warning("%s: written by %d process(es), resumed on %d: step %d is step %d here (the same sample)",
+                       checkpoint, world, self.args.world_size, self.state.global_step, step)
+        self.state.global_step = self._move_scheduler_to = step
+        epochs = step // num_update_steps_per_epoch
+        batches = 0 if self.args.ignore_data_skip else step % num_update_steps_per_epoch * accumulation
+        return epochs, batches
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
+        step, scheduler = self._move_scheduler_to, getattr(self, "lr_scheduler", None)
+        if step is None or scheduler is None:
+            return
+        if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+            # NOTE: Trainer's schedules are LambdaLRs built with this run's horizon; step() computes the
+            # learning rates of ``last_epoch + 1`` in closed form and sets them on the optimizer
+            scheduler.last_epoch = step - 1
+            scheduler.step()
+        elif type(scheduler).__name__ not in ("ReduceLROnPlateau", "GreedyLR"):  # not indexed by steps
+            logger.warning("LR scheduler %s not moved to step %d after the change of world size (only LambdaLR "
+                           "schedules are); its learning rates continue from the checkpoint's step",
+                           type(scheduler).__name__, step)
+
     def resumable_checkpoint(self) -> str | None:
         """The newest complete checkpoint in ``args.output_dir`` (what ``train(resume_from_checkpoint=True)``
         resumes from), or ``None``: ``trainer.train(resume_from_checkpoint=trainer.resumable_checkpoint() is not
@@ -190,13 +235,22 @@ class ResumeTrainerMixin:
         return None
 
     def _read_states(self, checkpoint: Path) -> dict[str, Any]:
-        """Every saved rank's loader state, as ``gather_states`` returns them; refused at another world size."""
+        """Every saved rank's loader state, as ``gather_states`` returns them; at another world size, notes the
+        change for ``_init_training_state`` (refused for an iterable dataset's state)."""
         first = _load(checkpoint / LOADER_STATE_FILE.format(rank=0))
         world = first["world_size"]
-        if world != self.args.world_size:
-            raise CheckpointError(f"{checkpoint}: written by {world} process(es), resumed on {self.args.world_size}; "
-                                  "expected the same number (Trainer counts its steps per world size)")
         ranks = [first] + [_load(checkpoint / LOADER_STATE_FILE.format(rank=r)) for r in range(1, world)]
+        if world != self.args.world_size:
+            state = first["loader"]
+            if not isinstance(state, dict) or state.get("kind") != "map":
+                raise CheckpointError(f"{checkpoint}: written by {world} process(es), resumed on "
+                                      f"{self.args.world_size}; an iterable dataset resumes under Trainer on the same "
+                                      "number of processes only (Trainer's steps would not name the same samples)")
+            if not hasattr(trainer_module.Trainer, "_init_training_state"):
+                raise CheckpointError(f"{checkpoint}: written by {world} process(es), resumed on "
+                                      f"{self.args.world_size}; another number of processes needs transformers >= 5 "
+                                      f"(found {transformers.__version__})")
+            self._moved_from = (checkpoint, world, state)
         return {"world_size": world, "ranks": [saved["loader"] for saved in ranks]}
 
 
@@ -217,6 +271,21 @@ class _AgreeOnSignals(TrainerCallback):
 
 class ResumableTrainer(ResumeTrainerMixin, trainer_module.Trainer):
     """``transformers.Trainer`` with exact mid-epoch resume (:class:`ResumeTrainerMixin`)."""
+
+
+def _step_at(state: dict[str, Any], *, world_size: int, batch_size: int, accumulation: int, steps_per_epoch: int,
+            checkpoint: Path) -> int:
+    """Trainer's ``global_step`` at ``world_size`` for the position of the map-style loader ``state``: completed
+    epochs * ``steps_per_epoch`` + the optimizer steps (``world_size`` * ``batch_size`` * ``accumulation``
+    samples each) into the epoch. A position between two of those steps is refused."""
+    epoch, position = state["epoch"], state["position"]
+    per_step = world_size * batch_size * accumulation
+    if position % per_step:
+        raise CheckpointError(
+            f"{checkpoint}: sample {position} of epoch {epoch} is not an optimizer-step boundary on {world_size} "
+            f"process(es) (steps of {world_size} * batch {batch_size} * accumulation {accumulation} = {per_step} "
+            "samples); expected a number of processes whose steps end there (e.g. the saving run's)")
+    return int(epoch * steps_per_epoch + position // per_step)
 
 
 def _missing(checkpoint: Path) -> Path | None:
