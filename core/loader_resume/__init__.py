@@ -7,8 +7,11 @@ bit-identically â€” sample ids and the random numbers drawn while loading them â
 
 from .keyed_rng import GENERATORS
 from .loader import ResumableDataLoader
+from .mixture import Mixture
 from .sampler import ShardedSampler
 from .state import STATE_VERSION, StateError
 
-__all__ = ["GENERATORS", "STATE_VERSION", "ResumableDataLoader", "ShardedSampler", "StateError", "__version__"]
+__all__ = [
+    "GENERATORS", "STATE_VERSION", "Mixture", "ResumableDataLoader", "ShardedSampler", "StateError", "__version__",
+]
 __version__ = "0.1.0"

@@ -8,7 +8,7 @@ writes nothing back (only a user's own sampler, which it iterates, changes). The
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import chain, islice
 from typing import Any
@@ -49,6 +49,9 @@ class Plan:
     next_fetch: NextFetch | None = None
     """Per-batch keying in this process (``num_workers=0``): each list's key parts are recorded here as it is
     handed out, for the fetch (``keyed_fetch.KeyedFetch``), instead of a key carried by the list."""
+    resolve: Callable[[int, list[int]], list[Any]] | None = None
+    """A :class:`~loader_resume.mixture.Mixture`'s ``resolve``: each list's positions of the epoch become the keys
+    the dataset is read with, as the list is handed out."""
 
 
 def plan_indices(plan: Plan, epoch: int, start: int, sampler_state: Any = None) -> Iterator[tuple[list[int], Pending]]:
@@ -68,6 +71,8 @@ def plan_indices(plan: Plan, epoch: int, start: int, sampler_state: Any = None) 
     for units, key_position, end, last, state in _steps(plan, epoch, start, sampler_state):
         pending = (end, last, state)
         indices = units[0] if plan.unit_is_batch else units
+        if plan.resolve is not None:
+            indices = plan.resolve(epoch, indices)
         if off:
             yield indices, pending
             continue

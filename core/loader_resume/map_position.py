@@ -13,6 +13,7 @@ from typing import Any
 
 from .index_plan import Pending, Plan, plan_indices
 from .keyed_fetch import NextFetch
+from .mixture import Mixture
 from .position import Begun, Setup, tell_epoch
 from .sampler import Source, steps_per_epoch
 from .split_check import SplitCheck
@@ -50,6 +51,10 @@ class MapPosition:
         settings = (setup.batch_size, setup.seed, source.shuffle, setup.drop_last)
         self._split_check: SplitCheck | None = SplitCheck(setup.dataset, settings)
         self._stateful: tuple[bool, bool] | None = None  # (sampler, dataset): read once a pass, at its first state()
+        self._mixture = setup.dataset if isinstance(setup.dataset, Mixture) else None
+        if self._mixture is not None and (source.shuffle or source.sampler is not None):
+            raise ValueError("ResumableDataLoader over a Mixture: expected shuffle=False and no sampler (a Mixture "
+                             "orders its samples itself, and its weight changes apply from a position in that order)")
         self.next_fetch = NextFetch()
         """Where the index plan records each list's key for the fetch in this process (``num_workers=0``)."""
         self.reset(None)
@@ -132,7 +137,10 @@ class MapPosition:
     def __iter__(self) -> Iterator[list[Any]]:
         pass_ = self._pass if self._pass is not None else MapPass(self.epoch, self._position)
         plan = self._plan(fetch_here=self.setup.fetches_here)
-        return self._recorded(pass_, plan_indices(plan, pass_.epoch, pass_.start, pass_.sampler_state))
+        lists = plan_indices(plan, pass_.epoch, pass_.start, pass_.sampler_state)
+        if self._mixture is not None:
+            return _resolved(self._mixture, pass_, lists)
+        return self._recorded(pass_, lists)
 
     def __len__(self) -> int:
         return self.batches_per_epoch()
@@ -151,6 +159,7 @@ class MapPosition:
             source=self.source, n=self._n, shard=setup.shard(), seed=setup.seed, shuffle=self.shuffle,
             keying=setup.keying, mask=setup.mask, unit_is_batch=self.unit_is_batch,
             workers=setup.num_workers if setup.seeds_ahead else 0, next_fetch=self.next_fetch if fetch_here else None,
+            resolve=None if self._mixture is None else self._mixture.resolve,
         )
 
     @staticmethod
@@ -179,6 +188,16 @@ class MapPosition:
         if self._sampler_state is None:
             self._sampler_state = self.source.state_dict()
         return self._sampler_state
+
+
+def _resolved(mixture: Mixture, pass_: MapPass, lists: Iterator[tuple[Any, Pending]]) -> Iterator[Any]:
+    """A mixture's lists (its positions resolved by the plan) as torch requests each one, telling the mixture
+    how far requests have gone: its weight changes apply from there."""
+    mixture.requested(pass_.epoch, pass_.start)
+    for indices, pending in lists:
+        pass_.pending.append(pending)
+        mixture.requested(pass_.epoch, pending[0])
+        yield indices
 
 
 class _Unbatch:
