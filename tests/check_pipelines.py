@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from loader_resume import ResumableDataLoader
+from loader_resume import Mixture, ResumableDataLoader
 from support.data import Augmented, CountsOwnEpochs
 
 _UNSEEDED: np.random.Generator | None = None
@@ -84,3 +84,24 @@ def plain_stream() -> DataLoader[Any]:
 
 def counts_own_epochs() -> DataLoader[Any]:
     return DataLoader(CountsOwnEpochs(), batch_size=3)
+
+
+def mixture() -> ResumableDataLoader[Any]:
+    """Two sources (14 and 5 items, drawing augmentations), 2 workers, 20 batches an epoch of 60 samples."""
+    return ResumableDataLoader(Mixture({"big": Augmented(14), "small": Augmented(5)}, {"big": 3, "small": 1},
+                                       block_size=4, samples_per_epoch=60), batch_size=3, num_workers=2, seed=3)
+
+
+def mixture_schedule(loader: ResumableDataLoader[Any], delivered: int) -> None:
+    """A weight schedule by step, as a training loop makes it."""
+    if delivered in (2, 4):
+        loader.dataset.set_weights({"big": 1, "small": 1} if delivered == 2 else {"big": 0, "small": 1})
+
+
+_CALLS = [0]
+
+
+def mixture_schedule_by_own_count(loader: ResumableDataLoader[Any], delivered: int) -> None:
+    """The same schedule by a count of its own calls, which a resumed process starts again from 0."""
+    _CALLS[0] += 1
+    mixture_schedule(loader, _CALLS[0])

@@ -70,3 +70,27 @@ def test_a_scenario_refused_by_design_is_reported_as_refused_not_a_traceback() -
     assert refused and refused[0].startswith("cut after    2 batches, num_workers 2 -> 0: refused: loader state "
                                              "field 'num_workers': saved 2, expected 0")
     assert lines[-1] == "1 exact, 0 diverging, 1 refused by design" and "Traceback" not in done.stderr
+
+
+def test_a_mixture_with_a_weight_schedule_resumes_exactly_in_every_scenario() -> None:
+    """The schedule runs after every batch of every run (--after-batch); 20 batches an epoch, weights changed
+    after batches 2 and 4: cuts before, between and after the changes and over the epoch boundary, resumed with the same
+    2 workers and over 2 ranks. (With another num_workers, a change made after the resume applies after that
+    run's own prefetched batches: the check reports those batches as diverging, as they do.)"""
+    done = check("check_pipelines:mixture", "--epochs", "2", "--cuts", "1,3,10,19,20,21", "--workers", "2",
+                 "--after-batch", "check_pipelines:mixture_schedule")
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[-1] == "12 exact, 0 diverging"
+    assert "cut after    3 batches, num_workers 2 -> 2: exact" in lines  # between the changes
+    assert "cut after   10 batches, world size 1 -> 2: the rest of the epoch exactly once" in lines
+
+
+def test_a_schedule_that_does_not_follow_the_step_is_caught() -> None:
+    """Counting its own calls, the schedule restarts in the resumed process: its second change comes 3 batches
+    late (after the prefetched batches: from batch 8 on), and the check names the first batch that differs."""
+    done = check("check_pipelines:mixture", "--epochs", "1", "--cuts", "3", "--workers", "2", "--worlds", "",
+                 "--after-batch", "check_pipelines:mixture_schedule_by_own_count", "--json")
+    assert done.returncode == 1, done.stdout + done.stderr
+    (scenario,) = json.loads(done.stdout)
+    assert scenario["exact"] is False and scenario["diverged_at"] == 8 and scenario["fields"]

@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import Dataset
 
 from loader_resume import Mixture, ResumableDataLoader, StateError
+from loader_resume.testing import assert_resumes_exactly
 
 LENGTHS = {"a": 50, "b": 20, "c": 7}
 BASES = {"a": 0, "b": 1000, "c": 5000}
@@ -181,3 +182,29 @@ def test_bad_use_is_refused_with_what_was_expected() -> None:
         mixture().set_weights({"a": 0, "b": 0, "c": 0})
     with pytest.raises(TypeError, match=r"Mixture source 'x'.*expected a map-style dataset with __len__"):
         Mixture({"x": iter([])}, {"x": 1})
+
+
+def change_weights(loader: ResumableDataLoader, delivered: int) -> None:
+    if delivered in (4, 10, 30):
+        loader.dataset.set_weights(CHANGES[3] if delivered != 10 else CHANGES[9])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_assert_resumes_exactly_covers_a_mixture_with_weight_changes(workers: int) -> None:
+    """Every cut of two epochs (40 batches), the weights changed after batches 4, 10 and 30; each state through
+    JSON. Without the calls in the resumed runs the check fails: the helper runs them too."""
+    report = assert_resumes_exactly(lambda: ResumableDataLoader(mixture(), batch_size=4, seed=1, num_workers=workers),
+                                    epochs=2, round_trip="json", after_batch=change_weights)
+    assert report.batches == 40 and len(report.cuts) == 41
+    built: list[ResumableDataLoader] = []
+
+    def build() -> ResumableDataLoader:
+        built.append(ResumableDataLoader(mixture(), batch_size=4, seed=1))
+        return built[-1]
+
+    def in_the_reference_only(loader: ResumableDataLoader, delivered: int) -> None:
+        if loader is built[0]:
+            change_weights(loader, delivered)
+
+    with pytest.raises(AssertionError, match=r"cut 2: batch 4 \(epoch 0\) differs after resume"):
+        assert_resumes_exactly(build, epochs=1, cuts=[2], after_batch=in_the_reference_only)

@@ -100,6 +100,7 @@ def assert_resumes_exactly(
     cuts: Sequence[int] | None = None,
     make_resumed: Callable[[], StatefulLoader] | None = None,
     round_trip: str = "copy",
+    after_batch: Callable[[Any, int], None] | None = None,
 ) -> ResumeReport:
     """Raise AssertionError unless every saved state resumes the exact rest of the run.
 
@@ -110,6 +111,10 @@ def assert_resumes_exactly(
         make_resumed: builds the loader that resumes (default ``make_loader``): pass another
             ``num_workers`` or batch size here to prove the state is portable.
         round_trip: where each state goes before it is loaded, one of :data:`ROUND_TRIPS`.
+        after_batch: called after each batch with the loader and the batches delivered so far (over all
+            epochs), in the reference run and in every resumed one (counting on from the cut), before any
+            state is taken: a run's per-step calls, such as ``Mixture.set_weights`` (picklable with
+            ``round_trip="process"``).
     """
     if round_trip not in ROUND_TRIPS:
         raise ValueError(f"round_trip={round_trip!r}: expected one of {list(ROUND_TRIPS)}")
@@ -120,6 +125,8 @@ def assert_resumes_exactly(
     for epoch in range(epochs):
         for batch in reference:
             records.append((epoch, fingerprint(batch)))
+            if after_batch is not None:
+                after_batch(reference, len(records))
             states.append(copy.deepcopy(reference.state_dict()))
         ended = copy.deepcopy(reference.state_dict())
         if fingerprint(ended) != fingerprint(states[-1]):
@@ -139,9 +146,11 @@ def assert_resumes_exactly(
             if pool is not None:
                 saved = io.BytesIO()
                 torch.save(state, saved)
-                outcome = pool.submit(_resume_from_bytes, make, saved.getvalue(), epochs, fallback).result()
+                outcome = pool.submit(_resume_from_bytes, make, saved.getvalue(), epochs, fallback,
+                                      (after_batch, cut)).result()
             else:
-                outcome = _resume(make, _through(state, round_trip), epochs, fallback, dcp=round_trip == "dcp")
+                outcome = _resume(make, _through(state, round_trip), epochs, fallback, dcp=round_trip == "dcp",
+                                  calls=(after_batch, cut))
             _check_cut(outcome, records, cut, make_resumed is None)
     finally:
         if pool is not None:
@@ -165,13 +174,18 @@ def _through(state: dict[str, Any], round_trip: str) -> dict[str, Any]:
     return copy.deepcopy(state)
 
 
-def _resume_from_bytes(make: Callable[[], StatefulLoader], saved: bytes, epochs: int, fallback: int) -> _Outcome:
+_Calls = tuple[Callable[[Any, int], None] | None, int]
+"""``after_batch`` and the batches delivered before the cut."""
+
+
+def _resume_from_bytes(make: Callable[[], StatefulLoader], saved: bytes, epochs: int, fallback: int,
+                       calls: _Calls) -> _Outcome:
     """In another process: the state as ``torch.load(weights_only=True)`` reads it there, resumed."""
-    return _resume(make, torch.load(io.BytesIO(saved), weights_only=True), epochs, fallback, dcp=False)
+    return _resume(make, torch.load(io.BytesIO(saved), weights_only=True), epochs, fallback, dcp=False, calls=calls)
 
 
 def _resume(make: Callable[[], StatefulLoader], state: dict[str, Any], epochs: int, fallback: int,
-            *, dcp: bool) -> _Outcome:
+            *, dcp: bool, calls: _Calls) -> _Outcome:
     resumed = make()
     if dcp:
         from torch.distributed.checkpoint.state_dict_loader import load
@@ -188,7 +202,14 @@ def _resume(make: Callable[[], StatefulLoader], state: dict[str, Any], epochs: i
     # NOTE: an iterable stream cannot know it is spent until it is asked for more, so a state taken
     # after its last batch says "still in this epoch"; the loader's own epoch says where it resumes.
     first_epoch = getattr(resumed, "epoch", fallback)
-    return state, read_back, again.state_dict(), run_epochs(resumed, epochs, first_epoch)
+    after_batch, delivered = calls
+    rest = []
+    for epoch in range(first_epoch, epochs):
+        for batch in resumed:
+            rest.append((epoch, fingerprint(batch)))
+            if after_batch is not None:
+                after_batch(resumed, delivered + len(rest))
+    return state, read_back, again.state_dict(), rest
 
 
 class _Holding:

@@ -65,18 +65,24 @@ def _fields(batch: Any) -> dict[str, str]:
     return {"batch": fingerprint(batch)}
 
 
-def _build(spec: str, workers: int | None, rank: int | None = None, world: int | None = None) -> Any:
+def _named(spec: str, what: str) -> Any:
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
-        raise SystemExit(f"loader-resume check: {spec!r} is not MODULE:FACTORY (e.g. mypkg.data:make_loader)")
-    factory: Callable[[], Any] = getattr(importlib.import_module(module_name), attribute)
+        raise SystemExit(f"loader-resume check: {spec!r} is not MODULE:{what} (e.g. mypkg.data:make_loader)")
+    return getattr(importlib.import_module(module_name), attribute)
+
+
+def _build(spec: str, workers: int | None, rank: int | None = None, world: int | None = None) -> Any:
+    factory: Callable[[], Any] = _named(spec, "FACTORY")
     from ..convert import resumable
 
     return resumable(factory(), num_workers=workers, rank=rank, world_size=world)
 
 
-def _run(spec: str, epochs: int, workers: int | None, cut: int | None, load: str | None, save: str | None) -> None:
-    """Runner (a separate process): print one JSON line per batch: [epoch, {field: fingerprint}]."""
+def _run(spec: str, epochs: int, workers: int | None, cut: int | None, load: str | None, save: str | None,
+         after_batch: str | None = None) -> None:
+    """Runner (a separate process): print one JSON line per batch: [epoch, {field: fingerprint}]. ``cut``: the
+    batches to deliver before saving to ``save``, or those delivered before the state in ``load``."""
     import torch
 
     from ..state import StateError
@@ -90,12 +96,15 @@ def _run(spec: str, epochs: int, workers: int | None, cut: int | None, load: str
         except StateError as error:  # refused by design: a verdict of its own, not a crash
             sys.stdout.write(json.dumps({"refused": str(error)}) + "\n")
             return
-    delivered = 0
+    call = _named(after_batch, "FUNCTION") if after_batch else None
+    delivered = cut if load and cut else 0
     while loader.epoch < epochs:
         epoch = loader.epoch
         for batch in loader:
             sys.stdout.write(json.dumps([epoch, _fields(batch)]) + "\n")
             delivered += 1
+            if call is not None:
+                call(loader, delivered)
             if save and delivered == cut:
                 torch.save(loader.state_dict(), save)
                 return
@@ -123,6 +132,7 @@ def _rescale(spec: str, load: str, world: int) -> None:
 
     state = torch.load(load, weights_only=True)
     reference = _build(spec, 0)
+    reference.load_state_dict(state)  # NOTE: a Mixture's order depends on the weight changes the state holds
     full = [i for batch in reference.planned_indices(epoch=state["epoch"]) for i in batch]
     after: list[int] = []
     for rank in range(world):
@@ -136,20 +146,22 @@ def _rescale(spec: str, load: str, world: int) -> None:
 
 
 def _judge_rescale(found: Mapping[str, Any], world: int) -> tuple[bool, str]:
-    counts = Counter(found["before"] + found["after"])
-    lost = sorted(set(found["full"]) - set(counts))
-    extra = sum(counts.values()) - len(counts)
+    # NOTE: multisets, compared with the epoch's plan: a Mixture's epoch may hold a small source's item twice
+    def key(index: Any) -> Any:
+        return tuple(index) if isinstance(index, list) else index  # JSON turned a Mixture's keys into lists
+
+    counts, plan = Counter(map(key, found["before"] + found["after"])), Counter(map(key, found["full"]))
+    lost, extra = plan - counts, counts - plan
     if found["drop_last"]:
-        twice = sorted(i for i, c in counts.items() if c > 1)
-        if twice:
-            return False, f"samples delivered twice: {twice[:5]}"
-        if len(lost) >= found["step"]:
-            return False, f"{len(lost)} samples lost (more than one partial global step)"
+        if extra:
+            return False, f"samples delivered twice: {sorted(extra)[:5]}"
+        if lost.total() >= found["step"]:
+            return False, f"{lost.total()} samples lost (more than one partial global step)"
         return True, ""
     if lost:
-        return False, f"samples lost: {lost[:5]}"
-    if extra >= world:
-        return False, f"{extra} repeated samples (more than the last step's padding)"
+        return False, f"samples lost: {sorted(lost)[:5]}"
+    if extra.total() >= world:
+        return False, f"{extra.total()} repeated samples (more than the last step's padding)"
     return True, ""
 
 
@@ -174,19 +186,23 @@ def _compare(reference: list[list[Any]], resumed: list[list[Any]], cut: int) -> 
 
 
 def run_check(spec: str, *, epochs: int = 2, cuts: list[int] | None = None, workers: list[int] | None = None,
-              worlds: list[int] | None = None, progress: Callable[[int, int], None] | None = None) -> list[Scenario]:
+              worlds: list[int] | None = None, progress: Callable[[int, int], None] | None = None,
+              after_batch: str | None = None) -> list[Scenario]:
     """The scenarios' verdicts (the uninterrupted run is the reference).
 
     ``worlds``: world sizes to resume a map-style loader's state over (default ``[2]``; ``[]`` for none);
     those scenarios are judged on the samples delivered, since batches are composed differently.
+    ``after_batch``: ``MODULE:FUNCTION`` called as ``function(loader, batches_delivered)`` after every batch of
+    every run (counting on from the cut after a resume): a job's per-step calls, e.g. ``Mixture.set_weights``.
     """
+    calls = ["--after-batch", after_batch] if after_batch else []
     from torch.utils.data import IterableDataset
 
     own = _build(spec, None)
     own_workers = own.num_workers
     rescalable = not isinstance(own.dataset, IterableDataset) and own.world_size == 1
     rescales = (worlds if worlds is not None else [2]) if rescalable else []
-    reference = _spawn(["_run", spec, "--epochs", str(epochs)])
+    reference = _spawn(["_run", spec, "--epochs", str(epochs), *calls])
     per_epoch = sum(1 for epoch, _ in reference if epoch == 0)
     if cuts is None:  # first batch, mid-epoch, an epoch's last batch, the boundary's first batch of the next
         candidates = (1, per_epoch // 2, per_epoch - 1, per_epoch, per_epoch + 1)
@@ -198,10 +214,10 @@ def run_check(spec: str, *, epochs: int = 2, cuts: list[int] | None = None, work
         for done, (cut, resume_with, world) in enumerate(plan):
             state = str(Path(tmp) / f"state-{cut}.pt")
             if not Path(state).exists():
-                _spawn(["_run", spec, "--epochs", str(epochs), "--cut", str(cut), "--save", state])
+                _spawn(["_run", spec, "--epochs", str(epochs), "--cut", str(cut), "--save", state, *calls])
             if world is None:
-                resumed = _spawn(["_run", spec, "--epochs", str(epochs), "--load", state, "--workers",
-                                  str(resume_with)])
+                resumed = _spawn(["_run", spec, "--epochs", str(epochs), "--load", state, "--cut", str(cut),
+                                  "--workers", str(resume_with), *calls])
                 if resumed and isinstance(resumed[0], dict) and "refused" in resumed[0]:
                     scenarios.append(Scenario(cut, own_workers, resume_with, False, refused=resumed[0]["refused"]))
                 else:
@@ -232,6 +248,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="num_workers to resume with, e.g. 0,2 (default: the loader's own and another)")
     parser.add_argument("--worlds", type=lambda s: [int(x) for x in s.split(",") if x],
                         help="world sizes to resume over, e.g. 2,3 (default: 2; '' for none; map-style data only)")
+    parser.add_argument("--after-batch", metavar="MODULE:FUNCTION",
+                        help="called as FUNCTION(loader, batches_delivered) after every batch of every run "
+                             "(your job's per-step calls, e.g. Mixture.set_weights)")
     parser.add_argument("--json", action="store_true", help="print the verdicts as JSON")
 
 
@@ -242,7 +261,7 @@ def main(args: argparse.Namespace) -> int:
     reported as ``refused: <reason>`` and does not fail the check: the refusal is the guarantee.
     """
     scenarios = run_check(args.factory, epochs=args.epochs, cuts=args.cuts, workers=args.workers,
-                          worlds=args.worlds, progress=None if args.json else _bar)
+                          worlds=args.worlds, progress=None if args.json else _bar, after_batch=args.after_batch)
     if args.json:
         sys.stdout.write(json.dumps([asdict(s) for s in scenarios], indent=2) + "\n")
     else:
@@ -266,12 +285,13 @@ def _runner_main(argv: list[str]) -> None:
     parser.add_argument("--load")
     parser.add_argument("--save")
     parser.add_argument("--world", type=int)
+    parser.add_argument("--after-batch")
     args = parser.parse_args(argv)
     sys.path.insert(0, ".")
     if args.world:
         _rescale(args.spec, args.load, args.world)
         return
-    _run(args.spec, args.epochs, args.workers, args.cut, args.load, args.save)
+    _run(args.spec, args.epochs, args.workers, args.cut, args.load, args.save, args.after_batch)
 
 
 if __name__ == "__main__":
