@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_resume import FabricResumableDataLoader, FabricResume
+from loader_resume import Mixture
 from loader_resume.testing import fingerprint
 from support.data import NoisyEverywhere, NoisyStream
 
@@ -37,6 +38,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--stream", action="store_true", help="an IterableDataset without __len__")
+    parser.add_argument("--mixture", action="store_true", help="a Mixture whose weights change after steps 3 and 9")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds per micro-batch, to be signalled mid-epoch")
     parser.add_argument("--signal-at", type=int, help="rank 0 sends itself SIGTERM after this micro-batch")
     parser.add_argument("--save-at", type=int, help="fabric.save(OUT/explicit.ckpt) with the loader in the state at "
@@ -57,7 +59,9 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.7)
     model, optimizer = fabric.setup(model, optimizer)
     data: Any = NoisyStream(args.items, rank, args.devices) if args.stream else NoisyEverywhere(args.items)
-    train = fabric.setup_dataloaders(DataLoader(data, batch_size=4, shuffle=not args.stream,
+    if args.mixture:
+        data = Mixture({"a": data, "b": NoisyEverywhere(9)}, {"a": 2, "b": 1}, block_size=6)
+    train = fabric.setup_dataloaders(DataLoader(data, batch_size=4, shuffle=not (args.stream or args.mixture),
                                                 num_workers=args.workers))
     assert isinstance(train, FabricResumableDataLoader) and train.world_size == args.devices
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
@@ -80,6 +84,8 @@ def main() -> None:
                 optimizer.step()
                 optimizer.zero_grad()
                 scheduler.step()
+                if args.mixture and resume.step in (3, 9):  # a weight schedule by optimizer step
+                    data.set_weights({"a": 1, "b": 2} if resume.step == 3 else {"a": 1, "b": 0})
             row = {"epoch": epoch, "step": resume.step, "ids": ids.tolist(), "batch": fingerprint([x, y]),
                    "lr": scheduler.get_last_lr()[0]}
             log.write(json.dumps(row) + "\n")

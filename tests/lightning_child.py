@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_resume import ResumeCallback
+from loader_resume import Mixture
 from loader_resume.distributed import init_process_group
 from loader_resume.testing import fingerprint
 from support.data import Noisy
@@ -112,6 +113,9 @@ class Model(L.LightningModule):
             return DataLoader(split_dataset_by_node(whole, self.global_rank, self.trainer.world_size), batch_size=4)
         if self.args.stream:
             return DataLoader(NoisyStream(self.args.items), batch_size=4, num_workers=self.args.workers)
+        if self.args.mixture:  # two sources, weights changed by MixtureSchedule; the mixture orders itself
+            self.mixture = Mixture({"a": Noisy(self.args.items), "b": Noisy(9)}, {"a": 2, "b": 1}, block_size=6)
+            return DataLoader(self.mixture, batch_size=4, shuffle=False, num_workers=self.args.workers)
         if self.args.custom_sampler:
             return DataLoader(Noisy(self.args.items), batch_size=4, sampler=EpochOrder(self.args.items),
                               num_workers=self.args.workers)
@@ -126,6 +130,14 @@ class Model(L.LightningModule):
         (out / name).write_text(json.dumps(self.log_rows))
         weights = fingerprint([p.detach() for p in self.parameters()])
         (out / f"weights-{self.global_rank}.txt").write_text(weights)
+
+
+class MixtureSchedule(L.Callback):
+    """A weight schedule by optimizer step, as a user's callback sets it: after steps 3 and 9."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, index: int) -> None:
+        if trainer.global_step in (3, 9):
+            pl_module.mixture.set_weights({"a": 1, "b": 2} if trainer.global_step == 3 else {"a": 1, "b": 0})
 
 
 def resume_callbacks(args: argparse.Namespace) -> list[ResumeCallback]:
@@ -157,6 +169,7 @@ def main() -> None:
     parser.add_argument("--onecycle", action="store_true", help="OneCycleLR sized by estimated_stepping_batches")
     parser.add_argument("--stream", action="store_true", help="an IterableDataset without __len__")
     parser.add_argument("--custom-sampler", action="store_true", help="a sampler of our own, not torch's")
+    parser.add_argument("--mixture", action="store_true", help="a Mixture whose weights change at steps 3 and 9")
     parser.add_argument("--split-per-rank", action="store_true", help="an HF dataset split with split_dataset_by_node")
     parser.add_argument("--batch-log", help="also append one JSON line per step to BATCH_LOG/log-RANK.jsonl")
     args = parser.parse_args()
@@ -171,8 +184,9 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0, default_root_dir=args.out, deterministic=True,
         limit_val_batches=1.0 if args.val_every else 0, val_check_interval=args.val_every or None,
-        callbacks=[*resume_callbacks(args), ModelCheckpoint(dirpath=Path(args.out) / "ckpt",
-                   every_n_train_steps=args.every, save_top_k=-1, save_last=True, filename="{step}")],
+        callbacks=[*resume_callbacks(args), *([MixtureSchedule()] if args.mixture else []),
+                   ModelCheckpoint(dirpath=Path(args.out) / "ckpt", every_n_train_steps=args.every, save_top_k=-1,
+                                   save_last=True, filename="{step}")],
     )
     assert trainer.world_size == args.devices
     trainer.fit(Model(args), ckpt_path=args.resume)

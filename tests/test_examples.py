@@ -133,3 +133,12 @@ def test_transformers_example_stopped_and_extended_ends_with_the_uninterrupted_w
     stopped = job(25, "a")
     assert (tmp_path / "a" / "checkpoint-25" / "loader_resume_0.pt").is_file()
     assert job(60, "a") == job(60, "b") != stopped
+
+
+def test_mixture_example_interrupted_by_sigterm_and_rerun_ends_with_the_same_weights(tmp_path: Path) -> None:
+    """SIGTERM at step 20: after the schedule's change of step 15 (in the checkpoint), before that of step 90
+    (made again by the rerun, at the same step)."""
+    uninterrupted, rerun = interrupted_and_rerun(str(EXAMPLES / "mixture_digits.py"), "project_dir", tmp_path)
+    assert "resumed from" in rerun and "epoch 0 step 20 " not in rerun
+    assert "step 100 loss" in rerun and "'high': 0.6" in rerun
+    assert _digest(rerun) == _digest(uninterrupted)

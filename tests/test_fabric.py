@@ -99,6 +99,16 @@ def test_one_device_resumes_exactly(full: dict[str, Path], tmp_path: Path) -> No
     assert logs(tmp_path) == logs(full["1"]) and weights(tmp_path) == weights(full["1"])
 
 
+def test_a_mixture_whose_weights_change_resumes_exactly(tmp_path: Path) -> None:
+    """Weights set after optimizer steps 3 and 9 (the loop's own calls); SIGTERM after batch 6: the checkpoint
+    holds the first change, the rerun makes the second at the same step."""
+    run(tmp_path / "full", 1, "--mixture")
+    run(tmp_path / "cut", 1, "--mixture", "--signal-at", "6", expect=143)
+    run(tmp_path / "cut", 1, "--mixture")
+    uninterrupted = logs(tmp_path / "full")[0]
+    assert logs(tmp_path / "cut") == [uninterrupted] and weights(tmp_path / "cut") == weights(tmp_path / "full")
+
+
 def test_two_ranks_checkpoint_resumes_on_one_delivering_the_rest_exactly_once(tmp_path: Path) -> None:
     run(tmp_path, 2, "--signal-at", "6", expect=143)  # rank 0's 6th batch: the second epoch
     cut = [trained(rows) for rows in logs(tmp_path)]

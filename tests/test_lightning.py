@@ -82,6 +82,14 @@ def test_resume_with_workers_is_exact(tmp_path: Path) -> None:
     assert_continues(full, resumed, 9)
 
 
+def test_a_mixture_whose_weights_a_callback_changes_resumes_exactly(tmp_path: Path) -> None:
+    """A user's callback sets the weights after steps 3 and 9; resumed from the checkpoint of step 6 (the first
+    change inside it), the same callback makes the second change at the same step."""
+    full = ok(tmp_path / "full", "--mixture", "--every", "6")
+    resumed = ok(tmp_path / "resumed", "--mixture", "--resume", str(tmp_path / "full" / "ckpt" / "step=6.ckpt"))
+    assert_continues(full, resumed, 6)
+
+
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     out = tmp_path_factory.mktemp("ddp")
