@@ -106,6 +106,8 @@ def test_the_order_is_a_function_of_the_state_alone() -> None:
     other.load_state_dict(state)
     assert other.resolve(1, list(range(77))) == m.resolve(1, list(range(77)))
     assert other.resolve(3, [5, 70]) == m.resolve(3, [5, 70])
+    whole = m.resolve(2, list(range(77)))
+    assert m.resolve(2, [70, 5, 6, 7, 76]) == [whole[70], whole[5], whole[6], whole[7], whole[76]]  # any order
 
 
 @pytest.mark.parametrize("workers", [0, 2])

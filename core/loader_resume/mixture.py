@@ -16,9 +16,9 @@ so far)``:
    keyed permutation, epoch after epoch of its own. ``t`` counts the draws before the block (per segment:
    full blocks times the count, plus the cut block's) plus the rank.
 
-So resuming at any position costs one bisection over the changes and one block (``O(block_size)``,
-vectorised), and the state is the sources' lengths, the weights and the changes: JSON,
-``O(sources + changes)``.
+So resuming at any position costs one bisection over the changes, one block and one chunk of 4096 draws of
+each source's permutation (vectorised, and kept for the lists that follow: consecutive positions cost a
+slice), and the state is the sources' lengths, the weights and the changes: JSON, ``O(sources + changes)``.
 
 Under :class:`~loader_resume.ResumableDataLoader`, positions are resolved into ``(source, item)`` keys in
 the main process as torch requests each batch, so DataLoader workers only fetch. :meth:`Mixture.set_weights`
@@ -31,6 +31,7 @@ change: the later call wins from its position.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import math
 from collections.abc import Mapping
@@ -45,6 +46,8 @@ from .state import StateError
 __all__ = ["Mixture"]
 
 MIXTURE_VERSION = 1
+_CHUNK = 4096
+"""A source's draws resolved per chunk of this many (its permutation evaluated at once, cached)."""
 
 
 class Mixture:
@@ -75,7 +78,9 @@ class Mixture:
         self._drawn = [[0] * len(self.names)]  # draws of each source before segment k
         self._requested = 0  # the first global position not yet requested from the workers
         self._block: tuple[int, int, npt.NDArray[np.int64], npt.NDArray[np.int64]] | None = None
-        self._permutations: dict[tuple[int, int], KeyedPermutation] = {}
+        self._chunks: dict[int, tuple[int, npt.NDArray[np.int64]]] = {}  # per source: its last chunk's items
+        self._resolved_blocks: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+        self._count_cache: dict[int, npt.NDArray[np.int64]] = {}
 
     # --- the public API ---------------------------------------------------------------------------
     @property
@@ -94,10 +99,13 @@ class Mixture:
             # NOTE: the last change applies from a position not requested yet (two calls before a request, or a
             # change loaded from a state taken while prefetched batches were in flight): the later call wins there
             self._weights[-1], self._block = new, None
+            self._count_cache.pop(len(self._weights) - 1, None)
+            self._resolved_blocks.clear()
             return
         self._drawn.append(self._drawn_until(len(self._starts) - 1, start))
         self._starts.append(start)
         self._weights.append(new)
+        self._resolved_blocks.clear()  # NOTE: the block the change cuts short was resolved whole
 
     def __len__(self) -> int:
         return self.samples_per_epoch
@@ -110,26 +118,21 @@ class Mixture:
         return self.__getitem__(self.resolve(0, [int(key)])[0])
 
     def resolve(self, epoch: int, positions: list[int]) -> list[tuple[int, int]]:
-        """The ``(source index, item index)`` of each position of ``epoch`` (vectorised per block)."""
-        g = np.asarray(positions, dtype=np.int64) + epoch * self.samples_per_epoch
-        segments = np.searchsorted(np.asarray(self._starts, dtype=np.int64), g, side="right") - 1
-        sources, draws = np.empty_like(g), np.empty_like(g)
-        blocks = (g - np.asarray(self._starts, dtype=np.int64)[segments]) // self.block_size
-        for k, block in {(int(k), int(b)) for k, b in zip(segments, blocks, strict=True)}:
-            here = np.flatnonzero((segments == k) & (blocks == block))
-            slots = (g[here] - self._starts[k]) % self.block_size
-            block_sources, ranks = self._block_of(k, block)
-            chosen = block_sources[slots]
-            before = np.asarray(self._drawn[k], dtype=np.int64) + block * np.asarray(
-                _apportion(self._weights[k], self.block_size), dtype=np.int64)
-            sources[here], draws[here] = chosen, before[chosen] + ranks[slots]
-        items = np.empty_like(g)
-        lengths = np.asarray(self.lengths, dtype=np.int64)[sources]
-        epochs, within = draws // lengths, draws % lengths
-        for source, epoch_ in {(int(s), int(e)) for s, e in zip(sources, epochs, strict=True)}:
-            here = np.flatnonzero((sources == source) & (epochs == epoch_))
-            items[here] = self._permutation(source, epoch_)[within[here]]
-        return list(zip(sources.tolist(), items.tolist(), strict=True))
+        """The ``(source index, item index)`` of each position of ``epoch``. Whole blocks are resolved at once and
+        kept, so the lists of consecutive positions a loader hands out cost a slice each."""
+        base, out = epoch * self.samples_per_epoch, list[tuple[int, int]]()
+        count, i = len(positions), 0
+        consecutive = count > 0 and positions[-1] - positions[0] == count - 1 and \
+            positions == list(range(positions[0], positions[0] + count))
+        while i < count:
+            g = base + int(positions[i])
+            k = bisect.bisect_right(self._starts, g) - 1
+            block, slot = divmod(g - self._starts[k], self.block_size)
+            sources, items = self._resolved(k, block)
+            run = min(count - i, len(sources) - slot) if consecutive else 1
+            out.extend(zip(sources[slot:slot + run], items[slot:slot + run], strict=True))
+            i += run
+        return out
 
     def requested(self, epoch: int, position: int) -> None:
         """Loader hook: positions before ``position`` of ``epoch`` have been requested (a pass begins there,
@@ -168,9 +171,36 @@ class Mixture:
                 self._drawn.append([0] * len(self.names))
             self._starts.append(start)
             self._weights.append(new)
-        self._block = None
+        self._block, self._count_cache, self._resolved_blocks = None, {}, {}
 
     # --- internals --------------------------------------------------------------------------------
+    def _resolved(self, k: int, block: int) -> tuple[list[int], list[int]]:
+        """Each position's source and item in block ``block`` of segment ``k`` (cut short at the next change)."""
+        cached = self._resolved_blocks.get((k, block))
+        if cached is not None:
+            return cached
+        first = self._starts[k] + block * self.block_size
+        end = self._starts[k + 1] if k + 1 < len(self._starts) else first + self.block_size
+        size = min(self.block_size, end - first)
+        block_sources, ranks = self._block_of(k, block)
+        sources = block_sources[:size]
+        draws = (np.asarray(self._drawn[k], dtype=np.int64) + block * self._counts(k))[sources] + ranks[:size]
+        items = np.empty_like(draws)
+        for source, length in enumerate(self.lengths):
+            mine = np.flatnonzero(sources == source)
+            if not mine.size:
+                continue
+            width = min(_CHUNK, length)
+            epochs, within = np.divmod(draws[mine], length)
+            chunks = epochs * (-(-length // width)) + within // width  # the source's chunks, numbered across epochs
+            for chunk in range(int(chunks[0]), int(chunks[-1]) + 1):  # NOTE: a source's draws rise in slot order
+                chosen = chunks == chunk
+                items[mine[chosen]] = self._chunk(source, chunk)[within[chosen] % width]
+        if len(self._resolved_blocks) >= 4:
+            self._resolved_blocks.clear()
+        resolved = self._resolved_blocks[(k, block)] = (sources.tolist(), items.tolist())
+        return resolved
+
     def _block_of(self, k: int, block: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """Each slot's source and its rank among that source's slots, for block ``block`` of segment ``k``."""
         cached = self._block
@@ -187,6 +217,13 @@ class Mixture:
         self._block = (k, block, sources, ranks)
         return sources, ranks
 
+    def _counts(self, k: int) -> npt.NDArray[np.int64]:
+        """Segment ``k``'s count of each source per full block."""
+        cached = self._count_cache.get(k)
+        if cached is None:
+            cached = self._count_cache[k] = np.asarray(_apportion(self._weights[k], self.block_size), dtype=np.int64)
+        return cached
+
     def _drawn_until(self, k: int, end: int) -> list[int]:
         """Draws of each source before global position ``end`` (in segment ``k``)."""
         blocks, part = divmod(end - self._starts[k], self.block_size)
@@ -198,14 +235,19 @@ class Mixture:
                 drawn[source] += int(np.count_nonzero(sources == source))
         return drawn
 
-    def _permutation(self, source: int, epoch: int) -> KeyedPermutation:
-        cached = self._permutations.get((source, epoch))
-        if cached is None:
-            if len(self._permutations) > 64:
-                self._permutations.clear()
-            cached = KeyedPermutation(self.lengths[source], _key("source", self.seed, self.names[source], epoch))
-            self._permutations[(source, epoch)] = cached
-        return cached
+    def _chunk(self, source: int, chunk: int) -> npt.NDArray[np.int64]:
+        """Items of ``source``'s chunk ``chunk``: up to ``_CHUNK`` consecutive draws within one of its epochs, the
+        permutation evaluated for all of them at once (draws come in order: one evaluation serves many lists)."""
+        cached = self._chunks.get(source)
+        if cached is not None and cached[0] == chunk:
+            return cached[1]
+        length = self.lengths[source]
+        width = min(_CHUNK, length)
+        epoch, part = divmod(chunk, -(-length // width))
+        key = _key("source", self.seed, self.names[source], epoch)
+        items = KeyedPermutation(length, key)[np.arange(part * width, min((part + 1) * width, length), dtype=np.int64)]
+        self._chunks[source] = (chunk, items)
+        return items
 
     def _checked(self, weights: Mapping[str, float], call: str) -> list[float]:
         unknown = sorted(set(weights) - set(self.names))
