@@ -59,12 +59,13 @@ class Mixture:
     """
 
     def __init__(self, sources: Mapping[str, Any], weights: Mapping[str, float], *, seed: int = 0,
-                 block_size: int = 1000, samples_per_epoch: int | None = None) -> None:
+                 block_size: int = 1024, samples_per_epoch: int | None = None) -> None:
         if not sources:
             raise ValueError("Mixture(sources={}): expected at least one dataset")
         self.names = sorted(sources)
         """The sources' names, sorted: the order every computation uses."""
         self.sources = {name: sources[name] for name in self.names}
+        self._datasets = [sources[name] for name in self.names]
         self.lengths = [_length(name, sources[name]) for name in self.names]
         for name, value, least in (("block_size", block_size, 1), ("seed", seed, 0)):
             if type(value) is not int or value < least:
@@ -77,7 +78,6 @@ class Mixture:
         self._starts = [0]  # segment k starts at global position _starts[k]
         self._drawn = [[0] * len(self.names)]  # draws of each source before segment k
         self._requested = 0  # the first global position not yet requested from the workers
-        self._block: tuple[int, int, npt.NDArray[np.int64], npt.NDArray[np.int64]] | None = None
         self._chunks: dict[int, tuple[int, npt.NDArray[np.int64]]] = {}  # per source: its last chunk's items
         self._resolved_blocks: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
         self._count_cache: dict[int, npt.NDArray[np.int64]] = {}
@@ -98,7 +98,7 @@ class Mixture:
         if start <= self._starts[-1]:
             # NOTE: the last change applies from a position not requested yet (two calls before a request, or a
             # change loaded from a state taken while prefetched batches were in flight): the later call wins there
-            self._weights[-1], self._block = new, None
+            self._weights[-1] = new
             self._count_cache.pop(len(self._weights) - 1, None)
             self._resolved_blocks.clear()
             return
@@ -112,9 +112,8 @@ class Mixture:
 
     def __getitem__(self, key: Any) -> Any:
         """A ``(source index, item index)`` key (what the loader hands the workers), or a position of epoch 0."""
-        if isinstance(key, tuple):
-            source, index = key
-            return self.sources[self.names[source]][index]
+        if type(key) is tuple:
+            return self._datasets[key[0]][key[1]]
         return self.__getitem__(self.resolve(0, [int(key)])[0])
 
     def resolve(self, epoch: int, positions: list[int]) -> list[tuple[int, int]]:
@@ -171,7 +170,7 @@ class Mixture:
                 self._drawn.append([0] * len(self.names))
             self._starts.append(start)
             self._weights.append(new)
-        self._block, self._count_cache, self._resolved_blocks = None, {}, {}
+        self._count_cache, self._resolved_blocks = {}, {}
 
     # --- internals --------------------------------------------------------------------------------
     def _resolved(self, k: int, block: int) -> tuple[list[int], list[int]]:
@@ -182,16 +181,17 @@ class Mixture:
         first = self._starts[k] + block * self.block_size
         end = self._starts[k + 1] if k + 1 < len(self._starts) else first + self.block_size
         size = min(self.block_size, end - first)
-        block_sources, ranks = self._block_of(k, block)
-        sources = block_sources[:size]
-        draws = (np.asarray(self._drawn[k], dtype=np.int64) + block * self._counts(k))[sources] + ranks[:size]
-        items = np.empty_like(draws)
+        sources = self._block_sources(k, block)[:size]
+        before = self._drawn[k]
+        counts = self._counts(k)
+        items = np.empty(size, dtype=np.int64)
         for source, length in enumerate(self.lengths):
-            mine = np.flatnonzero(sources == source)
+            mine = np.flatnonzero(sources == source)  # NOTE: in slot order: the source's draws in this block
             if not mine.size:
                 continue
             width = min(_CHUNK, length)
-            epochs, within = np.divmod(draws[mine], length)
+            draws = np.arange(mine.size, dtype=np.int64) + (before[source] + block * int(counts[source]))
+            epochs, within = np.divmod(draws, length)
             chunks = epochs * (-(-length // width)) + within // width  # the source's chunks, numbered across epochs
             for chunk in range(int(chunks[0]), int(chunks[-1]) + 1):  # NOTE: a source's draws rise in slot order
                 chosen = chunks == chunk
@@ -201,21 +201,12 @@ class Mixture:
         resolved = self._resolved_blocks[(k, block)] = (sources.tolist(), items.tolist())
         return resolved
 
-    def _block_of(self, k: int, block: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """Each slot's source and its rank among that source's slots, for block ``block`` of segment ``k``."""
-        cached = self._block
-        if cached is not None and cached[0] == k and cached[1] == block:
-            return cached[2], cached[3]
+    def _block_sources(self, k: int, block: int) -> npt.NDArray[np.int64]:
+        """Each slot's source in block ``block`` of segment ``k``: the slots, permuted by a keyed permutation,
+        are dealt to the sources by their counts."""
         size = self.block_size
         values = KeyedPermutation(size, _key("block", self.seed, k, block))[np.arange(size, dtype=np.int64)]
-        bounds = np.cumsum(_apportion(self._weights[k], size))
-        sources = np.searchsorted(bounds, values, side="right").astype(np.int64)
-        order = np.argsort(sources, kind="stable")
-        firsts = np.concatenate(([0], bounds[:-1]))
-        ranks = np.empty(size, dtype=np.int64)
-        ranks[order] = np.arange(size, dtype=np.int64) - firsts[sources[order]]
-        self._block = (k, block, sources, ranks)
-        return sources, ranks
+        return np.searchsorted(np.cumsum(self._counts(k)), values, side="right").astype(np.int64)
 
     def _counts(self, k: int) -> npt.NDArray[np.int64]:
         """Segment ``k``'s count of each source per full block."""
@@ -230,7 +221,7 @@ class Mixture:
         counts = _apportion(self._weights[k], self.block_size)
         drawn = [before + blocks * count for before, count in zip(self._drawn[k], counts, strict=True)]
         if part:
-            sources = self._block_of(k, blocks)[0][:part]
+            sources = self._block_sources(k, blocks)[:part]
             for source in range(len(drawn)):
                 drawn[source] += int(np.count_nonzero(sources == source))
         return drawn
