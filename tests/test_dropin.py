@@ -49,7 +49,6 @@ def test_invalid_combinations_raise_the_same_errors_as_dataloader(kwargs: dict[s
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"in_order": False}, r"in_order=False: .* expected in_order=True"),
         ({"keying": "per-sample"}, r"keying='per-sample': expected one of \['batch', 'sample', 'off'\]"),
         ({"snapshot_every_n_steps": -1}, r"snapshot_every_n_steps=-1: expected None or an int >= 0"),
         ({"rank": 2, "world_size": 2}, r"rank=2, world_size=2: expected world_size >= 1 and 0 <= rank"),

@@ -1,5 +1,5 @@
 """What the loader relies on in torch's DataLoader iterator, pinned: next_batch is torch's __next__ minus the
-range; fetch_items reads what torch's map-style fetcher reads."""
+range; fetch_items reads what torch's map-style fetcher reads; next_numbered names an out-of-order batch's list."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch.utils.data._utils.fetch import _MapDatasetFetcher
 
 import loader_resume.torch_internals as torch_internals
 from loader_resume import ResumableDataLoader
-from loader_resume.torch_internals import fetch_items, next_batch
+from loader_resume.torch_internals import fetch_items, next_batch, next_numbered
 from support.data import Augmented
 
 
@@ -62,3 +62,25 @@ def test_fetch_items_reads_what_torchs_map_fetcher_reads() -> None:
         assert fetch_items(dataset, [3, 1, 4]) == torch_fetcher.fetch([3, 1, 4])
     assert fetch_items(_Batched(True), [2]) == [("batch", 2)]
     assert fetch_items(_Batched(False), [2]) == [("one", 2)]
+
+
+class _SlowFirst(torch.utils.data.Dataset[int]):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> int:
+        if index == 0:
+            import time
+
+            time.sleep(0.5)
+        return index
+
+
+def test_next_numbered_names_the_index_list_each_out_of_order_batch_was_made_from() -> None:
+    """A plain DataLoader, in_order=False, one item a batch: the number is the list's place in the sampler's order
+    (here the item itself), while the slow first batch arrives late."""
+    loader = torch.utils.data.DataLoader(_SlowFirst(), num_workers=2, in_order=False)
+    iterator = iter(loader)
+    pairs = [next_numbered(iterator) for _ in range(8)]
+    assert all(number == int(batch) for number, batch in pairs)
+    assert [number for number, _ in pairs] != list(range(8)) and sorted(n for n, _ in pairs) == list(range(8))

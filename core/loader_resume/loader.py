@@ -104,7 +104,7 @@ class ResumableDataLoader(DataLoader[T]):
             prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device, in_order=in_order,
         )
-        _check_options(in_order, snapshot_every_n_steps, keying)
+        _check_options(in_order, snapshot_every_n_steps, keying, self._dataset_kind == _DatasetKind.Map)
         self.seed = seed if seed is not None else default_seed(generator, sampler)
         self.keying = keying
         self.keyed_generators = tuple(keyed_generators)
@@ -121,6 +121,7 @@ class ResumableDataLoader(DataLoader[T]):
             dataset=self.dataset, seed=self.seed, keying=keying, mask=generator_mask(self.keyed_generators),
             batch_size=batch_size, unbatched=unbatched, drop_last=drop_last, num_workers=num_workers,
             persistent_workers=persistent_workers, rank=rank, world_size=world_size, shard_drop_last=shard_drop_last,
+            in_order=in_order,
         )
         self._position: Position
         if self._dataset_kind == _DatasetKind.Map:
@@ -331,6 +332,8 @@ class ResumableDataLoader(DataLoader[T]):
                 "position": None, "world_size": None, "batch_size": self.batch_size, "num_workers": None,
                 "drop_last": self.drop_last, "sampler_state": None, "dataset_state": None, "stream": None,
             }
+            if not self.in_order:
+                self._template["ahead"] = []
         state = self._template.copy()
         state["dataset_len"], state["seed"] = self._position.dataset_len(), self.seed
         state["keyed_generators"], state["world_size"] = list(self.keyed_generators), self.world_size
@@ -338,10 +341,11 @@ class ResumableDataLoader(DataLoader[T]):
         return state
 
 
-def _check_options(in_order: bool, snapshot_every_n_steps: int | None, keying: str) -> None:
-    if not in_order:
-        raise ValueError("in_order=False: batches would arrive out of order, so a saved position could not "
-                         "name what was delivered; expected in_order=True")
+def _check_options(in_order: bool, snapshot_every_n_steps: int | None, keying: str, map_style: bool) -> None:
+    if not in_order and not map_style:
+        raise ValueError("in_order=False with an iterable dataset: its workers' streams are read round-robin, and "
+                         "the state records each worker's progress in that order; expected in_order=True (map-style "
+                         "datasets take in_order=False)")
     if snapshot_every_n_steps is not None and (type(snapshot_every_n_steps) is not int or snapshot_every_n_steps < 0):
         raise ValueError(f"snapshot_every_n_steps={snapshot_every_n_steps!r}: expected None or an int >= 0 "
                          "(as StatefulDataLoader; the state is exact at every step whatever the value)")

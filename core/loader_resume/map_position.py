@@ -14,6 +14,7 @@ from typing import Any
 from .index_plan import Pending, Plan, plan_indices
 from .keyed_fetch import NextFetch
 from .mixture import Mixture
+from .out_of_order import OutOfOrder
 from .position import Begun, Setup, tell_epoch
 from .sampler import Source, steps_per_epoch
 from .split_check import SplitCheck
@@ -27,13 +28,16 @@ __all__ = ["MapPass", "MapPosition"]
 class MapPass:
     """One ``iter()`` over map-style data: where it starts, and the steps produced but not yet delivered."""
 
-    __slots__ = ("done", "epoch", "pending", "sampler_state", "start")
+    __slots__ = ("done", "epoch", "out_of_order", "pending", "sampler_state", "start")
 
-    def __init__(self, epoch: int, start: int, sampler_state: Any = None) -> None:
+    def __init__(self, epoch: int, start: int, sampler_state: Any = None,
+                 out_of_order: OutOfOrder | None = None) -> None:
         self.epoch, self.start, self.done = epoch, start, False
         self.sampler_state = sampler_state
         """A user sampler's state to load before it is iterated (a resume), else None."""
         self.pending: deque[Pending] = deque()
+        self.out_of_order = out_of_order
+        """``in_order=False`` with workers: the steps, delivered in any order (else ``pending``, in order)."""
 
 
 class MapPosition:
@@ -61,7 +65,7 @@ class MapPosition:
 
     # --- Position --------------------------------------------------------------------------------
     def reset(self, state: Mapping[str, Any] | None) -> None:
-        epoch, position, sampler_state, restart = 0, 0, None, False
+        epoch, position, sampler_state, restart, ahead = 0, 0, None, False, list[int]()
         if state is not None:  # validated by check_state; the user's own states are checked here, before any change
             _check_user_state("sampler_state", state["sampler_state"], self.source)
             _check_user_state("dataset_state", state["dataset_state"], self.setup.dataset)
@@ -69,12 +73,14 @@ class MapPosition:
                 self.setup.dataset.load_state_dict(state["dataset_state"])
                 restart = True  # persistent workers hold copies of the old dataset
             epoch, position, sampler_state = state["epoch"], state["position"], state["sampler_state"]
+            ahead = _checked_ahead(state, self.setup)
             if self.source is None and position == self._n:
                 epoch, position = epoch + 1, 0
         self._pass: MapPass | None = None
         self._restart = self._restart or restart
         self.epoch, self._position, self._fresh = epoch, position, True
         self._sampler_state = self._sampler_state_to_load = sampler_state
+        self._ahead = frozenset(ahead) if state is not None else frozenset()  # steps delivered past the position
 
     def begin(self, collate_fn: Callable[[Any], Any], worker_init_fn: Callable[[int], None] | None) -> Begun:
         if self._split_check is not None:  # under torch.distributed: a dataset split per rank is refused
@@ -92,20 +98,33 @@ class MapPosition:
             # told its epoch gets a fresh pool each epoch, so every worker's copy is told too.
             restart, self._pool_epoch = True, self.epoch
         self._stateful = None
-        self._pass = MapPass(self.epoch, self._position, self._sampler_state_to_load)
+        numbered = not self.setup.in_order and self.setup.num_workers > 0
+        skip, self._ahead = self._ahead, frozenset()
+        if skip and not numbered:  # NOTE: in order now: the steps delivered ahead are still skipped
+            numbered = True
+        self._pass = MapPass(self.epoch, self._position, self._sampler_state_to_load,
+                             OutOfOrder(skip) if numbered else None)
         self._sampler_state_to_load = None
         collate = _Unbatch(collate_fn) if self.setup.unbatched else collate_fn
         if self.setup.seeds_ahead:
             collate = SeedAheadCollate(collate)
         return Begun(self._pass, {"collate_fn": collate}, restart)
 
-    def deliver(self, pass_: MapPass, item: Any) -> Any:
+    def deliver(self, pass_: MapPass, item: Any, number: int | None = None) -> Any:
         if pass_ is self._pass:
+            if pass_.out_of_order is not None:
+                pass_.out_of_order.deliver(number, lambda end, last, state: self._advance(pass_, end, last, state))
+                return item
             end, last, self._sampler_state = pass_.pending.popleft()
             self._position = end
             if last:
                 self._next_epoch(pass_)
         return item
+
+    def _advance(self, pass_: MapPass, end: int, last: bool, sampler_state: Any) -> None:
+        self._position, self._sampler_state = end, sampler_state
+        if last:
+            self._next_epoch(pass_)
 
     def end(self, pass_: MapPass) -> None:
         if pass_ is self._pass and not pass_.done:
@@ -116,6 +135,10 @@ class MapPosition:
             raise ValueError(f"batches_ago={batches_ago}: map-style states are exact at the last delivered "
                              "batch; frameworks do not fetch ahead of sized loaders")
         state["epoch"], state["position"] = self.epoch, self._position
+        if not self.setup.in_order:
+            pass_ = self._pass
+            live = pass_ is not None and pass_.out_of_order is not None and not pass_.done
+            state["ahead"] = pass_.out_of_order.ahead(self._position) if live else sorted(self._ahead)  # type: ignore[union-attr]
         sampler_stateful, dataset_stateful = self._stateful or self._stateful_flags()
         if sampler_stateful:
             state["sampler_state"] = self._current_sampler_state()
@@ -139,7 +162,9 @@ class MapPosition:
         plan = self._plan(fetch_here=self.setup.fetches_here)
         lists = plan_indices(plan, pass_.epoch, pass_.start, pass_.sampler_state)
         if self._mixture is not None:
-            return _resolved(self._mixture, pass_, lists)
+            lists = _requested(self._mixture, pass_, lists)
+        if pass_.out_of_order is not None:
+            return pass_.out_of_order.planned(lists)
         return self._recorded(pass_, lists)
 
     def __len__(self) -> int:
@@ -190,14 +215,27 @@ class MapPosition:
         return self._sampler_state
 
 
-def _resolved(mixture: Mixture, pass_: MapPass, lists: Iterator[tuple[Any, Pending]]) -> Iterator[Any]:
+def _requested(mixture: Mixture, pass_: MapPass, lists: Iterator[tuple[Any, Pending]]
+               ) -> Iterator[tuple[Any, Pending]]:
     """A mixture's lists (its positions resolved by the plan) as torch requests each one, telling the mixture
     how far requests have gone: its weight changes apply from there."""
     mixture.requested(pass_.epoch, pass_.start)
     for indices, pending in lists:
-        pass_.pending.append(pending)
         mixture.requested(pass_.epoch, pending[0])
-        yield indices
+        yield indices, pending
+
+
+def _checked_ahead(state: Mapping[str, Any], setup: Setup) -> list[int]:
+    """A state's steps delivered ahead (``in_order=False``), refused where this loader's steps differ."""
+    ahead = state.get("ahead") or []
+    if not ahead:
+        return []
+    shard = setup.shard()
+    if (state["world_size"], state["batch_size"]) != (shard.world, setup.batch_size):
+        raise StateError("ahead", ahead, f"[] to resume with world_size={shard.world}, batch_size={setup.batch_size}",
+                         f"Batches were delivered out of order past the position, as steps of world_size="
+                         f"{state['world_size']} and batch_size={state['batch_size']}: resume with those.")
+    return list(ahead)
 
 
 class _Unbatch:

@@ -21,7 +21,7 @@ from typing import Any, Final, Generic, Protocol, TypeVar
 from .distributed import rank_and_world
 from .keyed_rng import CallerRng
 from .sampler import Shard
-from .torch_internals import next_batch
+from .torch_internals import next_batch, next_numbered
 
 __all__ = ["SKIP", "Begun", "Position", "Setup", "Tracked", "tell_epoch"]
 
@@ -52,6 +52,8 @@ class Setup:
     world_size: int | None
     shard_drop_last: bool | None = None
     """A ``DistributedSampler``'s own ``drop_last`` when the loader took one over, else None."""
+    in_order: bool = True
+    """``DataLoader(in_order=...)``: ``False`` lets workers' batches arrive in any order (map-style data)."""
 
     def shard(self) -> Shard:
         """This rank's view of the global order (rank and world size resolved now)."""
@@ -103,8 +105,9 @@ class Position(Protocol):
     def begin(self, collate_fn: Callable[[Any], Any], worker_init_fn: Callable[[int], None] | None) -> Begun:
         """Begin a pass at the current position (the next epoch's start if the last pass was left mid-epoch)."""
 
-    def deliver(self, pass_: Any, item: Any) -> Any:
-        """torch's iterator produced ``item`` for the caller: move the position; return the batch (or :data:`SKIP`)."""
+    def deliver(self, pass_: Any, item: Any, number: int | None = None) -> Any:
+        """torch's iterator produced ``item`` for the caller (``number``: which of the pass's index lists it was
+        made from, when they may arrive out of order): move the position; return the batch (or :data:`SKIP`)."""
 
     def end(self, pass_: Any) -> None:
         """torch's iterator of ``pass_`` is exhausted: the next pass is the next epoch."""
@@ -135,10 +138,11 @@ class Tracked(Generic[T]):
     (``_workers``), as DataLoader code and tests read it.
     """
 
-    __slots__ = ("__weakref__", "_caller", "_inner", "_pass", "_position")
+    __slots__ = ("__weakref__", "_caller", "_inner", "_numbered", "_pass", "_position")
 
     def __init__(self, position: Position, pass_: Any, inner: Iterator[Any], caller: CallerRng | None) -> None:
         self._position, self._pass, self._inner, self._caller = position, pass_, inner, caller
+        self._numbered = not position.setup.in_order and position.setup.num_workers > 0
 
     def __getattr__(self, name: str) -> Any:
         if name == "_inner":  # not set yet (copy, pickle): no recursion
@@ -156,7 +160,11 @@ class Tracked(Generic[T]):
         if caller is not None:
             caller.save()
         try:
-            batch = position.deliver(pass_, next_batch(self._inner))
+            if self._numbered:
+                number, batch = next_numbered(self._inner)
+                batch = position.deliver(pass_, batch, number)
+            else:
+                batch = position.deliver(pass_, next_batch(self._inner))
             while batch is SKIP:
                 batch = position.deliver(pass_, next_batch(self._inner))
         except StopIteration:

@@ -7,7 +7,8 @@ Version history:
       it ran dry in the epoch. Version-1 states still load (the new fields read as None and False).
   3 — ``position`` means one thing: global samples delivered of map-style data (None for iterable
       datasets, whose delivered-batch count moved to ``stream["delivered"]``). Version-1 and -2 states
-      still load: :func:`check_state` returns them in this layout.
+      still load: :func:`check_state` returns them in this layout. A loader built with ``in_order=False``
+      adds ``ahead``: the ends (global sample counts) of the steps delivered past ``position``.
 
 Every key is always present (constant shape), values are ints, strings, bools, None or lists of those,
 plus whatever a user's stateful sampler or dataset returns under ``sampler_state``/``dataset_state``.
@@ -74,6 +75,10 @@ _TYPES: Final[dict[str, tuple[str, Callable[[Any], bool]]]] = {
     "dataset_state": ("any value", lambda v: True),
     "stream": ("a dict or None", lambda v: v is None or isinstance(v, dict)),
 }
+OPTIONAL: Final[dict[str, tuple[str, Callable[[Any], bool]]]] = {
+    "ahead": ("a list of ints > 0", lambda v: type(v) is list and all(_is_int(x) and x > 0 for x in v)),
+}
+"""Keys only some loaders' states have (``ahead``: ``in_order=False``)."""
 
 
 def check_state(saved: Any, current: Mapping[str, Any]) -> dict[str, Any]:
@@ -91,9 +96,12 @@ def check_state(saved: Any, current: Mapping[str, Any]) -> dict[str, Any]:
         hint = "This state comes from an unknown loader-resume release."
         raise StateError("version", saved["version"], f"one of {list(READABLE_VERSIONS)}", hint)
     state = _upgraded(saved)
-    for field, (expected, ok) in _TYPES.items():
+    for field, (expected, ok) in [*_TYPES.items(), *((k, v) for k, v in OPTIONAL.items() if k in state)]:
         if not ok(state[field]):
             raise StateError(field, state[field], expected, "The state was edited or corrupted.")
+    if state.get("ahead") and (not _is_map(state) or min(state["ahead"]) <= state["position"]):
+        raise StateError("ahead", state["ahead"], "ends of map-style steps past position", "The state was edited or "
+                         "corrupted.")
     for field in MUST_MATCH:
         if state[field] != current[field]:
             raise StateError(field, state[field], repr(current[field]), _MATCH_HINT)
@@ -111,6 +119,10 @@ def check_state(saved: Any, current: Mapping[str, Any]) -> dict[str, Any]:
         if state[field] != current[field]:
             logger.info("resuming with %s=%r (saved with %r)", field, current[field], state[field])
     return state
+
+
+def _is_map(state: Mapping[str, Any]) -> bool:
+    return state["kind"] == "map" and state["position"] is not None
 
 
 def _upgraded(saved: Mapping[str, Any]) -> dict[str, Any]:
@@ -132,7 +144,7 @@ _MATCH_HINT: Final = (
 
 def _check_keys(saved: Mapping[str, Any]) -> None:
     missing = [k for k in STATE_KEYS if k not in saved]
-    unknown = [k for k in saved if k not in STATE_KEYS]
+    unknown = [k for k in saved if k not in STATE_KEYS and k not in OPTIONAL]
     if unknown:
         key = str(unknown[0])
         close = difflib.get_close_matches(key, STATE_KEYS, n=1)

@@ -105,7 +105,7 @@ class StreamPosition:
         attributes = {"collate_fn": collate, "worker_init_fn": init, "dataset": StreamSource(setup.dataset)}
         return Begun(self._pass, attributes, restart)
 
-    def deliver(self, pass_: StreamPass, item: Any) -> Any:
+    def deliver(self, pass_: StreamPass, item: Any, number: int | None = None) -> Any:
         batch, meta = item
         ours = pass_ is self._pass
         if batch is ENDED:  # a worker's stream ended with nothing left to batch: record, go on

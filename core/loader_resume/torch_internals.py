@@ -6,6 +6,8 @@ an operator dispatch to enter it, one to leave). While none records, the loader 
 without the range; while one does (``torch.profiler``, ``torch.autograd.profiler``, NVTX/ITT emission),
 it calls torch's own ``__next__``, so traces show the DataLoader ranges as before.
 
+:func:`next_numbered`: with ``in_order=False``, which index list of the pass a delivered batch was made from.
+
 :func:`fetch_items`: a worker that must read a batch again (``worker_fetch.WorkerFetch``) reads its items
 as torch's map-style fetcher does, which it cannot reach from the worker loop.
 """
@@ -17,7 +19,7 @@ from typing import Any, Final
 from torch._C._autograd import _profiler_enabled
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-__all__ = ["fetch_items", "next_batch"]
+__all__ = ["fetch_items", "next_batch", "next_numbered"]
 
 _TORCH_NEXT: Final = _BaseDataLoaderIter.__next__
 _STEPS: Final = {"record_function", "_sampler_iter", "_reset", "_next_data", "_num_yielded",
@@ -38,6 +40,16 @@ def next_batch(iterator: Any) -> Any:
     data = iterator._next_data()
     iterator._num_yielded += 1
     return data
+
+
+def next_numbered(iterator: Any) -> tuple[int, Any]:
+    """``(number, batch)``: the next batch of a multi-process iterator built with ``in_order=False`` and the number
+    of the index list it was made from (torch numbers the lists it takes from the sampler 0, 1, ... per pass, and
+    keeps the numbers of those in flight as ``_task_info``'s keys: the one that leaves is the batch's)."""
+    before = set(iterator._task_info)
+    batch = next_batch(iterator)
+    (number,) = before - iterator._task_info.keys()
+    return number, batch
 
 
 def fetch_items(dataset: Any, indices: Any) -> Any:

@@ -1,0 +1,116 @@
+"""``in_order=False`` over map-style data: a slow batch does not stall the others, each batch is the same whatever
+order it arrives in, and a state taken with batches delivered past a slow one resumes every remaining batch of
+the epoch exactly once."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset
+
+from loader_resume import ResumableDataLoader, StateError
+from loader_resume.testing import fingerprint
+
+N, BATCH = 40, 4
+
+
+class HeldAt(Dataset[dict[str, Any]]):
+    """Item ``held`` waits until the file ``release`` exists (in whichever worker reads it); every item draws
+    from torch, numpy and random."""
+
+    def __init__(self, release: Path, held: int = 0) -> None:
+        self.release, self.held = release, held
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        while index == self.held and not self.release.exists():
+            time.sleep(0.01)
+        return {"id": index, "noise": torch.rand(()), "np": np.random.rand(), "py": random.random()}
+
+
+def loader(release: Path, workers: int = 2, *, in_order: bool = False, batch_size: int = BATCH,
+           held: int = 0) -> ResumableDataLoader[Any]:
+    return ResumableDataLoader(HeldAt(release, held), batch_size=batch_size, shuffle=True, seed=5,
+                               num_workers=workers, in_order=in_order)
+
+
+def by_first_id(batches: list[Any]) -> dict[int, str]:
+    return {int(batch["id"][0]): fingerprint(batch) for batch in batches}
+
+
+def cut_with_batches_ahead(release: Path, count: int) -> tuple[list[Any], dict[str, Any]]:
+    """``count`` batches delivered while the first batch of the epoch is held, the state, then the release."""
+    running = loader(release, held=int(loader(release).planned_indices()[0][0]))
+    iterator = iter(running)
+    delivered = [next(iterator) for _ in range(count)]
+    state = json.loads(json.dumps(running.state_dict()))
+    release.touch()
+    del iterator
+    return delivered, state
+
+
+def test_a_held_batch_does_not_stall_the_others_and_each_batch_is_the_in_order_runs(tmp_path: Path) -> None:
+    release = tmp_path / "release"
+    in_order = [batch for batch in loader(release / "x", in_order=True, held=-1)]
+    delivered, state = cut_with_batches_ahead(release, 5)
+    first = in_order[0]["id"].tolist()
+    assert all(batch["id"].tolist() != first for batch in delivered)  # the held batch came later
+    assert state["position"] == 0 and len(state["ahead"]) == 5
+    ours = by_first_id(delivered)
+    assert all(ours[key] == by_first_id(in_order)[key] for key in ours)  # keyed by step, not by arrival
+
+
+@pytest.mark.parametrize("workers", [2, 0])
+def test_the_rest_of_the_epoch_comes_exactly_once_after_a_resume(tmp_path: Path, workers: int) -> None:
+    """Resumed with 2 workers out of order, or with none (in order): the held batch and every batch not yet
+    delivered, once each, with the values of the in-order run; then whole epochs as the in-order run's."""
+    release = tmp_path / "release"
+    in_order = loader(release / "x", in_order=True, held=-1)
+    reference = [[batch for batch in in_order] for _ in range(2)]
+    delivered, state = cut_with_batches_ahead(release, 5)
+    resumed = loader(release, workers)
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    ids = sorted(i for batch in delivered + rest for i in batch["id"].tolist())
+    assert ids == list(range(N)) and len(delivered) + len(rest) == N // BATCH
+    assert by_first_id(delivered + rest) == by_first_id(reference[0])
+    assert resumed.state_dict()["ahead"] == [] and resumed.state_dict()["epoch"] == 1
+    assert by_first_id(list(resumed)) == by_first_id(reference[1])
+
+
+def test_a_state_with_batches_ahead_is_refused_at_another_batch_size_and_loads_in_order(tmp_path: Path) -> None:
+    release = tmp_path / "release"
+    _, state = cut_with_batches_ahead(release, 3)
+    with pytest.raises(StateError, match=r"'ahead': saved \[.*\], expected \[\] to resume with world_size=1, "
+                                         r"batch_size=8. Batches were delivered out of order"):
+        loader(release, batch_size=8).load_state_dict(state)
+    plain = loader(release, in_order=True)  # an in-order loader skips them too
+    plain.load_state_dict(state)
+    assert len(list(plain)) == N // BATCH - 3
+
+
+def test_an_edited_ahead_is_refused(tmp_path: Path) -> None:
+    state = loader(tmp_path).state_dict()
+    assert state["ahead"] == []
+    state["ahead"] = [0]
+    with pytest.raises(StateError, match="'ahead': saved \\[0\\], expected a list of ints > 0"):
+        loader(tmp_path).load_state_dict(state)
+
+
+def test_an_iterable_dataset_out_of_order_is_refused() -> None:
+    class Stream(IterableDataset[int]):
+        def __iter__(self) -> Any:
+            return iter(range(3))
+
+    with pytest.raises(ValueError, match="in_order=False with an iterable dataset"):
+        ResumableDataLoader(Stream(), num_workers=2, in_order=False)
+    assert "ahead" not in ResumableDataLoader(list(range(4))).state_dict()  # in order: the layout as before
