@@ -11,7 +11,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = ["bench_core.py", "bench_lightning.py", "bench_accelerate.py", "bench_resume_plot.py",
-              "bench_litdata_resume.py"]
+              "bench_litdata_resume.py", "bench_mixture.py", "bench_out_of_order.py"]
 
 if __name__ == "__main__":
     for script in BENCHMARKS:

@@ -1,0 +1,87 @@
+"""``in_order=False`` against ``in_order=True`` when one item in 64 is slow, ours and a plain ``DataLoader``.
+
+    python benchmarks/bench_out_of_order.py            # ~1 min on 2 cores; prints the table, updates README.md
+    python benchmarks/bench_out_of_order.py --quick    # fewer rounds, README untouched
+
+1,024 items of ~0.5 ms of CPU each, except every 64th, which sleeps 40 ms (a slow decode, a remote read);
+batches of 8, ``num_workers=2``, ``prefetch_factor=2``. Whole epochs, the four loaders taking turns (order
+reversed every other round), each ratio to the plain in-order DataLoader of the same round, median over the
+rounds. With ``in_order=True`` a batch waiting for its slow item holds back every batch after it; with
+``in_order=False`` the other worker's batches go on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import markdown, write_readme_section
+
+from loader_resume import ResumableDataLoader
+
+N, BATCH, SLOW_EVERY = 1024, 8, 64
+
+
+class OneSlowIn64(Dataset[int]):
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, index: int) -> int:
+        if index % SLOW_EVERY == 0:
+            time.sleep(0.04)
+        else:
+            end = time.perf_counter() + 0.0005
+            while time.perf_counter() < end:
+                pass
+        return index
+
+
+def loaders() -> dict[str, Any]:
+    common = {"batch_size": BATCH, "shuffle": True, "num_workers": 2, "prefetch_factor": 2,
+              "persistent_workers": True}
+    return {"DataLoader, in_order=True": DataLoader(OneSlowIn64(), **common, in_order=True),
+            "DataLoader, in_order=False": DataLoader(OneSlowIn64(), **common, in_order=False),
+            "ours, in_order=True": ResumableDataLoader(OneSlowIn64(), **common, in_order=True, seed=0),
+            "ours, in_order=False": ResumableDataLoader(OneSlowIn64(), **common, in_order=False, seed=0)}
+
+
+def epoch_seconds(loader: Any) -> float:
+    start = time.perf_counter()
+    count = sum(1 for _ in loader)
+    assert count == N // BATCH, count
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    rounds = 2 if args.quick else 5
+    built = loaders()
+    for loader in built.values():
+        epoch_seconds(loader)  # warm-up: workers started
+    seconds: dict[str, list[float]] = {name: [] for name in built}
+    names = list(built)
+    for turn in range(rounds):
+        for name in names if turn % 2 == 0 else names[::-1]:
+            seconds[name].append(epoch_seconds(built[name]))
+    baseline = seconds[names[0]]
+    rows = [[name, f"{statistics.median(values):.2f} s",
+             f"{statistics.median(b / v for b, v in zip(baseline, values, strict=True)):.2f}x"]
+            for name, values in seconds.items()]
+    table = markdown(["loader", "epoch", "throughput vs DataLoader in order"], rows)
+    print(table)
+    if not args.quick:
+        method = f"Measured by `python benchmarks/bench_out_of_order.py` ({rounds} rounds; method in its docstring)."
+        write_readme_section("out_of_order", f"{table}\n\n{method}")
+
+
+if __name__ == "__main__":
+    main()
