@@ -43,9 +43,7 @@ IMPORTS = (
 # Test-id pattern -> the deliberate difference that makes it fail (README: Compared with StatefulDataLoader).
 DELIBERATE: dict[str, str] = {
     r"test_state_dict\.py::TestOutOfOrderWithCheckpointing::test_out_of_order_iterable":
-        "in_order=False with an iterable dataset is refused",
-    r"test_dataloader\.py::TestOutOfOrderDataLoader::test_out_of_order_iterable":
-        "in_order=False with an iterable dataset is refused",
+        "reads torchdata's state layout",
     r"test_state_dict\.py::TestNumWorkersMismatch": "a map-style state resumes with another num_workers",
     r"test_state_dict\.py::TestEndOfEpochBehavior": "a state after an epoch's last batch resumes at the next epoch",
     r"test_state_dict\.py::TestDynamicStateIterableDataset": "reads torchdata's state layout",

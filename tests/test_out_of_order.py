@@ -1,6 +1,6 @@
-"""``in_order=False`` over map-style data: a slow batch does not stall the others, each batch is the same whatever
+"""``in_order=False``: a slow batch does not stall the others; over map-style data each batch is the same whatever
 order it arrives in, and a state taken with batches delivered past a slow one resumes every remaining batch of
-the epoch exactly once."""
+the epoch exactly once; over an iterable dataset, every remaining item once."""
 
 from __future__ import annotations
 
@@ -106,11 +106,46 @@ def test_an_edited_ahead_is_refused(tmp_path: Path) -> None:
         loader(tmp_path).load_state_dict(state)
 
 
-def test_an_iterable_dataset_out_of_order_is_refused() -> None:
-    class Stream(IterableDataset[int]):
-        def __iter__(self) -> Any:
-            return iter(range(3))
+class HeldStream(IterableDataset[int]):
+    """Items 0-19, worker w reading those ≡ w (mod 2), from its own position (its state); worker 1's first item
+    waits until ``release`` exists."""
 
-    with pytest.raises(ValueError, match="in_order=False with an iterable dataset"):
-        ResumableDataLoader(Stream(), num_workers=2, in_order=False)
+    def __init__(self, release: Path) -> None:
+        self.release, self.next = release, 0
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        worker = info.id if info is not None else 0
+        mine = list(range(worker, 20, 2))
+        while self.next < len(mine):
+            item = mine[self.next]
+            while item == 1 and not self.release.exists():
+                time.sleep(0.01)
+            self.next += 1
+            yield item
+        self.next = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"next": self.next}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.next = state["next"]
+
+
+def test_an_iterable_dataset_out_of_order_resumes_each_remaining_item_once(tmp_path: Path) -> None:
+    """Each worker's progress is recorded with its own batches, whatever order they arrive in: worker 0's run
+    on while worker 1 waits, and a resume gives every item not yet delivered once (its order, like the
+    uninterrupted run's, depends on which worker finishes first)."""
+    release = tmp_path / "release"
+    running = ResumableDataLoader(HeldStream(release), batch_size=2, num_workers=2, in_order=False, seed=1)
+    iterator = iter(running)
+    delivered = [next(iterator).tolist() for _ in range(4)]
+    state = json.loads(json.dumps(running.state_dict()))
+    release.touch()
+    del iterator
+    assert all(i % 2 == 0 for batch in delivered for i in batch)  # worker 1 held: worker 0's batches came on
+    resumed = ResumableDataLoader(HeldStream(release), batch_size=2, num_workers=2, in_order=False, seed=1)
+    resumed.load_state_dict(state)
+    rest = [i for batch in resumed for i in batch.tolist()]
+    assert sorted([i for batch in delivered for i in batch] + rest) == list(range(20))
     assert "ahead" not in ResumableDataLoader(list(range(4))).state_dict()  # in order: the layout as before

@@ -104,7 +104,7 @@ class ResumableDataLoader(DataLoader[T]):
             prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device, in_order=in_order,
         )
-        _check_options(in_order, snapshot_every_n_steps, keying, self._dataset_kind == _DatasetKind.Map)
+        _check_options(snapshot_every_n_steps, keying)
         self.seed = seed if seed is not None else default_seed(generator, sampler)
         self.keying = keying
         self.keyed_generators = tuple(keyed_generators)
@@ -341,11 +341,8 @@ class ResumableDataLoader(DataLoader[T]):
         return state
 
 
-def _check_options(in_order: bool, snapshot_every_n_steps: int | None, keying: str, map_style: bool) -> None:
-    if not in_order and not map_style:
-        raise ValueError("in_order=False with an iterable dataset: its workers' streams are read round-robin, and "
-                         "the state records each worker's progress in that order; expected in_order=True (map-style "
-                         "datasets take in_order=False)")
+def _check_options(snapshot_every_n_steps: int | None, keying: str) -> None:
+
     if snapshot_every_n_steps is not None and (type(snapshot_every_n_steps) is not int or snapshot_every_n_steps < 0):
         raise ValueError(f"snapshot_every_n_steps={snapshot_every_n_steps!r}: expected None or an int >= 0 "
                          "(as StatefulDataLoader; the state is exact at every step whatever the value)")

@@ -142,7 +142,7 @@ class Tracked(Generic[T]):
 
     def __init__(self, position: Position, pass_: Any, inner: Iterator[Any], caller: CallerRng | None) -> None:
         self._position, self._pass, self._inner, self._caller = position, pass_, inner, caller
-        self._numbered = not position.setup.in_order and position.setup.num_workers > 0
+        self._numbered = position.kind == "map" and not position.setup.in_order and position.setup.num_workers > 0
 
     def __getattr__(self, name: str) -> Any:
         if name == "_inner":  # not set yet (copy, pickle): no recursion
