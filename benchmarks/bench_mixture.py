@@ -30,7 +30,7 @@ import torch
 from torch.utils.data import ConcatDataset, DataLoader, RandomSampler, WeightedRandomSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Ints, markdown, write_readme_section
+from common import Ints, interleaved_epochs, markdown, write_readme_section
 
 from loader_resume import Mixture, ResumableDataLoader
 
@@ -86,13 +86,6 @@ LOADERS: dict[str, Callable[[], Any]] = {"ConcatDataset + WeightedRandomSampler 
                                          'Mixture (ours), keying="off"': ours_unkeyed}
 
 
-def epoch_seconds(loader: Any) -> float:
-    start = time.perf_counter()
-    count = sum(1 for _ in loader)
-    assert count == BATCHES, count
-    return time.perf_counter() - start
-
-
 def state_bytes(state: Any) -> int:
     try:
         return len(json.dumps(state))
@@ -130,20 +123,12 @@ def main() -> None:
     args = parser.parse_args()
     rounds = 2 if args.quick else 5
     loaders = {name: make() for name, make in LOADERS.items()}
-    for loader in loaders.values():  # an untimed warm-up epoch each
-        epoch_seconds(loader)
-    seconds: dict[str, list[float]] = {name: [] for name in loaders}
-    names = list(loaders)
-    for turn in range(rounds):
-        for name in names if turn % 2 == 0 else names[::-1]:
-            seconds[name].append(epoch_seconds(loaders[name]))
-    baseline = seconds[names[0]]
+    ratios, micros = interleaved_epochs(loaders, rounds)
     rows = []
     for name, make in LOADERS.items():
-        ratio = statistics.median(b / s for b, s in zip(baseline, seconds[name], strict=True))
         resume, size = resume_seconds(make)
         changes = {"torchdata MultiNodeWeightedSampler": "no (not saved)"}
-        rows.append([name, f"{statistics.median(seconds[name]) / BATCHES * 1e6:.0f}", f"{ratio:.2f}x",
+        rows.append([name, f"{statistics.median(micros[name]):.0f}", f"{ratios[name]:.2f}x",
                      f"{size:,}" if size else "none", f"{resume * 1e3:,.1f} ms",
                      "yes (in the state)" if name.startswith("Mixture") else changes.get(name, "no state")])
     table = markdown(["loader", "µs a batch", "throughput vs plain", "state (bytes)",

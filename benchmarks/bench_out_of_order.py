@@ -22,7 +22,7 @@ from typing import Any
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import markdown, write_readme_section
+from common import interleaved_epochs, markdown, write_readme_section
 
 from loader_resume import ResumableDataLoader
 
@@ -52,30 +52,14 @@ def loaders() -> dict[str, Any]:
             "ours, in_order=False": ResumableDataLoader(OneSlowIn64(), **common, in_order=False, seed=0)}
 
 
-def epoch_seconds(loader: Any) -> float:
-    start = time.perf_counter()
-    count = sum(1 for _ in loader)
-    assert count == N // BATCH, count
-    return time.perf_counter() - start
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     rounds = 2 if args.quick else 5
-    built = loaders()
-    for loader in built.values():
-        epoch_seconds(loader)  # warm-up: workers started
-    seconds: dict[str, list[float]] = {name: [] for name in built}
-    names = list(built)
-    for turn in range(rounds):
-        for name in names if turn % 2 == 0 else names[::-1]:
-            seconds[name].append(epoch_seconds(built[name]))
-    baseline = seconds[names[0]]
-    rows = [[name, f"{statistics.median(values):.2f} s",
-             f"{statistics.median(b / v for b, v in zip(baseline, values, strict=True)):.2f}x"]
-            for name, values in seconds.items()]
+    ratios, micros = interleaved_epochs(loaders(), rounds)
+    rows = [[name, f"{statistics.median(values) * (N // BATCH) / 1e6:.2f} s", f"{ratios[name]:.2f}x"]
+            for name, values in micros.items()]
     table = markdown(["loader", "epoch", "throughput vs DataLoader in order"], rows)
     print(table)
     if not args.quick:

@@ -149,3 +149,12 @@ def test_an_iterable_dataset_out_of_order_resumes_each_remaining_item_once(tmp_p
     rest = [i for batch in resumed for i in batch.tolist()]
     assert sorted([i for batch in delivered for i in batch] + rest) == list(range(20))
     assert "ahead" not in ResumableDataLoader(list(range(4))).state_dict()  # in order: the layout as before
+
+
+def test_a_converted_loader_keeps_in_order_false(tmp_path: Path) -> None:
+    from torch.utils.data import DataLoader
+
+    from loader_resume.convert import resumable
+
+    converted = resumable(DataLoader(HeldAt(tmp_path), batch_size=BATCH, num_workers=2, in_order=False), seed=5)
+    assert converted.in_order is False and converted.state_dict()["ahead"] == []

@@ -73,7 +73,7 @@ def resumable(
         multiprocessing_context=loader.multiprocessing_context if workers else None,
         generator=loader.generator, prefetch_factor=loader.prefetch_factor if workers else None,
         persistent_workers=loader.persistent_workers and workers > 0, pin_memory_device=loader.pin_memory_device,
-        seed=seed, keying=keying, keyed_generators=keyed_generators,
+        in_order=getattr(loader, "in_order", True), seed=seed, keying=keying, keyed_generators=keyed_generators,
         rank=None if world_size is None else rank, world_size=world_size,
     )
 
