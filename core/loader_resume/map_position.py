@@ -100,10 +100,9 @@ class MapPosition:
         self._stateful = None
         numbered = not self.setup.in_order and self.setup.num_workers > 0
         skip, self._ahead = self._ahead, frozenset()
-        if skip and not numbered:  # NOTE: in order now: the steps delivered ahead are still skipped
-            numbered = True
+        # NOTE: with no workers batches come in order, but the steps delivered ahead before a resume are still skipped
         self._pass = MapPass(self.epoch, self._position, self._sampler_state_to_load,
-                             OutOfOrder(skip) if numbered else None)
+                             OutOfOrder(skip) if numbered or skip else None)
         self._sampler_state_to_load = None
         collate = _Unbatch(collate_fn) if self.setup.unbatched else collate_fn
         if self.setup.seeds_ahead:
@@ -230,6 +229,9 @@ def _checked_ahead(state: Mapping[str, Any], setup: Setup) -> list[int]:
     ahead = state.get("ahead") or []
     if not ahead:
         return []
+    if setup.in_order:  # NOTE: its own states have no `ahead`: a state taken before those steps would lose them
+        raise StateError("ahead", ahead, "[] for a loader built with in_order=True",
+                         "Batches were delivered out of order past the position: resume with in_order=False.")
     shard = setup.shard()
     if (state["world_size"], state["batch_size"]) != (shard.world, setup.batch_size):
         raise StateError("ahead", ahead, f"[] to resume with world_size={shard.world}, batch_size={setup.batch_size}",
