@@ -210,3 +210,35 @@ def test_assert_resumes_exactly_covers_a_mixture_with_weight_changes(workers: in
 
     with pytest.raises(AssertionError, match=r"cut 2: batch 4 \(epoch 0\) differs after resume"):
         assert_resumes_exactly(build, epochs=1, cuts=[2], after_batch=in_the_reference_only)
+
+
+class Leveled(Noisy):
+    """A source with a state of its own (a curriculum level set during training)."""
+
+    def __init__(self, base: int, length: int) -> None:
+        super().__init__(base, length)
+        self.level = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"level": self.level}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.level = state["level"]
+
+
+def test_a_sources_own_state_is_saved_and_a_mismatch_refused_naming_it() -> None:
+    """Each source's own state goes into the mixture's (as a loader saves a dataset's); a reused mixture loads
+    another's state with that one's weights, whatever it resolved before."""
+    saving = Mixture({"a": Leveled(0, 50), "b": Noisy(1000, 20)}, {"a": 1, "b": 1}, block_size=10)
+    saving.sources["a"].level = 3
+    saving.requested(0, 30)
+    saving.set_weights({"a": 1, "b": 3})
+    state = json.loads(json.dumps(saving.state_dict()))
+    reused = Mixture({"a": Leveled(0, 50), "b": Noisy(1000, 20)}, {"a": 3, "b": 1}, block_size=10)
+    reused.resolve(0, list(range(77)))  # its own weights' blocks resolved and kept
+    reused.load_state_dict(state)
+    assert reused.sources["a"].level == 3
+    assert reused.resolve(0, list(range(77))) == saving.resolve(0, list(range(77)))
+    plain = Mixture({"a": Noisy(0, 50), "b": Noisy(1000, 20)}, {"a": 1, "b": 1}, block_size=10)
+    with pytest.raises(StateError, match=r"'dataset_state.source_states.a': saved \{'level': 3\}, expected none"):
+        plain.load_state_dict(state)

@@ -42,6 +42,7 @@ import numpy.typing as npt
 
 from .permutation import KeyedPermutation
 from .state import StateError
+from .thirdparty import is_stateful
 
 __all__ = ["Mixture"]
 
@@ -139,10 +140,13 @@ class Mixture:
         self._requested = epoch * self.samples_per_epoch + position
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain JSON: the sources' names and lengths, the weights and their changes."""
+        """The sources' names and lengths, the weights and their changes (plain JSON), and the own state of each
+        source that has one (the Stateful protocol), as a loader saves a dataset's."""
         return {"version": MIXTURE_VERSION, "sources": dict(zip(self.names, self.lengths, strict=True)),
                 "seed": self.seed, "block_size": self.block_size, "samples_per_epoch": self.samples_per_epoch,
-                "changes": [[start, list(w)] for start, w in zip(self._starts, self._weights, strict=True)]}
+                "changes": [[start, list(w)] for start, w in zip(self._starts, self._weights, strict=True)],
+                "source_states": {name: self.sources[name].state_dict() for name in self.names
+                                  if is_stateful(self.sources[name])}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """The weights and changes of ``state``; refused (``StateError``) if it was saved by another mixture."""
@@ -161,7 +165,14 @@ class Mixture:
             if state[field] != getattr(self, field):
                 raise StateError(f"dataset_state.{field}", state[field], repr(getattr(self, field)),
                                  "The mixture's settings are not the saving run's.")
+        states = state["source_states"]
+        for name in self.names:
+            if is_stateful(self.sources[name]) != (name in states):
+                expected = f"the state of {type(self.sources[name]).__name__}" if name not in states else "none"
+                raise StateError(f"dataset_state.source_states.{name}", states.get(name), expected,
+                                 f"Source {name!r} is not the saving run's (one has a state of its own, one not).")
         self._starts, self._weights, self._drawn = [], [], []
+        self._count_cache, self._resolved_blocks = {}, {}  # NOTE: before the rebuild, which reads the counts
         for start, weights in state["changes"]:
             new = self._checked(dict(zip(self.names, weights, strict=True)), "load_state_dict")
             if self._starts:
@@ -170,7 +181,8 @@ class Mixture:
                 self._drawn.append([0] * len(self.names))
             self._starts.append(start)
             self._weights.append(new)
-        self._count_cache, self._resolved_blocks = {}, {}
+        for name, source_state in states.items():
+            self.sources[name].load_state_dict(source_state)
 
     # --- internals --------------------------------------------------------------------------------
     def _resolved(self, k: int, block: int) -> tuple[list[int], list[int]]:
