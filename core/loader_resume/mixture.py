@@ -230,7 +230,7 @@ class Mixture:
     def _drawn_until(self, k: int, end: int) -> list[int]:
         """Draws of each source before global position ``end`` (in segment ``k``)."""
         blocks, part = divmod(end - self._starts[k], self.block_size)
-        counts = _apportion(self._weights[k], self.block_size)
+        counts = self._counts(k).tolist()
         drawn = [before + blocks * count for before, count in zip(self._drawn[k], counts, strict=True)]
         if part:
             sources = self._block_sources(k, blocks)[:part]
