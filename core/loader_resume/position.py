@@ -53,7 +53,7 @@ class Setup:
     shard_drop_last: bool | None = None
     """A ``DistributedSampler``'s own ``drop_last`` when the loader took one over, else None."""
     in_order: bool = True
-    """``DataLoader(in_order=...)``: ``False`` lets workers' batches arrive in any order (map-style data)."""
+    """``DataLoader(in_order=...)``: ``False`` lets workers' batches arrive in any order."""
 
     def shard(self) -> Shard:
         """This rank's view of the global order (rank and world size resolved now)."""
