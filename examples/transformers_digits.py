@@ -66,6 +66,10 @@ def main(argv: list[str]) -> None:
     trainer.train(resume_from_checkpoint=has_checkpoint)  # the newest complete checkpoint, if there is one
     if args.process_index == 0:
         print(f"final weights digest: {fingerprint([p.detach() for p in model.parameters()])}", flush=True)
+    # NOTE: as at the end of any multi-process script: a process whose peer has already left can be aborted by
+    # gloo (SIGABRT) while the interpreter tears an open process group down
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":

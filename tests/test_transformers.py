@@ -10,6 +10,7 @@ weights must be identical, and the resumed run reads no batch it does not train 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -34,9 +35,11 @@ def run(out: Path, processes: int, *args: str, launcher: str = "torchrun", expec
         command = [ACCELERATE, "launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
                    "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
                    str(CHILD)]
+    # NOTE: faulthandler prints each thread's Python stack if a process aborts
     done = subprocess.run([*command, str(out), "--processes", str(processes), *args], capture_output=True,
-                          text=True, timeout=300)
-    assert (done.returncode == expect) if expect == 0 else done.returncode != 0, done.stderr[-3000:]
+                          text=True, timeout=300, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+    assert (done.returncode == expect) if expect == 0 else done.returncode != 0, \
+        f"{args}: exit {done.returncode}\n{done.stderr[-6000:]}"
     return done.stderr
 
 

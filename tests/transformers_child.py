@@ -137,6 +137,8 @@ def main() -> None:
     trainer.train(resume_from_checkpoint=resume)
     (out / f"weights-{rank}.txt").write_text(fingerprint([p.detach() for p in model.parameters()]))
     (out / f"reads-{rank}.txt").write_text(str(Items.reads.value))
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()  # NOTE: gloo aborts a process (SIGABRT) whose peer left mid-connection
 
 
 if __name__ == "__main__":
