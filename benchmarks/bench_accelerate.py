@@ -1,7 +1,7 @@
 """Accelerate: overhead of enable_resume, and process start to first batch when resuming at 90 % of an epoch.
 
-    python benchmarks/bench_accelerate.py            # ~3 min; prints the tables, updates README.md
-    python benchmarks/bench_accelerate.py --quick    # fewer rounds, README untouched
+    python benchmarks/bench_accelerate.py            # ~3 min; prints the tables, updates its table in docs/
+    python benchmarks/bench_accelerate.py --quick    # fewer rounds, docs untouched
 
 1. Steps/s of a tiny model, 1 process, ``num_workers=2``: Accelerate's own prepared loader against the
    same script after ``enable_resume``. Rounds alternate (order reversed every other round); ratios are
@@ -32,7 +32,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DataLoaderConfiguration
-from common import Tiny, interleaved, markdown, write_readme_section
+from common import Tiny, interleaved, markdown, write_docs_section
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -150,7 +150,7 @@ def latency_table(rounds: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="fewer rounds; do not touch the README")
+    parser.add_argument("--quick", action="store_true", help="fewer rounds; do not touch the docs")
     parser.add_argument("--child", nargs=2, metavar=("METHOD", "ROOT"), help=argparse.SUPPRESS)
     parser.add_argument("--setup", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -176,7 +176,7 @@ def main() -> None:
             + f"\n\nResume latency: a fresh process, median of {rounds} runs.\n\n" + latency_table(rounds))
     print(text)
     if not args.quick:
-        write_readme_section("accelerate", text)
+        write_docs_section("accelerate", text)
 
 
 if __name__ == "__main__":

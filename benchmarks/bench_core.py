@@ -1,7 +1,7 @@
 """Core benchmark: ResumableDataLoader vs DataLoader vs torchdata's StatefulDataLoader, same process.
 
-    python benchmarks/bench_core.py            # ~15 min on 2 cores; prints the table, updates README.md
-    python benchmarks/bench_core.py --quick    # fewer rounds, README untouched
+    python benchmarks/bench_core.py            # ~15 min on 2 cores; prints the table, updates its table in docs/
+    python benchmarks/bench_core.py --quick    # fewer rounds, docs untouched
 
 Loaders take turns (interleaved rounds, medians), so machine drift affects all of them alike.
 """
@@ -34,7 +34,7 @@ from common import (
     markdown,
     median_micros,
     pipeline_cpu_clock,
-    write_readme_section,
+    write_docs_section,
 )
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -338,12 +338,12 @@ def report(args: argparse.Namespace) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="fewer rounds; do not touch the README")
+    parser.add_argument("--quick", action="store_true", help="fewer rounds; do not touch the docs")
     args = parser.parse_args()
     text = report(args)
     print(text)
     if not args.quick:
-        write_readme_section("core", text)
+        write_docs_section("core", text)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Lightning overhead: steps/s of a tiny model with and without ResumeCallback (1 device, num_workers=2).
 
-    python benchmarks/bench_lightning.py            # ~2 min; prints the table, updates README.md
-    python benchmarks/bench_lightning.py --quick    # fewer rounds, README untouched
+    python benchmarks/bench_lightning.py            # ~2 min; prints the table, updates its table in docs/
+    python benchmarks/bench_lightning.py --quick    # fewer rounds, docs untouched
 
 The callback's work per step is a signal-flag check and a copy of torch's RNG state; its loaders add
 keyed randomness. Rounds alternate (order reversed every other round); ratios are taken per round.
@@ -20,7 +20,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from common import interleaved, markdown, write_readme_section
+from common import interleaved, markdown, write_docs_section
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -71,7 +71,7 @@ def steps_per_second(with_callback: bool) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="fewer rounds; do not touch the README")
+    parser.add_argument("--quick", action="store_true", help="fewer rounds; do not touch the docs")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning").setLevel(logging.ERROR)
@@ -87,7 +87,7 @@ def main() -> None:
                          f"{result['with']:.3f}"]]))
     print(text)
     if not args.quick:
-        write_readme_section("lightning", text)
+        write_docs_section("lightning", text)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from typing import Any
 import litdata
 import numpy as np
 import torch
-from common import markdown, write_readme_section
+from common import markdown, write_docs_section
 from torch.utils.data import DataLoader
 
 from loader_resume import ResumableDataLoader
@@ -138,7 +138,7 @@ def main() -> None:
     parser.add_argument("--at", type=float, default=0.9, help="resume after this fraction of the epoch's batches")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
-    parser.add_argument("--no-write", dest="write", action="store_false", help="print only, leave the README")
+    parser.add_argument("--no-write", dest="write", action="store_false", help="print only, leave the docs")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = os.path.join(tmp, "optimized")
@@ -152,7 +152,7 @@ def main() -> None:
         text = report(args, folder)
     print(text)
     if args.write:
-        write_readme_section("litdata", text)
+        write_docs_section("litdata", text)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """A data mixture against the peers: ``Mixture`` + ``ResumableDataLoader``, ``ConcatDataset`` +
 ``WeightedRandomSampler`` in a plain ``DataLoader``, and torchdata's ``MultiNodeWeightedSampler``.
 
-    python benchmarks/bench_mixture.py            # ~2 min on 2 cores; prints the table, updates README.md
-    python benchmarks/bench_mixture.py --quick    # fewer rounds, README untouched
+    python benchmarks/bench_mixture.py            # ~2 min on 2 cores; prints the table, updates its table in docs/
+    python benchmarks/bench_mixture.py --quick    # fewer rounds, docs untouched
 
 Three sources of Python ints (500,000, 300,000 and 200,000 items; ``__getitem__`` returns the index), weights
 5:3:2, batches of 64, ``num_workers=0``, an epoch of 10^6 samples. Throughput: whole epochs, the loaders taking
@@ -30,7 +30,7 @@ import torch
 from torch.utils.data import ConcatDataset, DataLoader, RandomSampler, WeightedRandomSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Ints, interleaved_epochs, markdown, write_readme_section
+from common import Ints, interleaved_epochs, markdown, write_docs_section
 
 from loader_resume import Mixture, ResumableDataLoader
 
@@ -136,7 +136,7 @@ def main() -> None:
     print(table)
     if not args.quick:
         method = f"Measured by `python benchmarks/bench_mixture.py` ({rounds} rounds; method in its docstring)."
-        write_readme_section("mixture", f"{table}\n\n{method}")
+        write_docs_section("mixture", f"{table}\n\n{method}")
 
 
 if __name__ == "__main__":

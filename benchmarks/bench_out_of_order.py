@@ -1,7 +1,7 @@
 """``in_order=False`` against ``in_order=True`` when one item in 64 is slow, ours and a plain ``DataLoader``.
 
-    python benchmarks/bench_out_of_order.py            # ~1 min on 2 cores; prints the table, updates README.md
-    python benchmarks/bench_out_of_order.py --quick    # fewer rounds, README untouched
+    python benchmarks/bench_out_of_order.py            # ~1 min on 2 cores; prints the table, updates its table in docs/
+    python benchmarks/bench_out_of_order.py --quick    # fewer rounds, docs untouched
 
 1,024 items of ~0.5 ms of CPU each, except every 64th, which sleeps 40 ms (a slow decode, a remote read);
 batches of 8, ``num_workers=2``, ``prefetch_factor=2``. Whole epochs, the four loaders taking turns (order
@@ -22,7 +22,7 @@ from typing import Any
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleaved_epochs, markdown, write_readme_section
+from common import interleaved_epochs, markdown, write_docs_section
 
 from loader_resume import ResumableDataLoader
 
@@ -64,7 +64,7 @@ def main() -> None:
     print(table)
     if not args.quick:
         method = f"Measured by `python benchmarks/bench_out_of_order.py` ({rounds} rounds; method in its docstring)."
-        write_readme_section("out_of_order", f"{table}\n\n{method}")
+        write_docs_section("out_of_order", f"{table}\n\n{method}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Time to the first batch after resuming at a position in the epoch: ours, StatefulDataLoader, Accelerate.
 
-    python benchmarks/bench_resume_plot.py      # ~1 min; writes benchmarks/resume_latency.png and a README table
+    python benchmarks/bench_resume_plot.py      # ~1 min; writes docs/img/resume_latency.png and its table in docs/
 
 Each loader is brought to the position for real (states are taken by iterating, nw=0), then a fresh
 loader resumes and we time load + first batch. Accelerate's documented way is ``skip_first_batches``,
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from accelerate.data_loader import skip_first_batches
-from common import Tiny, markdown, write_readme_section
+from common import Tiny, markdown, write_docs_section
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -25,7 +25,7 @@ from loader_resume import ResumableDataLoader
 
 N, BATCH = 10**6, 64
 FRACTIONS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9)
-PLOT = Path(__file__).resolve().parent / "resume_latency.png"
+PLOT = Path(__file__).resolve().parent.parent / "docs" / "img" / "resume_latency.png"
 
 
 def _states(build: Any) -> dict[float, Any]:
@@ -91,9 +91,9 @@ def main() -> None:
     header = ["load + first batch, n = 1e6", *(f"{int(100 * f)} %" for f in FRACTIONS)]
     rows = [[name, *(f"{1000 * s:.1f} ms" for s in by.values())] for name, by in results.items()]
     text = (f"Measured by `python benchmarks/bench_resume_plot.py` ({machine}); nw=0, tiny items.\n\n"
-            + markdown(header, rows) + "\n\n![time to first batch after resume](benchmarks/resume_latency.png)")
+            + markdown(header, rows) + "\n\n![time to first batch after resume](img/resume_latency.png)")
     print(text)
-    write_readme_section("resume", text)
+    write_docs_section("resume", text)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmarks: timing, datasets, and writing a table into the README."""
+"""Shared pieces of the benchmarks: timing, datasets, and writing a table into the docs."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+DOCS = README.parent / "docs"
 
 
 class Tiny(Dataset[torch.Tensor]):
@@ -185,11 +186,12 @@ def markdown(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def write_readme_section(name: str, text: str) -> None:
-    """Replace the README's text between ``<!-- bench:NAME:start -->`` and ``<!-- bench:NAME:end -->``."""
+def write_docs_section(name: str, text: str) -> None:
+    """Replace the text between ``<!-- bench:NAME:start -->`` and ``<!-- bench:NAME:end -->`` in the one page
+    of the docs (``docs/*.md``) or the README that holds those markers."""
     start, end = f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
-    readme = README.read_text()
     pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
-    if not pattern.search(readme):
-        raise SystemExit(f"README.md has no {start} ... {end} markers")
-    README.write_text(pattern.sub(lambda _: f"{start}\n{text}\n{end}", readme))
+    pages = [page for page in [README, *sorted(DOCS.glob("*.md"))] if pattern.search(page.read_text())]
+    if len(pages) != 1:
+        raise SystemExit(f"{start} ... {end}: found in {[str(page) for page in pages]}; expected in one page")
+    pages[0].write_text(pattern.sub(lambda _: f"{start}\n{text}\n{end}", pages[0].read_text()))

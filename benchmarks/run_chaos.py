@@ -1,4 +1,4 @@
-"""The long chaos suite (``pytest -m chaos tests/chaos``), its figures printed and written into the README.
+"""The long chaos suite (``pytest -m chaos tests/chaos``), its figures printed and written into the docs.
 
     python benchmarks/run_chaos.py        # ~10 min on 2 cores
 
@@ -8,13 +8,14 @@ scale simulation's time per rank.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from common import markdown, write_readme_section
+from common import markdown, write_docs_section
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,7 +28,7 @@ def main() -> None:
     output = done.stdout
     print(output[-4000:])
     if done.returncode != 0:
-        raise SystemExit("the long chaos suite failed; the README is left as it is")
+        raise SystemExit("the long chaos suite failed; the docs are left as they are")
     rows = [[f"SIGKILL under torchrun, {job} job",
              f"{kills} kills survived ({planned} planned), audit exact, final weights equal"]
             for job, kills, planned in re.findall(r"(\w+): survived (\d+) SIGKILLs under torchrun \((\d+) planned\)",
@@ -42,10 +43,11 @@ def main() -> None:
                      f"exactly once; {scale.group(1)} ms per rank, {scale.group(2)} MiB peak (whole simulation)"])
     passed = re.search(r"(\d+) passed", output)
     text = (f"Measured by `python benchmarks/run_chaos.py` (`pytest -m chaos tests/chaos`: "
-            f"{passed.group(1) if passed else '?'} long tests passed in {minutes:.1f} min on this machine).\n\n"
+            f"{passed.group(1) if passed else '?'} long tests passed in {minutes:.1f} min "
+            f"on {os.cpu_count()} CPU cores).\n\n"
             + markdown(["long chaos run", "result"], rows))
     print(text)
-    write_readme_section("chaos", text)
+    write_docs_section("chaos", text)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Run torchdata's own StatefulDataLoader test suites against ResumableDataLoader, beside StatefulDataLoader.
 
-    python benchmarks/torchdata_suites.py --repo PATH             # prints the table; README untouched
-    python benchmarks/torchdata_suites.py --repo PATH --readme    # also writes the table to README.md
+    python benchmarks/torchdata_suites.py --repo PATH             # prints the table; docs untouched
+    python benchmarks/torchdata_suites.py --repo PATH --readme    # also writes the table to docs/comparison.md
 
 ``PATH`` is a local copy of github.com/pytorch/data: a checkout, or a bare git directory (its ``HEAD`` is
 read with ``git show``). Nothing is fetched. Without ``--repo``, ``$TORCHDATA_REPO`` is used. ~15 min on
@@ -10,7 +10,7 @@ read with ``git show``). Nothing is fetched. Without ``--repo``, ``$TORCHDATA_RE
 The files under ``test/stateful_dataloader/`` are copied to a temporary directory, twice: as they are, and
 with their import of ``StatefulDataLoader`` replaced by ``loader_resume.ResumableDataLoader`` (nothing else
 changes; nothing of theirs is copied into this repository). Every failure of ours must be one of the
-deliberate differences in :data:`DELIBERATE` (each also stated in the README and shown by a test of ours);
+deliberate differences in :data:`DELIBERATE` (each also stated in the docs and shown by a test of ours);
 any other failure makes the script exit 1.
 """
 
@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import markdown, write_readme_section
+from common import markdown, write_docs_section
 
 FILES = ("test_dataloader.py", "test_state_dict.py", "test_hugging_face.py")
 SUITE_DIR = "test/stateful_dataloader"
@@ -40,7 +40,7 @@ IMPORTS = (
      "from loader_resume import ResumableDataLoader as StatefulDataLoader\n"),
 )
 
-# Test-id pattern -> the deliberate difference that makes it fail (README: Compared with StatefulDataLoader).
+# Test-id pattern -> the deliberate difference that makes it fail (docs/comparison.md).
 DELIBERATE: dict[str, str] = {
     r"test_state_dict\.py::TestOutOfOrderWithCheckpointing::test_out_of_order_iterable":
         "reads torchdata's state layout",
@@ -96,7 +96,7 @@ def run(folder: Path, name: str) -> tuple[dict[str, int], list[str]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--repo", default=os.environ.get("TORCHDATA_REPO"), help="a local copy of pytorch/data")
-    parser.add_argument("--readme", action="store_true", help="write the table to README.md")
+    parser.add_argument("--readme", action="store_true", help="write the table to docs/comparison.md")
     parser.add_argument("--only", choices=FILES, action="append", help="run only this file (repeatable)")
     args = parser.parse_args()
     if not args.repo:
@@ -135,7 +135,7 @@ def main() -> None:
                  + "\n".join(f"- `{test}`" for test in unexplained))
     print(text)
     if args.readme:
-        write_readme_section("torchdata", text)
+        write_docs_section("torchdata", text)
     sys.exit(1 if unexplained else 0)
 
 

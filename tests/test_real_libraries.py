@@ -3,7 +3,7 @@
 HF ``datasets`` (map-style with ``set_transform``/``with_transform``, and streams: ``to_iterable_dataset``,
 ``.map``, ``.shuffle``), WebDataset (local tar shards) and litdata (``litdata.optimize`` into a tmp dir).
 Mosaic Streaming is not here: ``import streaming`` imports torchvision, whose only wheel for torch 2.13 is
-CUDA-linked and fails to import on the CPU build CI runs (README: Works with). Every test asserts exact
+CUDA-linked and fails to import on the CPU build CI runs (docs: Works with). Every test asserts exact
 resume over 2+ epochs, at ``num_workers`` 0 and 2, and, where it applies, equal values across worker
 counts and an untouched caller RNG.
 """
@@ -81,7 +81,7 @@ def _hf_stream(workers: int, persistent: bool = False, shuffle: str = "") -> Res
         stream = stream.shuffle(seed=1, buffer_size=1)
     elif shuffle == "buffer":
         # NOTE: random numbers drawn in an HF .map() upstream of a shuffle buffer are not reproducible even
-        # between two uninterrupted runs (measured on datasets 5.2; README: Works with), so here the
+        # between two uninterrupted runs (measured on datasets 5.2; docs: Works with), so here the
         # randomness is the collate's, keyed by the loader.
         return ResumableDataLoader(stream.shuffle(seed=1, buffer_size=8), batch_size=4, num_workers=workers,
                                    persistent_workers=persistent, collate_fn=_mix)

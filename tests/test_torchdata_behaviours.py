@@ -272,7 +272,7 @@ def _remember_seed(worker_id: int) -> None:
 
 
 def test_initial_seed_is_torchs_in_worker_init_fn_and_the_batch_key_while_reading() -> None:
-    """The decision (README: Compared with StatefulDataLoader): worker_init_fn sees torch's distinct per-worker
+    """The decision (docs: Compared with the built-ins): worker_init_fn sees torch's distinct per-worker
     seed, to seed other libraries from; inside a keyed fetch torch.initial_seed() is the seed of the stream the
     item draws from, the batch's key: the same at any num_workers, an int64, distinct per batch."""
 

@@ -59,7 +59,8 @@ class ResumableDataLoader(DataLoader[T]):
             of batch or world size; costs ~8 µs per sample); ``"off"`` leaves every generator alone.
         keyed_generators: which global generators are keyed: any of ``"torch"`` (default CPU
             generator), ``"numpy"`` (legacy global ``np.random``) and ``"random"``.
-        rank, world_size: shard for this rank; default from ``torch.distributed`` when initialised.
+        rank: shard for this rank; default from ``torch.distributed`` when initialised.
+        world_size: shard across this many ranks; default from ``torch.distributed`` when initialised.
 
     Semantics (as torchdata's ``StatefulDataLoader``): ``state_dict()`` may be called at any time and
     describes the position after the last batch handed to the caller; after ``load_state_dict(s)``

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 RESHARD_HINT = (
     "An iterable dataset's position lives in each worker's (and rank's) own copy of the dataset, so it "
     "can only resume with the num_workers and world size it was saved with; or give the dataset a "
-    "reshard_states(states, num_shards) method (see README: Iterable datasets) to allow a change "
+    "reshard_states(states, num_shards) method (see the docs: Iterable datasets) to allow a change "
     "(world size changes go through loader_resume.distributed.load_rank_state)."
 )
 

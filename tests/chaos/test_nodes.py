@@ -124,7 +124,7 @@ def digest(out: Path) -> str:
 def environment(out: Path, plan: list[dict[str, Any]], share_store: bool = True) -> dict[str, str]:
     env = {**os.environ, "CHAOS_PLAN": json.dumps(plan), "CHAOS_DIR": str(out), "CHAOS_STEP_SLEEP": "0.02"}
     if not share_store:
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # torch 2.13: a joining node needs it (see README)
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # torch 2.13: a joining node needs it (docs: Reliability)
     return env
 
 
