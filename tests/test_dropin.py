@@ -59,6 +59,20 @@ def test_our_own_options_fail_clearly(kwargs: dict[str, Any], message: str) -> N
         make(4, **kwargs)
 
 
+@pytest.mark.parametrize(("name", "value"), [("seed", 5), ("keying", "off"), ("keyed_generators", ("torch",)),
+                                           ("rank", 1), ("world_size", 2)])
+def test_our_settings_cannot_be_set_after_construction(name: str, value: Any) -> None:
+    """As DataLoader refuses ``batch_size``: the order, the keys and the state follow one value, the one the
+    loader was built with; a write is refused and changes nothing."""
+    loader = make(10, shuffle=True, seed=0)
+    before = (run_epochs(loader, 1), loader.state_dict())
+    with pytest.raises(ValueError, match=rf"{name} attribute should not be set after ResumableDataLoader is "
+                                         rf"initialized .* build a new loader with {name}="):
+        setattr(loader, name, value)
+    assert (loader.seed, loader.keying, loader.keyed_generators) == (0, "batch", ("torch", "numpy", "random"))
+    assert (run_epochs(make(10, shuffle=True, seed=0), 1), loader.state_dict()["seed"]) == (before[0], 0)
+
+
 _INIT = [name for name in inspect.signature(DataLoader.__init__).parameters if name != "self"]
 
 

@@ -40,6 +40,10 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+_FIXED = frozenset({"seed", "keying", "keyed_generators", "rank", "world_size"})
+"""The loader's own settings: read-only after construction."""
+
+
 class ResumableDataLoader(DataLoader[T]):
     """A ``DataLoader`` whose ``state_dict()`` resumes the exact batch sequence, elastically.
 
@@ -106,9 +110,7 @@ class ResumableDataLoader(DataLoader[T]):
             pin_memory_device=pin_memory_device, in_order=in_order,
         )
         _check_options(snapshot_every_n_steps, keying)
-        self.seed = seed if seed is not None else default_seed(generator, sampler)
-        self.keying = keying
-        self.keyed_generators = tuple(keyed_generators)
+        seed = seed if seed is not None else default_seed(generator, sampler)
         shard_drop_last = None
         if type(sampler) in (DistributedSampler, ShardedSampler):
             # NOTE: a DistributedSampler (the user's, or the one Lightning injects by rebuilding the
@@ -119,7 +121,8 @@ class ResumableDataLoader(DataLoader[T]):
             shard_drop_last = sampler.drop_last or drop_last
         rank_and_world(rank, world_size)  # fail at construction on an impossible explicit pair
         setup = Setup(
-            dataset=self.dataset, seed=self.seed, keying=keying, mask=generator_mask(self.keyed_generators),
+            dataset=self.dataset, seed=seed, keying=keying, generators=tuple(keyed_generators),
+            mask=generator_mask(keyed_generators),
             batch_size=batch_size, unbatched=unbatched, drop_last=drop_last, num_workers=num_workers,
             persistent_workers=persistent_workers, rank=rank, world_size=world_size, shard_drop_last=shard_drop_last,
             in_order=in_order,
@@ -138,7 +141,7 @@ class ResumableDataLoader(DataLoader[T]):
         self._drawn = DrawnGenerators()  # the generators this dataset draws from in this process (num_workers=0)
         self._template: dict[str, Any] | None = None  # the state's fixed fields (see _identity)
         # (the pass, the settings, the identity fields) of the last iter(); see state_dict
-        self._pass_identity: tuple[Any, tuple[Any, ...], dict[str, Any]] | None = None
+        self._pass_identity: tuple[Any, int, dict[str, Any]] | None = None
         warn_at_construction(dataset, batch_read=self._position.kind == "map" and keying == "sample")
 
     # --- torch hooks -----------------------------------------------------------------------------
@@ -223,6 +226,30 @@ class ResumableDataLoader(DataLoader[T]):
         return rank_and_world(self._position.setup.rank, self._position.setup.world_size)[1]
 
     @property
+    def seed(self) -> int:
+        """The seed of the order and of every keyed random number (fixed when the loader is built)."""
+        return self._position.setup.seed
+
+    @property
+    def keying(self) -> str:
+        """``"batch"``, ``"sample"`` or ``"off"`` (fixed when the loader is built)."""
+        return self._position.setup.keying
+
+    @property
+    def keyed_generators(self) -> tuple[str, ...]:
+        """The global generators keyed (fixed when the loader is built)."""
+        return self._position.setup.generators
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # NOTE: as DataLoader refuses `batch_size` and its like: the order, the keys and the state all follow
+        # these settings, so a loader keeps the ones it was built with.
+        if name in _FIXED:
+            raise ValueError(f"{name} attribute should not be set after {type(self).__name__} is initialized "
+                             f"(the order, the random keys and the state follow the value it was built with): "
+                             f"build a new loader with {name}={value!r}")
+        super().__setattr__(name, value)
+
+    @property
     def epoch(self) -> int:
         """The epoch the next batch belongs to (after a load: the loaded one)."""
         return self._position.epoch
@@ -235,13 +262,12 @@ class ResumableDataLoader(DataLoader[T]):
         prefetches one batch from a loader without ``__len__``).
         """
         # NOTE: while the last pass is mid-epoch, the identity fields are those computed at its iter() (the
-        # length and world size it was planned with), unless a setting changed since; the key is inlined
+        # length and world size it was planned with), unless num_workers changed since; the key is inlined
         # (_identity_key) as this runs between steps.
         cached = self._pass_identity
-        if cached is not None and not cached[0].done \
-                and cached[1] == (self.seed, self.num_workers, self.keyed_generators):
+        if cached is not None and not cached[0].done and cached[1] == self.num_workers:
             state = cached[2].copy()
-            state["keyed_generators"] = list(self.keyed_generators)
+            state["keyed_generators"] = list(self._position.setup.generators)
         else:
             state = self._identity()
         self._position.fill_state(state, batches_ago)
@@ -318,9 +344,10 @@ class ResumableDataLoader(DataLoader[T]):
             self._warned.add(case)
             logger.warning("%s over %s: %s", type(self).__name__, type(self.dataset).__name__, message)
 
-    def _identity_key(self) -> tuple[Any, ...]:
-        """The settings a user may change on a built loader that the identity fields record."""
-        return self.seed, self.num_workers, self.keyed_generators
+    def _identity_key(self) -> int:
+        """The setting a user may change on a built loader that the identity fields record (DataLoader lets
+        ``num_workers`` change between passes; the loader's own settings are fixed)."""
+        return self.num_workers
 
     def _identity(self) -> dict[str, Any]:
         """The state's fields that say what this loader reads and how (the position's fields zeroed)."""

@@ -39,8 +39,10 @@ class Setup:
     """``DataLoader.dataset`` (torch wraps a datapipe there so that workers unpickle it with dill)."""
     seed: int
     keying: str
+    generators: tuple[str, ...]
+    """The keyed generators' names (``keyed_generators``)."""
     mask: int
-    """The keyed generators (:func:`loader_resume.keyed_rng.generator_mask`)."""
+    """The same as a mask (:func:`loader_resume.keyed_rng.generator_mask`)."""
     batch_size: int | None
     unbatched: bool
     """``batch_size=None`` without a batch sampler: items are handed over one by one, not collated."""

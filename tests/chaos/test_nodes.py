@@ -151,11 +151,22 @@ def worker_crashes(tmp_path: Path, crashes: int, epochs: int) -> None:
     assert digest(tmp_path / "job") == digest(tmp_path / "full")
 
 
+def wait_for(out: Path, pattern: str, what: str, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not list(out.glob(pattern)):
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.05)
+
+
 def leave_and_join(tmp_path: Path, cycles: int, epochs: int) -> None:
-    """Node a runs throughout; node b is there, is lost, and joins again — ``cycles`` times."""
+    """Node a runs throughout; node b is there, is lost, and joins again — ``cycles`` times. Before each join
+    the job is held at its next step (``$CHAOS_HOLD``) until a world of two has formed and reached a step, so
+    the job cannot end before the node it waits for has joined, however fast it runs."""
     out = tmp_path / "job"
     (out / "log").mkdir(parents=True)
     env, port = environment(out, [], share_store=False), free_port()
+    held = out / "hold"
+    env["CHAOS_HOLD"] = str(held)
     a = Node(out, "a", port, epochs, env, restarts=3 * cycles + 2)
     b = Node(out, "b", port, epochs, env, restarts=1)
     worlds = []
@@ -164,7 +175,10 @@ def leave_and_join(tmp_path: Path, cycles: int, epochs: int) -> None:
         b.lose()
         time.sleep(3)
         wait_for_steps(out, 14 + 30 * cycle)
+        held.write_text(f"join{cycle}")
         b = Node(out, "b" if cycle + 1 == cycles else "c", port, epochs, env, restarts=1)
+        wait_for(out, f"held-join{cycle}-*-of-2", f"join {cycle + 1}: a world of two reached a step")
+        held.unlink()
     deadline = time.monotonic() + 400
     assert a.finish(deadline) == 0 and b.finish(deadline) == 0
     kept = audit(out, epochs)
@@ -196,3 +210,20 @@ def test_a_node_leaves_and_joins_again_twice(tmp_path: Path) -> None:
     leave_and_join(tmp_path, cycles=2, epochs=5)
     print(f"two nodes: 2 node losses and 2 joins (world 2 -> 1 -> 2, twice), no hang, every sample of each "
           f"epoch once ({time.monotonic() - start:.0f} s)", flush=True)
+
+
+@pytest.mark.chaos
+@pytest.mark.timeout(900)
+def test_a_node_joining_a_finished_job_changes_nothing(tmp_path: Path) -> None:
+    """A node started after the job ended finds no rendezvous (it lived on the host node's agent, gone with
+    the job): its torchrun exits 1 without running the script, and the job's logs and checkpoints stay."""
+    out = tmp_path / "job"
+    (out / "log").mkdir(parents=True)
+    env, port = environment(out, [], share_store=False), free_port()
+    nodes = [Node(out, name, port, 1, env, restarts=1) for name in ("a", "b")]
+    assert [node.finish(time.monotonic() + 300) for node in nodes] == [0, 0]
+    rows, checkpoints = logged(out), sorted(p.name for p in (out / "run" / "checkpoints").iterdir())
+    late = Node(out, "c", port, 1, env, restarts=1)
+    assert late.finish(time.monotonic() + 600) == 1
+    assert "RendezvousConnectionError" in (out / "c.err").read_text()
+    assert logged(out) == rows and sorted(p.name for p in (out / "run" / "checkpoints").iterdir()) == checkpoints
