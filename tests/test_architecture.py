@@ -77,3 +77,60 @@ def test_no_test_module_imports_another() -> None:
             found += [f"{path.relative_to(ROOT)}:{node.lineno}: {name}" for name in names
                       if name.split(".")[0] in leaves]
     assert not found, "test modules importing each other (move what they share to tests/support):\n" + "\n".join(found)
+
+
+def _torch_private_names() -> set[str]:
+    """The private names of torch's DataLoader, its iterators, samplers, datasets and ``WorkerInfo``: class
+    attributes and the attributes a built loader and iterator carry."""
+    from torch.utils.data import (
+        BatchSampler,
+        DataLoader,
+        Dataset,
+        DistributedSampler,
+        IterableDataset,
+        RandomSampler,
+        Sampler,
+        SequentialSampler,
+    )
+    from torch.utils.data import dataloader as torch_dataloader
+    from torch.utils.data._utils.worker import WorkerInfo
+
+    classes = [DataLoader, torch_dataloader._BaseDataLoaderIter, torch_dataloader._SingleProcessDataLoaderIter,
+               torch_dataloader._MultiProcessingDataLoaderIter, WorkerInfo, RandomSampler, Sampler, BatchSampler,
+               SequentialSampler, DistributedSampler, Dataset, IterableDataset]
+    loader = DataLoader(list(range(4)), batch_size=2)
+    workers = iter(DataLoader(list(range(4)), batch_size=2, num_workers=1))
+    names = {name for kind in classes for name in dir(kind)} | set(vars(loader)) | set(vars(iter(loader)))
+    names |= set(vars(workers))
+    del workers  # its worker process ends
+    return {name for name in names if _private(name)}
+
+
+def _torch_reach_ins(tree: ast.Module, torch_names: set[str]) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in torch_names:
+            found.append((node.lineno, f".{node.attr}"))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch" and (
+                any(_private(part) for part in (node.module or "").split("."))
+                or any(_private(alias.name) for alias in node.names)):
+            found.append((node.lineno, f"from {node.module} import {', '.join(a.name for a in node.names)}"))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "__setattr__" \
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "object":
+            found.append((node.lineno, "object.__setattr__ (a write past a guard)"))
+    return found
+
+
+def test_torch_private_names_are_used_in_torch_internals_only() -> None:
+    torch_names = _torch_private_names()
+    found = [f"{path.relative_to(ROOT)}:{line}: {what}" for path, tree in _modules().items()
+             if path.name != "torch_internals.py" for line, what in _torch_reach_ins(tree, torch_names)]
+    assert not found, "torch's private names outside torch_internals.py (name them there):\n" + "\n".join(found)
+
+
+def test_the_torch_rule_finds_each_kind_of_reach_in() -> None:
+    torch_names = _torch_private_names()
+    assert {"_index_sampler", "_auto_collation", "_iterator", "_dataset_kind", "_task_info"} <= torch_names
+    source = ("from torch.utils.data.dataloader import _DatasetKind\nfrom torch.utils.data._utils import collate\n"
+              "def f(loader, info):\n    loader._iterator = None\n    object.__setattr__(info, 'id', 1)\n")
+    assert [line for line, _ in _torch_reach_ins(ast.parse(source), torch_names)] == [1, 2, 4, 5]

@@ -3,9 +3,16 @@ range; fetch_items reads what torch's map-style fetcher reads; next_numbered nam
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data._utils.fetch import _MapDatasetFetcher
+from torch.utils.data._utils.worker import WorkerInfo
 
 import loader_resume.torch_internals as torch_internals
 from loader_resume import ResumableDataLoader
@@ -84,3 +91,81 @@ def test_next_numbered_names_the_index_list_each_out_of_order_batch_was_made_fro
     pairs = [next_numbered(iterator) for _ in range(8)]
     assert all(number == int(batch) for number, batch in pairs)
     assert [number for number, _ in pairs] != list(range(8)) and sorted(n for n, _ in pairs) == list(range(8))
+
+
+class _EveryOther(torch_internals.IndexHooks[int]):
+    """Index lists from the subclass: every other item, always fetched as lists."""
+
+    def _index_lists(self) -> Any:
+        return [[0, 2], [4, 6]]
+
+    def _fetches_lists(self) -> bool:
+        return True
+
+
+def test_index_hooks_decide_what_torchs_iterators_fetch_at_any_worker_count() -> None:
+    for workers in (0, 2):
+        batches = [batch.tolist() for batch in _EveryOther(list(range(8)), num_workers=workers)]
+        assert batches == [[0, 2], [4, 6]]
+
+
+def test_index_hooks_left_alone_answer_as_dataloader_does() -> None:
+    for options in ({"batch_size": 3}, {"batch_size": None}):
+        hooked = torch_internals.IndexHooks(list(range(7)), **options)
+        plain = DataLoader(list(range(7)), **options)
+        assert hooked._auto_collation == plain._auto_collation
+        assert list(hooked._index_sampler) == list(plain._index_sampler)
+
+
+def test_is_map_style_follows_torchs_dataset_kind() -> None:
+    class Stream(IterableDataset[int]):
+        def __iter__(self) -> Iterator[int]:
+            return iter(range(3))
+
+    assert torch_internals.is_map_style(DataLoader(list(range(3))))
+    assert not torch_internals.is_map_style(DataLoader(Stream()))
+
+
+class _Pids(Dataset[int]):
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> int:
+        return os.getpid()
+
+
+def test_a_forgotten_persistent_iterator_starts_new_workers() -> None:
+    loader = DataLoader(_Pids(), num_workers=1, persistent_workers=True)
+    first, kept = {int(pid) for pid in loader}, {int(pid) for pid in loader}
+    torch_internals.forget_persistent_iterator(loader)
+    fresh = {int(pid) for pid in loader}
+    assert first == kept and len(fresh) == 1 and fresh != first
+
+
+def test_wrap_fetcher_wraps_what_a_single_process_iterator_reads_through() -> None:
+    iterator = iter(DataLoader(list(range(4)), batch_size=2))
+    seen: list[list[int]] = []
+
+    class Spy:
+        def __init__(self, fetcher: Any) -> None:
+            self.fetcher = fetcher
+
+        def fetch(self, indices: list[int]) -> Any:
+            seen.append(list(indices))
+            return self.fetcher.fetch(indices)
+
+    torch_internals.wrap_fetcher(iterator, Spy)
+    assert [batch.tolist() for batch in iterator] == [[0, 1], [2, 3]] and seen == [[0, 1], [2, 3]]
+
+
+def test_set_past_guard_writes_what_torch_refuses() -> None:
+    loader = DataLoader(list(range(3)))
+    with pytest.raises(ValueError, match="dataset attribute should not be set"):
+        loader.dataset = [9]
+    torch_internals.set_past_guard(loader, "dataset", [9])
+    assert loader.dataset == [9]
+    info = WorkerInfo(id=0, num_workers=2, seed=1, dataset=None)
+    with pytest.raises(Exception):  # noqa: B017  # frozen: torch's own error type varies between releases
+        info.id = 1
+    torch_internals.set_past_guard(info, "id", 1)
+    assert info.id == 1

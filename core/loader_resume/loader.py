@@ -1,9 +1,10 @@
 """``ResumableDataLoader``: a drop-in ``torch.utils.data.DataLoader`` that resumes exactly.
 
 It is a real ``DataLoader`` subclass: torch's own iterators, workers and pin-memory thread run
-unchanged. Two points of torch are taken over, both on the loader object: ``_index_sampler`` (where
-torch's iterator draws index lists from) is the loader's :class:`~loader_resume.position.Position`, and
-map-style data is always auto-collated so each index list can key the RNGs (see ``keyed_fetch``).
+unchanged. Two points of torch are taken over, both on the loader object (through
+:class:`~loader_resume.torch_internals.IndexHooks`): where torch's iterator draws index lists from is the
+loader's :class:`~loader_resume.position.Position`, and map-style data is always fetched as lists so each
+index list can key the RNGs (see ``keyed_fetch``).
 Batches are counted as they are *handed to the caller*, so prefetching by workers never skews the saved
 position. What a delivered batch means — global samples of map-style data, or each worker's progress in
 a stream — is the position's (``map_position``, ``stream_position``); the loader keeps torch's hooks.
@@ -20,9 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
-from torch.utils.data._utils.collate import default_collate, default_convert
-from torch.utils.data.dataloader import _DatasetKind
+from torch.utils.data import Dataset, DistributedSampler, default_collate, default_convert
 
 from .distributed import rank_and_world
 from .keyed_fetch import KeyedFetch
@@ -33,6 +32,7 @@ from .sampler import ShardedSampler, Source, classify_source, default_seed
 from .state import STATE_VERSION, check_state
 from .stream_position import StreamPosition
 from .thirdparty import irreproducible, refuse_stock_accelerate, warn_at_construction
+from .torch_internals import IndexHooks, forget_persistent_iterator, is_map_style, set_past_guard, wrap_fetcher
 
 __all__ = ["ResumableDataLoader"]
 
@@ -44,7 +44,7 @@ _FIXED = frozenset({"seed", "keying", "keyed_generators", "rank", "world_size"})
 """The loader's own settings: read-only after construction."""
 
 
-class ResumableDataLoader(DataLoader[T]):
+class ResumableDataLoader(IndexHooks[T]):
     """A ``DataLoader`` whose ``state_dict()`` resumes the exact batch sequence, elastically.
 
     Accepts every ``DataLoader`` argument with the same names, defaults and errors, plus:
@@ -128,7 +128,7 @@ class ResumableDataLoader(DataLoader[T]):
             in_order=in_order,
         )
         self._position: Position
-        if self._dataset_kind == _DatasetKind.Map:
+        if is_map_style(self):
             source = classify_source(dataset, sampler, batch_sampler, shuffle)
             self._position = MapPosition(setup, source)
         else:
@@ -147,16 +147,14 @@ class ResumableDataLoader(DataLoader[T]):
     # --- torch hooks -----------------------------------------------------------------------------
     _torch_building = False  # True while torch's iterator is built (see _building)
 
-    @property
-    def _auto_collation(self) -> bool:
+    def _fetches_lists(self) -> bool:
         # NOTE: torch's iterator, built inside `_building`, always fetches through a list of indices, even
         # with batch_size=None (then one index, unwrapped again after collate), because iterating that list
         # in the worker, right before the items are read, is where keyed randomness is applied. Asked
         # anywhere else, the answer is DataLoader's.
         return self._torch_building or self.batch_sampler is not None
 
-    @property
-    def _index_sampler(self) -> Any:
+    def _index_lists(self) -> Any:
         return self._position
 
     @property
@@ -174,7 +172,7 @@ class ResumableDataLoader(DataLoader[T]):
         self._unused_load = False
         begun = self._position.begin(self.collate_fn, self.worker_init_fn)
         if begun.restart_workers:
-            self._iterator = None
+            forget_persistent_iterator(self)
         # NOTE: keyed fetches in this process: map-style batches through KeyedFetch (torch's fetcher wrapped),
         # stream batches (which cannot be read twice) with the caller's generators saved around each next().
         position = self._position
@@ -183,8 +181,8 @@ class ResumableDataLoader(DataLoader[T]):
         with self._building(**begun.attributes):
             inner = super().__iter__()
             if by_fetch and isinstance(position, MapPosition):
-                fetcher = inner._dataset_fetcher  # type: ignore[attr-defined]  # torch's single-process iterator's
-                inner._dataset_fetcher = KeyedFetch(fetcher, self._drawn, position.next_fetch)  # type: ignore[attr-defined]
+                next_fetch, drawn = position.next_fetch, self._drawn
+                wrap_fetcher(inner, lambda fetcher: KeyedFetch(fetcher, drawn, next_fetch))
             iterator: Tracked[T] = Tracked(self._position, begun.pass_, inner, caller)
         self._live = weakref.ref(iterator)
         self._pass_identity = (begun.pass_, self._identity_key(), self._identity())
@@ -205,14 +203,14 @@ class ResumableDataLoader(DataLoader[T]):
             attributes["generator"] = torch.Generator().manual_seed(key)
         saved = {name: getattr(self, name) for name in attributes}
         for name, value in attributes.items():
-            object.__setattr__(self, name, value)  # NOTE: DataLoader refuses to set `dataset` after __init__
+            set_past_guard(self, name, value)  # NOTE: DataLoader refuses to set `dataset` after __init__
         self._torch_building = True
         try:
             yield
         finally:
             self._torch_building = False
             for name, value in saved.items():
-                object.__setattr__(self, name, value)
+                set_past_guard(self, name, value)
 
     # --- public state API ------------------------------------------------------------------------
     @property

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 from torch.utils.data import get_worker_info
 
 from .stream_worker import END_OF_STREAM, ENDED, IN_WORKER, Progress, StreamSource, WorkerSide
+from .torch_internals import set_past_guard
 
 __all__ = ["StreamCollate", "Ticket", "TicketSpec", "WorkerInit", "WorkerMeta", "WorkerRestore", "report_worker_id"]
 
@@ -152,7 +153,7 @@ class WorkerInit:
             report_worker_id(worker)
         if isinstance(info.dataset, StreamSource):
             # NOTE: the user's worker_init_fn sees (and may shard) its own dataset, as with DataLoader.
-            object.__setattr__(info, "dataset", info.dataset.dataset)
+            set_past_guard(info, "dataset", info.dataset.dataset)
         IN_WORKER.start(self.restore.epoch, worker, self.restore.progress[worker])
         if self.user_fn is not None:
             self.user_fn(worker)
@@ -161,13 +162,12 @@ class WorkerInit:
 def report_worker_id(worker: int) -> None:
     """Make ``get_worker_info().id`` report ``worker`` in this worker process.
 
-    NOTE: the one private torch detail of this module: ``WorkerInfo`` is frozen (a frozen slotted
-    dataclass in torch 2.13, a class guarding ``__setattr__`` before), and ``object.__setattr__`` is
-    how its ``id`` is changed in place. torch's round-robin always hands the first task to the first
+    NOTE: ``WorkerInfo`` is frozen; :func:`~loader_resume.torch_internals.set_past_guard` changes its ``id``
+    in place. torch's round-robin always hands the first task to the first
     worker it started; renumbering which shard each started worker serves is how the order continues
     at the right worker without forking torch's worker loop. Pinned by a test.
     """
     info = get_worker_info()
     if info is None:
         raise RuntimeError("report_worker_id() must run inside a DataLoader worker")
-    object.__setattr__(info, "id", worker)
+    set_past_guard(info, "id", worker)

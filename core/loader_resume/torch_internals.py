@@ -1,4 +1,14 @@
-"""Where the loader relies on torch's DataLoader iterator beyond its public API, named and pinned by tests.
+"""Every place where the package relies on torch beyond its public API, each behind a name here and pinned by a
+test (``tests/test_torch_internals.py``); ``tests/test_architecture.py`` keeps every other module off torch's
+private names.
+
+:class:`IndexHooks`: torch's DataLoader asks the loader object for ``_index_sampler`` (what its iterators draw
+index lists from) and ``_auto_collation`` (whether items are fetched as lists and collated); a subclass of it
+answers through :meth:`IndexHooks._index_lists` and :meth:`IndexHooks._fetches_lists`.
+
+:func:`is_map_style`, :func:`forget_persistent_iterator` (the next ``iter()`` starts workers afresh),
+:func:`wrap_fetcher` (a single-process iterator's map-style fetcher, wrapped), :func:`set_past_guard` (a write
+DataLoader refuses after construction — ``dataset`` — or into the frozen ``WorkerInfo``).
 
 :func:`next_batch`: torch's ``_BaseDataLoaderIter.__next__`` opens a ``record_function`` profiler range
 around every batch, whether or not a profiler is recording (~10 µs a batch measured on a 2-vCPU machine:
@@ -14,12 +24,58 @@ as torch's map-style fetcher does, which it cannot reach from the worker loop.
 
 from __future__ import annotations
 
-from typing import Any, Final
+from collections.abc import Callable
+from typing import Any, Final, TypeVar
 
 from torch._C._autograd import _profiler_enabled
-from torch.utils.data.dataloader import _BaseDataLoaderIter
+from torch.utils.data import DataLoader
+from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
-__all__ = ["fetch_items", "next_batch", "next_numbered"]
+__all__ = ["IndexHooks", "fetch_items", "forget_persistent_iterator", "is_map_style", "next_batch", "next_numbered",
+           "set_past_guard", "wrap_fetcher"]
+
+T = TypeVar("T")
+
+
+class IndexHooks(DataLoader[T]):
+    """A ``DataLoader`` whose iterators take their index lists, and whether to fetch lists, from the subclass."""
+
+    def _index_lists(self) -> Any:
+        """What torch's iterators draw index lists (or single indices) from."""
+        return DataLoader._index_sampler.fget(self)  # type: ignore[attr-defined]
+
+    def _fetches_lists(self) -> bool:
+        """Whether torch's iterators fetch items through lists of indices and collate them."""
+        return bool(DataLoader._auto_collation.fget(self))  # type: ignore[attr-defined]
+
+    @property
+    def _index_sampler(self) -> Any:
+        return self._index_lists()
+
+    @property
+    def _auto_collation(self) -> bool:
+        return self._fetches_lists()
+
+
+def is_map_style(loader: DataLoader[Any]) -> bool:
+    """Whether torch reads ``loader``'s dataset by index (else it iterates it)."""
+    return bool(loader._dataset_kind == _DatasetKind.Map)
+
+
+def forget_persistent_iterator(loader: DataLoader[Any]) -> None:
+    """Drop the iterator ``persistent_workers`` keeps: the next ``iter()`` starts its workers afresh."""
+    loader._iterator = None
+
+
+def wrap_fetcher(iterator: Any, wrap: Callable[[Any], Any]) -> None:
+    """Replace a single-process iterator's map-style fetcher (``_dataset_fetcher``) with ``wrap(fetcher)``."""
+    iterator._dataset_fetcher = wrap(iterator._dataset_fetcher)
+
+
+def set_past_guard(target: Any, name: str, value: Any) -> None:
+    """Set an attribute torch guards: a ``DataLoader``'s ``dataset`` after construction, or a field of the
+    frozen ``WorkerInfo`` (a frozen dataclass in torch 2.13, a class guarding ``__setattr__`` before)."""
+    object.__setattr__(target, name, value)
 
 _TORCH_NEXT: Final = _BaseDataLoaderIter.__next__
 _STEPS: Final = {"record_function", "_sampler_iter", "_reset", "_next_data", "_num_yielded",

@@ -143,9 +143,9 @@ class WorkerFetch:
     __slots__ = ("_drawn", "_eager", "_pending", "_worker")
 
     def __init__(self) -> None:
-        self._reset(None)
+        self._start_over(None)
 
-    def _reset(self, worker: Any) -> None:
+    def _start_over(self, worker: Any) -> None:
         self._worker = worker  # the WorkerInfo of the worker these belong to (a fork inherits its parent's copy)
         self._drawn = DrawnGenerators()
         self._eager = False
@@ -162,7 +162,7 @@ class WorkerFetch:
         """``indices`` arrived in ``worker`` (its ``WorkerInfo``): seed for its fetch (unless seeded ahead) and
         note what to check."""
         if worker is not self._worker:
-            self._reset(worker)
+            self._start_over(worker)
         if self._pending is not None:  # the last fetch was not checked: see the class docstring
             self._eager = True
         seeded = self.seeds_for(mask)
@@ -224,9 +224,9 @@ class SeedAhead:
     __slots__ = ("_idle", "_job", "_next", "_pid", "_seeded", "_wake")
 
     def __init__(self) -> None:
-        self._reset(None)
+        self._start_over(None)
 
-    def _reset(self, pid: int | None) -> None:
+    def _start_over(self, pid: int | None) -> None:
         self._pid = pid  # the process whose helper thread this is
         self._next: tuple[int, int] | None = None  # (key, mask) to seed once this batch is collated
         self._job: tuple[int, int] | None = None
@@ -245,7 +245,7 @@ class SeedAhead:
         if job is None:
             return
         if self._pid != os.getpid():  # first use in this worker (a fork inherits no running thread)
-            self._reset(os.getpid())
+            self._start_over(os.getpid())
             threading.Thread(target=self._run, name="loader-resume-seed-ahead", daemon=True).start()
         self._job = job
         self._idle.clear()
