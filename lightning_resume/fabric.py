@@ -1,37 +1,18 @@
 """``FabricResume``: exact mid-epoch resume for Lightning Fabric loops, with preemption checkpoints.
 
-    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
-    fabric.launch()
-    resume = FabricResume(fabric, seed=0)                       # before fabric.setup_dataloaders
-    model, optimizer = fabric.setup(model, optimizer)
-    loader = fabric.setup_dataloaders(DataLoader(data, batch_size=32, shuffle=True))
-    state = {"model": model, "optimizer": optimizer}
-    resume.restore(state)                                       # the newest complete checkpoint, if any
-    for epoch in resume.epochs(10):
-        for batch in loader:
-            ...
-
-How it hooks in, on this ``Fabric`` instance and with public APIs only:
-
-- ``fabric.setup_dataloaders`` returns :class:`FabricResumableDataLoader`s sharded by us for Fabric's rank
-  and world size (Fabric's ``DistributedSampler`` is not added: ``use_distributed_sampler`` is ignored),
-  moving batches to ``fabric.device`` as Fabric's own wrapper does.
-- ``fabric.save``/``fabric.load`` carry every rank's loader state and RNG state (CPU, numpy, random, CUDA)
-  under ``checkpoint["loader_resume"]`` and give each rank its own part, also at another world size.
-  Fabric saves one copy, from rank 0; a loader passed in ``state`` is saved as a reference to that entry.
-- Preemption: a signal only sets a flag; at the next step boundary (:mod:`loader_resume.step_boundary`:
-  the first request for a batch after an optimizer step) the ranks agree through Fabric's strategy, a
-  checkpoint directory is written atomically (``step_<N>/checkpoint.ckpt``, sealed with a manifest) and
-  every process exits with ``exit_code``. :meth:`FabricResume.restore` loads the newest complete one.
+On one ``Fabric`` instance, with public APIs only: ``fabric.setup_dataloaders`` returns loaders sharded by us
+(:mod:`lightning_resume.fabric_loader`); ``fabric.save``/``fabric.load`` carry every rank's loader and RNG
+state under ``checkpoint["loader_resume"]`` (Fabric saves one copy, from rank 0; each rank takes its own part,
+also at another world size); a preemption signal leads, at the next step boundary
+(:mod:`loader_resume.step_boundary`) agreed by the ranks, to a sealed checkpoint directory and an exit with
+``exit_code``; :meth:`FabricResume.restore` loads the newest complete one. The docs' Fabric page has the loop.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +30,12 @@ from loader_resume.checkpoint import (
     verify,
     write_sealed,
 )
-from loader_resume.convert import resumable
-from loader_resume.distributed import check_same_dataset, gather_rng_states, gather_states, load_rank_state
-from loader_resume.preemption import IgnoreSignalsInWorker, Preemption
+from loader_resume.distributed import gather_rng_states, gather_states, load_rank_state
+from loader_resume.preemption import Preemption
 from loader_resume.step_boundary import ReportingDataLoader, StepBoundaries
 
 from .callback import CHECKPOINT_KEY
+from .fabric_loader import FabricResumableDataLoader, LoaderReference, convert, leave_launched_process, referenced
 
 __all__ = ["CHECKPOINT_FILE", "FabricResumableDataLoader", "FabricResume"]
 
@@ -62,21 +43,6 @@ logger = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "checkpoint.ckpt"
 """The file ``fabric.save`` writes inside a checkpoint directory of :class:`FabricResume`."""
-
-
-class FabricResumableDataLoader(ReportingDataLoader):
-    """What ``fabric.setup_dataloaders`` returns under :class:`FabricResume`: a
-    :class:`~loader_resume.ResumableDataLoader` sharded across Fabric's processes that moves batches to the
-    device with ``fabric.to_device`` and reports batch requests (step boundaries)."""
-
-    _to_device: Callable[[Any], Any] | None = None
-
-    def move_with(self, to_device: Callable[[Any], Any]) -> None:
-        """Move each batch with ``to_device`` (``fabric.to_device``)."""
-        self._to_device = to_device
-
-    def place(self, batch: Any, device: torch.device) -> Any:
-        return batch if self._to_device is None else self._to_device(batch)
 
 
 class FabricResume:
@@ -232,7 +198,6 @@ class FabricResume:
         for name in ("setup_dataloaders", "save", "load", "loader_resume"):
             fabric.__dict__.pop(name, None)
 
-    # --- fabric.save / fabric.load ----------------------------------------------------------------------
     def save_to(self, path: str | Path, state: dict[str, Any],
                 filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
         """``fabric.save``, with every rank's loader and RNG states under ``checkpoint["loader_resume"]``
@@ -246,7 +211,7 @@ class FabricResume:
             "loaders": [gather_states(loader, loader.resume_state()) for loader in self.loaders],
             "rng": gather_rng_states(),
         }
-        self._fabric_save(path, {**self._referenced(state), CHECKPOINT_KEY: entry}, filter=filter)
+        self._fabric_save(path, {**referenced(state, self.loaders), CHECKPOINT_KEY: entry}, filter=filter)
 
     def load_from(self, path: str | Path, state: dict[str, Any] | None = None, strict: bool = True,
                   *, weights_only: bool | None = None) -> dict[str, Any]:
@@ -254,10 +219,10 @@ class FabricResume:
         (restored right before the next batch is fetched)."""
         if not state:
             return self._fabric_load(path, state, strict, weights_only=weights_only)  # type: ignore[no-any-return, unused-ignore]
-        referenced = self._referenced(state)
-        remainder: dict[str, Any] = self._fabric_load(path, referenced, strict, weights_only=weights_only)
-        for key, value in referenced.items():  # Fabric's load updates plain values in the dict it is given
-            if not isinstance(value, _LoaderReference):
+        given = referenced(state, self.loaders)
+        remainder: dict[str, Any] = self._fabric_load(path, given, strict, weights_only=weights_only)
+        for key, value in given.items():  # Fabric's load updates plain values in the dict it is given
+            if not isinstance(value, LoaderReference):
                 state[key] = value
         saved = remainder.pop(CHECKPOINT_KEY, None)
         if saved is None:
@@ -266,11 +231,6 @@ class FabricResume:
         else:
             self._apply(saved, path)
         return remainder
-
-    def _referenced(self, state: Mapping[str, Any]) -> dict[str, Any]:
-        """``state`` with each of our loaders replaced by a reference to the ``loader_resume`` entry."""
-        ids = {id(loader): i for i, loader in enumerate(self.loaders)}
-        return {key: _LoaderReference(ids[id(value)]) if id(value) in ids else value for key, value in state.items()}
 
     def _apply(self, saved: Any, path: str | Path) -> None:
         found = saved.get("format") if isinstance(saved, dict) else saved
@@ -300,20 +260,9 @@ class FabricResume:
 
     # --- loaders and step boundaries ----------------------------------------------------------------
     def _convert(self, loader: DataLoader[Any], move_to_device: bool) -> FabricResumableDataLoader:
-        fabric = self.fabric
-        if not isinstance(loader, DataLoader):
-            raise TypeError(f"setup_dataloaders(): {type(loader).__name__} is not a torch DataLoader; expected the "
-                            "DataLoader itself (not one already set up by Fabric)")
-        ours = resumable(
-            loader, seed=self.seed, keying=self.keying, keyed_generators=self.keyed_generators,
-            rank=fabric.global_rank, world_size=fabric.world_size,
-            worker_init_fn=lambda user_fn: IgnoreSignalsInWorker(self.preemption.signals, user_fn),
-            loader_class=FabricResumableDataLoader,
-        )
-        check_same_dataset(ours)
-        ours.attach(self, fabric.device if move_to_device else None)
-        if move_to_device:
-            ours.move_with(fabric.to_device)
+        ours = convert(loader, self.fabric, seed=self.seed, keying=self.keying, keyed_generators=self.keyed_generators,
+                       signals=self.preemption.signals, move_to_device=move_to_device)
+        ours.attach(self, self.fabric.device if move_to_device else None)
         self.loaders.append(ours)
         self._load_pending()
         return ours
@@ -348,52 +297,4 @@ class FabricResume:
 
     def _exit(self) -> None:
         self.preemption.uninstall()
-        fabric = self.fabric
-        if fabric.world_size > 1:
-            fabric.barrier()
-        gc.collect()  # NOTE: gloo aborts a process whose worker threads still hold collectives' tensors at exit
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-        if fabric.global_rank != 0:
-            _outlive_launching_rank()
-        raise SystemExit(self.exit_code)
-
-
-class _LoaderReference:
-    """A loader of :class:`FabricResume` inside the state given to ``fabric.save``/``fabric.load``: saved as a
-    reference to the ``loader_resume`` entry, which holds every rank's state (loaded from there)."""
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-    def state_dict(self) -> dict[str, Any]:
-        return {CHECKPOINT_KEY: "loaders", "index": self.index}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if not isinstance(state, Mapping) or state.get(CHECKPOINT_KEY) != "loaders" or state.get("index") != self.index:
-            raise CheckpointError(f"the loader's entry holds {state!r}; expected a reference to checkpoint"
-                                  f"['{CHECKPOINT_KEY}'] loader {self.index} (saved without FabricResume, or the "
-                                  "loaders were set up in another order?)")
-
-
-def _outlive_launching_rank(timeout: float = 60.0) -> None:
-    """Wait for the process that launched this one to end, if it is rank 0 running this same command.
-
-    NOTE: Fabric's own launcher runs rank 0 as the main process and the other ranks as its children, and
-    a thread of rank 0 SIGKILLs everything once a child ends with a non-zero status: a child leaving first
-    with ``exit_code`` could get rank 0 killed before it leaves with its own. Under torchrun (a parent that
-    is not this command) there is nothing to wait for.
-    """
-    parent = os.getppid()
-    try:
-        theirs = Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")
-        mine = Path("/proc/self/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return
-    # NOTE: Fabric starts the other ranks as [sys.executable, abspath(script), *args]: compare the script's name
-    # and the arguments, not the paths
-    same = len(theirs) == len(mine) > 1 and theirs[2:] == mine[2:] and \
-        os.path.basename(theirs[1]) == os.path.basename(mine[1])
-    deadline = time.monotonic() + timeout
-    while same and os.getppid() == parent and time.monotonic() < deadline:
-        time.sleep(0.05)
+        leave_launched_process(self.fabric, self.exit_code)

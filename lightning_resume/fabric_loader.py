@@ -1,0 +1,119 @@
+"""What :class:`~lightning_resume.FabricResume` hands back and keeps: the loader ``fabric.setup_dataloaders``
+returns, its reference inside a checkpoint's state, and how a process leaves after a preemption checkpoint."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric import Fabric
+from torch.utils.data import DataLoader
+
+from loader_resume.checkpoint import CheckpointError
+from loader_resume.convert import resumable
+from loader_resume.distributed import check_same_dataset
+from loader_resume.preemption import IgnoreSignalsInWorker
+from loader_resume.step_boundary import ReportingDataLoader
+
+from .callback import CHECKPOINT_KEY
+
+__all__ = ["FabricResumableDataLoader", "LoaderReference", "convert", "leave_launched_process", "referenced"]
+
+
+class FabricResumableDataLoader(ReportingDataLoader):
+    """What ``fabric.setup_dataloaders`` returns under :class:`FabricResume`: a
+    :class:`~loader_resume.ResumableDataLoader` sharded across Fabric's processes that moves batches to the
+    device with ``fabric.to_device`` and reports batch requests (step boundaries)."""
+
+    _to_device: Callable[[Any], Any] | None = None
+
+    def move_with(self, to_device: Callable[[Any], Any]) -> None:
+        """Move each batch with ``to_device`` (``fabric.to_device``)."""
+        self._to_device = to_device
+
+    def place(self, batch: Any, device: torch.device) -> Any:
+        return batch if self._to_device is None else self._to_device(batch)
+
+
+class LoaderReference:
+    """A loader of :class:`FabricResume` inside the state given to ``fabric.save``/``fabric.load``: saved as a
+    reference to the ``loader_resume`` entry, which holds every rank's state (loaded from there)."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def state_dict(self) -> dict[str, Any]:
+        return {CHECKPOINT_KEY: "loaders", "index": self.index}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if not isinstance(state, Mapping) or state.get(CHECKPOINT_KEY) != "loaders" or state.get("index") != self.index:
+            raise CheckpointError(f"the loader's entry holds {state!r}; expected a reference to checkpoint"
+                                  f"['{CHECKPOINT_KEY}'] loader {self.index} (saved without FabricResume, or the "
+                                  "loaders were set up in another order?)")
+
+
+def convert(loader: DataLoader[Any], fabric: Fabric, *, seed: int, keying: str, keyed_generators: Sequence[str],
+            signals: Sequence[int], move_to_device: bool) -> FabricResumableDataLoader:
+    """``loader`` as a :class:`FabricResumableDataLoader` sharded for this rank; its workers ignore ``signals``.
+    A collective (the ranks' datasets are compared)."""
+    if not isinstance(loader, DataLoader):
+        raise TypeError(f"setup_dataloaders(): {type(loader).__name__} is not a torch DataLoader; expected the "
+                        "DataLoader itself (not one already set up by Fabric)")
+    ours = resumable(
+        loader, seed=seed, keying=keying, keyed_generators=keyed_generators,
+        rank=fabric.global_rank, world_size=fabric.world_size,
+        worker_init_fn=lambda user_fn: IgnoreSignalsInWorker(signals, user_fn),
+        loader_class=FabricResumableDataLoader,
+    )
+    check_same_dataset(ours)
+    if move_to_device:
+        ours.move_with(fabric.to_device)
+    return ours
+
+
+def referenced(state: Mapping[str, Any], loaders: Sequence[Any]) -> dict[str, Any]:
+    """``state`` with each of ``loaders`` replaced by a :class:`LoaderReference` to its place in the entry."""
+    ids = {id(loader): i for i, loader in enumerate(loaders)}
+    return {key: LoaderReference(ids[id(value)]) if id(value) in ids else value for key, value in state.items()}
+
+
+def leave_launched_process(fabric: Fabric, exit_code: int) -> None:
+    """End this process with ``exit_code`` once every rank is here (all ranks call it): the process group is torn
+    down first, and a rank Fabric's launcher started waits for rank 0 to leave."""
+    if fabric.world_size > 1:
+        fabric.barrier()
+    gc.collect()  # NOTE: gloo aborts a process whose worker threads still hold collectives' tensors at exit
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    if fabric.global_rank != 0:
+        _outlive_launching_rank()
+    raise SystemExit(exit_code)
+
+
+def _outlive_launching_rank(timeout: float = 60.0) -> None:
+    """Wait for the process that launched this one to end, if it is rank 0 running this same command.
+
+    NOTE: Fabric's own launcher runs rank 0 as the main process and the other ranks as its children, and
+    a thread of rank 0 SIGKILLs everything once a child ends with a non-zero status: a child leaving first
+    with ``exit_code`` could get rank 0 killed before it leaves with its own. Under torchrun (a parent that
+    is not this command) there is nothing to wait for.
+    """
+    parent = os.getppid()
+    try:
+        theirs = Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")
+        mine = Path("/proc/self/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return
+    # NOTE: Fabric starts the other ranks as [sys.executable, abspath(script), *args]: compare the script's name
+    # and the arguments, not the paths
+    same = len(theirs) == len(mine) > 1 and theirs[2:] == mine[2:] and \
+        os.path.basename(theirs[1]) == os.path.basename(mine[1])
+    deadline = time.monotonic() + timeout
+    while same and os.getppid() == parent and time.monotonic() < deadline:
+        time.sleep(0.05)
