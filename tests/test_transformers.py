@@ -174,13 +174,13 @@ def test_two_processes_resume_on_one_with_the_rest_of_the_epoch_exactly_once(
 def test_a_position_between_steps_at_the_new_world_size_is_refused() -> None:
     """One process crashed after step 9 (GA 1, batch 4): epoch 1 at sample 4, half a step of two processes."""
     from loader_resume.checkpoint import CheckpointError
-    from transformers_resume.trainer import _step_at
+    from transformers_resume.checkpoint_files import step_at
 
     state = {"epoch": 1, "position": 4}
-    assert _step_at(state, world_size=1, batch_size=4, accumulation=1, steps_per_epoch=8, checkpoint=Path("c")) == 9
+    assert step_at(state, world_size=1, batch_size=4, accumulation=1, steps_per_epoch=8, checkpoint=Path("c")) == 9
     with pytest.raises(CheckpointError, match=r"c: sample 4 of epoch 1 is not an optimizer-step boundary on 2 "
                                               r"process\(es\) \(steps of 2 \* batch 4 \* accumulation 1 = 8 "):
-        _step_at(state, world_size=2, batch_size=4, accumulation=1, steps_per_epoch=4, checkpoint=Path("c"))
+        step_at(state, world_size=2, batch_size=4, accumulation=1, steps_per_epoch=4, checkpoint=Path("c"))
 
 
 def test_stock_trainer_continues_differently(tmp_path: Path) -> None:

@@ -42,8 +42,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,13 +60,13 @@ from loader_resume.convert import resumable
 from loader_resume.distributed import check_same_dataset, load_rank_state
 from loader_resume.preemption import IgnoreSignalsInWorker, Preemption
 
+from .checkpoint_files import LOADER_STATE_FILE, load_state_file, missing_file, step_at
+from .trainer_patches import no_skipping, unprepared
+
 __all__ = ["LOADER_STATE_FILE", "ResumableTrainer", "ResumeTrainerMixin"]
 
 logger = logging.getLogger(__name__)
 
-LOADER_STATE_FILE = "loader_resume_{rank}.pt"
-"""Each rank's training-loader state inside a Trainer ``checkpoint-N`` (beside ``rng_state_<rank>.pth``)."""
-TRAINER_STATE = "trainer_state.json"
 
 
 class ResumeTrainerMixin:
@@ -114,7 +113,7 @@ class ResumeTrainerMixin:
     def get_train_dataloader(self) -> DataLoader[Any]:
         """Trainer's training loader, as an :class:`~accelerate_resume.AcceleratedResumableDataLoader` sharded
         across the processes; a checkpoint's state being resumed goes into it."""
-        plain = _unprepared(self.accelerator, super().get_train_dataloader)  # type: ignore[misc]
+        plain = unprepared(self.accelerator, super().get_train_dataloader)  # type: ignore[misc]
         args, accelerator = self.args, self.accelerator
         ours = resumable(
             plain, seed=args.data_seed if args.data_seed is not None else args.seed, keying=self.resume_keying,
@@ -143,7 +142,7 @@ class ResumeTrainerMixin:
         else:
             checkpoint = resume_from_checkpoint or None
             if checkpoint is not None:
-                missing = _missing(Path(checkpoint))
+                missing = missing_file(Path(checkpoint))
                 if missing:
                     raise CheckpointError(f"{missing}: missing; expected a complete checkpoint written by "
                                           f"ResumableTrainer (killed while saving, or saved by another Trainer?)")
@@ -152,7 +151,7 @@ class ResumeTrainerMixin:
         self.preempted_at = None
         self.preemption.install()
         try:
-            with _no_skipping():
+            with no_skipping():
                 output = super().train(checkpoint, *args, **kwargs)  # type: ignore[misc]
         finally:
             self.preemption.uninstall()
@@ -193,7 +192,7 @@ class ResumeTrainerMixin:
         checkpoint, world, state = self._moved_from
         loader, accumulation = self.resume_loader, self.args.gradient_accumulation_steps
         assert loader is not None and loader.batch_size is not None
-        step = _step_at(state, world_size=self.args.world_size, batch_size=loader.batch_size,
+        step = step_at(state, world_size=self.args.world_size, batch_size=loader.batch_size,
                        accumulation=accumulation, steps_per_epoch=num_update_steps_per_epoch, checkpoint=checkpoint)
         logger.warning("%s: written by %d process(es), resumed on %d: step %d is step %d here (the same sample)",
                        checkpoint, world, self.args.world_size, self.state.global_step, step)
@@ -228,7 +227,7 @@ class ResumeTrainerMixin:
             if path.is_dir() and path.name.startswith(prefix) and path.name[len(prefix):].isdigit():
                 found.append((int(path.name[len(prefix):]), path))
         for _, path in sorted(found, reverse=True):
-            missing = _missing(path)
+            missing = missing_file(path)
             if missing is None:
                 return os.fspath(path)
             logger.warning("skipping %s: %s is missing (killed while saving?)", path, missing.name)
@@ -237,9 +236,9 @@ class ResumeTrainerMixin:
     def _read_states(self, checkpoint: Path) -> dict[str, Any]:
         """Every saved rank's loader state, as ``gather_states`` returns them; at another world size, notes the
         change for ``_init_training_state`` (refused for an iterable dataset's state)."""
-        first = _load(checkpoint / LOADER_STATE_FILE.format(rank=0))
+        first = load_state_file(checkpoint / LOADER_STATE_FILE.format(rank=0))
         world = first["world_size"]
-        ranks = [first] + [_load(checkpoint / LOADER_STATE_FILE.format(rank=r)) for r in range(1, world)]
+        ranks = [first] + [load_state_file(checkpoint / LOADER_STATE_FILE.format(rank=r)) for r in range(1, world)]
         if world != self.args.world_size:
             state = first["loader"]
             if not isinstance(state, dict) or state.get("kind") != "map":
@@ -271,82 +270,3 @@ class _AgreeOnSignals(TrainerCallback):
 
 class ResumableTrainer(ResumeTrainerMixin, trainer_module.Trainer):
     """``transformers.Trainer`` with exact mid-epoch resume (:class:`ResumeTrainerMixin`)."""
-
-
-def _step_at(state: dict[str, Any], *, world_size: int, batch_size: int, accumulation: int, steps_per_epoch: int,
-            checkpoint: Path) -> int:
-    """Trainer's ``global_step`` at ``world_size`` for the position of the map-style loader ``state``: completed
-    epochs * ``steps_per_epoch`` + the optimizer steps (``world_size`` * ``batch_size`` * ``accumulation``
-    samples each) into the epoch. A position between two of those steps is refused."""
-    epoch, position = state["epoch"], state["position"]
-    per_step = world_size * batch_size * accumulation
-    if position % per_step:
-        raise CheckpointError(
-            f"{checkpoint}: sample {position} of epoch {epoch} is not an optimizer-step boundary on {world_size} "
-            f"process(es) (steps of {world_size} * batch {batch_size} * accumulation {accumulation} = {per_step} "
-            "samples); expected a number of processes whose steps end there (e.g. the saving run's)")
-    return int(epoch * steps_per_epoch + position // per_step)
-
-
-def _missing(checkpoint: Path) -> Path | None:
-    """The first file a complete checkpoint must have and ``checkpoint`` lacks (``None``: complete)."""
-    first = checkpoint / LOADER_STATE_FILE.format(rank=0)
-    if not first.is_file():
-        return first
-    world = _load(first)["world_size"]
-    for path in [*(checkpoint / LOADER_STATE_FILE.format(rank=r) for r in range(1, world)),
-                 checkpoint / TRAINER_STATE]:
-        if not path.is_file():
-            return path
-    return None
-
-
-def _load(path: Path) -> dict[str, Any]:
-    try:
-        saved = torch.load(path, weights_only=True)
-    except Exception as error:
-        raise CheckpointError(f"{path}: unreadable ({error}); expected a loader state written by ResumableTrainer") \
-            from None
-    found = saved.get("format") if isinstance(saved, dict) else None
-    if found != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{path}: format {found!r}; expected {CHECKPOINT_FORMAT}")
-    return saved  # type: ignore[no-any-return]
-
-
-def _unprepared(accelerator: Any, build: Callable[[], DataLoader[Any]]) -> DataLoader[Any]:
-    """What ``build()`` returns, with ``accelerator.prepare`` answering a lone DataLoader with itself (Trainer
-    builds its loader and hands it straight to ``prepare``)."""
-    had = "prepare" in vars(accelerator)
-    prepare = accelerator.prepare
-
-    def keep_loader(*objects: Any, **kwargs: Any) -> Any:
-        if len(objects) == 1 and isinstance(objects[0], DataLoader):
-            return objects[0]
-        return prepare(*objects, **kwargs)
-
-    accelerator.prepare = keep_loader
-    try:
-        return build()
-    finally:
-        if had:
-            accelerator.prepare = prepare
-        else:
-            del accelerator.prepare
-
-
-@contextmanager
-def _no_skipping() -> Iterator[None]:
-    """While Trainer trains: its ``skip_first_batches`` hands our loader back as it is (it stands at the next
-    batch already); any other loader is skipped as Trainer does."""
-    skip = trainer_module.skip_first_batches
-
-    def skip_unless_ours(dataloader: Any, num_batches: int = 0) -> Any:
-        if isinstance(dataloader, AcceleratedResumableDataLoader):
-            return dataloader
-        return skip(dataloader, num_batches)
-
-    trainer_module.skip_first_batches = skip_unless_ours
-    try:
-        yield
-    finally:
-        trainer_module.skip_first_batches = skip

@@ -1,0 +1,56 @@
+"""The files ``ResumableTrainer`` adds to a Trainer ``checkpoint-N``, and what they say about Trainer's step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loader_resume.checkpoint import CHECKPOINT_FORMAT, CheckpointError
+
+__all__ = ["LOADER_STATE_FILE", "TRAINER_STATE", "load_state_file", "missing_file", "step_at"]
+
+LOADER_STATE_FILE = "loader_resume_{rank}.pt"
+"""Each rank's training-loader state inside a Trainer ``checkpoint-N`` (beside ``rng_state_<rank>.pth``)."""
+TRAINER_STATE = "trainer_state.json"
+
+
+def step_at(state: dict[str, Any], *, world_size: int, batch_size: int, accumulation: int, steps_per_epoch: int,
+            checkpoint: Path) -> int:
+    """Trainer's ``global_step`` at ``world_size`` for the position of the map-style loader ``state``: completed
+    epochs * ``steps_per_epoch`` + the optimizer steps (``world_size`` * ``batch_size`` * ``accumulation``
+    samples each) into the epoch. A position between two of those steps is refused."""
+    epoch, position = state["epoch"], state["position"]
+    per_step = world_size * batch_size * accumulation
+    if position % per_step:
+        raise CheckpointError(
+            f"{checkpoint}: sample {position} of epoch {epoch} is not an optimizer-step boundary on {world_size} "
+            f"process(es) (steps of {world_size} * batch {batch_size} * accumulation {accumulation} = {per_step} "
+            "samples); expected a number of processes whose steps end there (e.g. the saving run's)")
+    return int(epoch * steps_per_epoch + position // per_step)
+
+
+def missing_file(checkpoint: Path) -> Path | None:
+    """The first file a complete checkpoint must have and ``checkpoint`` lacks (``None``: complete)."""
+    first = checkpoint / LOADER_STATE_FILE.format(rank=0)
+    if not first.is_file():
+        return first
+    world = load_state_file(first)["world_size"]
+    for path in [*(checkpoint / LOADER_STATE_FILE.format(rank=r) for r in range(1, world)),
+                 checkpoint / TRAINER_STATE]:
+        if not path.is_file():
+            return path
+    return None
+
+
+def load_state_file(path: Path) -> dict[str, Any]:
+    try:
+        saved = torch.load(path, weights_only=True)
+    except Exception as error:
+        raise CheckpointError(f"{path}: unreadable ({error}); expected a loader state written by ResumableTrainer") \
+            from None
+    found = saved.get("format") if isinstance(saved, dict) else None
+    if found != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path}: format {found!r}; expected {CHECKPOINT_FORMAT}")
+    return saved  # type: ignore[no-any-return]
