@@ -28,6 +28,8 @@ from typing import Any, Final
 import numpy as np
 import torch
 
+from .rng_api import PublicApi, numpy_api, random_api, torch_api
+
 __all__ = ["GENERATORS", "GeneratorStates", "generator_states"]
 
 logger = logging.getLogger(__name__)
@@ -43,24 +45,6 @@ _RANDOM_STATE_BYTES: Final = 4 + 4 * _MT_WORDS  # RandomObject after PyObject_HE
 
 def _view(address: int, size: int) -> memoryview:
     return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
-
-
-class _Api:
-    """A generator through its public API (where its memory layout is not the probed one): slower, same values."""
-
-    __slots__ = ("_get", "_set")
-
-    def __init__(self, get: Any, set_: Any) -> None:
-        self._get, self._set = get, set_
-
-    def take(self) -> Any:
-        return self._get()
-
-    def put(self, taken: Any) -> None:
-        self._set(taken)
-
-    def marks(self) -> Any:
-        return self._get()
 
 
 class _Block:
@@ -200,47 +184,6 @@ def _random_block() -> _Block | None:
     return _RandomBlock(_view(address, _RANDOM_STATE_BYTES), None, instance, [address, address + 8])
 
 
-def _numpy_api() -> _Api:
-    return _Api(lambda: _Comparable(np.random.get_state(legacy=False)),
-                lambda taken: np.random.set_state(taken.state))
-
-
-class _Comparable:
-    """numpy's state dict, compared by value (its key array would compare element-wise)."""
-
-    __slots__ = ("state",)
-
-    def __init__(self, state: Any) -> None:
-        self.state = state
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Comparable) and _equal(self.state, other.state)
-
-    __hash__ = None  # type: ignore[assignment]
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_equal(a[key], b[key]) for key in a)
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return bool(np.array_equal(a, b))
-    return bool(a == b)
-
-
-class _TorchState:
-    """torch's state tensor, compared by value."""
-
-    __slots__ = ("state",)
-
-    def __init__(self, state: torch.Tensor) -> None:
-        self.state = state
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _TorchState) and torch.equal(self.state, other.state)
-
-    __hash__ = None  # type: ignore[assignment]
-
-
 class GeneratorStates:
     """The keyed global generators of this process, in bit order (1 torch, 2 numpy, 4 ``random``).
 
@@ -255,10 +198,8 @@ class GeneratorStates:
         fallbacks = [name for name, block in zip(GENERATORS, blocks, strict=True) if block is None]
         if fallbacks:
             logger.info("generator states through the public API (slower) for %s: layout not as probed", fallbacks)
-        torch_api = _Api(lambda: _TorchState(torch.default_generator.get_state()),
-                         lambda taken: torch.default_generator.set_state(taken.state))
-        self._generators: tuple[_Block | _Api, ...] = (
-            blocks[0] or torch_api, blocks[1] or _numpy_api(), blocks[2] or _Api(random.getstate, random.setstate))
+        self._generators: tuple[_Block | PublicApi, ...] = (
+            blocks[0] or torch_api(), blocks[1] or numpy_api(), blocks[2] or random_api())
         self._numpy_owner = blocks[1].owner if blocks[1] is not None else None
 
     def take(self) -> tuple[Any, ...]:
