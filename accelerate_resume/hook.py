@@ -34,13 +34,12 @@ from loader_resume.checkpoint import (
     set_global_rng_state,
     verify,
 )
-from loader_resume.convert import resumable
-from loader_resume.distributed import check_same_dataset, gather_rng_states, gather_states, load_rank_state
-from loader_resume.preemption import IgnoreSignalsInWorker, Preemption
+from loader_resume.distributed import gather_rng_states, gather_states, load_rank_state
+from loader_resume.preemption import Preemption
 from loader_resume.step_boundary import ReportingDataLoader, StepBoundaries
 
 from .config import ResumeConfig, load_config
-from .loader import AcceleratedResumableDataLoader
+from .loader import AcceleratedResumableDataLoader, convert, placed
 from .saving import write_checkpoint
 
 __all__ = ["STATE_FILE", "Resume", "enable_resume"]
@@ -187,26 +186,23 @@ class Resume:
         return results[0] if len(results) == 1 else tuple(results)
 
     def _convert(self, loader: DataLoader[Any], placement: bool | None) -> AcceleratedResumableDataLoader:
-        accelerator, config = self.accelerator, self.config
-        ours = resumable(
-            loader, seed=config.seed, keying=config.keying, keyed_generators=config.keyed_generators,
-            rank=accelerator.process_index, world_size=accelerator.num_processes,
-            worker_init_fn=lambda user_fn: IgnoreSignalsInWorker(self.preemption.signals, user_fn),
-            loader_class=AcceleratedResumableDataLoader,
-        )
-        check_same_dataset(ours)  # prepare() runs on every process: a collective is safe
-        place = accelerator.device_placement if placement is None else placement
-        ours.attach_accelerate(_Requests(self), accelerator.device if place else None, bool(accelerator.non_blocking))
+        config = self.config
+        ours = convert(loader, self.accelerator, seed=config.seed, keying=config.keying,
+                       keyed_generators=config.keyed_generators, signals=self.preemption.signals)
+        ours.attach_accelerate(self, *placed(self.accelerator, placement))
         self._loaders.append(ours)
         if self._pending is not None and len(self._loaders) == len(self._pending["loaders"]):
             self._apply_loader_states(self._pending)
         return ours
 
-    # --- step boundaries --------------------------------------------------------------------------
-    def _delivered(self, loader: ReportingDataLoader) -> None:  # see _Requests
+    # --- step boundaries (the loaders report here) ---------------------------------------------------
+    def delivered(self, loader: ReportingDataLoader) -> None:
+        """A loader handed a batch to the loop."""
         self._boundaries.delivered(loader)
 
-    def _before_batch(self, loader: ReportingDataLoader) -> None:
+    def before_batch(self, loader: ReportingDataLoader) -> None:
+        """A loader is asked for a batch: automatic resume, the RNG of a loaded checkpoint and step boundaries
+        happen here."""
         self.restore()
         if self._rng_to_restore is not None:  # right before the first step after a load
             set_global_rng_state(self._rng_to_restore)
@@ -294,17 +290,3 @@ class Resume:
         for loader, gathered in zip(self._loaders, saved, strict=True):
             load_rank_state(loader, gathered)
         self._pending = None
-
-
-class _Requests:
-    """``Resume``'s side of the loaders' :class:`~accelerate_resume.loader.BatchRequests` reports (kept off
-    ``Resume``'s public API)."""
-
-    def __init__(self, resume: Resume) -> None:
-        self.resume = resume
-
-    def before_batch(self, loader: ReportingDataLoader) -> None:
-        self.resume._before_batch(loader)
-
-    def delivered(self, loader: ReportingDataLoader) -> None:
-        self.resume._delivered(loader)
