@@ -151,3 +151,27 @@ def test_loader_and_its_workers_are_freed_without_the_cycle_collector(persistent
         assert ref() is None
     finally:
         gc.enable()
+
+
+def test_a_state_that_would_be_ignored_is_named_in_a_warning_once_per_case(caplog: pytest.LogCaptureFixture) -> None:
+    """Loaded twice with no iter() between (the first is never used), or while an iterator is mid-epoch (it goes
+    on, ignoring the state): each warned once per loader; the state then takes effect at the next iter()."""
+    loader = make(10, shuffle=True)
+    reference = ids(list(loader))
+    middle = make(10, shuffle=True)
+    iterator = iter(middle)
+    next(iterator)
+    state = middle.state_dict()
+    with caplog.at_level("WARNING", logger="loader_resume"):
+        loader.load_state_dict(state)
+        loader.load_state_dict(state)
+        loader.load_state_dict(state)
+        running = iter(loader)
+        next(running)
+        loader.load_state_dict(state)
+        loader.load_state_dict(state)
+    messages = [record.getMessage() for record in caplog.records]
+    assert sum("called twice with no iter() in between" in m for m in messages) == 1
+    assert sum("still mid-epoch: that iterator goes on" in m for m in messages) == 1
+    assert all(m.startswith("ResumableDataLoader over ") for m in messages)
+    assert ids(list(loader)) == reference[1:]  # the state loaded last, from its next batch

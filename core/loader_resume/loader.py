@@ -16,22 +16,24 @@ import contextlib
 import dataclasses
 import logging
 import sys
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
-from torch.utils.data import Dataset, DistributedSampler, default_collate, default_convert
+from torch.utils.data import Dataset, default_collate, default_convert
 
 from .distributed import rank_and_world
+from .identity import StateIdentity
 from .keyed_fetch import KeyedFetch
-from .keyed_rng import GENERATORS, KEYING_MODES, CallerRng, DrawnGenerators, derive_key, generator_mask
+from .keyed_rng import GENERATORS, CallerRng, DrawnGenerators, derive_key
+from .load_warnings import LoadWarnings
 from .map_position import MapPosition
-from .position import Position, Setup, Tracked
-from .sampler import ShardedSampler, Source, classify_source, default_seed
-from .state import STATE_VERSION, check_state
+from .position import Position, Tracked
+from .sampler import Source, classify_source, default_seed
+from .settings import settings
+from .state import check_state
 from .stream_position import StreamPosition
-from .thirdparty import irreproducible, refuse_stock_accelerate, warn_at_construction
+from .thirdparty import refuse_stock_accelerate, warn_at_construction
 from .torch_internals import IndexHooks, forget_persistent_iterator, is_map_style, set_past_guard, wrap_fetcher
 
 __all__ = ["ResumableDataLoader"]
@@ -109,23 +111,11 @@ class ResumableDataLoader(IndexHooks[T]):
             prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device, in_order=in_order,
         )
-        _check_options(snapshot_every_n_steps, keying)
-        seed = seed if seed is not None else default_seed(generator, sampler)
-        shard_drop_last = None
-        if type(sampler) in (DistributedSampler, ShardedSampler):
-            # NOTE: a DistributedSampler (the user's, or the one Lightning injects by rebuilding the
-            # loader) becomes our sharded permutation with its rank, world size and drop_last, so it
-            # is never applied on top of our own sharding; a ShardedSampler's custom order likewise.
-            rank = sampler.rank if rank is None else rank
-            world_size = sampler.num_replicas if world_size is None else world_size
-            shard_drop_last = sampler.drop_last or drop_last
-        rank_and_world(rank, world_size)  # fail at construction on an impossible explicit pair
-        setup = Setup(
-            dataset=self.dataset, seed=seed, keying=keying, generators=tuple(keyed_generators),
-            mask=generator_mask(keyed_generators),
+        setup = settings(
+            self.dataset, seed=seed if seed is not None else default_seed(generator, sampler), keying=keying,
+            keyed_generators=keyed_generators, snapshot_every_n_steps=snapshot_every_n_steps, sampler=sampler,
             batch_size=batch_size, unbatched=unbatched, drop_last=drop_last, num_workers=num_workers,
-            persistent_workers=persistent_workers, rank=rank, world_size=world_size, shard_drop_last=shard_drop_last,
-            in_order=in_order,
+            persistent_workers=persistent_workers, rank=rank, world_size=world_size, in_order=in_order,
         )
         self._position: Position
         if is_map_style(self):
@@ -134,14 +124,9 @@ class ResumableDataLoader(IndexHooks[T]):
         else:
             source = Source(None, "iterable", False)
             self._position = StreamPosition(setup)
-        self._source_name, self._shuffle = source.name, source.shuffle
-        self._live: weakref.ref[Tracked[T]] | None = None  # the last iterator handed out (see _note_load)
-        self._unused_load = False  # a loaded state no iter() has taken up yet
-        self._warned: set[str] = set()
+        self._identity = StateIdentity(self, self._position, source.name, source.shuffle)
+        self._loads = LoadWarnings(self)
         self._drawn = DrawnGenerators()  # the generators this dataset draws from in this process (num_workers=0)
-        self._template: dict[str, Any] | None = None  # the state's fixed fields (see _identity)
-        # (the pass, the settings, the identity fields) of the last iter(); see state_dict
-        self._pass_identity: tuple[Any, int, dict[str, Any]] | None = None
         warn_at_construction(dataset, batch_read=self._position.kind == "map" and keying == "sample")
 
     # --- torch hooks -----------------------------------------------------------------------------
@@ -169,7 +154,7 @@ class ResumableDataLoader(IndexHooks[T]):
         setup = self._position.setup
         if self.num_workers != setup.num_workers:  # DataLoader lets it change between passes
             setup = self._position.setup = dataclasses.replace(setup, num_workers=self.num_workers)
-        self._unused_load = False
+        self._loads.taken_up()
         begun = self._position.begin(self.collate_fn, self.worker_init_fn)
         if begun.restart_workers:
             forget_persistent_iterator(self)
@@ -184,8 +169,8 @@ class ResumableDataLoader(IndexHooks[T]):
                 next_fetch, drawn = position.next_fetch, self._drawn
                 wrap_fetcher(inner, lambda fetcher: KeyedFetch(fetcher, drawn, next_fetch))
             iterator: Tracked[T] = Tracked(self._position, begun.pass_, inner, caller)
-        self._live = weakref.ref(iterator)
-        self._pass_identity = (begun.pass_, self._identity_key(), self._identity())
+        self._loads.iterating(iterator)
+        self._identity.pass_began(begun.pass_)
         return iterator
 
     @contextlib.contextmanager
@@ -259,15 +244,7 @@ class ResumableDataLoader(IndexHooks[T]):
         many deliveries ago — for frameworks that fetch ahead of the step they checkpoint (Lightning
         prefetches one batch from a loader without ``__len__``).
         """
-        # NOTE: while the last pass is mid-epoch, the identity fields are those computed at its iter() (the
-        # length and world size it was planned with), unless num_workers changed since; the key is inlined
-        # (_identity_key) as this runs between steps.
-        cached = self._pass_identity
-        if cached is not None and not cached[0].done and cached[1] == self.num_workers:
-            state = cached[2].copy()
-            state["keyed_generators"] = list(self._position.setup.generators)
-        else:
-            state = self._identity()
+        state = self._identity.for_state()
         self._position.fill_state(state, batches_ago)
         return state
 
@@ -299,10 +276,9 @@ class ResumableDataLoader(IndexHooks[T]):
         iterator of this loader is still mid-epoch (that iterator goes on from where it was; the state
         applies from the next ``iter()``), or loaded over an earlier state that no ``iter()`` took up.
         """
-        state = check_state(state_dict, self._identity())
-        self._note_load()
-        self._pass_identity = None  # the loaded position is reported with the identity as it is now
-        self._warn_irreproducible()
+        state = check_state(state_dict, self._identity.fields())
+        self._loads.loading()
+        self._identity.forget_pass()
         self._position.reset(state)
 
     def load_resharded(self, ranks: list[dict[str, Any]]) -> None:
@@ -311,66 +287,7 @@ class ResumableDataLoader(IndexHooks[T]):
         ``reshard_states(states, num_shards)``."""
         if not isinstance(self._position, StreamPosition):
             raise TypeError("load_resharded(): map-style states load at any world size through load_state_dict()")
-        states = [check_state(state, self._identity()) for state in ranks]
-        self._note_load()
-        self._pass_identity = None  # the loaded position is reported with the identity as it is now
-        self._warn_irreproducible()
+        states = [check_state(state, self._identity.fields()) for state in ranks]
+        self._loads.loading()
+        self._identity.forget_pass()
         self._position.reset_resharded(states)
-
-    # --- internals -------------------------------------------------------------------------------
-    def _warn_irreproducible(self) -> None:
-        reason = irreproducible(self.dataset)
-        if reason is not None:
-            logger.warning("resuming %s: the continuation will NOT be bit-identical to the uninterrupted run: %s",
-                           type(self.dataset).__name__, reason)
-
-    def _note_load(self) -> None:
-        """Warn (once per case) when the state being loaded would be ignored; see ``load_state_dict``."""
-        live = self._live() if self._live is not None else None
-        if live is not None and live.mid_epoch:
-            self._warn_here("mid-epoch", "load_state_dict() was called while an iterator of this loader is still "
-                            "mid-epoch: that iterator goes on from where it was and ignores the loaded state, which "
-                            "takes effect at the next iter(loader). Load before iterating (e.g. before the epoch "
-                            "loop) for the loaded position to be the one trained on")
-        if self._unused_load:
-            self._warn_here("unused", "load_state_dict() was called twice with no iter() in between: the state loaded "
-                            "first was never used and is replaced by this one")
-        self._unused_load = True
-
-    def _warn_here(self, case: str, message: str) -> None:
-        if case not in self._warned:
-            self._warned.add(case)
-            logger.warning("%s over %s: %s", type(self).__name__, type(self.dataset).__name__, message)
-
-    def _identity_key(self) -> int:
-        """The setting a user may change on a built loader that the identity fields record (DataLoader lets
-        ``num_workers`` change between passes; the loader's own settings are fixed)."""
-        return self.num_workers
-
-    def _identity(self) -> dict[str, Any]:
-        """The state's fields that say what this loader reads and how (the position's fields zeroed)."""
-        # NOTE: a fresh dict from a template per call (state_dict() runs between steps): the fields DataLoader
-        # fixes at construction are copied; those that can change (seed, num_workers, world size, length) read.
-        if self._template is None:
-            self._template = {
-                "version": STATE_VERSION, "kind": self._position.kind, "source": self._source_name, "dataset_len": None,
-                "seed": None, "shuffle": self._shuffle, "keying": self.keying, "keyed_generators": None, "epoch": 0,
-                "position": None, "world_size": None, "batch_size": self.batch_size, "num_workers": None,
-                "drop_last": self.drop_last, "sampler_state": None, "dataset_state": None, "stream": None,
-            }
-            if not self.in_order:
-                self._template["ahead"] = []
-        state = self._template.copy()
-        state["dataset_len"], state["seed"] = self._position.dataset_len(), self.seed
-        state["keyed_generators"], state["world_size"] = list(self.keyed_generators), self.world_size
-        state["num_workers"] = self.num_workers
-        return state
-
-
-def _check_options(snapshot_every_n_steps: int | None, keying: str) -> None:
-
-    if snapshot_every_n_steps is not None and (type(snapshot_every_n_steps) is not int or snapshot_every_n_steps < 0):
-        raise ValueError(f"snapshot_every_n_steps={snapshot_every_n_steps!r}: expected None or an int >= 0 "
-                         "(as StatefulDataLoader; the state is exact at every step whatever the value)")
-    if keying not in KEYING_MODES:
-        raise ValueError(f"keying={keying!r}: expected one of {list(KEYING_MODES)}")

@@ -1,0 +1,64 @@
+"""The fields of a loader's state that say what it reads and how — the dataset's length, the seed, the source,
+the world size — as distinct from the position the loader's :class:`~loader_resume.position.Position` fills in."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from .position import Position
+from .state import STATE_VERSION
+
+__all__ = ["StateIdentity"]
+
+
+class StateIdentity:
+    """A loader's identity fields: a fresh dict per call (``state_dict()`` runs between steps), from a template of
+    the fields fixed at construction; while a pass is mid-epoch, those computed at its ``iter()`` (the length and
+    world size it was planned with), unless ``num_workers`` changed since."""
+
+    __slots__ = ("at_pass", "loader", "position", "shuffle", "source", "template")
+
+    def __init__(self, loader: Any, position: Position, source: str, shuffle: bool) -> None:
+        # NOTE: a weak reference: the loader holds this object, and a loader must be freed without the cycle
+        # collector (its workers end with it)
+        self.loader = weakref.proxy(loader)
+        self.position, self.source, self.shuffle = position, source, shuffle
+        self.template: dict[str, Any] | None = None
+        self.at_pass: tuple[Any, int, dict[str, Any]] | None = None
+        """(the pass, its ``num_workers``, the fields) of the last ``iter()``."""
+
+    def fields(self) -> dict[str, Any]:
+        """The identity fields as they are now (the position's fields zeroed)."""
+        loader = self.loader
+        if self.template is None:
+            self.template = {
+                "version": STATE_VERSION, "kind": self.position.kind, "source": self.source, "dataset_len": None,
+                "seed": None, "shuffle": self.shuffle, "keying": loader.keying, "keyed_generators": None, "epoch": 0,
+                "position": None, "world_size": None, "batch_size": loader.batch_size, "num_workers": None,
+                "drop_last": loader.drop_last, "sampler_state": None, "dataset_state": None, "stream": None,
+            }
+            if not loader.in_order:
+                self.template["ahead"] = []
+        state = self.template.copy()
+        state["dataset_len"], state["seed"] = self.position.dataset_len(), loader.seed
+        state["keyed_generators"], state["world_size"] = list(loader.keyed_generators), loader.world_size
+        state["num_workers"] = loader.num_workers
+        return state
+
+    def pass_began(self, pass_: Any) -> None:
+        """``iter()`` began ``pass_`` (whose ``done`` says when it ends)."""
+        self.at_pass = (pass_, self.loader.num_workers, self.fields())
+
+    def forget_pass(self) -> None:
+        """A state was loaded: its position is reported with the identity as it is now."""
+        self.at_pass = None
+
+    def for_state(self) -> dict[str, Any]:
+        """A fresh dict of the fields for ``state_dict()``."""
+        at_pass = self.at_pass
+        if at_pass is not None and not at_pass[0].done and at_pass[1] == self.loader.num_workers:
+            state = at_pass[2].copy()
+            state["keyed_generators"] = list(self.position.setup.generators)
+            return state
+        return self.fields()

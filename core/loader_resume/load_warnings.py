@@ -1,0 +1,58 @@
+"""What a loader says, once per loader and case, about a loaded state: that it would be ignored, or that the
+continuation will not be bit-identical (a third-party object that cannot be restored exactly)."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+from .thirdparty import irreproducible
+
+__all__ = ["LoadWarnings"]
+
+logger = logging.getLogger(__name__)
+
+
+class LoadWarnings:
+    """The warnings of one loader about the states loaded into it (see ``ResumableDataLoader.load_state_dict``)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = weakref.proxy(loader)  # NOTE: weak: the loader holds this object (see identity.py)
+        self.kind = type(loader).__name__
+        self.live: weakref.ref[Any] | None = None
+        """The last iterator handed out."""
+        self.unused = False
+        """A loaded state no ``iter()`` has taken up yet."""
+        self.warned: set[str] = set()
+
+    def iterating(self, iterator: Any) -> None:
+        """``iter(loader)`` handed out ``iterator`` (whose ``mid_epoch`` says whether it is still in its pass)."""
+        self.live = weakref.ref(iterator)
+
+    def taken_up(self) -> None:
+        """An ``iter()`` took up the loaded state, if any."""
+        self.unused = False
+
+    def loading(self) -> None:
+        """A state is being loaded: warn where it would be ignored, or where the continuation cannot be exact."""
+        live = self.live() if self.live is not None else None
+        if live is not None and live.mid_epoch:
+            self.warn("mid-epoch", "load_state_dict() was called while an iterator of this loader is still "
+                      "mid-epoch: that iterator goes on from where it was and ignores the loaded state, which "
+                      "takes effect at the next iter(loader). Load before iterating (e.g. before the epoch "
+                      "loop) for the loaded position to be the one trained on")
+        if self.unused:
+            self.warn("unused", "load_state_dict() was called twice with no iter() in between: the state loaded "
+                      "first was never used and is replaced by this one")
+        self.unused = True
+        dataset = self.loader.dataset
+        reason = irreproducible(dataset)
+        if reason is not None:
+            logger.warning("resuming %s: the continuation will NOT be bit-identical to the uninterrupted run: %s",
+                           type(dataset).__name__, reason)
+
+    def warn(self, case: str, message: str) -> None:
+        if case not in self.warned:
+            self.warned.add(case)
+            logger.warning("%s over %s: %s", self.kind, type(self.loader.dataset).__name__, message)

@@ -1,0 +1,43 @@
+"""A loader's own settings, checked and fixed in one place when it is built (:class:`~loader_resume.position.Setup`):
+the order, the random keys and the state all read them from there."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch.utils.data import DistributedSampler
+
+from .distributed import rank_and_world
+from .keyed_rng import KEYING_MODES, generator_mask
+from .position import Setup
+from .sampler import ShardedSampler
+
+__all__ = ["settings"]
+
+
+def settings(dataset: Any, *, seed: int, keying: str, keyed_generators: Sequence[str],
+             snapshot_every_n_steps: int | None, sampler: Any, batch_size: int | None, unbatched: bool,
+             drop_last: bool, num_workers: int, persistent_workers: bool, rank: int | None, world_size: int | None,
+             in_order: bool) -> Setup:
+    """The :class:`Setup` of a loader built with these arguments; ``ValueError`` naming a bad one."""
+    if snapshot_every_n_steps is not None and (type(snapshot_every_n_steps) is not int or snapshot_every_n_steps < 0):
+        raise ValueError(f"snapshot_every_n_steps={snapshot_every_n_steps!r}: expected None or an int >= 0 "
+                         "(as StatefulDataLoader; the state is exact at every step whatever the value)")
+    if keying not in KEYING_MODES:
+        raise ValueError(f"keying={keying!r}: expected one of {list(KEYING_MODES)}")
+    shard_drop_last = None
+    if type(sampler) in (DistributedSampler, ShardedSampler):
+        # NOTE: a DistributedSampler (the user's, or the one Lightning injects by rebuilding the
+        # loader) becomes our sharded permutation with its rank, world size and drop_last, so it
+        # is never applied on top of our own sharding; a ShardedSampler's custom order likewise.
+        rank = sampler.rank if rank is None else rank
+        world_size = sampler.num_replicas if world_size is None else world_size
+        shard_drop_last = sampler.drop_last or drop_last
+    rank_and_world(rank, world_size)  # fail at construction on an impossible explicit pair
+    return Setup(
+        dataset=dataset, seed=seed, keying=keying, generators=tuple(keyed_generators),
+        mask=generator_mask(keyed_generators), batch_size=batch_size, unbatched=unbatched, drop_last=drop_last,
+        num_workers=num_workers, persistent_workers=persistent_workers, rank=rank, world_size=world_size,
+        shard_drop_last=shard_drop_last, in_order=in_order,
+    )
