@@ -34,12 +34,13 @@ from loader_resume.checkpoint import (
     set_global_rng_state,
     verify,
 )
+from loader_resume.convert import sharded_resumable
 from loader_resume.distributed import gather_rng_states, gather_states, load_rank_state
 from loader_resume.preemption import Preemption
 from loader_resume.step_boundary import ReportingDataLoader, StepBoundaries
 
 from .config import ResumeConfig, load_config
-from .loader import AcceleratedResumableDataLoader, convert, placed
+from .loader import AcceleratedResumableDataLoader, placed
 from .saving import write_checkpoint
 
 __all__ = ["STATE_FILE", "Resume", "enable_resume"]
@@ -186,9 +187,10 @@ class Resume:
         return results[0] if len(results) == 1 else tuple(results)
 
     def _convert(self, loader: DataLoader[Any], placement: bool | None) -> AcceleratedResumableDataLoader:
-        config = self.config
-        ours = convert(loader, self.accelerator, seed=config.seed, keying=config.keying,
-                       keyed_generators=config.keyed_generators, signals=self.preemption.signals)
+        config, accelerator = self.config, self.accelerator
+        ours = sharded_resumable(loader, rank=accelerator.process_index, world_size=accelerator.num_processes,
+                                 loader_class=AcceleratedResumableDataLoader, seed=config.seed, keying=config.keying,
+                                 keyed_generators=config.keyed_generators, ignore_signals=self.preemption.signals)
         ours.attach_accelerate(self, *placed(self.accelerator, placement))
         self._loaders.append(ours)
         if self._pending is not None and len(self._loaders) == len(self._pending["loaders"]):

@@ -3,7 +3,6 @@ plays Accelerate's part (device placement, gradient-state bookkeeping) and repor
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -11,14 +10,11 @@ from accelerate import Accelerator
 from accelerate.data_loader import DataLoaderStateMixin
 from accelerate.state import GradientState
 from accelerate.utils import send_to_device
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import IterableDataset
 
-from loader_resume.convert import resumable
-from loader_resume.distributed import check_same_dataset
-from loader_resume.preemption import IgnoreSignalsInWorker
 from loader_resume.step_boundary import BatchRequests, ReportingDataLoader
 
-__all__ = ["AcceleratedResumableDataLoader", "convert", "placed"]
+__all__ = ["AcceleratedResumableDataLoader", "placed"]
 
 
 class AcceleratedResumableDataLoader(ReportingDataLoader, DataLoaderStateMixin):
@@ -59,21 +55,6 @@ class AcceleratedResumableDataLoader(ReportingDataLoader, DataLoaderStateMixin):
             self.remainder = len(self.dataset) % (self.batch_size * self.world_size)  # type: ignore[arg-type]
         # NOTE: Accelerate's own DataLoaderShard registers this way (accelerate 1.15; no public method)
         self.gradient_state._add_dataloader(self)
-
-
-def convert(loader: DataLoader[Any], accelerator: Accelerator, *, seed: int, keying: str,
-            keyed_generators: Sequence[str], signals: Sequence[int]) -> AcceleratedResumableDataLoader:
-    """``loader`` as an :class:`AcceleratedResumableDataLoader` sharded across the accelerator's processes; its
-    workers ignore ``signals``. A collective (``prepare()`` runs on every process): the ranks' datasets are
-    compared."""
-    ours = resumable(
-        loader, seed=seed, keying=keying, keyed_generators=keyed_generators,
-        rank=accelerator.process_index, world_size=accelerator.num_processes,
-        worker_init_fn=lambda user_fn: IgnoreSignalsInWorker(signals, user_fn),
-        loader_class=AcceleratedResumableDataLoader,
-    )
-    check_same_dataset(ours)
-    return ours
 
 
 def placed(accelerator: Accelerator, placement: bool | None) -> tuple[torch.device | None, bool]:

@@ -25,7 +25,7 @@ from loader_resume import GENERATORS, ResumableDataLoader
 from loader_resume.checkpoint import CHECKPOINT_FORMAT, global_rng_state, set_global_rng_state
 from loader_resume.convert import resumable
 from loader_resume.distributed import gather_rng_states, gather_states
-from loader_resume.preemption import IgnoreSignalsInWorker, Preemption
+from loader_resume.preemption import Preemption
 
 from .loaders import TrainingLoaders
 
@@ -264,7 +264,7 @@ class ResumeCallback(OnExceptionCheckpoint):
         return resumable(
             loader, seed=self.seed, keying=self.keying, keyed_generators=self.keyed_generators,
             rank=rank, world_size=world_size,
-            worker_init_fn=lambda user_fn: IgnoreSignalsInWorker(self.preemption.signals, user_fn),
+            ignore_signals=self.preemption.signals,
         )
 
 

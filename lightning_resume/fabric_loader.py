@@ -16,9 +16,7 @@ from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
 
 from loader_resume.checkpoint import CheckpointError
-from loader_resume.convert import resumable
-from loader_resume.distributed import check_same_dataset
-from loader_resume.preemption import IgnoreSignalsInWorker
+from loader_resume.convert import sharded_resumable
 from loader_resume.step_boundary import ReportingDataLoader
 
 from .callback import CHECKPOINT_KEY
@@ -65,13 +63,9 @@ def convert(loader: DataLoader[Any], fabric: Fabric, *, seed: int, keying: str, 
     if not isinstance(loader, DataLoader):
         raise TypeError(f"setup_dataloaders(): {type(loader).__name__} is not a torch DataLoader; expected the "
                         "DataLoader itself (not one already set up by Fabric)")
-    ours = resumable(
-        loader, seed=seed, keying=keying, keyed_generators=keyed_generators,
-        rank=fabric.global_rank, world_size=fabric.world_size,
-        worker_init_fn=lambda user_fn: IgnoreSignalsInWorker(signals, user_fn),
-        loader_class=FabricResumableDataLoader,
-    )
-    check_same_dataset(ours)
+    ours = sharded_resumable(loader, rank=fabric.global_rank, world_size=fabric.world_size,
+                             loader_class=FabricResumableDataLoader, seed=seed, keying=keying,
+                             keyed_generators=keyed_generators, ignore_signals=signals)
     if move_to_device:
         ours.move_with(fabric.to_device)
     return ours

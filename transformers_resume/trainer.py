@@ -54,11 +54,12 @@ from transformers.trainer_callback import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from accelerate_resume import AcceleratedResumableDataLoader
+from accelerate_resume.loader import placed
 from loader_resume import GENERATORS
 from loader_resume.checkpoint import CHECKPOINT_FORMAT, CheckpointError
-from loader_resume.convert import resumable
-from loader_resume.distributed import check_same_dataset, load_rank_state
-from loader_resume.preemption import IgnoreSignalsInWorker, Preemption
+from loader_resume.convert import sharded_resumable
+from loader_resume.distributed import load_rank_state
+from loader_resume.preemption import Preemption
 
 from .checkpoint_files import LOADER_STATE_FILE, load_state_file, missing_file, step_at
 from .trainer_patches import no_skipping, unprepared
@@ -115,15 +116,11 @@ class ResumeTrainerMixin:
         across the processes; a checkpoint's state being resumed goes into it."""
         plain = unprepared(self.accelerator, super().get_train_dataloader)  # type: ignore[misc]
         args, accelerator = self.args, self.accelerator
-        ours = resumable(
-            plain, seed=args.data_seed if args.data_seed is not None else args.seed, keying=self.resume_keying,
-            keyed_generators=self.resume_keyed_generators, rank=args.process_index, world_size=args.world_size,
-            loader_class=AcceleratedResumableDataLoader,
-            worker_init_fn=lambda user_fn: IgnoreSignalsInWorker(self.preemption.signals, user_fn),
-        )
-        check_same_dataset(ours)
-        ours.attach_accelerate(None, accelerator.device if accelerator.device_placement else None,
-                               bool(accelerator.non_blocking))
+        ours = sharded_resumable(
+            plain, rank=args.process_index, world_size=args.world_size, loader_class=AcceleratedResumableDataLoader,
+            seed=args.data_seed if args.data_seed is not None else args.seed, keying=self.resume_keying,
+            keyed_generators=self.resume_keyed_generators, ignore_signals=self.preemption.signals)
+        ours.attach_accelerate(None, *placed(accelerator, None))
         if self._loader_states is not None:
             load_rank_state(ours, self._loader_states)
             self._loader_states = None

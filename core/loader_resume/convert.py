@@ -10,7 +10,7 @@ already sharded.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from torch.utils.data import (
@@ -20,8 +20,10 @@ from torch.utils.data import (
     IterableDataset,
 )
 
+from .distributed import check_same_dataset
 from .keyed_rng import GENERATORS
 from .loader import ResumableDataLoader
+from .preemption import IgnoreSignalsInWorker
 from .sampler import ShardedSampler, torch_order
 
 __all__ = ["resumable"]
@@ -38,7 +40,7 @@ def resumable(
     num_workers: int | None = None,
     rank: int | None = None,
     world_size: int | None = None,
-    worker_init_fn: Callable[[Callable[[int], None] | None], Callable[[int], None]] | None = None,
+    ignore_signals: Sequence[int] = (),
     loader_class: type[L] = ResumableDataLoader,  # type: ignore[assignment]
 ) -> L:
     """``loader`` as a ResumableDataLoader (one of ``loader_class`` is returned as it is, unless another
@@ -47,7 +49,8 @@ def resumable(
     Args:
         num_workers: override the loader's worker count (``loader-resume check`` varies it).
         rank, world_size: shard for this rank (``world_size > 1``); default: no sharding of our own.
-        worker_init_fn: wraps the loader's ``worker_init_fn`` (integrations add signal handling).
+        ignore_signals: signals its DataLoader workers ignore (the main process alone decides when to stop;
+            the integrations' preemption signals), set before the loader's own ``worker_init_fn`` runs.
         loader_class: build this ``ResumableDataLoader`` subclass; a ResumableDataLoader of another
             class is rebuilt as one, keeping its seed, keying and keyed generators.
     """
@@ -61,7 +64,7 @@ def resumable(
     if sampler is not None and world_size is not None and world_size > 1:
         sampler = _sharded(loader, sampler, seed, rank or 0, world_size)
     workers = loader.num_workers if num_workers is None else num_workers
-    init = loader.worker_init_fn if worker_init_fn is None else worker_init_fn(loader.worker_init_fn)
+    init = IgnoreSignalsInWorker(ignore_signals, loader.worker_init_fn) if ignore_signals else loader.worker_init_fn
     return loader_class(
         loader.dataset,
         batch_size=None if custom_batches else loader.batch_size,
@@ -84,3 +87,13 @@ def _sharded(loader: DataLoader[Any], sampler: Any, seed: int, rank: int, world_
         return ShardedSampler(sampler, loader.dataset, num_replicas=world_size, rank=rank)
     return DistributedSampler(loader.dataset, num_replicas=world_size, rank=rank,
                               shuffle=shuffle, seed=seed, drop_last=loader.drop_last)
+
+
+def sharded_resumable(loader: DataLoader[Any], *, rank: int, world_size: int, loader_class: type[L], seed: int,
+                      keying: str, keyed_generators: Sequence[str], ignore_signals: Sequence[int]) -> L:
+    """:func:`resumable` for a framework's process ``rank`` of ``world_size``, the ranks' datasets compared
+    (``distributed.check_same_dataset``: a collective, every rank calls it)."""
+    ours = resumable(loader, seed=seed, keying=keying, keyed_generators=keyed_generators, rank=rank,
+                     world_size=world_size, ignore_signals=ignore_signals, loader_class=loader_class)
+    check_same_dataset(ours)
+    return ours
