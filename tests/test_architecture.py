@@ -134,3 +134,9 @@ def test_the_torch_rule_finds_each_kind_of_reach_in() -> None:
     source = ("from torch.utils.data.dataloader import _DatasetKind\nfrom torch.utils.data._utils import collate\n"
               "def f(loader, info):\n    loader._iterator = None\n    object.__setattr__(info, 'id', 1)\n")
     assert [line for line, _ in _torch_reach_ins(ast.parse(source), torch_names)] == [1, 2, 4, 5]
+
+
+def test_no_module_is_longer_than_300_lines() -> None:
+    long = {str(path.relative_to(ROOT)): length for path in _modules()
+            if (length := len(path.read_text().splitlines())) > 300}
+    assert not long, f"modules over 300 lines (split them by what they do): {long}"
