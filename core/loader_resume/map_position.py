@@ -67,6 +67,7 @@ class MapPosition:
     def reset(self, state: Mapping[str, Any] | None) -> None:
         epoch, position, sampler_state, restart, ahead = 0, 0, None, False, list[int]()
         if state is not None:  # validated by check_state; the user's own states are checked here, before any change
+            self._read_length()  # the length the state was checked against (a dataset may grow between epochs)
             _check_user_state("sampler_state", state["sampler_state"], self.source)
             _check_user_state("dataset_state", state["dataset_state"], self.setup.dataset)
             if state["dataset_state"] is not None:
@@ -151,9 +152,10 @@ class MapPosition:
 
     def dataset_len(self) -> int | None:
         """The length the pass in flight was planned with, else (between passes, as ``DataLoader``'s
-        ``len()``) the dataset's length now, since a dataset may grow between epochs."""
-        if self._position == 0 and (self._pass is None or self._pass.done or self._fresh):
-            self._read_length()
+        ``len()``) the dataset's length now, since a dataset may grow between epochs. Changes nothing: the
+        next pass reads the length when it begins."""
+        if self._n is not None and self._position == 0 and (self._pass is None or self._pass.done or self._fresh):
+            return len(self.setup.dataset)
         return self._n
 
     def __iter__(self) -> Iterator[list[Any]]:
