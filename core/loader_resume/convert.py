@@ -26,7 +26,7 @@ from .loader import ResumableDataLoader
 from .preemption import IgnoreSignalsInWorker
 from .sampler import ShardedSampler, torch_order
 
-__all__ = ["resumable"]
+__all__ = ["resumable", "sharded_resumable"]
 
 L = TypeVar("L", bound=ResumableDataLoader[Any])
 
