@@ -29,6 +29,7 @@ from .keyed_rng import GENERATORS, CallerRng, DrawnGenerators, derive_key
 from .load_warnings import LoadWarnings
 from .map_position import MapPosition
 from .position import Position, Tracked
+from .preemption import held_while_forking
 from .sampler import Source, classify_source, default_seed
 from .settings import settings
 from .state import check_state
@@ -163,7 +164,7 @@ class ResumableDataLoader(IndexHooks[T]):
         position = self._position
         by_fetch = setup.fetches_here and isinstance(position, MapPosition)
         caller = CallerRng(setup.mask) if setup.fetches_here and not by_fetch else None
-        with self._building(**begun.attributes):
+        with held_while_forking(self.worker_init_fn), self._building(**begun.attributes):
             inner = super().__iter__()
             if by_fetch and isinstance(position, MapPosition):
                 next_fetch, drawn = position.next_fetch, self._drawn

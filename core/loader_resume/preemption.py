@@ -12,13 +12,14 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
 from .distributed import any_rank
 
-__all__ = ["IgnoreSignalsInWorker", "Preemption", "signal_numbers"]
+__all__ = ["IgnoreSignalsInWorker", "Preemption", "held_while_forking", "signal_numbers"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,26 @@ class IgnoreSignalsInWorker:
 
     def __call__(self, worker_id: int) -> None:
         for number in self.signals:
-            signal.signal(number, signal.SIG_IGN)
+            signal.signal(number, signal.SIG_IGN)  # NOTE: discards one held pending since the fork (see below)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, self.signals)
         if self.user_fn is not None:
             self.user_fn(worker_id)
+
+
+@contextmanager
+def held_while_forking(worker_init_fn: Any) -> Iterator[None]:
+    """While DataLoader starts its workers (in the main thread): the signals an :class:`IgnoreSignalsInWorker`
+    ignores are blocked, so a worker forked meanwhile holds them pending until its init ignores them. This
+    process gets any that arrived as soon as the block ends.
+
+    NOTE: torch's worker installs a SIGTERM handler of its own (in C) before the init runs, which kills the
+    worker on a SIGTERM not sent by its parent: a signal to the whole process group in between took the
+    worker, and then the main process, down."""
+    signals = worker_init_fn.signals if isinstance(worker_init_fn, IgnoreSignalsInWorker) else ()
+    blocking = bool(signals) and threading.current_thread() is threading.main_thread()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals) if blocking else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)

@@ -1,0 +1,56 @@
+"""DataLoader workers of a preemptible job ignore the preemption signals from the moment they are forked.
+
+A signal sent to a whole process group (``kill -TERM -PGID``, torchrun's agent stopping a rank) reaches the
+DataLoader workers too. torch's worker installs its own SIGTERM handler (which kills the worker on a SIGTERM
+not sent by its parent) before any ``worker_init_fn`` runs; a signal in between killed the worker and, with it,
+the main process's next batch. The job here starts a new pool of workers for each of many short epochs (a
+map-style dataset and a stream) while the test signals its process group every 20 ms.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from support.launch import TESTS
+
+JOB = """
+import sys, time
+from torch.utils.data import DataLoader
+from loader_resume import ResumableDataLoader
+from loader_resume.convert import sharded_resumable
+from loader_resume.preemption import Preemption
+from support.data import NoisyStream
+
+preemption = Preemption(("SIGTERM",))
+preemption.install()
+loaders = [sharded_resumable(DataLoader(data, batch_size=4, num_workers=2), rank=0, world_size=1,
+                             loader_class=ResumableDataLoader, seed=0, keying="batch", keyed_generators=("torch",),
+                             ignore_signals=preemption.signals)
+           for data in (list(range(16)), NoisyStream(16, 0, 1))]
+print("started", flush=True)
+epochs, end = 0, time.monotonic() + float(sys.argv[1])
+while time.monotonic() < end:
+    for loader in loaders:
+        assert len(list(loader)) == 4
+    epochs += 1
+print(f"epochs {epochs} received {preemption.received}", flush=True)
+"""
+
+
+def test_a_signal_to_the_whole_process_group_never_kills_a_dataloader_worker() -> None:
+    job = subprocess.Popen([sys.executable, "-c", JOB, "5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True, cwd=TESTS, env={**os.environ, "PYTHONPATH": str(TESTS)})
+    assert job.stdout is not None and job.stdout.readline() == "started\n"
+    signals = 0
+    while job.poll() is None and signals < 200:
+        os.killpg(job.pid, signal.SIGTERM)
+        signals += 1
+        time.sleep(0.02)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0 and signals >= 100, err[-3000:]
+    epochs = int(out.split()[1])
+    assert epochs >= 20 and out.split()[3] == str(int(signal.SIGTERM))  # many pools forked; the main process heard it
