@@ -42,14 +42,14 @@ def mixture(lengths: dict[str, int] = LENGTHS, block_size: int = 10) -> Mixture:
 
 
 def run(*, steps: int = 40, workers: int = 0, batch: int = 4, world: int = 1, stop: int | None = None,
-        state: dict[str, Any] | None = None, start: int = 0, keying: str = "batch",
+        state: dict[str, Any] | None = None, start: int = 0, keying: str = "batch", in_order: bool = True,
         changes: dict[int, dict[str, float]] = CHANGES) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
     """``steps`` global steps on ``world`` ranks (one loader and one mixture each, as on separate processes),
     calling ``changes`` on every rank; each step's batches concatenated rank after rank. Stops after step ``stop``
     and returns each rank's state; resumes from ``state`` (saved after step ``start``)."""
     mixtures = [mixture() for _ in range(world)]
     loaders = [ResumableDataLoader(m, batch_size=batch, seed=1, num_workers=workers, rank=r, world_size=world,
-                                   keying=keying)
+                                   keying=keying, in_order=in_order)
                for r, m in enumerate(mixtures)]
     if state is not None:
         for loader in loaders:
@@ -122,6 +122,28 @@ def test_a_resume_continues_with_the_uninterrupted_runs_batches(workers: int, st
     assert all(torch.equal(a, b) for a, b in zip(first + rest, full, strict=True))
 
 
+@pytest.mark.parametrize("stop", [4, 12])
+def test_two_ranks_resume_on_two_ranks_with_the_uninterrupted_runs_batches(stop: int) -> None:
+    """Two ranks (num_workers 2) making the same changes on each, cut before and after the second change."""
+    full, _ = run(workers=2, world=2, steps=20)
+    first, states = run(workers=2, world=2, steps=20, stop=stop)
+    assert states[0] == states[1]  # the position is global
+    rest, _ = run(workers=2, world=2, steps=20, state=states[0], start=stop)
+    assert all(torch.equal(a, b) for a, b in zip(first + rest, full, strict=True))
+
+
+def test_out_of_order_delivery_resumes_a_mixture_each_batch_once() -> None:
+    """in_order=False (num_workers 2): batches arrive in any order, each the same as in order (keyed by its step);
+    cut after 5 deliveries, a resume delivers the rest of the run exactly once, values included."""
+    in_order, _ = run(workers=2, steps=19, changes={})
+    first, (state,) = run(workers=2, steps=19, stop=5, in_order=False, changes={})
+    rest, _ = run(workers=2, steps=19, state=state, start=5, in_order=False, changes={})
+    key = [tuple(batch[:, 0].tolist()) for batch in in_order]
+    assert sorted(tuple(batch[:, 0].tolist()) for batch in first + rest) == sorted(key)
+    by_ids = {tuple(batch[:, 0].tolist()): batch for batch in in_order}
+    assert all(torch.equal(batch, by_ids[tuple(batch[:, 0].tolist())]) for batch in first + rest)
+
+
 @pytest.mark.parametrize("keying", ["batch", "sample"])
 def test_the_global_sequence_continues_on_another_world_size_batch_size_and_worker_count(keying: str) -> None:
     """Saved after step 6 on one process (batch 4, num_workers 2: the change of step 3 applies after the
@@ -137,6 +159,31 @@ def test_the_global_sequence_continues_on_another_world_size_batch_size_and_work
     columns = slice(None) if keying == "sample" else slice(0, 1)
     for got, want in zip(rest, full[6:], strict=True):
         assert torch.equal(got[torch.argsort(got[:, 0])][:, columns], want[torch.argsort(want[:, 0])][:, columns])
+
+
+@pytest.mark.parametrize("reused", [False, True])
+def test_a_change_made_after_a_load_before_the_first_batch_applies_from_the_loaded_position(reused: bool) -> None:
+    """The change due after step 3 made on a loader just resumed from a state taken after step 3's batch, before
+    that change (as a schedule applied at the top of the loop, or in a restore hook): nothing past the loaded
+    position has been requested, so it applies there, as in the uninterrupted run (num_workers=0). A reused
+    mixture, which had run further, makes no difference."""
+    full, _ = run()
+    _, (state,) = run(stop=4, changes={})
+    m = mixture()
+    if reused:
+        next(iter(ResumableDataLoader(m, batch_size=4, seed=1)))
+        m.requested(1, 40)
+    loader = ResumableDataLoader(m, batch_size=4, seed=1)
+    loader.load_state_dict(state)
+    m.set_weights(CHANGES[3])
+    rest, step = [], 4
+    while len(rest) < len(full) - 4:
+        for batch in loader:
+            rest.append(batch)
+            if step in CHANGES:
+                m.set_weights(CHANGES[step])
+            step += 1
+    assert all(torch.equal(a, b) for a, b in zip(rest, full[4:], strict=False))
 
 
 def test_a_weight_change_applies_from_the_first_position_not_requested() -> None:
@@ -168,8 +215,8 @@ def test_a_source_whose_length_changed_is_refused_naming_it() -> None:
         grown.load_state_dict(state)
     loader = ResumableDataLoader(mixture(lengths={"a": 50, "b": 21, "c": 7}), batch_size=4, seed=1)
     saved = ResumableDataLoader(mixture(), batch_size=4, seed=1).state_dict()
-    saved["dataset_len"] = 78
-    with pytest.raises(StateError, match="Source 'b' has 21 items"):
+    assert saved["dataset_len"] == 77 and len(loader.dataset) == 78  # the mixture's epoch is the sources' total
+    with pytest.raises(StateError, match="Source 'b' has 21 items"):  # named before the loader's own dataset_len
         loader.load_state_dict(saved)
     with pytest.raises(StateError, match=r"'dataset_state.block_size': saved 10, expected 20"):
         mixture(block_size=20).load_state_dict(state)

@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -28,6 +28,7 @@ from .keyed_fetch import KeyedFetch
 from .keyed_rng import GENERATORS, CallerRng, DrawnGenerators, derive_key
 from .load_warnings import LoadWarnings
 from .map_position import MapPosition
+from .mixture import Mixture
 from .position import Position, Tracked
 from .preemption import held_while_forking
 from .sampler import Source, classify_source, default_seed
@@ -277,6 +278,9 @@ class ResumableDataLoader(IndexHooks[T]):
         iterator of this loader is still mid-epoch (that iterator goes on from where it was; the state
         applies from the next ``iter()``), or loaded over an earlier state that no ``iter()`` took up.
         """
+        if isinstance(self.dataset, Mixture) and isinstance(state_dict, Mapping) and \
+                isinstance(state_dict.get("dataset_state"), Mapping):  # NOTE: names a source of another length
+            self.dataset.check_state(state_dict["dataset_state"])
         state = check_state(state_dict, self._identity.fields())
         self._loads.loading()
         self._identity.forget_pass()

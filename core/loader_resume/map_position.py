@@ -77,6 +77,8 @@ class MapPosition:
             ahead = _checked_ahead(state, self.setup)
             if self.source is None and position == self._n:
                 epoch, position = epoch + 1, 0
+        if self._mixture is not None:  # NOTE: nothing past the loaded position is requested yet: changes apply there
+            self._mixture.requested(epoch, position)
         self._pass: MapPass | None = None
         self._restart = self._restart or restart
         self.epoch, self._position, self._fresh = epoch, position, True

@@ -18,7 +18,7 @@ so far)``:
 
 So resuming at any position costs one bisection over the changes, one block and one chunk of 4096 draws of
 each source's permutation (vectorised, and kept for the lists that follow: consecutive positions cost a
-slice), and the state is the sources' lengths, the weights and the changes: JSON, ``O(sources + changes)``.
+slice), and the state is the sources' lengths and one entry per change (its start and weights): JSON.
 
 Under :class:`~loader_resume.ResumableDataLoader`, positions are resolved into ``(source, item)`` keys in
 the main process as torch requests each batch, so DataLoader workers only fetch. :meth:`Mixture.set_weights`
@@ -149,7 +149,25 @@ class Mixture:
                                   if is_stateful(self.sources[name])}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """The weights and changes of ``state``; refused (``StateError``) if it was saved by another mixture."""
+        """The weights and changes of ``state`` (checked by :meth:`check_state` first)."""
+        self.check_state(state)
+        states = state["source_states"]
+        self._starts, self._weights, self._drawn = [], [], []
+        self._count_cache, self._resolved_blocks = {}, {}  # NOTE: before the rebuild, which reads the counts
+        for start, weights in state["changes"]:
+            new = self._checked(dict(zip(self.names, weights, strict=True)), "load_state_dict")
+            if self._starts:
+                self._drawn.append(self._drawn_until(len(self._starts) - 1, start))
+            else:
+                self._drawn.append([0] * len(self.names))
+            self._starts.append(start)
+            self._weights.append(new)
+        for name, source_state in states.items():
+            self.sources[name].load_state_dict(source_state)
+
+    def check_state(self, state: Mapping[str, Any]) -> None:
+        """Raises :class:`~loader_resume.StateError` if ``state`` was saved by another mixture: other sources, a
+        source of another length (named), other settings. A loader checks it before its own fields."""
         if not isinstance(state, Mapping) or state.get("version") != MIXTURE_VERSION:
             found = state.get("version") if isinstance(state, Mapping) else type(state).__name__
             raise StateError("dataset_state.version", found, repr(MIXTURE_VERSION), "Not a Mixture state.")
@@ -171,18 +189,6 @@ class Mixture:
                 expected = f"the state of {type(self.sources[name]).__name__}" if name not in states else "none"
                 raise StateError(f"dataset_state.source_states.{name}", states.get(name), expected,
                                  f"Source {name!r} is not the saving run's (one has a state of its own, one not).")
-        self._starts, self._weights, self._drawn = [], [], []
-        self._count_cache, self._resolved_blocks = {}, {}  # NOTE: before the rebuild, which reads the counts
-        for start, weights in state["changes"]:
-            new = self._checked(dict(zip(self.names, weights, strict=True)), "load_state_dict")
-            if self._starts:
-                self._drawn.append(self._drawn_until(len(self._starts) - 1, start))
-            else:
-                self._drawn.append([0] * len(self.names))
-            self._starts.append(start)
-            self._weights.append(new)
-        for name, source_state in states.items():
-            self.sources[name].load_state_dict(source_state)
 
     # --- internals --------------------------------------------------------------------------------
     def _resolved(self, k: int, block: int) -> tuple[list[int], list[int]]:
