@@ -1,21 +1,23 @@
 """The transformers Trainer on scikit-learn's digits with ResumableTrainer: stop it, run it again, it continues.
 
-    python examples/transformers_digits.py max_steps=25        # stops after step 25 (checkpoint-25)...
-    python examples/transformers_digits.py max_steps=60        # ...and continues mid-epoch with the next batch
-    python examples/transformers_digits.py max_steps=60 output_dir=/tmp/fresh   # the same job uninterrupted
-    torchrun --nproc_per_node 2 examples/transformers_digits.py                 # two CPU processes
+    python examples/transformers_digits.py                  # kill -TERM it mid-epoch: it checkpoints, exits 143
+    python examples/transformers_digits.py                  # the same command: continues with the next batch
+    torchrun --nproc_per_node 2 examples/transformers_digits.py     # two CPU processes
 
-A constant learning rate, so that a job stopped and extended is the same job as one run at once. The last
-line printed is a digest of the final weights: the continued job prints the uninterrupted job's.
+Settings are ``key=value`` words (``max_steps=60 workers=2 batch_size=32 output_dir=...``). SIGTERM or SIGUSR1
+makes every process checkpoint at the next optimizer step and exit with 143; ``resume_from_checkpoint=True``
+continues from the newest complete checkpoint (and starts from the beginning where there is none). The last
+line printed is a digest of the final weights: an interrupted-and-rerun job prints the uninterrupted job's.
 """
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import torch
 from torch import nn
-from transformers import TrainingArguments
+from transformers import TrainerCallback, TrainingArguments
 
 from loader_resume.testing import fingerprint
 from loader_resume.tools.demo import NoisyDigits
@@ -41,6 +43,15 @@ class Classifier(nn.Module):
         return {"loss": nn.functional.cross_entropy(self.net(x), labels)}
 
 
+class PrintProgress(TrainerCallback):
+    """Prints ``epoch E step S of N`` every 10 optimizer steps on the first process."""
+
+    def on_step_end(self, args: TrainingArguments, state: object, control: object, **kwargs: object) -> None:
+        step, epoch = state.global_step, state.epoch  # type: ignore[attr-defined]
+        if step % 10 == 0 and args.process_index == 0:
+            print(f"epoch {int(epoch)} step {step} of {state.max_steps}", flush=True)  # type: ignore[attr-defined]
+
+
 def settings(argv: list[str]) -> dict[str, str]:
     own = dict(OWN)
     for word in argv:
@@ -58,18 +69,20 @@ def main(argv: list[str]) -> None:
     args = TrainingArguments(
         output_dir=own["output_dir"], use_cpu=True, report_to=[], seed=0, max_steps=int(own["max_steps"]),
         per_device_train_batch_size=int(own["batch_size"]), learning_rate=0.05, lr_scheduler_type="constant",
-        save_strategy="steps", save_steps=5, save_total_limit=2, logging_steps=20,
+        save_strategy="steps", save_steps=50, save_total_limit=2, logging_strategy="no",
         dataloader_num_workers=int(own["workers"]), disable_tqdm=True,
     )
-    trainer = ResumableTrainer(model=model, args=args, train_dataset=Digits())
-    has_checkpoint = trainer.resumable_checkpoint() is not None
-    trainer.train(resume_from_checkpoint=has_checkpoint)  # the newest complete checkpoint, if there is one
+    trainer = ResumableTrainer(model=model, args=args, train_dataset=Digits(), callbacks=[PrintProgress()])
+    trainer.train(resume_from_checkpoint=True)  # the newest complete checkpoint; from the beginning if none
     if args.process_index == 0:
         print(f"final weights digest: {fingerprint([p.detach() for p in model.parameters()])}", flush=True)
-    # NOTE: as at the end of any multi-process script: a process whose peer has already left can be aborted by
-    # gloo (SIGABRT) while the interpreter tears an open process group down
+    # NOTE: as at the end of any multi-process CPU script: gloo can abort a process (SIGABRT) whose process group
+    # is left to the interpreter's teardown, and the DDP wrapper Trainer made holds the group; free it, then end it
     trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.end_training()
+    del trainer, model
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,21 +27,32 @@ ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 ITEMS, EPOCHS = 30, 3
 
 
-def run(out: Path, processes: int, *args: str, launcher: str = "torchrun", expect: int = 0) -> str:
-    """The Trainer child on ``processes`` processes; its stderr."""
+def command(out: Path, processes: int, *args: str, launcher: str = "torchrun") -> list[str]:
     if processes == 1:
-        command = [sys.executable, str(CHILD)]
+        launch = [sys.executable, str(CHILD)]
     elif launcher == "torchrun":
-        command = [TORCHRUN, "--nproc_per_node", str(processes), "--master_port", str(free_port()), str(CHILD)]
+        launch = [TORCHRUN, "--nproc_per_node", str(processes), "--master_port", str(free_port()), str(CHILD)]
     else:
-        command = [ACCELERATE, "launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
-                   "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-                   str(CHILD)]
-    # NOTE: faulthandler prints each thread's Python stack if a process aborts
-    done = subprocess.run([*command, str(out), "--processes", str(processes), *args], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
-    assert (done.returncode == expect) if expect == 0 else done.returncode != 0, \
-        f"{args}: exit {done.returncode}\n{done.stderr[-6000:]}"
+        launch = [ACCELERATE, "launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
+                  "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+                  str(CHILD)]
+    return [*launch, str(out), "--processes", str(processes), *args]
+
+
+# NOTE: faulthandler prints each thread's Python stack if a process aborts
+ENV = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+
+
+def run(out: Path, processes: int, *args: str, launcher: str = "torchrun", expect: int = 0) -> str:
+    """The Trainer child on ``processes`` processes; its stderr. A launcher reports a rank's failure with its own
+    exit code and the rank's in its report."""
+    done = subprocess.run(command(out, processes, *args, launcher=launcher), capture_output=True, text=True,
+                          timeout=300, env=ENV)
+    report = f"{args}: exit {done.returncode}\n{done.stderr[-6000:]}"
+    if processes > 1 and expect != 0:
+        assert done.returncode != 0 and f"exitcode  : {expect}" in done.stderr, report
+    else:
+        assert done.returncode == expect, report
     return done.stderr
 
 
@@ -49,9 +62,9 @@ def reads(out: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def full(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Uninterrupted runs: one process (accumulation 1 and 3), two processes (accumulation 3)."""
+    """Uninterrupted runs: one process (accumulation 1 and 3; a stream), two processes (accumulation 3)."""
     runs = {}
-    for name, processes, args in (("1", 1, ()), ("1-acc3", 1, ("--accumulate", "3")),
+    for name, processes, args in (("1", 1, ()), ("1-acc3", 1, ("--accumulate", "3")), ("1-stream", 1, ("--stream",)),
                                   ("2-acc3", 2, ("--accumulate", "3"))):
         out = tmp_path_factory.mktemp(f"full{name}")
         run(out, processes, *args)
@@ -74,15 +87,42 @@ def test_one_process_resumes_with_the_uninterrupted_runs_batches(full: dict[str,
     assert reads(tmp_path) == [read_after]  # no batch read to be skipped
 
 
+def test_a_stream_resumes_with_the_uninterrupted_runs_batches_reading_none_to_skip(full: dict[str, Path],
+                                                                                    tmp_path: Path) -> None:
+    """An iterable dataset (max_steps=20; 8 batches a pass): crashed after step 10, mid second pass. Trainer's
+    own skipping would read the 10 batches again (an iterable dataset cannot skip without reading); here the
+    resumed run reads what it trains, plus the one batch Trainer's loop reads past its last step (as the
+    uninterrupted run does)."""
+    run(tmp_path, 1, "--stream", "--crash-at", "10")
+    cut = len(logs(tmp_path)[0])
+    run(tmp_path, 1, "--stream", "--resume", "true")
+    assert logs(tmp_path) == logs(full["1-stream"]) and weights(tmp_path) == weights(full["1-stream"])
+    past_the_end = reads(full["1-stream"])[0] - sum(len(row["ids"]) for row in logs(full["1-stream"])[0])
+    assert past_the_end == 4  # one batch
+    assert reads(tmp_path) == [sum(len(row["ids"]) for row in logs(tmp_path)[0][cut:]) + past_the_end]
+
+
 @pytest.fixture(scope="module")
 def crashed_on_two(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Two processes, accumulation 3, crashed right after the checkpoint of step 3, by each launcher."""
+    """Two processes, accumulation 3, crashed right after the checkpoint of step 3, by each launcher; rank 1
+    writes its last file of each checkpoint late (a slow disk)."""
     runs = {}
     for launcher in ("torchrun", "accelerate"):
         out = tmp_path_factory.mktemp(f"crashed2-{launcher}")
-        run(out, 2, "--accumulate", "3", "--crash-at", "3", launcher=launcher)
+        run(out, 2, "--accumulate", "3", "--crash-at", "3", "--slow-rank", "1", launcher=launcher)
         runs[launcher] = out
     return runs
+
+
+def test_every_ranks_files_are_written_before_trainers_state_marks_a_checkpoint_complete(
+        crashed_on_two: dict[str, Path]) -> None:
+    """trainer_state.json (rank 0's last write, after which Trainer deletes older checkpoints) comes after every
+    rank's loader state and Trainer's RNG state, rank 1's written 0.5 s late included."""
+    for checkpoint in sorted((crashed_on_two["torchrun"] / "run").iterdir()):
+        per_rank = [checkpoint / f"{name}_{rank}.{ext}" for rank in range(2)
+                    for name, ext in (("loader_resume", "pt"), ("rng_state", "pth"))]
+        complete = (checkpoint / "trainer_state.json").stat().st_mtime_ns
+        assert max(path.stat().st_mtime_ns for path in per_rank) <= complete, checkpoint
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
@@ -97,17 +137,40 @@ def test_two_processes_resume_with_the_uninterrupted_runs_batches(full: dict[str
     assert sorted(last.glob("loader_resume_*.pt")) == [last / f"loader_resume_{r}.pt" for r in range(2)]
 
 
-def test_sigterm_checkpoints_at_the_step_agreed_by_both_ranks_and_the_same_command_continues(
+def test_sigusr1_on_one_rank_checkpoints_at_the_step_both_agree_and_the_same_command_continues(
         full: dict[str, Path], tmp_path: Path) -> None:
-    """Rank 0 alone gets SIGTERM at the end of step 3 (no checkpoint is due: save_steps=100); both ranks
-    agree there, Trainer writes checkpoint-3 with both ranks' loader states, both exit 143; the rerun with
-    resume_from_checkpoint=True continues exactly (num_workers 2: the workers ignore the signal)."""
-    options = ["--accumulate", "3", "--workers", "2", "--save-steps", "100"]
-    stderr = run(tmp_path, 2, *options, "--signal-at", "3", expect=143)
+    """Rank 0 alone gets SIGUSR1 (as a scheduler signals one task) at the end of step 3, no checkpoint being due
+    (save_steps=100); both ranks agree there, Trainer writes checkpoint-3 with both ranks' loader states, both
+    exit 143; the same command again (resume_from_checkpoint=True) continues exactly."""
+    same = ["--accumulate", "3", "--save-steps", "100", "--signal-name", "SIGUSR1", "--signal-at", "3",
+            "--resume", "true"]
+    stderr = run(tmp_path, 2, *same, expect=143)
     # NOTE: both ranks say so; torchrun reports the first to exit (it then stops the other)
-    assert stderr.count("checkpoint written at step 3; exiting with 143") == 2 and "exitcode  : 143" in stderr
+    assert stderr.count("checkpoint written at step 3; exiting with 143") == 2
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-3"]
-    run(tmp_path, 2, *options, "--resume", "true")
+    assert "no complete checkpoint in" in stderr  # the first run of the command started from the beginning
+    run(tmp_path, 2, *same)
+    assert logs(tmp_path) == logs(full["2-acc3"]) and weights(tmp_path) == weights(full["2-acc3"])
+
+
+def test_sigterm_to_the_whole_launch_mid_epoch_checkpoints_and_the_same_command_continues(
+        full: dict[str, Path], tmp_path: Path) -> None:
+    """SIGTERM to ``accelerate launch``'s whole process group (launcher, both ranks, their DataLoader workers) in
+    the second epoch: the workers ignore it, the ranks agree at the next step, write one checkpoint and exit 143
+    before the launcher's grace period ends; the same command again continues exactly."""
+    same = ["--accumulate", "3", "--workers", "2", "--save-steps", "100", "--sleep", "0.1", "--resume", "true"]
+    first = subprocess.Popen(command(tmp_path, 2, *same, launcher="accelerate"), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True, env=ENV)
+    deadline = time.monotonic() + 120
+    while len(logs(tmp_path)[0] if (tmp_path / "log-0.jsonl").exists() else []) < 5:  # in epoch 1
+        assert time.monotonic() < deadline and first.poll() is None, "training never reached micro-batch 5"
+        time.sleep(0.02)
+    os.killpg(first.pid, signal.SIGTERM)
+    _, stderr = first.communicate(timeout=120)
+    assert stderr.count("; exiting with 143") == 2, stderr[-6000:]
+    checkpoints = [p.name for p in (tmp_path / "run").iterdir()]
+    assert len(checkpoints) == 1 and 2 <= int(checkpoints[0].split("-")[1]) < 6, checkpoints
+    run(tmp_path, 2, *same, launcher="accelerate")
     assert logs(tmp_path) == logs(full["2-acc3"]) and weights(tmp_path) == weights(full["2-acc3"])
 
 
@@ -137,12 +200,32 @@ def test_a_checkpoint_without_trainers_state_is_skipped_for_the_one_before(full:
     assert logs(tmp_path) == logs(full["1"]) and weights(tmp_path) == weights(full["1"])
 
 
-def test_an_explicit_checkpoint_missing_our_file_is_refused_naming_it(crashed: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("file", ["loader_resume_0.pt", "trainer_state.json", "rng_state.pth"])
+def test_an_explicit_checkpoint_missing_a_file_is_refused_naming_it(crashed: Path, tmp_path: Path, file: str) -> None:
     shutil.copytree(crashed, tmp_path, dirs_exist_ok=True)
     checkpoint = tmp_path / "run" / "checkpoint-10"
-    (checkpoint / "loader_resume_0.pt").unlink()
+    (checkpoint / file).unlink()
     stderr = run(tmp_path, 1, "--resume", str(checkpoint), expect=1)
-    assert f"{checkpoint / 'loader_resume_0.pt'}: missing; expected a complete checkpoint" in stderr
+    assert f"{checkpoint / file}: missing; expected a complete checkpoint" in stderr
+
+
+def test_a_two_rank_checkpoint_lacking_a_file_of_rank_1_is_incomplete(crashed_on_two: dict[str, Path],
+                                                                       tmp_path: Path) -> None:
+    """Killed after rank 0's files, before rank 1's: the checkpoint names rank 1's missing file."""
+    from transformers_resume.checkpoint_files import missing_file
+
+    for file in ("loader_resume_1.pt", "rng_state_1.pth"):
+        checkpoint = tmp_path / file
+        shutil.copytree(crashed_on_two["torchrun"] / "run" / "checkpoint-3", checkpoint)
+        assert missing_file(checkpoint) is None
+        (checkpoint / file).unlink()
+        assert missing_file(checkpoint) == checkpoint / file
+
+
+def test_ignore_data_skip_is_refused_on_a_resume(crashed: Path, tmp_path: Path) -> None:
+    shutil.copytree(crashed, tmp_path, dirs_exist_ok=True)
+    stderr = run(tmp_path, 1, "--ignore-data-skip", "--resume", "true", expect=1)
+    assert "TrainingArguments(ignore_data_skip=True) with ResumableTrainer: expected it off" in stderr
 
 
 def learning_rates(out: Path) -> dict[int, float]:

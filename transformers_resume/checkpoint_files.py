@@ -9,11 +9,13 @@ import torch
 
 from loader_resume.checkpoint import CHECKPOINT_FORMAT, CheckpointError
 
-__all__ = ["LOADER_STATE_FILE", "TRAINER_STATE", "load_state_file", "missing_file", "step_at"]
+__all__ = ["LOADER_STATE_FILE", "RNG_STATE_FILE", "TRAINER_STATE", "load_state_file", "missing_file", "step_at"]
 
 LOADER_STATE_FILE = "loader_resume_{rank}.pt"
 """Each rank's training-loader state inside a Trainer ``checkpoint-N`` (beside ``rng_state_<rank>.pth``)."""
 TRAINER_STATE = "trainer_state.json"
+RNG_STATE_FILE = "rng_state_{rank}.pth"
+"""Trainer's own RNG state of each rank (``rng_state.pth`` on one process)."""
 
 
 def step_at(state: dict[str, Any], *, world_size: int, batch_size: int, accumulation: int, steps_per_epoch: int,
@@ -32,13 +34,19 @@ def step_at(state: dict[str, Any], *, world_size: int, batch_size: int, accumula
 
 
 def missing_file(checkpoint: Path) -> Path | None:
-    """The first file a complete checkpoint must have and ``checkpoint`` lacks (``None``: complete)."""
+    """The first file a complete checkpoint must have and ``checkpoint`` lacks (``None``: complete): every rank's
+    loader state, every rank's RNG state as Trainer names it (unless saved with ``save_only_model``), and
+    ``trainer_state.json``."""
     first = checkpoint / LOADER_STATE_FILE.format(rank=0)
     if not first.is_file():
         return first
-    world = load_state_file(first)["world_size"]
-    for path in [*(checkpoint / LOADER_STATE_FILE.format(rank=r) for r in range(1, world)),
-                 checkpoint / TRAINER_STATE]:
+    saved = load_state_file(first)
+    world = saved["world_size"]
+    needed = [checkpoint / LOADER_STATE_FILE.format(rank=r) for r in range(1, world)]
+    if saved["rng_files"]:
+        needed += [checkpoint / RNG_STATE_FILE.format(rank=r) for r in range(world)] if world > 1 else \
+            [checkpoint / "rng_state.pth"]
+    for path in [*needed, checkpoint / TRAINER_STATE]:
         if not path.is_file():
             return path
     return None
@@ -53,4 +61,8 @@ def load_state_file(path: Path) -> dict[str, Any]:
     found = saved.get("format") if isinstance(saved, dict) else None
     if found != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{path}: format {found!r}; expected {CHECKPOINT_FORMAT}")
+    absent = [key for key in ("world_size", "rank", "global_step", "rng_files", "loader") if key not in saved]
+    if absent:
+        raise CheckpointError(f"{path}: {', '.join(absent)} missing; expected a loader state written by "
+                              "ResumableTrainer")
     return saved  # type: ignore[no-any-return]

@@ -11,9 +11,11 @@ Here, with public Trainer APIs where they exist:
   (else ``args.seed``).
 - Every checkpoint ``checkpoint-N`` gets one ``loader_resume_<rank>.pt`` per rank, written (atomically)
   before Trainer writes its ``trainer_state.json``, the file whose presence makes a Trainer checkpoint
-  complete. ``train(resume_from_checkpoint=True)`` resumes from the newest *complete* checkpoint (one that
-  lacks either file is skipped with a warning naming it); an explicit path that lacks one is refused,
-  naming the file.
+  complete; the ranks wait for each other after their last file (Trainer's ``rng_state_<rank>.pth``), so
+  ``trainer_state.json`` is written, and older checkpoints deleted, only once every rank's files exist.
+  ``train(resume_from_checkpoint=True)`` resumes from the newest *complete* checkpoint (one that lacks a
+  file is skipped with a warning naming it), and starts from the beginning where there is none, so one
+  command starts a job and continues it; an explicit path that lacks a file is refused, naming the file.
 - While ``train`` runs, Trainer's skipping is a no-op for our loader: it already stands at the next
   batch, so no batch is read to be skipped. Trainer still counts the skipped steps as done, and restores
   its own RNG files (``rng_state_<rank>.pth``) as usual.
@@ -21,7 +23,7 @@ Here, with public Trainer APIs where they exist:
 - Preemption: SIGTERM or SIGUSR1 only sets a flag; at the end of the next optimizer step (Trainer's
   ``on_step_end``, after the LR scheduler's step) all ranks agree (one ``all_reduce``), Trainer writes its
   checkpoint (ours included) and stops, and every process exits with ``exit_code`` (143). The same command
-  with ``resume_from_checkpoint=True`` continues with the next batch. transformers' own
+  (``resume_from_checkpoint=True``) continues with the next batch. transformers' own
   ``enable_jit_checkpoint`` is refused: it checkpoints on one process, without agreement, and can do so
   before an optimizer step (from ``on_pre_optimizer_step``), when the loader has already delivered that
   step's batches.
@@ -83,6 +85,8 @@ class ResumeTrainerMixin:
     args: Any
     accelerator: Any
     state: Any
+    model: Any
+    model_wrapped: Any
 
     def __init__(self, *args: Any, keying: str = "batch", keyed_generators: Sequence[str] = GENERATORS,
                  signals: Sequence[str | int] = ("SIGTERM", "SIGUSR1"), check_every_n_steps: int = 1,
@@ -134,8 +138,9 @@ class ResumeTrainerMixin:
         checkpoint: str | None
         if resume_from_checkpoint is True:
             checkpoint = self.resumable_checkpoint()
-            if checkpoint is None:
-                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+            if checkpoint is None:  # NOTE: stock Trainer raises here; one command must start a job and continue it
+                logger.warning("no complete checkpoint in %s: training starts from the beginning",
+                               self.args.output_dir)
         else:
             checkpoint = resume_from_checkpoint or None
             if checkpoint is not None:
@@ -143,6 +148,11 @@ class ResumeTrainerMixin:
                 if missing:
                     raise CheckpointError(f"{missing}: missing; expected a complete checkpoint written by "
                                           f"ResumableTrainer (killed while saving, or saved by another Trainer?)")
+        if checkpoint is not None and self.args.ignore_data_skip:
+            raise ValueError(
+                f"TrainingArguments(ignore_data_skip=True) with {type(self).__name__}: expected it off. "
+                f"{type(self).__name__} continues {checkpoint} with the very next batch and reads none to skip it; "
+                "ignore_data_skip would start the epoch's data over while Trainer's step counter goes on")
         self._moved_from = self._move_scheduler_to = None
         self._loader_states = None if checkpoint is None else self._read_states(Path(checkpoint))
         self.preempted_at = None
@@ -156,8 +166,11 @@ class ResumeTrainerMixin:
             logger.warning("preemption signal: checkpoint written at step %d; exiting with %d", self.preempted_at,
                            self.exit_code)
             # NOTE: every process is here. Tear the process group down before the interpreter does: gloo aborts a
-            # process (SIGABRT) whose worker threads still hold collectives' tensors at exit.
+            # process (SIGABRT) whose worker threads still hold collectives' tensors at exit. The DDP wrapper keeps
+            # the group alive past destroy_process_group, so it goes first (the process is ending).
             self.accelerator.wait_for_everyone()
+            self.accelerator.free_memory()
+            self.model_wrapped = self.model
             gc.collect()
             self.accelerator.end_training()
             raise SystemExit(self.exit_code)
@@ -172,12 +185,23 @@ class ResumeTrainerMixin:
             directory.mkdir(parents=True, exist_ok=True)
             rank = self.args.process_index
             state = {"format": CHECKPOINT_FORMAT, "world_size": self.args.world_size, "rank": rank,
-                     "global_step": self.state.global_step, "loader": loader.resume_state()}
+                     "global_step": self.state.global_step, "rng_files": not self.args.save_only_model,
+                     "loader": loader.resume_state()}
             final = directory / LOADER_STATE_FILE.format(rank=rank)
             temporary = final.with_name(f".{final.name}.tmp")
             torch.save(state, temporary)
             os.replace(temporary, final)
+            if self.args.save_only_model:  # no RNG files: wait here instead (see _save_rng_state)
+                self.accelerator.wait_for_everyone()
         super()._save_checkpoint(model, trial)  # type: ignore[misc]
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        # NOTE: Trainer's own, the last per-rank file of its checkpoint; rank 0 then writes trainer_state.json (the
+        # mark of a complete checkpoint) and deletes older checkpoints (save_total_limit). Every rank's files exist
+        # before that, or a kill could leave the only checkpoint without another rank's files.
+        super()._save_rng_state(output_dir)  # type: ignore[misc]
+        if self.resume_loader is not None:
+            self.accelerator.wait_for_everyone()
 
     def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, *args: Any) -> tuple[int, int]:
         # NOTE: Trainer's own (transformers 5.x): restores trainer_state.json and derives the epoch and the batches
@@ -195,7 +219,7 @@ class ResumeTrainerMixin:
                        checkpoint, world, self.args.world_size, self.state.global_step, step)
         self.state.global_step = self._move_scheduler_to = step
         epochs = step // num_update_steps_per_epoch
-        batches = 0 if self.args.ignore_data_skip else step % num_update_steps_per_epoch * accumulation
+        batches = step % num_update_steps_per_epoch * accumulation  # (ignore_data_skip is refused with a checkpoint)
         return epochs, batches
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
@@ -244,7 +268,7 @@ class ResumeTrainerMixin:
                                       "number of processes only (Trainer's steps would not name the same samples)")
             if not hasattr(trainer_module.Trainer, "_init_training_state"):
                 raise CheckpointError(f"{checkpoint}: written by {world} process(es), resumed on "
-                                      f"{self.args.world_size}; another number of processes needs transformers >= 5 "
+                                      f"{self.args.world_size}; another number of processes needs transformers >= 5.3 "
                                       f"(found {transformers.__version__})")
             self._moved_from = (checkpoint, world, state)
         return {"world_size": world, "ranks": [saved["loader"] for saved in ranks]}
