@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from loader_resume import ResumableDataLoader
 from loader_resume.testing import run_epochs
-from support.data import Augmented, ids, make
+from support.data import Augmented, StatefulShards, ids, make
 
 
 def test_accepts_every_dataloader_parameter_with_the_same_default() -> None:
@@ -60,7 +60,7 @@ def test_our_own_options_fail_clearly(kwargs: dict[str, Any], message: str) -> N
 
 
 @pytest.mark.parametrize(("name", "value"), [("seed", 5), ("keying", "off"), ("keyed_generators", ("torch",)),
-                                           ("rank", 1), ("world_size", 2)])
+                                           ("rank", 1), ("world_size", 2), ("in_order", False)])
 def test_our_settings_cannot_be_set_after_construction(name: str, value: Any) -> None:
     """As DataLoader refuses ``batch_size``: the order, the keys and the state follow one value, the one the
     loader was built with; a write is refused and changes nothing."""
@@ -71,6 +71,31 @@ def test_our_settings_cannot_be_set_after_construction(name: str, value: Any) ->
         setattr(loader, name, value)
     assert (loader.seed, loader.keying, loader.keyed_generators) == (0, "batch", ("torch", "numpy", "random"))
     assert (run_epochs(make(10, shuffle=True, seed=0), 1), loader.state_dict()["seed"]) == (before[0], 0)
+    assert loader.in_order and "ahead" not in loader.state_dict()
+
+
+def test_dataloaders_own_settings_are_refused_after_construction_as_dataloader_refuses_them() -> None:
+    loader = make(10)
+    for name, value in (("batch_size", 3), ("drop_last", True), ("sampler", None), ("batch_sampler", None),
+                        ("dataset", [1]), ("persistent_workers", True)):
+        with pytest.raises(ValueError, match=f"{name} attribute should not be set after"):
+            setattr(loader, name, value)
+
+
+def test_num_workers_written_after_construction_takes_effect_everywhere_from_the_next_pass() -> None:
+    """DataLoader lets ``num_workers`` change between passes: the state reports the new value and a stream
+    state saved with that many workers loads (the loader re-shards nothing)."""
+    saving = ResumableDataLoader(StatefulShards(12), batch_size=2, num_workers=2)
+    it = iter(saving)
+    next(it), next(it), next(it)
+    state = saving.state_dict()
+    loader = ResumableDataLoader(StatefulShards(12), batch_size=2, num_workers=1)
+    loader.num_workers = 2
+    assert loader.state_dict()["num_workers"] == 2
+    loader.load_state_dict(state)
+    rest = [b["id"].tolist() for b in loader]
+    uninterrupted = [b["id"].tolist() for b in ResumableDataLoader(StatefulShards(12), batch_size=2, num_workers=2)]
+    assert rest == uninterrupted[3:]
 
 
 _INIT = [name for name in inspect.signature(DataLoader.__init__).parameters if name != "self"]

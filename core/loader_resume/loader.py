@@ -44,8 +44,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-_FIXED = frozenset({"seed", "keying", "keyed_generators", "rank", "world_size"})
-"""The loader's own settings: read-only after construction."""
+_FIXED = frozenset({"seed", "keying", "keyed_generators", "rank", "world_size", "in_order"})
+"""Settings read-only after construction (the loader's own, and ``in_order``, which its state follows)."""
 
 
 class ResumableDataLoader(IndexHooks[T]):
@@ -154,8 +154,6 @@ class ResumableDataLoader(IndexHooks[T]):
 
     def __iter__(self) -> Any:
         setup = self._position.setup
-        if self.num_workers != setup.num_workers:  # DataLoader lets it change between passes
-            setup = self._position.setup = dataclasses.replace(setup, num_workers=self.num_workers)
         self._loads.taken_up()
         begun = self._position.begin(self.collate_fn, self.worker_init_fn)
         if begun.restart_workers:
@@ -228,11 +226,13 @@ class ResumableDataLoader(IndexHooks[T]):
     def __setattr__(self, name: str, value: Any) -> None:
         # NOTE: as DataLoader refuses `batch_size` and its like: the order, the keys and the state all follow
         # these settings, so a loader keeps the ones it was built with.
-        if name in _FIXED:
+        if name in _FIXED and "_position" in self.__dict__:
             raise ValueError(f"{name} attribute should not be set after {type(self).__name__} is initialized "
                              f"(the order, the random keys and the state follow the value it was built with): "
                              f"build a new loader with {name}={value!r}")
         super().__setattr__(name, value)
+        if name == "num_workers" and "_position" in self.__dict__:  # DataLoader lets it change: for the next pass
+            self._position.setup = dataclasses.replace(self._position.setup, num_workers=value)
 
     @property
     def epoch(self) -> int:

@@ -81,7 +81,8 @@ class StreamPosition:
             raise ValueError(f"num_workers={setup.num_workers}, but the state loaded holds {len(progress)} workers' "
                              "positions: set num_workers before load_state_dict() (a stream re-shards only there)")
         restored, self._restore, self._carry = self._restore is not None, None, None
-        self._pass = StreamPass(self.epoch, list(progress), offset, self._delivered if restored else 0)
+        self._pass = StreamPass(self.epoch, list(progress), offset, self._delivered if restored else 0,
+                                lives_on=setup.num_workers == 0 or setup.persistent_workers)
         replay = sum(p.items for p in progress if p.needs_replay()) if restored else 0
         if replay:
             warn_replay(setup.dataset, replay)
@@ -126,7 +127,7 @@ class StreamPosition:
             return
         pass_.done = True
         self.epoch, self._delivered, self._fresh = self.epoch + 1, 0, True
-        if self.setup.num_workers == 0 or self.setup.persistent_workers:
+        if pass_.lives_on:
             carry = [Progress(state=p.state, before_epoch=True, own=p.own)
                      if p.dry and p.state is not None and not p.self_iterator else Progress(own=p.own)
                      for p in pass_.progress]

@@ -47,6 +47,8 @@ class StreamPass:
     next_worker: int
     delivered: int = 0
     done: bool = False
+    lives_on: bool = False
+    """Its dataset copies live on into the next pass (``num_workers=0`` or persistent workers, at its ``iter()``)."""
     history: deque[tuple[int, Progress, int, bool]] = field(default_factory=lambda: deque(maxlen=HISTORY))
     """What each of the last deliveries replaced, and whether it was a batch, to rewind (see ``rewound``)."""
 
