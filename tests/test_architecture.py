@@ -98,10 +98,14 @@ def _torch_private_names() -> set[str]:
     classes = [DataLoader, torch_dataloader._BaseDataLoaderIter, torch_dataloader._SingleProcessDataLoaderIter,
                torch_dataloader._MultiProcessingDataLoaderIter, WorkerInfo, RandomSampler, Sampler, BatchSampler,
                SequentialSampler, DistributedSampler, Dataset, IterableDataset]
+    from torch.distributed import distributed_c10d
+
     loader = DataLoader(list(range(4)), batch_size=2)
     workers = iter(DataLoader(list(range(4)), batch_size=2, num_workers=1))
     names = {name for kind in classes for name in dir(kind)} | set(vars(loader)) | set(vars(iter(loader)))
-    names |= set(vars(workers))
+    names |= set(vars(workers)) | set(vars(RandomSampler(range(4)))) | set(vars(SequentialSampler(range(4))))
+    names |= set(vars(DistributedSampler(range(4), num_replicas=1, rank=0)))
+    names |= set(dir(distributed_c10d)) | set(dir(torch_dataloader))  # their module-level private functions
     del workers  # its worker process ends
     return {name for name in names if _private(name)}
 
@@ -130,7 +134,8 @@ def test_torch_private_names_are_used_in_torch_internals_only() -> None:
 
 def test_the_torch_rule_finds_each_kind_of_reach_in() -> None:
     torch_names = _torch_private_names()
-    assert {"_index_sampler", "_auto_collation", "_iterator", "_dataset_kind", "_task_info"} <= torch_names
+    assert {"_index_sampler", "_auto_collation", "_iterator", "_dataset_kind", "_task_info", "_num_samples",
+            "_get_default_store"} <= torch_names
     source = ("from torch.utils.data.dataloader import _DatasetKind\nfrom torch.utils.data._utils import collate\n"
               "def f(loader, info):\n    loader._iterator = None\n    object.__setattr__(info, 'id', 1)\n")
     assert [line for line, _ in _torch_reach_ins(ast.parse(source), torch_names)] == [1, 2, 4, 5]

@@ -169,3 +169,15 @@ def test_set_past_guard_writes_what_torch_refuses() -> None:
         info.id = 1
     torch_internals.set_past_guard(info, "id", 1)
     assert info.id == 1
+
+
+def test_random_sampler_num_samples_is_none_unless_given() -> None:
+    """What ``sampler.classify``'s "our permutation may stand in for it" relies on: the public ``num_samples``
+    answers the length either way, the private field says whether it was given."""
+    from torch.utils.data import RandomSampler
+
+    from loader_resume.torch_internals import random_sampler_num_samples
+
+    data = list(range(10))
+    assert random_sampler_num_samples(RandomSampler(data)) is None and RandomSampler(data).num_samples == 10
+    assert random_sampler_num_samples(RandomSampler(data, num_samples=10)) == 10

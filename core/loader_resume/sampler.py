@@ -23,6 +23,7 @@ import numpy as np
 from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
 
 from .permutation import KeyedPermutation
+from .torch_internals import random_sampler_num_samples
 
 __all__ = [
     "ShardedSampler", "Shard", "Source", "Step", "classify_source", "default_seed", "permutation_steps", "source_steps",
@@ -131,7 +132,7 @@ def torch_order(sampler: Any, dataset: Any) -> bool | None:
         return None
     if type(sampler) is SequentialSampler:
         return False
-    return None if sampler.replacement or sampler._num_samples is not None else True
+    return None if sampler.replacement or random_sampler_num_samples(sampler) is not None else True
 
 
 class Source(NamedTuple):

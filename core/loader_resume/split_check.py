@@ -25,6 +25,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .thirdparty import content_identity
+from .torch_internals import default_store
 
 __all__ = ["SplitCheck", "describe_difference"]
 
@@ -71,14 +72,3 @@ def describe_difference(every: list[Any]) -> str:
             "per-rank Subset) would be split again and each rank would see a fraction of its part. Pass the whole "
             "dataset, or, to keep your own split, build the loader with rank=0, world_size=1 on every rank (each "
             "rank's state is then its own; save it per rank)")
-
-
-def default_store() -> Any:
-    """The default process group's key-value store.
-
-    NOTE: torch's private ``distributed_c10d._get_default_store`` (no public accessor in torch 2.13); the one
-    use of it, pinned by a test (``tests/test_split_check.py``).
-    """
-    from torch.distributed import distributed_c10d
-
-    return distributed_c10d._get_default_store()

@@ -20,6 +20,9 @@ it calls torch's own ``__next__``, so traces show the DataLoader ranges as befor
 
 :func:`fetch_items`: a worker that must read a batch again (``worker_fetch.WorkerFetch``) reads its items
 as torch's map-style fetcher does, which it cannot reach from the worker loop.
+
+:func:`random_sampler_num_samples` (whether a ``RandomSampler`` was given ``num_samples``) and
+:func:`default_store` (the default process group's key-value store, which has no public accessor).
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ from torch._C._autograd import _profiler_enabled
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
-__all__ = ["IndexHooks", "fetch_items", "forget_persistent_iterator", "is_map_style", "next_batch", "next_numbered",
-           "set_past_guard", "wrap_fetcher"]
+__all__ = ["IndexHooks", "default_store", "fetch_items", "forget_persistent_iterator", "is_map_style", "next_batch",
+           "next_numbered", "random_sampler_num_samples", "set_past_guard", "wrap_fetcher"]
 
 T = TypeVar("T")
 
@@ -114,3 +117,16 @@ def fetch_items(dataset: Any, indices: Any) -> Any:
     if hasattr(dataset, "__getitems__") and dataset.__getitems__:
         return dataset.__getitems__(indices)
     return [dataset[index] for index in indices]
+
+
+def random_sampler_num_samples(sampler: Any) -> int | None:
+    """The ``num_samples`` a ``RandomSampler`` was built with (``None``: its data source's length, the
+    default); its public ``num_samples`` answers the length either way."""
+    return sampler._num_samples  # type: ignore[no-any-return]
+
+
+def default_store() -> Any:
+    """The default process group's key-value store (torch's ``distributed_c10d._get_default_store``)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
