@@ -38,6 +38,7 @@ from loader_resume.convert import sharded_resumable
 from loader_resume.distributed import gather_rng_states, gather_states, load_rank_state
 from loader_resume.preemption import Preemption
 from loader_resume.step_boundary import ReportingDataLoader, StepBoundaries
+from loader_resume.thirdparty import accelerator_mode, mark_accelerator
 
 from .config import ResumeConfig, load_config
 from .loader import AcceleratedResumableDataLoader, placed
@@ -73,7 +74,7 @@ class Resume:
     ``checkpoints()``, ``close()``."""
 
     def __init__(self, accelerator: Accelerator, config: ResumeConfig) -> None:
-        if getattr(accelerator, "_loader_resume", None) is not None:
+        if accelerator_mode(accelerator) == "resume":
             raise ValueError("enable_resume(accelerator) was already called for this Accelerator; expected once")
         if accelerator.split_batches:
             raise ValueError("enable_resume: Accelerator(split_batches=True) is not supported; expected per-process "
@@ -97,14 +98,14 @@ class Resume:
         if not config.enabled:
             self._started = True  # nothing to resume from
             self._handles = []
-            accelerator._loader_resume_stock = True  # type: ignore[attr-defined]  # see refuse_stock_accelerate
+            mark_accelerator(accelerator, "stock")  # see refuse_stock_accelerate
             logger.warning("loader-resume is switched off (enabled=False, e.g. LOADER_RESUME_ENABLED=0): "
                            "Accelerate's own loaders, no preemption checkpoints, no automatic resume")
             return
         accelerator.prepare = self._prepare_hooked  # type: ignore[method-assign]
         self._handles = [accelerator.register_save_state_pre_hook(self._on_save_state),
                          accelerator.register_load_state_pre_hook(self._on_load_state)]
-        accelerator._loader_resume = self  # type: ignore[attr-defined]
+        mark_accelerator(accelerator, "resume")
         self.preemption.install()
 
     # --- the user's API ----------------------------------------------------------------------------
@@ -124,14 +125,14 @@ class Resume:
         """Undo ``enable_resume``: restore the signal handlers and ``accelerator.prepare``, drop the hooks
         (loaders already prepared stay resumable)."""
         if not self.config.enabled:
-            self.accelerator._loader_resume_stock = False  # type: ignore[attr-defined]
+            mark_accelerator(self.accelerator, None)
             return
         self.preemption.uninstall()
         for handle in self._handles:
             handle.remove()
         accelerator = self.accelerator
         del accelerator.prepare
-        accelerator._loader_resume = None  # type: ignore[attr-defined]
+        mark_accelerator(accelerator, None)
 
     def checkpoints(self) -> list[Path]:
         """Complete checkpoints in ``checkpoint_dir``, oldest first."""

@@ -3,7 +3,7 @@ plays Accelerate's part (device placement, gradient-state bookkeeping) and repor
 
 from __future__ import annotations
 
-from typing import Any
+from functools import partial
 
 import torch
 from accelerate import Accelerator
@@ -30,16 +30,12 @@ class AcceleratedResumableDataLoader(ReportingDataLoader, DataLoaderStateMixin):
     """
 
     _is_accelerate_prepared = True  # Accelerate's own prepare_data_loader keeps it as it is
-    _non_blocking: bool = False
 
     def attach_accelerate(self, reports: BatchRequests | None, device: torch.device | None, non_blocking: bool) -> None:
         """Report to ``reports``; move batches to ``device`` (``None``: leave them where they are)."""
-        self.attach(reports, device)
-        self._non_blocking = non_blocking
+        self.attach(reports, None if device is None else partial(send_to_device, device=device,
+                                                                 non_blocking=non_blocking))
         self.gradient_state = GradientState()
-
-    def place(self, batch: Any, device: torch.device) -> Any:
-        return send_to_device(batch, device, non_blocking=self._non_blocking)
 
     def pass_begins(self) -> None:
         self.begin()

@@ -261,8 +261,8 @@ class FabricResume:
     # --- loaders and step boundaries ----------------------------------------------------------------
     def _convert(self, loader: DataLoader[Any], move_to_device: bool) -> FabricResumableDataLoader:
         ours = convert(loader, self.fabric, seed=self.seed, keying=self.keying, keyed_generators=self.keyed_generators,
-                       signals=self.preemption.signals, move_to_device=move_to_device)
-        ours.attach(self, self.fabric.device if move_to_device else None)
+                       signals=self.preemption.signals)
+        ours.attach(self, self.fabric.to_device if move_to_device else None)
         self.loaders.append(ours)
         self._load_pending()
         return ours

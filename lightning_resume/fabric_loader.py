@@ -6,11 +6,10 @@ from __future__ import annotations
 import gc
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
@@ -28,15 +27,6 @@ class FabricResumableDataLoader(ReportingDataLoader):
     """What ``fabric.setup_dataloaders`` returns under :class:`FabricResume`: a
     :class:`~loader_resume.ResumableDataLoader` sharded across Fabric's processes that moves batches to the
     device with ``fabric.to_device`` and reports batch requests (step boundaries)."""
-
-    _to_device: Callable[[Any], Any] | None = None
-
-    def move_with(self, to_device: Callable[[Any], Any]) -> None:
-        """Move each batch with ``to_device`` (``fabric.to_device``)."""
-        self._to_device = to_device
-
-    def place(self, batch: Any, device: torch.device) -> Any:
-        return batch if self._to_device is None else self._to_device(batch)
 
 
 class LoaderReference:
@@ -57,7 +47,7 @@ class LoaderReference:
 
 
 def convert(loader: DataLoader[Any], fabric: Fabric, *, seed: int, keying: str, keyed_generators: Sequence[str],
-            signals: Sequence[int], move_to_device: bool) -> FabricResumableDataLoader:
+            signals: Sequence[int]) -> FabricResumableDataLoader:
     """``loader`` as a :class:`FabricResumableDataLoader` sharded for this rank; its workers ignore ``signals``.
     A collective (the ranks' datasets are compared)."""
     if not isinstance(loader, DataLoader):
@@ -66,8 +56,6 @@ def convert(loader: DataLoader[Any], fabric: Fabric, *, seed: int, keying: str, 
     ours = sharded_resumable(loader, rank=fabric.global_rank, world_size=fabric.world_size,
                              loader_class=FabricResumableDataLoader, seed=seed, keying=keying,
                              keyed_generators=keyed_generators, ignore_signals=signals)
-    if move_to_device:
-        ours.move_with(fabric.to_device)
     return ours
 
 

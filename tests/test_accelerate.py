@@ -249,10 +249,10 @@ def accelerator(tmp_path: Path) -> Any:
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     accelerator = Accelerator(cpu=True, project_dir=str(tmp_path))
+    handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGUSR1)}
     yield accelerator
-    resume = getattr(accelerator, "_loader_resume", None)
-    if resume is not None:
-        resume.close()
+    for number, handler in handlers.items():  # what an enable_resume left installed
+        signal.signal(number, handler)
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
 

@@ -32,9 +32,19 @@ def _defined(tree: ast.Module) -> set[str]:
             names.add(node.attr)
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             names.add(node.target.id)
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
-            names.add(node.value)  # __slots__ entries, setattr/getattr names
+        elif isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__slots__" for t in node.targets):
+            names |= {c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+        elif (name := _by_name(node, "setattr")) is not None:
+            names.add(name)
     return {name for name in names if _private(name)}
+
+
+def _by_name(node: ast.AST, *functions: str) -> str | None:
+    """The attribute name of a ``getattr``/``setattr``/``hasattr`` call with a literal name, else None."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in functions \
+            and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+        return node.args[1].value
+    return None
 
 
 def test_no_module_reads_or_writes_another_modules_private_names() -> None:
@@ -46,6 +56,9 @@ def test_no_module_reads_or_writes_another_modules_private_names() -> None:
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and _private(node.attr) and node.attr in elsewhere:
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
+            name = _by_name(node, "getattr", "hasattr")
+            if name is not None and _private(name) and name in elsewhere:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: getattr {name!r}")
             if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] in OURS):
                 found += [f"{path.relative_to(ROOT)}:{node.lineno}: import {alias.name}"
                           for alias in node.names if _private(alias.name)]
@@ -59,6 +72,9 @@ def test_the_rule_finds_a_reach_in() -> None:
     assert "_secret" in _defined(owner) and "_secret" not in _defined(reader)
     reads = [n.attr for n in ast.walk(reader) if isinstance(n, ast.Attribute) and _private(n.attr)]
     assert reads == ["_secret"]
+    by_string = ast.parse("def peek(a):\n    return getattr(a, '_secret', None)\n")
+    assert [_by_name(n, "getattr") for n in ast.walk(by_string) if _by_name(n, "getattr")] == ["_secret"]
+    assert "_secret" not in _defined(by_string)  # a string is not a definition (unless in __slots__ or setattr)
 
 
 def test_no_test_module_imports_another() -> None:

@@ -18,7 +18,7 @@ is no boundary either: the next pass's first request is, once the loop has run i
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -52,13 +52,14 @@ class ReportingDataLoader(ResumableDataLoader[Any]):
     """
 
     _reports: BatchRequests | None = None
-    _device: torch.device | None = None
+    _place: Callable[[Any], Any] | None = None
     _held = 0
     end_of_dataloader = False
 
-    def attach(self, reports: BatchRequests | None, device: torch.device | None) -> None:
-        """Report to ``reports``; move batches to ``device`` (``None``: leave them where they are)."""
-        self._reports, self._device = reports, device
+    def attach(self, reports: BatchRequests | None, place: Callable[[Any], Any] | None) -> None:
+        """Report to ``reports``; hand each batch over as ``place(batch)`` (the framework's move to its device;
+        ``None``: as it is)."""
+        self._reports, self._place = reports, place
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator, not torch's iterator class
         return self._batches()
@@ -79,7 +80,7 @@ class ReportingDataLoader(ResumableDataLoader[Any]):
                 self.end_of_dataloader = upcoming is _END if ahead else self.epoch != epoch
                 if reports is not None:
                     reports.delivered(self)
-                yield current if self._device is None else self.place(current, self._device)
+                yield current if self._place is None else self._place(current)
                 if self.end_of_dataloader:
                     return  # NOTE: no boundary on the request that ends the pass, see resume_state
                 if reports is not None:
@@ -98,17 +99,6 @@ class ReportingDataLoader(ResumableDataLoader[Any]):
         so the loader's state (the next epoch) and the loop's epoch agree.
         """
         return self.state_dict(batches_ago=self._held) if self._held else self.state_dict()
-
-    def place(self, batch: Any, device: torch.device) -> Any:
-        """``batch`` on ``device`` (tensors in nested lists, tuples and dicts)."""
-        if isinstance(batch, torch.Tensor):
-            return batch.to(device)
-        if isinstance(batch, dict):
-            return type(batch)({key: self.place(value, device) for key, value in batch.items()})
-        if isinstance(batch, (list, tuple)):
-            placed = [self.place(value, device) for value in batch]
-            return type(batch)(*placed) if hasattr(batch, "_fields") else type(batch)(placed)
-        return batch
 
     def pass_begins(self) -> None:
         """A pass begins (after ``iter()``): for subclasses."""

@@ -19,13 +19,14 @@ What the loader cannot do for a dataset as its author may expect is said when th
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 from .library_protocols import library_protocol, required_parameters
 
 __all__ = [
-    "refuse_stock_accelerate",
+    "accelerator_mode", "mark_accelerator", "refuse_stock_accelerate",
     "content_identity", "foreign_state_dict", "irreproducible", "is_stateful", "unrestorable", "warn_at_construction",
     "warn_replay", "warn_self_kept",
 ]
@@ -33,14 +34,35 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+_ACCELERATORS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def mark_accelerator(accelerator: Any, mode: str | None) -> None:
+    """Record what ``enable_resume`` made of ``accelerator``: ``"resume"`` (its loaders are converted),
+    ``"stock"`` (switched off on purpose: Accelerate's own loaders), or ``None`` (undone)."""
+    if mode is None:
+        _ACCELERATORS.pop(accelerator, None)
+    else:
+        _ACCELERATORS[accelerator] = mode
+
+
+def accelerator_mode(accelerator: Any) -> str | None:
+    """What :func:`mark_accelerator` recorded for ``accelerator`` (``None``: nothing, or not an Accelerator)."""
+    try:
+        return _ACCELERATORS.get(accelerator)
+    except TypeError:  # not weakly referenceable or not hashable: no Accelerator
+        return None
+
+
 def refuse_stock_accelerate(reader: str | None, accelerator: Any) -> None:
     """Raise when ``reader`` (the module that asked a ``ResumableDataLoader`` whether it is prepared) is
     Accelerate's: its ``prepare_data_loader`` asks right before rebuilding a loader into its own. Not when
     ``accelerator`` (the Accelerator asking) was switched off on purpose (``enable_resume`` with
-    ``enabled=False`` marks it ``_loader_resume_stock``): the user asked for Accelerate's own loaders."""
-    if reader is None or reader.split(".")[0] != "accelerate" or getattr(accelerator, "_loader_resume_stock", False):
+    ``enabled=False`` marks it ``"stock"``): the user asked for Accelerate's own loaders."""
+    mode = accelerator_mode(accelerator)
+    if reader is None or reader.split(".")[0] != "accelerate" or mode == "stock":
         return
-    if getattr(accelerator, "_loader_resume", None) is not None:
+    if mode == "resume":
         raise TypeError(
             "Accelerate's own prepare_data_loader() got a ResumableDataLoader: it would rebuild it into its own "
             "DataLoaderShard, dropping its order, keyed randomness and per-rank state. enable_resume(accelerator) "
