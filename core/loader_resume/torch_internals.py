@@ -11,7 +11,7 @@ answers through :meth:`IndexHooks._index_lists` and :meth:`IndexHooks._fetches_l
 DataLoader refuses after construction — ``dataset`` — or into the frozen ``WorkerInfo``).
 
 :func:`next_batch`: torch's ``_BaseDataLoaderIter.__next__`` opens a ``record_function`` profiler range
-around every batch, whether or not a profiler is recording (~10 µs a batch measured on a 2-vCPU machine:
+around every batch, whether or not a profiler is recording (~10 µs a batch on 2 vCPUs:
 an operator dispatch to enter it, one to leave). While none records, the loader runs the same steps
 without the range; while one does (``torch.profiler``, ``torch.autograd.profiler``, NVTX/ITT emission),
 it calls torch's own ``__next__``, so traces show the DataLoader ranges as before.
