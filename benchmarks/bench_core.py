@@ -329,9 +329,10 @@ def report(args: argparse.Namespace) -> str:
             f"untimed warm-up epoch each), taking turns in {rounds} interleaved rounds (order reversed every "
             "other round); a ratio is the median of its throughput over plain DataLoader's in the same round. "
             "Time is CPU time, which leaves out the time a process waits for a CPU (on a shared machine, wall "
-            "time moved an A/A pair by ±10 % between rounds): the process's at `num_workers=0`, where all the work is, and at "
-            "2 workers the sum of the main process's and the loader's two worker processes' (all their threads, "
-            "from `/proc`): where the pipeline keeps every core busy, that is what an epoch costs. The A/A column, a "
+            "time moved an A/A pair by ±10 % between rounds): the process's at `num_workers=0`, where all the "
+            "work is, and at 2 workers the sum of the main process's and the loader's two worker processes' (all "
+            "their threads, from `/proc`): where the pipeline keeps every core busy, that is what an epoch costs. "
+            "The A/A column, a "
             "second identical DataLoader, shows the remaining noise: differences of that size are not ours.")
     return head + "\n\n" + "\n\n".join(sections)
 

@@ -14,6 +14,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from loader_resume import ResumableDataLoader
 from loader_resume.testing import assert_resumes_exactly, run_epochs
+from support.data import StatefulShards
 
 
 def _my_share(n: int) -> list[int]:
@@ -382,3 +383,29 @@ def test_what_opening_a_stream_draws_or_restores_does_not_shift_the_keyed_values
     """__iter__'s draws are keyed by (seed, epoch, rank, worker), not by the batch that opens the stream, and a
     load_state_dict that sets the global generator back does not displace the batch's key."""
     assert_resumes_exactly(lambda: ResumableDataLoader(cls(13), batch_size=2, num_workers=workers))
+
+
+def test_a_worker_stream_is_one_per_loader_and_process_wherever_it_travels() -> None:
+    """Pickled (a task sent to a worker, a dataset to a spawned worker) a loader's WorkerStream resolves to the one
+    copy of this process, never another loader's: two stream loaders iterated in turn at num_workers=0 each give
+    the batches they give alone, and their states resume each exactly."""
+    import pickle
+
+    from loader_resume.stream_worker import WorkerStream
+
+    first, second = WorkerStream(), WorkerStream()
+    assert pickle.loads(pickle.dumps(first)) is first and pickle.loads(pickle.dumps(second)) is second
+
+    def make() -> ResumableDataLoader[Any]:
+        return ResumableDataLoader(StatefulShards(12), batch_size=2)
+
+    alone = [b["id"].tolist() for b in make()]
+    a, b = make(), make()
+    ia, ib = iter(a), iter(b)
+    together = [[next(ia)["id"].tolist(), next(ib)["id"].tolist()] for _ in range(3)]
+    assert [pair[0] for pair in together] == [pair[1] for pair in together] == alone[:3]
+    state = a.state_dict()
+    assert [x["id"].tolist() for x in ib] == alone[3:]
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [x["id"].tolist() for x in resumed] == alone[3:]

@@ -19,7 +19,7 @@ from .position import SKIP, Begun, Setup, tell_epoch
 from .state import StateError
 from .stream_state import StreamPass, parse_stream, stream_to_dict
 from .stream_tasks import StreamCollate, Ticket, TicketSpec, WorkerInit, WorkerRestore
-from .stream_worker import ENDED, Progress, StreamSource, WorkerSide
+from .stream_worker import ENDED, Progress, StreamSource, WorkerStream
 from .thirdparty import is_stateful, warn_replay, warn_self_kept
 
 __all__ = ["RESHARD_HINT", "StreamPosition"]
@@ -41,7 +41,8 @@ class StreamPosition:
 
     def __init__(self, setup: Setup) -> None:
         self.setup = setup
-        self._side = WorkerSide()  # this loader's worker view when num_workers=0
+        self.worker_stream = WorkerStream()
+        """The owner of each worker's progress (of this process's, at ``num_workers=0``): see ``stream_worker``."""
         self._renumbered = False  # the last pool was started renumbered (see begin)
         self.reset(None)
 
@@ -86,13 +87,12 @@ class StreamPosition:
         replay = sum(p.items for p in progress if p.needs_replay()) if restored else 0
         if replay:
             warn_replay(setup.dataset, replay)
-        collate = StreamCollate(collate_fn, unbatch=setup.unbatched, drop_last=setup.drop_last,
+        stream = self.worker_stream
+        collate = StreamCollate(collate_fn, stream, unbatch=setup.unbatched, drop_last=setup.drop_last,
                                 batch_size=setup.batch_size or 1)
         if setup.num_workers == 0:
-            self._side.start(self.epoch, 0, progress[0] if restored else None)
-            collate.side = self._side
-            return Begun(self._pass, {"collate_fn": collate, "dataset": StreamSource(setup.dataset, self._side)},
-                         False)
+            stream.start(self.epoch, 0, progress[0] if restored else None)
+            return Begun(self._pass, {"collate_fn": collate, "dataset": StreamSource(setup.dataset, stream)}, False)
         load, restart = restored, False
         if setup.persistent_workers and (restored or self._renumbered):
             # NOTE: restored or renumbered workers must be started afresh: a persistent pool keeps the
@@ -102,8 +102,8 @@ class StreamPosition:
         self._renumbered = offset != 0
         init = WorkerInit(worker_init_fn, WorkerRestore(
             self.epoch, offset, tuple(progress) if load else (None,) * setup.workers,
-            report=protocol is None or protocol.per_worker))
-        attributes = {"collate_fn": collate, "worker_init_fn": init, "dataset": StreamSource(setup.dataset)}
+            report=protocol is None or protocol.per_worker), stream)
+        attributes = {"collate_fn": collate, "worker_init_fn": init, "dataset": StreamSource(setup.dataset, stream)}
         return Begun(self._pass, attributes, restart)
 
     def deliver(self, pass_: StreamPass, item: Any, number: int | None = None) -> Any:
@@ -150,7 +150,7 @@ class StreamPosition:
         setup = self.setup
         stream_key = derive_key(setup.seed, epoch, "stream", setup.shard().rank)
         spec = TicketSpec(epoch, stream_key, 0 if setup.keying == "off" else setup.mask, setup.batch_size or 1)
-        return _endless(spec, self._side if setup.num_workers == 0 else None)
+        return _endless(spec, self.worker_stream)
 
     # --- beyond the interface --------------------------------------------------------------------
     @property
@@ -236,6 +236,6 @@ class StreamPosition:
         self._pass, self._restore, self._carry = None, (progress, next_worker), None
 
 
-def _endless(spec: TicketSpec, side: WorkerSide | None) -> Iterator[Ticket]:
+def _endless(spec: TicketSpec, stream: WorkerStream) -> Iterator[Ticket]:
     while True:
-        yield Ticket(spec, side)
+        yield Ticket(spec, stream)

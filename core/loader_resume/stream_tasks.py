@@ -1,4 +1,6 @@
-"""Iterable datasets, the tasks and hooks torch runs: keyed pulls, tagged batches, renumbered workers.
+"""Iterable datasets, the tasks and hooks torch runs: keyed pulls, tagged batches, renumbered workers (steps
+3-5 and 7 of the round trip in :mod:`loader_resume.stream_worker`). Each holds the loader's
+:class:`~loader_resume.stream_worker.WorkerStream`.
 
 Everything here runs through public DataLoader hooks, torch's worker loop untouched:
 
@@ -21,7 +23,7 @@ from typing import Any, NamedTuple
 
 from torch.utils.data import get_worker_info
 
-from .stream_worker import END_OF_STREAM, ENDED, IN_WORKER, Progress, StreamSource, WorkerSide
+from .stream_worker import END_OF_STREAM, ENDED, Progress, StreamSource, WorkerStream
 from .torch_internals import set_past_guard
 
 __all__ = ["StreamCollate", "Ticket", "TicketSpec", "WorkerInit", "WorkerMeta", "WorkerRestore", "report_worker_id"]
@@ -46,84 +48,78 @@ class WorkerMeta(NamedTuple):
 
 
 class Ticket(list[None]):
-    """The ``[None] * batch_size`` task torch sends a worker; iterating it keys the pull of one batch.
+    """The ``[None] * batch_size`` task torch sends a worker; iterating it keys the pull of one batch."""
 
-    ``side`` is set only for ``num_workers=0`` (a ticket sent to a worker is pickled without it).
-    """
+    __slots__ = ("spec", "stream")
 
-    __slots__ = ("side", "spec")
-
-    def __init__(self, spec: TicketSpec, side: WorkerSide | None = None) -> None:
+    def __init__(self, spec: TicketSpec, stream: WorkerStream) -> None:
         super().__init__([None] * spec.batch_size)
-        self.spec, self.side = spec, side
+        self.spec, self.stream = spec, stream
 
     def __reduce__(self) -> tuple[Any, ...]:
         # NOTE: the spec's fields travel as plain values (a NamedTuple pickles its class too, per batch).
-        return (_ticket, tuple(self.spec))
-
-    def _side(self) -> WorkerSide:
-        return self.side if self.side is not None else IN_WORKER
+        return (_ticket, (*self.spec, self.stream))
 
     def __len__(self) -> int:
         # NOTE: torch's fetcher compares the items it got with len(index) for drop_last.
-        return self.spec.batch_size + self._side().replay
+        return self.spec.batch_size + self.stream.replay
 
     def __iter__(self) -> Iterator[None]:
         epoch, stream_key, mask, batch_size = self.spec
-        side = self._side()
-        if side.epoch != epoch:  # a persistent worker entering a new epoch
-            side.start(epoch, side.worker, None)
-        if not side.replay:
+        stream = self.stream
+        if stream.epoch != epoch:  # a persistent worker entering a new epoch
+            stream.start(epoch, stream.worker, None)
+        if not stream.replay:
             # NOTE: seed, then C's list iterator (no generator). In the main process the loader saved the
             # caller's generators before this fetch and restores them after its collate (keyed too).
-            side.seed(stream_key, mask, side.progress.batches)
+            stream.seed(stream_key, mask, stream.progress.batches)
             return list.__iter__(self)
-        return self._replaying(stream_key, mask, batch_size, side)
+        return self._replaying(stream_key, mask, batch_size, stream)
 
     @staticmethod
-    def _replaying(stream_key: int, mask: int, batch_size: int, side: WorkerSide) -> Iterator[None]:
+    def _replaying(stream_key: int, mask: int, batch_size: int, stream: WorkerStream) -> Iterator[None]:
         # NOTE: replayed items are pulled under the keys of the batches they first came in.
-        left, ordinal = side.replay, 0
+        left, ordinal = stream.replay, 0
         while left > 0:
-            side.seed(stream_key, mask, ordinal)
+            stream.seed(stream_key, mask, ordinal)
             yield from [None] * min(batch_size, left)
             left, ordinal = left - batch_size, ordinal + 1
-        side.seed(stream_key, mask, side.progress.batches)
+        stream.seed(stream_key, mask, stream.progress.batches)
         yield from [None] * batch_size
 
 
-def _ticket(epoch: int, stream_key: int, mask: int, batch_size: int) -> Ticket:
-    return Ticket(TicketSpec(epoch, stream_key, mask, batch_size))
+def _ticket(epoch: int, stream_key: int, mask: int, batch_size: int, stream: WorkerStream) -> Ticket:
+    return Ticket(TicketSpec(epoch, stream_key, mask, batch_size), stream)
 
 
 class StreamCollate:
     """Collate in the worker, then tag the batch with the worker's progress and dataset state."""
 
-    def __init__(self, collate_fn: Callable[[Any], Any], *, unbatch: bool, drop_last: bool, batch_size: int,
-                 side: WorkerSide | None = None) -> None:
+    def __init__(self, collate_fn: Callable[[Any], Any], stream: WorkerStream, *, unbatch: bool, drop_last: bool,
+                 batch_size: int) -> None:
         self.collate_fn, self.unbatch, self.drop_last, self.batch_size = collate_fn, unbatch, drop_last, batch_size
-        self.side = side
+        self.stream = stream
 
     def __call__(self, items: list[Any]) -> tuple[Any, WorkerMeta]:
-        side = self.side if self.side is not None else IN_WORKER
+        stream = self.stream
         ended = bool(items) and items[-1] is END_OF_STREAM
         if ended:
             items = items[:-1]
-        replayed, side.replay = side.replay, 0
+        replayed, stream.replay = stream.replay, 0
         items = items[replayed:]
-        progress = side.progress
+        progress = stream.progress
         progress.items += replayed
         if not items or (self.drop_last and len(items) < self.batch_size):
             if ended:
-                return ENDED, WorkerMeta(side.worker, replace(progress))
+                return ENDED, WorkerMeta(stream.worker, replace(progress))
             # NOTE: torch's worker loop (and the single-process iterator) take a StopIteration
             # raised while fetching as the end of this worker's stream.
             raise StopIteration
         progress.batches += 1
         progress.items += len(items)
-        side.snapshot()
+        stream.snapshot()
         batch = self.collate_fn(items[0]) if self.unbatch else self.collate_fn(items)
-        return batch, WorkerMeta(side.worker, replace(progress))
+        return batch, WorkerMeta(stream.worker, replace(progress))
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,8 +138,8 @@ class WorkerRestore:
 class WorkerInit:
     """``worker_init_fn`` wrapper: renumber, restore the dataset copy, then call the user's function."""
 
-    def __init__(self, user_fn: Callable[[int], None] | None, restore: WorkerRestore) -> None:
-        self.user_fn, self.restore = user_fn, restore
+    def __init__(self, user_fn: Callable[[int], None] | None, restore: WorkerRestore, stream: WorkerStream) -> None:
+        self.user_fn, self.restore, self.stream = user_fn, restore, stream
 
     def __call__(self, started_as: int) -> None:
         info = get_worker_info()
@@ -154,7 +150,7 @@ class WorkerInit:
         if isinstance(info.dataset, StreamSource):
             # NOTE: the user's worker_init_fn sees (and may shard) its own dataset, as with DataLoader.
             set_past_guard(info, "dataset", info.dataset.dataset)
-        IN_WORKER.start(self.restore.epoch, worker, self.restore.progress[worker])
+        self.stream.start(self.restore.epoch, worker, self.restore.progress[worker])
         if self.user_fn is not None:
             self.user_fn(worker)
 

@@ -1,20 +1,38 @@
-"""Iterable datasets, worker side: the user's stream opened in each worker, and its progress.
+"""Iterable datasets: a worker's stream, from the state it resumes from to the progress each batch carries.
 
-An ``IterableDataset`` owns its position, one copy per worker. torch iterates a :class:`StreamSource` in
-place of the user's dataset: its iterator opens the user's stream lazily, at the first pull, as
-torchdata's ``StatefulDataLoader`` does — ``set_epoch(epoch)``, the dataset's saved state,
-``iter(dataset)``, then the saved state of the iterator it returned — and remembers a worker that ran
-dry in this epoch, so that worker stays dry on resume. What a worker knows of itself (its number, its
-:class:`Progress`, items to replay) is its :class:`WorkerSide`. The tasks torch sends a worker, and the
-collate that tags each batch with the worker's progress, are :mod:`loader_resume.stream_tasks`.
+An ``IterableDataset`` owns its position, one copy per worker. Each loader has one :class:`WorkerStream`, the
+one owner of a worker's progress; every object torch hands a worker (the tasks, the collate, the dataset in
+its place, the ``worker_init_fn``) holds that same ``WorkerStream``. In a worker process it is that worker's
+own copy (inherited by ``fork``, or resolved by its token when unpickled: one per loader and process); with
+``num_workers=0`` it is the loader's. The round trip of a worker's progress:
+
+1. **Save.** The main process records, for each batch handed to the caller, the :class:`Progress` its worker
+   tagged it with (``stream_state.StreamPass.deliver``); ``state_dict()`` writes each worker's last one.
+2. **Load.** ``load_state_dict`` parses them back (``stream_state.parse_stream``): the next pass starts from
+   them (``stream_position.StreamPosition``).
+3. **iter().** The next pass hands each worker its progress and new number through ``WorkerInit``
+   (``stream_tasks``); with ``num_workers=0`` the loader calls :meth:`WorkerStream.start` itself.
+4. **Worker start.** ``WorkerInit`` renumbers the worker (torch's round-robin then continues at the right
+   worker) and calls :meth:`WorkerStream.start` with the progress that worker resumes from.
+5. **Each task.** Iterating a ``Ticket`` (the index list of one batch) seeds the keyed generators for the
+   worker's next batch (:meth:`WorkerStream.seed`), after replaying items a stream without state must skip.
+6. **First pull.** :class:`StreamSource` opens the user's stream (:meth:`WorkerStream.open`) as torchdata's
+   ``StatefulDataLoader`` does — ``set_epoch(epoch)``, the dataset's saved state, ``iter(dataset)``, then the
+   saved state of the iterator it returned — and marks a worker whose stream ended (it stays ended on resume).
+7. **Collate.** ``StreamCollate`` counts the batch into the progress, records the dataset's state
+   (:meth:`WorkerStream.snapshot`) and tags the batch with the worker's number and a copy of its progress.
+8. **Delivery.** Back in the main process, the tag of each batch handed over is step 1's record.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
+import os
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, Final
+from typing import Any
 
 from torch.utils.data import IterableDataset
 
@@ -23,7 +41,7 @@ from .library_protocols import library_protocol
 from .state import StateError
 from .thirdparty import is_stateful
 
-__all__ = ["END_OF_STREAM", "ENDED", "IN_WORKER", "Progress", "StreamSource", "WorkerSide"]
+__all__ = ["END_OF_STREAM", "ENDED", "Progress", "StreamSource", "WorkerStream"]
 
 
 @dataclass(slots=True)
@@ -58,11 +76,16 @@ class Progress:
             and self.library is None
 
 
-@dataclass(slots=True)
-class WorkerSide:
-    """What a worker knows of itself. Worker processes use the module's one instance; with
-    ``num_workers=0`` each loader has its own, so two loaders in one process never mix counts."""
+_TOKENS = itertools.count()
 
+
+@dataclass
+class WorkerStream:
+    """One worker's stream and what it knows of itself (see the module docstring): one per loader and process.
+
+    Pickled as its token: unpickled in a worker, every object holding it resolves to that worker's one copy."""
+
+    token: tuple[int, int] = field(default_factory=lambda: (os.getpid(), next(_TOKENS)))
     epoch: int = -1
     worker: int = 0
     progress: Progress = field(default_factory=Progress)
@@ -77,6 +100,12 @@ class WorkerSide:
     """The iterator the user's dataset returned, once opened, if it is another Stateful object (else None)."""
     keyed: tuple[int, int, int] | None = None
     """``(stream_key, key, mask)`` of the batch being pulled (see :meth:`seed`), None when keying is off."""
+
+    def __post_init__(self) -> None:
+        _STREAMS[self.token] = self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_worker_stream, (self.token,))
 
     def seed(self, stream_key: int, mask: int, ordinal: int) -> None:
         """Seed the keyed generators for this worker's batch ``ordinal`` and remember it (:meth:`open`)."""
@@ -186,29 +215,32 @@ def _snapshot(state: Any) -> Any:
     return copy.deepcopy(state)
 
 
+_STREAMS: weakref.WeakValueDictionary[tuple[int, int], WorkerStream] = weakref.WeakValueDictionary()
+"""This process's :class:`WorkerStream` of each loader, by token (what an unpickled one resolves to)."""
+
+
+def _worker_stream(token: tuple[int, int]) -> WorkerStream:
+    found = _STREAMS.get(token)
+    return found if found is not None else WorkerStream(token)
+
+
 class StreamSource(IterableDataset[Any]):
-    """What torch's iterator iterates in place of the user's iterable dataset (see the module doc).
+    """What torch's iterator iterates in place of the user's iterable dataset: step 6 of the module docstring."""
 
-    ``side`` is set only for ``num_workers=0``; a copy sent to a worker uses the worker's own.
-    """
-
-    def __init__(self, dataset: Any, side: WorkerSide | None = None) -> None:
-        self.dataset, self.side = dataset, side
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (StreamSource, (self.dataset,))
+    def __init__(self, dataset: Any, stream: WorkerStream) -> None:
+        self.dataset, self.stream = dataset, stream
 
     def __iter__(self) -> Iterator[Any]:
         # NOTE: a generator, so nothing runs until torch's fetcher pulls the first item, after the
         # first Ticket of the pass has told the worker its epoch (a persistent worker is handed a new
         # iterator before it knows the epoch). `yield from` keeps the per-item cost at C speed.
-        side = self.side if self.side is not None else IN_WORKER
-        opened = side.open(self.dataset)
-        if side.progress.dry:  # restored dry: its saved progress already holds its end-of-stream state
+        stream = self.stream
+        opened = stream.open(self.dataset)
+        if stream.progress.dry:  # restored dry: its saved progress already holds its end-of-stream state
             return
         yield from _Opened(opened)
-        side.progress.dry = True
-        side.snapshot()  # the state after the stream ended (a dataset may reset or count epochs there)
+        stream.progress.dry = True
+        stream.snapshot()  # the state after the stream ended (a dataset may reset or count epochs there)
         yield END_OF_STREAM  # so the main process learns that state even when no batch carries it
 
 
@@ -249,6 +281,3 @@ class _Opened:
     def __iter__(self) -> Iterator[Any]:
         return self.iterator
 
-
-IN_WORKER: Final = WorkerSide()
-"""A worker process's one :class:`WorkerSide` (with ``num_workers=0`` each loader has its own)."""
