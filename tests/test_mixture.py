@@ -134,10 +134,10 @@ def test_two_ranks_resume_on_two_ranks_with_the_uninterrupted_runs_batches(stop:
 
 def test_out_of_order_delivery_resumes_a_mixture_each_batch_once() -> None:
     """in_order=False (num_workers 2): batches arrive in any order, each the same as in order (keyed by its step);
-    cut after 5 deliveries, a resume delivers the rest of the run exactly once, values included."""
-    in_order, _ = run(workers=2, steps=19, changes={})
-    first, (state,) = run(workers=2, steps=19, stop=5, in_order=False, changes={})
-    rest, _ = run(workers=2, steps=19, state=state, start=5, in_order=False, changes={})
+    cut after 5 deliveries, a resume delivers the rest of the epoch (20 batches) exactly once, values included."""
+    in_order, _ = run(workers=2, steps=20, changes={})
+    first, (state,) = run(workers=2, steps=20, stop=5, in_order=False, changes={})
+    rest, _ = run(workers=2, steps=20, state=state, start=5, in_order=False, changes={})
     key = [tuple(batch[:, 0].tolist()) for batch in in_order]
     assert sorted(tuple(batch[:, 0].tolist()) for batch in first + rest) == sorted(key)
     by_ids = {tuple(batch[:, 0].tolist()): batch for batch in in_order}

@@ -177,3 +177,40 @@ def test_assert_delivers_rest_exactly_once_names_lost_and_repeated_samples() -> 
         assert_delivers_rest_exactly_once([0, 1], [2, 3], 5)
     with pytest.raises(AssertionError, match=r"1 repeat\(s\), 0 allowed as padding: \[1\]"):
         assert_delivers_rest_exactly_once([0, 1], [1, 2, 3, 4], 5)
+
+
+def _reads_everything(loader: ResumableDataLoader[Any]) -> None:
+    for _ in range(3):
+        loader.state_dict(), loader.epoch, loader.batches_delivered
+        if not isinstance(loader.dataset, StatefulShards):
+            len(loader), loader.planned_indices()
+
+
+@pytest.mark.parametrize("kind", ["map", "stream"])
+def test_reading_a_loader_changes_nothing(kind: str) -> None:
+    """Its getters, asked any number of times before, during and between passes (one left mid-epoch), leave
+    the batches and states those of a loader never asked."""
+
+    def run(ask: bool) -> list[Any]:
+        loader = make(10, shuffle=True, batch_size=3) if kind == "map" else \
+            ResumableDataLoader(StatefulShards(12), batch_size=2)
+        seen: list[Any] = []
+        for epoch in range(3):
+            for i, batch in enumerate(loader):
+                if ask:
+                    _reads_everything(loader)
+                seen += [batch["id"].tolist(), loader.state_dict()]
+                if epoch == 1 and i == 1:
+                    break  # left mid-epoch: the next iter() starts the next epoch
+            if ask:
+                _reads_everything(loader)
+        return seen
+
+    assert run(ask=True) == run(ask=False)
+
+
+def test_planned_indices_name_the_next_pass_after_one_left_mid_epoch() -> None:
+    loader = make(10, shuffle=True, batch_size=3)
+    next(iter(loader))
+    planned = loader.planned_indices()
+    assert [batch["id"].tolist() for batch in loader] == planned and loader.epoch == 2  # epoch 1 came whole

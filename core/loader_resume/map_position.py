@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from .index_plan import Pending, Plan, plan_indices
@@ -22,7 +23,19 @@ from .state import StateError
 from .thirdparty import is_stateful
 from .worker_fetch import SeedAheadCollate
 
-__all__ = ["MapPass", "MapPosition"]
+__all__ = ["MapPass", "MapPosition", "NextPass"]
+
+
+@dataclass(frozen=True, slots=True)
+class NextPass:
+    """Where the next ``iter()`` over map-style data starts (the one value that decides it): ``epoch`` at global
+    sample ``position``, a user sampler's state to load first, and the steps delivered past ``position``
+    (``in_order=False``) to skip. A load sets it; a pass, as it begins, leaves the start of the next epoch."""
+
+    epoch: int
+    position: int = 0
+    sampler_state: Any = None
+    ahead: frozenset[int] = frozenset()
 
 
 class MapPass:
@@ -81,19 +94,18 @@ class MapPosition:
             self._mixture.requested(epoch, position)
         self._pass: MapPass | None = None
         self._restart = self._restart or restart
-        self.epoch, self._position, self._fresh = epoch, position, True
-        self._sampler_state = self._sampler_state_to_load = sampler_state
-        self._ahead = frozenset(ahead) if state is not None else frozenset()  # steps delivered past the position
+        self.epoch, self._position, self._sampler_state = epoch, position, sampler_state  # what a state reports now
+        self._next = NextPass(epoch, position, sampler_state, frozenset(ahead))
 
     def begin(self, collate_fn: Callable[[Any], Any], worker_init_fn: Callable[[int], None] | None) -> Begun:
         if self._split_check is not None:  # under torch.distributed: a dataset split per rank is refused
             shard = self.setup.shard()
             self._split_check = self._split_check.at_iter(shard.rank, shard.world)
-        if not self._fresh:  # the previous pass was left mid-epoch: a new iter() is a new epoch
-            self.epoch, self._position = self.epoch + 1, 0
+        # NOTE: a pass left mid-epoch ends its epoch: the iter() after it starts the next one
+        start, self._next = self._next, NextPass(self._next.epoch + 1)
+        self.epoch, self._position = start.epoch, start.position
         if self._position == 0:
             self._read_length()
-        self._fresh = False
         told = tell_epoch(self.setup.dataset, self.epoch)
         restart, self._restart = self._restart, False
         if told and self.setup.persistent_workers and self._pool_epoch != self.epoch:
@@ -102,11 +114,10 @@ class MapPosition:
             restart, self._pool_epoch = True, self.epoch
         self._stateful = None
         numbered = not self.setup.in_order and self.setup.num_workers > 0
-        skip, self._ahead = self._ahead, frozenset()
+        skip = start.ahead
         # NOTE: with no workers batches come in order, but the steps delivered ahead before a resume are still skipped
-        self._pass = MapPass(self.epoch, self._position, self._sampler_state_to_load,
+        self._pass = MapPass(self.epoch, self._position, start.sampler_state,
                              OutOfOrder(skip) if numbered or skip else None)
-        self._sampler_state_to_load = None
         collate = _Unbatch(collate_fn) if self.setup.unbatched else collate_fn
         if self.setup.seeds_ahead:
             collate = SeedAheadCollate(collate)
@@ -140,7 +151,7 @@ class MapPosition:
         if not self.setup.in_order:
             pass_ = self._pass
             live = pass_ is not None and pass_.out_of_order is not None and not pass_.done
-            state["ahead"] = pass_.out_of_order.ahead(self._position) if live else sorted(self._ahead)  # type: ignore[union-attr]
+            state["ahead"] = pass_.out_of_order.ahead(self._position) if live else sorted(self._next.ahead)  # type: ignore[union-attr]
         sampler_stateful, dataset_stateful = self._stateful or self._stateful_flags()
         if sampler_stateful:
             state["sampler_state"] = self._current_sampler_state()
@@ -156,7 +167,7 @@ class MapPosition:
         """The length the pass in flight was planned with, else (between passes, as ``DataLoader``'s
         ``len()``) the dataset's length now, since a dataset may grow between epochs. Changes nothing: the
         next pass reads the length when it begins."""
-        if self._n is not None and self._position == 0 and (self._pass is None or self._pass.done or self._fresh):
+        if self._n is not None and self._position == 0 and (self._pass is None or self._pass.done):
             return len(self.setup.dataset)
         return self._n
 
@@ -176,8 +187,8 @@ class MapPosition:
     # --- beyond the interface --------------------------------------------------------------------
     def planned(self, epoch: int | None = None) -> list[list[Any]]:
         """The index lists of the next pass (or of ``epoch`` from its start), computed without reading data."""
-        start, to_load = (self._position, self._sampler_state_to_load) if epoch is None else (0, None)
-        lists = plan_indices(self._plan(), self.epoch if epoch is None else epoch, start, to_load)
+        start = self._next if epoch is None else NextPass(epoch)
+        lists = plan_indices(self._plan(), start.epoch, start.position, start.sampler_state)
         return [indices for indices, _ in lists]
 
     # --- internals -------------------------------------------------------------------------------
@@ -197,7 +208,7 @@ class MapPosition:
             yield indices
 
     def _next_epoch(self, pass_: MapPass) -> None:
-        self.epoch, self._position, self._fresh, pass_.done = self.epoch + 1, 0, True, True
+        self.epoch, self._position, pass_.done = self.epoch + 1, 0, True
 
     def _read_length(self) -> None:
         """As DataLoader: a sized dataset's length is read again at each epoch's start (it may grow)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .keyed_rng import derive_key
@@ -34,6 +34,19 @@ RESHARD_HINT = (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class NextStreamPass:
+    """Where the next ``iter()`` over a stream starts (the one value that decides it; see ``StreamPosition``)."""
+
+    epoch: int
+    delivered: int = 0
+    """Batches the caller had from this epoch before it (after a load)."""
+    restore: tuple[list[Progress], int] | None = None
+    """After a load: each worker's progress, and the worker that delivers next."""
+    carry: list[Progress] | None = None
+    """After a pass whose dataset copies live on: their end-of-epoch states, carried into the next pass."""
+
+
 class StreamPosition:
     """Each worker's progress in the epoch; see :class:`loader_resume.position.Position` for the interface."""
 
@@ -50,9 +63,8 @@ class StreamPosition:
     def reset(self, state: Mapping[str, Any] | None) -> None:
         if state is None:
             self._pass: StreamPass | None = None
-            self._carry: list[Progress] | None = None  # end-of-epoch states that live on (see end)
-            self.epoch, self._delivered, self._fresh = 0, 0, True
-            self._restore: tuple[list[Progress], int] | None = None  # where the next pass starts, after a load
+            self.epoch = 0
+            self._next = NextStreamPass(0)
             return
         shard = self.setup.shard()
         if state["world_size"] != shard.world:
@@ -66,23 +78,23 @@ class StreamPosition:
 
     def begin(self, collate_fn: Callable[[Any], Any], worker_init_fn: Callable[[int], None] | None) -> Begun:
         setup = self.setup
-        if not self._fresh:  # the previous pass was left mid-epoch: a new iter() is a new epoch
-            self.epoch, self._delivered, self._restore, self._carry = self.epoch + 1, 0, None, None
-        self._fresh = False
+        # NOTE: a pass left mid-epoch ends its epoch: the iter() after it starts the next one, from nothing
+        start, self._next = self._next, NextStreamPass(self._next.epoch + 1)
+        self.epoch = start.epoch
         tell_epoch(setup.dataset, self.epoch)
         # NOTE: a carried end-of-epoch state is not loaded into copies that live on (they hold it); it stands
         # for each worker in this pass's state until that worker delivers.
-        carry = self._carry if self._carry is not None and len(self._carry) == setup.workers else None
+        carry = start.carry if start.carry is not None and len(start.carry) == setup.workers else None
         fresh = carry or [Progress() for _ in range(setup.workers)]
-        progress, offset = self._restore or (fresh, 0)
+        restored = start.restore is not None
+        progress, offset = start.restore or (fresh, 0)
         protocol = library_protocol(setup.dataset)
         if protocol is not None:
-            progress, offset = self._through_library(protocol, progress, offset, self._restore is not None)
+            progress, offset = self._through_library(protocol, progress, offset, restored)
         if len(progress) != setup.workers:
             raise ValueError(f"num_workers={setup.num_workers}, but the state loaded holds {len(progress)} workers' "
                              "positions: set num_workers before load_state_dict() (a stream re-shards only there)")
-        restored, self._restore, self._carry = self._restore is not None, None, None
-        self._pass = StreamPass(self.epoch, list(progress), offset, self._delivered if restored else 0,
+        self._pass = StreamPass(self.epoch, list(progress), offset, start.delivered,
                                 lives_on=setup.num_workers == 0 or setup.persistent_workers)
         replay = sum(p.items for p in progress if p.needs_replay()) if restored else 0
         if replay:
@@ -126,12 +138,14 @@ class StreamPosition:
         if pass_ is not self._pass or pass_.done:
             return
         pass_.done = True
-        self.epoch, self._delivered, self._fresh = self.epoch + 1, 0, True
+        self.epoch += 1
+        carry = None
         if pass_.lives_on:
             carry = [Progress(state=p.state, before_epoch=True, own=p.own)
                      if p.dry and p.state is not None and not p.self_iterator else Progress(own=p.own)
                      for p in pass_.progress]
-            self._carry = carry if any(p.before_epoch or p.own for p in carry) else None
+        self._next = NextStreamPass(self.epoch, carry=carry if carry and any(p.before_epoch or p.own for p in carry)
+                                    else None)
 
     def fill_state(self, state: dict[str, Any], batches_ago: int = 0) -> None:
         current = self._current()
@@ -190,13 +204,13 @@ class StreamPosition:
 
     def _current(self) -> StreamPass:
         """The pass a state taken now describes (see the loader's semantics)."""
-        if self._restore is not None:
-            progress, next_worker = self._restore
-            return StreamPass(self.epoch, list(progress), next_worker, self._delivered)
         if self._pass is not None and not self._pass.done:
             return self._pass
-        fresh = self._carry or [Progress() for _ in range(self.setup.workers)]
-        return StreamPass(self.epoch, list(fresh), 0)
+        start = self._next
+        if start.restore is not None:
+            progress, next_worker = start.restore
+            return StreamPass(start.epoch, list(progress), next_worker, start.delivered)
+        return StreamPass(start.epoch, list(start.carry or [Progress() for _ in range(self.setup.workers)]), 0)
 
     def _reshard(self, shards: list[Any], change: tuple[str, int, int]) -> list[Progress]:
         """This rank's workers' progress after the dataset re-shards ``shards`` (all old shards' states,
@@ -232,8 +246,8 @@ class StreamPosition:
         lives_on = self.setup.num_workers == 0 or self.setup.persistent_workers
         if own and epoch > 0 and lives_on and not stateful and library_protocol(self.setup.dataset) is None:
             warn_self_kept(self.setup.dataset, own)
-        self.epoch, self._delivered, self._fresh = epoch, delivered, True
-        self._pass, self._restore, self._carry = None, (progress, next_worker), None
+        self.epoch, self._pass = epoch, None
+        self._next = NextStreamPass(epoch, delivered, (progress, next_worker))
 
 
 def _endless(spec: TicketSpec, stream: WorkerStream) -> Iterator[Ticket]:
