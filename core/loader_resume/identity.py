@@ -1,4 +1,4 @@
-"""The fields of a loader's state that say what it reads and how — the dataset's length, the seed, the source,
+"""The fields of a loader's state that say what it reads and how — the dataset's length, the seed, the order,
 the world size — as distinct from the position the loader's :class:`~loader_resume.position.Position` fills in."""
 
 from __future__ import annotations
@@ -17,13 +17,15 @@ class StateIdentity:
     the fields fixed at construction; while a pass is mid-epoch, those computed at its ``iter()`` (the length and
     world size it was planned with), unless ``num_workers`` changed since."""
 
-    __slots__ = ("at_pass", "loader", "position", "shuffle", "source", "template")
+    __slots__ = ("at_pass", "loader", "order", "position", "shuffle", "template")
 
-    def __init__(self, loader: Any, position: Position, source: str, shuffle: bool) -> None:
+    def __init__(self, loader: Any, position: Position, order: str, shuffle: bool) -> None:
         # NOTE: a weak reference: the loader holds this object, and a loader must be freed without the cycle
         # collector (its workers end with it)
         self.loader = weakref.proxy(loader)
-        self.position, self.source, self.shuffle = position, source, shuffle
+        self.position, self.order, self.shuffle = position, order, shuffle
+        """``order``: what orders the data (the state's ``"source"`` field: ``"permutation"``, ``"iterable"``, or the
+        user's sampler's class)."""
         self.template: dict[str, Any] | None = None
         self.at_pass: tuple[Any, int, dict[str, Any]] | None = None
         """(the pass, its ``num_workers``, the fields) of the last ``iter()``."""
@@ -33,7 +35,7 @@ class StateIdentity:
         loader = self.loader
         if self.template is None:
             self.template = {
-                "version": STATE_VERSION, "kind": self.position.kind, "source": self.source, "dataset_len": None,
+                "version": STATE_VERSION, "kind": self.position.kind, "source": self.order, "dataset_len": None,
                 "seed": None, "shuffle": self.shuffle, "keying": loader.keying, "keyed_generators": None, "epoch": 0,
                 "position": None, "world_size": None, "batch_size": loader.batch_size, "num_workers": None,
                 "drop_last": loader.drop_last, "sampler_state": None, "dataset_state": None, "stream": None,

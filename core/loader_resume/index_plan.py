@@ -16,7 +16,7 @@ from typing import Any
 from .keyed_fetch import NextFetch
 from .keyed_rng import GENERATORS, CallerRng, KeysUnder, derive_key, generator_mask, seed_generators
 from .permutation import KeyedPermutation
-from .sampler import Shard, Step, permutation_steps, source_steps
+from .sampler import Shard, Step, permutation_steps, sampler_steps
 from .thirdparty import is_stateful
 from .worker_fetch import KeySpec, keyed_indices
 
@@ -35,7 +35,7 @@ sampler_state)`` (a plain tuple: one is made per batch)."""
 class Plan:
     """Everything a pass's index lists depend on besides its epoch and start."""
 
-    source: Any
+    sampler: Any
     """The user's sampler or batch sampler, or None for our keyed permutation of ``range(n)``."""
     n: int | None
     shard: Shard
@@ -89,27 +89,27 @@ def plan_indices(plan: Plan, epoch: int, start: int, sampler_state: Any = None) 
 
 
 def _steps(plan: Plan, epoch: int, start: int, sampler_state: Any) -> Iterator[Step]:
-    if plan.source is None:
-        assert plan.n is not None  # a permutation source is only planned for sized datasets
+    if plan.sampler is None:
+        assert plan.n is not None  # our permutation is only planned for sized datasets
         key = derive_key(plan.seed, epoch, "perm")
         perm = KeyedPermutation(plan.n, key) if plan.shuffle else None
         return permutation_steps(perm, plan.n, start, plan.shard)
-    snapshot = plan.source.state_dict if is_stateful(plan.source) else None
-    return source_steps(_source_units(plan, epoch, start, sampler_state), start, plan.shard, snapshot)
+    snapshot = plan.sampler.state_dict if is_stateful(plan.sampler) else None
+    return sampler_steps(_sampler_units(plan, epoch, start, sampler_state), start, plan.shard, snapshot)
 
 
-def _source_units(plan: Plan, epoch: int, start: int, sampler_state: Any) -> Iterator[Any]:
+def _sampler_units(plan: Plan, epoch: int, start: int, sampler_state: Any) -> Iterator[Any]:
     """The user's sampler positioned at ``start``: by its own loaded state, else by replay."""
-    source = plan.source
-    if hasattr(source, "set_epoch"):
-        source.set_epoch(epoch)
+    sampler = plan.sampler
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(epoch)
     if sampler_state is not None:
-        source.load_state_dict(sampler_state)
+        sampler.load_state_dict(sampler_state)
     skip = start if sampler_state is None else 0
     if skip:
         logger.warning(
             "%s has no state_dict(): replaying %d of its indices to resume (no data is loaded); "
-            "give it state_dict()/load_state_dict() to resume in O(1)", type(source).__name__, skip,
+            "give it state_dict()/load_state_dict() to resume in O(1)", type(sampler).__name__, skip,
         )
     # NOTE: a sampler that draws its seed from the global RNG when iteration starts (torch's
     # RandomSampler without a generator does) is given a keyed seed, so a replay is exact.
@@ -117,7 +117,7 @@ def _source_units(plan: Plan, epoch: int, start: int, sampler_state: Any) -> Ite
     try:
         if caller is not None:
             seed_generators(derive_key(plan.seed, epoch, "sampler"), _ALL_GENERATORS)
-        units = iter(source)
+        units = iter(sampler)
         head = list(islice(units, skip, skip + 1))
     finally:
         if caller is not None:

@@ -29,9 +29,9 @@ from .keyed_rng import GENERATORS, CallerRng, DrawnGenerators, derive_key
 from .load_warnings import LoadWarnings
 from .map_position import MapPosition
 from .mixture import Mixture
-from .position import Position, Tracked
+from .position import PassIterator, Position
 from .preemption import held_while_forking
-from .sampler import Source, classify_source, default_seed
+from .sampler import Order, classify_order, default_seed
 from .settings import settings
 from .state import check_state
 from .stream_position import StreamPosition
@@ -121,12 +121,12 @@ class ResumableDataLoader(IndexHooks[T]):
         )
         self._position: Position
         if is_map_style(self):
-            source = classify_source(dataset, sampler, batch_sampler, shuffle)
-            self._position = MapPosition(setup, source)
+            order = classify_order(dataset, sampler, batch_sampler, shuffle)
+            self._position = MapPosition(setup, order)
         else:
-            source = Source(None, "iterable", False)
+            order = Order(None, "iterable", False)
             self._position = StreamPosition(setup)
-        self._identity = StateIdentity(self, self._position, source.name, source.shuffle)
+        self._identity = StateIdentity(self, self._position, order.name, order.shuffle)
         self._loads = LoadWarnings(self)
         self._drawn = DrawnGenerators()  # the generators this dataset draws from in this process (num_workers=0)
         warn_at_construction(dataset, batch_read=self._position.kind == "map" and keying == "sample")
@@ -168,7 +168,7 @@ class ResumableDataLoader(IndexHooks[T]):
             if by_fetch and isinstance(position, MapPosition):
                 next_fetch, drawn = position.next_fetch, self._drawn
                 wrap_fetcher(inner, lambda fetcher: KeyedFetch(fetcher, drawn, next_fetch))
-            iterator: Tracked[T] = Tracked(self._position, begun.pass_, inner, caller)
+            iterator: PassIterator[T] = PassIterator(self._position, begun.pass_, inner, caller)
         self._loads.iterating(iterator)
         self._identity.pass_began(begun.pass_)
         return iterator

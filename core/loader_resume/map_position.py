@@ -16,8 +16,8 @@ from .index_plan import Pending, Plan, plan_indices
 from .keyed_fetch import NextFetch
 from .mixture import Mixture
 from .out_of_order import OutOfOrder
-from .position import Begun, Setup, tell_epoch
-from .sampler import Source, steps_per_epoch
+from .position import PassStart, Setup, tell_epoch
+from .sampler import Order, steps_per_epoch
 from .split_check import SplitCheck
 from .state import StateError
 from .thirdparty import is_stateful
@@ -58,18 +58,19 @@ class MapPosition:
 
     kind = "map"
 
-    def __init__(self, setup: Setup, source: Source) -> None:
-        """``source``: what orders the units (the user's sampler or batch sampler, or our keyed permutation)."""
-        self.setup, self.source, self.shuffle = setup, source.sampler, source.shuffle
-        self.unit_is_batch = source.unit_is_batch
+    def __init__(self, setup: Setup, order: Order) -> None:
+        """``order``: what orders the units (the user's sampler or batch sampler, or our keyed permutation)."""
+        self.setup, self.sampler, self.shuffle = setup, order.sampler, order.shuffle
+        """The user's sampler or batch sampler that orders the units (None: our keyed permutation)."""
+        self.unit_is_batch = order.unit_is_batch
         self._n: int | None = len(setup.dataset) if hasattr(setup.dataset, "__len__") else None
         self._pool_epoch: int | None = None  # the epoch a persistent worker pool was told
         self._restart = False  # a loaded dataset state: a persistent pool's copies are stale
-        settings = (setup.batch_size, setup.seed, source.shuffle, setup.drop_last)
+        settings = (setup.batch_size, setup.seed, order.shuffle, setup.drop_last)
         self._split_check: SplitCheck | None = SplitCheck(setup.dataset, settings)
         self._stateful: tuple[bool, bool] | None = None  # (sampler, dataset): read once a pass, at its first state()
         self._mixture = setup.dataset if isinstance(setup.dataset, Mixture) else None
-        if self._mixture is not None and (source.shuffle or source.sampler is not None):
+        if self._mixture is not None and (order.shuffle or order.sampler is not None):
             raise ValueError("ResumableDataLoader over a Mixture: expected shuffle=False and no sampler (a Mixture "
                              "orders its samples itself, and its weight changes apply from a position in that order)")
         self.next_fetch = NextFetch()
@@ -81,30 +82,30 @@ class MapPosition:
         epoch, position, sampler_state, restart, ahead = 0, 0, None, False, list[int]()
         if state is not None:  # validated by check_state; the user's own states are checked here, before any change
             self._read_length()  # the length the state was checked against (a dataset may grow between epochs)
-            _check_user_state("sampler_state", state["sampler_state"], self.source)
+            _check_user_state("sampler_state", state["sampler_state"], self.sampler)
             _check_user_state("dataset_state", state["dataset_state"], self.setup.dataset)
             if state["dataset_state"] is not None:
                 self.setup.dataset.load_state_dict(state["dataset_state"])
                 restart = True  # persistent workers hold copies of the old dataset
             epoch, position, sampler_state = state["epoch"], state["position"], state["sampler_state"]
             ahead = _checked_ahead(state, self.setup)
-            if self.source is None and position == self._n:
+            if self.sampler is None and position == self._n:
                 epoch, position = epoch + 1, 0
         if self._mixture is not None:  # NOTE: nothing past the loaded position is requested yet: changes apply there
             self._mixture.requested(epoch, position)
         self._pass: MapPass | None = None
         self._restart = self._restart or restart
-        self.epoch, self._position, self._sampler_state = epoch, position, sampler_state  # what a state reports now
+        self.epoch, self._samples, self._sampler_state = epoch, position, sampler_state  # what a state reports now
         self._next = NextPass(epoch, position, sampler_state, frozenset(ahead))
 
-    def begin(self, collate_fn: Callable[[Any], Any], worker_init_fn: Callable[[int], None] | None) -> Begun:
+    def begin(self, collate_fn: Callable[[Any], Any], worker_init_fn: Callable[[int], None] | None) -> PassStart:
         if self._split_check is not None:  # under torch.distributed: a dataset split per rank is refused
             shard = self.setup.shard()
             self._split_check = self._split_check.at_iter(shard.rank, shard.world)
         # NOTE: a pass left mid-epoch ends its epoch: the iter() after it starts the next one
         start, self._next = self._next, NextPass(self._next.epoch + 1)
-        self.epoch, self._position = start.epoch, start.position
-        if self._position == 0:
+        self.epoch, self._samples = start.epoch, start.position
+        if self._samples == 0:
             self._read_length()
         told = tell_epoch(self.setup.dataset, self.epoch)
         restart, self._restart = self._restart, False
@@ -116,12 +117,12 @@ class MapPosition:
         numbered = not self.setup.in_order and self.setup.num_workers > 0
         skip = start.ahead
         # NOTE: with no workers batches come in order, but the steps delivered ahead before a resume are still skipped
-        self._pass = MapPass(self.epoch, self._position, start.sampler_state,
+        self._pass = MapPass(self.epoch, self._samples, start.sampler_state,
                              OutOfOrder(skip) if numbered or skip else None)
         collate = _Unbatch(collate_fn) if self.setup.unbatched else collate_fn
         if self.setup.seeds_ahead:
             collate = SeedAheadCollate(collate)
-        return Begun(self._pass, {"collate_fn": collate}, restart)
+        return PassStart(self._pass, {"collate_fn": collate}, restart)
 
     def deliver(self, pass_: MapPass, item: Any, number: int | None = None) -> Any:
         if pass_ is self._pass:
@@ -129,13 +130,13 @@ class MapPosition:
                 pass_.out_of_order.deliver(number, lambda end, last, state: self._advance(pass_, end, last, state))
                 return item
             end, last, self._sampler_state = pass_.pending.popleft()
-            self._position = end
+            self._samples = end
             if last:
                 self._next_epoch(pass_)
         return item
 
     def _advance(self, pass_: MapPass, end: int, last: bool, sampler_state: Any) -> None:
-        self._position, self._sampler_state = end, sampler_state
+        self._samples, self._sampler_state = end, sampler_state
         if last:
             self._next_epoch(pass_)
 
@@ -147,11 +148,11 @@ class MapPosition:
         if batches_ago:
             raise ValueError(f"batches_ago={batches_ago}: map-style states are exact at the last delivered "
                              "batch; frameworks do not fetch ahead of sized loaders")
-        state["epoch"], state["position"] = self.epoch, self._position
+        state["epoch"], state["position"] = self.epoch, self._samples
         if not self.setup.in_order:
             pass_ = self._pass
             live = pass_ is not None and pass_.out_of_order is not None and not pass_.done
-            state["ahead"] = pass_.out_of_order.ahead(self._position) if live else sorted(self._next.ahead)  # type: ignore[union-attr]
+            state["ahead"] = pass_.out_of_order.ahead(self._samples) if live else sorted(self._next.ahead)  # type: ignore[union-attr]
         sampler_stateful, dataset_stateful = self._stateful or self._stateful_flags()
         if sampler_stateful:
             state["sampler_state"] = self._current_sampler_state()
@@ -159,7 +160,7 @@ class MapPosition:
             state["dataset_state"] = self.setup.dataset.state_dict()
 
     def batches_per_epoch(self) -> int:
-        total = self.dataset_len() if self.source is None else len(self.source)
+        total = self.dataset_len() if self.sampler is None else len(self.sampler)
         assert total is not None  # our permutation is only chosen for sized datasets
         return steps_per_epoch(total, self.setup.shard())
 
@@ -167,12 +168,12 @@ class MapPosition:
         """The length the pass in flight was planned with, else (between passes, as ``DataLoader``'s
         ``len()``) the dataset's length now, since a dataset may grow between epochs. Changes nothing: the
         next pass reads the length when it begins."""
-        if self._n is not None and self._position == 0 and (self._pass is None or self._pass.done):
+        if self._n is not None and self._samples == 0 and (self._pass is None or self._pass.done):
             return len(self.setup.dataset)
         return self._n
 
     def __iter__(self) -> Iterator[list[Any]]:
-        pass_ = self._pass if self._pass is not None else MapPass(self.epoch, self._position)
+        pass_ = self._pass if self._pass is not None else MapPass(self.epoch, self._samples)
         plan = self._plan(fetch_here=self.setup.fetches_here)
         lists = plan_indices(plan, pass_.epoch, pass_.start, pass_.sampler_state)
         if self._mixture is not None:
@@ -195,7 +196,7 @@ class MapPosition:
     def _plan(self, *, fetch_here: bool = False) -> Plan:
         setup = self.setup
         return Plan(
-            source=self.source, n=self._n, shard=setup.shard(), seed=setup.seed, shuffle=self.shuffle,
+            sampler=self.sampler, n=self._n, shard=setup.shard(), seed=setup.seed, shuffle=self.shuffle,
             keying=setup.keying, mask=setup.mask, unit_is_batch=self.unit_is_batch,
             workers=setup.num_workers if setup.seeds_ahead else 0, next_fetch=self.next_fetch if fetch_here else None,
             resolve=None if self._mixture is None else self._mixture.resolve,
@@ -208,7 +209,7 @@ class MapPosition:
             yield indices
 
     def _next_epoch(self, pass_: MapPass) -> None:
-        self.epoch, self._position, pass_.done = self.epoch + 1, 0, True
+        self.epoch, self._samples, pass_.done = self.epoch + 1, 0, True
 
     def _read_length(self) -> None:
         """As DataLoader: a sized dataset's length is read again at each epoch's start (it may grow)."""
@@ -218,14 +219,14 @@ class MapPosition:
     def _stateful_flags(self) -> tuple[bool, bool]:
         """Whether the sampler and the dataset are Stateful (read once a pass)."""
         if self._stateful is None:
-            self._stateful = (is_stateful(self.source), is_stateful(self.setup.dataset))
+            self._stateful = (is_stateful(self.sampler), is_stateful(self.setup.dataset))
         return self._stateful
 
     def _current_sampler_state(self) -> Any:
         if not self._stateful_flags()[0]:
             return None
         if self._sampler_state is None:
-            self._sampler_state = self.source.state_dict()
+            self._sampler_state = self.sampler.state_dict()
         return self._sampler_state
 
 

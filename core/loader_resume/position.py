@@ -23,7 +23,7 @@ from .keyed_rng import CallerRng
 from .sampler import Shard
 from .torch_internals import next_batch, next_numbered
 
-__all__ = ["SKIP", "Begun", "Position", "Setup", "Tracked", "tell_epoch"]
+__all__ = ["SKIP", "PassStart", "Position", "Setup", "PassIterator", "tell_epoch"]
 
 T = TypeVar("T")
 
@@ -80,7 +80,7 @@ class Setup:
 
 
 @dataclass(frozen=True, slots=True)
-class Begun:
+class PassStart:
     """A pass a position has begun: what the loader hands torch's iterator while it is built."""
 
     pass_: Any
@@ -104,7 +104,7 @@ class Position(Protocol):
     def reset(self, state: Mapping[str, Any] | None) -> None:
         """Stand at the start of epoch 0 (``None``), or where a validated loader ``state`` says."""
 
-    def begin(self, collate_fn: Callable[[Any], Any], worker_init_fn: Callable[[int], None] | None) -> Begun:
+    def begin(self, collate_fn: Callable[[Any], Any], worker_init_fn: Callable[[int], None] | None) -> PassStart:
         """Begin a pass at the current position (the next epoch's start if the last pass was left mid-epoch)."""
 
     def deliver(self, pass_: Any, item: Any, number: int | None = None) -> Any:
@@ -129,7 +129,7 @@ class Position(Protocol):
         """The index lists of the current pass: what torch's iterator draws from (``_index_sampler``)."""
 
 
-class Tracked(Generic[T]):
+class PassIterator(Generic[T]):
     """What ``iter(loader)`` returns: torch's iterator, each item recorded by the position as it is handed
     over (or skipped).
 
@@ -151,7 +151,7 @@ class Tracked(Generic[T]):
             raise AttributeError(name)
         return getattr(self._inner, name)
 
-    def __iter__(self) -> Tracked[T]:
+    def __iter__(self) -> PassIterator[T]:
         return self
 
     def __len__(self) -> int:

@@ -26,7 +26,7 @@ from .permutation import KeyedPermutation
 from .torch_internals import random_sampler_num_samples
 
 __all__ = [
-    "ShardedSampler", "Shard", "Source", "Step", "classify_source", "default_seed", "permutation_steps", "source_steps",
+    "ShardedSampler", "Shard", "Order", "Step", "classify_order", "default_seed", "permutation_steps", "sampler_steps",
     "steps_per_epoch", "torch_order",
 ]
 
@@ -90,7 +90,7 @@ def permutation_steps(perm: KeyedPermutation | None, n: int, start: int, shard: 
         yield rows.tolist(), first, n, True, None
 
 
-def source_steps(units: Iterator[U], start: int, shard: Shard, snapshot: Callable[[], Any] | None) -> Iterator[Step]:
+def sampler_steps(units: Iterator[U], start: int, shard: Shard, snapshot: Callable[[], Any] | None) -> Iterator[Step]:
     """Steps drawn from a user's sampler or batch sampler, already positioned at ``start``.
 
     Reads one step ahead so the last step of an epoch is known when it is yielded. ``snapshot``
@@ -135,7 +135,7 @@ def torch_order(sampler: Any, dataset: Any) -> bool | None:
     return None if sampler.replacement or random_sampler_num_samples(sampler) is not None else True
 
 
-class Source(NamedTuple):
+class Order(NamedTuple):
     """What orders a map-style dataset's units: the user's (batch) sampler, or our keyed permutation."""
 
     sampler: Any
@@ -183,20 +183,20 @@ def default_seed(generator: Any, sampler: Any) -> int:
     return int(generator.initial_seed()) if generator is not None else 0
 
 
-def classify_source(dataset: Any, sampler: Any, batch_sampler: Any, shuffle: bool | None) -> Source:
+def classify_order(dataset: Any, sampler: Any, batch_sampler: Any, shuffle: bool | None) -> Order:
     """What orders a map-style ``dataset``'s units, given DataLoader's arguments."""
     if batch_sampler is not None:
-        return Source(batch_sampler, f"batch_sampler:{_qualname(batch_sampler)}", False, unit_is_batch=True)
+        return Order(batch_sampler, f"batch_sampler:{_qualname(batch_sampler)}", False, unit_is_batch=True)
     if type(sampler) is ShardedSampler:
-        return Source(sampler.sampler, f"sampler:{_qualname(sampler.sampler)}", False)
+        return Order(sampler.sampler, f"sampler:{_qualname(sampler.sampler)}", False)
     if sampler is None:
-        return Source(None, "permutation", bool(shuffle))
+        return Order(None, "permutation", bool(shuffle))
     ordered = torch_order(sampler, dataset)
     if ordered is not None:
-        return Source(None, "permutation", ordered)
+        return Order(None, "permutation", ordered)
     if type(sampler) is DistributedSampler:
-        return Source(None, "permutation", bool(sampler.shuffle))
-    return Source(sampler, f"sampler:{_qualname(sampler)}", False)
+        return Order(None, "permutation", bool(sampler.shuffle))
+    return Order(sampler, f"sampler:{_qualname(sampler)}", False)
 
 
 def _qualname(obj: Iterable[Any]) -> str:

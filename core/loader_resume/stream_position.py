@@ -15,11 +15,11 @@ from typing import Any
 
 from .keyed_rng import derive_key
 from .library_protocols import LibraryProtocol, library_protocol
-from .position import SKIP, Begun, Setup, tell_epoch
+from .position import SKIP, PassStart, Setup, tell_epoch
 from .state import StateError
 from .stream_state import StreamPass, parse_stream, stream_to_dict
 from .stream_tasks import StreamCollate, Ticket, TicketSpec, WorkerInit, WorkerRestore
-from .stream_worker import ENDED, Progress, StreamSource, WorkerStream
+from .stream_worker import ENDED, Progress, StreamStandIn, WorkerStream
 from .thirdparty import is_stateful, warn_replay, warn_self_kept
 
 __all__ = ["RESHARD_HINT", "StreamPosition"]
@@ -76,7 +76,7 @@ class StreamPosition:
             progress, next_worker = self._reshard(shards, change), 0
         self._restore_to(state["epoch"], delivered, progress, next_worker)
 
-    def begin(self, collate_fn: Callable[[Any], Any], worker_init_fn: Callable[[int], None] | None) -> Begun:
+    def begin(self, collate_fn: Callable[[Any], Any], worker_init_fn: Callable[[int], None] | None) -> PassStart:
         setup = self.setup
         # NOTE: a pass left mid-epoch ends its epoch: the iter() after it starts the next one, from nothing
         start, self._next = self._next, NextStreamPass(self._next.epoch + 1)
@@ -104,7 +104,8 @@ class StreamPosition:
                                 batch_size=setup.batch_size or 1)
         if setup.num_workers == 0:
             stream.start(self.epoch, 0, progress[0] if restored else None)
-            return Begun(self._pass, {"collate_fn": collate, "dataset": StreamSource(setup.dataset, stream)}, False)
+            attributes = {"collate_fn": collate, "dataset": StreamStandIn(setup.dataset, stream)}
+            return PassStart(self._pass, attributes, False)
         load, restart = restored, False
         if setup.persistent_workers and (restored or self._renumbered):
             # NOTE: restored or renumbered workers must be started afresh: a persistent pool keeps the
@@ -115,8 +116,8 @@ class StreamPosition:
         init = WorkerInit(worker_init_fn, WorkerRestore(
             self.epoch, offset, tuple(progress) if load else (None,) * setup.workers,
             report=protocol is None or protocol.per_worker), stream)
-        attributes = {"collate_fn": collate, "worker_init_fn": init, "dataset": StreamSource(setup.dataset, stream)}
-        return Begun(self._pass, attributes, restart)
+        attributes = {"collate_fn": collate, "worker_init_fn": init, "dataset": StreamStandIn(setup.dataset, stream)}
+        return PassStart(self._pass, attributes, restart)
 
     def deliver(self, pass_: StreamPass, item: Any, number: int | None = None) -> Any:
         batch, meta = item
@@ -142,7 +143,7 @@ class StreamPosition:
         carry = None
         if pass_.lives_on:
             carry = [Progress(state=p.state, before_epoch=True, own=p.own)
-                     if p.dry and p.state is not None and not p.self_iterator else Progress(own=p.own)
+                     if p.ended and p.state is not None and not p.self_iterator else Progress(own=p.own)
                      for p in pass_.progress]
         self._next = NextStreamPass(self.epoch, carry=carry if carry and any(p.before_epoch or p.own for p in carry)
                                     else None)
@@ -192,7 +193,7 @@ class StreamPosition:
                 return progress, offset
             return [replace(p, library=protocol.main_process(dataset, epoch=self.epoch, items=p.items, worker=i,
                                                               workers=workers, world=world, batch_size=size))
-                    if p.items and not p.dry else p for i, p in enumerate(progress)], offset
+                    if p.items and not p.ended else p for i, p in enumerate(progress)], offset
         items = sum(p.items for p in progress) if restored else 0
         handed = protocol.main_process(dataset, epoch=self.epoch, items=items, worker=0, workers=workers, world=world,
                                        batch_size=size)

@@ -77,7 +77,7 @@ class StreamPass:
 
 
 def stream_to_dict(rank: int, pass_: StreamPass) -> dict[str, Any]:
-    workers = [{"batches": p.batches, "items": p.items, "state": p.state, "iterator": p.iterator, "dry": p.dry,
+    workers = [{"batches": p.batches, "items": p.items, "state": p.state, "iterator": p.iterator, "dry": p.ended,
                 "self_iterator": p.self_iterator, "before_epoch": p.before_epoch, "own": list(p.own)}
                for p in pass_.progress]
     return {"rank": rank, "next_worker": pass_.next_worker, "delivered": pass_.delivered, "workers": workers}

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 from torch.utils.data import get_worker_info
 
-from .stream_worker import END_OF_STREAM, ENDED, Progress, StreamSource, WorkerStream
+from .stream_worker import END_OF_STREAM, ENDED, Progress, StreamStandIn, WorkerStream
 from .torch_internals import set_past_guard
 
 __all__ = ["StreamCollate", "Ticket", "TicketSpec", "WorkerInit", "WorkerMeta", "WorkerRestore", "report_worker_id"]
@@ -147,7 +147,7 @@ class WorkerInit:
         worker = (started_as + self.restore.offset) % info.num_workers
         if self.restore.report:
             report_worker_id(worker)
-        if isinstance(info.dataset, StreamSource):
+        if isinstance(info.dataset, StreamStandIn):
             # NOTE: the user's worker_init_fn sees (and may shard) its own dataset, as with DataLoader.
             set_past_guard(info, "dataset", info.dataset.dataset)
         self.stream.start(self.restore.epoch, worker, self.restore.progress[worker])

@@ -16,7 +16,7 @@ own copy (inherited by ``fork``, or resolved by its token when unpickled: one pe
    worker) and calls :meth:`WorkerStream.start` with the progress that worker resumes from.
 5. **Each task.** Iterating a ``Ticket`` (the index list of one batch) seeds the keyed generators for the
    worker's next batch (:meth:`WorkerStream.seed`), after replaying items a stream without state must skip.
-6. **First pull.** :class:`StreamSource` opens the user's stream (:meth:`WorkerStream.open`) as torchdata's
+6. **First pull.** :class:`StreamStandIn` opens the user's stream (:meth:`WorkerStream.open`) as torchdata's
    ``StatefulDataLoader`` does — ``set_epoch(epoch)``, the dataset's saved state, ``iter(dataset)``, then the
    saved state of the iterator it returned — and marks a worker whose stream ended (it stays ended on resume).
 7. **Collate.** ``StreamCollate`` counts the batch into the progress, records the dataset's state
@@ -41,7 +41,7 @@ from .library_protocols import library_protocol
 from .state import StateError
 from .thirdparty import is_stateful
 
-__all__ = ["END_OF_STREAM", "ENDED", "Progress", "StreamSource", "WorkerStream"]
+__all__ = ["END_OF_STREAM", "ENDED", "Progress", "StreamStandIn", "WorkerStream"]
 
 
 @dataclass(slots=True)
@@ -54,8 +54,9 @@ class Progress:
     """The dataset's ``state_dict()`` (Stateful protocol), else None."""
     iterator: Any = None
     """The ``state_dict()`` of the iterator ``iter(dataset)`` returned, when that is another stateful object."""
-    dry: bool = False
-    """The worker's stream ended in this epoch (its dataset may already have reset itself for the next)."""
+    ended: bool = False
+    """The worker's stream ended in this epoch (its dataset may already have reset itself for the next); the
+    state's ``"dry"``."""
     self_iterator: bool = False
     """The dataset is its own iterator (``__iter__`` returns ``self``): ``state`` is loaded after ``iter()``
     only, as StatefulDataLoader does (such a dataset may build its position in ``__iter__``)."""
@@ -72,7 +73,7 @@ class Progress:
 
     def needs_replay(self) -> bool:
         """Nothing restores this position but pulling and dropping the items delivered so far."""
-        return self.items > 0 and not self.dry and self.state is None and self.iterator is None \
+        return self.items > 0 and not self.ended and self.state is None and self.iterator is None \
             and self.library is None
 
 
@@ -143,13 +144,13 @@ class WorkerStream:
         # NOTE: decided once per pass, not per batch: is_stateful walks an HF stream's pipeline.
         self.dataset, self.dataset_state = dataset, is_stateful(dataset)
         state = restore.state if not restore.self_iterator else None  # else loaded after iter() only
-        # A state from after the stream ended (a dry worker's; one carried out of the last epoch) is loaded
+        # A state from after the stream ended (an ended worker's; one carried out of the last epoch) is loaded
         # before set_epoch, as the uninterrupted run's copy had it when told its next epoch; a mid-epoch one
         # after, as that copy was told its epoch before it made the state.
-        ended = restore.dry or restore.before_epoch
+        ended = restore.ended or restore.before_epoch
         if ended and state is not None:
             dataset.load_state_dict(state)
-        if restore.dry:
+        if restore.ended:
             return iter(())
         set_epoch = getattr(dataset, "set_epoch", None)
         if callable(set_epoch):
@@ -224,7 +225,7 @@ def _worker_stream(token: tuple[int, int]) -> WorkerStream:
     return found if found is not None else WorkerStream(token)
 
 
-class StreamSource(IterableDataset[Any]):
+class StreamStandIn(IterableDataset[Any]):
     """What torch's iterator iterates in place of the user's iterable dataset: step 6 of the module docstring."""
 
     def __init__(self, dataset: Any, stream: WorkerStream) -> None:
@@ -236,10 +237,10 @@ class StreamSource(IterableDataset[Any]):
         # iterator before it knows the epoch). `yield from` keeps the per-item cost at C speed.
         stream = self.stream
         opened = stream.open(self.dataset)
-        if stream.progress.dry:  # restored dry: its saved progress already holds its end-of-stream state
+        if stream.progress.ended:  # restored ended: its saved progress already holds its end-of-stream state
             return
         yield from _Opened(opened)
-        stream.progress.dry = True
+        stream.progress.ended = True
         stream.snapshot()  # the state after the stream ended (a dataset may reset or count epochs there)
         yield END_OF_STREAM  # so the main process learns that state even when no batch carries it
 
