@@ -155,9 +155,10 @@ def test_sigusr1_on_one_rank_checkpoints_at_the_step_both_agree_and_the_same_com
 
 def test_sigterm_to_the_whole_launch_mid_epoch_checkpoints_and_the_same_command_continues(
         full: dict[str, Path], tmp_path: Path) -> None:
-    """SIGTERM to ``accelerate launch``'s whole process group (launcher, both ranks, their DataLoader workers) in
-    the second epoch: the workers ignore it, the ranks agree at the next step, write one checkpoint and exit 143
-    before the launcher's grace period ends; the same command again continues exactly."""
+    """SIGTERM to ``accelerate launch``'s process group in the second epoch: its agent passes it on to each rank's
+    own process group (the rank and its DataLoader workers, which ignore it); the ranks agree at the next step,
+    write one checkpoint and exit 143 within the agent's grace period; the same command again continues
+    exactly."""
     same = ["--accumulate", "3", "--workers", "2", "--save-steps", "100", "--sleep", "0.1", "--resume", "true"]
     first = subprocess.Popen(command(tmp_path, 2, *same, launcher="accelerate"), stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True, start_new_session=True, env=ENV)
