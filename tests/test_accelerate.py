@@ -363,7 +363,7 @@ def test_prepare_converts_loaders_and_prepares_models_and_optimizers_as_accelera
     assert prepared_loader.dataset is loader.dataset and accelerator._dataloaders == []  # not Accelerate's shard
     batches = list(prepared_loader)
     assert len(batches) == 2 and all(b["torch"].device == accelerator.device for b in batches)
-    prepared_loader._device = torch.device("meta")  # no GPU here: any other device shows the placement
+    prepared_loader.attach_accelerate(resume, torch.device("meta"), False)  # no GPU: another device shows placement
     assert all(b["torch"].device.type == "meta" for b in prepared_loader)
     assert accelerator.prepare(loader).world_size == 1  # a single object comes back alone, as with Accelerate
     assert resume.step == 0
