@@ -186,6 +186,17 @@ def test_a_change_made_after_a_load_before_the_first_batch_applies_from_the_load
     assert all(torch.equal(a, b) for a, b in zip(rest, full[4:], strict=False))
 
 
+def test_a_second_loader_built_over_a_used_mixture_leaves_its_request_position() -> None:
+    """Building a loader (a framework rebuilding one, a validation loader) requests nothing: a change made after
+    applies where the running loader's requests have gone, never over samples already delivered."""
+    m = mixture()
+    it = iter(ResumableDataLoader(m, batch_size=4, seed=1))
+    next(it), next(it)
+    ResumableDataLoader(m, batch_size=4, seed=1)
+    m.set_weights({"a": 0, "b": 0, "c": 1})
+    assert m.state_dict()["changes"][1][0] == 8
+
+
 def test_a_weight_change_applies_from_the_first_position_not_requested() -> None:
     m = mixture()
     loader = ResumableDataLoader(m, batch_size=4, seed=1)

@@ -214,3 +214,47 @@ def test_planned_indices_name_the_next_pass_after_one_left_mid_epoch() -> None:
     next(iter(loader))
     planned = loader.planned_indices()
     assert [batch["id"].tolist() for batch in loader] == planned and loader.epoch == 2  # epoch 1 came whole
+
+
+class _FailsToStartOnce:
+    """A dataset whose ``set_epoch`` raises once (a transient error as an ``iter()`` begins)."""
+
+    failed = False
+
+    def set_epoch(self, epoch: int) -> None:
+        if not type(self).failed:
+            type(self).failed = True
+            raise OSError("transient")
+
+
+class _MapFailsOnce(_FailsToStartOnce, Augmented):
+    failed = False
+
+
+class _StreamFailsOnce(_FailsToStartOnce, StatefulShards):
+    failed = False
+
+
+@pytest.mark.parametrize("kind", ["map", "stream"])
+def test_an_iter_that_fails_as_it_begins_leaves_the_loaded_position(kind: str) -> None:
+    """A failed ``iter()`` (the dataset raised in ``set_epoch``) leaves the state and the next ``iter()`` where the
+    load put them: a save on that exception, or a retry, continues exactly."""
+    def make(dataset: Any) -> ResumableDataLoader[Any]:
+        return ResumableDataLoader(dataset, batch_size=2, **({"shuffle": True} if kind == "map" else {}))
+
+    def data(fails: bool) -> Any:
+        if kind == "map":
+            return _MapFailsOnce(10) if fails else Augmented(10)
+        return _StreamFailsOnce(12) if fails else StatefulShards(12)
+
+    uninterrupted = [b["id"].tolist() for b in make(data(False))]
+    first = make(data(False))
+    it = iter(first)
+    next(it), next(it)
+    state = first.state_dict()
+    resumed = make(data(True))
+    resumed.load_state_dict(state)
+    with pytest.raises(OSError, match="transient"):
+        iter(resumed)
+    assert resumed.state_dict() == state
+    assert [b["id"].tolist() for b in resumed] == uninterrupted[2:]

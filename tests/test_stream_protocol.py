@@ -409,3 +409,21 @@ def test_a_worker_stream_is_one_per_loader_and_process_wherever_it_travels() -> 
     resumed = make()
     resumed.load_state_dict(state)
     assert [x["id"].tolist() for x in resumed] == alone[3:]
+
+
+def test_a_copied_loader_has_a_worker_stream_of_its_own() -> None:
+    """``copy.deepcopy`` of a stream loader (num_workers=0) is another loader: iterated in turn, each gives the
+    batches it gives alone."""
+
+    def make() -> ResumableDataLoader[Any]:
+        return ResumableDataLoader(StatefulShards(12), batch_size=2)
+
+    alone = [b["id"].tolist() for b in make()]
+    single = make()
+    it = iter(single)
+    next(it), next(it), next(it)
+    original = make()
+    copied = copy.deepcopy(original)
+    ia, ib = iter(original), iter(copied)
+    assert [[next(ia)["id"].tolist(), next(ib)["id"].tolist()] for _ in range(3)] == [[i, i] for i in alone[:3]]
+    assert original.state_dict() == copied.state_dict() == single.state_dict()  # each counted its own batches

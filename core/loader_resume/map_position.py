@@ -91,8 +91,8 @@ class MapPosition:
             ahead = _checked_ahead(state, self.setup)
             if self.sampler is None and position == self._n:
                 epoch, position = epoch + 1, 0
-        if self._mixture is not None:  # NOTE: nothing past the loaded position is requested yet: changes apply there
-            self._mixture.requested(epoch, position)
+        if self._mixture is not None and state is not None:  # NOTE: nothing past the loaded position is requested
+            self._mixture.requested(epoch, position)  # yet: changes apply there
         self._pass: MapPass | None = None
         self._restart = self._restart or restart
         self.epoch, self._samples, self._sampler_state = epoch, position, sampler_state  # what a state reports now
@@ -102,8 +102,7 @@ class MapPosition:
         if self._split_check is not None:  # under torch.distributed: a dataset split per rank is refused
             shard = self.setup.shard()
             self._split_check = self._split_check.at_iter(shard.rank, shard.world)
-        # NOTE: a pass left mid-epoch ends its epoch: the iter() after it starts the next one
-        start, self._next = self._next, NextPass(self._next.epoch + 1)
+        start = self._next
         self.epoch, self._samples = start.epoch, start.position
         if self._samples == 0:
             self._read_length()
@@ -116,6 +115,9 @@ class MapPosition:
         self._stateful = None
         numbered = not self.setup.in_order and self.setup.num_workers > 0
         skip = start.ahead
+        # NOTE: a pass left mid-epoch ends its epoch: the iter() after it starts the next one (set once nothing
+        # above can raise: a failed iter() leaves the start where it was)
+        self._next = NextPass(start.epoch + 1)
         # NOTE: with no workers batches come in order, but the steps delivered ahead before a resume are still skipped
         self._pass = MapPass(self.epoch, self._samples, start.sampler_state,
                              OutOfOrder(skip) if numbered or skip else None)

@@ -78,8 +78,7 @@ class StreamPosition:
 
     def begin(self, collate_fn: Callable[[Any], Any], worker_init_fn: Callable[[int], None] | None) -> PassStart:
         setup = self.setup
-        # NOTE: a pass left mid-epoch ends its epoch: the iter() after it starts the next one, from nothing
-        start, self._next = self._next, NextStreamPass(self._next.epoch + 1)
+        start = self._next
         self.epoch = start.epoch
         tell_epoch(setup.dataset, self.epoch)
         # NOTE: a carried end-of-epoch state is not loaded into copies that live on (they hold it); it stands
@@ -94,6 +93,9 @@ class StreamPosition:
         if len(progress) != setup.workers:
             raise ValueError(f"num_workers={setup.num_workers}, but the state loaded holds {len(progress)} workers' "
                              "positions: set num_workers before load_state_dict() (a stream re-shards only there)")
+        # NOTE: a pass left mid-epoch ends its epoch: the iter() after it starts the next one, from nothing (set once
+        # nothing above can raise: a failed iter() leaves the start where it was)
+        self._next = NextStreamPass(start.epoch + 1)
         self._pass = StreamPass(self.epoch, list(progress), offset, start.delivered,
                                 lives_on=setup.num_workers == 0 or setup.persistent_workers)
         replay = sum(p.items for p in progress if p.needs_replay()) if restored else 0
@@ -211,7 +213,8 @@ class StreamPosition:
         if start.restore is not None:
             progress, next_worker = start.restore
             return StreamPass(start.epoch, list(progress), next_worker, start.delivered)
-        return StreamPass(start.epoch, list(start.carry or [Progress() for _ in range(self.setup.workers)]), 0)
+        carry = start.carry if start.carry is not None and len(start.carry) == self.setup.workers else None
+        return StreamPass(start.epoch, list(carry or [Progress() for _ in range(self.setup.workers)]), 0)
 
     def _reshard(self, shards: list[Any], change: tuple[str, int, int]) -> list[Progress]:
         """This rank's workers' progress after the dataset re-shards ``shards`` (all old shards' states,

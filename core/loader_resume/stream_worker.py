@@ -108,6 +108,14 @@ class WorkerStream:
     def __reduce__(self) -> tuple[Any, ...]:
         return (_worker_stream, (self.token,))
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> WorkerStream:
+        # NOTE: a copy of a loader is another loader: its own WorkerStream (a new token), not this one
+        fresh = WorkerStream()
+        for name, value in vars(self).items():
+            if name != "token":
+                setattr(fresh, name, copy.deepcopy(value, memo))
+        return fresh
+
     def seed(self, stream_key: int, mask: int, ordinal: int) -> None:
         """Seed the keyed generators for this worker's batch ``ordinal`` and remember it (:meth:`open`)."""
         if mask:
