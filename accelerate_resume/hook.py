@@ -125,7 +125,8 @@ class Resume:
         """Undo ``enable_resume``: restore the signal handlers and ``accelerator.prepare``, drop the hooks
         (loaders already prepared stay resumable)."""
         if not self.config.enabled:
-            mark_accelerator(self.accelerator, None)
+            if accelerator_mode(self.accelerator) == "stock":  # not one another enable_resume has made since
+                mark_accelerator(self.accelerator, None)
             return
         self.preemption.uninstall()
         for handle in self._handles:

@@ -329,6 +329,17 @@ def test_switched_off_from_the_environment_accelerate_is_left_stock(
     assert not (tmp_path / "resume_checkpoints").exists()
 
 
+def test_closing_a_switched_off_resume_leaves_a_later_one_in_place(accelerator: Any) -> None:
+    from loader_resume.thirdparty import accelerator_mode
+
+    off = enable_resume(accelerator, {"enabled": False})
+    on = enable_resume(accelerator)
+    off.close()
+    assert accelerator_mode(accelerator) == "resume"
+    on.close()
+    assert accelerator_mode(accelerator) is None
+
+
 def test_with_enable_resume_accelerates_own_prepare_data_loader_refuses_an_unconverted_loader(
     accelerator: Any,
 ) -> None:

@@ -286,3 +286,42 @@ def test_the_checkpoint_file_holds_this_ranks_state(crashed: Path) -> None:
     saved = torch.load(crashed / "run" / "checkpoint-10" / "loader_resume_0.pt", weights_only=True)
     assert (saved["world_size"], saved["rank"], saved["global_step"]) == (1, 0, 10)
     assert json.loads((crashed / "run" / "checkpoint-10" / "trainer_state.json").read_text())["global_step"] == 10
+
+
+def _choose(rank: int, store: str, found: str | None, out: str) -> None:
+    import torch.distributed as dist
+
+    from transformers_resume.checkpoint_files import agreed_checkpoint
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    try:
+        Path(out, f"chose-{rank}").write_text(str(agreed_checkpoint(found)))
+    except Exception as error:  # the test reads the message
+        Path(out, f"chose-{rank}").write_text(f"{type(error).__name__}: {error}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_that_find_different_checkpoints_are_refused_not_resumed_apart(tmp_path: Path) -> None:
+    """resume_from_checkpoint=True: every rank looks in output_dir itself; ranks that do not see the same newest
+    complete checkpoint (no shared directory, a lagging network file system) would resume different steps, or
+    one from the beginning. Refused on every rank, naming what each found; the same one goes through."""
+    import multiprocessing
+
+    import transformers_resume.checkpoint_files  # noqa: F401 (imported once, before the ranks are forked)
+
+    context = multiprocessing.get_context("fork")
+    for case, found in (("differ", ["out/checkpoint-9", None]), ("same", ["out/checkpoint-9"] * 2)):
+        (tmp_path / case).mkdir()
+        ranks = [context.Process(target=_choose, args=(rank, str(tmp_path / case / "store"), found[rank],
+                                                       str(tmp_path / case))) for rank in range(2)]
+        for process in ranks:
+            process.start()
+        for process in ranks:
+            process.join(timeout=120)
+        chose = [(tmp_path / case / f"chose-{rank}").read_text() for rank in range(2)]
+        if case == "same":
+            assert chose == ["out/checkpoint-9"] * 2
+        else:
+            expected = "rank 0: checkpoint-9, rank 1: none"
+            assert all(text.startswith("CheckpointError") and expected in text for text in chose), chose

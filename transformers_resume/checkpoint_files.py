@@ -6,10 +6,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from loader_resume.checkpoint import CHECKPOINT_FORMAT, CheckpointError
 
-__all__ = ["LOADER_STATE_FILE", "RNG_STATE_FILE", "TRAINER_STATE", "load_state_file", "missing_file", "step_at"]
+__all__ = ["LOADER_STATE_FILE", "RNG_STATE_FILE", "TRAINER_STATE", "agreed_checkpoint", "load_state_file",
+           "missing_file", "step_at"]
 
 LOADER_STATE_FILE = "loader_resume_{rank}.pt"
 """Each rank's training-loader state inside a Trainer ``checkpoint-N`` (beside ``rng_state_<rank>.pth``)."""
@@ -43,7 +45,7 @@ def missing_file(checkpoint: Path) -> Path | None:
     saved = load_state_file(first)
     world = saved["world_size"]
     needed = [checkpoint / LOADER_STATE_FILE.format(rank=r) for r in range(1, world)]
-    if saved["rng_files"]:
+    if saved.get("rng_files", True):  # NOTE: absent in files written before it was recorded (Trainer's default)
         needed += [checkpoint / RNG_STATE_FILE.format(rank=r) for r in range(world)] if world > 1 else \
             [checkpoint / "rng_state.pth"]
     for path in [*needed, checkpoint / TRAINER_STATE]:
@@ -61,8 +63,23 @@ def load_state_file(path: Path) -> dict[str, Any]:
     found = saved.get("format") if isinstance(saved, dict) else None
     if found != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{path}: format {found!r}; expected {CHECKPOINT_FORMAT}")
-    absent = [key for key in ("world_size", "rank", "global_step", "rng_files", "loader") if key not in saved]
+    absent = [key for key in ("world_size", "rank", "global_step", "loader") if key not in saved]
     if absent:
         raise CheckpointError(f"{path}: {', '.join(absent)} missing; expected a loader state written by "
                               "ResumableTrainer")
     return saved  # type: ignore[no-any-return]
+
+
+def agreed_checkpoint(found: str | None) -> str | None:
+    """``found`` (this rank's newest complete checkpoint, or None), checked to be every rank's choice under
+    ``torch.distributed`` (a collective): ranks that see different checkpoints (no shared ``output_dir``, a
+    lagging network file system) would resume different steps, or one from the beginning, and drift apart."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return found
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, None if found is None else Path(found).name)
+    if len(set(every)) > 1:
+        seen = ", ".join(f"rank {rank}: {name or 'none'}" for rank, name in enumerate(every))
+        raise CheckpointError(f"the ranks found different newest complete checkpoints ({seen}); expected the same "
+                              "one on every rank (an output_dir every rank sees alike)")
+    return found

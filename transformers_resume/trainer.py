@@ -63,7 +63,7 @@ from loader_resume.convert import sharded_resumable
 from loader_resume.distributed import load_rank_state
 from loader_resume.preemption import Preemption
 
-from .checkpoint_files import LOADER_STATE_FILE, load_state_file, missing_file, step_at
+from .checkpoint_files import LOADER_STATE_FILE, agreed_checkpoint, load_state_file, missing_file, step_at
 from .trainer_patches import no_skipping, unprepared
 
 __all__ = ["LOADER_STATE_FILE", "ResumableTrainer", "ResumeTrainerMixin"]
@@ -137,7 +137,7 @@ class ResumeTrainerMixin:
         ``args.output_dir`` (see the module docstring)."""
         checkpoint: str | None
         if resume_from_checkpoint is True:
-            checkpoint = self.resumable_checkpoint()
+            checkpoint = agreed_checkpoint(self.resumable_checkpoint())
             if checkpoint is None:  # NOTE: stock Trainer raises here; one command must start a job and continue it
                 logger.warning("no complete checkpoint in %s: training starts from the beginning",
                                self.args.output_dir)
@@ -248,7 +248,11 @@ class ResumeTrainerMixin:
             if path.is_dir() and path.name.startswith(prefix) and path.name[len(prefix):].isdigit():
                 found.append((int(path.name[len(prefix):]), path))
         for _, path in sorted(found, reverse=True):
-            missing = missing_file(path)
+            try:
+                missing = missing_file(path)
+            except CheckpointError as error:
+                logger.warning("skipping %s: %s", path, error)
+                continue
             if missing is None:
                 return os.fspath(path)
             logger.warning("skipping %s: %s is missing (killed while saving?)", path, missing.name)
