@@ -221,7 +221,7 @@ class SeedAhead:
     runs (queue put and get), which draws no random numbers.
     """
 
-    __slots__ = ("_idle", "_job", "_next", "_pid", "_seeded", "_wake")
+    __slots__ = ("_idle", "_job", "_next", "_pid", "_running", "_seeded", "_wake")
 
     def __init__(self) -> None:
         self._start_over(None)
@@ -231,6 +231,7 @@ class SeedAhead:
         self._next: tuple[int, int] | None = None  # (key, mask) to seed once this batch is collated
         self._job: tuple[int, int] | None = None
         self._seeded: tuple[int, int] | None = None  # what the helper left in the generators
+        self._running = False  # a job was handed to the helper and not yet taken
         self._wake = threading.Event()
         self._idle = threading.Event()
         self._idle.set()
@@ -247,12 +248,15 @@ class SeedAhead:
         if self._pid != os.getpid():  # first use in this worker (a fork inherits no running thread)
             self._start_over(os.getpid())
             threading.Thread(target=self._run, name="loader-resume-seed-ahead", daemon=True).start()
-        self._job = job
+        self._job, self._running = job, True
         self._idle.clear()
         self._wake.set()
 
     def take(self) -> tuple[int, int] | None:
         """The (key, mask) the generators were seeded with ahead, once; None if they were not."""
+        if not self._running:  # NOTE: no job handed over (a dataset drawing from torch alone): no wait (~5 µs)
+            return None
+        self._running = False
         self._idle.wait()
         seeded, self._seeded = self._seeded, None
         return seeded
