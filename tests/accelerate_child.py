@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from accelerate_resume import AcceleratedResumableDataLoader, enable_resume
+from loader_resume import Mixture
 from loader_resume.distributed import init_process_group
 from loader_resume.testing import fingerprint
 from support.data import NoisyEverywhere as Noisy
@@ -50,6 +51,7 @@ def main() -> None:
     parser.add_argument("--save-at", type=int, help="accelerator.save_state(OUT/explicit) at this step, then crash")
     parser.add_argument("--load", help="accelerator.load_state(DIR) after prepare (automatic resume off)")
     parser.add_argument("--stream", action="store_true", help="an IterableDataset without __len__")
+    parser.add_argument("--mixture", action="store_true", help="a Mixture whose weights change after steps 3 and 9")
     parser.add_argument("--eval-n", type=int, default=0, help="evaluate on this many items after each epoch")
     parser.add_argument("--log-dir", default="", help="logs and weights go to OUT/LOG_DIR (default: OUT)")
     parser.add_argument("overrides", nargs="*", help="resume config dotlist, e.g. save_every_n_steps=4")
@@ -84,7 +86,9 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data: Any = NoisyStream(args.items, rank, args.processes) if args.stream else Noisy(args.items)
-    train = DataLoader(data, batch_size=4, shuffle=not args.stream, num_workers=args.workers)
+    if args.mixture:
+        data = Mixture({"a": data, "b": Noisy(9)}, {"a": 2, "b": 1}, block_size=6)
+    train = DataLoader(data, batch_size=4, shuffle=not (args.stream or args.mixture), num_workers=args.workers)
     evaluation = DataLoader(Noisy(max(args.eval_n, 1)), batch_size=4, num_workers=0)
     model, optimizer, train, evaluation = accelerator.prepare(model, optimizer, train, evaluation)
     assert isinstance(train, AcceleratedResumableDataLoader) and train.world_size == args.processes
@@ -105,6 +109,8 @@ def main() -> None:
                 accelerator.backward(loss)
                 optimizer.step()
                 optimizer.zero_grad()
+            if args.mixture and accelerator.sync_gradients and resume.step in (3, 9):  # a schedule by step
+                data.set_weights({"a": 1, "b": 2} if resume.step == 3 else {"a": 1, "b": 0})
             micro += 1
             row = {"attempt": attempt, "epoch": epoch, "step": resume.step, "sync": accelerator.sync_gradients,
                    "ids": ids.tolist(), "batch": fingerprint([x, y])}

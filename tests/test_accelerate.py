@@ -382,3 +382,15 @@ def test_prepare_converts_loaders_and_prepares_models_and_optimizers_as_accelera
 
 def _collate(items: list[Any]) -> Any:
     return torch.utils.data.default_collate(items)
+
+
+def test_a_mixture_whose_weights_change_resumes_exactly_on_two_processes(tmp_path: Path) -> None:
+    """Weights set after optimizer steps 3 and 9 by the loop itself, on both ranks; SIGTERM on rank 0 after
+    its 6th batch: the checkpoint holds the first change, the rerun makes the second at the same step."""
+    run(tmp_path / "full", 2, "--mixture", "--workers", "2")
+    run(tmp_path / "cut", 2, "--mixture", "--workers", "2", "--signal-at", "6", expect=143)
+    cut = [trained(rows) for rows in logs(tmp_path / "cut")]
+    run(tmp_path / "cut", 2, "--mixture", "--workers", "2")
+    uninterrupted = logs(tmp_path / "full")
+    assert 0 < len(cut[0]) < len(trained(uninterrupted[0]))
+    assert logs(tmp_path / "cut") == uninterrupted and weights(tmp_path / "cut") == weights(tmp_path / "full")

@@ -300,3 +300,37 @@ def test_a_sources_own_state_is_saved_and_a_mismatch_refused_naming_it() -> None
     plain = Mixture({"a": Noisy(0, 50), "b": Noisy(1000, 20)}, {"a": 1, "b": 1}, block_size=10)
     with pytest.raises(StateError, match=r"'dataset_state.source_states.a': saved \{'level': 3\}, expected none"):
         plain.load_state_dict(state)
+
+
+def test_a_resume_costs_the_same_at_any_position_and_the_state_keeps_its_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sources of 10^9 and 10^6 items: a resume at 10 %, 50 % or 90 % of a 10^9-sample epoch evaluates the same
+    number of permutation values for its first batch (one block, one chunk per source), and the state is the
+    same size wherever it was taken."""
+    from loader_resume import permutation
+
+    evaluated: list[int] = []
+    original = permutation.KeyedPermutation.__getitem__
+
+    def counting(self: Any, positions: Any) -> Any:
+        evaluated.append(int(np.size(positions)))
+        return original(self, positions)
+
+    monkeypatch.setattr(permutation.KeyedPermutation, "__getitem__", counting)
+
+    def resumed_at(fraction: float) -> tuple[int, int]:
+        saving = ResumableDataLoader(Mixture({"a": range(10**9), "b": range(10**6)}, {"a": 3, "b": 1}),
+                                     batch_size=64, seed=1)
+        state = saving.state_dict()
+        state["position"] = int(fraction * len(saving.dataset)) // 64 * 64
+        loader = ResumableDataLoader(Mixture({"a": range(10**9), "b": range(10**6)}, {"a": 3, "b": 1}),
+                                     batch_size=64, seed=1)
+        loader.load_state_dict(json.loads(json.dumps(state)))
+        evaluated.clear()
+        first = next(iter(loader))
+        assert len(first) == 64
+        return sum(evaluated), len(json.dumps(loader.state_dict()))
+
+    costs = {fraction: resumed_at(fraction) for fraction in (0.1, 0.5, 0.9)}
+    assert len(set(costs.values())) == 1, costs
+    values, _ = costs[0.9]
+    assert values <= 1024 + 2 * 4096, values  # one block, and one chunk of each source's permutation
