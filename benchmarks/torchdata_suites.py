@@ -59,6 +59,18 @@ DELIBERATE: dict[str, str] = {
     r"test_dataloader\.py::.*::test_get_worker_info": "fails for StatefulDataLoader too (torch 2.13 WorkerInfo)",
 }
 
+# Tests whose result is reported by name (a second table): out-of-order delivery. torchdata's
+# TestOutOfOrderDataLoader holds torch's own two (index datasets) and two over iterable datasets.
+NAMED = (
+    "test_dataloader.py::TestOutOfOrderDataLoader::test_in_order_index_ds",
+    "test_dataloader.py::TestOutOfOrderDataLoader::test_out_of_order_index_ds",
+    "test_dataloader.py::TestOutOfOrderDataLoader::test_in_order_iterable_ds",
+    "test_dataloader.py::TestOutOfOrderDataLoader::test_out_of_order_iterable_ds",
+    "test_state_dict.py::TestOutOfOrderWithCheckpointing::test_out_of_order_index_ds",
+    "test_state_dict.py::TestOutOfOrderWithCheckpointing::test_out_of_order_iterable_ds_one_completed_worker",
+    "test_state_dict.py::TestOutOfOrderWithCheckpointing::test_out_of_order_iterable_ds_no_completed_workers",
+)
+
 
 def read_suite(repo: Path, name: str) -> str:
     checkout = repo / SUITE_DIR / name
@@ -78,10 +90,10 @@ def ours(text: str, name: str) -> str:
     return text
 
 
-def run(folder: Path, name: str) -> tuple[dict[str, int], list[str]]:
-    """pytest on one file: its counts and the ids of the tests that failed."""
+def run(folder: Path, name: str) -> tuple[dict[str, int], list[str], set[str]]:
+    """pytest on one file: its counts, the ids of the tests that failed and those of the tests that passed."""
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", "-p", "no:warnings",
+        [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-p", "no:warnings",
          "-o", "addopts=", "--timeout", "300", name],
         cwd=folder, capture_output=True, text=True, env={**os.environ, "PYTORCH_PRINT_REPRO_ON_FAILURE": "0"})
     lines = done.stdout.strip().splitlines()
@@ -90,7 +102,15 @@ def run(folder: Path, name: str) -> tuple[dict[str, int], list[str]]:
     if not counts:
         raise SystemExit(f"{name}: pytest gave no summary:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     failed = sorted({m.group(1) for m in re.finditer(r"^(?:FAILED|ERROR) (\S+)", done.stdout, re.M)})
-    return counts, failed
+    passed = {m.group(1) for m in re.finditer(r"^PASSED (\S+)", done.stdout, re.M)}
+    return counts, failed, passed
+
+
+def outcome(test: str, passed: set[str], failed: list[str]) -> str:
+    """``passed``, ``failed`` or ``not run`` for a test id of one run (ids there carry the file's prefix)."""
+    if test in passed:
+        return "passed"
+    return "failed" if any(f == test or f.startswith(test + "[") for f in failed) else "not run"
 
 
 def main() -> None:
@@ -102,15 +122,17 @@ def main() -> None:
     if not args.repo:
         raise SystemExit("no copy of pytorch/data: pass --repo PATH or set TORCHDATA_REPO (nothing is fetched)")
     repo = Path(args.repo)
-    rows, unexplained = [], []
+    rows, unexplained, named = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         for name in args.only or FILES:
             text = read_suite(repo, name)
             (folder / f"theirs_{name}").write_text(text)
             (folder / f"ours_{name}").write_text(ours(text, name))
-            theirs_counts, _ = run(folder, f"theirs_{name}")
-            ours_counts, failed = run(folder, f"ours_{name}")
+            theirs_counts, theirs_failed, theirs_passed = run(folder, f"theirs_{name}")
+            ours_counts, failed, ours_passed = run(folder, f"ours_{name}")
+            named += [[f"`{test}`", outcome(f"theirs_{test}", theirs_passed, theirs_failed),
+                       outcome(f"ours_{test}", ours_passed, failed)] for test in NAMED if test.startswith(name)]
             reasons: dict[str, int] = {}
             for test in failed:
                 test_id = test.replace("ours_", "", 1)
@@ -130,6 +152,9 @@ def main() -> None:
             "failed are pytest's counts (failed subtests included); the last column counts failing tests.\n\n"
             + markdown(["file", "StatefulDataLoader passed / failed", "ours passed / failed",
                         "our failures: the deliberate difference"], rows))
+    if named:
+        text += ("\n\nOut-of-order delivery (`in_order=False`), test by test:\n\n"
+                 + markdown(["test", "StatefulDataLoader", "ours"], named))
     if unexplained:
         text += ("\n\nFailures that are **not** a deliberate difference (open work):\n\n"
                  + "\n".join(f"- `{test}`" for test in unexplained))
