@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 from common import (
+    Blob,
     Busy,
     Drawing,
     Ints,
@@ -55,15 +56,19 @@ ROWS = (  # (label, dataset): whole epochs of ~80 to ~800 batches, lengths that 
 )
 COLUMNS = ("DataLoader again (A/A)", "StatefulDataLoader", "ours, keying off", "ours, default keying",
            "ours, keying torch only")
+SHARED = "ours, default keying, `by_value_bytes=0`"
+"""At 2 workers: every tensor back through shared memory, as DataLoader sends it (keying's cost on its transport)."""
 
 
 def throughput(dataset: Any, workers: int, rounds: int) -> tuple[dict[str, float], dict[str, list[float]]]:
     """Whole epochs of each loader over ``dataset`` (shuffled, batch 64), interleaved; see ``interleaved_epochs``."""
     common = {"batch_size": BATCH, "shuffle": True, "num_workers": workers, "persistent_workers": workers > 0}
-    loaders = dict(zip(("DataLoader", *COLUMNS), (
+    loaders: dict[str, Any] = dict(zip(("DataLoader", *COLUMNS), (
         DataLoader(dataset, **common), DataLoader(dataset, **common), StatefulDataLoader(dataset, **common),
         ResumableDataLoader(dataset, keying="off", **common), ResumableDataLoader(dataset, **common),
         ResumableDataLoader(dataset, keyed_generators=("torch",), **common)), strict=True))
+    if workers:
+        loaders[SHARED] = ResumableDataLoader(dataset, by_value_bytes=0, **common)
     # NOTE: CPU time, which leaves out what a shared VM's other tenants take (wall time moved rows by ±10 %
     # between rounds here, and an A/A pair by as much): at num_workers=0 this process's, where all the work
     # is; at 2 workers that of this process and of the loader's worker processes, all their threads (the
@@ -96,8 +101,28 @@ def stream_throughput(workers: int, batches: int, rounds: int) -> dict[str, floa
         "ours, keying off": ResumableDataLoader(dataset, keying="off", **common),
         "ours, per-batch keying": ResumableDataLoader(dataset, **common),
     }
+    if workers:
+        loaders[SHARED] = ResumableDataLoader(dataset, by_value_bytes=0, **common)
     return interleaved({name: (lambda loader=loader: batches_per_second(loader, batches))
                         for name, loader in loaders.items()}, rounds)
+
+
+def transport_rows(rounds: int) -> list[list[str]]:
+    """Batches of one tensor of 4 KiB to 4 MiB at 2 workers: DataLoader's shared memory against ours by value up
+    to the default limit, and by value whatever the size (where the default's limit comes from)."""
+    rows = []
+    for kib in (4, 64, 256, 1024, 4096):
+        dataset = Blob(BATCH * 40, kib * 1024 // 4 // BATCH)
+        common = {"batch_size": BATCH, "num_workers": 2, "persistent_workers": True}
+        loaders = {"DataLoader": DataLoader(dataset, **common),
+                   "ours": ResumableDataLoader(dataset, keying="off", **common),
+                   "always": ResumableDataLoader(dataset, keying="off", by_value_bytes=1 << 40, **common)}
+        ratios, micros = interleaved_epochs(loaders, rounds, lambda loader: pipeline_cpu_clock(loader, 2),
+                                            per_loader=True)
+        rows.append([f"{kib:,} KiB", f"{statistics.median(micros['DataLoader']):.0f}", f"{ratios['ours']:.2f}x",
+                     f"{ratios['always']:.2f}x"])
+        del loaders
+    return rows
 
 
 def keying_costs() -> dict[str, float]:
@@ -191,15 +216,17 @@ from loader_resume import ResumableDataLoader
 
 dataset = Tiny(1 << 20)
 common = dict(batch_size=64, shuffle=True, num_workers=2, persistent_workers=True)
-loaders = dict(plain=DataLoader(dataset, **common), off=ResumableDataLoader(dataset, keying="off", **common),
-               empty_helper=ResumableDataLoader(dataset, **common))
+shared = dict(common, by_value_bytes=0)  # DataLoader's transport for all three: the helper's wake alone differs
+loaders = dict(plain=DataLoader(dataset, **common), off=ResumableDataLoader(dataset, keying="off", **shared),
+               empty_helper=ResumableDataLoader(dataset, **shared))
 print(json.dumps(interleaved(dict((name, lambda loader=loader: batches_per_second(loader, 400))
                                   for name, loader in loaders.items()), {rounds})))
 """
 
 
 def helper_wake_control(rounds: int) -> dict[str, float]:
-    """Tiny items, nw=2, with every seeding stubbed out: what the seed-ahead helper's wake alone does."""
+    """Tiny items, nw=2, with every seeding stubbed out: what the seed-ahead helper's wake alone does (every loader
+    sending tensors through shared memory)."""
     result: dict[str, float] = json.loads(_probe(_WAKE_CONTROL, "helper wake control", rounds=rounds).splitlines()[-1])
     return result
 
@@ -292,21 +319,26 @@ def report(args: argparse.Namespace) -> str:
             ratios, micros = throughput(dataset, workers, rounds)
             keying = statistics.median(d - o for d, o in zip(micros["ours, default keying"], micros["ours, keying off"],
                                                              strict=True))
-            rows.append([label, str(workers), *(f"{ratios[name]:.3f}x" for name in COLUMNS), f"{keying:+.1f}",
+            shared = f"{ratios[SHARED]:.3f}x" if SHARED in ratios else "—"
+            rows.append([label, str(workers), *(f"{ratios[name]:.3f}x" for name in COLUMNS), shared, f"{keying:+.1f}",
                          f"{statistics.median(micros['DataLoader']):.1f}"])
             print(rows[-1], flush=True)
-    header = ["items (whole epochs)", "num_workers", *COLUMNS, "keying cost, µs a batch (default - off)",
+    header = ["items (whole epochs)", "num_workers", *COLUMNS, SHARED, "keying cost, µs a batch (default - off)",
               "DataLoader µs a batch"]
     sections.append(markdown(header, rows))
     stream_rows = []
     for workers in (0, 2):
         result = stream_throughput(workers, 400, rounds)
-        ratios = [f"{result[k]:.3f}x" for k in result if k != "DataLoader"]
+        ratios = [f"{result[k]:.3f}x" for k in result if k != "DataLoader"] + ([] if workers else ["—"])
         stream_rows.append(["stream, state = a few ints", str(workers), *ratios, f"{result['DataLoader']:,.0f}"])
         print(stream_rows[-1], flush=True)
-    stream_header = ["iterable dataset (400 batches after the first)", "num_workers", *COLUMNS[:4],
+    stream_header = ["iterable dataset (400 batches after the first)", "num_workers", *COLUMNS[:4], SHARED,
                      "DataLoader batches/s"]
     sections.append(markdown(stream_header, stream_rows))
+    sections.append(markdown(["one tensor a batch (whole epochs, num_workers=2, keying off)", "DataLoader µs a batch",
+                              "ours (default `by_value_bytes`)", "ours, by value whatever the size"],
+                             transport_rows(3 if args.quick else 7)))
+    print(sections[-1], flush=True)
     wake = helper_wake_control(rounds)
     control = ["control: tiny items, nw=2, every seeding stubbed out", "ours, keying off",
                "ours, seed-ahead helper seeding nothing"]

@@ -68,6 +68,19 @@ class Drawing(Tiny):
         return row * torch.rand(()) + float(np.random.rand()) + random.random()
 
 
+class Blob(Dataset[torch.Tensor]):
+    """Items of ``floats`` float32s each (a batch of 64 is one tensor of 256 * floats bytes)."""
+
+    def __init__(self, n: int, floats: int) -> None:
+        self.n, self.floats = n, floats
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.full((self.floats,), float(index))
+
+
 class TinyStream(IterableDataset[torch.Tensor]):
     """A stream of tiny items, split across workers, whose state is a few ints (like a file offset)."""
 

@@ -4,10 +4,12 @@ the world size — as distinct from the position the loader's :class:`~loader_re
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
+from .mixture import Mixture
 from .position import Position
-from .state import STATE_VERSION
+from .state import STATE_VERSION, check_state
 
 __all__ = ["StateIdentity"]
 
@@ -47,6 +49,15 @@ class StateIdentity:
         state["keyed_generators"], state["world_size"] = list(loader.keyed_generators), loader.world_size
         state["num_workers"] = loader.num_workers
         return state
+
+    def checked(self, state: Any) -> dict[str, Any]:
+        """``state`` checked against these fields (:func:`~loader_resume.state.check_state`); a :class:`Mixture`
+        dataset first checks its own part, which names a source of another length."""
+        dataset = self.loader.dataset
+        if isinstance(dataset, Mixture) and isinstance(state, Mapping) and isinstance(state.get("dataset_state"),
+                                                                                       Mapping):
+            dataset.check_state(state["dataset_state"])
+        return check_state(state, self.fields())
 
     def pass_began(self, pass_: Any) -> None:
         """``iter()`` began ``pass_`` (whose ``done`` says when it ends)."""

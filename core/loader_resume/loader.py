@@ -4,10 +4,10 @@ It is a real ``DataLoader`` subclass: torch's own iterators, workers and pin-mem
 unchanged. Two points of torch are taken over, both on the loader object (through
 :class:`~loader_resume.torch_internals.IndexHooks`): where torch's iterator draws index lists from is the
 loader's :class:`~loader_resume.position.Position`, and map-style data is always fetched as lists so each
-index list can key the RNGs (see ``keyed_fetch``).
-Batches are counted as they are *handed to the caller*, so prefetching by workers never skews the saved
-position. What a delivered batch means — global samples of map-style data, or each worker's progress in
-a stream — is the position's (``map_position``, ``stream_position``); the loader keeps torch's hooks.
+index list can key the RNGs (see ``keyed_fetch``). Batches are counted as they are *handed to the
+caller*, so prefetching by workers never skews the saved position. What a delivered batch means — global
+samples of map-style data, or each worker's progress in a stream — is the position's (``map_position``,
+``stream_position``); the loader keeps torch's hooks.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -28,7 +28,6 @@ from .keyed_fetch import KeyedFetch
 from .keyed_rng import GENERATORS, CallerRng, DrawnGenerators, derive_key
 from .load_warnings import LoadWarnings
 from .map_position import MapPosition
-from .mixture import Mixture
 from .position import PassIterator, Position
 from .preemption import held_while_forking
 from .sampler import Order, classify_order, default_seed
@@ -37,6 +36,7 @@ from .state import check_state
 from .stream_position import StreamPosition
 from .thirdparty import refuse_stock_accelerate, warn_at_construction
 from .torch_internals import IndexHooks, forget_persistent_iterator, is_map_style, set_past_guard, wrap_fetcher
+from .worker_transport import BY_VALUE_BYTES, by_value_init
 
 __all__ = ["ResumableDataLoader"]
 
@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-_FIXED = frozenset({"seed", "keying", "keyed_generators", "rank", "world_size", "in_order"})
+_FIXED = frozenset({"seed", "keying", "keyed_generators", "rank", "world_size", "in_order", "by_value_bytes"})
 """Settings read-only after construction (the loader's own, and ``in_order``, which its state follows)."""
 
 
@@ -69,6 +69,8 @@ class ResumableDataLoader(IndexHooks[T]):
             generator), ``"numpy"`` (legacy global ``np.random``) and ``"random"``.
         rank: shard for this rank; default from ``torch.distributed`` when initialised.
         world_size: shard across this many ranks; default from ``torch.distributed`` when initialised.
+        by_value_bytes: tensors of at most this many bytes come back from workers by value, not through
+            shared memory, which costs far more for small ones (``worker_transport``); 0: as ``DataLoader``.
 
     Semantics (as torchdata's ``StatefulDataLoader``): ``state_dict()`` may be called at any time and
     describes the position after the last batch handed to the caller; after ``load_state_dict(s)``
@@ -103,6 +105,7 @@ class ResumableDataLoader(IndexHooks[T]):
         keyed_generators: Sequence[str] = GENERATORS,
         rank: int | None = None,
         world_size: int | None = None,
+        by_value_bytes: int = BY_VALUE_BYTES,
     ) -> None:
         unbatched = batch_size is None and batch_sampler is None
         if collate_fn is None:
@@ -118,6 +121,7 @@ class ResumableDataLoader(IndexHooks[T]):
             keyed_generators=keyed_generators, snapshot_every_n_steps=snapshot_every_n_steps, sampler=sampler,
             batch_size=batch_size, unbatched=unbatched, drop_last=drop_last, num_workers=num_workers,
             persistent_workers=persistent_workers, rank=rank, world_size=world_size, in_order=in_order,
+            by_value_bytes=by_value_bytes,
         )
         self._position: Position
         if is_map_style(self):
@@ -158,11 +162,11 @@ class ResumableDataLoader(IndexHooks[T]):
         begun = self._position.begin(self.collate_fn, self.worker_init_fn)
         if begun.restart_workers:
             forget_persistent_iterator(self)
-        # NOTE: keyed fetches in this process: map-style batches through KeyedFetch (torch's fetcher wrapped),
-        # stream batches (which cannot be read twice) with the caller's generators saved around each next().
+        # NOTE: keyed fetches here: map-style batches by KeyedFetch, streams' with the caller's RNG kept around next()
         position = self._position
         by_fetch = setup.fetches_here and isinstance(position, MapPosition)
         caller = CallerRng(setup.mask) if setup.fetches_here and not by_fetch else None
+        by_value_init(begun.attributes, self.worker_init_fn, self.num_workers, setup.by_value_bytes)
         with held_while_forking(self.worker_init_fn), self._building(**begun.attributes):
             inner = super().__iter__()
             if by_fetch and isinstance(position, MapPosition):
@@ -175,14 +179,11 @@ class ResumableDataLoader(IndexHooks[T]):
 
     @contextlib.contextmanager
     def _building(self, **attributes: Any) -> Iterator[None]:
-        """Hand torch's iterator our collate/worker_init_fn (and keyed generator) while it is built.
-
-        torch reads them once, when the iterator is created; afterwards the loader's public attributes
-        are the user's again. NOTE: torch draws each iterator's worker base seed from
-        ``loader.generator`` — the caller's default generator when none was given, which would shift
-        the model's dropout sequence every epoch; while keyed, it draws from a private generator keyed
-        by (seed, epoch) instead, which also makes unkeyed worker generators a function of the epoch.
-        """
+        """Hand torch's iterator our collate/worker_init_fn (and keyed generator) while it is built (torch reads
+        them then); afterwards the loader's public attributes are the user's again. NOTE: torch draws each
+        iterator's worker base seed from ``loader.generator`` (else the caller's default generator, which would
+        shift the model's dropout sequence every epoch); while keyed, from a private generator keyed by (seed,
+        epoch) instead, which also makes unkeyed worker generators a function of the epoch."""
         if self.generator is None and self.keying != "off":
             key = derive_key(self.seed, self._position.epoch, "workers")
             attributes["generator"] = torch.Generator().manual_seed(key)
@@ -223,9 +224,13 @@ class ResumableDataLoader(IndexHooks[T]):
         """The global generators keyed (fixed when the loader is built)."""
         return self._position.setup.generators
 
+    @property
+    def by_value_bytes(self) -> int:
+        """Tensors up to this size come back from workers by value (fixed when the loader is built)."""
+        return self._position.setup.by_value_bytes
+
     def __setattr__(self, name: str, value: Any) -> None:
-        # NOTE: as DataLoader refuses `batch_size` and its like: the order, the keys and the state all follow
-        # these settings, so a loader keeps the ones it was built with.
+        # NOTE: as DataLoader refuses `batch_size`: the order, the keys and the state follow the built settings
         if name in _FIXED and "_position" in self.__dict__:
             raise ValueError(f"{name} attribute should not be set after {type(self).__name__} is initialized "
                              f"(the order, the random keys and the state follow the value it was built with): "
@@ -278,10 +283,7 @@ class ResumableDataLoader(IndexHooks[T]):
         iterator of this loader is still mid-epoch (that iterator goes on from where it was; the state
         applies from the next ``iter()``), or loaded over an earlier state that no ``iter()`` took up.
         """
-        if isinstance(self.dataset, Mixture) and isinstance(state_dict, Mapping) and \
-                isinstance(state_dict.get("dataset_state"), Mapping):  # NOTE: names a source of another length
-            self.dataset.check_state(state_dict["dataset_state"])
-        state = check_state(state_dict, self._identity.fields())
+        state = self._identity.checked(state_dict)
         self._loads.loading()
         self._identity.forget_pass()
         self._position.reset(state)

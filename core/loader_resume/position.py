@@ -56,6 +56,8 @@ class Setup:
     """A ``DistributedSampler``'s own ``drop_last`` when the loader took one over, else None."""
     in_order: bool = True
     """``DataLoader(in_order=...)``: ``False`` lets workers' batches arrive in any order."""
+    by_value_bytes: int = 0
+    """Tensors up to this size come back from workers by value (:mod:`loader_resume.worker_transport`)."""
 
     def shard(self) -> Shard:
         """This rank's view of the global order (rank and world size resolved now)."""

@@ -19,11 +19,14 @@ __all__ = ["settings"]
 def settings(dataset: Any, *, seed: int, keying: str, keyed_generators: Sequence[str],
              snapshot_every_n_steps: int | None, sampler: Any, batch_size: int | None, unbatched: bool,
              drop_last: bool, num_workers: int, persistent_workers: bool, rank: int | None, world_size: int | None,
-             in_order: bool) -> Setup:
+             in_order: bool, by_value_bytes: int) -> Setup:
     """The :class:`Setup` of a loader built with these arguments; ``ValueError`` naming a bad one."""
     if snapshot_every_n_steps is not None and (type(snapshot_every_n_steps) is not int or snapshot_every_n_steps < 0):
         raise ValueError(f"snapshot_every_n_steps={snapshot_every_n_steps!r}: expected None or an int >= 0 "
                          "(as StatefulDataLoader; the state is exact at every step whatever the value)")
+    if type(by_value_bytes) is not int or by_value_bytes < 0:
+        raise ValueError(f"by_value_bytes={by_value_bytes!r}: expected an int >= 0 (0: every tensor through shared "
+                         "memory, as DataLoader)")
     if keying not in KEYING_MODES:
         raise ValueError(f"keying={keying!r}: expected one of {list(KEYING_MODES)}")
     shard_drop_last = None
@@ -39,5 +42,5 @@ def settings(dataset: Any, *, seed: int, keying: str, keyed_generators: Sequence
         dataset=dataset, seed=seed, keying=keying, generators=tuple(keyed_generators),
         mask=generator_mask(keyed_generators), batch_size=batch_size, unbatched=unbatched, drop_last=drop_last,
         num_workers=num_workers, persistent_workers=persistent_workers, rank=rank, world_size=world_size,
-        shard_drop_last=shard_drop_last, in_order=in_order,
+        shard_drop_last=shard_drop_last, in_order=in_order, by_value_bytes=by_value_bytes,
     )

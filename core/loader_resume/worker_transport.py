@@ -1,0 +1,83 @@
+"""How batches travel from DataLoader workers to the main process: small tensors by value.
+
+torch's DataLoader hands every tensor a worker produces to the main process through shared memory: the
+worker's collate allocates a shared-memory file per tensor, and the main process, for each tensor of each
+batch, connects to the worker's resource sharer, authenticates, receives the file descriptor and maps it.
+For a small tensor that round trip costs far more than its bytes (measured in ``benchmarks/bench_core.py``:
+several hundred µs of CPU a batch on tiny items, most of what a 2-worker pipeline spends). In the loader's
+workers, a tensor of at most ``by_value_bytes`` bytes is therefore pickled with its bytes instead, and rebuilt
+in the main process as an ordinary tensor of the same dtype, shape and values (:func:`send_small_tensors_by_value`,
+installed by :class:`ByValueInit` as the worker starts). Larger tensors, and any tensor that is not a plain,
+contiguous CPU tensor owning its whole storage, travel as DataLoader sends them.
+
+What differs from DataLoader's own transport: a tensor that came by value is not in shared memory
+(``is_shared()`` is False), and two tensors of one batch that shared a storage in the worker arrive as two
+copies (as ``pin_memory=True`` also copies each tensor).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, Final
+
+import torch
+from torch.multiprocessing.reductions import reduce_tensor
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BY_VALUE_BYTES", "ByValueInit", "by_value_init", "rebuild_by_value", "send_small_tensors_by_value"]
+
+_SHARED: Callable[[torch.Tensor], Any] = reduce_tensor  # torch's own: through shared memory
+BY_VALUE_BYTES: Final = 65_536
+"""The default ``by_value_bytes``: past ~256 KiB a tensor costs more by value than through shared memory."""
+
+
+def rebuild_by_value(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """The tensor pickled by value: an ordinary (resizable, unshared) contiguous tensor holding ``data``."""
+    tensor = torch.empty(shape, dtype=dtype)
+    if data:  # NOTE: copied as memory (a numpy view would leave the storage unable to resize)
+        ctypes.memmove(tensor.data_ptr(), data, len(data))
+    return tensor
+
+
+def send_small_tensors_by_value(limit: int) -> None:
+    """In this (worker) process, pickle tensors of at most ``limit`` bytes by value for the rest of its life."""
+
+    def reduce(tensor: torch.Tensor) -> Any:
+        # NOTE: runs in the worker's queue feeder thread, where an exception would lose the batch and leave the
+        # main process waiting for it: anything unexpected goes the shared-memory way, as DataLoader sends it
+        try:
+            if (type(tensor) is torch.Tensor and tensor.layout is torch.strided and tensor.device.type == "cpu"
+                    and tensor.nbytes <= limit and not tensor.requires_grad and tensor.is_contiguous()
+                    and tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.nbytes
+                    and not (tensor.is_quantized or tensor.is_conj() or tensor.is_neg())):
+                data = ctypes.string_at(tensor.data_ptr(), tensor.nbytes)  # contiguous, the whole storage
+                return rebuild_by_value, (data, tensor.dtype, tuple(tensor.shape))
+        except Exception:
+            logger.debug("a tensor goes through shared memory after all", exc_info=True)
+        return _SHARED(tensor)
+
+    ForkingPickler.register(torch.Tensor, reduce)
+
+
+def by_value_init(attributes: dict[str, Any], worker_init_fn: Callable[[int], None] | None, num_workers: int,
+                  limit: int) -> None:
+    """With workers and a ``limit``, the ``worker_init_fn`` torch's iterator is built with (in ``attributes``,
+    the loader's attributes for it; else the loader's own) becomes a :class:`ByValueInit` around it."""
+    if num_workers and limit:
+        attributes["worker_init_fn"] = ByValueInit(attributes.get("worker_init_fn", worker_init_fn), limit)
+
+
+class ByValueInit:
+    """A worker's ``worker_init_fn``: the one it had (if any), then :func:`send_small_tensors_by_value`."""
+
+    def __init__(self, inner: Callable[[int], None] | None, limit: int) -> None:
+        self.inner, self.limit = inner, limit
+
+    def __call__(self, worker_id: int) -> None:
+        if self.inner is not None:
+            self.inner(worker_id)
+        send_small_tensors_by_value(self.limit)
