@@ -39,9 +39,12 @@ class Mixed(Dataset[dict[str, Any]]):
 
 
 def transposed(items: list[dict[str, Any]]) -> dict[str, Any]:
-    """A collate whose output holds a view that is not contiguous (it goes through shared memory)."""
+    """A collate whose output holds a view that is not contiguous (it goes through shared memory), and a
+    channels-last greyscale batch: contiguous, with a size-1 dimension's stride that is not the default one."""
     batch = torch.utils.data.default_collate(items)
     batch["view"] = batch["float32"].t()
+    batch["greyscale"] = torch.arange(36.0).view(4, 1, 3, 3).to(memory_format=torch.channels_last)
+    assert batch["greyscale"].stride() == (9, 1, 3, 1)
     return batch
 
 
@@ -91,6 +94,12 @@ class Counting(IterableDataset[torch.Tensor]):
         return iter([torch.full((4,), float(10 * worker + i)) for i in range(3)])
 
 
+def test_a_converted_loader_keeps_by_value_bytes() -> None:
+    from loader_resume.convert import resumable
+
+    assert resumable(ResumableDataLoader(Mixed(), num_workers=2, by_value_bytes=0), num_workers=1).by_value_bytes == 0
+
+
 def test_a_stream_with_workers_comes_by_value_too() -> None:
     theirs = list(DataLoader(Counting(), batch_size=2, num_workers=2))
     ours = list(ResumableDataLoader(Counting(), batch_size=2, num_workers=2))
@@ -99,9 +108,9 @@ def test_a_stream_with_workers_comes_by_value_too() -> None:
         assert not mine.is_shared() and reference.is_shared()
 
 
-@pytest.mark.parametrize("value", [-1, 1.5, "64", True, None])
+@pytest.mark.parametrize("value", [-1, 1.5, "64", True, None, 2**30 + 1])
 def test_a_bad_by_value_bytes_is_refused_naming_it(value: Any) -> None:
-    with pytest.raises(ValueError, match=r"by_value_bytes=.*expected an int >= 0"):
+    with pytest.raises(ValueError, match=r"by_value_bytes=.*expected an int from 0 .* to 1073741824"):
         ResumableDataLoader(Mixed(), by_value_bytes=value)
 
 
@@ -137,6 +146,9 @@ def test_what_is_not_a_plain_small_tensor_owning_its_storage_goes_through_shared
     assert torch.equal(received, small) and not received.is_shared()
     received.resize_(16)  # an ordinary storage of its own
     small.resize_(16)  # and the sent one is left as it was
+    with torch.device("meta"):  # a training loop's default device is not where a received batch goes
+        received = sent(small)
+    assert received.device.type == "cpu" and torch.equal(received, small)
     for other in (torch.arange(9, dtype=torch.int64),  # over the limit
                   torch.arange(16)[:4],  # part of a larger storage
                   torch.arange(6.0).view(2, 3).t(),  # not contiguous

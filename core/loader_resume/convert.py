@@ -25,6 +25,7 @@ from .keyed_rng import GENERATORS
 from .loader import ResumableDataLoader
 from .preemption import IgnoreSignalsInWorker
 from .sampler import ShardedSampler, torch_order
+from .worker_transport import BY_VALUE_BYTES
 
 __all__ = ["resumable", "sharded_resumable"]
 
@@ -52,13 +53,15 @@ def resumable(
         ignore_signals: signals its DataLoader workers ignore (the main process alone decides when to stop;
             the integrations' preemption signals), set before the loader's own ``worker_init_fn`` runs.
         loader_class: build this ``ResumableDataLoader`` subclass; a ResumableDataLoader of another
-            class is rebuilt as one, keeping its seed, keying and keyed generators.
+            class is rebuilt as one, keeping its seed, keying, keyed generators and ``by_value_bytes``.
     """
     same_build = (num_workers is None or num_workers == loader.num_workers) and world_size is None
     if isinstance(loader, loader_class) and same_build:
         return loader
+    by_value_bytes = BY_VALUE_BYTES
     if isinstance(loader, ResumableDataLoader):
         seed, keying, keyed_generators = loader.seed, loader.keying, loader.keyed_generators
+        by_value_bytes = loader.by_value_bytes
     custom_batches = loader.batch_sampler is not None and type(loader.batch_sampler) is not BatchSampler
     sampler = None if custom_batches or isinstance(loader.dataset, IterableDataset) else loader.sampler
     if sampler is not None and world_size is not None and world_size > 1:
@@ -77,7 +80,7 @@ def resumable(
         generator=loader.generator, prefetch_factor=loader.prefetch_factor if workers else None,
         persistent_workers=loader.persistent_workers and workers > 0, pin_memory_device=loader.pin_memory_device,
         in_order=getattr(loader, "in_order", True), seed=seed, keying=keying, keyed_generators=keyed_generators,
-        rank=None if world_size is None else rank, world_size=world_size,
+        rank=None if world_size is None else rank, world_size=world_size, by_value_bytes=by_value_bytes,
     )
 
 

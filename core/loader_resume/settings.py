@@ -12,6 +12,7 @@ from .distributed import rank_and_world
 from .keyed_rng import KEYING_MODES, generator_mask
 from .position import Setup
 from .sampler import ShardedSampler
+from .worker_transport import MAX_BY_VALUE_BYTES
 
 __all__ = ["settings"]
 
@@ -24,9 +25,9 @@ def settings(dataset: Any, *, seed: int, keying: str, keyed_generators: Sequence
     if snapshot_every_n_steps is not None and (type(snapshot_every_n_steps) is not int or snapshot_every_n_steps < 0):
         raise ValueError(f"snapshot_every_n_steps={snapshot_every_n_steps!r}: expected None or an int >= 0 "
                          "(as StatefulDataLoader; the state is exact at every step whatever the value)")
-    if type(by_value_bytes) is not int or by_value_bytes < 0:
-        raise ValueError(f"by_value_bytes={by_value_bytes!r}: expected an int >= 0 (0: every tensor through shared "
-                         "memory, as DataLoader)")
+    if type(by_value_bytes) is not int or not 0 <= by_value_bytes <= MAX_BY_VALUE_BYTES:
+        raise ValueError(f"by_value_bytes={by_value_bytes!r}: expected an int from 0 (every tensor through shared "
+                         f"memory, as DataLoader) to {MAX_BY_VALUE_BYTES}")
     if keying not in KEYING_MODES:
         raise ValueError(f"keying={keying!r}: expected one of {list(KEYING_MODES)}")
     shard_drop_last = None
