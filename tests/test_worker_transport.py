@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Iterator
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import pytest
@@ -128,12 +129,10 @@ def by_value_here() -> Iterator[None]:
     try:
         yield
     finally:
-        from multiprocessing.reduction import ForkingPickler
         ForkingPickler.register(torch.Tensor, reduce_tensor)
 
 
 def sent(tensor: torch.Tensor) -> torch.Tensor:
-    from multiprocessing.reduction import ForkingPickler
     received = pickle.loads(bytes(ForkingPickler.dumps(tensor)))
     assert isinstance(received, torch.Tensor)
     return received

@@ -22,6 +22,7 @@ from .distributed import rank_and_world
 from .keyed_rng import CallerRng
 from .sampler import Shard
 from .torch_internals import next_batch, next_numbered
+from .worker_transport import BY_VALUE_BYTES
 
 __all__ = ["SKIP", "PassStart", "Position", "Setup", "PassIterator", "tell_epoch"]
 
@@ -56,7 +57,7 @@ class Setup:
     """A ``DistributedSampler``'s own ``drop_last`` when the loader took one over, else None."""
     in_order: bool = True
     """``DataLoader(in_order=...)``: ``False`` lets workers' batches arrive in any order."""
-    by_value_bytes: int = 0
+    by_value_bytes: int = BY_VALUE_BYTES
     """Tensors up to this size come back from workers by value (:mod:`loader_resume.worker_transport`)."""
 
     def shard(self) -> Shard:

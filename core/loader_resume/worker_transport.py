@@ -62,7 +62,7 @@ def send_small_tensors_by_value(limit: int) -> None:
         # NOTE: runs in the worker's queue feeder thread, where an exception would lose the batch and leave the
         # main process waiting for it: anything unexpected goes the shared-memory way, as DataLoader sends it
         try:
-            if (type(tensor) is torch.Tensor and tensor.layout is torch.strided and tensor.device.type == "cpu"
+            if (tensor.layout is torch.strided and tensor.device.type == "cpu"
                     and tensor.nbytes <= limit and not tensor.requires_grad and tensor.is_contiguous()
                     and tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.nbytes
                     and not (tensor.is_nested or tensor.is_quantized or tensor.is_conj() or tensor.is_neg())):
@@ -72,7 +72,7 @@ def send_small_tensors_by_value(limit: int) -> None:
             logger.debug("a tensor goes through shared memory after all", exc_info=True)
         return _SHARED(tensor)
 
-    ForkingPickler.register(torch.Tensor, reduce)
+    ForkingPickler.register(torch.Tensor, reduce)  # NOTE: exactly torch.Tensor: the pickler dispatches by exact type
 
 
 def by_value_init(attributes: dict[str, Any], worker_init_fn: Callable[[int], None] | None, num_workers: int,
