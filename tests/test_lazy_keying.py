@@ -150,14 +150,39 @@ def test_a_dataset_that_starts_drawing_later_resumes_exactly(which: Any) -> None
 
 def test_a_batch_is_read_again_only_when_a_generator_is_first_seen_drawn() -> None:
     """_later draws nothing in epoch 0 (learned at the first batch: no generator), torch from epoch 1 and
-    random from epoch 2. torch's generator is seeded for every batch regardless (torch.initial_seed() must
-    report the batch's key), so only the first batch of epoch 2 is read twice."""
+    random from epoch 2: the first batches of epochs 1 and 2 are read twice (4 items each)."""
     loader = _loader(_later, 0)
     run_epochs(loader, 3)
-    assert loader.dataset.reads == 3 * 30 + 4
+    assert loader.dataset.reads == 3 * 30 + 2 * 4
     everything = _loader(_everything, 0)
     run_epochs(everything, 3)
     assert everything.dataset.reads == 3 * 30  # learned at the first batch, which seeds every generator
+
+
+class _ReadsSeed(Dataset[int]):
+    """Draws nothing; reports ``torch.initial_seed()`` while an item is read."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> int:
+        return torch.initial_seed()
+
+
+def test_torch_reports_the_batch_key_while_reading_and_the_callers_seed_and_state_after() -> None:
+    """A dataset that only reads torch.initial_seed(): the batch's key inside the fetch (as in a worker),
+    while torch's generator is not seeded: the caller's seed and state are what they were, before each batch
+    and after the last."""
+    torch.manual_seed(5)
+    torch.rand(3)
+    seed, state = torch.initial_seed(), torch.get_rng_state()
+    in_process, in_workers = ([key for batch in ResumableDataLoader(_ReadsSeed(), batch_size=3, shuffle=True, seed=7,
+                                                                      num_workers=workers) for key in batch.tolist()]
+                              for workers in (0, 2))
+    assert in_process == in_workers and len(set(in_process)) == 4  # one key a batch of 3
+    assert torch.initial_seed() == seed and torch.equal(torch.get_rng_state(), state)
+    for _ in ResumableDataLoader(_ReadsSeed(), batch_size=3, shuffle=True, seed=7):
+        assert torch.initial_seed() == seed and torch.equal(torch.get_rng_state(), state)
 
 
 def test_generator_states_round_trip_with_cached_normals() -> None:
@@ -204,11 +229,15 @@ def test_the_public_api_fallback_gives_the_same_values(monkeypatch: pytest.Monke
     """Where the memory layout is not the probed one (another torch, numpy or Python), the public APIs serve."""
     import loader_resume.rng_memory as rng_memory
 
-    expected = run_epochs(_loader(_later, 0), 3)
+    def reported_seeds() -> list[int]:
+        return [key for batch in ResumableDataLoader(_ReadsSeed(), batch_size=3, seed=7) for key in batch.tolist()]
+
+    expected, seeds = run_epochs(_loader(_later, 0), 3), reported_seeds()
     for probe in ("_torch_block", "_numpy_block", "_random_block"):
         monkeypatch.setattr(rng_memory, probe, lambda: None)
     monkeypatch.setattr(rng_memory, "_STATES", GeneratorStates())
     assert run_epochs(_loader(_later, 0), 3) == expected
+    assert reported_seeds() == seeds  # torch seeded where its seed alone cannot be written
     seed_all(5)
     before = caller_draws()
     seed_all(5)
