@@ -150,10 +150,11 @@ def test_a_dataset_that_starts_drawing_later_resumes_exactly(which: Any) -> None
 
 def test_a_batch_is_read_again_only_when_a_generator_is_first_seen_drawn() -> None:
     """_later draws nothing in epoch 0 (learned at the first batch: no generator), torch from epoch 1 and
-    random from epoch 2: the first batches of epochs 1 and 2 are read twice (4 items each)."""
+    random from epoch 2. torch's generator is seeded for every batch regardless (torch.initial_seed() must
+    report the batch's key), so only the first batch of epoch 2 is read twice."""
     loader = _loader(_later, 0)
     run_epochs(loader, 3)
-    assert loader.dataset.reads == 3 * 30 + 2 * 4
+    assert loader.dataset.reads == 3 * 30 + 4
     everything = _loader(_everything, 0)
     run_epochs(everything, 3)
     assert everything.dataset.reads == 3 * 30  # learned at the first batch, which seeds every generator
@@ -170,9 +171,8 @@ class _ReadsSeed(Dataset[int]):
 
 
 def test_torch_reports_the_batch_key_while_reading_and_the_callers_seed_and_state_after() -> None:
-    """A dataset that only reads torch.initial_seed(): the batch's key inside the fetch (as in a worker),
-    while torch's generator is not seeded: the caller's seed and state are what they were, before each batch
-    and after the last."""
+    """A dataset that only reads torch.initial_seed(): the batch's key inside the fetch (as in a worker); the
+    caller's seed and state are what they were, before each batch and after the last."""
     torch.manual_seed(5)
     torch.rand(3)
     seed, state = torch.initial_seed(), torch.get_rng_state()
@@ -183,6 +183,31 @@ def test_torch_reports_the_batch_key_while_reading_and_the_callers_seed_and_stat
     assert torch.initial_seed() == seed and torch.equal(torch.get_rng_state(), state)
     for _ in ResumableDataLoader(_ReadsSeed(), batch_size=3, shuffle=True, seed=7):
         assert torch.initial_seed() == seed and torch.equal(torch.get_rng_state(), state)
+
+
+class _ForkedDraws(Dataset[float]):
+    """Draws from torch inside torch.random.fork_rng(), which puts torch's state back as it found it."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> float:
+        with torch.random.fork_rng():
+            return torch.rand(()).item()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_draws_inside_fork_rng_are_keyed(workers: int) -> None:
+    """fork_rng leaves torch's generator as it found it, so such a dataset looks as if it drew nothing: its
+    values are keyed all the same (torch's generator is seeded for every batch), equal at 0 and 2 workers,
+    another seed gives others, and a resume reproduces them."""
+    def make(seed: int = 7, nw: int = workers) -> ResumableDataLoader[Any]:
+        return ResumableDataLoader(_ForkedDraws(), batch_size=3, shuffle=True, seed=seed, num_workers=nw)
+
+    values = run_epochs(make(), 2)
+    assert values == run_epochs(make(nw=2 - workers), 2)
+    assert values != run_epochs(make(seed=8), 2)
+    assert_resumes_exactly(make, epochs=2, cuts=[1, 2, 5])
 
 
 def test_generator_states_round_trip_with_cached_normals() -> None:

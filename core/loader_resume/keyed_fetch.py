@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .keyed_rng import TORCH, DrawnGenerators, KeysUnder, seed_generators, torch_seed
+from .keyed_rng import TORCH, DrawnGenerators, KeysUnder, seed_generators
 from .rng_memory import generator_states
 from .worker_fetch import KeySpec, check_read_again
 
@@ -46,17 +46,16 @@ class KeyedFetch:
     and only the generators the dataset draws from are seeded.
 
     Wraps torch's fetcher. Before the fetch, the generators' states are copied (as memory,
-    :mod:`loader_resume.rng_memory`) and the generators the dataset is known to draw from
-    (:class:`DrawnGenerators`; at a loader's first keyed fetch, all of them) are seeded with the batch's key.
-    ``torch.initial_seed()`` reports the key in every fetch (datasets read it to derive generators of their
-    own): where torch's generator is not drawn from, that seed alone is written, not the generator's state.
-    After the fetch, the generators not seeded are compared with the copies: one that moved means the
-    dataset drew from the caller's generator, so its state is put back, it is learned as drawn, and the
-    fetch is done again, seeded (values are then the batch key's, as if it had been seeded from the start).
-    Finally every seeded generator gets the caller's state back, and torch's its seed.
+    :mod:`loader_resume.rng_memory`); the generators the dataset is known to draw from
+    (:class:`DrawnGenerators`; at a loader's first keyed fetch, all of them), and torch's always (datasets
+    read ``torch.initial_seed()`` to derive generators of their own), are seeded with the batch's key.
+    After it, the generators not seeded are compared with those copies: one that moved means the dataset
+    drew from the caller's generator, so its state is put back, it is learned as drawn, and the fetch is
+    done again, seeded (values are then the batch key's, as if it had been seeded from the start). Finally
+    every seeded generator gets the caller's state back.
     A dataset that draws no random number thus pays a copy and a comparison of three small blocks of memory
-    a batch and the key's derivation; one that draws pays the seeding of what it draws from, and a second
-    read of one batch once per generator it first draws from after the loader's first batch.
+    a batch and torch's seeding (~1 µs); one that draws pays a second read of one batch, once per generator
+    it first draws from after the loader's first batch.
     """
 
     __slots__ = ("_drawn", "_fetcher", "_next")
@@ -93,24 +92,21 @@ class KeyedFetch:
     def _keyed(self, indices: Any, mask: int, keys: KeysUnder | None, position: int) -> Any:
         """Fetch ``indices`` keyed by ``keys(position)`` (``keys`` None: ``position`` is the key)."""
         drawn = self._drawn
-        key = position if keys is None else keys(position)
         if not drawn.learned:
-            return self._learn(indices, key, mask)
+            return self._learn(indices, position if keys is None else keys(position), mask)
         states = generator_states()
         caller = states.take()
-        seeded = drawn.mask & mask
-        # NOTE: torch.initial_seed(), which datasets read (without drawing) to derive generators of their own,
-        # reports the batch's key in every fetch: where torch's generator is not drawn from, that seed alone is
-        # written (its state stays the caller's, compared after the fetch like the others'), else it is seeded
-        stamp = bool(mask & TORCH & ~seeded)
-        stamped = False
+        # NOTE: torch's generator is seeded for every batch all the same: torch.initial_seed(), which datasets
+        # read (without drawing) to derive their own generators from, must report the batch's key, and a draw
+        # inside torch.random.fork_rng() leaves the state as it found it (it would look undrawn).
+        seeded = (drawn.mask | TORCH) & mask
+        key: int | None = None
         again: tuple[tuple[Any, ...], int] | None = None  # a read again: the marks of the generators it seeded anew
         try:
             while True:
-                if stamp and not states.stamp_torch_seed(torch_seed(key)):
-                    stamp, seeded = False, seeded | TORCH  # torch's generator is not memory here
-                stamped = stamp
                 if seeded:
+                    if key is None:
+                        key = position if keys is None else keys(position)
                     seed_generators(key, seeded)
                     if again is not None:
                         again = (states.marks(again[1]), again[1])
@@ -120,15 +116,9 @@ class KeyedFetch:
                 except Exception:
                     # NOTE: the dataset may have raised because of what it drew unkeyed: read it again, keyed, as
                     # a fetch seeded in full would have (if that raises, the exception is the batch's own)
-                    if stamped:
-                        stamped = False
-                        states.unstamp_torch_seed(caller)
                     if not unseeded or not (strays := states.changed(caller, unseeded)):
                         raise
                 else:
-                    if stamped:
-                        stamped = False
-                        states.unstamp_torch_seed(caller)
                     if again is not None:
                         check_read_again(states, *again)
                     if not unseeded or not (strays := states.changed(caller, unseeded)):
@@ -137,11 +127,8 @@ class KeyedFetch:
                 states.put(caller, strays)
                 drawn.mask |= strays
                 seeded |= strays
-                stamp = stamp and not strays & TORCH
                 again = ((), strays)
         finally:
-            if stamped:
-                states.unstamp_torch_seed(caller)
             if seeded:
                 states.put(caller, seeded)
 

@@ -25,7 +25,7 @@ from .rng_memory import GENERATORS, generator_states
 
 __all__ = [
     "GENERATORS", "KEYING_MODES", "TORCH", "CallerRng", "DrawnGenerators", "KeysUnder", "derive_key", "generator_mask",
-    "seed_generators", "torch_seed",
+    "seed_generators",
 ]
 
 KEYING_MODES: Final = ("batch", "sample", "off")
@@ -70,18 +70,12 @@ def generator_mask(names: Sequence[str]) -> int:
 _INT63: Final = (1 << 63) - 1
 
 
-def torch_seed(key: int) -> int:
-    """The seed torch's generator is given for ``key``, which ``torch.initial_seed()`` reports in a keyed fetch.
-
-    63 bits: the batch's key as an int64, which torch.tensor and default_collate take (a 64-bit key
-    overflowed them; torch's DataLoader suite reads it in workers)."""
-    return key & _INT63
-
-
 def seed_generators(key: int, mask: int) -> None:
     """Seed the global generators selected by ``mask`` from the 64-bit ``key``."""
     if mask & _TORCH:
-        # NOTE: not torch.manual_seed, which also seeds every accelerator (~240 µs here vs ~1 µs)
+        # NOTE: not torch.manual_seed, which also seeds every accelerator (~240 µs here vs ~1 µs). 63 bits:
+        # torch.initial_seed() in a keyed fetch is then the batch's key as an int64, which torch.tensor and
+        # default_collate take (a 64-bit key overflowed them; torch's DataLoader suite reads it in workers).
         torch.default_generator.manual_seed(key & _INT63)
     if mask & _NUMPY:
         np.random.seed(key >> 32)

@@ -75,18 +75,6 @@ class _Block:
             self.main[:], self.extra[:] = taken
 
 
-class _TorchBlock(_Block):
-    """torch's generator: the engine's first word is ``seed_``, the value ``torch.initial_seed()`` reports."""
-
-    __slots__ = ()
-
-    def stamp(self, seed: int) -> None:
-        self.main[:8] = seed.to_bytes(8, "little")
-
-    def unstamp(self, taken: bytes) -> None:
-        self.main[:8] = taken[:8]
-
-
 class _RandomBlock(_Block):
     """``random``: the MT19937 struct, and ``gauss_next`` (a Python attribute of the shared instance)."""
 
@@ -102,7 +90,7 @@ class _RandomBlock(_Block):
         self.main[:], random._inst.gauss_next = taken  # type: ignore[attr-defined]
 
 
-def _torch_block() -> _TorchBlock | None:
+def _torch_block() -> _Block | None:
     """torch's default CPU generator as memory, or None when its layout is not the one probed for."""
     if sys.implementation.name != "cpython":
         return None
@@ -115,13 +103,13 @@ def _torch_block() -> _TorchBlock | None:
     if offset < 0:
         return None
 
-    def block(generator: torch.Generator) -> _TorchBlock:
+    def block(generator: torch.Generator) -> _Block:
         address = ctypes.c_void_p.from_address(id(generator) + object.__basicsize__).value
         assert address is not None
         engine = address + offset
         # next_ and state_[0]; state_[1..2]; optional<float> (value, flag); optional<double>'s flag
         marks = [engine + 16, engine + 24, engine + _TORCH_ENGINE_BYTES, engine + _TORCH_ENGINE_BYTES + 20]
-        return _TorchBlock(_view(engine, _TORCH_BLOCK_BYTES), None, generator, marks)
+        return _Block(_view(engine, _TORCH_BLOCK_BYTES), None, generator, marks)
 
     def words(view: _Block) -> tuple[int, ...]:
         return struct.unpack_from(f"<{_MT_WORDS}I", view.take(), 20)
@@ -143,10 +131,6 @@ def _torch_block() -> _TorchBlock | None:
     again = torch.Generator().set_state(state)
     if not torch.equal(probe.get_state(), state) or not torch.equal(torch.randn(3, generator=probe),
                                                                     torch.randn(3, generator=again)):
-        return None
-    mine.put(taken)
-    mine.stamp(seed ^ 0x0F0F)  # the seed torch.initial_seed() reports, and nothing else
-    if probe.initial_seed() != seed ^ 0x0F0F or not torch.equal(probe.get_state()[8:], state[8:]):
         return None
     default = block(torch.default_generator)
     return default if words(default) == serialized_words(torch.default_generator) else None
@@ -229,23 +213,6 @@ class GeneratorStates:
         mean the generators did not move (different ones are confirmed by :meth:`changed`)."""
         self._follow_numpy()
         return tuple([generator.marks() for i, generator in enumerate(self._generators) if among >> i & 1])
-
-    def stamp_torch_seed(self, seed: int) -> bool:
-        """Make ``torch.initial_seed()`` report ``seed`` (< 2**63) without seeding torch's generator: its state
-        stays (unlike ``manual_seed``, no new words, ~1 µs less). False where torch's generator is not memory
-        here: then nothing is written. :meth:`unstamp_torch_seed` puts the seed ``taken`` back."""
-        torch_state = self._generators[0]
-        if type(torch_state) is not _TorchBlock:
-            return False
-        torch_state.stamp(seed)
-        return True
-
-    def unstamp_torch_seed(self, taken: tuple[Any, ...]) -> None:
-        """torch's reported seed back to the one in ``taken`` (after :meth:`stamp_torch_seed`; its other words are
-        left as they are: compare them with :meth:`changed`)."""
-        torch_state = self._generators[0]
-        assert type(torch_state) is _TorchBlock
-        torch_state.unstamp(taken[0])
 
     def _follow_numpy(self) -> None:
         if self._numpy_owner is not None and self._numpy_owner is not np.random.mtrand._rand._bit_generator:
