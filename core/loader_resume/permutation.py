@@ -20,10 +20,11 @@ __all__ = ["KeyedPermutation"]
 _ROUNDS = 6
 _TABLE_HALF_BITS = 16
 """Up to this half width (n <= 2^32), each round function is a lookup table of 2^half entries (<= 1.5 MiB)."""
-_WHOLE_HALF_BITS = 8
-"""Up to this half width (a domain of <= 2^16 values), the first lookup computes the whole permutation: the domain
-encrypted in one vectorised call, then the walks as lookups in it (for n = 5,000, an epoch's values in ~40 % of
-the time chunk by chunk takes, where each walk step is a call of its own on a few values)."""
+_WHOLE_HALF_BITS = 7
+"""Up to this half width (a domain of <= 2^14 values), the first lookup computes the whole permutation: the domain
+encrypted in one vectorised call, then the walks as lookups in it. An epoch of n = 5,000 then takes ~40 % of the
+time chunk by chunk takes (where each walk step is a call of its own on a few values); past 2^14 it gains
+nothing (measured up to 2^16: the domain's arrays cost more than the chunks' calls)."""
 
 
 class KeyedPermutation:
@@ -46,7 +47,8 @@ class KeyedPermutation:
             # NOTE: a round function reads only the right half (`half` bits), so for small halves each
             # round is tabulated once: a lookup and an XOR a round instead of four 64-bit operations.
             right = np.arange(1 << half, dtype=np.uint64)
-            self._tables = [self._round(right, r).astype(np.int64) for r in range(_ROUNDS)]
+            rounds = ((right[None, :] ^ self._xors[:, None]) * self._multipliers[:, None]) >> self._shift
+            self._tables = list(rounds.astype(np.int64))  # row r: _round(right, r), all six rounds in one go
         self._whole: npt.NDArray[np.int64] | None = None
 
     def __getitem__(self, positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
@@ -55,20 +57,28 @@ class KeyedPermutation:
         half = int(self._half)
         if half <= _WHOLE_HALF_BITS:
             if self._whole is None:
-                domain = self._encrypt(np.arange(1 << (2 * half), dtype=np.int64))
-                self._whole = self._walk(domain[: self.n].copy(), domain.__getitem__)
+                self._whole = self._walked_domain(half)
             return self._whole[flat].reshape(np.shape(positions))
-        return self._walk(self._encrypt(flat), self._encrypt).reshape(np.shape(positions))
-
-    def _walk(self, out: npt.NDArray[np.int64], encrypt: Any) -> npt.NDArray[np.int64]:
-        """Cycle-walking: ``out`` (encrypted positions) with each value outside ``range(n)`` encrypted again until it
-        lands inside, which keeps the map a bijection (the Feistel domain is up to 4n). Only the values still
-        outside are carried to the next step."""
+        out = self._encrypt(flat)
+        # NOTE: cycle-walking. The Feistel domain is up to 4n; a value that lands outside
+        # range(n) is encrypted again until it lands inside, which keeps the map a bijection.
+        # Only the values still outside are carried to the next walk step.
         outside = np.flatnonzero(out >= self.n)
         while outside.size:
-            walked = encrypt(out[outside])
+            walked = self._encrypt(out[outside])
             out[outside] = walked
             outside = outside[walked >= self.n]
+        return out.reshape(np.shape(positions))
+
+    def _walked_domain(self, half: int) -> npt.NDArray[np.int64]:
+        """The whole permutation: the domain encrypted at once, then the cycle-walks as lookups in it. ``step`` is
+        one walk step (a value inside ``range(n)`` stays), squared each round: after k rounds every value has
+        walked 2^k - 1 steps, so ~5 rounds instead of a round per step of the longest walk."""
+        domain = np.arange(1 << (2 * half), dtype=np.int64)
+        encrypted = self._encrypt(domain)
+        out, step = encrypted[: self.n], np.where(domain < self.n, domain, encrypted)
+        while out.size and int(out.max()) >= self.n:
+            step, out = step.take(step), step.take(out)
         return out
 
     def _round(self, right: npt.NDArray[Any], r: int) -> npt.NDArray[Any]:
