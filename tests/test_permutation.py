@@ -89,3 +89,12 @@ def test_whole_and_walked_lookups_give_the_definitions_values_at_the_domain_edge
     assert perm[positions].tolist() == [_reference(n, key, int(p)) for p in positions]
     assert perm[positions[::-1].reshape(-1, 8)].reshape(-1).tolist() == perm[positions][::-1].tolist()
     assert sorted(KeyedPermutation(n, key)[np.arange(n)].tolist()) == list(range(n))
+
+
+@pytest.mark.parametrize("n", [4_097, 16_384])
+def test_every_position_of_a_whole_permutation_is_the_definitions_and_lookups_return_copies(n: int) -> None:
+    perm = KeyedPermutation(n, 77)
+    values = perm[np.arange(n)]
+    assert values.tolist() == [_reference(n, 77, p) for p in range(n)]
+    values[:] = 0  # a caller writing into what it got changes nothing a later lookup returns
+    assert perm[np.arange(n)].tolist() == [_reference(n, 77, p) for p in range(n)]

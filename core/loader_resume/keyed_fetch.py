@@ -53,9 +53,9 @@ class KeyedFetch:
     drew from the caller's generator, so its state is put back, it is learned as drawn, and the fetch is
     done again, seeded (values are then the batch key's, as if it had been seeded from the start). Finally
     every seeded generator gets the caller's state back.
-    A dataset that draws no random number thus pays a copy and a comparison of three small blocks of memory
-    a batch and torch's seeding (~1 µs); one that draws pays a second read of one batch, once per generator
-    it first draws from after the loader's first batch.
+    A dataset that draws no random number thus pays a copy of three small blocks of memory a batch, torch's
+    seeding and a comparison of the other two; one that draws pays a second read of one batch, once per
+    generator it first draws from after the loader's first batch.
     """
 
     __slots__ = ("_drawn", "_fetcher", "_next")

@@ -19,7 +19,7 @@ __all__ = ["KeyedPermutation"]
 
 _ROUNDS = 6
 _TABLE_HALF_BITS = 16
-"""Up to this half width (n <= 2^32), each round function is a lookup table of 2^half entries (<= 1.5 MiB)."""
+"""Up to this half width (n <= 2^32), each round function is a lookup table of 2^half entries (all six <= 3 MiB)."""
 _WHOLE_HALF_BITS = 7
 """Up to this half width (a domain of <= 2^14 values), the first lookup computes the whole permutation: the domain
 encrypted in one vectorised call, then the walks as lookups in it. An epoch of n = 5,000 then takes ~40 % of the

@@ -62,7 +62,7 @@ class _Block:
         """A few words of the blocks that change whenever the generator does: MT19937's position counter and the
         state words next to it (a draw moves the counter; a whole number of refills of the 624 words, which
         leaves it where it was, replaces the words), and the cached normals' flags. ~10 cache lines read
-        instead of the whole state: what a fetch compares first."""
+        instead of the whole state: what a worker's fetch compares (it keeps no copy of the states)."""
         return tuple([cell.value for cell in self._cells])
 
     def take(self) -> Any:
