@@ -47,8 +47,8 @@ class KeyedPermutation:
             # NOTE: a round function reads only the right half (`half` bits), so for small halves each
             # round is tabulated once: a lookup and an XOR a round instead of four 64-bit operations.
             right = np.arange(1 << half, dtype=np.uint64)
-            rounds = ((right[None, :] ^ self._xors[:, None]) * self._multipliers[:, None]) >> self._shift
-            self._tables = list(rounds.astype(np.int64))  # row r: _round(right, r), all six rounds in one go
+            rounds = self._round(right[None, :], np.s_[:, None])  # row r: round r's table, all six in one go
+            self._tables = list(rounds.astype(np.int64))
         self._whole: npt.NDArray[np.int64] | None = None
 
     def __getitem__(self, positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
@@ -81,9 +81,10 @@ class KeyedPermutation:
             step, out = step.take(step), step.take(out)
         return out
 
-    def _round(self, right: npt.NDArray[Any], r: int) -> npt.NDArray[Any]:
+    def _round(self, right: npt.NDArray[Any], r: Any) -> npt.NDArray[Any]:
         # Round function: the high `half` bits of a keyed multiply (multiply-shift hashing). Bit i of
         # a product depends on bits <= i of the factor, so the top bits depend on all of `right`.
+        # `r`: a round, or an index of the rounds' keys that broadcasts against `right` (every round at once).
         product: npt.NDArray[Any] = (right ^ self._xors[r]) * self._multipliers[r]
         return product >> self._shift
 
