@@ -37,6 +37,7 @@ from loader_resume.checkpoint import (
 from loader_resume.convert import sharded_resumable
 from loader_resume.distributed import gather_rng_states, gather_states, load_rank_state
 from loader_resume.preemption import Preemption
+from loader_resume.sampler import loader_seed
 from loader_resume.step_boundary import ReportingDataLoader, StepBoundaries
 from loader_resume.thirdparty import accelerator_mode, mark_accelerator
 
@@ -111,7 +112,9 @@ class Resume:
     # --- the user's API ----------------------------------------------------------------------------
     @property
     def step(self) -> int:
-        """Optimizer steps completed (restored on resume)."""
+        """Optimizer steps completed, every ``optimizer.step()`` that stepped (a loop that steps twice per batch
+        counts two; a step skipped inside ``accumulate`` none); restored on resume. Checkpoints are named after
+        it (``step_N``) and ``save_every_n_steps`` counts it."""
         return self._boundaries.step
 
     def epochs(self, num_epochs: int) -> Iterator[int]:
@@ -190,8 +193,9 @@ class Resume:
 
     def _convert(self, loader: DataLoader[Any], placement: bool | None) -> AcceleratedResumableDataLoader:
         config, accelerator = self.config, self.accelerator
+        seed = loader_seed(config.seed, len(self._loaders))  # NOTE: each loader of the job its own keyed values
         ours = sharded_resumable(loader, rank=accelerator.process_index, world_size=accelerator.num_processes,
-                                 loader_class=AcceleratedResumableDataLoader, seed=config.seed, keying=config.keying,
+                                 loader_class=AcceleratedResumableDataLoader, seed=seed, keying=config.keying,
                                  keyed_generators=config.keyed_generators, ignore_signals=self.preemption.signals)
         ours.attach_accelerate(self, *placed(self.accelerator, placement))
         self._loaders.append(ours)
@@ -216,8 +220,8 @@ class Resume:
 
     def _boundary(self) -> None:
         config = self.config
-        periodic = config.save_every_n_steps and self.step % config.save_every_n_steps == 0
-        preempted = self.step % config.check_every_n_steps == 0 and self.preemption.agreed()
+        periodic = self._boundaries.reached(config.save_every_n_steps)
+        preempted = self._boundaries.reached(config.check_every_n_steps) and self.preemption.agreed()
         if periodic or preempted:
             self.save()
         if preempted:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,7 +25,9 @@ from loader_resume.checkpoint import CHECKPOINT_FORMAT, global_rng_state, set_gl
 from loader_resume.convert import resumable
 from loader_resume.distributed import gather_rng_states, gather_states
 from loader_resume.preemption import Preemption
+from loader_resume.sampler import loader_seed
 
+from .fit_start import make_newest, quiet_fresh_fit, trainer_calling
 from .loaders import TrainingLoaders
 
 __all__ = ["CHECKPOINT_KEY", "ResumeCallback"]
@@ -89,6 +90,7 @@ class ResumeCallback(OnExceptionCheckpoint):
         self._rng_to_restore: Any = None
         self._rng_around_validation: Any = None
         self._torch_rng_after_step: torch.Tensor | None = None
+        quiet_fresh_fit(True)
 
     @property
     @override
@@ -102,7 +104,7 @@ class ResumeCallback(OnExceptionCheckpoint):
         resumes from ``d`` by itself. Should that ever fail, ``setup`` refuses to start over silently.
         """
         if not self._dirpath_known:
-            trainer = _trainer_calling(self)
+            trainer = trainer_calling(self)
             if trainer is None:
                 self._asked_unknown = True
             else:
@@ -112,6 +114,7 @@ class ResumeCallback(OnExceptionCheckpoint):
     # --- hooks ---------------------------------------------------------------------------------
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        quiet_fresh_fit(False)  # Lightning has chosen its checkpoint: warnings about any later choice are shown
         if sum(isinstance(c, ResumeCallback) for c in trainer.callbacks) > 1:  # type: ignore[attr-defined]
             raise ValueError("Trainer(callbacks=[...]) has more than one ResumeCallback; expected exactly one "
                              "(each would convert and save the same loaders)")
@@ -176,9 +179,10 @@ class ResumeCallback(OnExceptionCheckpoint):
         if stage != "fit":
             return
         if self.preempted_at is not None and trainer.is_global_zero and os.path.exists(self.ckpt_path):
-            # NOTE: a restart resumes from the newest of this file and ModelCheckpoint's last file;
-            # ModelCheckpoint may still write last.ckpt while the stopping fit winds down.
-            os.utime(self.ckpt_path)
+            # NOTE: a restart resumes from the newest of this file and ModelCheckpoint's last file (by mtime);
+            # ModelCheckpoint may still write last.ckpt while the stopping fit winds down, within the same tick
+            make_newest(self.ckpt_path, trainer)
+        quiet_fresh_fit(True)
         if self.preempted_at is not None and self.exit_code is not None:
             raise SystemExit(self.exit_code)
 
@@ -196,8 +200,16 @@ class ResumeCallback(OnExceptionCheckpoint):
         """The loader's state at the batch the trainer has taken, not the one it prefetched.
 
         NOTE: Lightning fetches one batch ahead from a training loader without ``__len__`` (to know
-        when the epoch ends), so such a loader has delivered one more batch than the trainer used.
+        when the epoch ends), so such a loader has delivered one more batch than the trainer used. At the
+        epoch's last batch every training loader's pass ends, even one left mid-way (``limit_train_batches``,
+        ``CombinedLoader`` ``min_size``, or ``max_size_cycle``'s restarted shorter loader): a resumed fit
+        starts the next epoch with one ``iter()`` each, so the state is where that pass starts.
         """
+        progress = trainer.fit_loop.epoch_loop.batch_progress.current
+        if trainer.state.fn == "fit" and (trainer.is_last_batch or progress.ready == trainer.num_training_batches):
+            return loader.state_dict(pass_ended=True)
+        if loader.pass_finished:  # NOTE: done before the epoch (CombinedLoader max_size): empty for the epoch's rest
+            return {**loader.state_dict(), "ending": True}
         if len(self._training.loaders) != 1 or not isinstance(loader.dataset, torch.utils.data.IterableDataset):
             return loader.state_dict()
         taken = trainer.fit_loop.epoch_loop.batch_progress.current.ready
@@ -253,8 +265,9 @@ class ResumeCallback(OnExceptionCheckpoint):
             self._rng_to_restore = None
 
     # --- loaders -------------------------------------------------------------------------------
-    def _resumable(self, loader: DataLoader[Any], rank: int, world_size: int) -> ResumableDataLoader[Any]:
-        """The same loader, made resumable (``loader_resume.convert``); under DDP it shards itself.
+    def _resumable(self, loader: DataLoader[Any], rank: int, world_size: int, index: int) -> ResumableDataLoader[Any]:
+        """The same loader, made resumable (``loader_resume.convert``); under DDP it shards itself. The
+        ``index``-th training loader gets its own seed (``loader_seed``): two loaders never draw the same values.
 
         NOTE: Lightning rebuilds any training loader whose ``sampler`` is not a ``DistributedSampler`` to
         inject one (a rebuilt loader would lose the state we load into it, and a custom sampler would be
@@ -262,21 +275,10 @@ class ResumeCallback(OnExceptionCheckpoint):
         sharding as a ``DistributedSampler``/``ShardedSampler``, so Lightning keeps our loader.
         """
         return resumable(
-            loader, seed=self.seed, keying=self.keying, keyed_generators=self.keyed_generators,
+            loader, seed=loader_seed(self.seed, index), keying=self.keying, keyed_generators=self.keyed_generators,
             rank=rank, world_size=world_size,
             ignore_signals=self.preemption.signals,
         )
-
-
-def _trainer_calling(callback: ResumeCallback) -> Trainer | None:
-    """The ``Trainer`` on the call stack whose callbacks hold ``callback`` (``None`` outside one)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, Trainer) and any(c is callback for c in getattr(candidate, "callbacks", ())):
-            return candidate
-        frame = frame.f_back  # type: ignore[assignment]
-    return None
 
 
 def _drop_lightning_loader_states(checkpoint: dict[str, Any]) -> None:

@@ -32,6 +32,7 @@ from loader_resume.checkpoint import (
 )
 from loader_resume.distributed import gather_rng_states, gather_states, load_rank_state
 from loader_resume.preemption import Preemption
+from loader_resume.sampler import loader_seed
 from loader_resume.step_boundary import ReportingDataLoader, StepBoundaries
 
 from .callback import CHECKPOINT_KEY
@@ -114,7 +115,7 @@ class FabricResume:
     # --- the user's API ----------------------------------------------------------------------------
     @property
     def step(self) -> int:
-        """Optimizer steps completed (restored on resume)."""
+        """Optimizer steps completed, each ``optimizer.step()`` (two per batch count two); restored on resume."""
         return self._boundaries.step
 
     def epochs(self, num_epochs: int) -> Iterator[int]:
@@ -260,8 +261,8 @@ class FabricResume:
 
     # --- loaders and step boundaries ----------------------------------------------------------------
     def _convert(self, loader: DataLoader[Any], move_to_device: bool) -> FabricResumableDataLoader:
-        ours = convert(loader, self.fabric, seed=self.seed, keying=self.keying, keyed_generators=self.keyed_generators,
-                       signals=self.preemption.signals)
+        ours = convert(loader, self.fabric, seed=loader_seed(self.seed, len(self.loaders)), keying=self.keying,
+                       keyed_generators=self.keyed_generators, signals=self.preemption.signals)  # each its own seed
         ours.attach(self, self.fabric.to_device if move_to_device else None)
         self.loaders.append(ours)
         self._load_pending()
@@ -285,13 +286,12 @@ class FabricResume:
     def _boundary(self) -> None:
         if self._state is None:
             return  # restore(state) was not called: nothing to save
-        step = self.step
-        periodic = self.save_every_n_steps and step % self.save_every_n_steps == 0
-        preempted = step % self.check_every_n_steps == 0 and self._any_rank(self.preemption.received is not None)
-        if periodic or preempted:
+        signalled = self.preemption.received is not None
+        preempted = self._boundaries.reached(self.check_every_n_steps) and self._any_rank(signalled)
+        if preempted or self._boundaries.reached(self.save_every_n_steps):
             self.save()
         if preempted:
-            self.preempted_at = step
+            self.preempted_at = step = self.step
             logger.warning("preemption signal: checkpoint written at step %d; exiting with %d", step, self.exit_code)
             self._exit()
 

@@ -19,10 +19,10 @@ class TrainingLoaders:
     """One fit's training loaders: made resumable where Lightning holds them (or once the module returns
     them), sharded for the trainer's rank, and given a checkpoint's states as soon as they exist.
 
-    ``make_resumable(loader, rank, world_size)`` converts one loader.
+    ``make_resumable(loader, rank, world_size, index)`` converts one loader, the ``index``-th found.
     """
 
-    def __init__(self, make_resumable: Callable[[DataLoader[Any], int, int], ResumableDataLoader[Any]]) -> None:
+    def __init__(self, make_resumable: Callable[[DataLoader[Any], int, int, int], ResumableDataLoader[Any]]) -> None:
         self.loaders: list[ResumableDataLoader[Any]] = []
         """The converted loaders of this fit, in the order their states are saved (empty until converted)."""
         self._to_load: list[Any] | None = None
@@ -60,7 +60,7 @@ class TrainingLoaders:
     def convert(self, loaders: Any) -> Any:
         """``loaders`` (what a module's ``train_dataloader()`` returns) with every DataLoader made resumable;
         a checkpoint's states waiting in :meth:`load` go into them."""
-        converted, self.loaders = resumable_tree(loaders, lambda loader: self._make(loader, *self._shard))
+        converted, self.loaders = resumable_tree(loaders, lambda loader, index: self._make(loader, *self._shard, index))
         for loader in self.loaders:  # Lightning asks for the training loaders on every rank: a collective is safe
             check_same_dataset(loader)
         self._apply()
@@ -78,9 +78,10 @@ class TrainingLoaders:
 
 
 def resumable_tree(
-    obj: Any, convert: Callable[[DataLoader[Any]], ResumableDataLoader[Any]],
+    obj: Any, convert: Callable[[DataLoader[Any], int], ResumableDataLoader[Any]],
 ) -> tuple[Any, list[ResumableDataLoader[Any]]]:
-    """``obj`` with every ``DataLoader`` in it made resumable by ``convert`` (one already resumable is kept),
+    """``obj`` with every ``DataLoader`` in it made resumable by ``convert(loader, index)`` (``index``: how many
+    were found before it; one already resumable is kept),
     through ``CombinedLoader``s, dicts, lists and tuples; and those loaders, in the order found (the order
     their states are saved in)."""
     found: list[ResumableDataLoader[Any]] = []
@@ -90,7 +91,7 @@ def resumable_tree(
             value.flattened = [walk(loader) for loader in value.flattened]
             return value
         if isinstance(value, DataLoader):
-            loader = value if isinstance(value, ResumableDataLoader) else convert(value)
+            loader = value if isinstance(value, ResumableDataLoader) else convert(value, len(found))
             found.append(loader)
             return loader
         if isinstance(value, dict):

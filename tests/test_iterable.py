@@ -232,10 +232,11 @@ def test_a_dataset_that_can_reshard_resumes_with_another_worker_count(caplog: py
     for batch in loader:
         before += batch.tolist()
         if len(before) == 6:
+            state = loader.state_dict()  # inside the pass: after the `break` the pass is over
             break
     resumed = ResumableDataLoader(Pool(23), batch_size=2, num_workers=3)
     with caplog.at_level(logging.WARNING, logger="loader_resume"):
-        resumed.load_state_dict(loader.state_dict())
+        resumed.load_state_dict(state)
     after = [i for batch in resumed for i in batch.tolist()]
     assert_delivers_rest_exactly_once(before, after, 23)
     assert "re-sharded Pool for num_workers 2 -> 3" in caplog.text

@@ -94,7 +94,8 @@ def test_a_dataset_that_is_its_own_iterator_gets_its_state_after_iter_only(worke
 
     assert_resumes_exactly(make)
     loader = make()
-    next(iter(loader))
+    iterator = iter(loader)  # held: a dropped iterator's pass is over
+    next(iterator)
     entry = loader.state_dict()["stream"]["workers"][0]
     # stored once (TestDatasetIteratorStateDuplication): as the dataset's state, marked as its own iterator
     assert entry["state"] == {"mine": _share_of(0, workers, 12), "at": 2}
@@ -311,7 +312,8 @@ def test_a_state_of_a_self_iterating_dataset_is_refused_when_iter_no_longer_retu
     from loader_resume import StateError
 
     loader = ResumableDataLoader(BuildsPositionInIter(12), batch_size=2)
-    next(iter(loader))
+    iterator = iter(loader)  # held: a dropped iterator's pass is over
+    next(iterator)
     resumed = ResumableDataLoader(_NowAGenerator(12), batch_size=2)
     resumed.load_state_dict(loader.state_dict())
     with pytest.raises(StateError, match=r"'stream.workers\[0\].self_iterator': saved True, expected False"):

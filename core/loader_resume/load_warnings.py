@@ -9,7 +9,7 @@ from typing import Any
 
 from .thirdparty import irreproducible
 
-__all__ = ["LoadWarnings"]
+__all__ = ["LoadWarnings", "warn_sampler_left"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,3 +56,11 @@ class LoadWarnings:
         if case not in self.warned:
             self.warned.add(case)
             logger.warning("%s over %s: %s", self.kind, type(self.loader.dataset).__name__, message)
+
+
+def warn_sampler_left(sampler: Any) -> None:
+    """A pass over a user's stateful sampler was left early: its state is its own to interpret."""
+    logger.warning("a pass over %s was left before its end: the state holds that sampler's own state_dict() as it is "
+                   "now, so whether the next pass resumes its old epoch or starts a new one is up to the sampler "
+                   "(loader-resume's own order, with no sampler, starts the next epoch as the uninterrupted run "
+                   "does)", type(sampler).__name__)

@@ -58,8 +58,7 @@ class ResumableDataLoader(IndexHooks[T]):
             ``initial_seed()`` of ``generator`` (or of a ``RandomSampler``'s generator) when one is
             given, else ``0`` — as with ``DistributedSampler``, the order is reproducible unless you
             pass another seed.
-        snapshot_every_n_steps: accepted for torchdata compatibility (None or an int >= 0, as there) and
-            ignored: the state is a position, so it is exact at every step for free.
+        snapshot_every_n_steps: as torchdata's (None or an int >= 0), ignored: the state is exact at every step.
         keying: ``"batch"`` (default) seeds the keyed generators before each batch from
             ``(seed, epoch, the batch's global position)`` (with ``num_workers=0``, only torch's and those
             the dataset is seen to draw from: a batch that first draws from another is read again, keyed);
@@ -69,14 +68,12 @@ class ResumableDataLoader(IndexHooks[T]):
             generator), ``"numpy"`` (legacy global ``np.random``) and ``"random"``.
         rank: shard for this rank; default from ``torch.distributed`` when initialised.
         world_size: shard across this many ranks; default from ``torch.distributed`` when initialised.
-        by_value_bytes: tensors of at most this many bytes come back from workers by value, not through
-            shared memory, which costs far more for small ones (``worker_transport``); 0: as ``DataLoader``.
+        by_value_bytes: tensors up to this size come back from workers by value (``worker_transport``); 0: never.
 
-    Semantics (as torchdata's ``StatefulDataLoader``): ``state_dict()`` may be called at any time and
-    describes the position after the last batch handed to the caller; after ``load_state_dict(s)``
-    the next ``iter()`` continues there; a state taken after an epoch's last batch resumes at the next
-    epoch's first batch. Without a load, each ``iter()`` starts a new epoch, as with ``DataLoader``.
-    ``len(loader)`` is this rank's batches in a whole epoch.
+    Semantics: ``state_dict()`` may be called at any time and describes where the next batch comes from;
+    after ``load_state_dict(s)`` the next ``iter()`` continues there. Without a load each ``iter()`` starts a
+    new epoch, as with ``DataLoader``, so a state taken after an epoch's last batch, or after a pass was left
+    early (its iterator gone), resumes at the next epoch's first batch. ``len(loader)``: this rank's batches.
     """
 
     def __init__(
@@ -137,12 +134,12 @@ class ResumableDataLoader(IndexHooks[T]):
 
     # --- torch hooks -----------------------------------------------------------------------------
     _torch_building = False  # True while torch's iterator is built (see _building)
+    _rest_empty = False  # a loaded state was taken between a pass's last batch and its end (its "ending" key)
 
     def _fetches_lists(self) -> bool:
-        # NOTE: torch's iterator, built inside `_building`, always fetches through a list of indices, even
-        # with batch_size=None (then one index, unwrapped again after collate), because iterating that list
-        # in the worker, right before the items are read, is where keyed randomness is applied. Asked
-        # anywhere else, the answer is DataLoader's.
+        # NOTE: torch's iterator, built inside `_building`, always fetches through a list of indices (batch_size=None:
+        # one index, unwrapped after collate): keyed randomness is applied right before the items are read.
+        # Asked anywhere else, the answer is DataLoader's.
         return self._torch_building or self.batch_sampler is not None
 
     def _index_lists(self) -> Any:
@@ -159,6 +156,9 @@ class ResumableDataLoader(IndexHooks[T]):
     def __iter__(self) -> Any:
         setup = self._position.setup
         self._loads.taken_up()
+        if self._rest_empty:  # NOTE: the saved pass's rest is empty: this iter() ends at once
+            self._rest_empty = False
+            return iter(())
         begun = self._position.begin(self.collate_fn, self.worker_init_fn)
         if begun.restart_workers:
             forget_persistent_iterator(self)
@@ -179,11 +179,9 @@ class ResumableDataLoader(IndexHooks[T]):
 
     @contextlib.contextmanager
     def _building(self, **attributes: Any) -> Iterator[None]:
-        """Hand torch's iterator our collate/worker_init_fn (and keyed generator) while it is built (torch reads
-        them then); afterwards the loader's public attributes are the user's again. NOTE: torch draws each
-        iterator's worker base seed from ``loader.generator`` (else the caller's default generator, which would
-        shift the model's dropout sequence every epoch); while keyed, from a private generator keyed by (seed,
-        epoch) instead, which also makes unkeyed worker generators a function of the epoch."""
+        """Hand torch's iterator our collate/worker_init_fn (and keyed generator) while it is built; afterwards the
+        loader's attributes are the user's again. NOTE: torch draws workers' base seed from ``loader.generator``
+        (else the caller's generator: dropout would shift); while keyed, from one keyed by (seed, epoch)."""
         if self.generator is None and self.keying != "off":
             key = derive_key(self.seed, self._position.epoch, "workers")
             attributes["generator"] = torch.Generator().manual_seed(key)
@@ -244,28 +242,31 @@ class ResumableDataLoader(IndexHooks[T]):
         """The epoch the next batch belongs to (after a load: the loaded one)."""
         return self._position.epoch
 
-    def state_dict(self, *, batches_ago: int = 0) -> dict[str, Any]:
-        """The position after the last batch handed to the caller: plain, versioned, < 1 KB.
+    def state_dict(self, *, batches_ago: int = 0, pass_ended: bool = False) -> dict[str, Any]:
+        """The position after the last batch handed to the caller: plain, versioned, < 1 KB. A pass left early
+        (``break``) is over once its iterator is gone: a state taken then starts where the next ``iter()`` does.
 
-        ``batches_ago`` (iterable datasets, up to 8 within the current pass): the state as it was that
-        many deliveries ago — for frameworks that fetch ahead of the step they checkpoint (Lightning
-        prefetches one batch from a loader without ``__len__``).
+        ``batches_ago`` (streams, up to 8 in the pass): the state that many deliveries ago (a framework fetched ahead).
+        ``pass_ended``: as if the pass in flight were left now (a loop checkpointing the step after which it leaves).
         """
-        state = self._identity.for_state()
-        self._position.fill_state(state, batches_ago)
+        state = self._identity.for_state(pass_ended)
+        self._position.fill_state(state, batches_ago, pass_ended)
         return state
 
     @property
+    def pass_finished(self) -> bool:
+        """Whether the pass the last ``iter()`` began is over (its last batch handed out, or its iterator gone)."""
+        return self._identity.at_pass is not None and bool(self._identity.at_pass[0].done)
+
+    @property
     def batches_delivered(self) -> int:
-        """Iterable datasets: batches handed to the caller in the current pass, the deliveries
-        ``state_dict(batches_ago=...)`` can go back over; ``0`` for map-style datasets."""
+        """Streams: batches handed out in the current pass (what ``batches_ago`` can go back over); map-style: 0."""
         position = self._position
         return position.batches_delivered if isinstance(position, StreamPosition) else 0
 
     def planned_indices(self, *, epoch: int | None = None) -> list[list[Any]]:
-        """Map-style datasets: the index lists the next pass hands torch's fetcher — or, with ``epoch``, that
-        whole epoch's from its start — computed without reading any data (``loader-resume check`` compares
-        them). An iterable dataset's tasks name no indices: TypeError."""
+        """Map-style: the index lists of the next pass (or of ``epoch`` from its start), read from no data
+        (``loader-resume check`` compares them); TypeError for an iterable dataset."""
         if not isinstance(self._position, MapPosition):
             raise TypeError("planned_indices(): an iterable dataset's order is its own; only map-style data is planned")
         return self._position.planned(epoch)
@@ -273,25 +274,24 @@ class ResumableDataLoader(IndexHooks[T]):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from ``state_dict`` at the next ``iter()``; raises :class:`StateError` if it cannot.
 
-        Map-style: world size, batch size, ``num_workers`` and ``drop_last`` may differ from the saving
-        run (logged); anything the order depends on (dataset length, seed, shuffle, keying) may not.
-        Iterable: each worker's position lives in its own dataset copy, so ``num_workers`` and the
-        world size must match the saving run (unless the dataset can re-shard, see ``load_resharded``).
-        States of earlier versions load (version 1 and 2: an iterable's ``position`` was its delivered count).
-
+        Map-style: world size, batch size, ``num_workers`` and ``drop_last`` may differ from the saving run
+        (logged); what the order depends on (dataset length, seed, shuffle, keying) may not. Iterable: each
+        worker's position lives in its own dataset copy, so ``num_workers`` and the world size must match
+        (unless the dataset can re-shard, see ``load_resharded``). Earlier versions' states load.
+        After a state with ``"ending": True`` (``ReportingDataLoader.resume_state``) the first ``iter()`` is empty.
         A state that would be ignored is named in a warning (once per loader and case): loaded while an
-        iterator of this loader is still mid-epoch (that iterator goes on from where it was; the state
-        applies from the next ``iter()``), or loaded over an earlier state that no ``iter()`` took up.
+        iterator of this loader is mid-epoch (it goes on; the state applies from the next ``iter()``), or
+        loaded over an earlier state that no ``iter()`` took up.
         """
         state = self._identity.checked(state_dict)
         self._loads.loading()
         self._identity.forget_pass()
         self._position.reset(state)
+        self._rest_empty = bool(state.get("ending"))
 
     def load_resharded(self, ranks: list[dict[str, Any]]) -> None:
-        """Resume an iterable-dataset checkpoint taken at another world size: ``ranks`` holds every old
-        rank's state (what ``distributed.load_rank_state`` passes on; see there). The dataset must define
-        ``reshard_states(states, num_shards)``."""
+        """Resume an iterable dataset's checkpoint of another world size from every old rank's state (see
+        ``distributed.load_rank_state``); the dataset must define ``reshard_states(states, num_shards)``."""
         if not isinstance(self._position, StreamPosition):
             raise TypeError("load_resharded(): map-style states load at any world size through load_state_dict()")
         states = [check_state(state, self._identity.fields()) for state in ranks]

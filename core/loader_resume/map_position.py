@@ -14,6 +14,7 @@ from typing import Any
 
 from .index_plan import Pending, Plan, plan_indices
 from .keyed_fetch import NextFetch
+from .load_warnings import warn_sampler_left
 from .mixture import Mixture
 from .out_of_order import OutOfOrder
 from .position import PassStart, Setup, tell_epoch
@@ -146,18 +147,36 @@ class MapPosition:
         if pass_ is self._pass and not pass_.done:
             self._next_epoch(pass_)
 
-    def fill_state(self, state: dict[str, Any], batches_ago: int = 0) -> None:
+    def abandon(self, pass_: MapPass) -> None:
+        if pass_ is self._pass and not pass_.done:
+            start, pass_.done = self._next, True
+            self.epoch, self._samples, self._sampler_state = start.epoch, start.position, None
+            if self._stateful_flags()[0]:
+                warn_sampler_left(self.sampler)
+
+    def fill_state(self, state: dict[str, Any], batches_ago: int = 0, next_pass: bool = False) -> None:
         if batches_ago:
             raise ValueError(f"batches_ago={batches_ago}: map-style states are exact at the last delivered "
                              "batch; frameworks do not fetch ahead of sized loaders")
-        state["epoch"], state["position"] = self.epoch, self._samples
-        if not self.setup.in_order:
-            pass_ = self._pass
-            live = pass_ is not None and pass_.out_of_order is not None and not pass_.done
-            state["ahead"] = pass_.out_of_order.ahead(self._samples) if live else sorted(self._next.ahead)  # type: ignore[union-attr]
+        pass_ = self._pass
+        live = pass_ is not None and not pass_.done
+        if next_pass and live:  # NOTE: the state the pass in flight leaves once it is abandoned (see abandon)
+            start = self._next
+            state["epoch"], state["position"] = start.epoch, start.position
+            if not self.setup.in_order:
+                state["ahead"] = sorted(start.ahead)
+        else:
+            state["epoch"], state["position"] = self.epoch, self._samples
+            if not self.setup.in_order:
+                in_flight = live and pass_.out_of_order is not None  # type: ignore[union-attr]
+                state["ahead"] = pass_.out_of_order.ahead(self._samples) if in_flight else sorted(self._next.ahead)  # type: ignore[union-attr]
         sampler_stateful, dataset_stateful = self._stateful or self._stateful_flags()
         if sampler_stateful:
-            state["sampler_state"] = self._current_sampler_state()
+            if next_pass and live:
+                warn_sampler_left(self.sampler)
+                state["sampler_state"] = self.sampler.state_dict()
+            else:
+                state["sampler_state"] = self._current_sampler_state()
         if dataset_stateful:
             state["dataset_state"] = self.setup.dataset.state_dict()
 

@@ -117,10 +117,15 @@ class Position(Protocol):
     def end(self, pass_: Any) -> None:
         """torch's iterator of ``pass_`` is exhausted: the next pass is the next epoch."""
 
-    def fill_state(self, state: dict[str, Any], batches_ago: int = 0) -> None:
+    def abandon(self, pass_: Any) -> None:
+        """The iterator of ``pass_`` is gone before the pass ended (a loop left it early): from now on a state
+        describes where the next pass starts, as the next ``iter()`` of an uninterrupted run does."""
+
+    def fill_state(self, state: dict[str, Any], batches_ago: int = 0, next_pass: bool = False) -> None:
         """Write the state's position fields (``epoch``, ``position``, ``sampler_state``, ``dataset_state``,
         ``stream``) into ``state``, a copy of the loader's identity fields; those left unwritten keep the
-        identity's zeroed values (``state_dict()`` runs between steps: no dict of its own)."""
+        identity's zeroed values (``state_dict()`` runs between steps: no dict of its own). ``next_pass``: where
+        the next pass starts, whether or not a pass is still in flight."""
 
     def batches_per_epoch(self) -> int:
         """This rank's batches in a whole epoch (TypeError for a stream: it has no length to compute)."""
@@ -184,6 +189,14 @@ class PassIterator(Generic[T]):
     def mid_epoch(self) -> bool:
         """Whether this iterator's pass is still going on."""
         return not self._pass.done
+
+    def __del__(self) -> None:
+        # NOTE: a loop that leaves a pass early (`break`, zip over loaders of unequal length, a limit on batches)
+        # drops its iterator: the pass is over, and a state taken before the next iter() says where that one starts
+        try:
+            self._position.abandon(self._pass)
+        except AttributeError:  # never fully built (copy, pickle), or the interpreter is shutting down
+            pass
 
 
 def tell_epoch(dataset: Any, epoch: int) -> bool:

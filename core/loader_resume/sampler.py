@@ -22,12 +22,13 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
 
+from .keyed_rng import derive_key
 from .permutation import KeyedPermutation
 from .torch_internals import random_sampler_num_samples
 
 __all__ = [
-    "ShardedSampler", "Shard", "Order", "Step", "classify_order", "default_seed", "permutation_steps", "sampler_steps",
-    "steps_per_epoch", "torch_order",
+    "ShardedSampler", "Shard", "Order", "Step", "classify_order", "default_seed", "loader_seed", "permutation_steps",
+    "sampler_steps", "steps_per_epoch", "torch_order",
 ]
 
 U = TypeVar("U")
@@ -181,6 +182,15 @@ def default_seed(generator: Any, sampler: Any) -> int:
     if generator is None and type(sampler) is RandomSampler:
         generator = sampler.generator
     return int(generator.initial_seed()) if generator is not None else 0
+
+
+def loader_seed(seed: int, index: int) -> int:
+    """The seed a front door (``ResumeCallback``, ``FabricResume``, ``enable_resume``) gives the ``index``-th loader
+    of a job it converts: ``seed`` itself for the first, for each other a 31-bit seed derived from
+    ``(seed, index)``. Loaders of one job thus never share a shuffle order or keyed random values, as plain
+    ``DataLoader``s, each seeded from the global generator, never do; what decides a loader's seed is its
+    place in the order the job hands its loaders over, which a resumed job repeats."""
+    return seed if index == 0 else derive_key(seed, "loader", index) & 0x7FFF_FFFF
 
 
 def classify_order(dataset: Any, sampler: Any, batch_sampler: Any, shuffle: bool | None) -> Order:

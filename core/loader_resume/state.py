@@ -77,8 +77,10 @@ _TYPES: Final[dict[str, tuple[str, Callable[[Any], bool]]]] = {
 }
 OPTIONAL: Final[dict[str, tuple[str, Callable[[Any], bool]]]] = {
     "ahead": ("a list of ints > 0", lambda v: type(v) is list and all(_is_int(x) and x > 0 for x in v)),
+    "ending": ("True", lambda v: v is True),
 }
-"""Keys only some loaders' states have (``ahead``: ``in_order=False``)."""
+"""Keys only some loaders' states have (``ahead``: ``in_order=False``; ``ending``: taken between a pass's last
+batch and its iterator's end, by a loader of a hand-written loop, ``step_boundary.ReportingDataLoader``)."""
 
 
 def check_state(saved: Any, current: Mapping[str, Any]) -> dict[str, Any]:

@@ -54,6 +54,7 @@ class ReportingDataLoader(ResumableDataLoader[Any]):
     _reports: BatchRequests | None = None
     _place: Callable[[Any], Any] | None = None
     _held = 0
+    _open_at_end = False  # the pass's last batch is out and its generator has not ended yet
     end_of_dataloader = False
 
     def attach(self, reports: BatchRequests | None, place: Callable[[Any], Any] | None) -> None:
@@ -80,6 +81,7 @@ class ReportingDataLoader(ResumableDataLoader[Any]):
                 self.end_of_dataloader = upcoming is _END if ahead else self.epoch != epoch
                 if reports is not None:
                     reports.delivered(self)
+                self._open_at_end = self.end_of_dataloader
                 yield current if self._place is None else self._place(current)
                 if self.end_of_dataloader:
                     return  # NOTE: no boundary on the request that ends the pass, see resume_state
@@ -88,7 +90,7 @@ class ReportingDataLoader(ResumableDataLoader[Any]):
                 epoch = self.epoch
                 current = upcoming if ahead else next(inner, _END)
         finally:
-            self._held = 0
+            self._held, self._open_at_end = 0, False
             self.pass_ends()
 
     def resume_state(self) -> dict[str, Any]:
@@ -96,9 +98,14 @@ class ReportingDataLoader(ResumableDataLoader[Any]):
 
         NOTE: a step boundary is never taken on the request that ends a pass, but on the next pass's
         first request: by then the loop has run its end-of-epoch code and moved to the next epoch,
-        so the loader's state (the next epoch) and the loop's epoch agree.
+        so the loader's state (the next epoch) and the loop's epoch agree. A state taken while the last batch
+        is out and the pass not yet ended (a checkpoint in the loop's body; another loader's request in a
+        ``zip``) says so (``"ending"``): after a load the rest of that pass is empty, as the loop will find it.
         """
-        return self.state_dict(batches_ago=self._held) if self._held else self.state_dict()
+        state = self.state_dict(batches_ago=self._held) if self._held else self.state_dict()
+        if self._open_at_end:
+            state["ending"] = True
+        return state
 
     def pass_begins(self) -> None:
         """A pass begins (after ``iter()``): for subclasses."""
@@ -114,23 +121,24 @@ class StepBoundaries:
 
     def __init__(self) -> None:
         self.steps = 0
-        """Steps whose boundary has passed."""
-        self._stepped = False
+        """Optimizer steps whose boundary has passed (a loop that steps twice per batch counts two)."""
+        self._before = 0  # ...as of the boundary before the last one
+        self._stepped = 0  # optimizer steps since the last boundary
         self._participants: set[int] = set()  # loaders that delivered a batch since the last boundary
         self._step_loaders: set[int] = set()  # ...of which those that delivered before an optimizer step
 
     @property
     def step(self) -> int:
-        """Optimizer steps completed (a step whose boundary has not come yet included)."""
-        return self.steps + (1 if self._stepped else 0)
+        """Optimizer steps completed (steps whose boundary has not come yet included)."""
+        return self.steps + self._stepped
 
     def hook(self, optimizer: torch.optim.Optimizer) -> Any:
-        """Count ``optimizer``'s steps (a Fabric or Accelerate wrapper: the optimizer inside it); the hook's
-        handle."""
+        """Count ``optimizer``'s steps, two per batch as two (a Fabric or Accelerate wrapper: the optimizer inside
+        it); the hook's handle."""
         return getattr(optimizer, "optimizer", optimizer).register_step_post_hook(self.optimizer_stepped)
 
     def optimizer_stepped(self, *_: Any) -> None:
-        self._stepped = True
+        self._stepped += 1
         self._step_loaders |= self._participants  # loaders that fed this step (an evaluation after it did not)
 
     def delivered(self, loader: Any) -> None:
@@ -140,13 +148,19 @@ class StepBoundaries:
         """Whether this request for a batch from ``loader`` is a step boundary (then counted)."""
         if not (self._stepped and id(loader) in self._step_loaders):
             return False
-        self.steps, self._stepped = self.steps + 1, False
+        self._before, self.steps, self._stepped = self.steps, self.steps + self._stepped, 0
         self._participants.clear()
         self._step_loaders.clear()
         return True
 
+    def reached(self, every: int) -> bool:
+        """Whether the boundary just crossed completed a multiple of ``every`` steps (``0``: never): a loop that
+        steps its optimizer several times per batch may jump past the multiple itself."""
+        return bool(every) and self.steps // every > self._before // every
+
     def reset(self, steps: int) -> None:
         """A checkpoint was loaded: ``steps`` steps are done, none pending."""
-        self.steps, self._stepped = steps, False
+        self._before = self.steps = steps
+        self._stepped = 0
         self._participants.clear()
         self._step_loaders.clear()

@@ -150,8 +150,15 @@ class StreamPosition:
         self._next = NextStreamPass(self.epoch, carry=carry if carry and any(p.before_epoch or p.own for p in carry)
                                     else None)
 
-    def fill_state(self, state: dict[str, Any], batches_ago: int = 0) -> None:
-        current = self._current()
+    def abandon(self, pass_: StreamPass) -> None:
+        if pass_ is self._pass and not pass_.done:
+            pass_.done, self.epoch = True, self._next.epoch
+
+    def fill_state(self, state: dict[str, Any], batches_ago: int = 0, next_pass: bool = False) -> None:
+        if next_pass and batches_ago:
+            raise ValueError(f"batches_ago={batches_ago} with pass_ended=True: a pass that ended has no batches "
+                             "to go back over")
+        current = self._current(next_pass)
         current = current.rewound(batches_ago) if batches_ago else current
         state["epoch"], state["stream"] = current.epoch, stream_to_dict(self.setup.shard().rank, current)
 
@@ -205,9 +212,9 @@ class StreamPosition:
         # count key it, as in the uninterrupted run.
         return ([replace(p, library=handed) for p in progress] if restored else progress), offset
 
-    def _current(self) -> StreamPass:
-        """The pass a state taken now describes (see the loader's semantics)."""
-        if self._pass is not None and not self._pass.done:
+    def _current(self, next_pass: bool = False) -> StreamPass:
+        """The pass a state taken now describes (see the loader's semantics); ``next_pass``: the next one."""
+        if self._pass is not None and not self._pass.done and not next_pass:
             return self._pass
         start = self._next
         if start.restore is not None:

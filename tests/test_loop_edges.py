@@ -1,0 +1,157 @@
+"""The edges of real loops in the core: a pass left before its end (``break``, a loop that stops early), a state
+taken between passes, and states from a hand-written loop's loader whose last batch is out but whose pass has
+not ended. Each cut is compared with the uninterrupted run's batches: ids and the values drawn from torch, numpy
+and random."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from loader_resume import ResumableDataLoader
+from loader_resume.step_boundary import ReportingDataLoader
+from loader_resume.testing import fingerprint
+from support.data import Augmented, seed_all
+
+N, BATCH, TAKEN, EPOCHS = 48, 4, 6, 3  # 12 batches an epoch; the loop leaves each pass after 6
+
+
+def build(workers: int, cls: type[ResumableDataLoader[Any]] = ResumableDataLoader) -> ResumableDataLoader[Any]:
+    return cls(Augmented(N), batch_size=BATCH, shuffle=True, num_workers=workers, seed=11)
+
+
+def record(batch: dict[str, Any]) -> tuple[list[int], str]:
+    return batch["id"].tolist(), fingerprint([batch["torch"], batch["numpy"], batch["random"]])
+
+
+class Cut(Exception):
+    """The job is killed here: the state taken at this moment is what a checkpoint holds."""
+
+    def __init__(self, state: dict[str, Any], epoch: int, taken: int) -> None:
+        self.state, self.epoch, self.taken = state, epoch, taken
+
+
+def partial_passes(loader: ResumableDataLoader[Any], *, start_epoch: int = 0, taken: int = 0,
+                   cut_at: int | None = None) -> Iterator[tuple[list[int], str]]:
+    """The loop of the issue: each epoch takes TAKEN batches, then leaves the pass (``break``). Moments are
+    numbered 0, 1, ...: after each batch, and between two passes (after the ``break``, before the next
+    ``iter()``); ``cut_at`` raises :class:`Cut` with the state at that moment."""
+    moment = 0
+    for epoch in range(start_epoch, EPOCHS):
+        for batch in loader:
+            taken += 1
+            yield record(batch)
+            if moment == cut_at:  # NOTE: at the pass's last batch the loop knows it leaves (as Lightning does at
+                if taken == TAKEN:  # a limit on an epoch's batches): the state it saves says so
+                    raise Cut(loader.state_dict(pass_ended=True), epoch + 1, 0)
+                raise Cut(loader.state_dict(), epoch, taken)
+            moment += 1
+            if taken == TAKEN:
+                break
+        taken = 0
+        if moment == cut_at:  # NOTE: the pass was left; its iterator is gone, the next iter() is not yet called
+            raise Cut(loader.state_dict(), epoch + 1, 0)
+        moment += 1
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_state_taken_at_any_moment_of_a_loop_that_leaves_its_passes_early_resumes_exactly(workers: int) -> None:
+    seed_all(0)
+    full = list(partial_passes(build(workers)))
+    assert len(full) == EPOCHS * TAKEN
+    moments = EPOCHS * (TAKEN + 1) - 1
+    for cut_at in range(moments):
+        seed_all(0)
+        before: list[tuple[list[int], str]] = []
+        try:
+            for row in partial_passes(build(workers), cut_at=cut_at):
+                before.append(row)
+        except Cut as cut:
+            resumed = build(workers)
+            resumed.load_state_dict(cut.state)
+            after = list(partial_passes(resumed, start_epoch=cut.epoch, taken=cut.taken))
+        else:
+            pytest.fail(f"moment {cut_at} never came")
+        assert before + after == full, f"cut at moment {cut_at}"
+
+
+def test_the_issue_numbers_epoch_one_starts_where_the_uninterrupted_run_starts_it() -> None:
+    """48 items, batch 4, `break` after 6 batches: a state after epoch 0 resumes with epoch 1's first batch."""
+    loader = build(0)
+    for i, _ in enumerate(loader):
+        if i == TAKEN - 1:
+            break
+    state = loader.state_dict()
+    assert (state["epoch"], state["position"]) == (1, 0)
+    want = next(iter(loader))["id"].tolist()
+    resumed = build(0)
+    resumed.load_state_dict(state)
+    assert next(iter(resumed))["id"].tolist() == want
+
+
+def test_pass_ended_gives_now_the_state_the_pass_leaves_once_its_iterator_is_gone() -> None:
+    loader = build(2)
+    iterator = iter(loader)
+    for _ in range(TAKEN):
+        next(iterator)
+    mid, ended = loader.state_dict(), loader.state_dict(pass_ended=True)
+    assert (mid["epoch"], mid["position"]) == (0, TAKEN * BATCH)
+    del iterator
+    assert loader.state_dict() == ended and (ended["epoch"], ended["position"]) == (1, 0)
+
+
+def test_a_held_iterator_is_still_mid_epoch_and_a_second_iter_starts_the_next_epoch() -> None:
+    """Only a pass whose iterator is gone (or a new iter()) is over: a kept iterator may still go on."""
+    loader = build(0)
+    first = iter(loader)
+    next(first)
+    assert (loader.state_dict()["epoch"], loader.state_dict()["position"]) == (0, BATCH)
+    second = iter(loader)
+    assert (loader.state_dict()["epoch"], loader.state_dict()["position"]) == (1, 0)
+    del first, second
+
+
+# --- a hand-written loop's loaders (Accelerate, Fabric): the last batch is out, the pass has not ended --------
+def hand_written(loader: ReportingDataLoader, other: ReportingDataLoader, *, start_epoch: int = 0,
+                 cut_at: int | None = None, rest: int | None = None) -> Iterator[tuple[str, list[int], str]]:
+    """``zip(loader, other)`` each epoch, ``other`` the shorter; a checkpoint (``cut_at``) is taken in the loop's
+    body after a pair, as a user's own save would be. ``rest``: resumed, the first epoch is the saved one."""
+    moment = 0
+    for epoch in range(start_epoch, 2):
+        for a, b in zip(loader, other, strict=False):
+            yield ("a", *record(a))
+            yield ("b", *record(b))
+            if moment == cut_at:
+                raise Cut({"a": loader.resume_state(), "b": other.resume_state()}, epoch, 0)
+            moment += 1
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_zip_of_unequal_loaders_resumes_exactly_from_its_last_pair(workers: int) -> None:
+    """At the last pair the shorter loader's last batch is out and its pass not yet ended: after a load its
+    rest is empty, so the resumed zip ends where the uninterrupted one does (the longer loader hands one batch
+    more to it, as there) and the next epoch starts both loaders afresh."""
+
+    def pair() -> tuple[ReportingDataLoader, ReportingDataLoader]:
+        a = ReportingDataLoader(Augmented(N), batch_size=BATCH, shuffle=True, num_workers=workers, seed=1)
+        b = ReportingDataLoader(Augmented(N // 2), batch_size=BATCH, shuffle=True, num_workers=workers, seed=2)
+        return a, b
+
+    seed_all(0)
+    full = list(hand_written(*pair()))
+    pairs = N // 2 // BATCH
+    for cut_at in (pairs - 2, pairs - 1, pairs, 2 * pairs - 1):
+        seed_all(0)
+        before = []
+        a, b = pair()
+        try:
+            before.extend(hand_written(a, b, cut_at=cut_at))
+        except Cut as cut:
+            resumed, saved = pair(), cut.state
+            resumed[0].load_state_dict(saved["a"])
+            resumed[1].load_state_dict(saved["b"])
+            after = list(hand_written(*resumed, start_epoch=cut.epoch))
+        assert before + after == full, f"cut after pair {cut_at}"
+        assert ("ending" in saved["b"]) == (cut_at % pairs == pairs - 1) and "ending" not in saved["a"]
