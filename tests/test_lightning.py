@@ -437,3 +437,16 @@ def test_a_model_checkpoint_listed_after_ours_stays_lightnings_checkpoint_callba
     assert trainer.checkpoint_callback is best and best.best_model_path
     trainer.test(ckpt_path="best")
     assert trainer.ckpt_path == best.best_model_path
+
+
+def test_a_fresh_fit_warns_nothing_about_ckpt_path(tmp_path: Path) -> None:
+    """Lightning warns on every fit() without ckpt_path when an OnExceptionCheckpoint is present (it then looks for
+    the "last" checkpoint, which is how a restart finds ours); on a fresh fit there is nothing to act on."""
+    import warnings
+
+    last = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _quiet_trainer(tmp_path, [ResumeCallback(), last]).fit(_Tiny())
+    said = [str(w.message) for w in caught]
+    assert not [m for m in said if "ckpt_path=None" in m or 'ckpt_path="last") is set' in m], said
