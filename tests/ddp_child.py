@@ -37,8 +37,8 @@ def main() -> None:
             pass
         for i, _ in enumerate(loader):
             if i == 2:
+                state = loader.state_dict()  # a job killed here: inside the pass (after `break` it is over)
                 break
-        state = loader.state_dict()
         states: list[object] = [None, None]
         dist.all_gather_object(states, state)
         assert states[0] == states[1], "map-style states must agree across ranks"

@@ -55,15 +55,16 @@ def main() -> None:
     if mode == "full":
         rows = [[b["id"].tolist(), b["noise"].flatten().tolist()] for _ in range(2) for b in loader]
     elif mode == "save":
-        for i, _ in enumerate(loader):
-            if i == 3:
-                break
+        iterator = iter(loader)  # held: a job killed mid-pass (a dropped iterator's pass is over)
+        for _ in range(4):
+            next(iterator)
         gathered = gather_states(loader)
         assert gathered["ranks"][rank] == loader.state_dict() and gathered["ranks"][0] != gathered["ranks"][1]
         if via == "dcp":
             dcp.save({"loader": DCPLoaderState(loader)}, checkpoint_id=str(out / "dcp"))
         elif rank == 0:
             torch.save(gathered, out / "state.pt")
+        del iterator
     else:
         if via == "dcp":
             dcp.load({"loader": DCPLoaderState(loader)}, checkpoint_id=str(out / "dcp"))

@@ -54,9 +54,15 @@ def test_changed_batch_size_resumes_at_the_same_sample_position() -> None:
     assert before + sum(after, []) == order
 
 
+_HELD: list[Any] = []
+"""The iterators of the last `_lockstep` cut short: held, as a job killed there holds them (a dropped iterator's pass
+is over, and a state taken then starts the next epoch)."""
+
+
 def _lockstep(loaders: list[Any], steps: int | None) -> list[list[int]]:
     """Iterate ranks together for `steps` global steps (None: to the end); ids delivered per rank."""
     iterators = [iter(loader) for loader in loaders]
+    _HELD[:] = iterators
     delivered: list[list[int]] = [[] for _ in loaders]
     step = 0
     while steps is None or step < steps:

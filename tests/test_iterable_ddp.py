@@ -55,8 +55,8 @@ def test_a_stream_state_goes_through_dcp_as_one_value_where_the_loader_itself_do
 
 def test_map_states_load_at_another_world_size_through_the_helper() -> None:
     old = [make(20, batch_size=2, shuffle=True, rank=r, world_size=2) for r in range(2)]
-    for loader in old:
-        iterator = iter(loader)
+    iterators = [iter(loader) for loader in old]  # held: a dropped iterator's pass is over
+    for iterator in iterators:
         next(iterator)
     gathered = {"world_size": 2, "ranks": [loader.state_dict() for loader in old]}
     single = make(20, batch_size=2, shuffle=True)

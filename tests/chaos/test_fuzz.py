@@ -36,16 +36,23 @@ def ranks(n: int, world: int, case: dict[str, Any], workers: int) -> list[Resuma
             for rank in range(world)]
 
 
+_HELD: list[Any] = []
+"""Iterators of passes cut short, held as a job killed there holds them (a dropped iterator's pass is over)."""
+
+
 def delivered(loader: ResumableDataLoader[Any], batches: int | None) -> list[int]:
     ids: list[int] = []
-    for count, batch in enumerate(loader):
+    iterator = iter(loader)
+    for count, batch in enumerate(iterator):
         ids += torch.as_tensor(batch).tolist()
         if batches is not None and count + 1 == batches:
+            _HELD.append(iterator)
             break
     return ids
 
 
 def check(case: dict[str, Any]) -> None:
+    _HELD.clear()
     n, before, after = case["n"], case["world_before"], case["world_after"]
     old = ranks(n, before, case, case["workers_before"])
     per_rank = len(old[0])
