@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from support.launch import TESTS
 
 JOB = """
@@ -22,15 +24,24 @@ import sys, time
 from torch.utils.data import DataLoader
 from loader_resume import ResumableDataLoader
 from loader_resume.convert import sharded_resumable
-from loader_resume.preemption import Preemption
+from loader_resume.preemption import Preemption, workers_ignore_signals
 from support.data import NoisyStream
+
+class Evaluation(DataLoader):  # a framework's own DataLoader class (Accelerate's DataLoaderShard, say)
+    pass
 
 preemption = Preemption(("SIGTERM",))
 preemption.install()
-loaders = [sharded_resumable(DataLoader(data, batch_size=4, num_workers=2), rank=0, world_size=1,
-                             loader_class=ResumableDataLoader, seed=0, keying="batch", keyed_generators=("torch",),
-                             ignore_signals=preemption.signals)
-           for data in (list(range(16)), NoisyStream(16, 0, 1))]
+if sys.argv[2] == "ours":
+    loaders = [sharded_resumable(DataLoader(data, batch_size=4, num_workers=2), rank=0, world_size=1,
+                                 loader_class=ResumableDataLoader, seed=0, keying="batch", keyed_generators=("torch",),
+                                 ignore_signals=preemption.signals)
+               for data in (list(range(16)), NoisyStream(16, 0, 1))]
+else:  # evaluation loaders a framework built: plain, or made safe
+    loaders = [Evaluation(data, batch_size=4, num_workers=2) for data in (list(range(16)), NoisyStream(16, 0, 1))]
+    if sys.argv[2] == "evaluation":
+        loaders = [workers_ignore_signals(loader, preemption.signals) for loader in loaders]
+        assert all(isinstance(loader, Evaluation) for loader in loaders)
 print("started", flush=True)
 epochs, end = 0, time.monotonic() + float(sys.argv[1])
 while time.monotonic() < end:
@@ -41,8 +52,11 @@ print(f"epochs {epochs} received {preemption.received}", flush=True)
 """
 
 
-def test_a_signal_to_the_whole_process_group_never_kills_a_dataloader_worker() -> None:
-    job = subprocess.Popen([sys.executable, "-c", JOB, "5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+@pytest.mark.parametrize("loaders", ["ours", "evaluation"])
+def test_a_signal_to_the_whole_process_group_never_kills_a_dataloader_worker(loaders: str) -> None:
+    """``evaluation``: DataLoaders of another class made safe by ``workers_ignore_signals`` (what the front doors
+    do to the evaluation loaders a framework builds)."""
+    job = subprocess.Popen([sys.executable, "-c", JOB, "5", loaders], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True, start_new_session=True, cwd=TESTS, env={**os.environ, "PYTHONPATH": str(TESTS)})
     assert job.stdout is not None and job.stdout.readline() == "started\n"
     signals = 0
@@ -53,4 +67,16 @@ def test_a_signal_to_the_whole_process_group_never_kills_a_dataloader_worker() -
     out, err = job.communicate(timeout=60)
     assert job.returncode == 0 and signals >= 100, err[-3000:]
     epochs = int(out.split()[1])
-    assert epochs >= 20 and out.split()[3] == str(int(signal.SIGTERM))  # many pools forked; the main process heard it
+    assert epochs >= 10 and out.split()[3] == str(int(signal.SIGTERM))  # many pools forked; the main process heard it
+
+
+def test_without_it_a_signal_to_the_group_kills_a_plain_loaders_worker() -> None:
+    """The control: the same job over plain evaluation loaders dies of the signal."""
+    job = subprocess.Popen([sys.executable, "-c", JOB, "5", "plain"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True, cwd=TESTS, env={**os.environ, "PYTHONPATH": str(TESTS)})
+    assert job.stdout is not None and job.stdout.readline() == "started\n"
+    while job.poll() is None:
+        os.killpg(job.pid, signal.SIGTERM)
+        time.sleep(0.02)
+    _, err = job.communicate(timeout=60)
+    assert job.returncode != 0 and "killed by signal" in err, err[-3000:]

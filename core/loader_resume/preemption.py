@@ -19,7 +19,7 @@ from typing import Any
 
 from .distributed import any_rank
 
-__all__ = ["IgnoreSignalsInWorker", "Preemption", "held_while_forking", "signal_numbers"]
+__all__ = ["IgnoreSignalsInWorker", "Preemption", "held_while_forking", "signal_numbers", "workers_ignore_signals"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,3 +101,36 @@ def held_while_forking(worker_init_fn: Any) -> Iterator[None]:
     finally:
         if previous is not None:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def workers_ignore_signals(loader: Any, signals: Sequence[int]) -> Any:
+    """``loader`` (a ``DataLoader`` of any class: an evaluation loader a framework built) with workers that ignore
+    ``signals`` as a ``ResumableDataLoader``'s do: its ``worker_init_fn`` wrapped in :class:`IgnoreSignalsInWorker`,
+    and its class made a subclass whose ``__iter__`` holds the signals while workers fork. A signal to the whole
+    process group during an evaluation then leaves the evaluation whole, and the job checkpoints at the next step
+    boundary. Without workers, or already done, it is returned as it is."""
+    if not signals or not getattr(loader, "num_workers", 0) or isinstance(loader.worker_init_fn, IgnoreSignalsInWorker):
+        return loader
+    loader.worker_init_fn = IgnoreSignalsInWorker(signals, loader.worker_init_fn)
+    loader.__class__ = _holding(type(loader))
+    return loader
+
+
+_HOLDING: dict[type, type] = {}
+
+
+def _holding(cls: type) -> type:
+    """``cls`` with an ``__iter__`` that starts its workers inside :func:`held_while_forking` (one per class)."""
+    if getattr(cls, "_holds_while_forking", False):
+        return cls
+    if cls not in _HOLDING:
+        iter_of: Callable[[Any], Any] = getattr(cls, "__iter__")  # noqa: B009  # NOTE: the class's own, not a lookup
+
+        def __iter__(self: Any) -> Any:
+            with held_while_forking(self.worker_init_fn):
+                return iter_of(self)
+
+        _HOLDING[cls] = type(cls.__name__, (cls,), {"__iter__": __iter__, "_holds_while_forking": True,
+                                                    "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    return _HOLDING[cls]
+
