@@ -28,7 +28,8 @@ from loader_resume.preemption import Preemption
 from loader_resume.sampler import loader_seed
 
 from .fit_start import make_newest, quiet_fresh_fit, trainer_calling
-from .loaders import TrainingLoaders
+from .loaders import TrainingLoaders, evaluation_workers_ignore
+from .stopping import adopt_lightnings_sigterm, stop_validating_as_planned
 
 __all__ = ["CHECKPOINT_KEY", "ResumeCallback"]
 
@@ -133,14 +134,24 @@ class ResumeCallback(OnExceptionCheckpoint):
             trainer.callbacks = [c for c in callbacks if c is not self] + [self]  # type: ignore[attr-defined]
         if stage == "fit":
             self._training.intercept(trainer)
+            evaluation_workers_ignore(trainer, self.preemption.signals)
+
+    @override
+    def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._install(trainer)  # NOTE: the sanity check runs before on_train_start
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # NOTE: installed here, after Lightning registered its own SIGTERM handler (it composes with
-        # ours and, on a signal, kills the launcher's processes, broadcasts inside the handler and then
-        # aborts fit with SIGTERMException: no checkpoint, exit 0, and under DDP a hang). Replacing it
-        # for our signals leaves one flag, read at the next step boundary by every rank together.
+        self._install(trainer)
+
+    def _install(self, trainer: Trainer) -> None:
+        # NOTE: installed once Lightning registered its own SIGTERM handler (it composes with ours and, on a
+        # signal, kills the launcher's processes, broadcasts inside the handler and then aborts fit with
+        # SIGTERMException: no checkpoint, exit 0, and under DDP a hang). Replacing it for our signals leaves
+        # one flag, read at the next step boundary by every rank together. One that reached Lightning's
+        # handler before (it is registered right before the sanity check) becomes ours.
         self.preemption.install()
+        adopt_lightnings_sigterm(trainer, self.preemption)
 
     @override
     def on_train_batch_end(
@@ -153,7 +164,7 @@ class ResumeCallback(OnExceptionCheckpoint):
         if trainer.strategy.reduce_boolean_decision(self.preemption.received is not None, all=False):
             self._save_atomically(trainer)
             self.preempted_at = trainer.global_step
-            trainer.should_stop = True
+            stop_validating_as_planned(trainer)
 
     def _save_atomically(self, trainer: Trainer) -> None:
         """Write to a temporary name, then rename: a kill mid-save leaves the previous checkpoint whole."""

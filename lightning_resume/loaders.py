@@ -11,8 +11,9 @@ from torch.utils.data import DataLoader
 
 from loader_resume import ResumableDataLoader
 from loader_resume.distributed import check_same_dataset, load_rank_state
+from loader_resume.preemption import workers_ignore_signals
 
-__all__ = ["TrainingLoaders", "resumable_tree"]
+__all__ = ["TrainingLoaders", "evaluation_workers_ignore", "intercept", "resumable_tree"]
 
 
 class TrainingLoaders:
@@ -45,17 +46,7 @@ class TrainingLoaders:
         """Convert the trainer's training loaders now, or wrap the hook that will return them."""
         self._shard = (trainer.global_rank, trainer.world_size)
         self.loaders = []
-        source = trainer.fit_loop._data_source
-        instance = source.instance
-        if isinstance(instance, (DataLoader, CombinedLoader, list, tuple, dict)):
-            source.instance = self.convert(instance)
-            return
-        hook = getattr(instance, source.name, None)
-        if hook is None or getattr(hook, "_loader_resume", False):
-            return
-        converting: Callable[[], Any] = lambda: self.convert(hook())  # noqa: E731
-        converting._loader_resume = True  # type: ignore[attr-defined]
-        setattr(instance, source.name, converting)
+        intercept(trainer.fit_loop._data_source, self.convert)
 
     def convert(self, loaders: Any) -> Any:
         """``loaders`` (what a module's ``train_dataloader()`` returns) with every DataLoader made resumable;
@@ -77,11 +68,35 @@ class TrainingLoaders:
             load_rank_state(loader, gathered)
 
 
+def intercept(source: Any, transform: Callable[[Any], Any]) -> None:
+    """What Lightning's data ``source`` (a loop's ``_DataConnectorSource``) hands its loop, through ``transform``:
+    now if it holds the loaders, else each time its hook (``train_dataloader()``...) is called."""
+    instance = source.instance
+    if isinstance(instance, (DataLoader, CombinedLoader, list, tuple, dict)):
+        source.instance = transform(instance)
+        return
+    hook = getattr(instance, source.name, None)
+    if hook is None or getattr(hook, "_loader_resume", False):
+        return
+    transformed: Callable[[], Any] = lambda: transform(hook())  # noqa: E731
+    transformed._loader_resume = True  # type: ignore[attr-defined]
+    setattr(instance, source.name, transformed)
+
+
+def evaluation_workers_ignore(trainer: Trainer, signals: tuple[int, ...]) -> None:
+    """The validation loaders of ``fit`` (its sanity check, mid-epoch and end-of-epoch validations): their workers
+    ignore ``signals``, as the training loaders' do (``workers_ignore_signals``); the loaders stay Lightning's."""
+    def guard(loaders: Any) -> Any:
+        return resumable_tree(loaders, lambda loader, _: workers_ignore_signals(loader, signals), every=True)[0]
+
+    intercept(trainer.fit_loop.epoch_loop.val_loop._data_source, guard)
+
+
 def resumable_tree(
-    obj: Any, convert: Callable[[DataLoader[Any], int], ResumableDataLoader[Any]],
+    obj: Any, convert: Callable[[DataLoader[Any], int], Any], every: bool = False,
 ) -> tuple[Any, list[ResumableDataLoader[Any]]]:
     """``obj`` with every ``DataLoader`` in it made resumable by ``convert(loader, index)`` (``index``: how many
-    were found before it; one already resumable is kept),
+    were found before it; one already resumable is kept unless ``every``),
     through ``CombinedLoader``s, dicts, lists and tuples; and those loaders, in the order found (the order
     their states are saved in)."""
     found: list[ResumableDataLoader[Any]] = []
@@ -91,7 +106,7 @@ def resumable_tree(
             value.flattened = [walk(loader) for loader in value.flattened]
             return value
         if isinstance(value, DataLoader):
-            loader = value if isinstance(value, ResumableDataLoader) else convert(value, len(found))
+            loader = value if isinstance(value, ResumableDataLoader) and not every else convert(value, len(found))
             found.append(loader)
             return loader
         if isinstance(value, dict):

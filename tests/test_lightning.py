@@ -450,3 +450,13 @@ def test_a_fresh_fit_warns_nothing_about_ckpt_path(tmp_path: Path) -> None:
         _quiet_trainer(tmp_path, [ResumeCallback(), last]).fit(_Tiny())
     said = [str(w.message) for w in caught]
     assert not [m for m in said if "ckpt_path=None" in m or 'ckpt_path="last") is set' in m], said
+
+
+def test_fit_leaves_the_signal_handlers_as_it_found_them(tmp_path: Path) -> None:
+    """Lightning puts its predecessors back at the end of fit(), before our teardown: ours must not then put
+    Lightning's own handler back (a later SIGTERM would only be recorded, and the process would not end)."""
+    import signal
+
+    before = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGUSR1)}
+    _quiet_trainer(tmp_path, [ResumeCallback(dirpath=str(tmp_path))]).fit(_Tiny())
+    assert {number: signal.getsignal(number) for number in before} == before

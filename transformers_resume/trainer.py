@@ -16,25 +16,22 @@ Here, with public Trainer APIs where they exist:
   ``train(resume_from_checkpoint=True)`` resumes from the newest *complete* checkpoint (one that lacks a
   file is skipped with a warning naming it), and starts from the beginning where there is none, so one
   command starts a job and continues it; an explicit path that lacks a file is refused, naming the file.
-- While ``train`` runs, Trainer's skipping is a no-op for our loader: it already stands at the next
-  batch, so no batch is read to be skipped. Trainer still counts the skipped steps as done, and restores
-  its own RNG files (``rng_state_<rank>.pth``) as usual.
+- While ``train`` runs, Trainer's skipping is a no-op for our loader: it already stands at the next batch.
+  Trainer still counts the skipped steps as done, and restores its RNG files (``rng_state_<rank>.pth``).
+- Evaluation and test loaders stay Trainer's; their workers ignore the preemption signals, so a signal to the
+  whole process group during an evaluation leaves it whole, and the checkpoint follows at the next step.
 
-- Preemption: SIGTERM or SIGUSR1 only sets a flag; at the end of the next optimizer step (Trainer's
-  ``on_step_end``, after the LR scheduler's step) all ranks agree (one ``all_reduce``), Trainer writes its
-  checkpoint (ours included) and stops, and every process exits with ``exit_code`` (143). The same command
-  (``resume_from_checkpoint=True``) continues with the next batch. transformers' own
-  ``enable_jit_checkpoint`` is refused: it checkpoints on one process, without agreement, and can do so
-  before an optimizer step (from ``on_pre_optimizer_step``), when the loader has already delivered that
-  step's batches.
+- Preemption: SIGTERM or SIGUSR1 only sets a flag; at the end of the next optimizer step (``on_step_end``,
+  after the LR scheduler's) all ranks agree, Trainer writes its checkpoint (ours included) and stops, and
+  every process exits with ``exit_code`` (143); the same command continues with the next batch.
+  ``enable_jit_checkpoint`` is refused: it checkpoints on one process, unagreed, possibly mid-step.
 
 Another number of processes (map-style datasets): the rest of the epoch is spread over the new ranks, each
 sample exactly once, and Trainer's step counter is re-expressed at the new world size: ``global_step`` becomes
 the optimizer steps a run started on the new number of processes would have taken to reach the same sample
 (completed epochs * its steps per epoch + its steps into this epoch), and the LR scheduler is moved to that
-step. Everything Trainer derives from steps (the epoch, ``max_steps`` and the LR horizon, ``save_steps``,
-logging) then means what it means in a run started on the new number of processes: the run ends where that
-run ends, with its learning rates from the resume on. A ``max_steps`` budget counts steps of the new world size.
+step. Everything Trainer derives from steps (the epoch, ``max_steps``, the LR horizon, ``save_steps``) then
+means what it means in a run started on the new number of processes, whose steps a ``max_steps`` budget counts.
 A position that is not an optimizer-step boundary there (e.g. 1 → 2 processes after an odd number of steps)
 is refused, naming the sample and what it must divide; so is an iterable dataset's state.
 """
@@ -61,7 +58,7 @@ from loader_resume import GENERATORS
 from loader_resume.checkpoint import CHECKPOINT_FORMAT, CheckpointError
 from loader_resume.convert import sharded_resumable
 from loader_resume.distributed import load_rank_state
-from loader_resume.preemption import Preemption
+from loader_resume.preemption import Preemption, workers_ignore_signals
 
 from .checkpoint_files import LOADER_STATE_FILE, agreed_checkpoint, load_state_file, missing_file, step_at
 from .trainer_patches import no_skipping, unprepared
@@ -130,6 +127,12 @@ class ResumeTrainerMixin:
             self._loader_states = None
         self.resume_loader = ours
         return ours
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader[Any]:
+        return workers_ignore_signals(super().get_eval_dataloader(eval_dataset), self.preemption.signals)  # type: ignore[misc,no-any-return]
+
+    def get_test_dataloader(self, test_dataset: Any) -> DataLoader[Any]:
+        return workers_ignore_signals(super().get_test_dataloader(test_dataset), self.preemption.signals)  # type: ignore[misc,no-any-return]
 
     # --- train / checkpoints ------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:

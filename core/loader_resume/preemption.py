@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
+import torch.multiprocessing
+
 from .distributed import any_rank
 
 __all__ = ["IgnoreSignalsInWorker", "Preemption", "held_while_forking", "signal_numbers", "workers_ignore_signals"]
@@ -52,8 +54,11 @@ class Preemption:
             self._previous[number] = signal.signal(number, self._on_signal)
 
     def uninstall(self) -> None:
+        """Put back the handlers ours replaced, where ours is still the one installed (a framework that put its own
+        predecessor back in the meantime, as Lightning at the end of ``fit``, keeps what it restored)."""
         for number, previous in self._previous.items():
-            signal.signal(number, previous)
+            if signal.getsignal(number) == self._on_signal:
+                signal.signal(number, previous)
         self._previous = {}
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -106,31 +111,31 @@ def held_while_forking(worker_init_fn: Any) -> Iterator[None]:
 def workers_ignore_signals(loader: Any, signals: Sequence[int]) -> Any:
     """``loader`` (a ``DataLoader`` of any class: an evaluation loader a framework built) with workers that ignore
     ``signals`` as a ``ResumableDataLoader``'s do: its ``worker_init_fn`` wrapped in :class:`IgnoreSignalsInWorker`,
-    and its class made a subclass whose ``__iter__`` holds the signals while workers fork. A signal to the whole
-    process group during an evaluation then leaves the evaluation whole, and the job checkpoints at the next step
-    boundary. Without workers, or already done, it is returned as it is."""
-    if not signals or not getattr(loader, "num_workers", 0) or isinstance(loader.worker_init_fn, IgnoreSignalsInWorker):
+    and its ``multiprocessing_context`` one whose processes start with the signals held (as
+    :func:`held_while_forking`). A signal to the whole process group during an evaluation then leaves the
+    evaluation whole, and the job checkpoints at the next step boundary. Accelerate's ``DataLoaderShard``: its
+    ``base_dataloader``. Without workers, or done already, it is returned as it is."""
+    inner = getattr(loader, "base_dataloader", loader)  # NOTE: Accelerate's adapter iterates the loader it wraps
+    if not signals or not getattr(inner, "num_workers", 0) or isinstance(inner.worker_init_fn, IgnoreSignalsInWorker):
         return loader
-    loader.worker_init_fn = IgnoreSignalsInWorker(signals, loader.worker_init_fn)
-    loader.__class__ = _holding(type(loader))
+    inner.worker_init_fn = IgnoreSignalsInWorker(signals, inner.worker_init_fn)
+    inner.multiprocessing_context = _holding_context(inner.multiprocessing_context, tuple(signals))
     return loader
 
 
-_HOLDING: dict[type, type] = {}
+def _holding_context(context: Any, signals: tuple[int, ...]) -> Any:
+    """A multiprocessing context like ``context`` (DataLoader's: ``None`` is torch's default, a name, or a
+    context), whose processes start with ``signals`` held in the starting thread."""
+    base = torch.multiprocessing.get_context(context) if context is None or isinstance(context, str) else context
 
+    class Process(base.Process):  # type: ignore[name-defined,misc]
+        def start(self) -> None:
+            main = threading.current_thread() is threading.main_thread()
+            previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals) if main else None
+            try:
+                super().start()
+            finally:
+                if previous is not None:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
-def _holding(cls: type) -> type:
-    """``cls`` with an ``__iter__`` that starts its workers inside :func:`held_while_forking` (one per class)."""
-    if getattr(cls, "_holds_while_forking", False):
-        return cls
-    if cls not in _HOLDING:
-        iter_of: Callable[[Any], Any] = getattr(cls, "__iter__")  # noqa: B009  # NOTE: the class's own, not a lookup
-
-        def __iter__(self: Any) -> Any:
-            with held_while_forking(self.worker_init_fn):
-                return iter_of(self)
-
-        _HOLDING[cls] = type(cls.__name__, (cls,), {"__iter__": __iter__, "_holds_while_forking": True,
-                                                    "__module__": cls.__module__, "__qualname__": cls.__qualname__})
-    return _HOLDING[cls]
-
+    return type(type(base).__name__, (type(base),), {"Process": Process})()
