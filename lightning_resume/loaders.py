@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -76,9 +77,13 @@ def intercept(source: Any, transform: Callable[[Any], Any]) -> None:
         source.instance = transform(instance)
         return
     hook = getattr(instance, source.name, None)
-    if hook is None or getattr(hook, "_loader_resume", False):
-        return
-    transformed: Callable[[], Any] = lambda: transform(hook())  # noqa: E731
+    if hook is None or getattr(hook, "_loader_resume", False) or not source.is_defined():
+        return  # NOTE: a hook the module does not define stays undefined (Lightning then skips that loop)
+
+    @functools.wraps(hook)  # NOTE: Lightning's is_overridden follows __wrapped__
+    def transformed() -> Any:
+        return transform(hook())
+
     transformed._loader_resume = True  # type: ignore[attr-defined]
     setattr(instance, source.name, transformed)
 

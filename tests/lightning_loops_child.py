@@ -6,8 +6,10 @@ SHAPE: ``limit-0.5`` / ``limit-3`` (``limit_train_batches``), or ``min_size`` / 
 (a dict of two training loaders of 6 and 10 batches in a ``CombinedLoader``). Without ``--signal-at``: an
 uninterrupted fit with ``ModelCheckpoint(every_n_train_steps=1)``, then a fresh fit from each checkpoint
 (``fit(ckpt_path=...)``), each writing OUT/<name>.json: one row per step (step, and per loader the ids and a
-fingerprint of the noise its items drew) and the final weights. ``--signal-at``: SIGTERM to the whole process
-group at that step of a first run; rerunning the same command continues (OUT/job.json gathers both runs).
+fingerprint of the noise its items drew) and the final weights. Then a resumed run (from step 7, or the last
+but one) checkpoints at every step in turn, and OUT/again.json resumes from its next step's file.
+``--signal-at``: SIGTERM to the whole process group at that step of a first run; rerunning the same command
+continues (OUT/job.json gathers both runs).
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class Model(L.LightningModule):
         return CombinedLoader({"a": loader("a"), "b": loader("b")}, mode=self.args.shape)
 
 
-def fit(args: argparse.Namespace, name: str, ckpt_path: str | None = None, every: bool = False) -> None:
+def fit(args: argparse.Namespace, name: str, ckpt_path: str | None = None, every: str = "") -> None:
     torch.manual_seed(123)
     limit: float | int = 1.0
     if args.shape.startswith("limit"):
@@ -83,7 +85,7 @@ def fit(args: argparse.Namespace, name: str, ckpt_path: str | None = None, every
     out = Path(args.out)
     callbacks: list[Any] = [ResumeCallback(seed=7, dirpath=out)]
     if every:
-        callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=1, save_top_k=-1,
+        callbacks.append(ModelCheckpoint(dirpath=out / every, every_n_train_steps=1, save_top_k=-1,
                                          filename="{step}"))
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=EPOCHS, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
@@ -102,9 +104,15 @@ def main() -> None:
     if args.signal_at is not None:
         fit(args, "job")  # the first run is signalled; the same command again continues
         return
-    fit(args, "full", every=True)
-    for ckpt in sorted((Path(args.out) / "ckpt").glob("step=*.ckpt")):
+    fit(args, "full", every="ckpt")
+    checkpoints = sorted((Path(args.out) / "ckpt").glob("step=*.ckpt"))
+    for ckpt in checkpoints:
         fit(args, f"from-{ckpt.stem.split('=')[1]}", str(ckpt))
+    # a resumed run checkpointing again, resumed in turn (max_size: a loader done mid-epoch stays done)
+    first = min(7, len(checkpoints) - 2)
+    fit(args, "resumed", str(Path(args.out) / "ckpt" / f"step={first}.ckpt"), every="ckpt2")
+    fit(args, "again", str(Path(args.out) / "ckpt2" / f"step={first + 1}.ckpt"))
+    (Path(args.out) / "again-from.txt").write_text(str(first + 1))
 
 
 if __name__ == "__main__":

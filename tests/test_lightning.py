@@ -460,3 +460,16 @@ def test_fit_leaves_the_signal_handlers_as_it_found_them(tmp_path: Path) -> None
     before = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGUSR1)}
     _quiet_trainer(tmp_path, [ResumeCallback(dirpath=str(tmp_path))]).fit(_Tiny())
     assert {number: signal.getsignal(number) for number in before} == before
+
+
+def test_a_module_with_validation_step_but_no_validation_loader_still_fits(tmp_path: Path) -> None:
+    """The validation loaders' workers are made to ignore our signals only where the module defines some: an
+    undefined val_dataloader stays undefined, and Lightning skips the validation loop as without us."""
+
+    class NoValLoader(_Tiny):
+        def validation_step(self, batch: Any, index: int) -> None:
+            self.log("val_loss", self.layer(batch[0]).pow(2).mean())
+
+    model = NoValLoader()
+    _quiet_trainer(tmp_path, [ResumeCallback(dirpath=str(tmp_path))]).fit(model)
+    assert len(model.seen) == 8

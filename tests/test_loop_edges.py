@@ -155,3 +155,21 @@ def test_a_zip_of_unequal_loaders_resumes_exactly_from_its_last_pair(workers: in
             after = list(hand_written(*resumed, start_epoch=cut.epoch))
         assert before + after == full, f"cut after pair {cut_at}"
         assert ("ending" in saved["b"]) == (cut_at % pairs == pairs - 1) and "ending" not in saved["a"]
+
+
+def test_a_loaded_ending_is_kept_until_its_empty_pass_and_that_pass_is_over() -> None:
+    """A state with "ending", saved again before or after its empty pass, keeps meaning the same (a job resumed
+    and checkpointed again in the same epoch)."""
+    a = ReportingDataLoader(Augmented(8), batch_size=4, seed=1)
+    iterator = iter(a)
+    next(iterator)
+    next(iterator)  # the last batch is out, the pass not yet ended
+    saved = a.resume_state()
+    assert saved["ending"] is True
+    resumed = ReportingDataLoader(Augmented(8), batch_size=4, seed=1)
+    resumed.load_state_dict(saved)
+    assert resumed.state_dict() == saved and not resumed.pass_finished  # saved again before the empty pass
+    assert list(resumed) == [] and resumed.pass_finished  # the rest of that pass: nothing, and over
+    again = ReportingDataLoader(Augmented(8), batch_size=4, seed=1)
+    again.load_state_dict(resumed.state_dict())
+    assert [b["id"].tolist() for b in again] == [b["id"].tolist() for b in resumed]  # both: the next epoch

@@ -44,7 +44,9 @@ def test_lightning_resumes_exactly_from_a_checkpoint_at_every_step_of_epochs_tha
         resumed = read(tmp_path / f"from-{at}.json")
         assert resumed["rows"] == full["rows"][at:], f"{shape}: resumed from the checkpoint at step {at}"
         assert resumed["weights"] == full["weights"], f"{shape}: weights after resuming at step {at}"
-    if shape != "limit-0.5" and not shape.startswith("limit"):
+    again, at = read(tmp_path / "again.json"), int((tmp_path / "again-from.txt").read_text())  # a resumed run's
+    assert again["rows"] == full["rows"][at:] and again["weights"] == full["weights"]  # checkpoint, resumed
+    if not shape.startswith("limit"):
         both = [row for row in full["rows"] if "a" in row and "b" in row]
         assert both and all(row["a"][1] != row["b"][1] for row in both), "two loaders drew the same values"
 

@@ -80,3 +80,16 @@ def test_without_it_a_signal_to_the_group_kills_a_plain_loaders_worker() -> None
         time.sleep(0.02)
     _, err = job.communicate(timeout=60)
     assert job.returncode != 0 and "killed by signal" in err, err[-3000:]
+
+
+@pytest.mark.parametrize("context", ["spawn", "forkserver", None])
+def test_evaluation_loaders_made_safe_start_their_workers_under_every_start_method(context: str | None) -> None:
+    """Spawn and forkserver pickle the process: the process that holds the signals while it starts must pickle."""
+    from torch.utils.data import DataLoader
+
+    from loader_resume.preemption import IgnoreSignalsInWorker, workers_ignore_signals
+
+    loader = DataLoader(list(range(8)), batch_size=2, num_workers=2, multiprocessing_context=context)
+    assert workers_ignore_signals(loader, (signal.SIGTERM,)) is loader
+    assert isinstance(loader.worker_init_fn, IgnoreSignalsInWorker)
+    assert [batch.tolist() for batch in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]

@@ -11,7 +11,15 @@ from .mixture import Mixture
 from .position import Position
 from .state import STATE_VERSION, check_state
 
-__all__ = ["StateIdentity"]
+__all__ = ["ENDED_PASS", "StateIdentity"]
+
+
+class _Ended:
+    done = True
+
+
+ENDED_PASS = _Ended()
+"""The pass an ``iter()`` over a saved pass's empty rest begins (over at once)."""
 
 
 class StateIdentity:

@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import Dataset, default_collate, default_convert
 
 from .distributed import rank_and_world
-from .identity import StateIdentity
+from .identity import ENDED_PASS, StateIdentity
 from .keyed_fetch import KeyedFetch
 from .keyed_rng import GENERATORS, CallerRng, DrawnGenerators, derive_key
 from .load_warnings import LoadWarnings
@@ -54,20 +54,17 @@ class ResumableDataLoader(IndexHooks[T]):
     Accepts every ``DataLoader`` argument with the same names, defaults and errors, plus:
 
     Args:
-        seed: decides the shuffle order and every keyed random number. ``None`` means the
-            ``initial_seed()`` of ``generator`` (or of a ``RandomSampler``'s generator) when one is
-            given, else ``0`` — as with ``DistributedSampler``, the order is reproducible unless you
-            pass another seed.
+        seed: decides the shuffle order and every keyed random number. ``None``: the ``initial_seed()`` of
+            ``generator`` (or of a ``RandomSampler``'s) when given, else ``0`` (as ``DistributedSampler``).
+            Loaders iterated together should each have their own (the front doors: ``loader_seed``).
         snapshot_every_n_steps: as torchdata's (None or an int >= 0), ignored: the state is exact at every step.
         keying: ``"batch"`` (default) seeds the keyed generators before each batch from
             ``(seed, epoch, the batch's global position)`` (with ``num_workers=0``, only torch's and those
             the dataset is seen to draw from: a batch that first draws from another is read again, keyed);
             ``"sample"`` before each sample from ``(seed, epoch, index)`` (values then also survive a change
             of batch or world size; costs ~8 µs per sample); ``"off"`` leaves every generator alone.
-        keyed_generators: which global generators are keyed: any of ``"torch"`` (default CPU
-            generator), ``"numpy"`` (legacy global ``np.random``) and ``"random"``.
-        rank: shard for this rank; default from ``torch.distributed`` when initialised.
-        world_size: shard across this many ranks; default from ``torch.distributed`` when initialised.
+        keyed_generators: the global generators keyed, of ``"torch"``, ``"numpy"`` (legacy ``np.random``), ``"random"``.
+        rank, world_size: shard for this rank of so many; default from ``torch.distributed`` when initialised.
         by_value_bytes: tensors up to this size come back from workers by value (``worker_transport``); 0: never.
 
     Semantics: ``state_dict()`` may be called at any time and describes where the next batch comes from;
@@ -156,8 +153,9 @@ class ResumableDataLoader(IndexHooks[T]):
     def __iter__(self) -> Any:
         setup = self._position.setup
         self._loads.taken_up()
-        if self._rest_empty:  # NOTE: the saved pass's rest is empty: this iter() ends at once
+        if self._rest_empty:  # NOTE: the saved pass's rest is empty: this iter() ends at once (a pass over)
             self._rest_empty = False
+            self._identity.pass_began(ENDED_PASS)
             return iter(())
         begun = self._position.begin(self.collate_fn, self.worker_init_fn)
         if begun.restart_workers:
@@ -245,12 +243,13 @@ class ResumableDataLoader(IndexHooks[T]):
     def state_dict(self, *, batches_ago: int = 0, pass_ended: bool = False) -> dict[str, Any]:
         """The position after the last batch handed to the caller: plain, versioned, < 1 KB. A pass left early
         (``break``) is over once its iterator is gone: a state taken then starts where the next ``iter()`` does.
-
         ``batches_ago`` (streams, up to 8 in the pass): the state that many deliveries ago (a framework fetched ahead).
         ``pass_ended``: as if the pass in flight were left now (a loop checkpointing the step after which it leaves).
         """
         state = self._identity.for_state(pass_ended)
         self._position.fill_state(state, batches_ago, pass_ended)
+        if self._rest_empty and not pass_ended:  # a loaded "ending" no iter() has taken up: still the same
+            state["ending"] = True
         return state
 
     @property
@@ -298,3 +297,4 @@ class ResumableDataLoader(IndexHooks[T]):
         self._loads.loading()
         self._identity.forget_pass()
         self._position.reset_resharded(states)
+        self._rest_empty = any(state.get("ending") for state in states)

@@ -70,6 +70,7 @@ class MapPosition:
         settings = (setup.batch_size, setup.seed, order.shuffle, setup.drop_last)
         self._split_check: SplitCheck | None = SplitCheck(setup.dataset, settings)
         self._stateful: tuple[bool, bool] | None = None  # (sampler, dataset): read once a pass, at its first state()
+        self._warned_left = False  # warn_sampler_left said once
         self._mixture = setup.dataset if isinstance(setup.dataset, Mixture) else None
         if self._mixture is not None and (order.shuffle or order.sampler is not None):
             raise ValueError("ResumableDataLoader over a Mixture: expected shuffle=False and no sampler (a Mixture "
@@ -152,7 +153,7 @@ class MapPosition:
             start, pass_.done = self._next, True
             self.epoch, self._samples, self._sampler_state = start.epoch, start.position, None
             if self._stateful_flags()[0]:
-                warn_sampler_left(self.sampler)
+                self._warn_sampler_left()
 
     def fill_state(self, state: dict[str, Any], batches_ago: int = 0, next_pass: bool = False) -> None:
         if batches_ago:
@@ -173,7 +174,7 @@ class MapPosition:
         sampler_stateful, dataset_stateful = self._stateful or self._stateful_flags()
         if sampler_stateful:
             if next_pass and live:
-                warn_sampler_left(self.sampler)
+                self._warn_sampler_left()
                 state["sampler_state"] = self.sampler.state_dict()
             else:
                 state["sampler_state"] = self._current_sampler_state()
@@ -186,9 +187,8 @@ class MapPosition:
         return steps_per_epoch(total, self.setup.shard())
 
     def dataset_len(self) -> int | None:
-        """The length the pass in flight was planned with, else (between passes, as ``DataLoader``'s
-        ``len()``) the dataset's length now, since a dataset may grow between epochs. Changes nothing: the
-        next pass reads the length when it begins."""
+        """The length the pass in flight was planned with, else (between passes, as ``DataLoader``'s ``len()``)
+        the dataset's length now (it may grow between epochs); the next pass reads it when it begins."""
         if self._n is not None and self._samples == 0 and (self._pass is None or self._pass.done):
             return len(self.setup.dataset)
         return self._n
@@ -242,6 +242,11 @@ class MapPosition:
         if self._stateful is None:
             self._stateful = (is_stateful(self.sampler), is_stateful(self.setup.dataset))
         return self._stateful
+
+    def _warn_sampler_left(self) -> None:
+        if not self._warned_left:
+            self._warned_left = True
+            warn_sampler_left(self.sampler)
 
     def _current_sampler_state(self) -> Any:
         if not self._stateful_flags()[0]:

@@ -195,7 +195,7 @@ class PassIterator(Generic[T]):
         # drops its iterator: the pass is over, and a state taken before the next iter() says where that one starts
         try:
             self._position.abandon(self._pass)
-        except AttributeError:  # never fully built (copy, pickle), or the interpreter is shutting down
+        except Exception:  # never fully built (copy, pickle), or the interpreter is shutting down
             pass
 
 

@@ -14,6 +14,7 @@ import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from multiprocessing import context as mp_context
 from types import FrameType
 from typing import Any
 
@@ -125,17 +126,68 @@ def workers_ignore_signals(loader: Any, signals: Sequence[int]) -> Any:
 
 def _holding_context(context: Any, signals: tuple[int, ...]) -> Any:
     """A multiprocessing context like ``context`` (DataLoader's: ``None`` is torch's default, a name, or a
-    context), whose processes start with ``signals`` held in the starting thread."""
+    context), whose processes start with ``signals`` held in the starting thread; ``context`` itself where it
+    is of no standard kind."""
     base = torch.multiprocessing.get_context(context) if context is None or isinstance(context, str) else context
+    holding = _HOLDING_CONTEXTS.get(type(base))
+    return base if holding is None else holding(signals)
 
-    class Process(base.Process):  # type: ignore[name-defined,misc]
-        def start(self) -> None:
-            main = threading.current_thread() is threading.main_thread()
-            previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals) if main else None
-            try:
-                super().start()
-            finally:
-                if previous is not None:
-                    signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
-    return type(type(base).__name__, (type(base),), {"Process": Process})()
+class _HoldingStart:
+    """A process whose ``start()`` holds ``held`` (module level: spawn and forkserver pickle the process)."""
+
+    held: tuple[int, ...] = ()
+
+    def start(self) -> None:
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, self.held) if main and self.held else None
+        try:
+            super().start()  # type: ignore[misc]
+        finally:
+            if previous is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+class _HoldingContext:
+    """A context whose ``Process(...)`` is ``process_class`` with ``held`` set."""
+
+    process_class: type[Any]
+
+    def __init__(self, held: tuple[int, ...]) -> None:
+        super().__init__()
+        self.held = held
+
+    def Process(self, *args: Any, **kwargs: Any) -> Any:  # NOTE: multiprocessing's name
+        process = self.process_class(*args, **kwargs)
+        process.held = self.held
+        return process
+
+
+class _HoldingForkProcess(_HoldingStart, mp_context.ForkProcess):
+    pass
+
+
+class _HoldingSpawnProcess(_HoldingStart, mp_context.SpawnProcess):
+    pass
+
+
+class _HoldingForkServerProcess(_HoldingStart, mp_context.ForkServerProcess):
+    pass
+
+
+class _HoldingForkContext(_HoldingContext, mp_context.ForkContext):  # type: ignore[misc]
+    process_class = _HoldingForkProcess
+
+
+class _HoldingSpawnContext(_HoldingContext, mp_context.SpawnContext):  # type: ignore[misc]
+    process_class = _HoldingSpawnProcess
+
+
+class _HoldingForkServerContext(_HoldingContext, mp_context.ForkServerContext):  # type: ignore[misc]
+    process_class = _HoldingForkServerProcess
+
+
+_HOLDING_CONTEXTS: dict[type, type] = {mp_context.ForkContext: _HoldingForkContext,
+                                       mp_context.SpawnContext: _HoldingSpawnContext,
+                                       mp_context.ForkServerContext: _HoldingForkServerContext}
+"""POSIX's three start methods (signals, like DataLoader workers that ignore them, are POSIX's)."""
