@@ -5,6 +5,7 @@ and random."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -173,3 +174,21 @@ def test_a_loaded_ending_is_kept_until_its_empty_pass_and_that_pass_is_over() ->
     again = ReportingDataLoader(Augmented(8), batch_size=4, seed=1)
     again.load_state_dict(resumed.state_dict())
     assert [b["id"].tolist() for b in again] == [b["id"].tolist() for b in resumed]  # both: the next epoch
+
+
+def test_two_plain_loaders_of_one_seed_iterated_together_are_warned_of_and_own_seeds_are_not(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Plain loaders take seed= (default 0): two of one seed draw the same values at the same positions. Iterated
+    together (a zip), that is said; with their own seeds it is not, nor for one loader's successive passes."""
+    caplog.set_level(logging.WARNING, logger="loader_resume")
+    a, b = ResumableDataLoader(Augmented(8), batch_size=2), ResumableDataLoader(Augmented(12), batch_size=2)
+    pairs = list(zip(a, b, strict=False))
+    assert all(x["torch"].tolist() == y["torch"].tolist() for x, y in pairs)  # what the warning is about
+    assert "another loader with the same seed (0) is mid-pass" in caplog.text
+    caplog.clear()
+    a, b = ResumableDataLoader(Augmented(8), batch_size=2, seed=1), ResumableDataLoader(Augmented(12), batch_size=2)
+    assert all(x["torch"].tolist() != y["torch"].tolist() for x, y in zip(a, b, strict=False))
+    for _ in range(2):
+        list(a)
+    assert "same seed" not in caplog.text

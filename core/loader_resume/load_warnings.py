@@ -1,5 +1,6 @@
 """What a loader says, once per loader and case, about a loaded state: that it would be ignored, or that the
-continuation will not be bit-identical (a third-party object that cannot be restored exactly)."""
+continuation will not be bit-identical (a third-party object that cannot be restored exactly); and that it is
+iterated together with another loader of the same seed (both then draw the same random values)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,31 @@ class LoadWarnings:
     def iterating(self, iterator: Any) -> None:
         """``iter(loader)`` handed out ``iterator`` (whose ``mid_epoch`` says whether it is still in its pass)."""
         self.live = weakref.ref(iterator)
+        loader = self.loader
+        if loader.keying != "off":
+            for other in list(_ITERATING):
+                if other is not self and other.mid_pass() and other.seed() == loader.seed:
+                    self.warn("shared seed", f"another loader with the same seed ({loader.seed}) is mid-pass: loaders "
+                              "iterated together with one seed draw the same random values at the same positions "
+                              "(the same augmentation in both). Give each its own seed= (the front doors do: "
+                              "loader_seed)")
+                    break
+            _ITERATING.add(self)
+
+    def seed(self) -> int | None:
+        """The loader's seed (None once the loader is gone)."""
+        try:
+            return int(self.loader.seed)
+        except ReferenceError:
+            return None
+
+    def mid_pass(self) -> bool:
+        """Whether this loader's last iterator is alive and still in its pass."""
+        try:
+            live = self.live() if self.live is not None else None
+            return live is not None and bool(live.mid_epoch)
+        except ReferenceError:  # the loader is gone
+            return False
 
     def taken_up(self) -> None:
         """An ``iter()`` took up the loaded state, if any."""
@@ -56,6 +82,10 @@ class LoadWarnings:
         if case not in self.warned:
             self.warned.add(case)
             logger.warning("%s over %s: %s", self.kind, type(self.loader.dataset).__name__, message)
+
+
+_ITERATING: weakref.WeakSet[LoadWarnings] = weakref.WeakSet()
+"""The loaders' warnings whose loader began a pass (weak: gone with their loader)."""
 
 
 def warn_sampler_left(sampler: Any) -> None:
