@@ -36,6 +36,7 @@ from .state import check_state
 from .stream_position import StreamPosition
 from .thirdparty import refuse_stock_accelerate, warn_at_construction
 from .torch_internals import IndexHooks, forget_persistent_iterator, is_map_style, set_past_guard, wrap_fetcher
+from .worker_start import WorkerStart
 from .worker_transport import BY_VALUE_BYTES, by_value_init
 
 __all__ = ["ResumableDataLoader"]
@@ -130,13 +131,13 @@ class ResumableDataLoader(IndexHooks[T]):
         warn_at_construction(dataset, batch_read=self._position.kind == "map" and keying == "sample")
 
     # --- torch hooks -----------------------------------------------------------------------------
+    worker_start_timeout: float | None = 120.0  # seconds a new worker may take to start (``worker_start``); None: wait
     _torch_building = False  # True while torch's iterator is built (see _building)
     _rest_empty = False  # a loaded state was taken between a pass's last batch and its end (its "ending" key)
 
     def _fetches_lists(self) -> bool:
         # NOTE: torch's iterator, built inside `_building`, always fetches through a list of indices (batch_size=None:
-        # one index, unwrapped after collate): keyed randomness is applied right before the items are read.
-        # Asked anywhere else, the answer is DataLoader's.
+        # one index, unwrapped after collate): keyed randomness comes right before the read. Else DataLoader's answer.
         return self._torch_building or self.batch_sampler is not None
 
     def _index_lists(self) -> Any:
@@ -161,16 +162,16 @@ class ResumableDataLoader(IndexHooks[T]):
         if begun.restart_workers:
             forget_persistent_iterator(self)
         # NOTE: keyed fetches here: map-style batches by KeyedFetch, streams' with the caller's RNG kept around next()
-        position = self._position
-        by_fetch = setup.fetches_here and isinstance(position, MapPosition)
+        by_fetch = setup.fetches_here and isinstance(position := self._position, MapPosition)
         caller = CallerRng(setup.mask) if setup.fetches_here and not by_fetch else None
         by_value_init(begun.attributes, self.worker_init_fn, self.num_workers, setup.by_value_bytes)
+        start = WorkerStart(self, begun.attributes)
         with held_while_forking(self.worker_init_fn), self._building(**begun.attributes):
             inner = super().__iter__()
-            if by_fetch and isinstance(position, MapPosition):
-                next_fetch, drawn = position.next_fetch, self._drawn
-                wrap_fetcher(inner, lambda fetcher: KeyedFetch(fetcher, drawn, next_fetch))
-            iterator: PassIterator[T] = PassIterator(self._position, begun.pass_, inner, caller)
+        start.wait(inner)  # NOTE: our signals no longer held (a stuck worker: it raises before the pass is ours)
+        if by_fetch and isinstance(position, MapPosition):  # NOTE: wrap_fetcher calls the lambda at once
+            wrap_fetcher(inner, lambda fetcher: KeyedFetch(fetcher, self._drawn, position.next_fetch))
+        iterator: PassIterator[T] = PassIterator(self._position, begun.pass_, inner, caller)
         self._loads.iterating(iterator)
         self._identity.pass_began(begun.pass_)
         return iterator
@@ -260,8 +261,7 @@ class ResumableDataLoader(IndexHooks[T]):
     @property
     def batches_delivered(self) -> int:
         """Streams: batches handed out in the current pass (what ``batches_ago`` can go back over); map-style: 0."""
-        position = self._position
-        return position.batches_delivered if isinstance(position, StreamPosition) else 0
+        return self._position.batches_delivered if isinstance(self._position, StreamPosition) else 0
 
     def planned_indices(self, *, epoch: int | None = None) -> list[list[Any]]:
         """Map-style: the index lists of the next pass (or of ``epoch`` from its start), read from no data

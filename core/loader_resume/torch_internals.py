@@ -23,21 +23,34 @@ it calls torch's own ``__next__``, so traces show the DataLoader ranges as befor
 :func:`fetch_items`: a worker that must read a batch again (``worker_fetch.WorkerFetch``) reads its items
 as torch's map-style fetcher does, which it cannot reach from the worker loop.
 
+:func:`starts_workers` (whether an ``iter()`` starts workers), :func:`forks_workers` (whether by ``fork``),
+:func:`worker_processes` (a multi-process iterator's worker processes), :func:`kill_workers` (some of them, then
+the iterator shut down) and
+:func:`closing_feeder_threads` (the feeder threads of ``multiprocessing`` queues that were closed and are
+stopping: the standard library's own private names, for ``worker_start``).
+
 :func:`random_sampler_num_samples` (whether a ``RandomSampler`` was given ``num_samples``) and
 :func:`default_store` (the default process group's key-value store, which has no public accessor).
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
+import threading
 from collections.abc import Callable
+from multiprocessing import queues
 from typing import Any, Final, TypeVar
 
 from torch._C._autograd import _profiler_enabled
 from torch.utils.data import DataLoader
+from torch.utils.data._utils import signal_handling
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
-__all__ = ["IndexHooks", "default_store", "fetch_items", "forget_persistent_iterator", "is_map_style", "next_batch",
-           "next_numbered", "random_sampler_num_samples", "set_past_guard", "wrap_fetcher"]
+__all__ = ["IndexHooks", "closing_feeder_threads", "default_store", "fetch_items", "forget_persistent_iterator",
+           "forks_workers", "is_map_style", "kill_workers", "next_batch", "next_numbered", "random_sampler_num_samples",
+           "set_past_guard", "starts_workers", "worker_processes", "wrap_fetcher"]
 
 T = TypeVar("T")
 
@@ -119,6 +132,54 @@ def fetch_items(dataset: Any, indices: Any) -> Any:
     if hasattr(dataset, "__getitems__") and dataset.__getitems__:
         return dataset.__getitems__(indices)
     return [dataset[index] for index in indices]
+
+
+def starts_workers(loader: DataLoader[Any]) -> bool:
+    """Whether ``iter(loader)`` starts worker processes (not when ``persistent_workers`` keeps a pool)."""
+    return loader.num_workers > 0 and (not loader.persistent_workers or loader._iterator is None)
+
+
+def forks_workers(loader: DataLoader[Any]) -> bool:
+    """Whether ``loader``'s workers start by ``fork`` (its ``multiprocessing_context``, else the default one)."""
+    context = loader.multiprocessing_context
+    method = context.get_start_method() if context is not None else multiprocessing.get_start_method()
+    return method == "fork"
+
+
+def worker_processes(iterator: Any) -> list[Any]:
+    """The worker processes of one of torch's DataLoader iterators (none for a single-process one)."""
+    return list(getattr(iterator, "_workers", ()))
+
+
+def kill_workers(iterator: Any, pids: list[int]) -> None:
+    """Kill these workers of a multi-process iterator (SIGKILL) and shut the iterator down, without torch's
+    SIGCHLD handler reporting them as failed (it would raise its own error in their place)."""
+    if iterator._worker_pids_set:
+        signal_handling._remove_worker_pids(id(iterator))  # type: ignore[attr-defined]
+        iterator._worker_pids_set = False
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    iterator._shutdown_workers()
+
+
+def closing_feeder_threads() -> list[threading.Thread]:
+    """The feeder threads of ``multiprocessing`` queues that were closed (the sentinel ``close()`` puts in
+    their buffer is there, or they have closed their reader on their way out) and are still alive."""
+    found = []
+    for thread in threading.enumerate():
+        if thread.name != "QueueFeederThread" or not thread.is_alive():
+            continue
+        arguments: tuple[Any, ...] | None = getattr(thread, "_args", None)
+        if arguments is None:  # NOTE: Thread.run deletes its arguments as it returns: this one is on its way out
+            found.append(thread)
+            continue
+        if len(arguments) < 5:
+            continue
+        buffer, reader_close = arguments[0], arguments[4]
+        closing = getattr(getattr(reader_close, "__self__", None), "closed", False)
+        if closing or any(item is queues._sentinel for item in tuple(buffer)):  # type: ignore[attr-defined]
+            found.append(thread)
+    return found
 
 
 def random_sampler_num_samples(sampler: Any) -> int | None:
