@@ -34,8 +34,15 @@ from loader_resume.checkpoint import (
     set_global_rng_state,
     verify,
 )
+from loader_resume.checkpoint_dir import (
+    CheckpointDirectoryError,
+    claim,
+    newest_complete,
+    newest_usable,
+    preemption_exit_code,
+)
 from loader_resume.convert import sharded_resumable
-from loader_resume.distributed import gather_rng_states, gather_states, load_rank_state
+from loader_resume.distributed import any_rank, gather_rng_states, gather_states, load_rank_state
 from loader_resume.preemption import Preemption
 from loader_resume.sampler import loader_seed
 from loader_resume.step_boundary import ReportingDataLoader, StepBoundaries
@@ -43,14 +50,11 @@ from loader_resume.thirdparty import accelerator_mode, mark_accelerator
 
 from .config import ResumeConfig, load_config
 from .loader import AcceleratedResumableDataLoader, placed
-from .saving import write_checkpoint
+from .saving import STATE_FILE, read_state, write_checkpoint
 
 __all__ = ["STATE_FILE", "Resume", "enable_resume"]
 
 logger = logging.getLogger(__name__)
-
-STATE_FILE = "loader_resume.pt"
-"""Our file inside an Accelerate checkpoint directory (loaded with ``weights_only=True``)."""
 
 
 def enable_resume(accelerator: Accelerator,
@@ -107,6 +111,11 @@ class Resume:
         self._handles = [accelerator.register_save_state_pre_hook(self._on_save_state),
                          accelerator.register_load_state_pre_hook(self._on_load_state)]
         mark_accelerator(accelerator, "resume")
+        try:
+            self._lock = claim(self.checkpoint_dir, main=accelerator.is_main_process, agree=any_rank)
+        except CheckpointDirectoryError:
+            accelerator.end_training()  # NOTE: every process is here; gloo aborts a process leaving a live group
+            raise
         self.preemption.install()
 
     # --- the user's API ----------------------------------------------------------------------------
@@ -125,13 +134,15 @@ class Resume:
             self.epoch += 1
 
     def close(self) -> None:
-        """Undo ``enable_resume``: restore the signal handlers and ``accelerator.prepare``, drop the hooks
-        (loaders already prepared stay resumable)."""
+        """Undo ``enable_resume``: signal handlers, ``prepare``, hooks, directory lock (prepared loaders stay)."""
         if not self.config.enabled:
             if accelerator_mode(self.accelerator) == "stock":  # not one another enable_resume has made since
                 mark_accelerator(self.accelerator, None)
             return
         self.preemption.uninstall()
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
         for handle in self._handles:
             handle.remove()
         accelerator = self.accelerator
@@ -147,8 +158,9 @@ class Resume:
         with a manifest, rename it to ``step_<step>``, delete checkpoints beyond ``keep``.
 
         A failed write (a full disk, a lost mount) on any process is agreed by all: the partial
-        directory is removed, the error is logged, the previous checkpoints stay, training goes on,
-        and ``None`` is returned. Switched off (``enabled=False``): nothing is written, ``None``.
+        directory is removed, the error is logged naming the path and the cause, the previous checkpoints
+        stay and ``None`` is returned (a periodic save: training goes on; at preemption: exit 74). Switched
+        off (``enabled=False``): nothing is written, ``None``.
         """
         if not self.config.enabled:
             logger.warning("Resume.save(): loader-resume is switched off (enabled=False); nothing written")
@@ -222,29 +234,27 @@ class Resume:
         config = self.config
         periodic = self._boundaries.reached(config.save_every_n_steps)
         preempted = self._boundaries.reached(config.check_every_n_steps) and self.preemption.agreed()
-        if periodic or preempted:
-            self.save()
+        written = self.save() if periodic or preempted else None  # NOTE: a failed periodic save: training goes on
         if preempted:
-            logger.warning("preemption signal: checkpoint written at step %d; exiting with %d",
-                           self.step, config.exit_code)
+            code = preemption_exit_code(written, self.step, config.exit_code, newest_complete(self.checkpoint_dir))
             self.preemption.uninstall()
             # NOTE: every process is here. Tear the process group down before the interpreter does: gloo
             # aborts a process (SIGABRT) whose worker threads still hold collectives' tensors at exit.
             self.accelerator.wait_for_everyone()
             gc.collect()
             self.accelerator.end_training()
-            raise SystemExit(config.exit_code)
+            raise SystemExit(code)
 
     def restore(self) -> Path | None:
-        """Load the newest complete checkpoint now, if ``auto_resume`` (all processes call it; only the
-        first call does anything). Otherwise it happens by itself at the first ``epochs()`` or batch.
-        Returns the checkpoint loaded, if any."""
+        """Load the newest complete checkpoint that verifies now, if ``auto_resume`` (all processes call it; only
+        the first call acts; else at the first ``epochs()`` or batch). Returns the checkpoint loaded, if any."""
         if not self._started:
             self._started = True
-            found = self.checkpoints() if self.config.auto_resume else []
-            if found:
-                logger.info("resuming from %s", found[-1])
-                self.load(found[-1])
+            found = newest_usable(self.checkpoints(), any_rank) if self.config.auto_resume else None
+            if found is not None:  # NOTE: verified above
+                logger.info("resuming from %s", found)
+                self.accelerator.load_state(os.fspath(found))
+                self.loaded_from = found
         return self.loaded_from
 
     # --- save_state / load_state ------------------------------------------------------------------
@@ -265,19 +275,9 @@ class Resume:
             torch.save(state, os.path.join(output_dir, STATE_FILE))
 
     def _on_load_state(self, models: Any, input_dir: str) -> None:
-        path = os.path.join(input_dir, STATE_FILE)
-        if not os.path.exists(path):
-            logger.warning("%s has no %s (saved before enable_resume?): loaders restart their epoch", input_dir,
-                           STATE_FILE)
+        state = read_state(os.path.join(input_dir, STATE_FILE))
+        if state is None:
             return
-        try:
-            state = torch.load(path, weights_only=True)
-        except Exception as error:
-            raise CheckpointError(f"{path}: unreadable ({error}); expected a state written by loader-resume") from None
-        found = state.get("format") if isinstance(state, dict) else None
-        if found != CHECKPOINT_FORMAT:
-            raise CheckpointError(f"{path}: format {found!r}; expected {CHECKPOINT_FORMAT} "
-                                  "(written by another loader-resume?)")
         self._boundaries.reset(state["step"])
         self.epoch = state["epoch"]
         self.accelerator.step = state["accelerator_step"]

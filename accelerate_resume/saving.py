@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
+from typing import Any
 
+import torch
 from accelerate import Accelerator
 
-from loader_resume.checkpoint import write_sealed
+from loader_resume.checkpoint import CHECKPOINT_FORMAT, CheckpointError, write_sealed
 from loader_resume.distributed import any_rank
 
-__all__ = ["write_checkpoint"]
+__all__ = ["STATE_FILE", "read_state", "write_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "loader_resume.pt"
+"""Our file inside an Accelerate checkpoint directory (loaded with ``weights_only=True``)."""
 
 
 def write_checkpoint(accelerator: Accelerator, final: Path, *, step: int, checksums: bool, keep: int) -> bool:
@@ -31,3 +39,20 @@ def _save_state_to(accelerator: Accelerator, directory: Path) -> None:
         accelerator.save_state(os.fspath(directory))
     finally:
         project.automatic_checkpoint_naming, project.iteration = naming, iteration
+
+
+def read_state(path: str) -> dict[str, Any] | None:
+    """Our state file of a checkpoint directory; ``None`` (with a warning) where there is none."""
+    if not os.path.exists(path):
+        logger.warning("%s has no %s (saved before enable_resume?): loaders restart their epoch",
+                       os.path.dirname(path), STATE_FILE)
+        return None
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as error:
+        raise CheckpointError(f"{path}: unreadable ({error}); expected a state written by loader-resume") from None
+    found = state.get("format") if isinstance(state, dict) else None
+    if found != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path}: format {found!r}; expected {CHECKPOINT_FORMAT} "
+                              "(written by another loader-resume?)")
+    return state  # type: ignore[no-any-return]

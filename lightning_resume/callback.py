@@ -9,9 +9,11 @@ continues with the very next batch.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,13 +24,15 @@ from typing_extensions import override
 
 from loader_resume import GENERATORS, ResumableDataLoader
 from loader_resume.checkpoint import CHECKPOINT_FORMAT, global_rng_state, set_global_rng_state
+from loader_resume.checkpoint_dir import FAILED_SAVE_EXIT_CODE, DirectoryLock, claim, preemption_exit_code
 from loader_resume.convert import resumable
 from loader_resume.distributed import gather_rng_states, gather_states
 from loader_resume.preemption import Preemption
 from loader_resume.sampler import loader_seed
 
 from .fit_start import make_newest, quiet_fresh_fit, trainer_calling
-from .loaders import TrainingLoaders, evaluation_workers_ignore
+from .integrity import nothing_else_to_resume, save_atomically, usable, verify_loads
+from .loaders import TrainingLoaders, drop_lightning_loader_states, evaluation_workers_ignore
 from .stopping import adopt_lightnings_sigterm, stop_validating_as_planned
 
 __all__ = ["CHECKPOINT_KEY", "ResumeCallback"]
@@ -91,6 +95,11 @@ class ResumeCallback(OnExceptionCheckpoint):
         self._rng_to_restore: Any = None
         self._rng_around_validation: Any = None
         self._torch_rng_after_step: torch.Tensor | None = None
+        self._lock: DirectoryLock | None = None
+        self._claimed = False  # on every rank (the lock: the main one's)
+        self._choosing = True  # Lightning may be choosing the checkpoint of a fit (see ckpt_path)
+        self._skipped: str | None = None  # our preemption checkpoint, passed over as it does not verify
+        self._exit_with = 0
         quiet_fresh_fit(True)
 
     @property
@@ -110,12 +119,18 @@ class ResumeCallback(OnExceptionCheckpoint):
                 self._asked_unknown = True
             else:
                 self.dirpath, self._dirpath_known = str(trainer.default_root_dir), True
-        return os.path.join(self.dirpath, self.filename + self.FILE_EXTENSION)
+        path = os.path.join(self.dirpath, self.filename + self.FILE_EXTENSION)
+        if self._choosing and os.path.isfile(path) and not usable(path):
+            self._skipped = path
+            return path + ".skipped"  # NOTE: a file that does not exist: Lightning looks for another checkpoint
+        return path
 
     # --- hooks ---------------------------------------------------------------------------------
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         quiet_fresh_fit(False)  # Lightning has chosen its checkpoint: warnings about any later choice are shown
+        self._choosing = False
+        verify_loads(trainer.strategy)
         if sum(isinstance(c, ResumeCallback) for c in trainer.callbacks) > 1:  # type: ignore[attr-defined]
             raise ValueError("Trainer(callbacks=[...]) has more than one ResumeCallback; expected exactly one "
                              "(each would convert and save the same loaders)")
@@ -133,6 +148,9 @@ class ResumeCallback(OnExceptionCheckpoint):
             # as the hook loop running now iterates the old one.
             trainer.callbacks = [c for c in callbacks if c is not self] + [self]  # type: ignore[attr-defined]
         if stage == "fit":
+            agree = functools.partial(trainer.strategy.reduce_boolean_decision, all=False)
+            if not self._claimed and "://" not in str(self.dirpath):  # NOTE: every rank (a remote dirpath: no lock)
+                self._lock, self._claimed = claim(self.dirpath, main=trainer.is_global_zero, agree=agree), True
             self._training.intercept(trainer)
             evaluation_workers_ignore(trainer, self.preemption.signals)
 
@@ -142,6 +160,9 @@ class ResumeCallback(OnExceptionCheckpoint):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        skipped, self._skipped = self._skipped, None  # NOTE: after the restore, whenever the strategy does it
+        if skipped is not None and trainer.ckpt_path is None:
+            raise nothing_else_to_resume(skipped)
         self._install(trainer)
 
     def _install(self, trainer: Trainer) -> None:
@@ -162,22 +183,16 @@ class ResumeCallback(OnExceptionCheckpoint):
         if not at_step_boundary or trainer.global_step % self.check_every_n_steps:
             return
         if trainer.strategy.reduce_boolean_decision(self.preemption.received is not None, all=False):
-            self._save_atomically(trainer)
+            written = save_atomically(trainer, self.ckpt_path)  # NOTE: a kill mid-save leaves the previous whole
             self.preempted_at = trainer.global_step
+            self._exit_with = preemption_exit_code(None if written is None else Path(written), trainer.global_step,
+                                                   self.exit_code or 0, "the newest checkpoint Lightning finds")
             stop_validating_as_planned(trainer)
-
-    def _save_atomically(self, trainer: Trainer) -> None:
-        """Write to a temporary name, then rename: a kill mid-save leaves the previous checkpoint whole."""
-        temporary = self.ckpt_path + ".tmp"
-        trainer.save_checkpoint(temporary)
-        if trainer.is_global_zero:
-            os.replace(temporary, self.ckpt_path)
-        trainer.strategy.barrier("loader_resume.preemption")
-        logger.info("preemption checkpoint written at step %d: %s", trainer.global_step, self.ckpt_path)
 
     @override
     def on_exception(self, trainer: Trainer, *args: Any, **kwargs: Any) -> None:
-        """Nothing: an exception arrives mid-step, and we save only at step boundaries."""
+        """No save (an exception arrives mid-step; we save at step boundaries); the directory is let go."""
+        self._let_go()
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -188,43 +203,33 @@ class ResumeCallback(OnExceptionCheckpoint):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.preemption.uninstall()
         if stage != "fit":
+            self._choosing = True
             return
-        if self.preempted_at is not None and trainer.is_global_zero and os.path.exists(self.ckpt_path):
+        self._let_go()
+        written = self.preempted_at is not None and self._exit_with != FAILED_SAVE_EXIT_CODE
+        if written and trainer.is_global_zero and os.path.exists(self.ckpt_path):
             # NOTE: a restart resumes from the newest of this file and ModelCheckpoint's last file (by mtime);
             # ModelCheckpoint may still write last.ckpt while the stopping fit winds down, within the same tick
             make_newest(self.ckpt_path, trainer)
         quiet_fresh_fit(True)
-        if self.preempted_at is not None and self.exit_code is not None:
-            raise SystemExit(self.exit_code)
+        self._choosing = True
+        if self.preempted_at is not None and (self.exit_code is not None or self._exit_with == FAILED_SAVE_EXIT_CODE):
+            raise SystemExit(self._exit_with)
+
+    def _let_go(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+        self._lock, self._claimed = None, False
 
     @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         checkpoint[CHECKPOINT_KEY] = {
             "format": CHECKPOINT_FORMAT,
-            "loaders": [gather_states(loader, self._state_at_trainer_step(trainer, loader))
+            "loaders": [gather_states(loader, self._training.state_at_trainer_step(trainer, loader))
                         for loader in self._training.loaders],
             "rng": gather_rng_states(),
         }
-        _drop_lightning_loader_states(checkpoint)
-
-    def _state_at_trainer_step(self, trainer: Trainer, loader: ResumableDataLoader[Any]) -> dict[str, Any]:
-        """The loader's state at the batch the trainer has taken, not the one it prefetched.
-
-        NOTE: Lightning fetches one batch ahead from a training loader without ``__len__`` (to know
-        when the epoch ends), so such a loader has delivered one more batch than the trainer used. At the
-        epoch's last batch every training loader's pass ends, even one left mid-way (``limit_train_batches``,
-        ``CombinedLoader`` ``min_size``, or ``max_size_cycle``'s restarted shorter loader): a resumed fit
-        starts the next epoch with one ``iter()`` each, so the state is where that pass starts.
-        """
-        progress = trainer.fit_loop.epoch_loop.batch_progress.current
-        if trainer.state.fn == "fit" and (trainer.is_last_batch or progress.ready == trainer.num_training_batches):
-            return loader.state_dict(pass_ended=True)
-        if loader.pass_finished:  # NOTE: done before the epoch (CombinedLoader max_size): empty for the epoch's rest
-            return {**loader.state_dict(), "ending": True}
-        if len(self._training.loaders) != 1 or not isinstance(loader.dataset, torch.utils.data.IterableDataset):
-            return loader.state_dict()
-        taken = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-        return loader.state_dict(batches_ago=max(0, loader.batches_delivered - taken))
+        drop_lightning_loader_states(checkpoint)
 
     @override
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -240,7 +245,7 @@ class ResumeCallback(OnExceptionCheckpoint):
         self._training.load(saved["loaders"])
         rng = saved["rng"]
         self._rng_to_restore = rng[trainer.global_rank] if trainer.global_rank < len(rng) else None
-        _drop_lightning_loader_states(checkpoint)
+        drop_lightning_loader_states(checkpoint)
 
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -290,10 +295,3 @@ class ResumeCallback(OnExceptionCheckpoint):
             rank=rank, world_size=world_size,
             ignore_signals=self.preemption.signals,
         )
-
-
-def _drop_lightning_loader_states(checkpoint: dict[str, Any]) -> None:
-    """Lightning also saves stateful loaders' states, from rank 0 only; ours (every rank's) replaces it."""
-    fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
-    if isinstance(fit_loop.get("state_dict"), dict):
-        fit_loop["state_dict"]["combined_loader"] = []

@@ -27,9 +27,9 @@ from loader_resume.checkpoint import (
     CheckpointError,
     complete_checkpoints,
     set_global_rng_state,
-    verify,
     write_sealed,
 )
+from loader_resume.checkpoint_dir import DirectoryLock, claim, newest_complete, newest_usable, preemption_exit_code
 from loader_resume.distributed import gather_rng_states, gather_states, load_rank_state
 from loader_resume.preemption import Preemption
 from loader_resume.sampler import loader_seed
@@ -101,9 +101,10 @@ class FabricResume:
         """The loaders set up so far, in the order their states are saved."""
         self.preempted_at: int | None = None
         """The step of the preemption checkpoint, once taken."""
-        self._boundaries = StepBoundaries()
+        self._boundaries, self._claimed = StepBoundaries(), False  # _claimed: the directory (see restore)
         self._hooked: set[int] = set()
         self._state: dict[str, Any] | None = None
+        self._lock: DirectoryLock | None = None
         self._pending: list[Any] | None = None
         self._rng_to_restore: dict[str, Any] | None = None
         self._fabric_save, self._fabric_load = fabric.save, fabric.load
@@ -138,10 +139,9 @@ class FabricResume:
         return converted[0] if len(converted) == 1 else converted
 
     def restore(self, state: dict[str, Any]) -> Path | None:
-        """Start resuming: ``state`` (the dict you pass to ``fabric.save``, holding the model and optimizer(s)
-        set up by Fabric) is what checkpoints save; the newest complete checkpoint under ``checkpoint_dir``,
-        if any, is loaded into it (every rank calls this). Installs the signal handlers. Returns the
-        checkpoint directory loaded, or ``None``."""
+        """Start resuming (every rank calls it): ``state`` (the dict you pass to ``fabric.save``, with the model and
+        optimizer(s) set up by Fabric) is what checkpoints save; the newest complete checkpoint in ``checkpoint_dir``
+        that verifies is loaded into it. Holds the directory, installs the signal handlers. Returns what it loaded."""
         optimizers = [value for value in state.values() if isinstance(getattr(value, "optimizer", value),
                                                                           torch.optim.Optimizer)]
         if not optimizers:
@@ -154,13 +154,15 @@ class FabricResume:
                 self._hooked.add(id(inner))
                 self._boundaries.hook(inner)
         self._state = state
+        if not self._claimed:  # NOTE: one job per directory, writable, from the first restore on (every rank)
+            self._lock = claim(self.checkpoint_dir, main=self.fabric.is_global_zero, agree=self._any_rank)
+            self._claimed = True
         self.preemption.install()
-        found = self.checkpoints()
-        if found:
-            logger.info("resuming from %s", found[-1])
-            verify(found[-1])
-            self.fabric.load(found[-1] / CHECKPOINT_FILE, state)
-            self.loaded_from = found[-1]
+        found = newest_usable(self.checkpoints(), self._any_rank)
+        if found is not None:
+            logger.info("resuming from %s", found)
+            self.fabric.load(found / CHECKPOINT_FILE, state)
+            self.loaded_from = found
         return self.loaded_from
 
     def checkpoints(self) -> list[Path]:
@@ -179,9 +181,9 @@ class FabricResume:
         def write_into(directory: Path) -> None:
             try:
                 fabric.save(directory / CHECKPOINT_FILE, state)
-            except OSError:
-                if fabric.world_size > 1:
-                    fabric.barrier()  # NOTE: the one fabric.save ends with, which the other ranks are in
+            except Exception:  # NOTE: any failed write (agreed by write_sealed); first the barrier fabric.save ends
+                if fabric.world_size > 1:  # with, which the other ranks are in
+                    fabric.barrier()
                 raise
 
         written = write_sealed(final, write_into, main=fabric.is_global_zero, agree=self._any_rank, step=self.step,
@@ -192,9 +194,11 @@ class FabricResume:
         return final
 
     def close(self) -> None:
-        """Undo ``FabricResume``: restore the signal handlers and Fabric's methods (loaders already set up stay
-        resumable)."""
+        """Undo ``FabricResume``: signal handlers, Fabric's methods, the directory lock (set-up loaders stay)."""
         self.preemption.uninstall()
+        if self._lock is not None:
+            self._lock.release()
+            self._lock, self._claimed = None, False
         fabric = self.fabric
         for name in ("setup_dataloaders", "save", "load", "loader_resume"):
             fabric.__dict__.pop(name, None)
@@ -288,13 +292,9 @@ class FabricResume:
             return  # restore(state) was not called: nothing to save
         signalled = self.preemption.received is not None
         preempted = self._boundaries.reached(self.check_every_n_steps) and self._any_rank(signalled)
-        if preempted or self._boundaries.reached(self.save_every_n_steps):
-            self.save()
+        written = self.save() if preempted or self._boundaries.reached(self.save_every_n_steps) else None
         if preempted:
-            self.preempted_at = step = self.step
-            logger.warning("preemption signal: checkpoint written at step %d; exiting with %d", step, self.exit_code)
-            self._exit()
-
-    def _exit(self) -> None:
-        self.preemption.uninstall()
-        leave_launched_process(self.fabric, self.exit_code)
+            self.preempted_at = self.step
+            code = preemption_exit_code(written, self.step, self.exit_code, newest_complete(self.checkpoint_dir))
+            self.preemption.uninstall()
+            leave_launched_process(self.fabric, code)

@@ -6,6 +6,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader
@@ -14,7 +15,8 @@ from loader_resume import ResumableDataLoader
 from loader_resume.distributed import check_same_dataset, load_rank_state
 from loader_resume.preemption import workers_ignore_signals
 
-__all__ = ["TrainingLoaders", "evaluation_workers_ignore", "intercept", "resumable_tree"]
+__all__ = ["TrainingLoaders", "drop_lightning_loader_states", "evaluation_workers_ignore", "intercept",
+           "resumable_tree"]
 
 
 class TrainingLoaders:
@@ -42,6 +44,25 @@ class TrainingLoaders:
         self._to_load = saved
         if self.loaders:
             self._apply()
+
+    def state_at_trainer_step(self, trainer: Trainer, loader: ResumableDataLoader[Any]) -> dict[str, Any]:
+        """The loader's state at the batch the trainer has taken, not the one it prefetched.
+
+        NOTE: Lightning fetches one batch ahead from a training loader without ``__len__`` (to know
+        when the epoch ends), so such a loader has delivered one more batch than the trainer used. At the
+        epoch's last batch every training loader's pass ends, even one left mid-way (``limit_train_batches``,
+        ``CombinedLoader`` ``min_size``, or ``max_size_cycle``'s restarted shorter loader): a resumed fit
+        starts the next epoch with one ``iter()`` each, so the state is where that pass starts.
+        """
+        progress = trainer.fit_loop.epoch_loop.batch_progress.current
+        if trainer.state.fn == "fit" and (trainer.is_last_batch or progress.ready == trainer.num_training_batches):
+            return loader.state_dict(pass_ended=True)
+        if loader.pass_finished:  # NOTE: done before the epoch (CombinedLoader max_size): empty for the epoch's rest
+            return {**loader.state_dict(), "ending": True}
+        if len(self.loaders) != 1 or not isinstance(loader.dataset, torch.utils.data.IterableDataset):
+            return loader.state_dict()
+        taken = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        return loader.state_dict(batches_ago=max(0, loader.batches_delivered - taken))
 
     def intercept(self, trainer: Trainer) -> None:
         """Convert the trainer's training loaders now, or wrap the hook that will return them."""
@@ -121,3 +142,10 @@ def resumable_tree(
         return value
 
     return walk(obj), found
+
+
+def drop_lightning_loader_states(checkpoint: dict[str, Any]) -> None:
+    """Lightning also saves stateful loaders' states, from rank 0 only; ours (every rank's) replaces it."""
+    fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    if isinstance(fit_loop.get("state_dict"), dict):
+        fit_loop["state_dict"]["combined_loader"] = []

@@ -15,6 +15,7 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -33,6 +34,17 @@ from support.data import NoisyEverywhere as Noisy
 from support.data import NoisyStream
 
 
+def fill(path: Path) -> None:
+    """Write zeros into ``path`` until its file system is full."""
+    with path.open("wb", buffering=0) as file:
+        try:
+            while True:
+                file.write(bytes(1 << 16))
+                file.flush()
+        except OSError:
+            pass
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -48,6 +60,9 @@ def main() -> None:
     parser.add_argument("--signal-in-save", action="store_true", help="SIGTERM to itself while a checkpoint is saved")
     parser.add_argument("--signal-in-eval", action="store_true", help="SIGTERM to itself during the first evaluation")
     parser.add_argument("--disk-full-at", type=int, help="torch.save fails with ENOSPC in the save at this step")
+    parser.add_argument("--fill-disk-at", type=int, help="fill the checkpoint directory's file system after this "
+                        "micro-batch (a real full disk: mount a small tmpfs there)")
+    parser.add_argument("--vanish-at", type=int, help="the save at this step finds its directory deleted")
     parser.add_argument("--save-at", type=int, help="accelerator.save_state(OUT/explicit) at this step, then crash")
     parser.add_argument("--load", help="accelerator.load_state(DIR) after prepare (automatic resume off)")
     parser.add_argument("--stream", action="store_true", help="an IterableDataset without __len__")
@@ -83,6 +98,12 @@ def main() -> None:
             real_save(obj, f, *a, **k)
 
         torch.save = full_disk  # type: ignore[assignment]
+    if args.vanish_at is not None:
+        def vanish(models: Any, weights: Any, output_dir: str) -> None:
+            if resume.step == args.vanish_at and rank == 0:
+                shutil.rmtree(output_dir)  # as another process deleting it would
+
+        accelerator.register_save_state_pre_hook(vanish)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data: Any = NoisyStream(args.items, rank, args.processes) if args.stream else Noisy(args.items)
@@ -119,6 +140,8 @@ def main() -> None:
             if args.sleep:
                 time.sleep(args.sleep)
                 (out / f"progress-{rank}").write_text(str(resume.step))
+            if args.fill_disk_at == micro and rank == 0:
+                fill(resume.checkpoint_dir / "filler")
             for _ in range(args.signal_at.count(micro)):
                 signal_self()
             if args.save_at == resume.step and accelerator.sync_gradients:

@@ -11,6 +11,7 @@ rerun's log continues the first run's, and writes OUT/weights-RANK.txt (fingerpr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -43,6 +44,10 @@ def main() -> None:
     parser.add_argument("--signal-at", type=int, help="rank 0 sends itself SIGTERM after this micro-batch")
     parser.add_argument("--save-at", type=int, help="fabric.save(OUT/explicit.ckpt) with the loader in the state at "
                         "this optimizer step, then end the process at once")
+    parser.add_argument("--save-every", type=int, default=0, help="FabricResume(save_every_n_steps=...)")
+    parser.add_argument("--keep", type=int, default=2, help="FabricResume(keep=...)")
+    parser.add_argument("--fill-disk-at", type=int, help="rank 0 fills the checkpoint directory's file system after "
+                        "this micro-batch (a real full disk: mount a small tmpfs there)")
     parser.add_argument("--load", help="fabric.load(PATH) with the loader in the state, after restore()")
     args = parser.parse_args()
     out = Path(args.out)
@@ -52,7 +57,8 @@ def main() -> None:
     fabric.launch()
     assert fabric.world_size == args.devices, (fabric.world_size, args.devices)
     rank = fabric.global_rank
-    resume = FabricResume(fabric, seed=7, checkpoint_dir=out / "resume_checkpoints")
+    resume = FabricResume(fabric, seed=7, checkpoint_dir=out / "resume_checkpoints",
+                          save_every_n_steps=args.save_every, keep=args.keep)
     torch.manual_seed(123)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -93,6 +99,11 @@ def main() -> None:
             if args.sleep:
                 time.sleep(args.sleep)
                 (out / f"progress-{rank}").write_text(str(resume.step))
+            if args.fill_disk_at == micro and rank == 0:
+                with (out / "resume_checkpoints" / "filler").open("wb", buffering=0) as filler:
+                    with contextlib.suppress(OSError):
+                        while True:
+                            filler.write(bytes(1 << 16))
             if args.signal_at == micro and rank == 0:
                 os.kill(os.getpid(), signal.SIGTERM)
             if args.save_at is not None and args.save_at == resume.step and stepping:

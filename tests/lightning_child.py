@@ -9,9 +9,11 @@ and OUT/weights-RANK.txt: a fingerprint of the final weights.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -140,10 +142,29 @@ class MixtureSchedule(L.Callback):
             pl_module.mixture.set_weights({"a": 1, "b": 2} if trainer.global_step == 3 else {"a": 1, "b": 0})
 
 
+class Faults(L.Callback):
+    """After the step ``--fill-disk-at``, rank 0 fills the file system of the callback's directory; after the step
+    ``--signal-at`` it sends itself SIGTERM."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, index: int) -> None:
+        if trainer.global_rank != 0:
+            return
+        if trainer.global_step == self.args.fill_disk_at:
+            with (Path(self.args.resume_dir) / "filler").open("wb", buffering=0) as file:
+                with contextlib.suppress(OSError):
+                    while True:
+                        file.write(bytes(1 << 16))
+        if trainer.global_step == self.args.signal_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def resume_callbacks(args: argparse.Namespace) -> list[ResumeCallback]:
     if args.no_callback:
         return []
-    dirpath = None if args.no_dirpath else args.out  # None: the trainer's default_root_dir (args.out too)
+    dirpath = None if args.no_dirpath else args.resume_dir or args.out  # None: default_root_dir (args.out too)
     callback = ResumeCallback(seed=7, dirpath=dirpath, check_every_n_steps=args.check_every)
     return [callback] * (2 if args.two_callbacks else 1)
 
@@ -171,6 +192,9 @@ def main() -> None:
     parser.add_argument("--custom-sampler", action="store_true", help="a sampler of our own, not torch's")
     parser.add_argument("--mixture", action="store_true", help="a Mixture whose weights change at steps 3 and 9")
     parser.add_argument("--split-per-rank", action="store_true", help="an HF dataset split with split_dataset_by_node")
+    parser.add_argument("--resume-dir", help="ResumeCallback(dirpath=...) (default: OUT)")
+    parser.add_argument("--fill-disk-at", type=int, help="fill the resume directory's file system after this step")
+    parser.add_argument("--signal-at", type=int, help="SIGTERM to rank 0 after this step")
     parser.add_argument("--batch-log", help="also append one JSON line per step to BATCH_LOG/log-RANK.jsonl")
     args = parser.parse_args()
     if args.resume and args.n_resume:
@@ -184,7 +208,7 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0, default_root_dir=args.out, deterministic=True,
         limit_val_batches=1.0 if args.val_every else 0, val_check_interval=args.val_every or None,
-        callbacks=[*resume_callbacks(args), *([MixtureSchedule()] if args.mixture else []),
+        callbacks=[*resume_callbacks(args), *([MixtureSchedule()] if args.mixture else []), Faults(args),
                    ModelCheckpoint(dirpath=Path(args.out) / "ckpt", every_n_train_steps=args.every, save_top_k=-1,
                                    save_last=True, filename="{step}")],
     )

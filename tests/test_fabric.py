@@ -21,6 +21,7 @@ from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
 
 from lightning_resume import FabricResume
+from loader_resume.checkpoint_dir import LOCK_FILE
 from loader_resume.testing import assert_delivers_rest_exactly_once
 from support.launch import TESTS, logs, progress_of, trained, weights
 
@@ -49,7 +50,7 @@ def full(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def checkpoints(out: Path) -> list[str]:
-    return sorted(path.name for path in (out / "resume_checkpoints").iterdir())
+    return sorted(path.name for path in (out / "resume_checkpoints").iterdir() if path.name != LOCK_FILE)
 
 
 @pytest.mark.parametrize("workers", [0, 2])

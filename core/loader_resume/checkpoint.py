@@ -1,6 +1,6 @@
 """Atomic, verified checkpoint directories (used by the Accelerate hook; usable by any training loop).
 
-A checkpoint directory is written under a temporary name (``.NAME.tmp``), sealed with a manifest
+A checkpoint directory is written under a temporary name of its writer (``.NAME.tmp-TOKEN``), sealed with a manifest
 (every file's size and SHA-256) and renamed into place: a kill at any byte leaves either the previous
 checkpoints untouched plus a ``.tmp`` leftover (ignored, with a warning), or a complete checkpoint.
 Loading verifies the manifest first, so a truncated file, flipped bytes or an edited state are refused
@@ -12,6 +12,7 @@ What goes into a checkpoint besides the loader state lives here too: :func:`glob
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -19,16 +20,19 @@ import os
 import random
 import re
 import shutil
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 __all__ = [
-    "CHECKPOINT_FORMAT", "MANIFEST", "CheckpointError", "complete_checkpoints", "global_rng_state", "prune", "seal",
-    "set_global_rng_state", "temporary_name", "verify", "write_sealed",
+    "CHECKPOINT_FORMAT", "MANIFEST", "CheckpointError", "complete_checkpoints", "describe_failure", "global_rng_state",
+    "is_temporary", "prune", "seal", "set_global_rng_state", "storage_failure", "temporary_name", "verify",
+    "writer_token", "write_sealed",
 ]
 
 logger = logging.getLogger(__name__)
@@ -45,9 +49,24 @@ class CheckpointError(ValueError):
     """A checkpoint directory is incomplete, corrupted or edited."""
 
 
-def temporary_name(final: Path) -> Path:
-    """Where ``final`` is written before it is sealed and renamed."""
-    return final.with_name(f".{final.name}.tmp")
+def temporary_name(final: Path, token: str = "") -> Path:
+    """Where ``final`` is written before it is sealed and renamed: ``.NAME.tmp-TOKEN``, a name of this writer and
+    attempt alone (``token``; empty: ``.NAME.tmp``)."""
+    return final.with_name(f".{final.name}.tmp" + (f"-{token}" if token else ""))
+
+
+def is_temporary(path: Path) -> bool:
+    """Whether ``path`` is named as :func:`temporary_name` names (a leftover, once its writer is gone)."""
+    return re.fullmatch(r"\.(step_\d+|.+\.ckpt)\.tmp(-\d+-[0-9a-f]{8})?", path.name) is not None
+
+
+def writer_token() -> str:
+    """A name for one write, the same on every process of a job: the main process's, broadcast when distributed
+    (a collective: every process calls it)."""
+    token = [f"{os.getpid()}-{uuid.uuid4().hex[:8]}"]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(token, src=0)
+    return token[0]
 
 
 def seal(directory: Path, final: Path, *, checksums: bool = True) -> None:
@@ -58,7 +77,10 @@ def seal(directory: Path, final: Path, *, checksums: bool = True) -> None:
     if final.exists():
         shutil.rmtree(final)
     os.replace(directory, final)
-    _fsync_directory(final.parent)
+    try:
+        _fsync_directory(final.parent)
+    except OSError as error:  # NOTE: the checkpoint is in place; only its durability is unconfirmed
+        logger.warning("%s sealed; syncing its directory failed: %s", final, error)
 
 
 def verify(directory: Path) -> None:
@@ -95,8 +117,8 @@ def complete_checkpoints(root: Path, pattern: str = r"step_(\d+)") -> list[Path]
     for path in sorted(root.iterdir()):
         if not path.is_dir():
             continue
-        if path.name.startswith(".") and path.name.endswith(".tmp"):
-            logger.warning("skipping %s: an incomplete checkpoint (the save was interrupted)", path)
+        if is_temporary(path):
+            logger.warning("skipping %s: an incomplete checkpoint (a save interrupted, or in progress)", path)
             continue
         match = re.fullmatch(pattern, path.name)
         if match is None:
@@ -115,43 +137,77 @@ def prune(root: Path, keep: int) -> None:
 
 
 def write_sealed(final: Path, write_into: Callable[[Path], None], *, main: bool, agree: Callable[[bool], bool],
-                 step: int, checksums: bool = True, keep: int = 2) -> bool:
+                 step: int, checksums: bool = True, keep: int = 2, token: str | None = None) -> bool:
     """Write a checkpoint directory atomically, every process of a job together: ``write_into(temporary)`` on
-    every process (the main one creates the directory first), then the main process seals it and renames it
-    to ``final`` (:func:`seal`), and deletes checkpoints beyond the newest ``keep`` (:func:`prune`).
+    every process (the main one creates the directory first, under a name of this write alone:
+    :func:`temporary_name`, :func:`writer_token`), then the main process seals it and renames it to ``final``
+    (:func:`seal`), and deletes checkpoints beyond the newest ``keep`` (:func:`prune`).
 
     ``agree(flag)`` is whether ``flag`` holds on any process (a collective; on one process, ``flag``). A
-    failed write (a full disk, a lost mount) on any process is agreed by all: the partial directory is
-    removed, the error is logged, the previous checkpoints stay and ``False`` is returned. NOTE: every
-    process takes the same branch at each agreement, so the collectives stay paired.
+    failed write on any process — any exception out of ``write_into`` or the seal: a full disk (``OSError`` or
+    the ``RuntimeError`` torch's writer turns it into), a lost mount, a read-only file system — is agreed by
+    all: the partial directory is removed, the error is logged naming the path and the cause, the previous
+    checkpoints stay and ``False`` is returned. What the caller does then (train on, or exit) is its own. Other
+    errors (a bug, a failed collective) are raised. ``token``: the temporary name's, if the caller agreed on one.
+    NOTE: every process takes the same branch at each agreement, so the collectives stay paired.
     """
-    temporary = temporary_name(final)
-    failure: OSError | None = None
+    temporary = temporary_name(final, writer_token() if token is None else token)
+    failure: Exception | None = None
     try:
         if main:
-            shutil.rmtree(temporary, ignore_errors=True)
             temporary.mkdir(parents=True)
     except OSError as error:
         failure = error
     if not agree(failure is not None):
         try:
             write_into(temporary)
-        except OSError as error:
-            failure = error
+        except Exception as error:  # NOTE: the caller decides whether training goes on
+            failure = storage_failure(error)
         if not agree(failure is not None) and main:
             try:
                 seal(temporary, final, checksums=checksums)
-                prune(final.parent, keep)
-            except OSError as error:
-                failure = error
+            except Exception as error:
+                failure = storage_failure(error)
         if not agree(failure is not None):
+            if main:
+                try:
+                    prune(final.parent, keep)
+                except OSError as error:
+                    logger.warning("checkpoint at step %d written; deleting older ones failed: %s", step, error)
             return True
+    cause = describe_failure(failure, final.parent) if failure is not None else "failed on another process"
     if main:
         shutil.rmtree(temporary, ignore_errors=True)
     kept = complete_checkpoints(final.parent)
-    logger.error("checkpoint at step %d failed (%s); training goes on, the newest checkpoint is still %s",
-                 step, failure or "on another process", kept[-1] if kept else "none")
+    logger.error("checkpoint at step %d NOT written to %s: %s; the newest complete checkpoint is still %s", step,
+                 final, cause, kept[-1] if kept else "none")
     return False
+
+
+def storage_failure(error: Exception) -> Exception:
+    """``error`` if a write can fail with it for a reason of the storage — ``OSError``, the ``RuntimeError`` torch's
+    writer makes of one, safetensors' ``SafetensorError`` — else raised again (a bug, a failed collective)."""
+    distributed = getattr(dist, "DistError", ())
+    if isinstance(error, OSError) or type(error).__name__ == "SafetensorError" or (
+            isinstance(error, RuntimeError) and not isinstance(error, distributed)):
+        return error
+    raise error
+
+
+def describe_failure(error: BaseException, directory: Path) -> str:
+    """``error`` as a log names it, with the cause a write into ``directory`` most likely had: a full disk (its
+    free bytes), or a file system that cannot be written."""
+    text = f"{type(error).__name__}: {error}"
+    number = getattr(error, "errno", None)
+    try:
+        free: int | None = shutil.disk_usage(directory).free
+    except OSError:
+        free = None
+    if number in (errno.ENOSPC, errno.EDQUOT) or (free is not None and free < _CHUNK) or "No space left" in text:
+        return f"{text} (no space left on device, or over quota: {free} bytes free under {directory})"
+    if number in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return f"{text} ({directory} cannot be written)"
+    return text
 
 
 def _files(directory: Path) -> Iterator[str]:

@@ -1,0 +1,55 @@
+"""A file written by ``torch.save`` verified before it is loaded: every record against the CRC-32 that torch's
+writer stores for it in the file's zip directory (``torch.serialization.set_crc32_options``, on by default).
+
+``torch.load`` itself does not check them: a flipped bit in a weight loads as another weight, and a truncated
+file fails with an error that names no file. :func:`verify_torch_file` refuses both, naming the file and the
+record. It reads the whole file once (about as fast as the disk; the load that follows then reads from the page
+cache). A changed file is refused; a file written again by ``torch.save`` is a new, consistent file.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+
+from .checkpoint import CheckpointError
+
+__all__ = ["verify_torch_file"]
+
+
+def verify_torch_file(path: str | os.PathLike[str]) -> None:
+    """Raise :class:`~loader_resume.checkpoint.CheckpointError` unless ``path`` is a complete ``torch.save`` zip
+    file whose every record matches its stored CRC-32. What cannot be checked is let through: a file in torch's
+    legacy format (no zip), records whose CRC-32 was not computed (``set_crc32_options(False)`` stores 0)."""
+    try:
+        if not zipfile.is_zipfile(path):
+            if _cut_zip(path):
+                raise zipfile.BadZipFile("its zip directory is missing")
+            return  # NOTE: torch's legacy format (or a custom CheckpointIO's): nothing to check it against
+        with zipfile.ZipFile(path) as archive:
+            bad = next((info.filename for info in archive.infolist() if info.CRC and not _matches(archive, info)),
+                       None)
+    except FileNotFoundError:
+        raise CheckpointError(f"{os.fspath(path)}: no such checkpoint file") from None
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as error:
+        raise CheckpointError(f"{os.fspath(path)}: not a complete torch checkpoint ({type(error).__name__}: "
+                              f"{error}; truncated?); refusing to load it") from None
+    if bad is not None:
+        raise CheckpointError(f"{os.fspath(path)}: record {bad!r} does not match the CRC-32 stored for it "
+                              "(changed on disk after it was written); refusing to load it")
+
+
+def _matches(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> bool:
+    try:
+        with archive.open(info) as record:
+            while record.read(1 << 20):
+                pass
+    except zipfile.BadZipFile:
+        return False
+    return True
+
+
+def _cut_zip(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` begins as a zip file (torch's format) although it has no zip directory: cut short."""
+    with open(path, "rb") as file:
+        return file.read(4) == b"PK\x03\x04"
