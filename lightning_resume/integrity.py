@@ -15,13 +15,12 @@ import contextlib
 import functools
 import logging
 import os
-import uuid
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Trainer
 
-from loader_resume.checkpoint import CheckpointError, describe_failure, storage_failure
+from loader_resume.checkpoint import CheckpointError, describe_failure, storage_failure, writer_token
 from loader_resume.torch_file import verify_torch_file
 
 __all__ = ["nothing_else_to_resume", "save_atomically", "usable", "verify_loads"]
@@ -33,9 +32,8 @@ def save_atomically(trainer: Trainer, final: str) -> str | None:
     """``trainer.save_checkpoint`` to ``final`` through a temporary file (every rank calls it): ``final``, or
     ``None`` when the write failed on any rank (logged with the path and the cause)."""
     strategy = trainer.strategy
-    token = strategy.broadcast(f"{os.getpid()}-{uuid.uuid4().hex[:8]}")  # NOTE: one name for this write, all ranks
-    folder, name = os.path.split(final)
-    temporary = os.path.join(folder, f".{name}.tmp-{token}")
+    folder, name = os.path.split(final)  # NOTE: strings, as Lightning's paths may be URLs
+    temporary = os.path.join(folder, f".{name}.tmp-{writer_token(strategy.broadcast)}")
     failure: Exception | None = None
     try:
         trainer.save_checkpoint(temporary)

@@ -60,13 +60,13 @@ def is_temporary(path: Path) -> bool:
     return re.fullmatch(r"\.(step_\d+|.+\.ckpt)\.tmp(-\d+-[0-9a-f]{8})?", path.name) is not None
 
 
-def writer_token() -> str:
-    """A name for one write, the same on every process of a job: the main process's, broadcast when distributed
-    (a collective: every process calls it)."""
+def writer_token(broadcast: Callable[[str], str] | None = None) -> str:
+    """A name for one write, the same on every process of a job (a collective): the main process's, sent by
+    ``broadcast`` (a framework's, as Lightning's ``strategy.broadcast``), else by ``torch.distributed`` if in use."""
     token = [f"{os.getpid()}-{uuid.uuid4().hex[:8]}"]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if broadcast is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(token, src=0)
-    return token[0]
+    return token[0] if broadcast is None else broadcast(token[0])
 
 
 def seal(directory: Path, final: Path, *, checksums: bool = True) -> None:

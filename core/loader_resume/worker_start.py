@@ -76,15 +76,14 @@ class WorkerStart:
             self.mark = StartMark(inner, loader.num_workers, loader.multiprocessing_context)
             attributes["worker_init_fn"] = self.mark
 
-    def wait(self, iterator: Any) -> Any:
-        """``iterator`` once its workers started (:func:`wait_started`)."""
+    def wait(self, iterator: Any) -> None:
+        """Return once ``iterator``'s workers started (:func:`wait_started`)."""
         if self.mark is not None:
             try:
                 wait_started(iterator, self.mark, self.timeout)
             except WorkerStartError:
                 forget_persistent_iterator(self.loader)
                 raise
-        return iterator
 
 
 _GUARDED: list[bool] = []
