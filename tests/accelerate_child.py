@@ -32,17 +32,7 @@ from loader_resume.distributed import init_process_group
 from loader_resume.testing import fingerprint
 from support.data import NoisyEverywhere as Noisy
 from support.data import NoisyStream
-
-
-def fill(path: Path) -> None:
-    """Write zeros into ``path`` until its file system is full."""
-    with path.open("wb", buffering=0) as file:
-        try:
-            while True:
-                file.write(bytes(1 << 16))
-                file.flush()
-        except OSError:
-            pass
+from support.mounts import fill
 
 
 def main() -> None:

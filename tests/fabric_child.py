@@ -11,7 +11,6 @@ rerun's log continues the first run's, and writes OUT/weights-RANK.txt (fingerpr
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
@@ -28,6 +27,7 @@ from lightning_resume import FabricResumableDataLoader, FabricResume
 from loader_resume import Mixture
 from loader_resume.testing import fingerprint
 from support.data import NoisyEverywhere, NoisyStream
+from support.mounts import fill
 
 
 def main() -> None:
@@ -100,10 +100,7 @@ def main() -> None:
                 time.sleep(args.sleep)
                 (out / f"progress-{rank}").write_text(str(resume.step))
             if args.fill_disk_at == micro and rank == 0:
-                with (out / "resume_checkpoints" / "filler").open("wb", buffering=0) as filler:
-                    with contextlib.suppress(OSError):
-                        while True:
-                            filler.write(bytes(1 << 16))
+                fill(out / "resume_checkpoints" / "filler")
             if args.signal_at == micro and rank == 0:
                 os.kill(os.getpid(), signal.SIGTERM)
             if args.save_at is not None and args.save_at == resume.step and stepping:

@@ -9,7 +9,6 @@ and OUT/weights-RANK.txt: a fingerprint of the final weights.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -30,6 +29,7 @@ from loader_resume import Mixture
 from loader_resume.distributed import init_process_group
 from loader_resume.testing import fingerprint
 from support.data import Noisy
+from support.mounts import fill
 
 
 class NoisyStream(IterableDataset[tuple[torch.Tensor, torch.Tensor, int]]):
@@ -153,10 +153,7 @@ class Faults(L.Callback):
         if trainer.global_rank != 0:
             return
         if trainer.global_step == self.args.fill_disk_at:
-            with (Path(self.args.resume_dir) / "filler").open("wb", buffering=0) as file:
-                with contextlib.suppress(OSError):
-                    while True:
-                        file.write(bytes(1 << 16))
+            fill(Path(self.args.resume_dir) / "filler")
         if trainer.global_step == self.args.signal_at:
             os.kill(os.getpid(), signal.SIGTERM)
 

@@ -221,12 +221,14 @@ def test_two_real_writers_of_the_same_names_never_seal_a_mixed_checkpoint(tmp_pa
 
 
 def test_the_lock_dies_with_its_process_and_is_not_inherited_by_a_fork(tmp_path: Path) -> None:
-    """A DataLoader worker forked while the job holds its directory does not keep the lock past the job."""
+    """A DataLoader worker forked while the job holds its directory does not keep the lock past the job; other
+    code of the holder reading the lock file (an upload of the directory) does not let it go."""
     holder = subprocess.Popen([sys.executable, "-c", (
         "import os, sys, time\n"
         "from pathlib import Path\n"
-        "from loader_resume.checkpoint_dir import DirectoryLock\n"
+        "from loader_resume.checkpoint_dir import LOCK_FILE, DirectoryLock\n"
         "DirectoryLock.acquire(Path(sys.argv[1]))\n"
+        "Path(sys.argv[1], LOCK_FILE).read_text()\n"  # opened and closed by other code of the holder
         "if os.fork() == 0:\n"
         "    time.sleep(60); os._exit(0)\n"  # a child that outlives its parent
         "print('held', flush=True); time.sleep(60)\n"), str(tmp_path)], stdout=subprocess.PIPE, text=True,

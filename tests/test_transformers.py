@@ -14,46 +14,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from support.launch import TESTS, TORCHRUN, free_port, logs, weights
-
-CHILD = TESTS / "transformers_child.py"
-ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
-ITEMS, EPOCHS = 30, 3
-
-
-def command(out: Path, processes: int, *args: str, launcher: str = "torchrun") -> list[str]:
-    if processes == 1:
-        launch = [sys.executable, str(CHILD)]
-    elif launcher == "torchrun":
-        launch = [TORCHRUN, "--nproc_per_node", str(processes), "--master_port", str(free_port()), str(CHILD)]
-    else:
-        launch = [ACCELERATE, "launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
-                  "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-                  str(CHILD)]
-    return [*launch, str(out), "--processes", str(processes), *args]
-
-
-# NOTE: faulthandler prints each thread's Python stack if a process aborts
-ENV = {**os.environ, "PYTHONFAULTHANDLER": "1"}
-
-
-def run(out: Path, processes: int, *args: str, launcher: str = "torchrun", expect: int = 0) -> str:
-    """The Trainer child on ``processes`` processes; its stderr. A launcher reports a rank's failure with its own
-    exit code and the rank's in its report."""
-    done = subprocess.run(command(out, processes, *args, launcher=launcher), capture_output=True, text=True,
-                          timeout=300, env=ENV)
-    report = f"{args}: exit {done.returncode}\n{done.stderr[-6000:]}"
-    if processes > 1 and expect != 0:
-        assert done.returncode != 0 and f"exitcode  : {expect}" in done.stderr, report
-    else:
-        assert done.returncode == expect, report
-    return done.stderr
+from support.launch import logs, weights
+from support.trainer_launch import ENV, ITEMS, command, run
 
 
 def reads(out: Path) -> list[int]:
@@ -72,11 +39,12 @@ def full(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return runs
 
 
-@pytest.mark.parametrize(("accumulate", "workers", "crash"), [(1, 0, 10), (3, 2, 4)])
+@pytest.mark.parametrize(("accumulate", "workers", "crash"), [(1, 0, 10), (3, 2, 4), (1, 0, 8), (3, 2, 6)])
 def test_one_process_resumes_with_the_uninterrupted_runs_batches(full: dict[str, Path], tmp_path: Path,
                                                                  accumulate: int, workers: int, crash: int) -> None:
     """8 batches an epoch; with accumulation 3 an epoch is 3 optimizer steps (3 + 3 + 2 micro-batches) and
-    step 4 is in the second epoch. Batches do not depend on num_workers: both compare with one run."""
+    step 4 is in the second epoch. Steps 8 and 6 end an epoch (Trainer resumes them with the next epoch's
+    first batch). Batches do not depend on num_workers: both compare with one run."""
     options = ["--accumulate", str(accumulate), "--workers", str(workers)]
     run(tmp_path, 1, *options, "--crash-at", str(crash))
     cut = len(logs(tmp_path)[0])
@@ -118,7 +86,7 @@ def test_every_ranks_files_are_written_before_trainers_state_marks_a_checkpoint_
         crashed_on_two: dict[str, Path]) -> None:
     """trainer_state.json (rank 0's last write, after which Trainer deletes older checkpoints) comes after every
     rank's loader state and Trainer's RNG state, rank 1's written 0.5 s late included."""
-    for checkpoint in sorted((crashed_on_two["torchrun"] / "run").iterdir()):
+    for checkpoint in sorted((crashed_on_two["torchrun"] / "run").glob("checkpoint-*")):
         per_rank = [checkpoint / f"{name}_{rank}.{ext}" for rank in range(2)
                     for name, ext in (("loader_resume", "pt"), ("rng_state", "pth"))]
         complete = (checkpoint / "trainer_state.json").stat().st_mtime_ns
@@ -146,7 +114,7 @@ def test_sigusr1_on_one_rank_checkpoints_at_the_step_both_agree_and_the_same_com
             "--resume", "true"]
     stderr = run(tmp_path, 2, *same, expect=143)
     # NOTE: both ranks say so; torchrun reports the first to exit (it then stops the other)
-    assert stderr.count("checkpoint written at step 3; exiting with 143") == 2
+    assert stderr.count(f"checkpoint written at step 3 ({tmp_path / 'run' / 'checkpoint-3'}); exiting with 143") == 2
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-3"]
     assert "no complete checkpoint in" in stderr  # the first run of the command started from the beginning
     run(tmp_path, 2, *same)

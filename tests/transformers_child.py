@@ -30,6 +30,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from loader_resume.testing import fingerprint
 from support.data import NoisyEverywhere, NoisyStream
+from support.mounts import fill
 from transformers_resume import ResumableTrainer
 
 
@@ -114,6 +115,17 @@ class SignalAt(TrainerCallback):
             os.kill(os.getpid(), self.signal)
 
 
+class FillDiskAt(TrainerCallback):
+    """Rank 0 fills the file system of ``directory`` at the end of optimizer step ``step`` (before its save)."""
+
+    def __init__(self, step: int, directory: Path) -> None:
+        self.step, self.directory = step, directory
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.step and int(os.environ.get("RANK", 0)) == 0:
+            fill(self.directory / "filler")
+
+
 class SlowRankTrainer(ResumableTrainer):
     """One rank writes its last checkpoint file late (a slow disk on that node)."""
 
@@ -135,6 +147,7 @@ def main() -> None:
     parser.add_argument("--crash-at", type=int, help="end the process right after the checkpoint of this step")
     parser.add_argument("--signal-at", type=int, help="rank 0 sends itself --signal-name at the end of this step")
     parser.add_argument("--signal-name", default="SIGTERM")
+    parser.add_argument("--fill-disk-at", type=int, help="rank 0 fills OUT/run's file system at the end of this step")
     parser.add_argument("--slow-rank", type=int, help="this rank writes its RNG file 0.5 s late at each checkpoint")
     parser.add_argument("--stream", action="store_true", help="an iterable dataset (20 steps)")
     parser.add_argument("--save-steps", type=int, default=1)
@@ -163,6 +176,7 @@ def main() -> None:
     callbacks: list[Any] = [LogLearningRate(out / f"lr-{rank}.jsonl")]
     callbacks += [] if args.crash_at is None else [CrashAfterSave(args.crash_at)]
     callbacks += [] if args.signal_at is None else [SignalAt(args.signal_at, args.signal_name)]
+    callbacks += [] if args.fill_disk_at is None else [FillDiskAt(args.fill_disk_at, out / "run")]
     data = ItemsStream(30, rank=0, world=1) if args.stream else Items(30)
     trainer = kind(model=model, args=training, train_dataset=data, data_collator=collate, callbacks=callbacks)
     assert trainer.args.world_size == args.processes, (trainer.args.world_size, args.processes)

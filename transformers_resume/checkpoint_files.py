@@ -1,17 +1,33 @@
-"""The files ``ResumableTrainer`` adds to a Trainer ``checkpoint-N``, and what they say about Trainer's step."""
+"""The files ``ResumableTrainer`` adds to a Trainer ``checkpoint-N``, what they say about Trainer's step, and how a
+checkpoint is verified before it is resumed.
+
+:func:`verify_checkpoint`: complete (every file :func:`missing_file` asks for) and intact, as far as its files allow:
+each file ``torch.save`` wrote (``*.pt``, ``*.pth``, ``*.bin``) against the CRC-32 stored for each of its records,
+each safetensors file's structure (it stores no checksum: a flipped bit inside a tensor is not seen), each JSON file
+parsed. On several ranks each rank reads its share of the files, so the job reads each file once.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import transformers
 
 from loader_resume.checkpoint import CHECKPOINT_FORMAT, CheckpointError
+from loader_resume.torch_file import verify_safetensors, verify_torch_file
 
 __all__ = ["LOADER_STATE_FILE", "RNG_STATE_FILE", "TRAINER_STATE", "agreed_checkpoint", "load_state_file",
-           "missing_file", "step_at"]
+           "missing_file", "newest_complete", "newest_resumable", "read_states", "step_at", "verify_named"]
+
+logger = logging.getLogger(__name__)
 
 LOADER_STATE_FILE = "loader_resume_{rank}.pt"
 """Each rank's training-loader state inside a Trainer ``checkpoint-N`` (beside ``rng_state_<rank>.pth``)."""
@@ -55,6 +71,7 @@ def missing_file(checkpoint: Path) -> Path | None:
 
 
 def load_state_file(path: Path) -> dict[str, Any]:
+    verify_torch_file(path)
     try:
         saved = torch.load(path, weights_only=True)
     except Exception as error:
@@ -83,3 +100,121 @@ def agreed_checkpoint(found: str | None) -> str | None:
         raise CheckpointError(f"the ranks found different newest complete checkpoints ({seen}); expected the same "
                               "one on every rank (an output_dir every rank sees alike)")
     return found
+
+
+def _checkpoints_in(root: Path) -> list[Path]:
+    """The ``checkpoint-N`` directories in ``root``, newest (highest ``N``) first."""
+    found = [(int(match.group(1)), path) for path in (root.iterdir() if root.is_dir() else ())
+             if (match := re.fullmatch(r"checkpoint-(\d+)", path.name)) and path.is_dir()]
+    return [path for _, path in sorted(found, reverse=True)]
+
+
+def _complete(root: Path, warn: bool) -> list[Path]:
+    """The complete checkpoints in ``root`` (:func:`missing_file`), newest first; others skipped (named)."""
+    complete = []
+    for path in _checkpoints_in(root):
+        try:
+            missing = missing_file(path)
+        except CheckpointError as error:
+            missing, reason = path, str(error)
+        else:
+            reason = f"{missing.name if missing else ''} is missing (killed while saving?)"
+        if missing is None:
+            complete.append(path)
+        elif warn:
+            logger.warning("skipping %s: %s", path, reason)
+    return complete
+
+
+def newest_complete(root: Path) -> Path | None:
+    """The newest complete checkpoint in ``root`` (its files there, none verified), or ``None``."""
+    complete = _complete(root, warn=False)
+    return complete[0] if complete else None
+
+
+def newest_resumable(root: Path, *, rank: int = 0, world_size: int = 1,
+                     agree: Callable[[bool], bool] | None = None) -> Path | None:
+    """The newest complete checkpoint in ``root`` whose files verify (each rank its share; ``agree``: whether a flag
+    holds on any rank, a collective), or ``None`` if there is none. A newer one that fails is skipped with a warning
+    naming the file and why; :class:`~loader_resume.checkpoint.CheckpointError` if none verifies (never a silent
+    start from scratch). With ``agree``, each candidate is checked to be every rank's (:func:`agreed_checkpoint`);
+    without it, this process alone decides."""
+    complete, skipped = _complete(root, warn=True), None
+    for index in range(len(complete) + 1):
+        candidate = os.fspath(complete[index]) if index < len(complete) else None
+        candidate = candidate if agree is None else agreed_checkpoint(candidate)
+        if candidate is None:
+            break
+        failure = None
+        try:
+            _verify_files(Path(candidate), rank, world_size)
+        except CheckpointError as error:
+            failure = error
+        if not (failure is not None if agree is None else agree(failure is not None)):
+            if skipped is not None:
+                logger.warning("resuming from %s, the newest checkpoint that verifies", candidate)
+            return Path(candidate)
+        reason = str(failure or "a file failed verification on another process (its log names it)")
+        logger.warning("skipping %s: %s; trying the one before it", candidate, reason)
+        skipped = skipped or reason
+    if skipped is not None:
+        raise CheckpointError(f"{skipped}; and no older checkpoint in {root} verifies either (expected at least one "
+                              "intact: move them away to start over)")
+    return None
+
+
+def verify_named(checkpoint: Path, *, rank: int, world_size: int, agree: Callable[[bool], bool]) -> None:
+    """Raise :class:`~loader_resume.checkpoint.CheckpointError` on every rank unless ``checkpoint`` (named by the
+    user) is complete and its files verify (each rank its share; ``agree`` as for :func:`newest_resumable`)."""
+    failure = None
+    try:
+        missing = missing_file(checkpoint)
+        if missing is not None:
+            raise CheckpointError(f"{missing}: missing; expected a complete checkpoint written by ResumableTrainer "
+                                  "(killed while saving, or saved by another Trainer?)")
+        _verify_files(checkpoint, rank, world_size)
+    except CheckpointError as error:
+        failure = error
+    if agree(failure is not None):
+        raise failure or CheckpointError(f"{checkpoint}: a file failed verification on another process (its log "
+                                         "names it); refusing to load it")
+
+
+def _verify_files(checkpoint: Path, rank: int, world_size: int) -> None:
+    """This rank's share of ``checkpoint``'s files (every ``world_size``-th, from ``rank``), verified (see the
+    module's description)."""
+    files = sorted(path for path in checkpoint.rglob("*") if path.is_file())
+    for path in files[rank::world_size]:
+        if path.suffix in (".pt", ".pth", ".bin"):
+            verify_torch_file(path)
+        elif path.suffix == ".safetensors":
+            verify_safetensors(path)
+        elif path.suffix == ".json":
+            try:
+                json.loads(path.read_bytes())
+            except (OSError, ValueError) as error:
+                raise CheckpointError(f"{os.fspath(path)}: unreadable ({type(error).__name__}: {error}; truncated?); "
+                                      "refusing to load it") from None
+
+
+def read_states(checkpoint: Path, world_size: int, *, can_move: bool
+                ) -> tuple[dict[str, Any], tuple[Path, int, dict[str, Any]] | None]:
+    """Every saved rank's loader state, as ``gather_states`` returns them, and, when the checkpoint was written on
+    another number of processes than ``world_size``, the change (the checkpoint, its world size, rank 0's state)
+    for ``ResumableTrainer`` to move Trainer's step (refused for an iterable dataset's state, and unless
+    ``can_move``: this Trainer can move its step)."""
+    first = load_state_file(checkpoint / LOADER_STATE_FILE.format(rank=0))
+    world = first["world_size"]
+    ranks = [first] + [load_state_file(checkpoint / LOADER_STATE_FILE.format(rank=r)) for r in range(1, world)]
+    moved = None
+    if world != world_size:
+        state = first["loader"]
+        if not isinstance(state, dict) or state.get("kind") != "map":
+            raise CheckpointError(f"{checkpoint}: written by {world} process(es), resumed on {world_size}; an "
+                                  "iterable dataset resumes under Trainer on the same number of processes only "
+                                  "(Trainer's steps would not name the same samples)")
+        if not can_move:
+            raise CheckpointError(f"{checkpoint}: written by {world} process(es), resumed on {world_size}; another "
+                                  f"number of processes needs transformers >= 5.3 (found {transformers.__version__})")
+        moved = (checkpoint, world, state)
+    return {"world_size": world, "ranks": [saved["loader"] for saved in ranks]}, moved

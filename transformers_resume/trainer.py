@@ -13,9 +13,12 @@ Here, with public Trainer APIs where they exist:
   before Trainer writes its ``trainer_state.json``, the file whose presence makes a Trainer checkpoint
   complete; the ranks wait for each other after their last file (Trainer's ``rng_state_<rank>.pth``), so
   ``trainer_state.json`` is written, and older checkpoints deleted, only once every rank's files exist.
-  ``train(resume_from_checkpoint=True)`` resumes from the newest *complete* checkpoint (one that lacks a
-  file is skipped with a warning naming it), and starts from the beginning where there is none, so one
-  command starts a job and continues it; an explicit path that lacks a file is refused, naming the file.
+  ``train(resume_from_checkpoint=True)`` resumes from the newest complete checkpoint that verifies (one that
+  lacks a file or fails a check is skipped with a warning naming it; ``checkpoint_files``), and starts from the
+  beginning where there is none, so one command starts a job and continues it; an explicit path that lacks a
+  file or fails a check is refused, naming the file. A write that fails on any rank is agreed by all
+  (``saving``): nothing partial stays, and training stops with ``CheckpointError`` (a preemption save: exit 74).
+  ``output_dir`` is locked while ``train`` runs (one job per directory).
 - While ``train`` runs, Trainer's skipping is a no-op for our loader: it already stands at the next batch.
   Trainer still counts the skipped steps as done, and restores its RNG files (``rng_state_<rank>.pth``).
 - Evaluation and test loaders stay Trainer's; their workers ignore the preemption signals, so a signal to the
@@ -38,7 +41,6 @@ is refused, naming the sample and what it must divide; so is an iterable dataset
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 from collections.abc import Sequence
@@ -46,7 +48,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 import transformers.trainer as trainer_module
 from torch.utils.data import DataLoader
 from transformers.trainer_callback import TrainerCallback
@@ -55,12 +56,14 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from accelerate_resume import AcceleratedResumableDataLoader
 from accelerate_resume.loader import placed
 from loader_resume import GENERATORS
-from loader_resume.checkpoint import CHECKPOINT_FORMAT, CheckpointError
+from loader_resume.checkpoint import CHECKPOINT_FORMAT, CheckpointError, temporary_name, writer_token
+from loader_resume.checkpoint_dir import claim, preemption_exit_code
 from loader_resume.convert import sharded_resumable
-from loader_resume.distributed import load_rank_state
+from loader_resume.distributed import any_rank, load_rank_state
 from loader_resume.preemption import Preemption, workers_ignore_signals
 
-from .checkpoint_files import LOADER_STATE_FILE, agreed_checkpoint, load_state_file, missing_file, step_at
+from .checkpoint_files import LOADER_STATE_FILE, newest_complete, newest_resumable, read_states, step_at, verify_named
+from .saving import AgreedWrite, SaveFailed, end_processes
 from .trainer_patches import no_skipping, unprepared
 
 __all__ = ["LOADER_STATE_FILE", "ResumableTrainer", "ResumeTrainerMixin"]
@@ -99,6 +102,7 @@ class ResumeTrainerMixin:
         self.preempted_at: int | None = None
         """The step of the preemption checkpoint, once taken."""
         self._loader_states: dict[str, Any] | None = None
+        self._write: AgreedWrite | None = None  # the checkpoint being written
         self._moved_from: tuple[Path, int, dict[str, Any]] | None = None  # checkpoint, its world size, rank 0's
         self._move_scheduler_to: int | None = None
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
@@ -137,74 +141,98 @@ class ResumeTrainerMixin:
     # --- train / checkpoints ------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; ``resume_from_checkpoint=True`` picks the newest complete checkpoint in
-        ``args.output_dir`` (see the module docstring)."""
+        ``args.output_dir`` that verifies (see the module docstring). ``args.output_dir`` is this job's while it
+        trains: a second job on it is refused."""
+        lock = claim(self.args.output_dir, main=self.args.process_index == 0, agree=any_rank)
+        try:
+            return self._train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _train(self, resume_from_checkpoint: str | bool | None, *args: Any, **kwargs: Any) -> Any:
+        args_, root = self.args, Path(self.args.output_dir)
         checkpoint: str | None
         if resume_from_checkpoint is True:
-            checkpoint = agreed_checkpoint(self.resumable_checkpoint())
+            found = newest_resumable(root, rank=args_.process_index, world_size=args_.world_size, agree=any_rank)
+            checkpoint = None if found is None else os.fspath(found)
             if checkpoint is None:  # NOTE: stock Trainer raises here; one command must start a job and continue it
-                logger.warning("no complete checkpoint in %s: training starts from the beginning",
-                               self.args.output_dir)
+                logger.warning("no complete checkpoint in %s: training starts from the beginning", root)
         else:
             checkpoint = resume_from_checkpoint or None
             if checkpoint is not None:
-                missing = missing_file(Path(checkpoint))
-                if missing:
-                    raise CheckpointError(f"{missing}: missing; expected a complete checkpoint written by "
-                                          f"ResumableTrainer (killed while saving, or saved by another Trainer?)")
-        if checkpoint is not None and self.args.ignore_data_skip:
+                verify_named(Path(checkpoint), rank=args_.process_index, world_size=args_.world_size, agree=any_rank)
+        if checkpoint is not None and args_.ignore_data_skip:
             raise ValueError(
                 f"TrainingArguments(ignore_data_skip=True) with {type(self).__name__}: expected it off. "
                 f"{type(self).__name__} continues {checkpoint} with the very next batch and reads none to skip it; "
                 "ignore_data_skip would start the epoch's data over while Trainer's step counter goes on")
-        self._moved_from = self._move_scheduler_to = None
-        self._loader_states = None if checkpoint is None else self._read_states(Path(checkpoint))
+        self._move_scheduler_to = None
+        movable = hasattr(trainer_module.Trainer, "_init_training_state")  # NOTE: transformers >= 5.3
+        self._loader_states, self._moved_from = (None, None) if checkpoint is None else \
+            read_states(Path(checkpoint), args_.world_size, can_move=movable)
         self.preempted_at = None
         self.preemption.install()
         try:
             with no_skipping():
                 output = super().train(checkpoint, *args, **kwargs)  # type: ignore[misc]
+        except SaveFailed as failed:
+            end_processes(self)
+            if self.preempted_at is None:
+                raise CheckpointError(str(failed)) from failed.__cause__
+            logger.error("%s", failed)
+            raise SystemExit(preemption_exit_code(None, self.preempted_at, self.exit_code,
+                                                  os.fspath(newest_complete(root) or "the start"))) from None
         finally:
             self.preemption.uninstall()
         if self.preempted_at is not None:
-            logger.warning("preemption signal: checkpoint written at step %d; exiting with %d", self.preempted_at,
-                           self.exit_code)
-            # NOTE: every process is here. Tear the process group down before the interpreter does: gloo aborts a
-            # process (SIGABRT) whose worker threads still hold collectives' tensors at exit. The DDP wrapper keeps
-            # the group alive past destroy_process_group, so it goes first (the process is ending).
-            self.accelerator.wait_for_everyone()
-            self.accelerator.free_memory()
-            self.model_wrapped = self.model
-            gc.collect()
-            self.accelerator.end_training()
-            raise SystemExit(self.exit_code)
+            written = root / f"{PREFIX_CHECKPOINT_DIR}-{self.preempted_at}"
+            end_processes(self)
+            raise SystemExit(preemption_exit_code(written, self.preempted_at, self.exit_code, os.fspath(written)))
         return output
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         # NOTE: Trainer's own (transformers 4.x and 5.x), run by every process; its last write is trainer_state.json
         loader = self.resume_loader
-        if loader is not None:
-            run_dir = self.args.output_dir if trial is None else self._get_output_dir(trial=trial)  # type: ignore[attr-defined]
-            directory = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if loader is None:
+            super()._save_checkpoint(model, trial)  # type: ignore[misc]
+            return
+        run_dir = Path(self.args.output_dir if trial is None else self._get_output_dir(trial=trial))  # type: ignore[attr-defined]
+        directory = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+
+        def write() -> None:
             directory.mkdir(parents=True, exist_ok=True)
             rank = self.args.process_index
+            position = loader.resume_state()
+            position.pop("ending", None)  # NOTE: Trainer resumes an epoch's last step with the next epoch's iter()
             state = {"format": CHECKPOINT_FORMAT, "world_size": self.args.world_size, "rank": rank,
                      "global_step": self.state.global_step, "rng_files": not self.args.save_only_model,
-                     "loader": loader.resume_state()}
+                     "loader": position}
             final = directory / LOADER_STATE_FILE.format(rank=rank)
-            temporary = final.with_name(f".{final.name}.tmp")
+            temporary = temporary_name(final, writer_token(lambda token: token))  # NOTE: this rank's name
             torch.save(state, temporary)
             os.replace(temporary, final)
-            if self.args.save_only_model:  # no RNG files: wait here instead (see _save_rng_state)
-                self.accelerator.wait_for_everyone()
-        super()._save_checkpoint(model, trial)  # type: ignore[misc]
+            super(ResumeTrainerMixin, self)._save_checkpoint(model, trial)  # type: ignore[misc]
+
+        self._write = AgreedWrite(any_rank)
+        try:
+            self._write.run(write, directory, main=self.args.should_save, step=self.state.global_step,
+                            newest=lambda: newest_complete(run_dir))
+        finally:
+            self._write = None
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        super().save_model(output_dir, _internal_call)  # type: ignore[misc]
+        if self._write is not None and _internal_call:  # NOTE: inside _save_checkpoint, on every process
+            self._write.point()
 
     def _save_rng_state(self, output_dir: str) -> None:
         # NOTE: Trainer's own, the last per-rank file of its checkpoint; rank 0 then writes trainer_state.json (the
         # mark of a complete checkpoint) and deletes older checkpoints (save_total_limit). Every rank's files exist
-        # before that, or a kill could leave the only checkpoint without another rank's files.
+        # before that (the ranks agree here), or a kill could leave the only checkpoint without another rank's files.
         super()._save_rng_state(output_dir)  # type: ignore[misc]
-        if self.resume_loader is not None:
-            self.accelerator.wait_for_everyone()
+        if self._write is not None:
+            self._write.point()
 
     def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, *args: Any) -> tuple[int, int]:
         # NOTE: Trainer's own (transformers 5.x): restores trainer_state.json and derives the epoch and the batches
@@ -241,44 +269,11 @@ class ResumeTrainerMixin:
                            type(scheduler).__name__, step)
 
     def resumable_checkpoint(self) -> str | None:
-        """The newest complete checkpoint in ``args.output_dir`` (what ``train(resume_from_checkpoint=True)``
-        resumes from), or ``None``: ``trainer.train(resume_from_checkpoint=trainer.resumable_checkpoint() is not
-        None)`` starts or continues with one command."""
-        found = []
-        root = Path(self.args.output_dir)
-        for path in root.iterdir() if root.is_dir() else ():
-            prefix = f"{PREFIX_CHECKPOINT_DIR}-"
-            if path.is_dir() and path.name.startswith(prefix) and path.name[len(prefix):].isdigit():
-                found.append((int(path.name[len(prefix):]), path))
-        for _, path in sorted(found, reverse=True):
-            try:
-                missing = missing_file(path)
-            except CheckpointError as error:
-                logger.warning("skipping %s: %s", path, error)
-                continue
-            if missing is None:
-                return os.fspath(path)
-            logger.warning("skipping %s: %s is missing (killed while saving?)", path, missing.name)
-        return None
-
-    def _read_states(self, checkpoint: Path) -> dict[str, Any]:
-        """Every saved rank's loader state, as ``gather_states`` returns them; at another world size, notes the
-        change for ``_init_training_state`` (refused for an iterable dataset's state)."""
-        first = load_state_file(checkpoint / LOADER_STATE_FILE.format(rank=0))
-        world = first["world_size"]
-        ranks = [first] + [load_state_file(checkpoint / LOADER_STATE_FILE.format(rank=r)) for r in range(1, world)]
-        if world != self.args.world_size:
-            state = first["loader"]
-            if not isinstance(state, dict) or state.get("kind") != "map":
-                raise CheckpointError(f"{checkpoint}: written by {world} process(es), resumed on "
-                                      f"{self.args.world_size}; an iterable dataset resumes under Trainer on the same "
-                                      "number of processes only (Trainer's steps would not name the same samples)")
-            if not hasattr(trainer_module.Trainer, "_init_training_state"):
-                raise CheckpointError(f"{checkpoint}: written by {world} process(es), resumed on "
-                                      f"{self.args.world_size}; another number of processes needs transformers >= 5.3 "
-                                      f"(found {transformers.__version__})")
-            self._moved_from = (checkpoint, world, state)
-        return {"world_size": world, "ranks": [saved["loader"] for saved in ranks]}
+        """The newest complete checkpoint in ``args.output_dir`` that verifies (what ``train(resume_from_checkpoint=
+        True)`` resumes from, read by this process alone), or ``None``: ``trainer.train(resume_from_checkpoint=
+        trainer.resumable_checkpoint() is not None)`` starts or continues with one command."""
+        found = newest_resumable(Path(self.args.output_dir))
+        return None if found is None else os.fspath(found)
 
 
 class _AgreeOnSignals(TrainerCallback):

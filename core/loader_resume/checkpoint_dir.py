@@ -1,9 +1,11 @@
 """One job per checkpoint directory, and a directory that cannot be written refused at start.
 
 :func:`claim` (every process of a job calls it; the main process acts): the directory is created if needed and
-locked for this process's lifetime with a POSIX record lock on ``.loader_resume.lock`` (``fcntl.lockf``). The
-kernel drops such a lock when its process ends, however it ends (a killed job never blocks its restart), and a
-forked DataLoader worker does not inherit it. The holder writes who it is (host, pid, start time, command) into
+locked for this process's lifetime with a record lock on ``.loader_resume.lock``: an open-file-description lock
+(Linux's ``F_OFD_SETLK``; elsewhere ``fcntl.lockf``). The kernel drops it when its process ends, however it ends
+(a killed job never blocks its restart); other code of the process reading the file (an upload of the directory)
+leaves it held, and a forked process (a DataLoader worker) closes its copy at once, so it does not keep the lock
+past its parent. The holder writes who it is (host, pid, start time, command) into
 that file, so a second job on the same directory is refused with an error naming the first; the file is removed
 when the job lets go (at its exit too, unless it is killed: a file left behind blocks nothing). A
 directory that cannot be written fails there, naming it and the cause. Leftovers of writes interrupted in an
@@ -26,6 +28,7 @@ import logging
 import os
 import shutil
 import socket
+import struct
 import sys
 import time
 from collections.abc import Callable
@@ -79,7 +82,7 @@ class DirectoryLock:
                 raise CheckpointDirectoryError(f"checkpoint directory {directory} cannot be written ({error}); "
                                                "expected a writable directory (checkpoint_dir / dirpath)") from None
             try:
-                fcntl.lockf(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                _lock(descriptor)
             except OSError as error:
                 os.close(descriptor)
                 if error.errno not in (errno.EAGAIN, errno.EACCES):  # NOTE: locks unsupported (NFS without lockd)
@@ -167,8 +170,22 @@ def _same_file(descriptor: int, path: Path) -> bool:
         return False
 
 
+def _lock(descriptor: int) -> None:
+    """An exclusive lock on the whole file, or ``OSError`` (``EAGAIN``/``EACCES``: another process holds it)."""
+    if _OFD_LOCK is None:
+        fcntl.lockf(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    else:  # NOTE: struct flock of 64-bit Linux: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks)
+        fcntl.fcntl(descriptor, _OFD_LOCK, struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+
+
+_OFD_LOCK = getattr(fcntl, "F_OFD_SETLK", None) if struct.calcsize("P") == 8 else None
+
+
 def _forget_in_child() -> None:
-    """A forked process holds none of its parent's locks (POSIX locks are not inherited): it must not let go."""
+    """A forked process holds none of its parent's locks: it closes its copy of each descriptor (an OFD lock lives
+    while any copy is open) and must not let go."""
+    for lock in _HELD.values():
+        lock._close()
     _HELD.clear()
 
 

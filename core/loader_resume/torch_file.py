@@ -5,16 +5,22 @@ writer stores for it in the file's zip directory (``torch.serialization.set_crc3
 file fails with an error that names no file. :func:`verify_torch_file` refuses both, naming the file and the
 record. It reads the whole file once (about as fast as the disk; the load that follows then reads from the page
 cache). A changed file is refused; a file written again by ``torch.save`` is a new, consistent file.
+
+A safetensors file stores no checksum: :func:`verify_safetensors` checks its structure only (a header that parses,
+tensors that end where the file ends), which refuses a truncated or overwritten file but not a flipped bit inside a
+tensor's bytes.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 import zipfile
 
 from .checkpoint import CheckpointError
 
-__all__ = ["verify_torch_file"]
+__all__ = ["verify_safetensors", "verify_torch_file"]
 
 
 def verify_torch_file(path: str | os.PathLike[str]) -> None:
@@ -37,6 +43,28 @@ def verify_torch_file(path: str | os.PathLike[str]) -> None:
     if bad is not None:
         raise CheckpointError(f"{os.fspath(path)}: record {bad!r} does not match the CRC-32 stored for it "
                               "(changed on disk after it was written); refusing to load it")
+
+
+def verify_safetensors(path: str | os.PathLike[str]) -> None:
+    """Raise :class:`~loader_resume.checkpoint.CheckpointError` unless ``path`` is a whole safetensors file: an
+    8-byte header length, a JSON header within the file, and the last tensor ending at the file's last byte."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as file:
+            (length,) = struct.unpack("<Q", file.read(8))
+            if length > size - 8:
+                raise ValueError(f"a header of {length} bytes in a file of {size}")
+            header = json.loads(file.read(length))
+        ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+        expected = 8 + length + max(ends, default=0)
+    except FileNotFoundError:
+        raise CheckpointError(f"{os.fspath(path)}: no such checkpoint file") from None
+    except (OSError, struct.error, ValueError, TypeError, KeyError, IndexError, AttributeError) as error:
+        raise CheckpointError(f"{os.fspath(path)}: not a complete safetensors file ({type(error).__name__}: "
+                              f"{error}; truncated?); refusing to load it") from None
+    if expected != size:
+        raise CheckpointError(f"{os.fspath(path)}: {size} bytes, its header describes {expected} (truncated or "
+                              "changed on disk after it was written); refusing to load it")
 
 
 def _matches(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> bool:

@@ -1,5 +1,5 @@
 """Real storage faults for the tests (they run as root, as CI does): a small tmpfs that fills up, a read-only
-bind mount. Each is undone when its ``with`` block ends."""
+bind mount (each undone when its ``with`` block ends), and :func:`fill`, which the children call to fill one."""
 
 from __future__ import annotations
 
@@ -36,3 +36,13 @@ def read_only(path: Path) -> Iterator[Path]:
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def fill(path: Path) -> None:
+    """Write zeros into ``path`` until its file system is full."""
+    with path.open("wb", buffering=0) as file:
+        try:
+            while True:
+                file.write(bytes(1 << 16))
+        except OSError:
+            pass
