@@ -33,7 +33,7 @@ from loader_resume.sampler import loader_seed
 from .fit_start import make_newest, quiet_fresh_fit, trainer_calling
 from .integrity import nothing_else_to_resume, save_atomically, usable, verify_loads
 from .loaders import TrainingLoaders, drop_lightning_loader_states, evaluation_workers_ignore
-from .stopping import adopt_lightnings_sigterm, stop_validating_as_planned
+from .stopping import SlurmRequeue, adopt_lightnings_sigterm, stop_validating_as_planned
 
 __all__ = ["CHECKPOINT_KEY", "ResumeCallback"]
 
@@ -100,6 +100,7 @@ class ResumeCallback(OnExceptionCheckpoint):
         self._choosing = True  # Lightning may be choosing the checkpoint of a fit (see ckpt_path)
         self._skipped: str | None = None  # our preemption checkpoint, passed over as it does not verify
         self._exit_with = 0
+        self._requeue = SlurmRequeue()
         quiet_fresh_fit(True)
 
     @property
@@ -151,6 +152,7 @@ class ResumeCallback(OnExceptionCheckpoint):
             agree = functools.partial(trainer.strategy.reduce_boolean_decision, all=False)
             if not self._claimed and "://" not in str(self.dirpath):  # NOTE: every rank (a remote dirpath: no lock)
                 self._lock, self._claimed = claim(self.dirpath, main=trainer.is_global_zero, agree=agree), True
+            self._requeue.setup(trainer, self.preemption)  # NOTE: before the loaders' workers learn the signals
             self._training.intercept(trainer)
             evaluation_workers_ignore(trainer, self.preemption.signals)
 
@@ -163,6 +165,7 @@ class ResumeCallback(OnExceptionCheckpoint):
         skipped, self._skipped = self._skipped, None  # NOTE: after the restore, whenever the strategy does it
         if skipped is not None and trainer.ckpt_path is None:
             raise nothing_else_to_resume(skipped)
+        self._training.check_iterated(trainer)
         self._install(trainer)
 
     def _install(self, trainer: Trainer) -> None:
@@ -187,6 +190,7 @@ class ResumeCallback(OnExceptionCheckpoint):
             self.preempted_at = trainer.global_step
             self._exit_with = preemption_exit_code(None if written is None else Path(written), trainer.global_step,
                                                    self.exit_code or 0, "the newest checkpoint Lightning finds")
+            self._requeue.decide(trainer, self.preemption)
             stop_validating_as_planned(trainer)
 
     @override
@@ -211,6 +215,8 @@ class ResumeCallback(OnExceptionCheckpoint):
             # NOTE: a restart resumes from the newest of this file and ModelCheckpoint's last file (by mtime);
             # ModelCheckpoint may still write last.ckpt while the stopping fit winds down, within the same tick
             make_newest(self.ckpt_path, trainer)
+        if written:
+            self._requeue.after_checkpoint(trainer)
         quiet_fresh_fit(True)
         self._choosing = True
         if self.preempted_at is not None and (self.exit_code is not None or self._exit_with == FAILED_SAVE_EXIT_CODE):
@@ -281,17 +287,13 @@ class ResumeCallback(OnExceptionCheckpoint):
             self._rng_to_restore = None
 
     # --- loaders -------------------------------------------------------------------------------
-    def _resumable(self, loader: DataLoader[Any], rank: int, world_size: int, index: int) -> ResumableDataLoader[Any]:
-        """The same loader, made resumable (``loader_resume.convert``); under DDP it shards itself. The
-        ``index``-th training loader gets its own seed (``loader_seed``): two loaders never draw the same values.
-
-        NOTE: Lightning rebuilds any training loader whose ``sampler`` is not a ``DistributedSampler`` to
-        inject one (a rebuilt loader would lose the state we load into it, and a custom sampler would be
-        wrapped in an unsaved, reshuffling ``DistributedSamplerWrapper``). ``resumable`` expresses our
-        sharding as a ``DistributedSampler``/``ShardedSampler``, so Lightning keeps our loader.
+    def _resumable(self, loader: DataLoader[Any], rank: int, world_size: int, distributed: bool,
+                   index: int) -> ResumableDataLoader[Any]:
+        """The same loader, made resumable (``loader_resume.convert``) and sharded; the ``index``-th training loader
+        gets its own seed (``loader_seed``). NOTE: under a parallel strategy Lightning rebuilds any training loader
+        whose sampler is not a ``DistributedSampler``: ours carry one (or a ``ShardedSampler``), so it keeps them.
         """
         return resumable(
             loader, seed=loader_seed(self.seed, index), keying=self.keying, keyed_generators=self.keyed_generators,
-            rank=rank, world_size=world_size,
-            ignore_signals=self.preemption.signals,
+            rank=rank, world_size=world_size, distributed=distributed, ignore_signals=self.preemption.signals,
         )

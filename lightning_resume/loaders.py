@@ -23,15 +23,17 @@ class TrainingLoaders:
     """One fit's training loaders: made resumable where Lightning holds them (or once the module returns
     them), sharded for the trainer's rank, and given a checkpoint's states as soon as they exist.
 
-    ``make_resumable(loader, rank, world_size, index)`` converts one loader, the ``index``-th found.
+    ``make_resumable(loader, rank, world_size, distributed, index)`` converts one loader, the ``index``-th found
+    (``distributed``: under a parallel strategy, where Lightning would put a ``DistributedSampler`` on it).
     """
 
-    def __init__(self, make_resumable: Callable[[DataLoader[Any], int, int, int], ResumableDataLoader[Any]]) -> None:
+    def __init__(self, make_resumable: Callable[[DataLoader[Any], int, int, bool, int], ResumableDataLoader[Any]]
+                 ) -> None:
         self.loaders: list[ResumableDataLoader[Any]] = []
         """The converted loaders of this fit, in the order their states are saved (empty until converted)."""
         self._to_load: list[Any] | None = None
         self._make = make_resumable
-        self._shard = (0, 1)
+        self._shard = (0, 1, False)
 
     def load(self, saved: list[Any]) -> None:
         """Each loader's gathered states from a checkpoint (``gather_states``): loaded now if the loaders exist,
@@ -65,10 +67,35 @@ class TrainingLoaders:
         return loader.state_dict(batches_ago=max(0, loader.batches_delivered - taken))
 
     def intercept(self, trainer: Trainer) -> None:
-        """Convert the trainer's training loaders now, or wrap the hook that will return them."""
-        self._shard = (trainer.global_rank, trainer.world_size)
+        """Convert the trainer's training loaders now, or wrap the hook that will return them.
+
+        NOTE: sharded as Lightning shards (``distributed_sampler_kwargs``): under a parallel strategy every loader
+        gets a ``DistributedSampler``, for one process too (FSDP on one GPU), or Lightning would rebuild it with
+        one of its own and iterate a copy whose state we never see.
+        """
+        kwargs = trainer.distributed_sampler_kwargs
+        if kwargs is None:
+            self._shard = (trainer.global_rank, trainer.world_size, False)
+        elif kwargs["num_replicas"] != trainer.world_size:
+            raise ValueError(f"ResumeCallback under {type(trainer.strategy).__name__}: the data is sharded over "
+                             f"{kwargs['num_replicas']} data-parallel ranks of {trainer.world_size} processes (tensor "
+                             "or model parallelism); expected every process its own shard (data parallel only)")
+        else:
+            self._shard = (kwargs["rank"], kwargs["num_replicas"], True)
         self.loaders = []
         intercept(trainer.fit_loop._data_source, self.convert)
+
+    def check_iterated(self, trainer: Trainer) -> None:
+        """Raise unless the loaders the fit iterates are the ones whose states are saved (a loader that Lightning,
+        or another callback, replaced after we converted it would be resumed from a state nobody advanced)."""
+        combined = trainer.fit_loop._combined_loader
+        iterated = [] if combined is None else combined.flattened
+        strays = [loader for loader in self.loaders if not any(loader is other for other in iterated)]
+        if strays:
+            raise RuntimeError(f"ResumeCallback: the fit iterates {[type(x).__name__ for x in iterated]}, not the "
+                               f"{len(strays)} resumable training loader(s) it made "
+                               f"({type(trainer.strategy).__name__}); expected Lightning to keep them, so that their "
+                               "states are the ones saved")
 
     def convert(self, loaders: Any) -> Any:
         """``loaders`` (what a module's ``train_dataloader()`` returns) with every DataLoader made resumable;

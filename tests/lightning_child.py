@@ -21,7 +21,9 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_resume import ResumeCallback
@@ -70,6 +72,32 @@ class EpochOrder(torch.utils.data.Sampler[int]):
         return self.n
 
 
+class CPUFSDPStrategy(FSDPStrategy):
+    """Lightning's ``FSDPStrategy``, its FSDP (torch's first) placed on the CPU: Lightning passes FSDP no device
+    there, which torch refuses ("FSDP needs a non-CPU accelerator device"), and refuses ``strategy="fsdp"`` with
+    ``accelerator="cpu"`` (a subclass is let through). Everything else, saving and loading included, is Lightning's."""
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(module=model, cpu_offload=self.cpu_offload,
+                                        mixed_precision=self.mixed_precision_config,
+                                        sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"),
+                                        **self.kwargs)
+
+
+def strategy_of(args: argparse.Namespace) -> Any:
+    if args.strategy is None:
+        return "ddp" if args.devices > 1 else "auto"
+    if args.strategy == "ddp":
+        return DDPStrategy(process_group_backend="gloo")
+    if args.strategy.startswith("fsdp-"):
+        return CPUFSDPStrategy(state_dict_type=args.strategy[len("fsdp-"):], process_group_backend="gloo")
+    if args.strategy == "model-parallel-auto":  # Lightning's default: tensor parallel within a node
+        return ModelParallelStrategy()
+    return ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+
+
 class Model(L.LightningModule):
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__()
@@ -90,8 +118,15 @@ class Model(L.LightningModule):
             (Path(self.args.out) / f"progress-{self.global_rank}").write_text(str(self.global_step))
         return nn.functional.cross_entropy(self.net(x), y)
 
+    def configure_model(self) -> None:
+        if self.args.strategy in ("model-parallel", "model-parallel-auto"):  # FSDP2 over the data-parallel mesh
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
     def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        # NOTE: with --strategy, an optimizer with state to shard (Lightning's FSDP loading fails on an empty one)
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9 if self.args.strategy else 0.0)
         if not self.args.onecycle:
             return optimizer
         # NOTE: estimated_stepping_batches loads the training loaders early (Lightning#20550).
@@ -130,7 +165,7 @@ class Model(L.LightningModule):
         if self.args.append and (out / name).exists():  # a restarted job: keep the log of the first run
             self.log_rows = json.loads((out / name).read_text()) + self.log_rows
         (out / name).write_text(json.dumps(self.log_rows))
-        weights = fingerprint([p.detach() for p in self.parameters()])
+        weights = fingerprint([(p.full_tensor() if isinstance(p, DTensor) else p).detach() for p in self.parameters()])
         (out / f"weights-{self.global_rank}.txt").write_text(weights)
 
 
@@ -144,7 +179,7 @@ class MixtureSchedule(L.Callback):
 
 class Faults(L.Callback):
     """After the step ``--fill-disk-at``, rank 0 fills the file system of the callback's directory; after the step
-    ``--signal-at`` it sends itself SIGTERM."""
+    ``--signal-at`` it sends itself ``--signal-name``."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -155,7 +190,7 @@ class Faults(L.Callback):
         if trainer.global_step == self.args.fill_disk_at:
             fill(Path(self.args.resume_dir) / "filler")
         if trainer.global_step == self.args.signal_at:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.Signals[self.args.signal_name])
 
 
 def resume_callbacks(args: argparse.Namespace) -> list[ResumeCallback]:
@@ -191,7 +226,10 @@ def main() -> None:
     parser.add_argument("--split-per-rank", action="store_true", help="an HF dataset split with split_dataset_by_node")
     parser.add_argument("--resume-dir", help="ResumeCallback(dirpath=...) (default: OUT)")
     parser.add_argument("--fill-disk-at", type=int, help="fill the resume directory's file system after this step")
-    parser.add_argument("--signal-at", type=int, help="SIGTERM to rank 0 after this step")
+    parser.add_argument("--signal-at", type=int, help="--signal-name to rank 0 after this step")
+    parser.add_argument("--signal-name", default="SIGTERM")
+    parser.add_argument("--strategy", help="default: ddp on several devices, else auto",
+                        choices=["ddp", "fsdp-full", "fsdp-sharded", "model-parallel", "model-parallel-auto"])
     parser.add_argument("--batch-log", help="also append one JSON line per step to BATCH_LOG/log-RANK.jsonl")
     args = parser.parse_args()
     if args.resume and args.n_resume:
@@ -200,7 +238,7 @@ def main() -> None:
     if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # under torchrun: safe across its restarts
         init_process_group("gloo")
     trainer = L.Trainer(
-        accelerator="cpu", devices=args.devices, strategy="ddp" if args.devices > 1 else "auto",
+        accelerator="cpu", devices=args.devices, strategy=strategy_of(args),
         max_epochs=args.epochs, max_steps=args.max_steps, logger=False, enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0, default_root_dir=args.out, deterministic=True,

@@ -277,8 +277,9 @@ def test_under_slurm_sigusr1_saves_at_a_step_boundary_not_in_lightnings_handler(
     full_with_workers: dict[int, dict[str, Any]], tmp_path: Path
 ) -> None:
     """A simulated SLURM job (Lightning detects SLURMEnvironment and arms its auto-requeue handler, which
-    would save hpc_ckpt_*.ckpt inside the signal handler, mid-step, and call scontrol). The fake scontrol
-    records any call: the only thing that cannot exist here."""
+    would save hpc_ckpt_*.ckpt inside the signal handler, mid-step, and call scontrol). Ours saves at the step
+    boundary and requeues once it is written. The fake scontrol records any call: the only thing that cannot
+    exist here."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "scontrol-calls"
@@ -299,7 +300,8 @@ def test_under_slurm_sigusr1_saves_at_a_step_boundary_not_in_lightnings_handler(
     os.kill(first.pid, signal.SIGUSR1)
     stderr = first.communicate(timeout=120)[1]
     assert first.returncode == 143, stderr[-3000:]
-    assert not list(out.glob("hpc_ckpt_*.ckpt")) and (out / "preempted.ckpt").exists() and not calls.exists()
+    assert not list(out.glob("hpc_ckpt_*.ckpt")) and (out / "preempted.ckpt").exists()
+    assert calls.read_text().splitlines() == ["requeue 4242"]
     rerun = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, **slurm})
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     full = full_with_workers[1]

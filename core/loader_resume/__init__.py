@@ -2,9 +2,12 @@
 
 ``ResumableDataLoader`` is a drop-in ``DataLoader`` whose ``state_dict()`` resumes the batch sequence
 bit-identically — sample ids and the random numbers drawn while loading them — with another
-``num_workers``, batch size or world size if need be.
+``num_workers``, batch size or world size if need be. :func:`global_rng_state` and :func:`set_global_rng_state`
+save and restore every generator a training step draws from (torch's CPU generator, each CUDA device's, numpy's
+and ``random``'s) for a checkpoint of your own.
 """
 
+from .checkpoint import global_rng_state, set_global_rng_state
 from .keyed_rng import GENERATORS
 from .loader import ResumableDataLoader
 from .mixture import Mixture
@@ -13,5 +16,6 @@ from .state import STATE_VERSION, StateError
 
 __all__ = [
     "GENERATORS", "STATE_VERSION", "Mixture", "ResumableDataLoader", "ShardedSampler", "StateError", "__version__",
+    "global_rng_state", "set_global_rng_state",
 ]
 __version__ = "0.1.0"

@@ -43,6 +43,7 @@ def resumable(
     world_size: int | None = None,
     ignore_signals: Sequence[int] = (),
     loader_class: type[L] = ResumableDataLoader,  # type: ignore[assignment]
+    distributed: bool = False,
 ) -> L:
     """``loader`` as a ResumableDataLoader (one of ``loader_class`` is returned as it is, unless another
     ``num_workers``, rank or world size is asked for: then it is rebuilt with them).
@@ -54,6 +55,8 @@ def resumable(
             the integrations' preemption signals), set before the loader's own ``worker_init_fn`` runs.
         loader_class: build this ``ResumableDataLoader`` subclass; a ResumableDataLoader of another
             class is rebuilt as one, keeping its seed, keying, keyed generators and ``by_value_bytes``.
+        distributed: express the sharding as a ``DistributedSampler`` for one rank too (a framework that puts
+            one on any loader without it, as Lightning does under a parallel strategy of one process).
     """
     same_build = (num_workers is None or num_workers == loader.num_workers) and world_size is None
     if isinstance(loader, loader_class) and same_build:
@@ -64,7 +67,7 @@ def resumable(
         by_value_bytes = loader.by_value_bytes
     custom_batches = loader.batch_sampler is not None and type(loader.batch_sampler) is not BatchSampler
     sampler = None if custom_batches or isinstance(loader.dataset, IterableDataset) else loader.sampler
-    if sampler is not None and world_size is not None and world_size > 1:
+    if sampler is not None and world_size is not None and (world_size > 1 or distributed):
         sampler = _sharded(loader, sampler, seed, rank or 0, world_size)
     workers = loader.num_workers if num_workers is None else num_workers
     init = IgnoreSignalsInWorker(ignore_signals, loader.worker_init_fn) if ignore_signals else loader.worker_init_fn

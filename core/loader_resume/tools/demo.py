@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from ..checkpoint import global_rng_state, set_global_rng_state
 from ..loader import ResumableDataLoader
 from ..preemption import Preemption
 from ..testing import fingerprint
@@ -82,7 +83,7 @@ def _train(args: argparse.Namespace) -> int:
         saved = torch.load(checkpoint, weights_only=True)
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
-        torch.set_rng_state(saved["rng"])  # the model's dropout draws continue too
+        set_global_rng_state(saved["rng"])  # the model's dropout draws continue too
         step, first_epoch = saved["step"], saved["epoch"]
         if args.plain:  # the usual workaround: skip the batches already seen in this epoch
             skip = saved["batch_in_epoch"]
@@ -103,7 +104,7 @@ def _train(args: argparse.Namespace) -> int:
                 time.sleep(0.01)  # slow enough to be signalled mid-epoch
                 if preemption.agreed() or step == args.stop_at:  # a step boundary: save, then leave
                     _save_atomically({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                      "rng": torch.get_rng_state(), "step": step, "epoch": epoch,
+                                      "rng": global_rng_state(), "step": step, "epoch": epoch,
                                       "batch_in_epoch": batch_in_epoch + 1,
                                       "loader": None if args.plain else loader.state_dict()}, checkpoint)
                     Path(args.out).write_text(json.dumps({"log": log, "weights": None}))

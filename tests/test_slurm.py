@@ -1,0 +1,94 @@
+"""SLURM's requeue kept under ``ResumeCallback``: a real Lightning fit in a process that sees SLURM's variables (one
+task, as ``sbatch`` starts it), with a stand-in ``scontrol`` first on ``PATH`` (SLURM itself cannot run here) that
+records how it was called and exits with ``SCONTROL_EXIT``.
+
+Lightning's ``SLURMEnvironment`` (``auto_requeue`` on, its default under SLURM) answers SIGUSR1 by checkpointing and
+running ``scontrol requeue JOB``; with our callback the checkpoint is ours (agreed, at a step boundary) and the
+requeue still happens, after it is written. SIGTERM (``scancel``, the time limit) checkpoints without a requeue.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loader_resume.slurm import slurm_job_id
+
+CHILD = Path(__file__).with_name("lightning_child.py")
+
+
+def slurm_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text('#!/bin/sh\necho "$@" >> "$SCONTROL_LOG"\nexit "${SCONTROL_EXIT:-0}"\n')
+    scontrol.chmod(scontrol.stat().st_mode | stat.S_IEXEC)
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("SLURM_", "TORCHELASTIC"))}
+    return {**env, "PATH": f"{bin_dir}{os.pathsep}{env['PATH']}", "SCONTROL_LOG": str(tmp_path / "scontrol.log"),
+            "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1",
+            "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost", **extra}
+
+
+def fit(out: Path, env: dict[str, str], *args: str, expect: int = 0) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run([sys.executable, str(CHILD), str(out), "--batch-log", str(out), *args], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == expect, done.stderr[-4000:]
+    return done.stderr
+
+
+def batches(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "log-0.jsonl").read_text().splitlines()]
+
+
+def calls(tmp_path: Path) -> list[str]:
+    log = tmp_path / "scontrol.log"
+    return log.read_text().splitlines() if log.exists() else []
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("slurm-full")
+    fit(tmp / "run", slurm_env(tmp))
+    assert calls(tmp) == []
+    return tmp / "run"
+
+
+def test_sigusr1_checkpoints_requeues_the_job_and_the_requeued_run_continues_exactly(uninterrupted: Path,
+                                                                                       tmp_path: Path) -> None:
+    env = slurm_env(tmp_path)
+    stderr = fit(tmp_path / "run", env, "--signal-at", "7", "--signal-name", "SIGUSR1", expect=143)
+    assert calls(tmp_path) == ["requeue 4242"], stderr[-3000:]
+    assert "requeued SLURM job 4242" in stderr and "checkpoint written at step 7" in stderr
+    fit(tmp_path / "run", env)  # what SLURM starts again
+    assert batches(tmp_path / "run") == batches(uninterrupted)
+    assert (tmp_path / "run" / "weights-0.txt").read_text() == (uninterrupted / "weights-0.txt").read_text()
+    assert calls(tmp_path) == ["requeue 4242"]  # a fit that finishes requeues nothing
+
+
+def test_sigterm_checkpoints_without_a_requeue(tmp_path: Path) -> None:
+    stderr = fit(tmp_path / "run", slurm_env(tmp_path), "--signal-at", "7", expect=143)
+    assert "checkpoint written at step 7" in stderr and calls(tmp_path) == []
+
+
+def test_a_failed_requeue_of_an_array_task_is_logged_with_its_exit_code(tmp_path: Path) -> None:
+    env = slurm_env(tmp_path, SLURM_ARRAY_JOB_ID="100", SLURM_ARRAY_TASK_ID="3", SCONTROL_EXIT="1")
+    stderr = fit(tmp_path / "run", env, "--signal-at", "7", "--signal-name", "SIGUSR1", expect=143)
+    assert calls(tmp_path) == ["requeue 100_3"]
+    assert "requeuing SLURM job 100_3 failed: scontrol exited with 1" in stderr
+    assert (tmp_path / "run" / "preempted.ckpt").is_file()  # written all the same
+
+
+def test_slurm_job_ids() -> None:
+    assert slurm_job_id({"SLURM_JOB_ID": "12"}) == "12"
+    assert slurm_job_id({"SLURM_JOB_ID": "12", "SLURM_ARRAY_JOB_ID": "10", "SLURM_ARRAY_TASK_ID": "2"}) == "10_2"
+    assert slurm_job_id({}) is None
+    with pytest.raises(ValueError, match=r"SLURM job id '12; rm' .*expected digits"):
+        slurm_job_id({"SLURM_JOB_ID": "12; rm"})
