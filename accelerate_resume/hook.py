@@ -29,9 +29,7 @@ from torch.utils.data import DataLoader
 
 from loader_resume.checkpoint import (
     CHECKPOINT_FORMAT,
-    CheckpointError,
     complete_checkpoints,
-    set_global_rng_state,
     verify,
 )
 from loader_resume.checkpoint_dir import (
@@ -41,8 +39,9 @@ from loader_resume.checkpoint_dir import (
     newest_usable,
     preemption_exit_code,
 )
+from loader_resume.checkpoint_entry import PendingEntry
 from loader_resume.convert import sharded_resumable
-from loader_resume.distributed import any_rank, gather_rng_states, gather_states, load_rank_state
+from loader_resume.distributed import any_rank, gather_rng_states, gather_states
 from loader_resume.preemption import Preemption
 from loader_resume.sampler import loader_seed
 from loader_resume.step_boundary import ReportingDataLoader, StepBoundaries
@@ -96,8 +95,7 @@ class Resume:
         """Checkpoints that could not be written (each logged as an error)."""
         self._collected: dict[str, Any] | None = None  # gathered before our own save_state (see save)
         self._loaders: list[AcceleratedResumableDataLoader] = []
-        self._pending: dict[str, Any] | None = None
-        self._rng_to_restore: dict[str, Any] | None = None
+        self._entry = PendingEntry()  # a loaded checkpoint's generators and loader states, until they can go in
         self._started = False
         self._prepare = accelerator.prepare
         if not config.enabled:
@@ -211,8 +209,7 @@ class Resume:
                                  keyed_generators=config.keyed_generators, ignore_signals=self.preemption.signals)
         ours.attach_accelerate(self, *placed(self.accelerator, placement))
         self._loaders.append(ours)
-        if self._pending is not None and len(self._loaders) == len(self._pending["loaders"]):
-            self._apply_loader_states(self._pending)
+        self._entry.apply(self._loaders)
         return ours
 
     # --- step boundaries (the loaders report here) ---------------------------------------------------
@@ -224,9 +221,7 @@ class Resume:
         """A loader is asked for a batch: automatic resume, the RNG of a loaded checkpoint and step boundaries
         happen here."""
         self.restore()
-        if self._rng_to_restore is not None:  # right before the first step after a load
-            set_global_rng_state(self._rng_to_restore)
-            self._rng_to_restore = None
+        self._entry.restore_rng()  # right before the first step after a load
         if self._boundaries.crossed(loader):
             self._boundary()
 
@@ -275,26 +270,12 @@ class Resume:
             torch.save(state, os.path.join(output_dir, STATE_FILE))
 
     def _on_load_state(self, models: Any, input_dir: str) -> None:
-        state = read_state(os.path.join(input_dir, STATE_FILE))
+        path = os.path.join(input_dir, STATE_FILE)
+        state = read_state(path)
         if state is None:
             return
+        state = self._entry.read(state, path, self.accelerator.process_index)
         self._boundaries.reset(state["step"])
         self.epoch = state["epoch"]
         self.accelerator.step = state["accelerator_step"]
-        rank = self.accelerator.process_index
-        self._rng_to_restore = state["rng"][rank] if rank < len(state["rng"]) else None
-        if self._rng_to_restore is None:
-            logger.warning("process %d has no saved RNG state (the checkpoint is from %d processes)", rank,
-                           state["world_size"])
-        self._pending = state
-        if len(self._loaders) >= len(state["loaders"]):
-            self._apply_loader_states(state)
-
-    def _apply_loader_states(self, state: dict[str, Any]) -> None:
-        saved = state["loaders"]
-        if len(saved) != len(self._loaders):
-            raise CheckpointError(f"the checkpoint holds {len(saved)} loader states; {len(self._loaders)} loaders "
-                                  "were prepared (expected the same loaders, in the same order)")
-        for loader, gathered in zip(self._loaders, saved, strict=True):
-            load_rank_state(loader, gathered)
-        self._pending = None
+        self._entry.apply(self._loaders)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +24,12 @@ from torch.utils.data import DataLoader
 from loader_resume import GENERATORS
 from loader_resume.checkpoint import (
     CHECKPOINT_FORMAT,
-    CheckpointError,
     complete_checkpoints,
-    set_global_rng_state,
     write_sealed,
 )
 from loader_resume.checkpoint_dir import DirectoryLock, claim, newest_complete, newest_usable, preemption_exit_code
-from loader_resume.distributed import gather_rng_states, gather_states, load_rank_state
+from loader_resume.checkpoint_entry import PendingEntry
+from loader_resume.distributed import gather_rng_states, gather_states
 from loader_resume.preemption import Preemption
 from loader_resume.sampler import loader_seed
 from loader_resume.step_boundary import ReportingDataLoader, StepBoundaries
@@ -105,8 +104,7 @@ class FabricResume:
         self._hooked: set[int] = set()
         self._state: dict[str, Any] | None = None
         self._lock: DirectoryLock | None = None
-        self._pending: list[Any] | None = None
-        self._rng_to_restore: dict[str, Any] | None = None
+        self._entry = PendingEntry()  # a loaded checkpoint's generators and loader states, until they can go in
         self._fabric_save, self._fabric_load = fabric.save, fabric.load
         fabric.setup_dataloaders = self.setup_dataloaders  # type: ignore[method-assign]
         fabric.save = self.save_to  # type: ignore[method-assign]
@@ -227,7 +225,12 @@ class FabricResume:
         given = referenced(state, self.loaders)
         remainder: dict[str, Any] = self._fabric_load(path, given, strict, weights_only=weights_only)
         for key, value in given.items():  # Fabric's load updates plain values in the dict it is given
-            if not isinstance(value, LoaderReference):
+            original = state.get(key)
+            # NOTE: Fabric's FSDP and model-parallel strategies, from a sharded checkpoint, put a stateful object's
+            # state dict in its place (a scheduler would keep its fresh state): it goes into the object instead
+            if isinstance(value, Mapping) and value is not original and hasattr(original, "load_state_dict"):
+                original.load_state_dict(value)  # type: ignore[union-attr]
+            elif not isinstance(value, LoaderReference):
                 state[key] = value
         saved = remainder.pop(CHECKPOINT_KEY, None)
         if saved is None:
@@ -238,30 +241,10 @@ class FabricResume:
         return remainder
 
     def _apply(self, saved: Any, path: str | Path) -> None:
-        found = saved.get("format") if isinstance(saved, dict) else saved
-        if found != CHECKPOINT_FORMAT:
-            raise CheckpointError(f"{path}: checkpoint['{CHECKPOINT_KEY}'] has format {found!r}; expected "
-                                  f"{CHECKPOINT_FORMAT} (written by another loader-resume release?)")
+        saved = self._entry.read(saved, path, self.fabric.global_rank)
         self._boundaries.reset(saved["step"])
         self.epoch = saved["epoch"]
-        rank = self.fabric.global_rank
-        self._rng_to_restore = saved["rng"][rank] if rank < len(saved["rng"]) else None
-        if self._rng_to_restore is None:
-            logger.warning("rank %d has no saved RNG state (the checkpoint is from %d processes)", rank,
-                           saved["world_size"])
-        self._pending = saved["loaders"]
-        self._load_pending()
-
-    def _load_pending(self) -> None:
-        saved = self._pending
-        if saved is None or len(self.loaders) < len(saved):
-            return  # the rest are loaded as they are set up
-        if len(saved) != len(self.loaders):
-            raise CheckpointError(f"the checkpoint holds {len(saved)} loader states; {len(self.loaders)} loaders "
-                                  "were set up (expected the same loaders, in the same order)")
-        for loader, gathered in zip(self.loaders, saved, strict=True):
-            load_rank_state(loader, gathered)
-        self._pending = None
+        self._entry.apply(self.loaders)
 
     # --- loaders and step boundaries ----------------------------------------------------------------
     def _convert(self, loader: DataLoader[Any], move_to_device: bool) -> FabricResumableDataLoader:
@@ -269,7 +252,7 @@ class FabricResume:
                        keyed_generators=self.keyed_generators, signals=self.preemption.signals)  # each its own seed
         ours.attach(self, self.fabric.to_device if move_to_device else None)
         self.loaders.append(ours)
-        self._load_pending()
+        self._entry.apply(self.loaders)
         return ours
 
     def _any_rank(self, flag: bool) -> bool:
@@ -277,9 +260,7 @@ class FabricResume:
 
     def before_batch(self, loader: ReportingDataLoader) -> None:
         """A loader is asked for a batch: the RNG of a loaded checkpoint goes back here; a step boundary is here."""
-        if self._rng_to_restore is not None:  # right before the first step after a load
-            set_global_rng_state(self._rng_to_restore)
-            self._rng_to_restore = None
+        self._entry.restore_rng()  # right before the first step after a load
         if self._boundaries.crossed(loader):
             self._boundary()
 

@@ -20,7 +20,9 @@ from typing import Any
 
 import torch
 from lightning.fabric import Fabric
+from lightning.fabric.strategies import FSDPStrategy, ModelParallelStrategy
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from lightning_resume import FabricResumableDataLoader, FabricResume
@@ -28,6 +30,36 @@ from loader_resume import Mixture
 from loader_resume.testing import fingerprint
 from support.data import NoisyEverywhere, NoisyStream
 from support.mounts import fill
+
+
+class CPUFSDPStrategy(FSDPStrategy):
+    """Fabric's ``FSDPStrategy``, its FSDP (torch's first) placed on the CPU: Fabric passes FSDP no device there,
+    which torch refuses, and refuses the strategy with ``accelerator="cpu"`` (a subclass is let through)."""
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(module=module, cpu_offload=self.cpu_offload,
+                                        mixed_precision=self.mixed_precision_config,
+                                        sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"),
+                                        **self._fsdp_kwargs)
+
+
+def shard_fsdp2(model: nn.Module, mesh: Any) -> nn.Module:
+    """``ModelParallelStrategy``'s ``parallelize_fn``: FSDP2 over the data-parallel mesh."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model, mesh=mesh["data_parallel"])
+    return model
+
+
+def strategy_of(args: argparse.Namespace) -> Any:
+    if args.strategy == "fsdp-sharded":
+        return CPUFSDPStrategy(state_dict_type="sharded", process_group_backend="gloo")
+    if args.strategy == "model-parallel":
+        return ModelParallelStrategy(parallelize_fn=shard_fsdp2, data_parallel_size=args.devices,
+                                     tensor_parallel_size=1)
+    return "ddp" if args.devices > 1 else "auto"
 
 
 def main() -> None:
@@ -48,12 +80,14 @@ def main() -> None:
     parser.add_argument("--keep", type=int, default=2, help="FabricResume(keep=...)")
     parser.add_argument("--fill-disk-at", type=int, help="rank 0 fills the checkpoint directory's file system after "
                         "this micro-batch (a real full disk: mount a small tmpfs there)")
+    parser.add_argument("--strategy", choices=["fsdp-sharded", "model-parallel"],
+                        help="default: ddp on several devices, else auto")
     parser.add_argument("--load", help="fabric.load(PATH) with the loader in the state, after restore()")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    fabric = Fabric(accelerator="cpu", devices=args.devices, strategy="ddp" if args.devices > 1 else "auto")
+    fabric = Fabric(accelerator="cpu", devices=args.devices, strategy=strategy_of(args))
     fabric.launch()
     assert fabric.world_size == args.devices, (fabric.world_size, args.devices)
     rank = fabric.global_rank
@@ -61,9 +95,15 @@ def main() -> None:
                           save_every_n_steps=args.save_every, keep=args.keep)
     torch.manual_seed(123)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.7)
-    model, optimizer = fabric.setup(model, optimizer)
+    if args.strategy:  # NOTE: a sharded model first, then its optimizer (with state to shard) over its parameters
+        model = fabric.setup_module(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.7)
+        optimizer = fabric.setup_optimizers(optimizer)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.7)
+        model, optimizer = fabric.setup(model, optimizer)
     data: Any = NoisyStream(args.items, rank, args.devices) if args.stream else NoisyEverywhere(args.items)
     if args.mixture:
         data = Mixture({"a": data, "b": NoisyEverywhere(9)}, {"a": 2, "b": 1}, block_size=6)
@@ -107,7 +147,7 @@ def main() -> None:
                 fabric.save(out / "explicit.ckpt", {**state, "loader": train})
                 fabric.barrier()
                 os._exit(0)  # a crash right after the save: nothing else is written
-    weights = fingerprint([p.detach() for p in model.parameters()])
+    weights = fingerprint([(p.full_tensor() if isinstance(p, DTensor) else p).detach() for p in model.parameters()])
     (out / f"weights-{rank}.txt").write_text(weights)
     fabric.barrier()
 
