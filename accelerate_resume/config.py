@@ -61,6 +61,9 @@ class ResumeConfig:
     """On start, load the newest complete checkpoint in ``checkpoint_dir`` without user code."""
     verify_checksums: bool = True
     """Seal each checkpoint with SHA-256 sums and verify them on load (else sizes only)."""
+    slurm_requeue: bool = False
+    """Inside a SLURM job, after a checkpoint requested by SIGUSR1 (``sbatch --signal=USR1@90``) the main process
+    runs ``scontrol requeue`` (``loader_resume.slurm``); other signals stop without one."""
     enabled: bool = True
     """``False`` (e.g. ``LOADER_RESUME_ENABLED=0``, no code edited): ``enable_resume`` leaves the Accelerator
     stock — Accelerate's own loaders, no preemption handling, no checkpoints of ours, no automatic

@@ -44,6 +44,7 @@ from loader_resume.convert import sharded_resumable
 from loader_resume.distributed import any_rank, gather_rng_states, gather_states
 from loader_resume.preemption import Preemption
 from loader_resume.sampler import loader_seed
+from loader_resume.slurm import Requeue
 from loader_resume.step_boundary import ReportingDataLoader, StepBoundaries
 from loader_resume.thirdparty import accelerator_mode, mark_accelerator
 
@@ -90,6 +91,7 @@ class Resume:
         self.epoch = 0
         """The epoch ``epochs()`` is in (restored on resume)."""
         self.preemption = Preemption(config.signals)
+        self._requeue = Requeue(config.slurm_requeue)
         self.loaded_from: Path | None = None
         self.failed_saves = 0
         """Checkpoints that could not be written (each logged as an error)."""
@@ -231,7 +233,10 @@ class Resume:
         preempted = self._boundaries.reached(config.check_every_n_steps) and self.preemption.agreed()
         written = self.save() if periodic or preempted else None  # NOTE: a failed periodic save: training goes on
         if preempted:
+            self._requeue.decide(self.preemption.received, any_rank)
             code = preemption_exit_code(written, self.step, config.exit_code, newest_complete(self.checkpoint_dir))
+            if written is not None:
+                self._requeue.after_checkpoint(self.accelerator.is_main_process)
             self.preemption.uninstall()
             # NOTE: every process is here. Tear the process group down before the interpreter does: gloo
             # aborts a process (SIGABRT) whose worker threads still hold collectives' tensors at exit.

@@ -32,6 +32,7 @@ from loader_resume.checkpoint_entry import PendingEntry
 from loader_resume.distributed import gather_rng_states, gather_states
 from loader_resume.preemption import Preemption
 from loader_resume.sampler import loader_seed
+from loader_resume.slurm import Requeue
 from loader_resume.step_boundary import ReportingDataLoader, StepBoundaries
 
 from .callback import CHECKPOINT_KEY
@@ -62,6 +63,8 @@ class FabricResume:
         exit_code: the exit status after a preemption checkpoint (143 = 128 + SIGTERM, so a scheduler sees a
             failure and requeues).
         verify_checksums: seal checkpoints with SHA-256 checksums (else sizes only).
+        slurm_requeue: inside a SLURM job, after a checkpoint requested by SIGUSR1 (``sbatch --signal=USR1@90``)
+            the main process runs ``scontrol requeue`` (``loader_resume.slurm``); other signals stop without one.
     """
 
     def __init__(
@@ -78,6 +81,7 @@ class FabricResume:
         keep: int = 2,
         exit_code: int = 143,
         verify_checksums: bool = True,
+        slurm_requeue: bool = False,
     ) -> None:
         for name, value, least in (("save_every_n_steps", save_every_n_steps, 0),
                                    ("check_every_n_steps", check_every_n_steps, 1), ("keep", keep, 1),
@@ -92,6 +96,7 @@ class FabricResume:
         self.save_every_n_steps, self.check_every_n_steps = save_every_n_steps, check_every_n_steps
         self.keep, self.exit_code, self.verify_checksums = keep, exit_code, verify_checksums
         self.preemption = Preemption(signals)
+        self._requeue = Requeue(slurm_requeue)
         self.epoch = 0
         """The epoch :meth:`epochs` is in (restored on resume)."""
         self.loaded_from: Path | None = None
@@ -276,6 +281,9 @@ class FabricResume:
         written = self.save() if preempted or self._boundaries.reached(self.save_every_n_steps) else None
         if preempted:
             self.preempted_at = self.step
+            self._requeue.decide(self.preemption.received, self._any_rank)
             code = preemption_exit_code(written, self.step, self.exit_code, newest_complete(self.checkpoint_dir))
+            if written is not None:
+                self._requeue.after_checkpoint(self.fabric.is_global_zero)
             self.preemption.uninstall()
             leave_launched_process(self.fabric, code)

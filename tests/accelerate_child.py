@@ -47,6 +47,7 @@ def main() -> None:
     parser.add_argument("--signal-at", type=lambda s: [int(x) for x in s.split(",")], default=[],
                         help="SIGTERM to itself after these micro-batches (a repeated one: twice)")
     parser.add_argument("--signal-rank", type=int, default=0, help="the rank that signals itself")
+    parser.add_argument("--signal-name", default="SIGTERM", help="the signal of --signal-at")
     parser.add_argument("--signal-in-save", action="store_true", help="SIGTERM to itself while a checkpoint is saved")
     parser.add_argument("--signal-in-eval", action="store_true", help="SIGTERM to itself during the first evaluation")
     parser.add_argument("--disk-full-at", type=int, help="torch.save fails with ENOSPC in the save at this step")
@@ -75,7 +76,7 @@ def main() -> None:
 
     def signal_self() -> None:
         if rank == args.signal_rank:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.Signals[args.signal_name])
 
     if args.signal_in_save:
         accelerator.register_save_state_pre_hook(lambda *_: signal_self())

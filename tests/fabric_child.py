@@ -76,6 +76,8 @@ def main() -> None:
     parser.add_argument("--signal-at", type=int, help="rank 0 sends itself SIGTERM after this micro-batch")
     parser.add_argument("--save-at", type=int, help="fabric.save(OUT/explicit.ckpt) with the loader in the state at "
                         "this optimizer step, then end the process at once")
+    parser.add_argument("--signal-name", default="SIGTERM", help="the signal of --signal-at")
+    parser.add_argument("--slurm-requeue", action="store_true", help="FabricResume(slurm_requeue=True)")
     parser.add_argument("--save-every", type=int, default=0, help="FabricResume(save_every_n_steps=...)")
     parser.add_argument("--keep", type=int, default=2, help="FabricResume(keep=...)")
     parser.add_argument("--fill-disk-at", type=int, help="rank 0 fills the checkpoint directory's file system after "
@@ -91,7 +93,7 @@ def main() -> None:
     fabric.launch()
     assert fabric.world_size == args.devices, (fabric.world_size, args.devices)
     rank = fabric.global_rank
-    resume = FabricResume(fabric, seed=7, checkpoint_dir=out / "resume_checkpoints",
+    resume = FabricResume(fabric, seed=7, checkpoint_dir=out / "resume_checkpoints", slurm_requeue=args.slurm_requeue,
                           save_every_n_steps=args.save_every, keep=args.keep)
     torch.manual_seed(123)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2))
@@ -142,7 +144,7 @@ def main() -> None:
             if args.fill_disk_at == micro and rank == 0:
                 fill(out / "resume_checkpoints" / "filler")
             if args.signal_at == micro and rank == 0:
-                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), signal.Signals[args.signal_name])
             if args.save_at is not None and args.save_at == resume.step and stepping:
                 fabric.save(out / "explicit.ckpt", {**state, "loader": train})
                 fabric.barrier()

@@ -1,10 +1,11 @@
-"""SLURM's requeue kept under ``ResumeCallback``: a real Lightning fit in a process that sees SLURM's variables (one
-task, as ``sbatch`` starts it), with a stand-in ``scontrol`` first on ``PATH`` (SLURM itself cannot run here) that
-records how it was called and exits with ``SCONTROL_EXIT``.
+"""SLURM's requeue: real jobs of every front door in a process that sees SLURM's variables (one task, as ``sbatch``
+starts it), with a stand-in ``scontrol`` first on ``PATH`` (SLURM itself cannot run here) that records how it was
+called and exits with ``SCONTROL_EXIT``.
 
 Lightning's ``SLURMEnvironment`` (``auto_requeue`` on, its default under SLURM) answers SIGUSR1 by checkpointing and
 running ``scontrol requeue JOB``; with our callback the checkpoint is ours (agreed, at a step boundary) and the
 requeue still happens, after it is written. SIGTERM (``scancel``, the time limit) checkpoints without a requeue.
+Fabric, Accelerate and the transformers Trainer requeue the same way when asked (``slurm_requeue``).
 """
 
 from __future__ import annotations
@@ -92,3 +93,55 @@ def test_slurm_job_ids() -> None:
     assert slurm_job_id({}) is None
     with pytest.raises(ValueError, match=r"SLURM job id '12; rm' .*expected digits"):
         slurm_job_id({"SLURM_JOB_ID": "12; rm"})
+
+
+TESTS = Path(__file__).parent
+FRONT_DOORS = {  # (child, its options for a requeue on SIGUSR1 after micro-batch 5, options of every run)
+    "fabric": ("fabric_child.py", ["--slurm-requeue", "--signal-name", "SIGUSR1", "--signal-at", "5"], []),
+    "accelerate": ("accelerate_child.py", ["--signal-name", "SIGUSR1", "--signal-at", "5"], ["slurm_requeue=true"]),
+    "transformers": ("transformers_child.py", ["--slurm-requeue", "--signal-name", "SIGUSR1", "--signal-at", "5"],
+                     ["--resume", "true"]),
+}
+
+
+def job(front_door: str, out: Path, env: dict[str, str], *args: str, expect: int = 0) -> str:
+    child, _, every_run = FRONT_DOORS[front_door]
+    done = subprocess.run([sys.executable, str(TESTS / child), str(out), *args, *every_run], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == expect, done.stderr[-4000:]
+    return done.stderr
+
+
+@pytest.mark.parametrize("front_door", sorted(FRONT_DOORS))
+def test_asked_for_a_requeue_sigusr1_checkpoints_requeues_and_the_requeued_job_continues_exactly(
+    tmp_path: Path, front_door: str
+) -> None:
+    env = slurm_env(tmp_path)
+    job(front_door, tmp_path / "full", env)
+    assert calls(tmp_path) == []
+    stderr = job(front_door, tmp_path / "cut", env, *FRONT_DOORS[front_door][1], expect=143)
+    assert calls(tmp_path) == ["requeue 4242"] and "requeued SLURM job 4242" in stderr, stderr[-3000:]
+    job(front_door, tmp_path / "cut", env)
+    for name in ("log-0.jsonl", "weights-0.txt"):
+        assert (tmp_path / "cut" / name).read_text() == (tmp_path / "full" / name).read_text(), name
+    assert calls(tmp_path) == ["requeue 4242"]
+
+
+def test_not_asked_for_a_requeue_sigusr1_only_checkpoints(tmp_path: Path) -> None:
+    stderr = job("fabric", tmp_path / "cut", slurm_env(tmp_path), "--signal-name", "SIGUSR1", "--signal-at", "5",
+                 expect=143)
+    assert calls(tmp_path) == [] and "checkpoint written at step 5" in stderr
+
+
+def test_a_requeue_asked_for_outside_slurm_is_a_warning_and_nothing_else(monkeypatch: pytest.MonkeyPatch,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    import signal
+
+    from loader_resume.slurm import Requeue
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    with caplog.at_level("WARNING", logger="loader_resume.slurm"):
+        requeue = Requeue(True)
+    assert "slurm_requeue=True outside a SLURM job" in caplog.text
+    requeue.decide(signal.SIGUSR1, lambda flag: pytest.fail("no agreement when there is nothing to requeue"))
+    assert not requeue.wanted

@@ -61,6 +61,7 @@ from loader_resume.checkpoint_dir import claim, preemption_exit_code
 from loader_resume.convert import sharded_resumable
 from loader_resume.distributed import any_rank, load_rank_state
 from loader_resume.preemption import Preemption, workers_ignore_signals
+from loader_resume.slurm import Requeue
 
 from .checkpoint_files import LOADER_STATE_FILE, newest_complete, newest_resumable, read_states, step_at, verify_named
 from .saving import AgreedWrite, SaveFailed, end_processes
@@ -78,8 +79,9 @@ class ResumeTrainerMixin:
 
     Keyword arguments taken off the Trainer's: ``keying`` (``"batch"``, ``"sample"`` or ``"off"``) and
     ``keyed_generators`` (see ``ResumableDataLoader``); ``signals`` that request a preemption checkpoint
-    (``()``: none), ``check_every_n_steps`` (how often the ranks agree on them) and ``exit_code`` (after a
-    preemption checkpoint).
+    (``()``: none), ``check_every_n_steps`` (how often the ranks agree on them), ``exit_code`` (after a
+    preemption checkpoint) and ``slurm_requeue`` (inside a SLURM job, ``scontrol requeue`` after a checkpoint
+    requested by SIGUSR1: ``loader_resume.slurm``).
     """
 
     args: Any
@@ -90,14 +92,14 @@ class ResumeTrainerMixin:
 
     def __init__(self, *args: Any, keying: str = "batch", keyed_generators: Sequence[str] = GENERATORS,
                  signals: Sequence[str | int] = ("SIGTERM", "SIGUSR1"), check_every_n_steps: int = 1,
-                 exit_code: int = 143, **kwargs: Any) -> None:
+                 exit_code: int = 143, slurm_requeue: bool = False, **kwargs: Any) -> None:
         for name, value, least in (("check_every_n_steps", check_every_n_steps, 1), ("exit_code", exit_code, 0)):
             if type(value) is not int or value < least:
                 raise ValueError(f"{type(self).__name__}({name}={value!r}): expected an int >= {least}")
         self.resume_keying, self.resume_keyed_generators = keying, tuple(keyed_generators)
         self.resume_loader: AcceleratedResumableDataLoader | None = None
         """The training loader of the current ``train()`` (``None`` before)."""
-        self.preemption = Preemption(signals)
+        self.preemption, self._requeue = Preemption(signals), Requeue(slurm_requeue)
         self.check_every_n_steps, self.exit_code = check_every_n_steps, exit_code
         self.preempted_at: int | None = None
         """The step of the preemption checkpoint, once taken."""
@@ -187,6 +189,7 @@ class ResumeTrainerMixin:
             self.preemption.uninstall()
         if self.preempted_at is not None:
             written = root / f"{PREFIX_CHECKPOINT_DIR}-{self.preempted_at}"
+            self._requeue.after_checkpoint(self.args.process_index == 0)
             end_processes(self)
             raise SystemExit(preemption_exit_code(written, self.preempted_at, self.exit_code, os.fspath(written)))
         return output
@@ -287,6 +290,7 @@ class _AgreeOnSignals(TrainerCallback):
         trainer = self.trainer
         if state.global_step % trainer.check_every_n_steps == 0 and trainer.preemption.agreed():
             trainer.preempted_at = state.global_step
+            trainer._requeue.decide(trainer.preemption.received, any_rank)
             control.should_save = True
             control.should_training_stop = True
 

@@ -6,6 +6,11 @@ queued again and continues from its checkpoint. :func:`requeue_job` is that comm
 process), after the agreed checkpoint is written: the job id in the array form when the job is an array task
 (``SLURM_ARRAY_JOB_ID_SLURM_ARRAY_TASK_ID``), else ``SLURM_JOB_ID``. A failed requeue is logged with its exit code,
 never raised: the checkpoint is written and the job ends as it would without the requeue.
+
+:class:`Requeue` is the same for the front doors without a SLURM environment of their own (Fabric, Accelerate,
+the transformers Trainer): asked for (``slurm_requeue=True``) and inside a SLURM job, the requeue signal (SIGUSR1:
+``sbatch --signal=USR1@90``) requests a preemption checkpoint as any signal does, and once it is written the main
+process requeues the job. Other signals (SIGTERM: ``scancel``, the time limit) stop without a requeue.
 """
 
 from __future__ import annotations
@@ -13,10 +18,11 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
-__all__ = ["requeue_job", "slurm_job_id"]
+__all__ = ["Requeue", "requeue_job", "slurm_job_id"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,3 +55,24 @@ def requeue_job(environ: Mapping[str, str] = os.environ) -> bool:
         return False
     logger.warning("requeued SLURM job %s: it continues from the checkpoint when it starts again", job)
     return True
+
+
+class Requeue:
+    """The requeue of one job (see the module's description); off unless ``asked`` inside a SLURM job."""
+
+    def __init__(self, asked: bool, requeue_signal: int = signal.SIGUSR1) -> None:
+        self.signal = int(requeue_signal) if asked and "SLURM_JOB_ID" in os.environ else None
+        if asked and self.signal is None:
+            logger.warning("slurm_requeue=True outside a SLURM job (no SLURM_JOB_ID): no requeue")
+        self.wanted = False
+
+    def decide(self, received: int | None, agree: Callable[[bool], bool]) -> None:
+        """At the agreed stop, on every rank (``agree``: a collective, called only when the requeue is on): whether
+        any rank got the requeue signal."""
+        if self.signal is not None:
+            self.wanted = agree(received == self.signal)
+
+    def after_checkpoint(self, main: bool) -> None:
+        """Once the checkpoint is written, every rank: the main process requeues the job if it was asked for."""
+        if self.wanted and main:
+            requeue_job()
