@@ -1,10 +1,9 @@
 """``ResumeCallback``: add it to a ``lightning.Trainer`` and mid-epoch resume becomes exact.
 
 The user's module or datamodule keeps returning plain ``torch.utils.data.DataLoader``s. The callback
-converts the training loaders to :class:`loader_resume.ResumableDataLoader` (same dataset, batch size,
-collate, workers, pin-memory, drop-last and shuffle choice), which shard themselves across DDP ranks;
-every checkpoint gets each rank's loader state and RNG states under one key, and a resumed ``fit``
-continues with the very next batch.
+converts the training loaders to :class:`loader_resume.ResumableDataLoader` (same dataset, batch size, collate,
+workers, pin-memory, drop-last and shuffle choice), which shard themselves across DDP ranks; every checkpoint gets
+each rank's loader state and RNG states under one key, and a resumed ``fit`` continues with the very next batch.
 """
 
 from __future__ import annotations
@@ -29,11 +28,12 @@ from loader_resume.convert import resumable
 from loader_resume.distributed import gather_rng_states, gather_states
 from loader_resume.preemption import Preemption
 from loader_resume.sampler import loader_seed
+from loader_resume.slurm import Requeue
 
 from .fit_start import make_newest, quiet_fresh_fit, trainer_calling
 from .integrity import nothing_else_to_resume, save_atomically, usable, verify_loads
 from .loaders import TrainingLoaders, drop_lightning_loader_states, evaluation_workers_ignore
-from .stopping import SlurmRequeue, adopt_lightnings_sigterm, stop_validating_as_planned
+from .stopping import adopt_lightnings_sigterm, slurm_requeue, stop_validating_as_planned
 
 __all__ = ["CHECKPOINT_KEY", "ResumeCallback"]
 
@@ -100,7 +100,7 @@ class ResumeCallback(OnExceptionCheckpoint):
         self._choosing = True  # Lightning may be choosing the checkpoint of a fit (see ckpt_path)
         self._skipped: str | None = None  # our preemption checkpoint, passed over as it does not verify
         self._exit_with = 0
-        self._requeue = SlurmRequeue()
+        self._requeue = Requeue(asked=False)  # see setup
         quiet_fresh_fit(True)
 
     @property
@@ -152,7 +152,7 @@ class ResumeCallback(OnExceptionCheckpoint):
             agree = functools.partial(trainer.strategy.reduce_boolean_decision, all=False)
             if not self._claimed and "://" not in str(self.dirpath):  # NOTE: every rank (a remote dirpath: no lock)
                 self._lock, self._claimed = claim(self.dirpath, main=trainer.is_global_zero, agree=agree), True
-            self._requeue.setup(trainer, self.preemption)  # NOTE: before the loaders' workers learn the signals
+            self._requeue = slurm_requeue(trainer, self.preemption)  # NOTE: before the workers learn the signals
             self._training.intercept(trainer)
             evaluation_workers_ignore(trainer, self.preemption.signals)
 
@@ -185,12 +185,13 @@ class ResumeCallback(OnExceptionCheckpoint):
         at_step_boundary = (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or trainer.is_last_batch
         if not at_step_boundary or trainer.global_step % self.check_every_n_steps:
             return
-        if trainer.strategy.reduce_boolean_decision(self.preemption.received is not None, all=False):
+        agree = functools.partial(trainer.strategy.reduce_boolean_decision, all=False)
+        if agree(self.preemption.received is not None):
             written = save_atomically(trainer, self.ckpt_path)  # NOTE: a kill mid-save leaves the previous whole
             self.preempted_at = trainer.global_step
             self._exit_with = preemption_exit_code(None if written is None else Path(written), trainer.global_step,
                                                    self.exit_code or 0, "the newest checkpoint Lightning finds")
-            self._requeue.decide(trainer, self.preemption)
+            self._requeue.decide(self.preemption.received, agree)
             stop_validating_as_planned(trainer)
 
     @override
@@ -216,7 +217,7 @@ class ResumeCallback(OnExceptionCheckpoint):
             # ModelCheckpoint may still write last.ckpt while the stopping fit winds down, within the same tick
             make_newest(self.ckpt_path, trainer)
         if written:
-            self._requeue.after_checkpoint(trainer)
+            self._requeue.after_checkpoint(trainer.is_global_zero)
         quiet_fresh_fit(True)
         self._choosing = True
         if self.preempted_at is not None and (self.exit_code is not None or self._exit_with == FAILED_SAVE_EXIT_CODE):

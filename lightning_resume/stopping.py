@@ -9,9 +9,9 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
 from loader_resume.preemption import Preemption
-from loader_resume.slurm import requeue_job
+from loader_resume.slurm import Requeue
 
-__all__ = ["SlurmRequeue", "adopt_lightnings_sigterm", "stop_validating_as_planned"]
+__all__ = ["slurm_requeue", "adopt_lightnings_sigterm", "stop_validating_as_planned"]
 
 
 def adopt_lightnings_sigterm(trainer: Trainer, preemption: Preemption) -> None:
@@ -33,29 +33,14 @@ def stop_validating_as_planned(trainer: Trainer) -> None:
     epoch_loop._skip_next_val = not due
 
 
-class SlurmRequeue:
+def slurm_requeue(trainer: Trainer, preemption: Preemption) -> Requeue:
     """SLURM's requeue kept: under Lightning's ``SLURMEnvironment`` with ``auto_requeue`` on (Lightning's default in
     a SLURM job), its ``requeue_signal`` (SIGUSR1) requests a preemption checkpoint too, and once the checkpoint that
-    signal led to is written the global-zero rank runs ``scontrol requeue`` (``loader_resume.slurm.requeue_job``), as
+    signal led to is written the global-zero rank runs ``scontrol requeue`` (``loader_resume.slurm.Requeue``), as
     Lightning's own handler does. Other signals (SIGTERM: ``scancel``, the time limit) stop without a requeue."""
-
-    def __init__(self) -> None:
-        self.signal: int | None = None
-        self.asked = False
-
-    def setup(self, trainer: Trainer, preemption: Preemption) -> None:
-        environment = trainer._accelerator_connector.cluster_environment  # NOTE: as Lightning's signal connector
-        on = isinstance(environment, SLURMEnvironment) and environment.auto_requeue
-        self.signal = int(environment.requeue_signal) if on else None  # type: ignore[attr-defined]
-        if self.signal is not None and self.signal not in preemption.signals:
-            preemption.signals = (*preemption.signals, self.signal)
-
-    def decide(self, trainer: Trainer, preemption: Preemption) -> None:
-        """At the agreed stop, on every rank (a collective when requeueing is on): whether any rank got the signal."""
-        if self.signal is not None:
-            self.asked = trainer.strategy.reduce_boolean_decision(preemption.received == self.signal, all=False)
-
-    def after_checkpoint(self, trainer: Trainer) -> None:
-        """Once the checkpoint is written and the fit wound down."""
-        if self.asked and trainer.is_global_zero:
-            requeue_job()
+    environment = trainer._accelerator_connector.cluster_environment  # NOTE: as Lightning's signal connector
+    on = isinstance(environment, SLURMEnvironment) and environment.auto_requeue
+    requeue = Requeue(on, environment.requeue_signal if on else signal.SIGUSR1)  # type: ignore[attr-defined]
+    if requeue.signal is not None and requeue.signal not in preemption.signals:
+        preemption.signals = (*preemption.signals, requeue.signal)
+    return requeue

@@ -8,6 +8,7 @@ plain writes into a full tmpfs, and two real processes writing the same checkpoi
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -188,6 +189,51 @@ def test_any_write_failure_on_a_full_disk_leaves_no_temporary_and_the_previous_c
         assert "checkpoint at step 2 NOT written to" in caplog.text and "no space left on device" in caplog.text
         assert sorted(path.name for path in root.iterdir()) == ["step_000000001"]
         verify(root / "step_000000001")
+
+
+def _sealed_on_rank(rank: int, out: str, fails: str) -> None:
+    import torch.distributed as dist
+
+    from loader_resume.distributed import any_rank
+
+    dist.init_process_group("gloo", store=dist.FileStore(f"{out}/store", 2), rank=rank, world_size=2)
+
+    def write(directory: Path) -> None:
+        if rank == 1 and fails == "disk":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        if rank == 1 and fails == "bug":
+            raise ValueError("a bug")
+        (directory / f"rank{rank}.txt").write_text("x")
+    try:
+        outcome = str(write_sealed(Path(out, "step_000000005"), write, main=rank == 0, agree=any_rank, step=5,
+                                   token="t"))
+    except ValueError as error:
+        outcome = f"ValueError: {error}"
+    finally:
+        dist.destroy_process_group()
+    Path(out, f"outcome-{rank}").write_text(outcome)
+
+
+@pytest.mark.parametrize(("fails", "expected"), [
+    ("", ["True", "True"]), ("disk", ["False", "False"]), ("bug", ["False", "ValueError: a bug"])])
+def test_a_write_failing_on_one_of_two_real_ranks_is_agreed_and_a_bug_is_raised_after_the_agreement(
+    tmp_path: Path, fails: str, expected: list[str]
+) -> None:
+    """Two gloo processes, the second fails inside its part (a full disk, or a bug): the first learns it at the
+    next agreement instead of waiting forever, the partial directory is removed, and the bug is raised as itself
+    on its process once every process agreed."""
+    import multiprocessing
+
+    ranks = [multiprocessing.get_context("fork").Process(target=_sealed_on_rank, args=(rank, str(tmp_path), fails))
+             for rank in range(2)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=60)
+        assert process.exitcode == 0, "a rank hung or died"
+    assert [(tmp_path / f"outcome-{rank}").read_text() for rank in range(2)] == expected
+    assert [path.name for path in complete_checkpoints(tmp_path)] == (["step_000000005"] if not fails else [])
+    assert not [path for path in tmp_path.iterdir() if is_temporary(path)]
 
 
 _RACER = """

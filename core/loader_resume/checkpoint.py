@@ -6,8 +6,8 @@ checkpoints untouched plus a ``.tmp`` leftover (ignored, with a warning), or a c
 Loading verifies the manifest first, so a truncated file, flipped bytes or an edited state are refused
 with an error naming the file, never loaded as wrong data.
 
-What goes into a checkpoint besides the loader state lives here too: :func:`global_rng_state` and
-:func:`set_global_rng_state` (the process's generators, CPU and accelerators, as plain tensors).
+What goes into a checkpoint besides the loader state is here too: :func:`global_rng_state` and
+:func:`set_global_rng_state` (``loader_resume.generators``: the process's generators, as plain tensors).
 """
 
 from __future__ import annotations
@@ -17,17 +17,16 @@ import hashlib
 import json
 import logging
 import os
-import random
 import re
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
-import numpy as np
-import torch
 import torch.distributed as dist
+
+from .generators import global_rng_state, set_global_rng_state
 
 __all__ = [
     "CHECKPOINT_FORMAT", "MANIFEST", "CheckpointError", "complete_checkpoints", "describe_failure", "global_rng_state",
@@ -147,8 +146,9 @@ def write_sealed(final: Path, write_into: Callable[[Path], None], *, main: bool,
     failed write on any process — any exception out of ``write_into`` or the seal: a full disk (``OSError`` or
     the ``RuntimeError`` torch's writer turns it into), a lost mount, a read-only file system — is agreed by
     all: the partial directory is removed, the error is logged naming the path and the cause, the previous
-    checkpoints stay and ``False`` is returned. What the caller does then (train on, or exit) is its own. Other
-    errors (a bug, a failed collective) are raised. ``token``: the temporary name's, if the caller agreed on one.
+    checkpoints stay and ``False`` is returned. What the caller does then (train on, or exit) is its own. Another
+    error (a bug) is agreed as well, then raised on its process; a failed collective is raised at once (no process
+    is left to agree with). ``token``: the temporary name's, if the caller agreed on one.
     NOTE: every process takes the same branch at each agreement, so the collectives stay paired.
     """
     temporary = temporary_name(final, writer_token() if token is None else token)
@@ -162,12 +162,12 @@ def write_sealed(final: Path, write_into: Callable[[Path], None], *, main: bool,
         try:
             write_into(temporary)
         except Exception as error:  # NOTE: the caller decides whether training goes on
-            failure = storage_failure(error)
+            failure = _unless_collective(error)
         if not agree(failure is not None) and main:
             try:
                 seal(temporary, final, checksums=checksums)
             except Exception as error:
-                failure = storage_failure(error)
+                failure = _unless_collective(error)
         if not agree(failure is not None):
             if main:
                 try:
@@ -178,6 +178,8 @@ def write_sealed(final: Path, write_into: Callable[[Path], None], *, main: bool,
     cause = describe_failure(failure, final.parent) if failure is not None else "failed on another process"
     if main:
         shutil.rmtree(temporary, ignore_errors=True)
+    if failure is not None:
+        storage_failure(failure)  # NOTE: a bug is raised as itself, now that every process agreed
     kept = complete_checkpoints(final.parent)
     logger.error("checkpoint at step %d NOT written to %s: %s; the newest complete checkpoint is still %s", step,
                  final, cause, kept[-1] if kept else "none")
@@ -192,6 +194,12 @@ def storage_failure(error: Exception) -> Exception:
             isinstance(error, RuntimeError) and not isinstance(error, distributed)):
         return error
     raise error
+
+
+def _unless_collective(error: Exception) -> Exception:
+    if isinstance(error, getattr(dist, "DistError", ())):
+        raise error
+    return error
 
 
 def describe_failure(error: BaseException, directory: Path) -> str:
@@ -242,59 +250,3 @@ def _fsync_directory(path: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
-
-
-# --- RNG states for checkpoints -----------------------------------------------------------------
-def global_rng_state() -> dict[str, Any]:
-    """torch's default CPU generator, numpy's legacy global and Python's ``random`` states, and every
-    accelerator generator this process has: ``"cuda"`` (one state per visible CUDA device) and
-    ``"mps"``, present only where the device is.
-
-    Plain values and tensors only, so a checkpoint holding it loads with ``weights_only=True``
-    (Lightning 2.6 and our own loaders load that way). On a GPU, dropout draws from the CUDA
-    generators, so resuming the model's random sequence needs them as much as the CPU one.
-    """
-    kind, key, pos, has_gauss, gauss = np.random.get_state(legacy=True)
-    numpy_state = {"kind": kind, "key": torch.from_numpy(np.asarray(key).astype(np.int64)), "pos": int(pos),
-                   "has_gauss": int(has_gauss), "gauss": float(gauss)}
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": numpy_state, "random": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = [torch.cuda.get_rng_state(device) for device in range(torch.cuda.device_count())]
-    if _mps_available():
-        state["mps"] = torch.mps.get_rng_state()
-    return state
-
-
-def set_global_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`global_rng_state` returned.
-
-    CUDA states are restored only onto as many visible CUDA devices as were saved (device ``i`` gets
-    saved state ``i``); otherwise they are left alone with a warning that names both counts, since a
-    state for another device layout would continue another device's sequence. Likewise ``"mps"``.
-    """
-    torch.set_rng_state(state["torch"])
-    saved = state["numpy"]
-    key = saved["key"].numpy().astype(np.uint32)
-    np.random.set_state((saved["kind"], key, saved["pos"], saved["has_gauss"], saved["gauss"]))
-    random.setstate(state["random"])
-    cuda = state.get("cuda")
-    if cuda is not None:
-        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if visible == len(cuda):
-            for device, device_state in enumerate(cuda):
-                torch.cuda.set_rng_state(device_state, device)
-        else:
-            logger.warning("RNG state: saved for %d CUDA device(s), this process sees %d; the CUDA generators "
-                           "are NOT restored (GPU dropout will not continue the saved sequence; run with the same "
-                           "CUDA_VISIBLE_DEVICES layout to restore them)", len(cuda), visible)
-    mps = state.get("mps")
-    if mps is not None:
-        if _mps_available():
-            torch.mps.set_rng_state(mps)
-        else:
-            logger.warning("RNG state: saved with an MPS generator, this process has no MPS device; not restored")
-
-
-def _mps_available() -> bool:
-    backend = getattr(torch.backends, "mps", None)
-    return backend is not None and bool(backend.is_available())
