@@ -2,6 +2,7 @@
 
     python examples/plain_digits.py --out runs/plain                                   # one process
     torchrun --nproc_per_node 2 --max-restarts 3 examples/plain_digits.py --out runs/plain   # DDP, gloo
+    python examples/plain_digits.py --device cuda --bf16 --deterministic               # on a GPU
 
 Every ``--every`` optimizer steps (and on SIGTERM/SIGUSR1, at the next step) all ranks agree and rank 0
 writes ``OUT/checkpoints/step_N``: model, optimizer, every rank's loader and RNG states, in a directory
@@ -86,14 +87,24 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--batch-log", help="write one JSON line per step to DIR/log-RANK.jsonl")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU per process: cuda:LOCAL_RANK)")
+    parser.add_argument("--bf16", action="store_true", help="the forward pass under bf16 autocast")
+    parser.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)")
     args = parser.parse_args()
+    cuda = args.device == "cuda"
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if cuda else "cpu")
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's condition for determinism
+        torch.use_deterministic_algorithms(True)
     if "WORLD_SIZE" in os.environ:
-        init_process_group("gloo")  # dist.init_process_group, safe across torchrun's restarts
+        if cuda:
+            torch.cuda.set_device(device)
+        init_process_group("nccl" if cuda else "gloo")  # dist.init_process_group, safe across torchrun's restarts
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 10))
+    net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 10)).to(device)
     model: nn.Module = nn.parallel.DistributedDataParallel(net) if dist.is_initialized() else net
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    loader = ResumableDataLoader(NoisyDigits(), batch_size=args.batch_size, shuffle=True,
+    loader = ResumableDataLoader(NoisyDigits(), batch_size=args.batch_size, shuffle=True, pin_memory=cuda,
                                  num_workers=args.workers, seed=0)  # rank and world from torch.distributed
     root = Path(args.out) / "checkpoints"
     preemption = Preemption(("SIGTERM", "SIGUSR1"))
@@ -103,7 +114,9 @@ def main() -> None:
     attempt = incarnation() if log is not None else 0
     for epoch in range(first_epoch, args.epochs):
         for x, y, ids in loader:
-            loss = nn.functional.cross_entropy(model(x), y)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+                loss = nn.functional.cross_entropy(model(x), y)
             optimizer.zero_grad()
             loss.backward()  # type: ignore[no-untyped-call]
             optimizer.step()

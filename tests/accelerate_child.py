@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, FullyShardedDataParallelPlugin
+from accelerate.utils import DistributedType
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -32,6 +33,7 @@ from loader_resume.distributed import init_process_group
 from loader_resume.testing import fingerprint
 from support.data import NoisyEverywhere as Noisy
 from support.data import NoisyStream
+from support.device import add_device_options
 from support.mounts import fill
 
 
@@ -60,15 +62,23 @@ def main() -> None:
     parser.add_argument("--mixture", action="store_true", help="a Mixture whose weights change after steps 3 and 9")
     parser.add_argument("--eval-n", type=int, default=0, help="evaluate on this many items after each epoch")
     parser.add_argument("--log-dir", default="", help="logs and weights go to OUT/LOG_DIR (default: OUT)")
+    parser.add_argument("--fsdp", choices=["full", "sharded"], help="FSDP (on a GPU; under torchrun): the plugin's "
+                        "state_dict_type FULL_STATE_DICT or SHARDED_STATE_DICT")
+    add_device_options(parser)
     parser.add_argument("overrides", nargs="*", help="resume config dotlist, e.g. save_every_n_steps=4")
     args = parser.parse_intermixed_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
     torch.manual_seed(123)
-    if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # torchrun / accelerate launch: safe across restarts
-        init_process_group("gloo")
-    accelerator = Accelerator(cpu=True, project_dir=str(out), gradient_accumulation_steps=args.accumulate)
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ and args.device == "cpu":  # torchrun / accelerate launch: safe
+        init_process_group("gloo")  # across restarts
+    fsdp = None if args.fsdp is None else FullyShardedDataParallelPlugin(
+        state_dict_type=f"{args.fsdp.upper()}_STATE_DICT")
+    accelerator = Accelerator(cpu=args.device == "cpu", project_dir=str(out), fsdp_plugin=fsdp,
+                              gradient_accumulation_steps=args.accumulate,
+                              mixed_precision="bf16" if args.bf16 else "no")
+    assert (accelerator.distributed_type == DistributedType.FSDP) == (fsdp is not None), accelerator.distributed_type
     assert accelerator.num_processes == args.processes, (accelerator.num_processes, args.processes)
     rank = accelerator.process_index
     config = {"seed": 7, "auto_resume": args.load is None}
@@ -100,7 +110,8 @@ def main() -> None:
     data: Any = NoisyStream(args.items, rank, args.processes) if args.stream else Noisy(args.items)
     if args.mixture:
         data = Mixture({"a": data, "b": Noisy(9)}, {"a": 2, "b": 1}, block_size=6)
-    train = DataLoader(data, batch_size=4, shuffle=not (args.stream or args.mixture), num_workers=args.workers)
+    train = DataLoader(data, batch_size=4, shuffle=not (args.stream or args.mixture), num_workers=args.workers,
+                       pin_memory=args.pin_memory)
     evaluation = DataLoader(Noisy(max(args.eval_n, 1)), batch_size=4, num_workers=0)
     model, optimizer, train, evaluation = accelerator.prepare(model, optimizer, train, evaluation)
     assert isinstance(train, AcceleratedResumableDataLoader) and train.world_size == args.processes

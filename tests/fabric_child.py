@@ -29,6 +29,7 @@ from lightning_resume import FabricResumableDataLoader, FabricResume
 from loader_resume import Mixture
 from loader_resume.testing import fingerprint
 from support.data import NoisyEverywhere, NoisyStream
+from support.device import add_device_options
 from support.mounts import fill
 
 
@@ -54,8 +55,10 @@ def shard_fsdp2(model: nn.Module, mesh: Any) -> nn.Module:
 
 
 def strategy_of(args: argparse.Namespace) -> Any:
-    if args.strategy == "fsdp-sharded":
-        return CPUFSDPStrategy(state_dict_type="sharded", process_group_backend="gloo")
+    if args.strategy and args.strategy.startswith("fsdp-") and args.device == "cuda":  # Fabric's own strategy
+        return FSDPStrategy(state_dict_type=args.strategy[len("fsdp-"):])
+    if args.strategy and args.strategy.startswith("fsdp-"):  # NOTE: "full" on the CPU: FSDP1 crashes there
+        return CPUFSDPStrategy(state_dict_type=args.strategy[len("fsdp-"):], process_group_backend="gloo")
     if args.strategy == "model-parallel":
         return ModelParallelStrategy(parallelize_fn=shard_fsdp2, data_parallel_size=args.devices,
                                      tensor_parallel_size=1)
@@ -82,14 +85,16 @@ def main() -> None:
     parser.add_argument("--keep", type=int, default=2, help="FabricResume(keep=...)")
     parser.add_argument("--fill-disk-at", type=int, help="rank 0 fills the checkpoint directory's file system after "
                         "this micro-batch (a real full disk: mount a small tmpfs there)")
-    parser.add_argument("--strategy", choices=["fsdp-sharded", "model-parallel"],
+    parser.add_argument("--strategy", choices=["fsdp-sharded", "fsdp-full", "model-parallel"],
                         help="default: ddp on several devices, else auto")
     parser.add_argument("--load", help="fabric.load(PATH) with the loader in the state, after restore()")
+    add_device_options(parser)
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    fabric = Fabric(accelerator="cpu", devices=args.devices, strategy=strategy_of(args))
+    fabric = Fabric(accelerator=args.device, devices=args.devices, strategy=strategy_of(args),
+                    precision="bf16-mixed" if args.bf16 else "32-true")
     fabric.launch()
     assert fabric.world_size == args.devices, (fabric.world_size, args.devices)
     rank = fabric.global_rank
@@ -110,7 +115,7 @@ def main() -> None:
     if args.mixture:
         data = Mixture({"a": data, "b": NoisyEverywhere(9)}, {"a": 2, "b": 1}, block_size=6)
     train = fabric.setup_dataloaders(DataLoader(data, batch_size=4, shuffle=not (args.stream or args.mixture),
-                                                num_workers=args.workers))
+                                                num_workers=args.workers, pin_memory=args.pin_memory))
     assert isinstance(train, FabricResumableDataLoader) and train.world_size == args.devices
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
     resume.restore(state)

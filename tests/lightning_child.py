@@ -31,6 +31,7 @@ from loader_resume import Mixture
 from loader_resume.distributed import init_process_group
 from loader_resume.testing import fingerprint
 from support.data import Noisy
+from support.device import add_device_options
 from support.mounts import fill
 
 
@@ -89,10 +90,12 @@ class CPUFSDPStrategy(FSDPStrategy):
 def strategy_of(args: argparse.Namespace) -> Any:
     if args.strategy is None:
         return "ddp" if args.devices > 1 else "auto"
+    on_cpu = args.device == "cpu"
     if args.strategy == "ddp":
-        return DDPStrategy(process_group_backend="gloo")
-    if args.strategy.startswith("fsdp-"):
-        return CPUFSDPStrategy(state_dict_type=args.strategy[len("fsdp-"):], process_group_backend="gloo")
+        return DDPStrategy(process_group_backend="gloo" if on_cpu else None)
+    if args.strategy.startswith("fsdp-"):  # on a GPU: Lightning's own strategy, untouched
+        kind = CPUFSDPStrategy if on_cpu else FSDPStrategy
+        return kind(state_dict_type=args.strategy[len("fsdp-"):], process_group_backend="gloo" if on_cpu else None)
     if args.strategy == "model-parallel-auto":  # Lightning's default: tensor parallel within a node
         return ModelParallelStrategy()
     return ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
@@ -157,7 +160,7 @@ class Model(L.LightningModule):
             return DataLoader(Noisy(self.args.items), batch_size=4, sampler=EpochOrder(self.args.items),
                               num_workers=self.args.workers)
         return DataLoader(Noisy(self.args.items), batch_size=4, shuffle=True, num_workers=self.args.workers,
-                          persistent_workers=self.args.workers > 0)
+                          persistent_workers=self.args.workers > 0, pin_memory=self.args.pin_memory)
 
     def on_train_end(self) -> None:
         out = Path(self.args.out)
@@ -231,6 +234,7 @@ def main() -> None:
     parser.add_argument("--strategy", help="default: ddp on several devices, else auto",
                         choices=["ddp", "fsdp-full", "fsdp-sharded", "model-parallel", "model-parallel-auto"])
     parser.add_argument("--batch-log", help="also append one JSON line per step to BATCH_LOG/log-RANK.jsonl")
+    add_device_options(parser)
     args = parser.parse_args()
     if args.resume and args.n_resume:
         args.items = args.n_resume
@@ -238,7 +242,8 @@ def main() -> None:
     if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # under torchrun: safe across its restarts
         init_process_group("gloo")
     trainer = L.Trainer(
-        accelerator="cpu", devices=args.devices, strategy=strategy_of(args),
+        accelerator=args.device, devices=args.devices, strategy=strategy_of(args),
+        precision="bf16-mixed" if args.bf16 else "32-true",
         max_epochs=args.epochs, max_steps=args.max_steps, logger=False, enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0, default_root_dir=args.out, deterministic=True,

@@ -30,6 +30,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from loader_resume.testing import fingerprint
 from support.data import NoisyEverywhere, NoisyStream
+from support.device import add_device_options
 from support.mounts import fill
 from transformers_resume import ResumableTrainer
 
@@ -157,6 +158,7 @@ def main() -> None:
     parser.add_argument("--resume", default=None, help="'true' or a checkpoint path for train(resume_from_checkpoint)")
     parser.add_argument("--ignore-data-skip", action="store_true")
     parser.add_argument("--stock", action="store_true", help="a stock transformers Trainer")
+    add_device_options(parser)
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -165,7 +167,8 @@ def main() -> None:
     torch.manual_seed(123)
     model = Tiny(log, args.sleep)
     training = TrainingArguments(
-        output_dir=str(out / "run"), use_cpu=True, ddp_backend="gloo" if args.processes > 1 else None,
+        output_dir=str(out / "run"), use_cpu=args.device == "cpu", bf16=args.bf16,
+        ddp_backend="gloo" if args.processes > 1 and args.device == "cpu" else None,
         report_to=[], seed=7, max_steps=20 if args.stream else -1, ignore_data_skip=args.ignore_data_skip,
         per_device_train_batch_size=4, gradient_accumulation_steps=args.accumulate, num_train_epochs=args.epochs,
         learning_rate=0.1, save_strategy="steps", save_steps=args.save_steps, save_total_limit=2, logging_strategy="no",

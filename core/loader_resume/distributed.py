@@ -152,7 +152,7 @@ def check_same_dataset(loader: _RankedLoader) -> None:
 
 
 def gather_rng_states() -> list[dict[str, Any]]:
-    """Every rank's :func:`~loader_resume.keyed_rng.global_rng_state`, in rank order (a collective
+    """Every rank's :func:`~loader_resume.global_rng_state`, in rank order (a collective
     under ``torch.distributed``)."""
     state = global_rng_state()
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
