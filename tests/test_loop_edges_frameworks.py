@@ -73,7 +73,7 @@ def accelerate(out: Path, *args: str) -> int:
     return done.returncode
 
 
-@pytest.mark.parametrize(("shape", "workers"), [("zip", 0), ("zip", 2), ("alternate", 0)])
+@pytest.mark.parametrize(("shape", "workers"), [("zip", 2), ("alternate", 0)])
 def test_accelerate_two_loaders_of_unequal_length_resume_exactly_after_a_sigterm_at_every_step(
     tmp_path: Path, shape: str, workers: int
 ) -> None:

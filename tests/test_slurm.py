@@ -4,7 +4,8 @@ called and exits with ``SCONTROL_EXIT``.
 
 Lightning's ``SLURMEnvironment`` (``auto_requeue`` on, its default under SLURM) answers SIGUSR1 by checkpointing and
 running ``scontrol requeue JOB``; with our callback the checkpoint is ours (agreed, at a step boundary) and the
-requeue still happens, after it is written. SIGTERM (``scancel``, the time limit) checkpoints without a requeue.
+requeue still happens, after it is written (the requeued fit's exact continuation: ``tests/test_lightning.py``,
+``test_under_slurm_sigusr1...``). SIGTERM (``scancel``, the time limit) checkpoints without a requeue.
 Fabric, Accelerate and the transformers Trainer requeue the same way when asked (``slurm_requeue``).
 """
 
@@ -52,26 +53,6 @@ def batches(out: Path) -> list[dict[str, Any]]:
 def calls(tmp_path: Path) -> list[str]:
     log = tmp_path / "scontrol.log"
     return log.read_text().splitlines() if log.exists() else []
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tmp = tmp_path_factory.mktemp("slurm-full")
-    fit(tmp / "run", slurm_env(tmp))
-    assert calls(tmp) == []
-    return tmp / "run"
-
-
-def test_sigusr1_checkpoints_requeues_the_job_and_the_requeued_run_continues_exactly(uninterrupted: Path,
-                                                                                       tmp_path: Path) -> None:
-    env = slurm_env(tmp_path)
-    stderr = fit(tmp_path / "run", env, "--signal-at", "7", "--signal-name", "SIGUSR1", expect=143)
-    assert calls(tmp_path) == ["requeue 4242"], stderr[-3000:]
-    assert "requeued SLURM job 4242" in stderr and "checkpoint written at step 7" in stderr
-    fit(tmp_path / "run", env)  # what SLURM starts again
-    assert batches(tmp_path / "run") == batches(uninterrupted)
-    assert (tmp_path / "run" / "weights-0.txt").read_text() == (uninterrupted / "weights-0.txt").read_text()
-    assert calls(tmp_path) == ["requeue 4242"]  # a fit that finishes requeues nothing
 
 
 def test_sigterm_checkpoints_without_a_requeue(tmp_path: Path) -> None:
