@@ -1,0 +1,198 @@
+"""``RayResume``: exact mid-epoch resume inside a Ray Train ``train_loop_per_worker``.
+
+Ray Train restarts a failed run from the last checkpoint reported to it (``FailureConfig(max_failures=...)``), and
+a new run under the same ``RunConfig(name, storage_path)`` starts from it too; ``ray.train.get_checkpoint()`` hands
+it to every worker. ``RayResume`` puts into each checkpoint what decides the next batches — every rank's loader
+states and generators, the step and the epoch — beside rank 0's model, optimizer and scheduler, and restores all of
+it, so training continues with the very next batch: at the same worker count exactly, at another one (map-style
+data) with the rest of the epoch exactly once.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import ray.train
+import torch
+
+from loader_resume import ResumableDataLoader
+from loader_resume.checkpoint import CheckpointError
+from loader_resume.distributed import load_rank_state
+from loader_resume.generators import global_rng_state, set_global_rng_state
+
+from .files import FORMAT, rank_file, read_ranks, unwrapped
+
+__all__ = ["RayResume", "to_device"]
+
+logger = logging.getLogger(__name__)
+
+class RayResume:
+    """Checkpoints and restores a Ray Train worker's data position with its model.
+
+    Args:
+        loaders: the training loaders, :class:`loader_resume.ResumableDataLoader` (they shard themselves across
+            Ray's workers, through the process group Ray set up). Not ``ray.train.torch.prepare_data_loader``'s
+            result: by default it builds another loader with a ``DistributedSampler`` (another order, a state
+            nobody saves), and its wrapper reads a batch ahead (a resume would skip one) — refused; move batches
+            with :func:`to_device`.
+        model, optimizer, scheduler: saved by rank 0 and loaded by every rank (``prepare_model``'s DDP wrapper
+            is looked through).
+        every_n_steps: report a checkpoint every N steps (:meth:`step_end`); 0: only when :meth:`report` is
+            called, or at Ray's preemption notice.
+        preemption_notice: ask ``ray.train.get_preemption_info()`` every ``check_every_n_steps`` steps (a barrier
+            across workers, as the steps are); at the first notice a checkpoint is reported and training goes
+            on, as Ray recommends: Ray restarts the run from it when the node goes.
+        check_every_n_steps: how often the preemption notice is asked for.
+    """
+
+    def __init__(self, *loaders: ResumableDataLoader[Any], model: Any = None, optimizer: Any = None,
+                 scheduler: Any = None, every_n_steps: int = 0, preemption_notice: bool = True,
+                 check_every_n_steps: int = 1) -> None:
+        for loader in loaders:
+            if type(loader).__name__ == "_WrappedDataLoader":
+                raise TypeError("RayResume: a loader from ray.train.torch.prepare_data_loader, which reads a batch "
+                                "ahead (a resume would skip it); expected the ResumableDataLoader itself (it shards "
+                                "itself across Ray's workers; move its batches with ray_resume.to_device)")
+            if not isinstance(loader, ResumableDataLoader):
+                raise TypeError(f"RayResume: a {type(loader).__name__}; expected loader_resume.ResumableDataLoader "
+                                "(a plain DataLoader's position cannot be saved)")
+        if every_n_steps < 0 or check_every_n_steps < 1:
+            raise ValueError(f"RayResume: every_n_steps={every_n_steps}, check_every_n_steps={check_every_n_steps}; "
+                             "expected every_n_steps >= 0 and check_every_n_steps >= 1")
+        self.loaders = loaders
+        self.objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+        self.every_n_steps, self.check_every_n_steps = every_n_steps, check_every_n_steps
+        self.preemption_notice = preemption_notice
+        self.step = 0
+        """Optimizer steps taken (counted by :meth:`step_end`), restored from a checkpoint."""
+        self.epoch = 0
+        self._restored = self._resumed = False
+        self._noticed = False
+        self._reported_at: int | None = None
+        self._unmoved: list[dict[str, Any]] | None = None
+
+    def restore(self) -> bool:
+        """Load ``ray.train.get_checkpoint()`` if Ray has one (a retry, or a rerun of the same run); whether it
+        did. Called by :meth:`epochs` if not before; once."""
+        if not self._restored:
+            self._restored = True
+            checkpoint = ray.train.get_checkpoint()
+            if checkpoint is not None:
+                with checkpoint.as_directory() as directory:
+                    self._load(Path(directory))
+                self._resumed = True
+            self._unmoved = [loader.state_dict() for loader in self.loaders]
+        return self._resumed
+
+    def _load(self, directory: Path) -> None:
+        ranks = read_ranks(directory)
+        world, context = ranks[0]["world_size"], ray.train.get_context()
+        if any(len(state["loaders"]) != len(self.loaders) for state in ranks):
+            raise CheckpointError(f"{directory}: {len(ranks[0]['loaders'])} loader states per rank; this RayResume "
+                                  f"has {len(self.loaders)} loaders")
+        for name, target in self.objects.items():
+            path = directory / f"{name}.pt"
+            if target is not None:
+                if not path.is_file():
+                    raise CheckpointError(f"{path}: missing; RayResume was given a {name} to restore")
+                unwrapped(target).load_state_dict(torch.load(path, weights_only=True, map_location="cpu"))
+        for index, loader in enumerate(self.loaders):
+            load_rank_state(loader, {"world_size": world, "ranks": [state["loaders"][index] for state in ranks]})
+        if world == context.get_world_size():
+            set_global_rng_state(ranks[context.get_world_rank()]["rng"])
+        else:
+            logger.warning("checkpoint of %d workers, %d now: each loader continues the rest of the epoch exactly "
+                           "once, the generators start afresh", world, context.get_world_size())
+        self.step, self.epoch = ranks[0]["step"], ranks[0]["epoch"]
+        logger.info("resumed from %s at step %d (epoch %d)", directory, self.step, self.epoch)
+
+    def epochs(self, count: int) -> Iterator[int]:
+        """The epochs left of ``count``, from the restored one (restoring first)."""
+        self.restore()
+        while self.epoch < count:
+            yield self.epoch
+            self.epoch += 1
+
+    def step_end(self, metrics: Mapping[str, Any] | None = None) -> None:
+        """Call on every worker after each optimizer step (once the step's work is done): counts the step, and
+        reports a checkpoint with ``metrics`` when one is due (``every_n_steps``, Ray's preemption notice)."""
+        self.step += 1
+        if self._unmoved is not None:
+            self._check_iterated()
+        notice = False
+        if self.preemption_notice and self.step % self.check_every_n_steps == 0:
+            notice = ray.train.get_preemption_info() is not None and not self._noticed
+        if notice or (self.every_n_steps and self.step % self.every_n_steps == 0):
+            self.report(dict(metrics or {}))
+        if notice:
+            self._noticed = True
+            logger.warning("Ray's preemption notice: checkpoint reported at step %d; training goes on", self.step)
+
+    def _check_iterated(self) -> None:
+        unmoved, self._unmoved = self._unmoved, None
+        if any(read_ahead_by_ray(loader) for loader in self.loaders):
+            raise RuntimeError("RayResume: a loader is iterated through ray.train.torch.prepare_data_loader's "
+                               "wrapper, which reads a batch ahead (a resume would skip it); iterate the "
+                               "ResumableDataLoader itself and move batches with ray_resume.to_device")
+        if self.loaders and [loader.state_dict() for loader in self.loaders] == unmoved:
+            raise RuntimeError("RayResume: a training step was taken, and none of its loaders handed out a batch: "
+                               "the loop iterates another loader, whose position nobody saves. "
+                               "ray.train.torch.prepare_data_loader(loader) builds a new DataLoader with a "
+                               "DistributedSampler; iterate the ResumableDataLoader itself (it shards itself) and "
+                               "move batches with ray_resume.to_device")
+
+    def report(self, metrics: Mapping[str, Any] | None = None) -> None:
+        """Report a checkpoint to Ray now, with ``metrics`` (every worker, at a step boundary: Ray's report is a
+        barrier). Once per step: a second call at the same step reports the metrics only."""
+        if self._reported_at == self.step:
+            ray.train.report(dict(metrics or {}))
+            return
+        context = ray.train.get_context()
+        rank, world = context.get_world_rank(), context.get_world_size()
+        ahead = bool(self.loaders) and self.loaders[0].epoch > self.epoch  # the epoch's last batch is out
+        state = {"format": FORMAT, "rank": rank, "world_size": world, "step": self.step,
+                 "epoch": self.epoch + ahead, "loaders": [loader.state_dict() for loader in self.loaders],
+                 "rng": global_rng_state()}
+        with tempfile.TemporaryDirectory() as temporary:
+            directory = Path(temporary)
+            torch.save(state, rank_file(directory, rank))
+            for name, target in self.objects.items():
+                if target is not None and rank == 0:
+                    torch.save(unwrapped(target).state_dict(), directory / f"{name}.pt")
+            ray.train.report(dict(metrics or {}), checkpoint=ray.train.Checkpoint.from_directory(temporary),
+                             checkpoint_dir_name=f"step_{self.step:09d}")
+        self._reported_at = self.step
+
+
+def read_ahead_by_ray(loader: ResumableDataLoader[Any]) -> bool:
+    """Whether ``prepare_data_loader(loader, add_dist_sampler=False)``'s wrapper holds ``loader``: it copies the
+    loader's attributes into its own and keeps the loader as ``_dataloader``, which it reads one batch ahead."""
+    for holder in gc.get_referrers(loader):
+        fields = holder if isinstance(holder, dict) else getattr(holder, "__dict__", {})
+        if fields.get("_dataloader") is loader and "next_batch" in fields:
+            return True
+    return False
+
+
+def to_device(batch: Any, device: torch.device | None = None) -> Any:
+    """``batch`` (tensors in tuples, lists and dicts) on ``device`` (default: ``ray.train.torch.get_device()``),
+    copied without blocking; nothing is read ahead, unlike ``prepare_data_loader``'s wrapper."""
+    if device is None:
+        import ray.train.torch
+
+        device = ray.train.torch.get_device()
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {key: to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, tuple):  # a named tuple takes its fields one by one
+        moved = [to_device(value, device) for value in batch]
+        return tuple(moved) if type(batch) is tuple else type(batch)(*moved)
+    if isinstance(batch, list):
+        return [to_device(value, device) for value in batch]
+    return batch

@@ -1,0 +1,114 @@
+"""A real Ray Train job for the Ray suite: ``TorchTrainer`` over 2 CPU workers (gloo) with ``RayResume``.
+
+Every worker appends one JSON line per optimizer step to ``LOGS/log-RANK-ATTEMPT.jsonl`` (step, epoch, sample ids,
+a fingerprint of the batch with its augmentation values drawn from torch, numpy and random) and rank 0 writes
+``LOGS/weights.txt`` at the end. ``crash_at``: the given rank ends its process (``os._exit(1)``) right after that
+step, once per job (a marker file), and Ray restarts the workers from the last registered checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+ITEMS = 40
+
+
+class Augmented(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
+    """Items whose values draw noise from torch, numpy and random, as augmentations do."""
+
+    def __len__(self) -> int:
+        return ITEMS
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        base = torch.arange(8, dtype=torch.float32) * (index + 1) / ITEMS
+        noise = torch.rand(8) + float(np.random.rand()) + random.random()
+        return base + 0.1 * noise, torch.tensor(index % 2), index
+
+
+def train_func(config: dict[str, Any]) -> None:
+    import ray.train
+    import ray.train.torch
+
+    from loader_resume import ResumableDataLoader
+    from loader_resume.testing import fingerprint
+    from ray_resume import RayResume, to_device
+
+    context = ray.train.get_context()
+    rank, logs = context.get_world_rank(), Path(config["logs"])
+    attempt = time.time_ns()
+    torch.manual_seed(0)
+    model = ray.train.torch.prepare_model(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3),
+                                                        nn.Linear(16, 2)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    loader = ResumableDataLoader(Augmented(), batch_size=4, shuffle=True, seed=7, num_workers=config["workers"])
+    assert loader.world_size == context.get_world_size()
+    iterated = loader
+    if config.get("prepare") is not None:  # the user's loader through Ray's prepare_data_loader: never exact
+        iterated = ray.train.torch.prepare_data_loader(loader, add_dist_sampler=config["prepare"] == "default")
+    given = iterated if config.get("give_prepared") else loader
+    resume = RayResume(given, model=model, optimizer=optimizer, every_n_steps=config["every"])
+    log = (logs / f"log-{rank}-{attempt}.jsonl").open("a")
+    for epoch in resume.epochs(config["epochs"]):
+        for x, y, ids in iterated:
+            x, y = to_device((x, y))
+            loss = nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            resume.step_end({"loss": loss.item()})
+            log.write(json.dumps({"step": resume.step, "epoch": epoch, "ids": ids.tolist(),
+                                  "batch": fingerprint([x, y])}) + "\n")
+            log.flush()
+            crash = config.get("crash_at")
+            if crash is not None and rank == crash[0] and resume.step == crash[1]:
+                marker = logs / "crashed"
+                if not marker.exists():
+                    marker.write_text(str(resume.step))
+                    time.sleep(config.get("crash_delay", 0.0))
+                    os._exit(1)
+            time.sleep(config.get("sleep", 0.0))
+    if rank == 0:
+        weights = [p.detach() for p in (model.module if hasattr(model, "module") else model).parameters()]
+        (logs / "weights.txt").write_text(fingerprint(weights))
+
+
+def fit(logs: Path, storage: Path, *, workers: int = 0, num_workers: Any = 2, epochs: int = 2, every: int = 2,
+        max_failures: int = 0, name: str = "run", **extra: Any) -> str | None:
+    """One ``TorchTrainer.fit()`` in this process's Ray cluster: ``None``, or the text of the error it failed
+    with."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
+    from ray.train.torch import TorchTrainer
+
+    logs.mkdir(parents=True, exist_ok=True)
+    config = {"logs": str(logs), "workers": workers, "epochs": epochs, "every": every, **extra}
+    trainer = TorchTrainer(train_func, train_loop_config=config,
+                           scaling_config=ScalingConfig(num_workers=num_workers),
+                           run_config=RunConfig(name=name, storage_path=str(storage),
+                                                failure_config=FailureConfig(max_failures=max_failures)))
+    try:
+        trainer.fit()
+    except TrainingFailedError as error:
+        return str(error)
+    return None
+
+
+def steps(logs: Path, rank: int) -> dict[int, list[Any]]:
+    """Each step's batch on ``rank``, over every attempt; a step replayed after a restart must be the same
+    batch as the first time (else ``AssertionError``)."""
+    seen: dict[int, list[Any]] = {}
+    for path in sorted(logs.glob(f"log-{rank}-*.jsonl")):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            value = [row["epoch"], row["ids"], row["batch"]]
+            assert seen.setdefault(row["step"], value) == value, f"step {row['step']} replayed differently"
+    return seen
