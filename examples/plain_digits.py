@@ -60,7 +60,7 @@ def restore(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     if not found:
         return 0, 0
     verify(found[-1])
-    state = torch.load(found[-1] / "state.pt", weights_only=True)
+    state = torch.load(found[-1] / "state.pt", weights_only=True, map_location="cpu")
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     load_rank_state(loader, state["loader"])
@@ -90,6 +90,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU per process: cuda:LOCAL_RANK)")
     parser.add_argument("--bf16", action="store_true", help="the forward pass under bf16 autocast")
     parser.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)")
+    parser.add_argument("--sleep", type=float, default=0.0, help="seconds per step (to interrupt it by hand)")
     args = parser.parse_args()
     cuda = args.device == "cuda"
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if cuda else "cpu")
@@ -132,6 +133,7 @@ def main() -> None:
                 save(root, step, epoch + (loader.epoch > epoch), model, optimizer, loader)
             if stop:
                 raise SystemExit(143)
+            time.sleep(args.sleep)
     if loader.rank == 0:
         print(f"final weights digest: {fingerprint([p.detach() for p in net.parameters()])}", flush=True)
     if dist.is_initialized():

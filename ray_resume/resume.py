@@ -18,7 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import ray.train
+import ray.train.torch
 import torch
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.tensor import DTensor
 
 from loader_resume import ResumableDataLoader
 from loader_resume.checkpoint import CheckpointError
@@ -41,18 +44,22 @@ class RayResume:
             nobody saves), and its wrapper reads a batch ahead (a resume would skip one) — refused; move batches
             with :func:`to_device`.
         model, optimizer, scheduler: saved by rank 0 and loaded by every rank (``prepare_model``'s DDP wrapper
-            is looked through).
+            is looked through; a sharded FSDP model is refused: rank 0 cannot save it alone).
         every_n_steps: report a checkpoint every N steps (:meth:`step_end`); 0: only when :meth:`report` is
             called, or at Ray's preemption notice.
         preemption_notice: ask ``ray.train.get_preemption_info()`` every ``check_every_n_steps`` steps (a barrier
             across workers, as the steps are); at the first notice a checkpoint is reported and training goes
             on, as Ray recommends: Ray restarts the run from it when the node goes.
-        check_every_n_steps: how often the preemption notice is asked for.
+        check_every_n_steps: how often the preemption notice is asked for (a round trip to Ray's controller).
+
+    Every worker calls :meth:`step_end` once per step, with the same settings: Ray pairs its barriers by order.
+    A checkpoint due at an epoch's last step is reported once the epoch's own code after its loop (a scheduler's
+    step, an evaluation) has run: at the next pass of :meth:`epochs`, or at the next step.
     """
 
     def __init__(self, *loaders: ResumableDataLoader[Any], model: Any = None, optimizer: Any = None,
                  scheduler: Any = None, every_n_steps: int = 0, preemption_notice: bool = True,
-                 check_every_n_steps: int = 1) -> None:
+                 check_every_n_steps: int = 10) -> None:
         for loader in loaders:
             if type(loader).__name__ == "_WrappedDataLoader":
                 raise TypeError("RayResume: a loader from ray.train.torch.prepare_data_loader, which reads a batch "
@@ -61,6 +68,11 @@ class RayResume:
             if not isinstance(loader, ResumableDataLoader):
                 raise TypeError(f"RayResume: a {type(loader).__name__}; expected loader_resume.ResumableDataLoader "
                                 "(a plain DataLoader's position cannot be saved)")
+        if model is not None and (isinstance(model, FullyShardedDataParallel) or any(
+                isinstance(parameter, DTensor) for parameter in model.parameters())):
+            raise TypeError("RayResume: a sharded model (FSDP); expected a plain or DistributedDataParallel model "
+                            "(rank 0 saves it alone). Save a sharded model with torch.distributed.checkpoint "
+                            "yourself and give RayResume no model")
         if every_n_steps < 0 or check_every_n_steps < 1:
             raise ValueError(f"RayResume: every_n_steps={every_n_steps}, check_every_n_steps={check_every_n_steps}; "
                              "expected every_n_steps >= 0 and check_every_n_steps >= 1")
@@ -75,6 +87,7 @@ class RayResume:
         self._noticed = False
         self._reported_at: int | None = None
         self._unmoved: list[dict[str, Any]] | None = None
+        self._pending: dict[str, Any] | None = None  # a report due at an epoch's last step, after its epoch's code
 
     def restore(self) -> bool:
         """Load ``ray.train.get_checkpoint()`` if Ray has one (a retry, or a rerun of the same run); whether it
@@ -104,11 +117,16 @@ class RayResume:
         for index, loader in enumerate(self.loaders):
             load_rank_state(loader, {"world_size": world, "ranks": [state["loaders"][index] for state in ranks]})
         if world == context.get_world_size():
-            set_global_rng_state(ranks[context.get_world_rank()]["rng"])
+            generators = dict(ranks[context.get_world_rank()]["rng"])
+            own = generators.pop("own_cuda", None)
+            set_global_rng_state(generators)
+            if own is not None:
+                torch.cuda.set_rng_state(own, ray.train.torch.get_device())
         else:
             logger.warning("checkpoint of %d workers, %d now: each loader continues the rest of the epoch exactly "
                            "once, the generators start afresh", world, context.get_world_size())
         self.step, self.epoch = ranks[0]["step"], ranks[0]["epoch"]
+        self._reported_at = self.step
         logger.info("resumed from %s at step %d (epoch %d)", directory, self.step, self.epoch)
 
     def epochs(self, count: int) -> Iterator[int]:
@@ -117,6 +135,8 @@ class RayResume:
         while self.epoch < count:
             yield self.epoch
             self.epoch += 1
+            if self._pending is not None:  # the epoch's own code (a scheduler's step, an evaluation) has run
+                self.report(self._pending)
 
     def step_end(self, metrics: Mapping[str, Any] | None = None) -> None:
         """Call on every worker after each optimizer step (once the step's work is done): counts the step, and
@@ -127,8 +147,11 @@ class RayResume:
         notice = False
         if self.preemption_notice and self.step % self.check_every_n_steps == 0:
             notice = ray.train.get_preemption_info() is not None and not self._noticed
-        if notice or (self.every_n_steps and self.step % self.every_n_steps == 0):
-            self.report(dict(metrics or {}))
+        if notice or self._pending is not None or (self.every_n_steps and self.step % self.every_n_steps == 0):
+            if self.loaders and self.loaders[0].epoch > self.epoch:  # an epoch's last step: after its own code
+                self._pending = dict(metrics or {})
+            else:
+                self.report(dict(metrics or {}))
         if notice:
             self._noticed = True
             logger.warning("Ray's preemption notice: checkpoint reported at step %d; training goes on", self.step)
@@ -149,6 +172,7 @@ class RayResume:
     def report(self, metrics: Mapping[str, Any] | None = None) -> None:
         """Report a checkpoint to Ray now, with ``metrics`` (every worker, at a step boundary: Ray's report is a
         barrier). Once per step: a second call at the same step reports the metrics only."""
+        self._pending = None
         if self._reported_at == self.step:
             ray.train.report(dict(metrics or {}))
             return
@@ -157,7 +181,7 @@ class RayResume:
         ahead = bool(self.loaders) and self.loaders[0].epoch > self.epoch  # the epoch's last batch is out
         state = {"format": FORMAT, "rank": rank, "world_size": world, "step": self.step,
                  "epoch": self.epoch + ahead, "loaders": [loader.state_dict() for loader in self.loaders],
-                 "rng": global_rng_state()}
+                 "rng": own_generators()}
         with tempfile.TemporaryDirectory() as temporary:
             directory = Path(temporary)
             torch.save(state, rank_file(directory, rank))
@@ -167,6 +191,17 @@ class RayResume:
             ray.train.report(dict(metrics or {}), checkpoint=ray.train.Checkpoint.from_directory(temporary),
                              checkpoint_dir_name=f"step_{self.step:09d}")
         self._reported_at = self.step
+
+
+def own_generators() -> dict[str, Any]:
+    """This worker's generators: the CPU's, numpy's, random's, and its own CUDA device's only (Ray may show a
+    worker every GPU of its node; after a restart it may use another one)."""
+    generators = global_rng_state()
+    generators.pop("cuda", None)
+    device = ray.train.torch.get_device()
+    if device.type == "cuda":
+        generators["own_cuda"] = torch.cuda.get_rng_state(device)
+    return generators
 
 
 def read_ahead_by_ray(loader: ResumableDataLoader[Any]) -> bool:
@@ -183,8 +218,6 @@ def to_device(batch: Any, device: torch.device | None = None) -> Any:
     """``batch`` (tensors in tuples, lists and dicts) on ``device`` (default: ``ray.train.torch.get_device()``),
     copied without blocking; nothing is read ahead, unlike ``prepare_data_loader``'s wrapper."""
     if device is None:
-        import ray.train.torch
-
         device = ray.train.torch.get_device()
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)

@@ -239,7 +239,7 @@ def main() -> None:
     if args.resume and args.n_resume:
         args.items = args.n_resume
     torch.manual_seed(123)
-    if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # under torchrun: safe across its restarts
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ and args.device == "cpu":  # under torchrun: safe across restarts
         init_process_group("gloo")
     trainer = L.Trainer(
         accelerator=args.device, devices=args.devices, strategy=strategy_of(args),
@@ -254,7 +254,8 @@ def main() -> None:
     )
     assert trainer.world_size == args.devices
     trainer.fit(Model(args), ckpt_path=args.resume)
-    if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # the group is ours: tear it down before the interpreter
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ and args.device == "cpu":  # the group is ours: tear it down
+        # before the interpreter does
         torch.distributed.barrier()
         gc.collect()  # NOTE: gloo aborts (SIGABRT) a process whose threads still hold tensors at exit
         torch.distributed.destroy_process_group()

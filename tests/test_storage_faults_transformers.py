@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from loader_resume.checkpoint_dir import FAILED_SAVE_EXIT_CODE
-from support.launch import logs, weights
+from support.launch import forked_ranks, logs, weights
 from support.mounts import read_only, tmpfs
 from support.trainer_launch import ENV, command, run
 
@@ -208,18 +208,9 @@ def test_ranks_failing_at_different_points_of_a_write_all_stop_there_and_nothing
 ) -> None:
     """Two real gloo processes; a rank fails before one part of the write (a full disk, or a bug), the other goes
     on to the next point: both learn it there, the partial directory is gone, a bug is raised as itself."""
-    import multiprocessing
-
     import transformers_resume.saving  # noqa: F401 (imported once, before the ranks are forked)
 
-    context = multiprocessing.get_context("fork")
-    ranks = [context.Process(target=_write_on_rank, args=(rank, str(tmp_path / "store"), failures, str(tmp_path)))
-             for rank in range(2)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(timeout=60)
-        assert process.exitcode == 0, "a rank hung or died"
+    forked_ranks(_write_on_rank, str(tmp_path / "store"), failures, str(tmp_path))
     for rank, start in enumerate(expected):
         start = start.format(d=tmp_path / "checkpoint-5", o=tmp_path / "checkpoint-4")
         assert (tmp_path / f"outcome-{rank}").read_text().startswith(start), (tmp_path / f"outcome-{rank}").read_text()

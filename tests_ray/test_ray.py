@@ -13,6 +13,7 @@ the tests share (Ray's start-up is slow).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -43,14 +44,18 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     return runs
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize(("workers", "every"), [(0, 2), (2, 2), (0, 5)])
 def test_a_worker_killed_mid_epoch_and_restarted_by_ray_continues_with_the_uninterrupted_runs_batches(
-    uninterrupted: dict[int, Path], tmp_path: Path, workers: int
+    uninterrupted: dict[int, Path], tmp_path: Path, workers: int, every: int
 ) -> None:
-    """Rank 1 ends its process after step 7 (of 10; mid second epoch), 1.5 s after the checkpoint of step 6."""
-    assert fit(tmp_path / "logs", tmp_path / "storage", workers=workers, max_failures=2, crash_at=(1, 7),
-               crash_delay=1.5) is None
+    """Rank 1 ends its process 3 s after step 7 (of 10; mid second epoch), time for Ray to register the last
+    checkpoint: step 6, or (every 5) step 5, the first epoch's last, reported after the epoch's scheduler step."""
+    assert fit(tmp_path / "logs", tmp_path / "storage", workers=workers, every=every, max_failures=2,
+               crash_at=(1, 7), crash_delay=3.0) is None
     assert (tmp_path / "logs" / "crashed").read_text() == "7"
+    attempts = sorted((tmp_path / "logs").glob("log-0-*.jsonl"))  # the first, and Ray's restart
+    restarted_at = json.loads(attempts[1].read_text().splitlines()[0])["step"]
+    assert len(attempts) == 2 and restarted_at == (6 if every == 5 else 7)
     reference = uninterrupted[workers] / "logs"
     for rank in range(2):
         assert steps(tmp_path / "logs", rank) == steps(reference, rank)
@@ -67,9 +72,9 @@ def test_a_failed_job_run_again_on_one_worker_delivers_the_rest_of_the_epoch_exa
     saved = min(steps(tmp_path / "logs1", 0)) - 1  # the checkpoint Ray registered (its step)
     assert saved in (2, 4, 6)
     for epoch in (0, 1):
-        before = [ids for rank in range(2) for step, (at, ids, _) in steps(tmp_path / "logs2", rank).items()
+        before = [ids for rank in range(2) for step, (at, ids, _, _) in steps(tmp_path / "logs2", rank).items()
                   if step <= saved and at == epoch]
-        after = [ids for at, ids, _ in steps(tmp_path / "logs1", 0).values() if at == epoch]
+        after = [ids for at, ids, _, _ in steps(tmp_path / "logs1", 0).values() if at == epoch]
         assert sorted(i for batch in before + after for i in batch) == list(range(ITEMS)), epoch
 
 

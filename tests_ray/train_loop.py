@@ -2,7 +2,8 @@
 
 Every worker appends one JSON line per optimizer step to ``LOGS/log-RANK-ATTEMPT.jsonl`` (step, epoch, sample ids,
 a fingerprint of the batch with its augmentation values drawn from torch, numpy and random) and rank 0 writes
-``LOGS/weights.txt`` at the end. ``crash_at``: the given rank ends its process (``os._exit(1)``) right after that
+``LOGS/weights.txt`` at the end. A scheduler steps after each epoch's loop (its learning rate is in the log).
+``crash_at``: the given rank ends its process (``os._exit(1)``) right after that
 step, once per job (a marker file), and Ray restarts the workers from the last registered checkpoint.
 """
 
@@ -50,13 +51,14 @@ def train_func(config: dict[str, Any]) -> None:
     model = ray.train.torch.prepare_model(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3),
                                                         nn.Linear(16, 2)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)  # stepped after each epoch
     loader = ResumableDataLoader(Augmented(), batch_size=4, shuffle=True, seed=7, num_workers=config["workers"])
     assert loader.world_size == context.get_world_size()
     iterated = loader
     if config.get("prepare") is not None:  # the user's loader through Ray's prepare_data_loader: never exact
         iterated = ray.train.torch.prepare_data_loader(loader, add_dist_sampler=config["prepare"] == "default")
     given = iterated if config.get("give_prepared") else loader
-    resume = RayResume(given, model=model, optimizer=optimizer, every_n_steps=config["every"])
+    resume = RayResume(given, model=model, optimizer=optimizer, scheduler=scheduler, every_n_steps=config["every"])
     log = (logs / f"log-{rank}-{attempt}.jsonl").open("a")
     for epoch in resume.epochs(config["epochs"]):
         for x, y, ids in iterated:
@@ -67,7 +69,7 @@ def train_func(config: dict[str, Any]) -> None:
             optimizer.step()
             resume.step_end({"loss": loss.item()})
             log.write(json.dumps({"step": resume.step, "epoch": epoch, "ids": ids.tolist(),
-                                  "batch": fingerprint([x, y])}) + "\n")
+                                  "batch": fingerprint([x, y]), "lr": scheduler.get_last_lr()[0]}) + "\n")
             log.flush()
             crash = config.get("crash_at")
             if crash is not None and rank == crash[0] and resume.step == crash[1]:
@@ -77,6 +79,7 @@ def train_func(config: dict[str, Any]) -> None:
                     time.sleep(config.get("crash_delay", 0.0))
                     os._exit(1)
             time.sleep(config.get("sleep", 0.0))
+        scheduler.step()  # the epoch's own code, after its loop: a checkpoint due at its last step comes after it
     if rank == 0:
         weights = [p.detach() for p in (model.module if hasattr(model, "module") else model).parameters()]
         (logs / "weights.txt").write_text(fingerprint(weights))
@@ -109,6 +112,6 @@ def steps(logs: Path, rank: int) -> dict[int, list[Any]]:
     for path in sorted(logs.glob(f"log-{rank}-*.jsonl")):
         for line in path.read_text().splitlines():
             row = json.loads(line)
-            value = [row["epoch"], row["ids"], row["batch"]]
+            value = [row["epoch"], row["ids"], row["batch"], row["lr"]]
             assert seen.setdefault(row["step"], value) == value, f"step {row['step']} replayed differently"
     return seen

@@ -147,8 +147,9 @@ def write_sealed(final: Path, write_into: Callable[[Path], None], *, main: bool,
     the ``RuntimeError`` torch's writer turns it into), a lost mount, a read-only file system — is agreed by
     all: the partial directory is removed, the error is logged naming the path and the cause, the previous
     checkpoints stay and ``False`` is returned. What the caller does then (train on, or exit) is its own. Another
-    error (a bug) is agreed as well, then raised on its process; a failed collective is raised at once (no process
-    is left to agree with). ``token``: the temporary name's, if the caller agreed on one.
+    error (a bug) is agreed as well, then raised on every process (its own there, a ``RuntimeError`` naming it on
+    the others); a failed collective is raised at once (no process is left to agree with). ``token``: the
+    temporary name's, if the caller agreed on one.
     NOTE: every process takes the same branch at each agreement, so the collectives stay paired.
     """
     temporary = temporary_name(final, writer_token() if token is None else token)
@@ -178,8 +179,13 @@ def write_sealed(final: Path, write_into: Callable[[Path], None], *, main: bool,
     cause = describe_failure(failure, final.parent) if failure is not None else "failed on another process"
     if main:
         shutil.rmtree(temporary, ignore_errors=True)
-    if failure is not None:
-        storage_failure(failure)  # NOTE: a bug is raised as itself, now that every process agreed
+    bug = failure is not None and not isinstance(failure, (OSError, RuntimeError)) and (
+        type(failure).__name__ != "SafetensorError")
+    if agree(bug):  # NOTE: every process stops: a bug on one is raised as itself, the others name it
+        if failure is not None and bug:
+            raise failure
+        raise RuntimeError(f"checkpoint at step {step} NOT written to {final}: another process failed with an "
+                           "error that is not the storage's (its log names it)")
     kept = complete_checkpoints(final.parent)
     logger.error("checkpoint at step %d NOT written to %s: %s; the newest complete checkpoint is still %s", step,
                  final, cause, kept[-1] if kept else "none")

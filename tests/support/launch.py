@@ -7,7 +7,7 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,22 @@ def launch(script: Path, mode: str, out: Path, workers: int = 0, args: Sequence[
         procs.append(subprocess.Popen([sys.executable, str(script), mode, str(out), *args], env=env))
     codes = [p.wait(timeout=240) for p in procs]
     assert codes == [0, 0], f"{mode}: exit codes {codes}"
+
+
+def forked_ranks(target: Callable[..., None], *args: Any, ranks: int = 2) -> None:
+    """``target(rank, *args)`` in ``ranks`` forked processes (each sets up its own process group); every one must
+    exit 0 within 60 s — a rank left waiting in a collective fails the test instead of hanging it."""
+    import multiprocessing
+
+    processes = [multiprocessing.get_context("fork").Process(target=target, args=(rank, *args))
+                 for rank in range(ranks)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=60)
+        if process.exitcode is None:
+            process.kill()
+        assert process.exitcode == 0, "a rank hung or died"
 
 
 def command(out: Path, processes: int, *args: str) -> list[str]:
