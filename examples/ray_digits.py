@@ -71,7 +71,7 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # a cluster of its own
     config = {"out": str(out), "epochs": args.epochs, "every": args.every, "workers": args.workers,
               "batch_size": args.batch_size, "sleep": args.sleep,
               "batch_log": str(Path(args.batch_log).resolve()) if args.batch_log else None}

@@ -29,7 +29,7 @@ ROOT = HERE.parent
 @pytest.fixture(scope="module", autouse=True)
 def cluster() -> Any:
     path = f"{ROOT / 'core'}:{ROOT}:{HERE}"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": path}})
     yield
     ray.shutdown()
