@@ -176,16 +176,15 @@ def write_sealed(final: Path, write_into: Callable[[Path], None], *, main: bool,
                 except OSError as error:
                     logger.warning("checkpoint at step %d written; deleting older ones failed: %s", step, error)
             return True
-    cause = describe_failure(failure, final.parent) if failure is not None else "failed on another process"
     if main:
         shutil.rmtree(temporary, ignore_errors=True)
-    bug = failure is not None and not isinstance(failure, (OSError, RuntimeError)) and (
-        type(failure).__name__ != "SafetensorError")
+    bug = failure is not None and not _of_the_storage(failure)
     if agree(bug):  # NOTE: every process stops: a bug on one is raised as itself, the others name it
         if failure is not None and bug:
             raise failure
         raise RuntimeError(f"checkpoint at step {step} NOT written to {final}: another process failed with an "
                            "error that is not the storage's (its log names it)")
+    cause = describe_failure(failure, final.parent) if failure is not None else "failed on another process"
     kept = complete_checkpoints(final.parent)
     logger.error("checkpoint at step %d NOT written to %s: %s; the newest complete checkpoint is still %s", step,
                  final, cause, kept[-1] if kept else "none")
@@ -195,11 +194,15 @@ def write_sealed(final: Path, write_into: Callable[[Path], None], *, main: bool,
 def storage_failure(error: Exception) -> Exception:
     """``error`` if a write can fail with it for a reason of the storage — ``OSError``, the ``RuntimeError`` torch's
     writer makes of one, safetensors' ``SafetensorError`` — else raised again (a bug, a failed collective)."""
-    distributed = getattr(dist, "DistError", ())
-    if isinstance(error, OSError) or type(error).__name__ == "SafetensorError" or (
-            isinstance(error, RuntimeError) and not isinstance(error, distributed)):
+    if _of_the_storage(error):
         return error
     raise error
+
+
+def _of_the_storage(error: Exception) -> bool:
+    distributed = getattr(dist, "DistError", ())
+    return isinstance(error, OSError) or type(error).__name__ == "SafetensorError" or (
+        isinstance(error, RuntimeError) and not isinstance(error, distributed))
 
 
 def _unless_collective(error: Exception) -> Exception:
