@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import logging
 import tempfile
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -48,9 +49,13 @@ class RayResume:
         every_n_steps: report a checkpoint every N steps (:meth:`step_end`); 0: only when :meth:`report` is
             called, or at Ray's preemption notice.
         preemption_notice: ask ``ray.train.get_preemption_info()`` every ``check_every_n_steps`` steps (a barrier
-            across workers, as the steps are); at the first notice a checkpoint is reported and training goes
-            on, as Ray recommends: Ray restarts the run from it when the node goes.
+            across workers, as the steps are: every worker sees the notice at the same step); at the first
+            notice every worker reports a checkpoint at that step boundary.
         check_every_n_steps: how often the preemption notice is asked for (a round trip to Ray's controller).
+        stop_on_preemption: after the notice's checkpoint, the workers stop taking steps and wait for Ray to
+            restart the run (at the node's deadline), which continues with the very next batch: no step is
+            taken twice (logs and metrics stay in order). ``False``: training goes on, as Ray's own example
+            does, and the restart replays the steps after the newest registered checkpoint.
 
     Every worker calls :meth:`step_end` once per step, with the same settings: Ray pairs its barriers by order.
     A checkpoint due at an epoch's last step is reported once the epoch's own code after its loop (a scheduler's
@@ -59,7 +64,7 @@ class RayResume:
 
     def __init__(self, *loaders: ResumableDataLoader[Any], model: Any = None, optimizer: Any = None,
                  scheduler: Any = None, every_n_steps: int = 0, preemption_notice: bool = True,
-                 check_every_n_steps: int = 10) -> None:
+                 check_every_n_steps: int = 10, stop_on_preemption: bool = True) -> None:
         for loader in loaders:
             if type(loader).__name__ == "_WrappedDataLoader":
                 raise TypeError("RayResume: a loader from ray.train.torch.prepare_data_loader, which reads a batch "
@@ -79,12 +84,12 @@ class RayResume:
         self.loaders = loaders
         self.objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
         self.every_n_steps, self.check_every_n_steps = every_n_steps, check_every_n_steps
-        self.preemption_notice = preemption_notice
+        self.preemption_notice, self.stop_on_preemption = preemption_notice, stop_on_preemption
         self.step = 0
         """Optimizer steps taken (counted by :meth:`step_end`), restored from a checkpoint."""
         self.epoch = 0
         self._restored = self._resumed = False
-        self._noticed = False
+        self._noticed = self._stopping = False
         self._reported_at: int | None = None
         self._unmoved: list[dict[str, Any]] | None = None
         self._pending: dict[str, Any] | None = None  # a report due at an epoch's last step, after its epoch's code
@@ -136,6 +141,7 @@ class RayResume:
             yield self.epoch
             self.epoch += 1
             if self._pending is not None:  # the epoch's own code (a scheduler's step, an evaluation) has run
+                self._stopping &= self.epoch < count  # a notice at the last step: the run ends, it finishes
                 self.report(self._pending)
 
     def step_end(self, metrics: Mapping[str, Any] | None = None) -> None:
@@ -147,14 +153,15 @@ class RayResume:
         notice = False
         if self.preemption_notice and self.step % self.check_every_n_steps == 0:
             notice = ray.train.get_preemption_info() is not None and not self._noticed
+        if notice:
+            self._noticed, self._stopping = True, self.stop_on_preemption
+            logger.warning("Ray's preemption notice: checkpoint reported at step %d; %s", self.step,
+                           "waiting for Ray to restart the run" if self._stopping else "training goes on")
         if notice or self._pending is not None or (self.every_n_steps and self.step % self.every_n_steps == 0):
             if self.loaders and self.loaders[0].epoch > self.epoch:  # an epoch's last step: after its own code
                 self._pending = dict(metrics or {})
             else:
                 self.report(dict(metrics or {}))
-        if notice:
-            self._noticed = True
-            logger.warning("Ray's preemption notice: checkpoint reported at step %d; training goes on", self.step)
 
     def _check_iterated(self) -> None:
         unmoved, self._unmoved = self._unmoved, None
@@ -175,7 +182,12 @@ class RayResume:
         self._pending = None
         if self._reported_at == self.step:
             ray.train.report(dict(metrics or {}))
-            return
+        else:
+            self._report_checkpoint(dict(metrics or {}))
+        if self._stopping:
+            wait_for_the_restart()
+
+    def _report_checkpoint(self, metrics: dict[str, Any]) -> None:
         context = ray.train.get_context()
         rank, world = context.get_world_rank(), context.get_world_size()
         ahead = bool(self.loaders) and self.loaders[0].epoch > self.epoch  # the epoch's last batch is out
@@ -188,9 +200,18 @@ class RayResume:
             for name, target in self.objects.items():
                 if target is not None and rank == 0:
                     torch.save(unwrapped(target).state_dict(), directory / f"{name}.pt")
-            ray.train.report(dict(metrics or {}), checkpoint=ray.train.Checkpoint.from_directory(temporary),
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(temporary),
                              checkpoint_dir_name=f"step_{self.step:09d}")
         self._reported_at = self.step
+
+
+def wait_for_the_restart() -> None:
+    """Take no further step: Ray's controller, told of the preemption, tears this worker down at the node's
+    deadline (or after its own fallback wait) and restarts the run from the checkpoint just reported. Returning
+    instead would end the run as finished, and raising would count as a failure."""
+    while True:
+        time.sleep(60)
+        logger.info("waiting for Ray to restart the run after the preemption notice")
 
 
 def own_generators() -> dict[str, Any]:

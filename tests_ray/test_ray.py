@@ -6,7 +6,9 @@ the tests share (Ray's start-up is slow).
   and random) equals the uninterrupted run's — a step replayed after the restart (Ray registers a checkpoint
   reported just before a crash late, or never) is the same batch again — and so are the final weights; with
   ``num_workers`` 0 and 2 inside each Ray worker.
+- A loop that leaves its passes early, cut at the step it leaves one: the restart leaves it too.
 - A job that failed, run again under the same ``RunConfig(name)`` on 1 worker: the rest of the epoch exactly once.
+- ``storage_path`` on a disk that fills up: the job fails naming it; the rerun continues exactly.
 - A checkpoint missing a rank's file: refused, naming it.
 - ``prepare_data_loader`` (its default, and ``add_dist_sampler=False``): refused, never silently wrong.
 """
@@ -14,12 +16,17 @@ the tests share (Ray's start-up is slow).
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import ray
-from train_loop import ITEMS, fit, steps
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the main suite's storage faults
+from train_loop import ITEMS, fit, steps, when
+
+from support.mounts import fill, tmpfs
 
 pytestmark = pytest.mark.timeout(900)  # a Ray job takes tens of seconds on 2 cores; the fixtures run several
 HERE = Path(__file__).resolve().parent
@@ -63,6 +70,20 @@ def test_a_worker_killed_mid_epoch_and_restarted_by_ray_continues_with_the_unint
     assert (tmp_path / "logs" / "weights.txt").read_text() == (reference / "weights.txt").read_text()
 
 
+def test_a_loop_that_leaves_its_passes_early_resumes_from_a_checkpoint_at_the_pass_it_left(tmp_path: Path) -> None:
+    """Each epoch leaves its pass after 4 of its 5 steps; rank 1 ends its process 3 s after step 4, the first
+    pass's last step and a checkpoint: the restart leaves that pass too, and the next epoch starts afresh."""
+    reference, cut = tmp_path / "reference", tmp_path / "cut"
+    assert fit(reference / "logs", reference / "storage", limit=4) is None
+    assert fit(cut / "logs", cut / "storage", limit=4, max_failures=1, crash_at=(1, 4), crash_delay=3.0) is None
+    attempts = sorted((cut / "logs").glob("log-0-*.jsonl"))
+    assert len(attempts) == 2 and json.loads(attempts[1].read_text().splitlines()[0])["step"] == 5
+    for rank in range(2):
+        assert steps(cut / "logs", rank) == steps(reference / "logs", rank)
+        assert sorted(steps(reference / "logs", rank)) == list(range(1, 9))
+    assert (cut / "logs" / "weights.txt").read_text() == (reference / "logs" / "weights.txt").read_text()
+
+
 def test_a_failed_job_run_again_on_one_worker_delivers_the_rest_of_the_epoch_exactly_once(tmp_path: Path) -> None:
     """2 workers, the job fails after step 7 (no retries); the same RunConfig on 1 worker resumes from the last
     registered checkpoint (step 6: one step into epoch 2) and delivers the rest of epoch 2, every sample once."""
@@ -76,6 +97,26 @@ def test_a_failed_job_run_again_on_one_worker_delivers_the_rest_of_the_epoch_exa
                   if step <= saved and at == epoch]
         after = [ids for at, ids, _, _ in steps(tmp_path / "logs1", 0).values() if at == epoch]
         assert sorted(i for batch in before + after for i in batch) == list(range(ITEMS)), epoch
+
+
+def test_a_full_disk_under_storage_path_fails_the_job_and_the_rerun_continues_exactly(
+    uninterrupted: dict[int, Path], tmp_path: Path
+) -> None:
+    """``storage_path`` on a small tmpfs that fills after step 5: the report of step 6's checkpoint fails (the job
+    with it, no retries). Space freed, the same run again continues from a complete registered checkpoint."""
+    storage, logs = tmp_path / "storage", tmp_path / "logs"
+    with tmpfs(storage, "16m"):
+        when(logs, 0, 5, lambda node: fill(storage / "filler"))
+        error = fit(logs, storage) or ""
+        assert "No space left on device" in error, error[-3000:]
+        (storage / "filler").unlink()
+        assert fit(logs, storage) is None
+    attempts = sorted(logs.glob("log-0-*.jsonl"))
+    assert len(attempts) == 2 and json.loads(attempts[1].read_text().splitlines()[0])["step"] in (3, 5)
+    reference = uninterrupted[0] / "logs"
+    for rank in range(2):
+        assert steps(logs, rank) == steps(reference, rank)
+    assert (logs / "weights.txt").read_text() == (reference / "weights.txt").read_text()
 
 
 def test_a_checkpoint_missing_a_ranks_file_is_refused_naming_it(tmp_path: Path) -> None:

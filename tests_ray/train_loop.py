@@ -5,6 +5,7 @@ a fingerprint of the batch with its augmentation values drawn from torch, numpy 
 ``LOGS/weights.txt`` at the end. A scheduler steps after each epoch's loop (its learning rate is in the log).
 ``crash_at``: the given rank ends its process (``os._exit(1)``) right after that
 step, once per job (a marker file), and Ray restarts the workers from the last registered checkpoint.
+``limit``: each epoch leaves its pass after that many steps. Each line also names the node the worker ran on.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import json
 import os
 import random
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +40,7 @@ class Augmented(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
 
 
 def train_func(config: dict[str, Any]) -> None:
+    import ray
     import ray.train
     import ray.train.torch
 
@@ -58,10 +62,14 @@ def train_func(config: dict[str, Any]) -> None:
     if config.get("prepare") is not None:  # the user's loader through Ray's prepare_data_loader: never exact
         iterated = ray.train.torch.prepare_data_loader(loader, add_dist_sampler=config["prepare"] == "default")
     given = iterated if config.get("give_prepared") else loader
-    resume = RayResume(given, model=model, optimizer=optimizer, scheduler=scheduler, every_n_steps=config["every"])
+    resume = RayResume(given, model=model, optimizer=optimizer, scheduler=scheduler, every_n_steps=config["every"],
+                       check_every_n_steps=config.get("check_every", 10))
+    node = ray.get_runtime_context().get_node_id()
     log = (logs / f"log-{rank}-{attempt}.jsonl").open("a")
     for epoch in resume.epochs(config["epochs"]):
         for x, y, ids in iterated:
+            if config.get("limit") and resume.step >= (epoch + 1) * config["limit"]:
+                break  # a loop that leaves its passes early counts from the restored step, never from enumerate
             x, y = to_device((x, y))
             loss = nn.functional.cross_entropy(model(x), y)
             optimizer.zero_grad()
@@ -69,7 +77,8 @@ def train_func(config: dict[str, Any]) -> None:
             optimizer.step()
             resume.step_end({"loss": loss.item()})
             log.write(json.dumps({"step": resume.step, "epoch": epoch, "ids": ids.tolist(),
-                                  "batch": fingerprint([x, y]), "lr": scheduler.get_last_lr()[0]}) + "\n")
+                                  "batch": fingerprint([x, y]), "lr": scheduler.get_last_lr()[0],
+                                  "node": node}) + "\n")
             log.flush()
             crash = config.get("crash_at")
             if crash is not None and rank == crash[0] and resume.step == crash[1]:
@@ -115,3 +124,25 @@ def steps(logs: Path, rank: int) -> dict[int, list[Any]]:
             value = [row["epoch"], row["ids"], row["batch"], row["lr"]]
             assert seen.setdefault(row["step"], value) == value, f"step {row['step']} replayed differently"
     return seen
+
+
+def rows(logs: Path, rank: int) -> list[list[dict[str, Any]]]:
+    """Each attempt's log lines on ``rank``, oldest attempt first (a file per attempt, named by its start); a
+    line still being written is left out."""
+    return [[json.loads(line) for line in path.read_text().split("\n")[:-1]]
+            for path in sorted(logs.glob(f"log-{rank}-*.jsonl"))]
+
+
+def when(logs: Path, rank: int, step: int, then: Callable[[str], None]) -> threading.Thread:
+    """A thread that waits until ``rank`` logged ``step``, then calls ``then`` with the node it ran on."""
+    def watch() -> None:
+        while True:
+            seen = [row for attempt in rows(logs, rank) for row in attempt if row["step"] >= step]
+            if seen:
+                then(seen[0]["node"])
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
