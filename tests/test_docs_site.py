@@ -138,3 +138,26 @@ def test_search_works_without_a_server(site: Path) -> None:
     workers = list((site / "assets" / "javascripts" / "workers").glob("search.*.js"))
     assert workers, "Material's search runs in a web worker shipped with the site"
     assert 'id="__search"' in (site / "index.html").read_text()
+
+
+FRONT_ENDS = ["pytorch.md", "lightning.md", "fabric.md", "accelerate.md", "transformers.md", "ray.md"]
+
+
+@pytest.mark.parametrize("page", FRONT_ENDS)
+def test_a_front_end_page_opens_with_a_recipe_then_what_happens_then_the_reference(page: str) -> None:
+    text = (ROOT / "docs" / page).read_text()
+    sections = re.findall(r"^## (.+)$", text, re.M)
+    assert sections[:3] == ["Recipe", "What happens", "Reference"], sections
+    recipe = text[text.index("\n## Recipe\n") : text.index("\n## What happens\n")]
+    assert "```python" in recipe, f"{page}: the recipe is code"
+    assert "!!! " in text, f"{page}: its limits and warnings are set apart as admonitions"
+
+
+def test_the_recipes_name_their_tested_programs() -> None:
+    recipes = (ROOT / "docs" / "recipes.md").read_text()
+    sections = re.findall(r"^## (.+)$", recipes, re.M)
+    assert len(sections) == 5 and all("Tested:" in part for part in re.split(r"^## .+$", recipes, flags=re.M)[1:])
+    for path in re.findall(r"`((?:examples|tests|tests_ray)/[\w/]+\.py)", recipes):
+        assert (ROOT / path).is_file(), path
+    for path, name in re.findall(r"`((?:tests|tests_ray)/[\w/]+\.py)::(\w+)`", recipes):
+        assert f"def {name}(" in (ROOT / path).read_text(), (path, name)
