@@ -1,8 +1,9 @@
 """The built documentation as a reader sees it: two pages opened in a real headless Chromium at 1280 px.
 
 The code is highlighted (a keyword's colour is not the plain text's), no code block scrolls sideways, the page
-itself does not, and nothing is requested from another host. Marked `browser` (the default run deselects it);
-CI runs it with Debian's chromium-headless-shell, driven by Playwright (`python -m pytest -m browser`).
+itself does not, nothing is requested from another host, and the search finds a page without a server.
+Marked `browser` (the default run deselects it); CI runs it with Debian's chromium-headless-shell, driven by
+Playwright (`python -m pytest -m browser`).
 """
 
 from __future__ import annotations
@@ -114,3 +115,16 @@ def test_a_page_reads_well_at_1280_px(browser: object, site_url: str, page_path:
                  and urlparse(url).netloc != local]
     assert not elsewhere, f"requests to another host: {elsewhere}"
     assert any("/assets/javascripts/bundle." in url for url in requested), "the theme's script loaded"
+
+
+def test_search_finds_a_page_in_the_browser(browser: object, site_url: str) -> None:
+    """Material's search runs in the page (a web worker over the built index): no search server."""
+    context = browser.new_context(viewport={"width": WIDTH, "height": 900})  # type: ignore[attr-defined]
+    page = context.new_page()
+    page.goto(site_url, wait_until="networkidle")
+    page.focus("input.md-search__input")
+    page.keyboard.type("requeue", delay=20)  # keystrokes: the search listens to them, not to a filled value
+    page.wait_for_selector(".md-search-result__item", timeout=15_000)
+    found = page.eval_on_selector_all(".md-search-result__item a", "links => links.map(a => a.href)")
+    context.close()
+    assert any("/recipes/" in url for url in found), found
