@@ -123,6 +123,6 @@ def test_a_requeue_asked_for_outside_slurm_is_a_warning_and_nothing_else(monkeyp
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     with caplog.at_level("WARNING", logger="loader_resume.slurm"):
         requeue = Requeue(True)
-    assert "slurm_requeue=True outside a SLURM job" in caplog.text
+    assert "outside a SLURM job (no SLURM_JOB_ID): no requeue" in caplog.text
     requeue.decide(signal.SIGUSR1, lambda flag: pytest.fail("no agreement when there is nothing to requeue"))
     assert not requeue.wanted

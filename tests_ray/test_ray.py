@@ -106,8 +106,9 @@ def test_a_full_disk_under_storage_path_fails_the_job_and_the_rerun_continues_ex
     with it, no retries). Space freed, the same run again continues from a complete registered checkpoint."""
     storage, logs = tmp_path / "storage", tmp_path / "logs"
     with tmpfs(storage, "16m"):
-        when(logs, 0, 5, lambda node: fill(storage / "filler"))
+        filler = when(logs, 0, 5, lambda node: fill(storage / "filler"))
         error = fit(logs, storage) or ""
+        filler.join(timeout=60)
         assert "No space left on device" in error, error[-3000:]
         (storage / "filler").unlink()
         assert fit(logs, storage) is None

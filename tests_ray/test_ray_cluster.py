@@ -84,7 +84,8 @@ def test_a_preemption_notice_checkpoints_every_worker_at_one_step_and_the_restar
 
     watcher = when(logs, 0, 3, preempt)
     assert fit(logs, tmp_path / "storage", epochs=EPOCHS, every=0, check_every=1, sleep=0.4) is None
-    watcher.join()
+    watcher.join(timeout=60)
+    assert not watcher.is_alive(), "the watched step never came"
     for rank in range(2):
         first, restarted = rows(logs, rank)
         stopped_at = first[-1]["step"]
@@ -110,7 +111,8 @@ def test_a_node_lost_under_elastic_scaling_restarts_on_one_worker_and_delivers_e
 
     watcher = when(logs, 1, 7, lose)
     assert fit(logs, tmp_path / "storage", num_workers=(1, 2), every=2, max_failures=1, sleep=0.4) is None
-    watcher.join()
+    watcher.join(timeout=60)
+    assert not watcher.is_alive(), "the watched step never came"
     (first0, restarted), (first1,) = rows(logs, 0), rows(logs, 1)
     assert {row["node"] for row in first1} == set(lost) and restarted[0]["node"] not in lost
     saved = restarted[0]["step"] - 1  # the checkpoint Ray restarted from

@@ -63,7 +63,8 @@ class Requeue:
     def __init__(self, asked: bool, requeue_signal: int = signal.SIGUSR1) -> None:
         self.signal = int(requeue_signal) if asked and "SLURM_JOB_ID" in os.environ else None
         if asked and self.signal is None:
-            logger.warning("slurm_requeue=True outside a SLURM job (no SLURM_JOB_ID): no requeue")
+            logger.warning("a SLURM requeue was asked for (slurm_requeue, or Lightning's auto_requeue) outside a SLURM "
+                           "job (no SLURM_JOB_ID): no requeue")
         self.wanted = False
 
     def decide(self, received: int | None, agree: Callable[[bool], bool]) -> None:
