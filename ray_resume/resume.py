@@ -49,13 +49,15 @@ class RayResume:
         every_n_steps: report a checkpoint every N steps (:meth:`step_end`); 0: only when :meth:`report` is
             called, or at Ray's preemption notice.
         preemption_notice: ask ``ray.train.get_preemption_info()`` every ``check_every_n_steps`` steps (a barrier
-            across workers, as the steps are: every worker sees the notice at the same step); at the first
-            notice every worker reports a checkpoint at that step boundary.
-        check_every_n_steps: how often the preemption notice is asked for (a round trip to Ray's controller).
-        stop_on_preemption: after the notice's checkpoint, the workers stop taking steps and wait for Ray to
-            restart the run (at the node's deadline), which continues with the very next batch: no step is
-            taken twice (logs and metrics stay in order). ``False``: training goes on, as Ray's own example
-            does, and the restart replays the steps after the newest registered checkpoint.
+            across workers, as the steps are: rank 0's answer goes to every worker, so all see the notice at the
+            same step); at the first notice every worker reports a checkpoint at that step boundary.
+        check_every_n_steps: how often the preemption notice is asked for.
+        stop_on_preemption: after the notice's checkpoint (step N), the workers finish step N (the code after
+            :meth:`step_end` runs) and then wait for Ray to restart the run, at the node's deadline: the next
+            :meth:`step_end` (step N + 1's work is done again after the restart, its code after ``step_end``
+            runs once) or the next pass of :meth:`epochs` does not return, unless the run is over. The restart
+            continues with step N + 1. ``False``: training goes on, as Ray's own example does, and the restart
+            replays the steps after the newest registered checkpoint.
 
     Every worker calls :meth:`step_end` once per step, with the same settings: Ray pairs its barriers by order.
     A checkpoint due at an epoch's last step is reported once the epoch's own code after its loop (a scheduler's
@@ -141,12 +143,16 @@ class RayResume:
             yield self.epoch
             self.epoch += 1
             if self._pending is not None:  # the epoch's own code (a scheduler's step, an evaluation) has run
-                self._stopping &= self.epoch < count  # a notice at the last step: the run ends, it finishes
                 self.report(self._pending)
+            if self._stopping and self.epoch < count:  # the run is not over: nothing of the next epoch runs
+                wait_for_the_restart()
 
     def step_end(self, metrics: Mapping[str, Any] | None = None) -> None:
         """Call on every worker after each optimizer step (once the step's work is done): counts the step, and
-        reports a checkpoint with ``metrics`` when one is due (``every_n_steps``, Ray's preemption notice)."""
+        reports a checkpoint with ``metrics`` when one is due (``every_n_steps``, Ray's preemption notice).
+        After a preemption notice's checkpoint it does not return (``stop_on_preemption``)."""
+        if self._stopping:
+            wait_for_the_restart()
         self.step += 1
         if self._unmoved is not None:
             self._check_iterated()
@@ -184,8 +190,6 @@ class RayResume:
             ray.train.report(dict(metrics or {}))
         else:
             self._report_checkpoint(dict(metrics or {}))
-        if self._stopping:
-            wait_for_the_restart()
 
     def _report_checkpoint(self, metrics: dict[str, Any]) -> None:
         context = ray.train.get_context()
@@ -207,8 +211,8 @@ class RayResume:
 
 def wait_for_the_restart() -> None:
     """Take no further step: Ray's controller, told of the preemption, tears this worker down at the node's
-    deadline (or after its own fallback wait) and restarts the run from the checkpoint just reported. Returning
-    instead would end the run as finished, and raising would count as a failure."""
+    deadline (120 s after it saw the notice when the node has none) and restarts the run from the checkpoint just
+    reported. Returning instead would end the run as finished, and raising would count as a failure."""
     while True:
         time.sleep(60)
         logger.info("waiting for Ray to restart the run after the preemption notice")

@@ -106,8 +106,14 @@ def test_a_full_disk_under_storage_path_fails_the_job_and_the_rerun_continues_ex
     with it, no retries). Space freed, the same run again continues from a complete registered checkpoint."""
     storage, logs = tmp_path / "storage", tmp_path / "logs"
     with tmpfs(storage, "16m"):
-        filler = when(logs, 0, 5, lambda node: fill(storage / "filler"))
-        error = fit(logs, storage) or ""
+        filled = tmp_path / "filled"  # the workers wait after step 5 until the disk is full
+
+        def fill_up(node: str) -> None:
+            fill(storage / "filler")
+            filled.write_text("")
+
+        filler = when(logs, 0, 5, fill_up)
+        error = fit(logs, storage, gate=[5, str(filled)]) or ""
         filler.join(timeout=60)
         assert "No space left on device" in error, error[-3000:]
         (storage / "filler").unlink()

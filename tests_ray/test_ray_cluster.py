@@ -1,10 +1,12 @@
-"""``RayResume`` when nodes go: real Ray Train jobs on a ``ray.cluster_utils.Cluster`` (a head without CPUs and
-worker nodes started and removed by the tests, each a real raylet process).
+"""``RayResume`` when nodes go: real Ray Train jobs on a ``ray.cluster_utils.Cluster`` (a head without CPUs) and
+worker nodes started by the tests, each a real raylet process.
 
-- Ray's preemption notice (the node hosting the workers drained with Ray's preemption reason and a deadline, as a
-  cloud's spot reclaim does; ``ray drain-node``): every worker reports a checkpoint at the same step boundary and
-  takes no further step; at the deadline the node is removed, Ray restarts the run on another node, and it
-  continues with the very next batch — each step taken once, the uninterrupted run's batches and weights.
+- A node drained with Ray's preemption reason and a deadline (``ray drain-node``, what a cloud's reclaim comes
+  as), removed at the deadline; and
+- SIGTERM to a node's process (``ray start --block``, as Kubernetes sends when it deletes the pod): Ray drains
+  the node with its preemption reason and a deadline; at the next step boundary every worker reports a checkpoint
+  and takes no further step; at the deadline the node goes, Ray restarts the run on another node, and it
+  continues with the very next batch: each step taken once, the uninterrupted run's batches and weights.
 - A node lost under ``ScalingConfig(num_workers=(1, 2))``: Ray restarts on the node left, with 1 worker, from the
   last registered checkpoint; every sample of each epoch is delivered exactly once.
 """
@@ -12,6 +14,8 @@ worker nodes started and removed by the tests, each a real raylet process).
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -55,7 +59,11 @@ def nodes(cluster: Cluster) -> Iterator[Callable[[int], list[Any]]]:
         new = [cluster.add_node(num_cpus=cpus) for _ in range(count)]
         cluster.wait_for_nodes()
         added.extend(new)
-        return new
+        for _ in range(600):  # Ray's elastic scaling starts with the workers it can place at once
+            if ray.available_resources().get("CPU", 0) >= count * cpus:
+                return new
+            time.sleep(0.1)
+        raise AssertionError(f"the cluster never showed {count * cpus} CPUs: {ray.available_resources()}")
 
     yield add  # type: ignore[misc]
     for node in added:
@@ -63,15 +71,39 @@ def nodes(cluster: Cluster) -> Iterator[Callable[[int], list[Any]]]:
             cluster.remove_node(node)
 
 
-def test_a_preemption_notice_checkpoints_every_worker_at_one_step_and_the_restart_takes_the_next_batch(
-    cluster: Cluster, nodes: Callable[..., list[Any]], tmp_path: Path
+@pytest.fixture(scope="module")
+def reference(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The uninterrupted run's logs (on a node of its own, removed after)."""
+    node = cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    runs = tmp_path_factory.mktemp("reference")
+    assert fit(runs / "logs", runs / "storage", epochs=EPOCHS, every=0) is None
+    cluster.remove_node(node)
+    yield runs / "logs"
+
+
+def assert_the_notice_stopped_every_worker_and_the_restart_took_the_next_batch(
+    logs: Path, storage: Path, reference: Path, preempted: list[str]
 ) -> None:
-    """Two nodes of 2 CPUs; both workers on one. After step 3 that node is drained (preemption, deadline in 12 s):
-    at the next step boundary both workers report a checkpoint and stop. At the deadline the node is removed; Ray
-    restarts the run on the other node from that checkpoint (the only one: no periodic checkpoints)."""
+    """At the notice (step 4) every worker reported the only checkpoint and took no further step; the restart, on
+    another node, began with step 5: each step once, the uninterrupted run's batches and weights."""
+    for rank in range(2):
+        first, restarted = rows(logs, rank)
+        assert first[-1]["step"] == 4 and restarted[0]["step"] == 5, "the notice's step, then the very next"
+        assert [row["step"] for row in first + restarted] == list(range(1, 5 * EPOCHS + 1)), "each step once"
+        assert {row["node"] for row in first} == set(preempted) and restarted[0]["node"] not in preempted
+        assert steps(logs, rank) == steps(reference, rank)
+    assert [path.name for path in (storage / "run").glob("step_*")] == ["step_000000004"]
+    assert (logs / "weights.txt").read_text() == (reference / "weights.txt").read_text()
+
+
+def test_a_node_drained_for_preemption_checkpoints_every_worker_at_one_step_and_the_restart_takes_the_next_batch(
+    cluster: Cluster, nodes: Callable[..., list[Any]], reference: Path, tmp_path: Path
+) -> None:
+    """Two nodes of 2 CPUs; both workers on one. After step 3 that node is drained with Ray's preemption reason
+    and a 12 s deadline (``ray drain-node``, what a cloud's reclaim comes as); at the deadline it is removed. The
+    workers wait after step 3 for the notice, so that it comes at step 4 however slowly Ray passes it on."""
     nodes(2, 2)
-    reference = tmp_path / "reference"
-    assert fit(reference / "logs", reference / "storage", epochs=EPOCHS, every=0) is None
     logs, drained = tmp_path / "logs", []
 
     def preempt(node: str) -> None:
@@ -83,18 +115,64 @@ def test_a_preemption_notice_checkpoints_every_worker_at_one_step_and_the_restar
         cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == node))
 
     watcher = when(logs, 0, 3, preempt)
-    assert fit(logs, tmp_path / "storage", epochs=EPOCHS, every=0, check_every=1, sleep=0.4) is None
+    assert fit(logs, tmp_path / "storage", epochs=EPOCHS, every=0, check_every=1, notice_at=3) is None
     watcher.join(timeout=60)
     assert not watcher.is_alive(), "the watched step never came"
-    for rank in range(2):
-        first, restarted = rows(logs, rank)
-        stopped_at = first[-1]["step"]
-        assert 3 < stopped_at < 5 * EPOCHS, "the notice came mid-run, after the drain"
-        assert [row["step"] for row in first + restarted] == list(range(1, 5 * EPOCHS + 1)), "each step once"
-        assert {row["node"] for row in first} == set(drained) and restarted[0]["node"] not in drained
-        assert steps(logs, rank) == steps(reference / "logs", rank)
-    assert [path.name for path in (tmp_path / "storage" / "run").glob("step_*")] == [f"step_{stopped_at:09d}"]
-    assert (logs / "weights.txt").read_text() == (reference / "logs" / "weights.txt").read_text()
+    assert_the_notice_stopped_every_worker_and_the_restart_took_the_next_batch(
+        logs, tmp_path / "storage", reference, drained)
+
+
+def start_node(cluster: Cluster, cpus: int) -> tuple[subprocess.Popen[bytes], str]:
+    """A worker node as users start one (``ray start --block``, the process Kubernetes signals when it deletes
+    the pod), with a 12 s drain on SIGTERM (Ray's default: 30 s); the node's process and its node id."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    process = subprocess.Popen(
+        [str(Path(sys.executable).with_name("ray")), "start", "--address", cluster.address, "--num-cpus", str(cpus),
+         "--node-manager-port", str(port), "--block", "--disable-usage-stats"],
+        env={**os.environ, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "12"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(600):
+        found = [node["NodeID"] for node in ray.nodes() if node["Alive"] and node["NodeManagerPort"] == port]
+        if found:
+            return process, found[0]
+        assert process.poll() is None, f"ray start exited with {process.returncode}"
+        time.sleep(0.1)
+    raise AssertionError("the node started with ray start never joined the cluster")
+
+
+def test_sigterm_to_a_node_checkpoints_every_worker_at_one_step_and_the_restart_takes_the_next_batch(
+    cluster: Cluster, reference: Path, tmp_path: Path
+) -> None:
+    """Two nodes of 2 CPUs started with ``ray start --block``; both workers on one. After step 3 that node's
+    process gets SIGTERM: Ray drains the node itself (the preemption reason, a 12 s deadline), then stops it. Ray
+    2.60 counts that stop as a failure (``max_failures``), not a preemption."""
+    nodes = dict(start_node(cluster, 2)[::-1] for _ in range(2))
+    try:
+        logs, signalled = tmp_path / "logs", []
+
+        def preempt(node: str) -> None:
+            nodes[node].send_signal(signal.SIGTERM)
+            signalled.append(node)
+
+        watcher = when(logs, 0, 3, preempt)
+        assert fit(logs, tmp_path / "storage", epochs=EPOCHS, every=0, check_every=1, notice_at=3,
+                   max_failures=1) is None
+        watcher.join(timeout=60)
+        assert not watcher.is_alive(), "the watched step never came"
+        assert_the_notice_stopped_every_worker_and_the_restart_took_the_next_batch(
+            logs, tmp_path / "storage", reference, signalled)
+        nodes[signalled[0]].wait(timeout=60)  # the signalled node's process ends once it has drained
+    finally:
+        for process in nodes.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in nodes.values():
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
 
 
 def test_a_node_lost_under_elastic_scaling_restarts_on_one_worker_and_delivers_each_sample_once(

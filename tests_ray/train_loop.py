@@ -6,6 +6,8 @@ a fingerprint of the batch with its augmentation values drawn from torch, numpy 
 ``crash_at``: the given rank ends its process (``os._exit(1)``) right after that
 step, once per job (a marker file), and Ray restarts the workers from the last registered checkpoint.
 ``limit``: each epoch leaves its pass after that many steps. Each line also names the node the worker ran on.
+``gate`` (step, file): after that step every worker waits for the file (the test writes it once it has acted on
+the cluster); ``notice_at`` (step): after it every worker waits for Ray's preemption notice.
 """
 
 from __future__ import annotations
@@ -87,6 +89,12 @@ def train_func(config: dict[str, Any]) -> None:
                     marker.write_text(str(resume.step))
                     time.sleep(config.get("crash_delay", 0.0))
                     os._exit(1)
+            if resume.step == config.get("gate", [None])[0]:  # the test acts on the cluster meanwhile
+                while not Path(config["gate"][1]).exists():
+                    time.sleep(0.05)
+            if resume.step == config.get("notice_at"):  # every worker asks as often: rank 0's answer is theirs
+                while ray.train.get_preemption_info() is None:
+                    time.sleep(0.2)
             time.sleep(config.get("sleep", 0.0))
         scheduler.step()  # the epoch's own code, after its loop: a checkpoint due at its last step comes after it
     if rank == 0:
