@@ -161,7 +161,7 @@ class RayResume:
             notice = ray.train.get_preemption_info() is not None and not self._noticed
         if notice:
             self._noticed, self._stopping = True, self.stop_on_preemption
-            logger.warning("Ray's preemption notice: checkpoint reported at step %d; %s", self.step,
+            logger.warning("Ray's preemption notice: a checkpoint at step %d; %s", self.step,
                            "waiting for Ray to restart the run" if self._stopping else "training goes on")
         if notice or self._pending is not None or (self.every_n_steps and self.step % self.every_n_steps == 0):
             if self.loaders and self.loaders[0].epoch > self.epoch:  # an epoch's last step: after its own code
