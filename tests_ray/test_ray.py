@@ -15,7 +15,6 @@ the tests share (Ray's start-up is slow).
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ import pytest
 import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the main suite's storage faults
-from train_loop import ITEMS, fit, steps, when
+from train_loop import ITEMS, fit, rows, steps, when
 
 from support.mounts import fill, tmpfs
 
@@ -60,9 +59,8 @@ def test_a_worker_killed_mid_epoch_and_restarted_by_ray_continues_with_the_unint
     assert fit(tmp_path / "logs", tmp_path / "storage", workers=workers, every=every, max_failures=2,
                crash_at=(1, 7), crash_delay=3.0) is None
     assert (tmp_path / "logs" / "crashed").read_text() == "7"
-    attempts = sorted((tmp_path / "logs").glob("log-0-*.jsonl"))  # the first, and Ray's restart
-    restarted_at = json.loads(attempts[1].read_text().splitlines()[0])["step"]
-    assert len(attempts) == 2 and restarted_at == (6 if every == 5 else 7)
+    attempts = rows(tmp_path / "logs", 0)  # the first, and Ray's restart
+    assert len(attempts) == 2 and attempts[1][0]["step"] == (6 if every == 5 else 7)
     reference = uninterrupted[workers] / "logs"
     for rank in range(2):
         assert steps(tmp_path / "logs", rank) == steps(reference, rank)
@@ -76,8 +74,8 @@ def test_a_loop_that_leaves_its_passes_early_resumes_from_a_checkpoint_at_the_pa
     reference, cut = tmp_path / "reference", tmp_path / "cut"
     assert fit(reference / "logs", reference / "storage", limit=4) is None
     assert fit(cut / "logs", cut / "storage", limit=4, max_failures=1, crash_at=(1, 4), crash_delay=3.0) is None
-    attempts = sorted((cut / "logs").glob("log-0-*.jsonl"))
-    assert len(attempts) == 2 and json.loads(attempts[1].read_text().splitlines()[0])["step"] == 5
+    attempts = rows(cut / "logs", 0)
+    assert len(attempts) == 2 and attempts[1][0]["step"] == 5
     for rank in range(2):
         assert steps(cut / "logs", rank) == steps(reference / "logs", rank)
         assert sorted(steps(reference / "logs", rank)) == list(range(1, 9))
@@ -118,8 +116,8 @@ def test_a_full_disk_under_storage_path_fails_the_job_and_the_rerun_continues_ex
         assert "No space left on device" in error, error[-3000:]
         (storage / "filler").unlink()
         assert fit(logs, storage) is None
-    attempts = sorted(logs.glob("log-0-*.jsonl"))
-    assert len(attempts) == 2 and json.loads(attempts[1].read_text().splitlines()[0])["step"] in (3, 5)
+    attempts = rows(logs, 0)
+    assert len(attempts) == 2 and attempts[1][0]["step"] in (3, 5)
     reference = uninterrupted[0] / "logs"
     for rank in range(2):
         assert steps(logs, rank) == steps(reference, rank)
