@@ -1,7 +1,7 @@
-"""The edges of real loops in the core: a pass left before its end (``break``, a loop that stops early), a state
-taken between passes, and states from a hand-written loop's loader whose last batch is out but whose pass has
-not ended. Each cut is compared with the uninterrupted run's batches: ids and the values drawn from torch, numpy
-and random."""
+"""The edges of real loops in the core: a pass left before its end on purpose (a loop's own epoch limit, said
+with ``pass_ended=True``), a state taken between passes, and states from a hand-written loop's loader whose last
+batch is out but whose pass has not ended. Each cut is compared with the uninterrupted run's batches: ids and the
+values drawn from torch, numpy and random."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from loader_resume import ResumableDataLoader
-from loader_resume.step_boundary import ReportingDataLoader
+from loader_resume.step_boundary import ReportingDataLoader, StepBoundaries
 from loader_resume.testing import fingerprint
 from support.data import Augmented, seed_all
 
@@ -36,9 +37,9 @@ class Cut(Exception):
 
 def partial_passes(loader: ResumableDataLoader[Any], *, start_epoch: int = 0, taken: int = 0,
                    cut_at: int | None = None) -> Iterator[tuple[list[int], str]]:
-    """The loop of the issue: each epoch takes TAKEN batches, then leaves the pass (``break``). Moments are
-    numbered 0, 1, ...: after each batch, and between two passes (after the ``break``, before the next
-    ``iter()``); ``cut_at`` raises :class:`Cut` with the state at that moment."""
+    """A loop with an epoch limit of its own: each epoch takes TAKEN batches, then leaves the pass (``break``).
+    Moments are numbered 0, 1, ...: after each batch, and between two passes (after the ``break``, before the
+    next ``iter()``); ``cut_at`` raises :class:`Cut` with the state at that moment."""
     moment = 0
     for epoch in range(start_epoch, EPOCHS):
         for batch in loader:
@@ -52,8 +53,8 @@ def partial_passes(loader: ResumableDataLoader[Any], *, start_epoch: int = 0, ta
             if taken == TAKEN:
                 break
         taken = 0
-        if moment == cut_at:  # NOTE: the pass was left; its iterator is gone, the next iter() is not yet called
-            raise Cut(loader.state_dict(), epoch + 1, 0)
+        if moment == cut_at:  # NOTE: the loop left the pass on purpose, before the next iter(): it says so
+            raise Cut(loader.state_dict(pass_ended=True), epoch + 1, 0)
         moment += 1
 
 
@@ -78,21 +79,27 @@ def test_a_state_taken_at_any_moment_of_a_loop_that_leaves_its_passes_early_resu
         assert before + after == full, f"cut at moment {cut_at}"
 
 
-def test_the_issue_numbers_epoch_one_starts_where_the_uninterrupted_run_starts_it() -> None:
-    """48 items, batch 4, `break` after 6 batches: a state after epoch 0 resumes with epoch 1's first batch."""
+def test_the_issue_numbers_a_break_continues_the_pass_and_pass_ended_starts_the_next_epoch() -> None:
+    """48 items, batch 4, `break` after 6 batches: the state continues epoch 0 at batch 7 (a stopped job); said
+    ended, it starts epoch 1 where the loop's next iter() does."""
     loader = build(0)
     for i, _ in enumerate(loader):
         if i == TAKEN - 1:
             break
-    state = loader.state_dict()
-    assert (state["epoch"], state["position"]) == (1, 0)
-    want = next(iter(loader))["id"].tolist()
+    state, ended = loader.state_dict(), loader.state_dict(pass_ended=True)
+    assert (state["epoch"], state["position"]) == (0, TAKEN * BATCH) and (ended["epoch"], ended["position"]) == (1, 0)
+    reference = build(0)
+    epoch0 = [b["id"].tolist() for b in reference]
     resumed = build(0)
     resumed.load_state_dict(state)
+    assert [b["id"].tolist() for b in resumed] == epoch0[TAKEN:]
+    want = next(iter(loader))["id"].tolist()
+    resumed = build(0)
+    resumed.load_state_dict(ended)
     assert next(iter(resumed))["id"].tolist() == want
 
 
-def test_pass_ended_gives_now_the_state_the_pass_leaves_once_its_iterator_is_gone() -> None:
+def test_pass_ended_gives_the_next_pass_and_a_dropped_iterator_changes_nothing() -> None:
     loader = build(2)
     iterator = iter(loader)
     for _ in range(TAKEN):
@@ -100,11 +107,12 @@ def test_pass_ended_gives_now_the_state_the_pass_leaves_once_its_iterator_is_gon
     mid, ended = loader.state_dict(), loader.state_dict(pass_ended=True)
     assert (mid["epoch"], mid["position"]) == (0, TAKEN * BATCH)
     del iterator
-    assert loader.state_dict() == ended and (ended["epoch"], ended["position"]) == (1, 0)
+    assert loader.state_dict() == mid and (ended["epoch"], ended["position"]) == (1, 0)
+    assert loader.state_dict(pass_ended=True) == ended
 
 
 def test_a_held_iterator_is_still_mid_epoch_and_a_second_iter_starts_the_next_epoch() -> None:
-    """Only a pass whose iterator is gone (or a new iter()) is over: a kept iterator may still go on."""
+    """Only a new iter() ends a pass in flight: a kept iterator may still go on."""
     loader = build(0)
     first = iter(loader)
     next(first)
@@ -192,3 +200,71 @@ def test_two_plain_loaders_of_one_seed_iterated_together_are_warned_of_and_own_s
     for _ in range(2):
         list(a)
     assert "same seed" not in caplog.text
+
+
+# --- a hand-written loop under a front door (Accelerate, Fabric): StepBoundaries knows which passes the loop left --
+class Reports:
+    """What the Accelerate and Fabric front doors feed their StepBoundaries with (their BatchRequests)."""
+
+    def __init__(self) -> None:
+        self.boundaries = StepBoundaries()
+
+    def before_batch(self, loader: ReportingDataLoader) -> None:
+        self.boundaries.crossed(loader)
+
+    def delivered(self, loader: ReportingDataLoader) -> None:
+        self.boundaries.delivered(loader)
+
+    def ran_out(self, loader: ReportingDataLoader) -> None:
+        self.boundaries.ran_out(loader)
+
+
+def front_door_loop(loaders: dict[str, ReportingDataLoader], order: str, *, start_epoch: int = 0,
+                    save: str | None = None) -> Iterator[tuple[str, list[int], str]]:
+    """``zip`` of the loaders in ``order`` ("ls": long, then short), an optimizer step per pair. ``save``: the
+    loop saves, as the front doors take states (raising :class:`Cut`), after its first epoch (``"epoch"``) or
+    after a stop flag's ``break`` at its third pair (``"break"``)."""
+    reports = Reports()
+    weight = torch.nn.Parameter(torch.zeros(()))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    reports.boundaries.hook(optimizer)
+    for loader in loaders.values():
+        loader.attach(reports, None)
+    pairs = 0
+    for epoch in range(start_epoch, 2):
+        for batches in zip(*(loaders[name] for name in order), strict=False):
+            for name, batch in zip(order, batches, strict=True):
+                yield (name, *record(batch))
+            (weight * 0).backward()
+            optimizer.step()
+            pairs += 1
+            if save == "break" and pairs == 3:
+                break
+        if save is not None:
+            states = {name: loader.resume_state(pass_ended=reports.boundaries.left(loader))
+                      for name, loader in loaders.items()}
+            raise Cut(states, epoch if save == "break" else epoch + 1, 0)
+
+
+@pytest.mark.parametrize("order", ["ls", "sl"])
+@pytest.mark.parametrize("save", ["epoch", "break"])
+def test_a_front_doors_save_after_a_zip_ends_starts_the_next_epoch_and_after_a_break_continues(
+    order: str, save: str
+) -> None:
+    """A zip over loaders of unequal length ends when the shorter runs out: the longer's pass is left with the
+    epoch, whichever comes first in the zip. A stop flag's ``break`` runs nothing out: both passes continue."""
+
+    def loaders() -> dict[str, ReportingDataLoader]:
+        return {"l": ReportingDataLoader(Augmented(N), batch_size=BATCH, shuffle=True, seed=1),
+                "s": ReportingDataLoader(Augmented(N // 2), batch_size=BATCH, shuffle=True, seed=2)}
+
+    full = list(front_door_loop(loaders(), order))
+    before: list[tuple[str, list[int], str]] = []
+    with pytest.raises(Cut) as cut:
+        before.extend(front_door_loop(loaders(), order, save=save))
+    resumed = loaders()
+    for name, loader in resumed.items():
+        loader.load_state_dict(cut.value.state[name])
+    after = list(front_door_loop(resumed, order, start_epoch=cut.value.epoch))
+    assert before + after == full
+    assert any(row[0] == "l" for row in after[:2]) and len(before) in (2 * 3, 2 * N // 2 // BATCH)

@@ -1,13 +1,10 @@
 """``ResumableDataLoader``: a drop-in ``torch.utils.data.DataLoader`` that resumes exactly.
 
-It is a real ``DataLoader`` subclass: torch's own iterators, workers and pin-memory thread run
-unchanged. Two points of torch are taken over, both on the loader object (through
-:class:`~loader_resume.torch_internals.IndexHooks`): where torch's iterator draws index lists from is the
-loader's :class:`~loader_resume.position.Position`, and map-style data is always fetched as lists so each
-index list can key the RNGs (see ``keyed_fetch``). Batches are counted as they are *handed to the
-caller*, so prefetching by workers never skews the saved position. What a delivered batch means — global
-samples of map-style data, or each worker's progress in a stream — is the position's (``map_position``,
-``stream_position``); the loader keeps torch's hooks.
+A real ``DataLoader`` subclass: torch's iterators, workers and pin-memory thread run unchanged. Two points of torch
+are taken over on the loader object (:class:`~loader_resume.torch_internals.IndexHooks`): torch's iterator draws
+index lists from the loader's :class:`~loader_resume.position.Position`, and map-style data is fetched as lists so
+each can key the RNGs (``keyed_fetch``). Batches are counted as *handed to the caller* (prefetching never skews
+the position); what a delivered batch means is the position's (``map_position``, ``stream_position``).
 """
 
 from __future__ import annotations
@@ -28,6 +25,7 @@ from .keyed_fetch import KeyedFetch
 from .keyed_rng import GENERATORS, CallerRng, DrawnGenerators, derive_key
 from .load_warnings import LoadWarnings
 from .map_position import MapPosition
+from .pass_notes import PassNotes
 from .position import PassIterator, Position
 from .preemption import held_while_forking
 from .sampler import Order, classify_order, default_seed
@@ -65,13 +63,15 @@ class ResumableDataLoader(IndexHooks[T]):
             ``"sample"`` before each sample from ``(seed, epoch, index)`` (values then also survive a change
             of batch or world size; costs ~8 µs per sample); ``"off"`` leaves every generator alone.
         keyed_generators: the global generators keyed, of ``"torch"``, ``"numpy"`` (legacy ``np.random``), ``"random"``.
-        rank, world_size: shard for this rank of so many; default from ``torch.distributed`` when initialised.
+        rank: shard for this rank (with ``world_size``); default from ``torch.distributed`` when initialised.
+        world_size: shard across so many ranks; default from ``torch.distributed`` when initialised.
         by_value_bytes: tensors up to this size come back from workers by value (``worker_transport``); 0: never.
 
     Semantics: ``state_dict()`` may be called at any time and describes where the next batch comes from;
     after ``load_state_dict(s)`` the next ``iter()`` continues there. Without a load each ``iter()`` starts a
-    new epoch, as with ``DataLoader``, so a state taken after an epoch's last batch, or after a pass was left
-    early (its iterator gone), resumes at the next epoch's first batch. ``len(loader)``: this rank's batches.
+    new epoch, as with ``DataLoader``. A state taken after an epoch's last batch resumes at the next epoch's
+    first batch; one taken after a pass was left early (``break``, an exception) continues that pass, unless
+    taken with ``state_dict(pass_ended=True)``. ``len(loader)``: this rank's batches.
     """
 
     def __init__(
@@ -127,17 +127,17 @@ class ResumableDataLoader(IndexHooks[T]):
             self._position = StreamPosition(setup)
         self._identity = StateIdentity(self, self._position, order.name, order.shuffle)
         self._loads = LoadWarnings(self)
+        self._notes = PassNotes(self, self._position)
         self._drawn = DrawnGenerators()  # the generators this dataset draws from in this process (num_workers=0)
         warn_at_construction(dataset, batch_read=self._position.kind == "map" and keying == "sample")
 
-    # --- torch hooks -----------------------------------------------------------------------------
     worker_start_timeout: float | None = 120.0  # seconds a new worker may take to start (``worker_start``); None: wait
     _torch_building = False  # True while torch's iterator is built (see _building)
     _rest_empty = False  # a loaded state was taken between a pass's last batch and its end (its "ending" key)
 
     def _fetches_lists(self) -> bool:
         # NOTE: torch's iterator, built inside `_building`, always fetches through a list of indices (batch_size=None:
-        # one index, unwrapped after collate): keyed randomness comes right before the read. Else DataLoader's answer.
+        # one index, unwrapped after collate), keyed right before the read. Else DataLoader's answer.
         return self._torch_building or self.batch_sampler is not None
 
     def _index_lists(self) -> Any:
@@ -146,14 +146,16 @@ class ResumableDataLoader(IndexHooks[T]):
     @property
     def _is_accelerate_prepared(self) -> bool:
         # NOTE: Accelerate's prepare_data_loader reads this right before it rebuilds a DataLoader into its own,
-        # which would drop everything this loader guarantees: refused there (enable_resume's loaders say True).
-        reader = sys._getframe(1)  # Accelerate's frame: its module, and the Accelerator as `self`
+        # dropping what this loader guarantees: refused there (enable_resume's loaders say True). Its frame:
+        reader = sys._getframe(1)
         refuse_stock_accelerate(reader.f_globals.get("__name__"), reader.f_locals.get("self"))
         return False
 
     def __iter__(self) -> Any:
         setup = self._position.setup
         self._loads.taken_up()
+        if self._notes.taken is not None:  # a state of the pass in flight was taken, the loop said nothing
+            self._notes.leaving(self._identity.at_pass, lambda: ResumableDataLoader.state_dict(self, pass_ended=False))
         if self._rest_empty:  # NOTE: the saved pass's rest is empty: this iter() ends at once (a pass over)
             self._rest_empty = False
             self._identity.pass_began(ENDED_PASS)
@@ -229,9 +231,9 @@ class ResumableDataLoader(IndexHooks[T]):
     def __setattr__(self, name: str, value: Any) -> None:
         # NOTE: as DataLoader refuses `batch_size`: the order, the keys and the state follow the built settings
         if name in _FIXED and "_position" in self.__dict__:
-            raise ValueError(f"{name} attribute should not be set after {type(self).__name__} is initialized "
-                             f"(the order, the random keys and the state follow the value it was built with): "
-                             f"build a new loader with {name}={value!r}")
+            raise ValueError(f"{name} attribute should not be set after {type(self).__name__} is initialized (the "
+                             f"order, the random keys and the state follow the value it was built with): build a new "
+                             f"loader with {name}={value!r}")
         super().__setattr__(name, value)
         if name == "num_workers" and "_position" in self.__dict__:  # DataLoader lets it change: for the next pass
             self._position.setup = dataclasses.replace(self._position.setup, num_workers=value)
@@ -241,21 +243,23 @@ class ResumableDataLoader(IndexHooks[T]):
         """The epoch the next batch belongs to (after a load: the loaded one)."""
         return self._position.epoch
 
-    def state_dict(self, *, batches_ago: int = 0, pass_ended: bool = False) -> dict[str, Any]:
-        """The position after the last batch handed to the caller: plain, versioned, < 1 KB. A pass left early
-        (``break``) is over once its iterator is gone: a state taken then starts where the next ``iter()`` does.
-        ``batches_ago`` (streams, up to 8 in the pass): the state that many deliveries ago (a framework fetched ahead).
-        ``pass_ended``: as if the pass in flight were left now (a loop checkpointing the step after which it leaves).
-        """
-        state = self._identity.for_state(pass_ended)
-        self._position.fill_state(state, batches_ago, pass_ended)
-        if self._rest_empty and not pass_ended:  # a loaded "ending" no iter() has taken up: still the same
+    def state_dict(self, *, batches_ago: int = 0, pass_ended: bool | None = None) -> dict[str, Any]:
+        """The position after the last batch handed to the caller: plain, versioned, < 1 KB. A pass in flight, left
+        (``break``, an exception) or not, continues with its very next batch. ``pass_ended=True``: the next pass's
+        start instead (a loop that leaves passes on purpose); ``False``: continues, said; unsaid, the first state of
+        a pass in flight logs which (once per loader). ``batches_ago`` (streams): that many deliveries ago."""
+        ended = bool(pass_ended)
+        state = self._identity.for_state(ended)
+        self._position.fill_state(state, batches_ago, ended)
+        if self._rest_empty:  # a loaded "ending" no iter() has taken up: still the same (no pass in flight to end)
             state["ending"] = True
+        elif pass_ended is None and (at := self._identity.at_pass) is not None and not at[0].done:
+            self._notes.state_taken(at[0], state)
         return state
 
     @property
     def pass_finished(self) -> bool:
-        """Whether the pass the last ``iter()`` began is over (its last batch handed out, or its iterator gone)."""
+        """Whether the pass the last ``iter()`` began is over (its last batch handed out): a pass left early is not."""
         return self._identity.at_pass is not None and bool(self._identity.at_pass[0].done)
 
     @property
@@ -264,8 +268,7 @@ class ResumableDataLoader(IndexHooks[T]):
         return self._position.batches_delivered if isinstance(self._position, StreamPosition) else 0
 
     def planned_indices(self, *, epoch: int | None = None) -> list[list[Any]]:
-        """Map-style: the index lists of the next pass (or of ``epoch`` from its start), read from no data
-        (``loader-resume check`` compares them); TypeError for an iterable dataset."""
+        """Map-style: the index lists of the next pass (or of ``epoch`` from its start), read from no data."""
         if not isinstance(self._position, MapPosition):
             raise TypeError("planned_indices(): an iterable dataset's order is its own; only map-style data is planned")
         return self._position.planned(epoch)
@@ -273,15 +276,12 @@ class ResumableDataLoader(IndexHooks[T]):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from ``state_dict`` at the next ``iter()``; raises :class:`StateError` if it cannot.
 
-        Map-style: world size, batch size, ``num_workers`` and ``drop_last`` may differ from the saving run
-        (logged); what the order depends on (dataset length, seed, shuffle, keying) may not. Iterable: each
-        worker's position lives in its own dataset copy, so ``num_workers`` and the world size must match
-        (unless the dataset can re-shard, see ``load_resharded``). Earlier versions' states load.
+        Map-style: world size, batch size, ``num_workers`` and ``drop_last`` may differ from the saving run (logged);
+        what the order depends on (dataset length, seed, shuffle, keying) may not. Iterable: ``num_workers`` and the
+        world size must match, unless the dataset can re-shard (``load_resharded``). Earlier versions' states load.
         After a state with ``"ending": True`` (``ReportingDataLoader.resume_state``) the first ``iter()`` is empty.
-        A state that would be ignored is named in a warning (once per loader and case): loaded while an
-        iterator of this loader is mid-epoch (it goes on; the state applies from the next ``iter()``), or
-        loaded over an earlier state that no ``iter()`` took up.
-        """
+        A state that would be ignored is warned of once per loader and case: loaded while an iterator of this
+        loader is mid-epoch (it goes on), or over an earlier state that no ``iter()`` took up."""
         state = self._identity.checked(state_dict)
         self._loads.loading()
         self._identity.forget_pass()
@@ -290,7 +290,7 @@ class ResumableDataLoader(IndexHooks[T]):
 
     def load_resharded(self, ranks: list[dict[str, Any]]) -> None:
         """Resume an iterable dataset's checkpoint of another world size from every old rank's state (see
-        ``distributed.load_rank_state``); the dataset must define ``reshard_states(states, num_shards)``."""
+        ``distributed.load_rank_state``): the dataset must define ``reshard_states(states, num_shards)``."""
         if not isinstance(self._position, StreamPosition):
             raise TypeError("load_resharded(): map-style states load at any world size through load_state_dict()")
         states = [check_state(state, self._identity.fields()) for state in ranks]

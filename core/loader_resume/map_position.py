@@ -148,12 +148,10 @@ class MapPosition:
         if pass_ is self._pass and not pass_.done:
             self._next_epoch(pass_)
 
-    def abandon(self, pass_: MapPass) -> None:
-        if pass_ is self._pass and not pass_.done:
-            start, pass_.done = self._next, True
-            self.epoch, self._samples, self._sampler_state = start.epoch, start.position, None
-            if self._stateful_flags()[0]:
-                self._warn_sampler_left()
+    def progress(self) -> tuple[int, int | None]:
+        shard = self.setup.shard()
+        unit = shard.world if self.unit_is_batch else shard.step
+        return -(-self._samples // unit), self.batches_per_epoch()
 
     def fill_state(self, state: dict[str, Any], batches_ago: int = 0, next_pass: bool = False) -> None:
         if batches_ago:
@@ -161,7 +159,7 @@ class MapPosition:
                              "batch; frameworks do not fetch ahead of sized loaders")
         pass_ = self._pass
         live = pass_ is not None and not pass_.done
-        if next_pass and live:  # NOTE: the state the pass in flight leaves once it is abandoned (see abandon)
+        if next_pass and live:  # NOTE: where the next iter() starts (a loop that leaves this pass on purpose)
             start = self._next
             state["epoch"], state["position"] = start.epoch, start.position
             if not self.setup.in_order:

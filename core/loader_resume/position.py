@@ -117,15 +117,16 @@ class Position(Protocol):
     def end(self, pass_: Any) -> None:
         """torch's iterator of ``pass_`` is exhausted: the next pass is the next epoch."""
 
-    def abandon(self, pass_: Any) -> None:
-        """The iterator of ``pass_`` is gone before the pass ended (a loop left it early): from now on a state
-        describes where the next pass starts, as the next ``iter()`` of an uninterrupted run does."""
+    def progress(self) -> tuple[int, int | None]:
+        """The pass in flight on this rank: batches delivered in its epoch, and the epoch's batches (None for a
+        stream, which has no length); for the log line about a state that continues a pass."""
 
     def fill_state(self, state: dict[str, Any], batches_ago: int = 0, next_pass: bool = False) -> None:
         """Write the state's position fields (``epoch``, ``position``, ``sampler_state``, ``dataset_state``,
         ``stream``) into ``state``, a copy of the loader's identity fields; those left unwritten keep the
-        identity's zeroed values (``state_dict()`` runs between steps: no dict of its own). ``next_pass``: where
-        the next pass starts, whether or not a pass is still in flight."""
+        identity's zeroed values (``state_dict()`` runs between steps: no dict of its own). A pass in flight is
+        described where it continues, whether or not its iterator still exists; ``next_pass``: where the next pass
+        starts instead (a loop that leaves the pass on purpose)."""
 
     def batches_per_epoch(self) -> int:
         """This rank's batches in a whole epoch (TypeError for a stream: it has no length to compute)."""
@@ -187,16 +188,12 @@ class PassIterator(Generic[T]):
 
     @property
     def mid_epoch(self) -> bool:
-        """Whether this iterator's pass is still going on."""
-        return not self._pass.done
+        """Whether this iterator's pass is still going on.
 
-    def __del__(self) -> None:
-        # NOTE: a loop that leaves a pass early (`break`, zip over loaders of unequal length, a limit on batches)
-        # drops its iterator: the pass is over, and a state taken before the next iter() says where that one starts
-        try:
-            self._position.abandon(self._pass)
-        except Exception:  # never fully built (copy, pickle), or the interpreter is shutting down
-            pass
+        NOTE: no ``__del__``: a pass left early (``break``, an exception) stays the pass in flight whether or not
+        this iterator still exists, so a state never depends on the garbage collector; only the next ``iter()``
+        (or a loop that says ``pass_ended=True``) moves past it."""
+        return not self._pass.done
 
 
 def tell_epoch(dataset: Any, epoch: int) -> bool:

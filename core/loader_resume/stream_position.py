@@ -78,7 +78,7 @@ class StreamPosition:
 
     def begin(self, collate_fn: Callable[[Any], Any], worker_init_fn: Callable[[int], None] | None) -> PassStart:
         setup = self.setup
-        start = self._next
+        start = self._next if self._pass is None or self._pass.done else _after(self._pass)  # NOTE: one left mid-way
         self.epoch = start.epoch
         tell_epoch(setup.dataset, self.epoch)
         # NOTE: a carried end-of-epoch state is not loaded into copies that live on (they hold it); it stands
@@ -133,26 +133,15 @@ class StreamPosition:
         return batch
 
     def end(self, pass_: StreamPass) -> None:
-        """The pass is over. Where the dataset copies live on into the next epoch (``num_workers=0`` or
-        persistent workers), each one's end-of-stream state is carried into the next pass's state: a dataset
-        that counts its own epochs, or resets at its end, resumes as that copy would go on. A dataset that is
-        its own iterator is re-initialised by ``iter()`` and carries nothing. Fresh workers start from the
-        main process's copy, in the uninterrupted run as after a resume, so nothing is carried for them."""
+        """The pass is over: the next starts the next epoch, carrying what copies that live on hold (``_after``)."""
         if pass_ is not self._pass or pass_.done:
             return
         pass_.done = True
         self.epoch += 1
-        carry = None
-        if pass_.lives_on:
-            carry = [Progress(state=p.state, before_epoch=True, own=p.own)
-                     if p.ended and p.state is not None and not p.self_iterator else Progress(own=p.own)
-                     for p in pass_.progress]
-        self._next = NextStreamPass(self.epoch, carry=carry if carry and any(p.before_epoch or p.own for p in carry)
-                                    else None)
+        self._next = _after(pass_)
 
-    def abandon(self, pass_: StreamPass) -> None:
-        if pass_ is self._pass and not pass_.done:
-            pass_.done, self.epoch = True, self._next.epoch
+    def progress(self) -> tuple[int, int | None]:
+        return self._current().delivered, None
 
     def fill_state(self, state: dict[str, Any], batches_ago: int = 0, next_pass: bool = False) -> None:
         if next_pass and batches_ago:
@@ -214,9 +203,10 @@ class StreamPosition:
 
     def _current(self, next_pass: bool = False) -> StreamPass:
         """The pass a state taken now describes (see the loader's semantics); ``next_pass``: the next one."""
-        if self._pass is not None and not self._pass.done and not next_pass:
-            return self._pass
-        start = self._next
+        live = self._pass is not None and not self._pass.done
+        if live and not next_pass:
+            return self._pass  # type: ignore[return-value]
+        start = _after(self._pass) if live else self._next  # type: ignore[arg-type]
         if start.restore is not None:
             progress, next_worker = start.restore
             return StreamPass(start.epoch, list(progress), next_worker, start.delivered)
@@ -259,6 +249,24 @@ class StreamPosition:
             warn_self_kept(self.setup.dataset, own)
         self.epoch, self._pass = epoch, None
         self._next = NextStreamPass(epoch, delivered, (progress, next_worker))
+
+
+def _after(pass_: StreamPass) -> NextStreamPass:
+    """Where the pass after ``pass_`` starts, ``pass_`` ended or left mid-way. Where its dataset copies live on
+    (``num_workers=0`` or persistent workers) each one's last state is carried into the next pass: a dataset that
+    counts its own epochs, resets at its end, or goes on from where a loop left it, resumes as that copy would go
+    on. A dataset that is its own iterator is re-initialised by ``iter()`` and carries nothing. Fresh workers start
+    from the main process's copy, in the uninterrupted run as after a resume, so nothing is carried for them.
+    NOTE: persistent workers left mid-way have read ahead (torch drops what they prefetched): the carried state is
+    the last delivered batch's, so a resumed run gets those items where the uninterrupted one skips them."""
+    carry = None
+    if pass_.lives_on:
+        left = not pass_.done
+        carry = [Progress(state=p.state, before_epoch=True, own=p.own)
+                 if (p.ended or left) and p.state is not None and not p.self_iterator else Progress(own=p.own)
+                 for p in pass_.progress]
+    useful = carry is not None and any(p.before_epoch or p.own for p in carry)
+    return NextStreamPass(pass_.epoch + 1, carry=carry if useful else None)
 
 
 def _endless(spec: TicketSpec, stream: WorkerStream) -> Iterator[Ticket]:

@@ -1,0 +1,67 @@
+"""What a loader says about states of a pass in flight when the loop has not said what it means by leaving it.
+
+A state describes where the pass in flight continues, whether or not its iterator still exists: a loop that
+``break``s (or fails) and then saves is most often a job that stops, and continuing the pass loses nothing. A loop
+that leaves passes on purpose (an epoch limit of its own) says so with ``state_dict(pass_ended=True)``; the front
+doors say it for theirs. Where the loop said neither, the loader says which it did, once per loader:
+
+1. at the first such state: that loading it continues the pass, and how to choose the other;
+2. at an ``iter()`` that leaves a pass at the very batch a state was taken there (the loop left the pass on
+   purpose, in this process): that the state continues the pass this process just left.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from .position import Position
+
+__all__ = ["PassNotes"]
+
+logger = logging.getLogger(__name__)
+
+_HOW = ("a loop that leaves passes on purpose (an epoch limit of its own) takes its states with "
+        "state_dict(pass_ended=True)")
+
+
+class PassNotes:
+    """One loader's notes about states of its passes in flight (see the module docstring)."""
+
+    __slots__ = ("kind", "loader", "position", "said", "taken", "warned")
+
+    def __init__(self, loader: Any, position: Position) -> None:
+        self.loader = weakref.proxy(loader)  # NOTE: weak: the loader holds this object (see identity.py)
+        self.kind, self.position = type(loader).__name__, position
+        self.said = self.warned = False
+        self.taken: tuple[Any, Any, Any, Any] | None = None
+        """(the pass, and the state's epoch, position and stream) of the last state taken mid-pass, unsaid."""
+
+    def state_taken(self, pass_: Any, state: dict[str, Any]) -> None:
+        """``state_dict()`` without ``pass_ended`` while ``pass_`` is in flight."""
+        self.taken = (pass_, state["epoch"], state["position"], state["stream"])
+        if not self.said:
+            self.said = True
+            done, total = self.position.progress()
+            logger.info("%s: state_dict() continues the pass of epoch %d at batch %d of %s when loaded (whether or "
+                        "not the loop left it: a stopped job loses no sample); %s", self._name(), state["epoch"],
+                        done + 1, "?" if total is None else total, _HOW)
+
+    def leaving(self, at_pass: Any, now: Callable[[], dict[str, Any]]) -> None:
+        """``iter()`` begins a new pass; ``at_pass``: the loader's last (``StateIdentity``), ``now()``: its state."""
+        taken, self.taken = self.taken, None
+        if self.warned or taken is None or at_pass is None or at_pass[0] is not taken[0] or at_pass[0].done:
+            return
+        state = now()
+        if taken[1:] == (state["epoch"], state["position"], state["stream"]):
+            self.warned = True
+            done, total = self.position.progress()
+            logger.warning("%s: the loop left the pass of epoch %d after batch %d of %s, where a state was taken; "
+                           "this iter() starts epoch %d, but that state, loaded, continues epoch %d with batch %d "
+                           "(what a job stopped there needs); %s", self._name(), state["epoch"], done,
+                           "?" if total is None else total, state["epoch"] + 1, state["epoch"], done + 1, _HOW)
+
+    def _name(self) -> str:
+        return f"{self.kind} over {type(self.loader.dataset).__name__}"
