@@ -219,6 +219,10 @@ class Resume:
         """A loader handed a batch to the loop."""
         self._boundaries.delivered(loader)
 
+    def ran_out(self, loader: ReportingDataLoader) -> None:
+        """A loader's pass ran out (a shorter loader under ``zip`` ends the loop's pass of the others)."""
+        self._boundaries.ran_out(loader)
+
     def before_batch(self, loader: ReportingDataLoader) -> None:
         """A loader is asked for a batch: automatic resume, the RNG of a loaded checkpoint and step boundaries
         happen here."""
@@ -263,7 +267,8 @@ class Resume:
         return {
             "format": CHECKPOINT_FORMAT, "step": self.step, "epoch": self.epoch,
             "accelerator_step": self.accelerator.step, "world_size": self.accelerator.num_processes,
-            "loaders": [gather_states(loader, loader.resume_state()) for loader in self._loaders],
+            "loaders": [gather_states(loader, loader.resume_state(pass_ended=self._boundaries.left(loader)))
+                        for loader in self._loaders],
             "rng": gather_rng_states(),
         }
 

@@ -216,7 +216,8 @@ class FabricResume:
         entry = {
             "format": CHECKPOINT_FORMAT, "step": self.step, "epoch": self.epoch,
             "world_size": self.fabric.world_size,
-            "loaders": [gather_states(loader, loader.resume_state()) for loader in self.loaders],
+            "loaders": [gather_states(loader, loader.resume_state(pass_ended=self._boundaries.left(loader)))
+                        for loader in self.loaders],
             "rng": gather_rng_states(),
         }
         self._fabric_save(path, {**referenced(state, self.loaders), CHECKPOINT_KEY: entry}, filter=filter)
@@ -272,6 +273,10 @@ class FabricResume:
     def delivered(self, loader: ReportingDataLoader) -> None:
         """A loader handed a batch to the loop."""
         self._boundaries.delivered(loader)
+
+    def ran_out(self, loader: ReportingDataLoader) -> None:
+        """A loader's pass ran out (a shorter loader under ``zip`` ends the loop's pass of the others)."""
+        self._boundaries.ran_out(loader)
 
     def _boundary(self) -> None:
         if self._state is None:

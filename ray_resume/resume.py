@@ -106,7 +106,7 @@ class RayResume:
                 with checkpoint.as_directory() as directory:
                     self._load(Path(directory))
                 self._resumed = True
-            self._unmoved = [loader.state_dict() for loader in self.loaders]
+            self._unmoved = [loader.state_dict(pass_ended=False) for loader in self.loaders]
         return self._resumed
 
     def _load(self, directory: Path) -> None:
@@ -175,7 +175,7 @@ class RayResume:
             raise RuntimeError("RayResume: a loader is iterated through ray.train.torch.prepare_data_loader's "
                                "wrapper, which reads a batch ahead (a resume would skip it); iterate the "
                                "ResumableDataLoader itself and move batches with ray_resume.to_device")
-        if self.loaders and [loader.state_dict() for loader in self.loaders] == unmoved:
+        if self.loaders and [loader.state_dict(pass_ended=False) for loader in self.loaders] == unmoved:
             raise RuntimeError("RayResume: a training step was taken, and none of its loaders handed out a batch: "
                                "the loop iterates another loader, whose position nobody saves. "
                                "ray.train.torch.prepare_data_loader(loader) builds a new DataLoader with a "
@@ -196,7 +196,8 @@ class RayResume:
         rank, world = context.get_world_rank(), context.get_world_size()
         ahead = bool(self.loaders) and self.loaders[0].epoch > self.epoch  # the epoch's last batch is out
         state = {"format": FORMAT, "rank": rank, "world_size": world, "step": self.step,
-                 "epoch": self.epoch + ahead, "loaders": [loader.state_dict() for loader in self.loaders],
+                 "epoch": self.epoch + ahead,
+                 "loaders": [loader.state_dict(pass_ended=False) for loader in self.loaders],
                  "rng": own_generators()}
         with tempfile.TemporaryDirectory() as temporary:
             directory = Path(temporary)

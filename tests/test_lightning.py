@@ -475,3 +475,30 @@ def test_a_module_with_validation_step_but_no_validation_loader_still_fits(tmp_p
     model = NoValLoader()
     _quiet_trainer(tmp_path, [ResumeCallback(dirpath=str(tmp_path))]).fit(model)
     assert len(model.seen) == 8
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_fit_stopped_by_max_steps_saved_and_extended_continues_with_the_very_next_batch(
+    tmp_path: Path, workers: int
+) -> None:
+    """fit(max_steps=7), trainer.save_checkpoint(...), then fit(ckpt_path=...) with a higher max_steps (extending a
+    run): steps 8..12 are the uninterrupted fit's, mid-epoch (8 steps an epoch), whatever became of the iterator."""
+
+    def loader() -> DataLoader[Any]:
+        return DataLoader(TensorDataset(torch.arange(16.0).unsqueeze(1)), batch_size=2, shuffle=True,
+                          num_workers=workers)
+
+    def trainer(max_steps: int) -> L.Trainer:
+        return L.Trainer(accelerator="cpu", max_steps=max_steps, callbacks=[ResumeCallback(dirpath=str(tmp_path))],
+                         logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=True, default_root_dir=tmp_path)
+
+    full = _Tiny()
+    trainer(12).fit(full, train_dataloaders=loader())
+    stopped = _Tiny()
+    first = trainer(7)
+    first.fit(stopped, train_dataloaders=loader())
+    first.save_checkpoint(tmp_path / "at-7.ckpt")
+    extended = _Tiny()
+    trainer(12).fit(extended, train_dataloaders=loader(), ckpt_path=tmp_path / "at-7.ckpt")
+    assert len(full.seen) == 12 and stopped.seen == full.seen[:7] and extended.seen == full.seen[7:]

@@ -18,6 +18,7 @@ is no boundary either: the next pass's first request is, once the loop has run i
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -38,6 +39,9 @@ class BatchRequests(Protocol):
     def delivered(self, loader: ReportingDataLoader) -> None:
         """``loader`` handed a batch to the training loop."""
 
+    def ran_out(self, loader: ReportingDataLoader) -> None:
+        """The training loop asked ``loader`` past the last batch of its pass."""
+
 
 _END: Any = object()
 
@@ -53,8 +57,9 @@ class ReportingDataLoader(ResumableDataLoader[Any]):
 
     _reports: BatchRequests | None = None
     _place: Callable[[Any], Any] | None = None
-    _held = 0
+    _held = 0  # batches fetched ahead of the loop in the pass in flight (streams: one), kept if the loop leaves it
     _open_at_end = False  # the pass's last batch is out and its generator has not ended yet
+    _requesting = False  # the first request of a new pass is being reported: the pass before it is left
     end_of_dataloader = False
 
     def attach(self, reports: BatchRequests | None, place: Callable[[Any], Any] | None) -> None:
@@ -67,9 +72,14 @@ class ReportingDataLoader(ResumableDataLoader[Any]):
 
     def _batches(self) -> Iterator[Any]:
         reports = self._reports
-        if reports is not None:
-            reports.before_batch(self)  # the first request of a pass: the previous pass's last step ends here
+        if reports is not None:  # the first request of a pass: the previous pass's last step ends here
+            self._requesting = True
+            try:
+                reports.before_batch(self)
+            finally:
+                self._requesting = False
         inner = super().__iter__()
+        self._held, self._open_at_end = 0, False
         self.pass_begins()
         try:
             ahead = isinstance(self.dataset, IterableDataset)  # no length: fetch one batch ahead to see the end coming
@@ -84,17 +94,23 @@ class ReportingDataLoader(ResumableDataLoader[Any]):
                 self._open_at_end = self.end_of_dataloader
                 yield current if self._place is None else self._place(current)
                 if self.end_of_dataloader:
-                    return  # NOTE: no boundary on the request that ends the pass, see resume_state
+                    break  # NOTE: no boundary on the request that ends the pass, see resume_state
                 if reports is not None:
                     reports.before_batch(self)
                 epoch = self.epoch
                 current = upcoming if ahead else next(inner, _END)
-        finally:
+            # NOTE: only a pass that ran out holds nothing: one the loop left (a `break`, an exception) keeps
+            # what was fetched ahead of it, whenever its generator is closed, as its state goes on saying
             self._held, self._open_at_end = 0, False
+            if reports is not None:
+                reports.ran_out(self)
+        finally:
             self.pass_ends()
 
-    def resume_state(self) -> dict[str, Any]:
-        """The state at the last batch handed to the training loop (not at a batch fetched ahead).
+    def resume_state(self, *, pass_ended: bool = False) -> dict[str, Any]:
+        """The state at the last batch handed to the training loop (not at a batch fetched ahead); a pass the loop
+        left continues there, unless ``pass_ended`` (the front door knows its loop moved on: an epoch of its own
+        ended) or the state is taken at the first request of this loader's next pass (the loop began it).
 
         NOTE: a step boundary is never taken on the request that ends a pass, but on the next pass's
         first request: by then the loop has run its end-of-epoch code and moved to the next epoch,
@@ -102,7 +118,9 @@ class ReportingDataLoader(ResumableDataLoader[Any]):
         is out and the pass not yet ended (a checkpoint in the loop's body; another loader's request in a
         ``zip``) says so (``"ending"``): after a load the rest of that pass is empty, as the loop will find it.
         """
-        state = self.state_dict(batches_ago=self._held) if self._held else self.state_dict()
+        if pass_ended or self._requesting:
+            return self.state_dict(pass_ended=True)
+        state = self.state_dict(batches_ago=self._held, pass_ended=False)
         if self._open_at_end:
             state["ending"] = True
         return state
@@ -126,6 +144,10 @@ class StepBoundaries:
         self._stepped = 0  # optimizer steps since the last boundary
         self._participants: set[int] = set()  # loaders that delivered a batch since the last boundary
         self._step_loaders: set[int] = set()  # ...of which those that delivered before an optimizer step
+        self._events = itertools.count()  # orders deliveries and passes that ran out
+        self._last_batch: dict[int, int] = {}  # a loader's id: when it last delivered a batch
+        self._ran_out = -1  # when a training loader's pass last ran out
+        self._trained: set[int] = set()  # loaders that ever delivered before an optimizer step
 
     @property
     def step(self) -> int:
@@ -140,9 +162,23 @@ class StepBoundaries:
     def optimizer_stepped(self, *_: Any) -> None:
         self._stepped += 1
         self._step_loaders |= self._participants  # loaders that fed this step (an evaluation after it did not)
+        self._trained |= self._participants
 
     def delivered(self, loader: Any) -> None:
         self._participants.add(id(loader))
+        self._last_batch[id(loader)] = next(self._events)
+
+    def ran_out(self, loader: Any) -> None:
+        """``loader``'s pass ran out (the loop asked past its last batch)."""
+        if id(loader) in self._trained:  # NOTE: an evaluation loader, which feeds no step, ends no epoch
+            self._ran_out = next(self._events)
+
+    def left(self, loader: Any) -> bool:
+        """Whether the loop left ``loader``'s pass: a training loader's pass ran out after ``loader``'s last batch
+        (``zip`` over loaders of unequal length ends there), so its pass in flight, if any, is over and a state
+        describes where its next pass starts. A loop that ``break``s runs nothing out: its passes continue.
+        NOTE: an iterator kept across epochs by hand (``next()`` on it) is left too, until its next batch."""
+        return self._last_batch.get(id(loader), self._ran_out) < self._ran_out
 
     def crossed(self, loader: Any) -> bool:
         """Whether this request for a batch from ``loader`` is a step boundary (then counted)."""
@@ -164,3 +200,4 @@ class StepBoundaries:
         self._stepped = 0
         self._participants.clear()
         self._step_loaders.clear()
+        self._last_batch.clear()
