@@ -69,7 +69,7 @@ class StateIdentity:
 
     def pass_began(self, pass_: Any) -> None:
         """``iter()`` began ``pass_`` (whose ``done`` says when it ends)."""
-        self.at_pass = (pass_, self.loader.num_workers, self.fields())
+        self.at_pass = (pass_, self.position.setup.num_workers, self.fields())
 
     def forget_pass(self) -> None:
         """A state was loaded: its position is reported with the identity as it is now."""
@@ -78,7 +78,8 @@ class StateIdentity:
     def for_state(self, next_pass: bool = False) -> dict[str, Any]:
         """A fresh dict of the fields for ``state_dict()`` (``next_pass``: for where the next pass starts)."""
         at_pass = self.at_pass
-        if not next_pass and at_pass is not None and not at_pass[0].done and at_pass[1] == self.loader.num_workers:
+        workers = self.position.setup.num_workers  # NOTE: the loader keeps it equal to its own (no proxy: cheaper)
+        if not next_pass and at_pass is not None and not at_pass[0].done and at_pass[1] == workers:
             state = at_pass[2].copy()
             state["keyed_generators"] = list(self.position.setup.generators)
             return state

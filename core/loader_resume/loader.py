@@ -154,7 +154,7 @@ class ResumableDataLoader(IndexHooks[T]):
     def __iter__(self) -> Any:
         setup = self._position.setup
         self._loads.taken_up()
-        if self._notes.taken is not None:  # a state of the pass in flight was taken, the loop said nothing
+        if self._notes.taken is not None:  # a state was taken, the loop said nothing: was it where it leaves?
             self._notes.leaving(self._identity.at_pass, lambda: ResumableDataLoader.state_dict(self, pass_ended=False))
         if self._rest_empty:  # NOTE: the saved pass's rest is empty: this iter() ends at once (a pass over)
             self._rest_empty = False
@@ -253,8 +253,11 @@ class ResumableDataLoader(IndexHooks[T]):
         self._position.fill_state(state, batches_ago, ended)
         if self._rest_empty:  # a loaded "ending" no iter() has taken up: still the same (no pass in flight to end)
             state["ending"] = True
-        elif pass_ended is None and (at := self._identity.at_pass) is not None and not at[0].done:
-            self._notes.state_taken(at[0], state)
+        elif pass_ended is None:  # NOTE: per call only a reference kept; the note looks once (see pass_notes)
+            notes = self._notes
+            notes.taken = state
+            if not notes.said:
+                notes.first(self._identity.at_pass, state)
         return state
 
     @property
@@ -284,6 +287,7 @@ class ResumableDataLoader(IndexHooks[T]):
         loader is mid-epoch (it goes on), or over an earlier state that no ``iter()`` took up."""
         state = self._identity.checked(state_dict)
         self._loads.loading()
+        self._notes.taken = None
         self._identity.forget_pass()
         self._position.reset(state)
         self._rest_empty = bool(state.get("ending"))

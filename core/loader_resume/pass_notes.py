@@ -36,26 +36,27 @@ class PassNotes:
         self.loader = weakref.proxy(loader)  # NOTE: weak: the loader holds this object (see identity.py)
         self.kind, self.position = type(loader).__name__, position
         self.said = self.warned = False
-        self.taken: tuple[Any, Any, Any, Any] | None = None
-        """(the pass, and the state's epoch, position and stream) of the last state taken mid-pass, unsaid."""
+        self.taken: dict[str, Any] | None = None
+        """The last state taken without ``pass_ended`` since the last ``iter()`` or load (the loader sets it)."""
 
-    def state_taken(self, pass_: Any, state: dict[str, Any]) -> None:
-        """``state_dict()`` without ``pass_ended`` while ``pass_`` is in flight."""
-        self.taken = (pass_, state["epoch"], state["position"], state["stream"])
-        if not self.said:
-            self.said = True
-            done, total = self.position.progress()
-            logger.info("%s: state_dict() continues the pass of epoch %d at batch %d of %s when loaded (whether or "
-                        "not the loop left it: a stopped job loses no sample); %s", self._name(), state["epoch"],
-                        done + 1, "?" if total is None else total, _HOW)
+    def first(self, at_pass: Any, state: dict[str, Any]) -> None:
+        """The first states without ``pass_ended``, until one is of a pass in flight (``at_pass``: the loader's
+        last ``iter()``, see ``StateIdentity``): that one says once what loading it does."""
+        if at_pass is None or at_pass[0].done:
+            return
+        self.said = True
+        done, total = self.position.progress()
+        logger.info("%s: state_dict() continues the pass of epoch %d at batch %d of %s when loaded (whether or not "
+                    "the loop left it: a stopped job loses no sample); %s", self._name(), state["epoch"], done + 1,
+                    "?" if total is None else total, _HOW)
 
     def leaving(self, at_pass: Any, now: Callable[[], dict[str, Any]]) -> None:
-        """``iter()`` begins a new pass; ``at_pass``: the loader's last (``StateIdentity``), ``now()``: its state."""
+        """``iter()`` begins a new pass; ``at_pass``: the loader's last, ``now()``: its state as it stands."""
         taken, self.taken = self.taken, None
-        if self.warned or taken is None or at_pass is None or at_pass[0] is not taken[0] or at_pass[0].done:
+        if self.warned or taken is None or at_pass is None or at_pass[0].done:
             return
-        state = now()
-        if taken[1:] == (state["epoch"], state["position"], state["stream"]):
+        state = now()  # NOTE: one pass's states differ in position: equal ones were taken where it is left
+        if (taken["epoch"], taken["position"], taken["stream"]) == (state["epoch"], state["position"], state["stream"]):
             self.warned = True
             done, total = self.position.progress()
             logger.warning("%s: the loop left the pass of epoch %d after batch %d of %s, where a state was taken; "
