@@ -57,6 +57,8 @@ def main() -> None:
                         "micro-batch (a real full disk: mount a small tmpfs there)")
     parser.add_argument("--vanish-at", type=int, help="the save at this step finds its directory deleted")
     parser.add_argument("--save-at", type=int, help="accelerator.save_state(OUT/explicit) at this step, then crash")
+    parser.add_argument("--break-at", type=int, help="a stop flag: break out of the epoch after this step, then "
+                        "accelerator.save_state(OUT/explicit) after the loop, then end")
     parser.add_argument("--load", help="accelerator.load_state(DIR) after prepare (automatic resume off)")
     parser.add_argument("--stream", action="store_true", help="an IterableDataset without __len__")
     parser.add_argument("--mixture", action="store_true", help="a Mixture whose weights change after steps 3 and 9")
@@ -151,6 +153,13 @@ def main() -> None:
                 accelerator.wait_for_everyone()
                 accelerator.end_training()  # NOTE: gloo aborts a process whose peer vanished mid-connection
                 os._exit(0)  # a crash right after the save: nothing else is written
+            if args.break_at == resume.step and accelerator.sync_gradients:
+                break
+        if args.break_at is not None and args.break_at == resume.step:  # NOTE: the save after the loop it left
+            accelerator.save_state(str(out / "explicit"))
+            accelerator.wait_for_everyone()
+            accelerator.end_training()
+            os._exit(0)
         if args.eval_n:
             model.eval()
             seen = []

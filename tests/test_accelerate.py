@@ -76,6 +76,20 @@ def test_save_state_then_load_state_in_a_fresh_process_is_exact(
     assert weights(tmp_path) == weights(full[processes])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_loop_that_breaks_then_save_state_continues_its_pass_in_a_fresh_process(tmp_path: Path, stream: bool) -> None:
+    """A stop flag's ``break`` at step 5 (mid-epoch), then ``accelerator.save_state`` after the loop: the loop left
+    the pass, its generator is closed, nothing ran out. ``load_state`` in a fresh process continues with the very
+    next batch; a stream's batch fetched ahead of the loop is not lost."""
+    options = ["--workers", "2", *(["--stream"] if stream else [])]
+    run(tmp_path / "full", 1, *options)
+    run(tmp_path / "job", 1, *options, "--break-at", "5")
+    assert trained(logs(tmp_path / "job")[0])[-1]["step"] == 5
+    run(tmp_path / "job", 1, *options, "--load", str(tmp_path / "job" / "explicit"))
+    assert logs(tmp_path / "job") == logs(tmp_path / "full")
+    assert weights(tmp_path / "job") == weights(tmp_path / "full")
+
+
 def preempt(out: Path, processes: int, whole_group: bool, *args: str) -> None:
     """A real SIGTERM from the test, mid-epoch, to rank 0 or to the whole process group."""
     first = subprocess.Popen(command(out, processes, "--sleep", "0.1", *args), stdout=subprocess.DEVNULL,
