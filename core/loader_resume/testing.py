@@ -192,8 +192,9 @@ def _resume(make: Callable[[], StatefulLoader], state: dict[str, Any], epochs: i
         from torch.distributed.checkpoint.state_dict_saver import save
 
         with tempfile.TemporaryDirectory() as directory:
-            save({"loader": _Holding(state)}, checkpoint_id=directory, no_dist=True)
-            load({"loader": resumed}, checkpoint_id=directory, no_dist=True)
+            single = _single_process(save)
+            save({"loader": _Holding(state)}, checkpoint_id=directory, **single)
+            load({"loader": resumed}, checkpoint_id=directory, **single)
     else:
         resumed.load_state_dict(state)
     read_back = copy.deepcopy(resumed.state_dict())
@@ -210,6 +211,20 @@ def _resume(make: Callable[[], StatefulLoader], state: dict[str, Any], epochs: i
             if after_batch is not None:
                 after_batch(resumed, delivered + len(rest))
     return state, read_back, again.state_dict(), rest
+
+
+def _single_process(save: Callable[..., Any]) -> dict[str, Any]:
+    """The keyword that keeps a DCP round trip in this process: ``no_dist=True`` (torch >= 2.7). Older torch has
+    no such keyword and saves in one process by itself unless a process group is initialised (refused then)."""
+    import inspect
+
+    if "no_dist" in inspect.signature(save).parameters:
+        return {"no_dist": True}
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        raise RuntimeError(f"round_trip='dcp' under an initialised process group needs torch >= 2.7 (torch "
+                           f"{torch.__version__}'s torch.distributed.checkpoint has no no_dist=True); use another "
+                           "round trip, or call it before init_process_group")
+    return {}
 
 
 class _Holding:
