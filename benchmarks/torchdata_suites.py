@@ -46,8 +46,6 @@ DELIBERATE: dict[str, str] = {
         "reads torchdata's state layout",
     r"test_state_dict\.py::TestNumWorkersMismatch": "a map-style state resumes with another num_workers",
     r"test_state_dict\.py::TestEndOfEpochBehavior": "a state after an epoch's last batch resumes at the next epoch",
-    r"test_state_dict\.py::TestNotStatefulSamplerSDL_shard0":
-        "a state taken after a `break` resumes at the next epoch, as the uninterrupted run's next iter() does",
     r"test_state_dict\.py::TestDynamicStateIterableDataset": "reads torchdata's state layout",
     r"test_state_dict\.py::TestDatasetIteratorStateDuplication": "reads torchdata's state layout",
     r"test_state_dict\.py::TestSingleIterCalled": "reads torchdata's state layout",
