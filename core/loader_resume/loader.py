@@ -67,11 +67,10 @@ class ResumableDataLoader(IndexHooks[T]):
         world_size: shard across so many ranks; default from ``torch.distributed`` when initialised.
         by_value_bytes: tensors up to this size come back from workers by value (``worker_transport``); 0: never.
 
-    Semantics: ``state_dict()`` may be called at any time and describes where the next batch comes from;
-    after ``load_state_dict(s)`` the next ``iter()`` continues there. Without a load each ``iter()`` starts a
-    new epoch, as with ``DataLoader``. A state taken after an epoch's last batch resumes at the next epoch's
-    first batch; one taken after a pass was left early (``break``, an exception) continues that pass, unless
-    taken with ``state_dict(pass_ended=True)``. ``len(loader)``: this rank's batches.
+    Semantics: ``state_dict()`` may be called at any time and describes where the next batch comes from; after
+    ``load_state_dict(s)`` the next ``iter()`` continues there; without a load each ``iter()`` starts a new epoch,
+    as ``DataLoader``. After an epoch's last batch a state resumes at the next epoch; after a pass was left early
+    (``break``, an exception) it continues that pass, unless ``pass_ended=True``. ``len()``: this rank's batches.
     """
 
     def __init__(
@@ -180,9 +179,8 @@ class ResumableDataLoader(IndexHooks[T]):
 
     @contextlib.contextmanager
     def _building(self, **attributes: Any) -> Iterator[None]:
-        """Hand torch's iterator our collate/worker_init_fn (and keyed generator) while it is built; afterwards the
-        loader's attributes are the user's again. NOTE: torch draws workers' base seed from ``loader.generator``
-        (else the caller's generator: dropout would shift); while keyed, from one keyed by (seed, epoch)."""
+        """Hand torch's iterator our collate/worker_init_fn while it is built, then the user's again. NOTE: workers'
+        base seed comes from ``loader.generator`` (else the caller's: dropout would shift), keyed by (seed, epoch)."""
         if self.generator is None and self.keying != "off":
             key = derive_key(self.seed, self._position.epoch, "workers")
             attributes["generator"] = torch.Generator().manual_seed(key)
@@ -254,10 +252,9 @@ class ResumableDataLoader(IndexHooks[T]):
         if self._rest_empty:  # a loaded "ending" no iter() has taken up: still the same (no pass in flight to end)
             state["ending"] = True
         elif pass_ended is None:  # NOTE: per call only a reference kept; the note looks once (see pass_notes)
-            notes = self._notes
-            notes.taken = state
-            if not notes.said:
-                notes.first(self._identity.at_pass, state)
+            self._notes.taken = state
+            if not self._notes.said:
+                self._notes.first(self._identity.at_pass, state)
         return state
 
     @property
@@ -293,8 +290,7 @@ class ResumableDataLoader(IndexHooks[T]):
         self._rest_empty = bool(state.get("ending"))
 
     def load_resharded(self, ranks: list[dict[str, Any]]) -> None:
-        """Resume an iterable dataset's checkpoint of another world size from every old rank's state (see
-        ``distributed.load_rank_state``): the dataset must define ``reshard_states(states, num_shards)``."""
+        """Resume a stream saved at another world size from every old rank's state (``reshard_states``)."""
         if not isinstance(self._position, StreamPosition):
             raise TypeError("load_resharded(): map-style states load at any world size through load_state_dict()")
         states = [check_state(state, self._identity.fields()) for state in ranks]
