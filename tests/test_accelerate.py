@@ -76,18 +76,27 @@ def test_save_state_then_load_state_in_a_fresh_process_is_exact(
     assert weights(tmp_path) == weights(full[processes])
 
 
+@pytest.fixture(scope="module")
+def stream_full(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted run over an IterableDataset at 2 workers."""
+    out = tmp_path_factory.mktemp("stream-full")
+    run(out, 1, "--stream", "--workers", "2")
+    return out
+
+
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_loop_that_breaks_then_save_state_continues_its_pass_in_a_fresh_process(tmp_path: Path, stream: bool) -> None:
+def test_a_loop_that_breaks_then_save_state_continues_its_pass_in_a_fresh_process(
+    full: dict[int, Path], stream_full: Path, tmp_path: Path, stream: bool
+) -> None:
     """A stop flag's ``break`` at step 5 (mid-epoch), then ``accelerator.save_state`` after the loop: the loop left
     the pass, its generator is closed, nothing ran out. ``load_state`` in a fresh process continues with the very
     next batch; a stream's batch fetched ahead of the loop is not lost."""
-    options = ["--workers", "2", *(["--stream"] if stream else [])]
-    run(tmp_path / "full", 1, *options)
-    run(tmp_path / "job", 1, *options, "--break-at", "5")
-    assert trained(logs(tmp_path / "job")[0])[-1]["step"] == 5
-    run(tmp_path / "job", 1, *options, "--load", str(tmp_path / "job" / "explicit"))
-    assert logs(tmp_path / "job") == logs(tmp_path / "full")
-    assert weights(tmp_path / "job") == weights(tmp_path / "full")
+    options = ["--workers", "2", *(["--stream"] if stream else ["--eval-n", "13"])]
+    run(tmp_path, 1, *options, "--break-at", "5")
+    assert trained(logs(tmp_path)[0])[-1]["step"] == 5
+    run(tmp_path, 1, *options, "--load", str(tmp_path / "explicit"))
+    reference = stream_full if stream else full[1]
+    assert logs(tmp_path) == logs(reference) and weights(tmp_path) == weights(reference)
 
 
 def preempt(out: Path, processes: int, whole_group: bool, *args: str) -> None:
@@ -205,13 +214,12 @@ def test_gradient_accumulation_is_never_split_and_resume_is_exact(tmp_path: Path
     assert syncs == [False, True, False, True, False, True, True]  # the epoch's end syncs
 
 
-def test_iterable_dataset_with_workers_resumes_exactly_after_sigterm(tmp_path: Path) -> None:
+def test_iterable_dataset_with_workers_resumes_exactly_after_sigterm(stream_full: Path, tmp_path: Path) -> None:
     options = ["--stream", "--workers", "2"]
-    run(tmp_path / "full", 1, *options)
     run(tmp_path / "job", 1, *options, "--signal-at", "11", expect=143)
     run(tmp_path / "job", 1, *options)
-    assert logs(tmp_path / "job") == logs(tmp_path / "full")
-    assert weights(tmp_path / "job") == weights(tmp_path / "full")
+    assert logs(tmp_path / "job") == logs(stream_full)
+    assert weights(tmp_path / "job") == weights(stream_full)
 
 
 def test_periodic_checkpoints_keep_the_newest(tmp_path: Path) -> None:
