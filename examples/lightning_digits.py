@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_resume import ResumeCallback
+from loader_resume.storage import local_path
 from loader_resume.testing import fingerprint
 from loader_resume.tools.demo import NoisyDigits
 
@@ -65,15 +66,16 @@ def load_config(overrides: list[str]) -> DictConfig:
 def main(overrides: list[str]) -> None:
     cfg = load_config(overrides)
     torch.manual_seed(0)
-    root = Path(cfg.trainer.default_root_dir)
+    root = str(cfg.trainer.default_root_dir)  # a local path or a URL (s3://bucket/run): kept a string
     trainer = L.Trainer(
         accelerator="cpu", devices=cfg.trainer.devices, strategy="ddp" if cfg.trainer.devices > 1 else "auto",
         max_epochs=cfg.trainer.max_epochs, default_root_dir=root, logger=False, enable_progress_bar=False,
         enable_model_summary=False, deterministic=True,
         callbacks=[
             ResumeCallback(dirpath=root, **OmegaConf.to_container(cfg.resume)),  # type: ignore[arg-type]
-            ModelCheckpoint(dirpath=root / "checkpoints", every_n_train_steps=cfg.trainer.every_n_train_steps,
-                            save_top_k=-1, save_last=True),
+            # NOTE: Lightning's ModelCheckpoint reads a file: URL as a relative local path: give it the path
+            ModelCheckpoint(dirpath=f"{local_path(root)}/checkpoints",
+                            every_n_train_steps=cfg.trainer.every_n_train_steps, save_top_k=-1, save_last=True),
         ],
     )
     model = DigitsModule(cfg)

@@ -15,24 +15,26 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from loader_resume import GENERATORS, ResumableDataLoader
-from loader_resume.checkpoint import CHECKPOINT_FORMAT, global_rng_state, set_global_rng_state
-from loader_resume.checkpoint_dir import FAILED_SAVE_EXIT_CODE, DirectoryLock, claim, preemption_exit_code
+from loader_resume.checkpoint import CHECKPOINT_FORMAT
+from loader_resume.checkpoint_dir import FAILED_SAVE_EXIT_CODE, DirectoryLock, preemption_exit_code
 from loader_resume.convert import resumable
 from loader_resume.distributed import gather_rng_states, gather_states
 from loader_resume.preemption import Preemption
 from loader_resume.sampler import loader_seed
 from loader_resume.slurm import Requeue
+from loader_resume.storage import is_remote, join, local_path
 
 from .fit_start import make_newest, quiet_fresh_fit, trainer_calling
-from .integrity import nothing_else_to_resume, save_atomically, usable, verify_loads
+from .generators import FitGenerators
+from .integrity import exists, nothing_else_to_resume, save_atomically, usable, verify_loads
 from .loaders import TrainingLoaders, drop_lightning_loader_states, evaluation_workers_ignore
+from .remote import checkpoints_in, claim_directory, newest_last, refuse_a_silent_start
 from .stopping import adopt_lightnings_sigterm, slurm_requeue, stop_validating_as_planned
 
 __all__ = ["CHECKPOINT_KEY", "ResumeCallback"]
@@ -82,7 +84,7 @@ class ResumeCallback(OnExceptionCheckpoint):
         check_every_n_steps: int = 1,
         exit_code: int | None = 143,
     ) -> None:
-        super().__init__(os.fspath(dirpath) if dirpath is not None else os.getcwd(), filename)
+        super().__init__(local_path(dirpath) if dirpath is not None else os.getcwd(), filename)  # NOTE: file: URLs
         if type(check_every_n_steps) is not int or check_every_n_steps < 1:
             raise ValueError(f"ResumeCallback(check_every_n_steps={check_every_n_steps!r}): expected an int >= 1")
         self.seed, self.keying, self.keyed_generators = seed, keying, tuple(keyed_generators)
@@ -92,9 +94,7 @@ class ResumeCallback(OnExceptionCheckpoint):
         self._dirpath_known = dirpath is not None  # else: learnt from the trainer (see ckpt_path)
         self._asked_unknown = False  # Lightning asked for ckpt_path before we could learn the trainer's dir
         self._training = TrainingLoaders(self._resumable)
-        self._rng_to_restore: Any = None
-        self._rng_around_validation: Any = None
-        self._torch_rng_after_step: torch.Tensor | None = None
+        self._generators = FitGenerators()
         self._lock: DirectoryLock | None = None
         self._claimed = False  # on every rank (the lock: the main one's)
         self._choosing = True  # Lightning may be choosing the checkpoint of a fit (see ckpt_path)
@@ -119,11 +119,14 @@ class ResumeCallback(OnExceptionCheckpoint):
             if trainer is None:
                 self._asked_unknown = True
             else:
-                self.dirpath, self._dirpath_known = str(trainer.default_root_dir), True
-        path = os.path.join(self.dirpath, self.filename + self.FILE_EXTENSION)
-        if self._choosing and os.path.isfile(path) and not usable(path):
-            self._skipped = path
-            return path + ".skipped"  # NOTE: a file that does not exist: Lightning looks for another checkpoint
+                self.dirpath, self._dirpath_known = local_path(str(trainer.default_root_dir)), True
+        path = join(str(self.dirpath), self.filename + self.FILE_EXTENSION)
+        if not self._choosing:
+            return path
+        if exists(path) and not usable(path):
+            self._skipped, path = path, path + ".skipped"  # NOTE: no such file: Lightning looks for another one
+        if is_remote(path) and not exists(path):  # NOTE: Lightning's own search finds no remote last.ckpt
+            return newest_last(trainer_calling(self)) or path
         return path
 
     # --- hooks ---------------------------------------------------------------------------------
@@ -136,8 +139,8 @@ class ResumeCallback(OnExceptionCheckpoint):
             raise ValueError("Trainer(callbacks=[...]) has more than one ResumeCallback; expected exactly one "
                              "(each would convert and save the same loaders)")
         if not self._dirpath_known:
-            self.dirpath, self._dirpath_known = str(trainer.default_root_dir), True
-            if self._asked_unknown and stage == "fit" and os.path.exists(self.ckpt_path):
+            self.dirpath, self._dirpath_known = local_path(str(trainer.default_root_dir)), True
+            if self._asked_unknown and stage == "fit" and exists(self.ckpt_path):
                 raise RuntimeError(
                     f"ResumeCallback: a preemption checkpoint is waiting in {self.ckpt_path}, but this fit() looked "
                     f"for its checkpoint before the callback could learn default_root_dir, so it would start over. "
@@ -150,8 +153,8 @@ class ResumeCallback(OnExceptionCheckpoint):
             trainer.callbacks = [c for c in callbacks if c is not self] + [self]  # type: ignore[attr-defined]
         if stage == "fit":
             agree = functools.partial(trainer.strategy.reduce_boolean_decision, all=False)
-            if not self._claimed and "://" not in str(self.dirpath):  # NOTE: every rank (a remote dirpath: no lock)
-                self._lock, self._claimed = claim(self.dirpath, main=trainer.is_global_zero, agree=agree), True
+            if not self._claimed:  # NOTE: every rank
+                self._lock, self._claimed = claim_directory(str(self.dirpath), trainer.is_global_zero, agree), True
             self._requeue = slurm_requeue(trainer, self.preemption)  # NOTE: before the workers learn the signals
             self._training.intercept(trainer)
             evaluation_workers_ignore(trainer, self.preemption.signals)
@@ -165,6 +168,8 @@ class ResumeCallback(OnExceptionCheckpoint):
         skipped, self._skipped = self._skipped, None  # NOTE: after the restore, whenever the strategy does it
         if skipped is not None and trainer.ckpt_path is None:
             raise nothing_else_to_resume(skipped)
+        if trainer.ckpt_path is None and is_remote(self.dirpath):
+            refuse_a_silent_start(checkpoints_in(str(self.dirpath), trainer))
         self._training.check_iterated(trainer)
         self._install(trainer)
 
@@ -181,7 +186,7 @@ class ResumeCallback(OnExceptionCheckpoint):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._torch_rng_after_step = torch.get_rng_state()  # see on_validation_start
+        self._generators.step_ended()
         at_step_boundary = (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or trainer.is_last_batch
         if not at_step_boundary or trainer.global_step % self.check_every_n_steps:
             return
@@ -212,7 +217,7 @@ class ResumeCallback(OnExceptionCheckpoint):
             return
         self._let_go()
         written = self.preempted_at is not None and self._exit_with != FAILED_SAVE_EXIT_CODE
-        if written and trainer.is_global_zero and os.path.exists(self.ckpt_path):
+        if written and trainer.is_global_zero and not is_remote(self.dirpath) and os.path.exists(self.ckpt_path):
             # NOTE: a restart resumes from the newest of this file and ModelCheckpoint's last file (by mtime);
             # ModelCheckpoint may still write last.ckpt while the stopping fit winds down, within the same tick
             make_newest(self.ckpt_path, trainer)
@@ -251,41 +256,24 @@ class ResumeCallback(OnExceptionCheckpoint):
                              "(written by another loader-resume release?)")
         self._training.load(saved["loaders"])
         rng = saved["rng"]
-        self._rng_to_restore = rng[trainer.global_rank] if trainer.global_rank < len(rng) else None
+        self._generators.to_restore = rng[trainer.global_rank] if trainer.global_rank < len(rng) else None
         drop_lightning_loader_states(checkpoint)
 
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._restore_rng()
+        self._generators.restore()
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self._restore_rng()
+        self._generators.restore()
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # NOTE: validation inside fit draws from the global RNG: a plain val DataLoader draws its
-        # workers' base seed from torch's generator when Lightning creates its iterator, before this
-        # hook. Putting the RNG back afterwards (torch's as of the last training step) makes training's
-        # random sequence independent of when validation runs, so checkpoints around it resume exactly.
-        fitting = trainer.state.fn == "fit" and not trainer.sanity_checking
-        self._rng_around_validation = global_rng_state() if fitting else None
+        self._generators.validation_starts(trainer.state.fn == "fit" and not trainer.sanity_checking)
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._rng_around_validation is not None:
-            if self._torch_rng_after_step is not None:
-                self._rng_around_validation["torch"] = self._torch_rng_after_step
-            set_global_rng_state(self._rng_around_validation)
-            self._rng_around_validation = None
-
-    def _restore_rng(self) -> None:
-        # NOTE: right before the first training step after the resume, so the model's dropout sequence
-        # continues exactly. Not only at epoch start: Lightning skips on_train_epoch_start when it
-        # resumes in the middle of an epoch. Fetching the batch before it draws nothing from these RNGs.
-        if self._rng_to_restore is not None:
-            set_global_rng_state(self._rng_to_restore)
-            self._rng_to_restore = None
+        self._generators.validation_ends()
 
     # --- loaders -------------------------------------------------------------------------------
     def _resumable(self, loader: DataLoader[Any], rank: int, world_size: int, distributed: bool,

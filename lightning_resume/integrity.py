@@ -2,8 +2,9 @@
 verified before Lightning loads them, and a corrupted preemption checkpoint passed over at an automatic resume.
 
 - :func:`save_atomically`: ``trainer.save_checkpoint`` into ``.NAME.tmp-TOKEN`` (a name of this write alone), then
-  renamed; a failed write on any rank (a full disk, a read-only mount, any exception) is agreed by all ranks, the
-  temporary file is removed, the previous checkpoint stays, and ``None`` is returned.
+  renamed (to an fsspec URL: one upload, visible only once complete); a failed write on any rank (a full disk, a
+  read-only mount, any exception) is agreed by all ranks, the temporary file is removed, the previous checkpoint
+  stays, and ``None`` is returned.
 - :func:`usable`: whether a checkpoint file verifies (:func:`loader_resume.torch_file.verify_torch_file`), with
   a warning naming it and why not; :func:`verify_loads`: every file the strategy loads is verified first, so a
   changed or truncated checkpoint is refused naming the file (``fit(ckpt_path=...)`` included).
@@ -21,9 +22,10 @@ from typing import Any
 from lightning.pytorch import Trainer
 
 from loader_resume.checkpoint import CheckpointError, describe_failure, storage_failure, writer_token
+from loader_resume.storage import is_remote, remote_filesystem
 from loader_resume.torch_file import verify_torch_file
 
-__all__ = ["nothing_else_to_resume", "save_atomically", "usable", "verify_loads"]
+__all__ = ["exists", "nothing_else_to_resume", "save_atomically", "usable", "verify_loads"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +34,9 @@ def save_atomically(trainer: Trainer, final: str) -> str | None:
     """``trainer.save_checkpoint`` to ``final`` through a temporary file (every rank calls it): ``final``, or
     ``None`` when the write failed on any rank (logged with the path and the cause)."""
     strategy = trainer.strategy
-    folder, name = os.path.split(final)  # NOTE: strings, as Lightning's paths may be URLs
+    if is_remote(final):  # NOTE: no rename on an object store: Lightning writes one upload, visible once complete
+        return _save_remote(trainer, final)
+    folder, name = os.path.split(final)
     temporary = os.path.join(folder, f".{name}.tmp-{writer_token(strategy.broadcast)}")
     failure: Exception | None = None
     try:
@@ -55,15 +59,52 @@ def save_atomically(trainer: Trainer, final: str) -> str | None:
     return None
 
 
+def _save_remote(trainer: Trainer, final: str) -> str | None:
+    """``trainer.save_checkpoint(final)`` to a URL: Lightning's checkpoint IO writes the whole file into one upload
+    inside an fsspec transaction (``_atomic_save``), so a reader sees the previous object or the new one, never a
+    part, and a failed or killed upload leaves the previous one. ``final``, or ``None`` if any rank failed."""
+    failure: Exception | None = None
+    try:
+        trainer.save_checkpoint(final)
+    except Exception as error:  # NOTE: a store fails in its client's terms too (no credentials, a network error)
+        failure = error
+        trainer.strategy.barrier("Trainer.save_checkpoint")
+    if not trainer.strategy.reduce_boolean_decision(failure is not None, all=False):
+        return final
+    cause = f"{type(failure).__name__}: {failure}" if failure is not None else "failed on another rank"
+    logger.error("checkpoint at step %d NOT written to %s: %s", trainer.global_step, final, cause)
+    return None
+
+
+def exists(path: str) -> bool:
+    """Whether the checkpoint file ``path`` (a local path or a URL) exists; a URL that cannot be reached (no
+    credentials, no network, no such bucket) raises :class:`CheckpointError` naming it and the cause."""
+    if not is_remote(path):
+        return os.path.isfile(path)
+    fs, inner = remote_filesystem(path)
+    try:
+        return bool(fs.info(inner)["type"] == "file")  # NOTE: not fs.isfile, which turns any error into False
+    except FileNotFoundError:
+        return False
+    except Exception as error:
+        raise CheckpointError(f"{path}: cannot reach the checkpoint storage ({type(error).__name__}: {error}); "
+                              "expected credentials, the network and the bucket (or container) to be there") from error
+
+
 def usable(path: str) -> bool:
-    """Whether the checkpoint file at ``path`` verifies; a warning names it and why not (once per version of it:
-    Lightning asks for it more than once)."""
+    """Whether the checkpoint file at ``path`` (a local path or a URL) verifies; a warning names it and why not (once
+    per version of it: Lightning asks for it more than once)."""
+    if is_remote(path):
+        fs, inner = remote_filesystem(path)
+        info = fs.info(inner)
+        version = info.get("ETag") or info.get("mtime") or fs.modified(inner)  # NOTE: whatever the store gives
+        return _usable(path, int(info.get("size") or 0), str(version))
     stat = os.stat(path)
     return _usable(path, stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=64)
-def _usable(path: str, size: int, mtime: int) -> bool:
+def _usable(path: str, size: int, version: Any) -> bool:
     try:
         verify_torch_file(path)
     except CheckpointError as error:
@@ -73,15 +114,15 @@ def _usable(path: str, size: int, mtime: int) -> bool:
 
 
 def verify_loads(strategy: Any) -> None:
-    """Every checkpoint file ``strategy.load_checkpoint`` reads from now on is verified first (a directory, as a
-    sharded strategy saves, or a remote URL, is left to the strategy)."""
+    """Every checkpoint file ``strategy.load_checkpoint`` reads from now on is verified first, a local path or a URL
+    (a directory, as a sharded strategy saves, is left to the strategy)."""
     load = strategy.load_checkpoint
     if getattr(load, "verifies", False):
         return
 
     @functools.wraps(load)
     def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(checkpoint_path, (str, os.PathLike)) and os.path.isfile(checkpoint_path):
+        if isinstance(checkpoint_path, (str, os.PathLike)) and exists(os.fspath(checkpoint_path)):
             verify_torch_file(checkpoint_path)
         return load(checkpoint_path, *args, **kwargs)
 

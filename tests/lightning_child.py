@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from lightning_resume import ResumeCallback
 from loader_resume import Mixture
 from loader_resume.distributed import init_process_group
+from loader_resume.storage import local_path
 from loader_resume.testing import fingerprint
 from support.data import Noisy
 from support.device import add_device_options
@@ -182,7 +183,7 @@ class MixtureSchedule(L.Callback):
 
 class Faults(L.Callback):
     """After the step ``--fill-disk-at``, rank 0 fills the file system of the callback's directory; after the step
-    ``--signal-at`` it sends itself ``--signal-name``."""
+    ``--signal-at`` it sends itself ``--signal-name``; after the step ``--wait-at`` it waits for the test."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -194,12 +195,16 @@ class Faults(L.Callback):
             fill(Path(self.args.resume_dir) / "filler")
         if trainer.global_step == self.args.signal_at:
             os.kill(os.getpid(), signal.Signals[self.args.signal_name])
+        if trainer.global_step == self.args.wait_at:  # NOTE: the test changes the world meanwhile (cuts a link)
+            (Path(self.args.out) / "waiting").write_text(str(trainer.global_step))
+            while not (Path(self.args.out) / "go").exists():
+                time.sleep(0.01)
 
 
 def resume_callbacks(args: argparse.Namespace) -> list[ResumeCallback]:
     if args.no_callback:
         return []
-    dirpath = None if args.no_dirpath else args.resume_dir or args.out  # None: default_root_dir (args.out too)
+    dirpath = None if args.no_dirpath or args.root else args.resume_dir or args.out  # None: default_root_dir
     callback = ResumeCallback(seed=7, dirpath=dirpath, check_every_n_steps=args.check_every)
     return [callback] * (2 if args.two_callbacks else 1)
 
@@ -234,6 +239,10 @@ def main() -> None:
     parser.add_argument("--strategy", help="default: ddp on several devices, else auto",
                         choices=["ddp", "fsdp-full", "fsdp-sharded", "model-parallel", "model-parallel-auto"])
     parser.add_argument("--batch-log", help="also append one JSON line per step to BATCH_LOG/log-RANK.jsonl")
+    parser.add_argument("--root", help="Trainer(default_root_dir=ROOT) (a URL: s3://..., file://...), ResumeCallback() "
+                        "without dirpath and ModelCheckpoint(dirpath=ROOT/ckpt); logs stay in OUT")
+    parser.add_argument("--no-save-last", action="store_true", help="ModelCheckpoint(save_last=False)")
+    parser.add_argument("--wait-at", type=int, help="after this step, write OUT/waiting and wait for OUT/go")
     add_device_options(parser)
     args = parser.parse_args()
     if args.resume and args.n_resume:
@@ -246,11 +255,13 @@ def main() -> None:
         precision="bf16-mixed" if args.bf16 else "32-true",
         max_epochs=args.epochs, max_steps=args.max_steps, logger=False, enable_progress_bar=False,
         enable_model_summary=False,
-        num_sanity_val_steps=0, default_root_dir=args.out, deterministic=True,
+        num_sanity_val_steps=0, default_root_dir=args.root or args.out, deterministic=True,
         limit_val_batches=1.0 if args.val_every else 0, val_check_interval=args.val_every or None,
         callbacks=[*resume_callbacks(args), *([MixtureSchedule()] if args.mixture else []), Faults(args),
-                   ModelCheckpoint(dirpath=Path(args.out) / "ckpt", every_n_train_steps=args.every, save_top_k=-1,
-                                   save_last=True, filename="{step}")],
+                   # NOTE: Lightning's ModelCheckpoint takes a file: URL's text for a relative local path
+                   ModelCheckpoint(dirpath=f"{local_path(args.root)}/ckpt" if args.root else Path(args.out) / "ckpt",
+                                   every_n_train_steps=args.every, save_top_k=-1, save_last=not args.no_save_last,
+                                   filename="{step}")],
     )
     assert trainer.world_size == args.devices
     trainer.fit(Model(args), ckpt_path=args.resume)

@@ -13,28 +13,29 @@ tensor's bytes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
 import zipfile
+from typing import Any
 
 from .checkpoint import CheckpointError
+from .storage import is_remote, local_path, open_remote
 
 __all__ = ["verify_safetensors", "verify_torch_file"]
 
 
 def verify_torch_file(path: str | os.PathLike[str]) -> None:
-    """Raise :class:`~loader_resume.checkpoint.CheckpointError` unless ``path`` is a complete ``torch.save`` zip
-    file whose every record matches its stored CRC-32. What cannot be checked is let through: a file in torch's
-    legacy format (no zip), records whose CRC-32 was not computed (``set_crc32_options(False)`` stores 0)."""
+    """Raise :class:`~loader_resume.checkpoint.CheckpointError` unless ``path`` (a local path or an fsspec URL) is
+    a complete ``torch.save`` zip file whose every record matches its stored CRC-32. What cannot be checked is let
+    through: a file in torch's legacy format (no zip), records whose CRC-32 was not computed
+    (``set_crc32_options(False)`` stores 0)."""
     try:
-        if not zipfile.is_zipfile(path):
-            if _cut_zip(path):
-                raise zipfile.BadZipFile("its zip directory is missing")
-            return  # NOTE: torch's legacy format (or a custom CheckpointIO's): nothing to check it against
-        with zipfile.ZipFile(path) as archive:
-            bad = next((info.filename for info in archive.infolist() if info.CRC and not _matches(archive, info)),
-                       None)
+        with contextlib.ExitStack() as stack:
+            # NOTE: a URL (s3://...) is read through fsspec, as a seekable file: ranged reads of the zip directory
+            source: Any = stack.enter_context(open_remote(os.fspath(path))) if is_remote(path) else local_path(path)
+            bad = _bad_record(source)
     except FileNotFoundError:
         raise CheckpointError(f"{os.fspath(path)}: no such checkpoint file") from None
     except (zipfile.BadZipFile, OSError, EOFError, ValueError) as error:
@@ -67,6 +68,16 @@ def verify_safetensors(path: str | os.PathLike[str]) -> None:
                               "changed on disk after it was written); refusing to load it")
 
 
+def _bad_record(source: Any) -> str | None:
+    """The first record of ``source`` (a path or a seekable file) whose CRC-32 does not match, else None."""
+    if not zipfile.is_zipfile(source):
+        if _cut_zip(source):
+            raise zipfile.BadZipFile("its zip directory is missing")
+        return None  # NOTE: torch's legacy format (or a custom CheckpointIO's): nothing to check it against
+    with zipfile.ZipFile(source) as archive:
+        return next((info.filename for info in archive.infolist() if info.CRC and not _matches(archive, info)), None)
+
+
 def _matches(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> bool:
     try:
         with archive.open(info) as record:
@@ -77,7 +88,10 @@ def _matches(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> bool:
     return True
 
 
-def _cut_zip(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` begins as a zip file (torch's format) although it has no zip directory: cut short."""
-    with open(path, "rb") as file:
+def _cut_zip(source: Any) -> bool:
+    """Whether ``source`` begins as a zip file (torch's format) although it has no zip directory: cut short."""
+    if not isinstance(source, str):
+        source.seek(0)
+        return bool(source.read(4) == b"PK\x03\x04")
+    with open(source, "rb") as file:
         return file.read(4) == b"PK\x03\x04"

@@ -1,0 +1,88 @@
+"""``ResumeCallback``'s checkpoints on object storage (``dirpath`` or ``default_root_dir`` an fsspec URL such as
+``s3://bucket/run``): which checkpoint a restarted ``fit()`` resumes, found on the remote itself.
+
+Lightning looks for a restarted fit's checkpoint among the ``OnExceptionCheckpoint``s' ``ckpt_path`` and the
+``last*.ckpt`` files its ``ModelCheckpoint``s list, but it lists those without the URL's protocol
+(``ModelCheckpoint._find_last_checkpoints``, Lightning 2.6; Lightning #18261), so on a remote it finds none of
+them. So our ``ckpt_path`` offers, when the preemption checkpoint is absent, the newest ``last*.ckpt`` of the
+trainer's ``ModelCheckpoint``s on the remote (:func:`newest_last`); and a fit that resumes nothing from a remote
+directory holding checkpoints is refused (:func:`checkpoints_in`), never a silent start at step 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from typing import Any
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from loader_resume.checkpoint import CheckpointError
+from loader_resume.checkpoint_dir import DirectoryLock, claim
+from loader_resume.storage import is_remote, remote_filesystem
+
+__all__ = ["checkpoints_in", "claim_directory", "newest_last", "refuse_a_silent_start"]
+
+logger = logging.getLogger(__name__)
+
+
+def _listed(directory: str, pattern: str) -> list[tuple[str, Any]]:
+    """``(url, modified)`` of the files in the remote ``directory`` whose name matches ``pattern``."""
+    fs, path = remote_filesystem(directory)
+    if not fs.exists(path):
+        return []
+    protocol = directory.split("://", 1)[0]
+    found = []
+    for entry in fs.ls(path, detail=True):
+        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+        if entry.get("type") == "file" and re.fullmatch(pattern, name):
+            found.append((f"{protocol}://{entry['name']}", fs.modified(entry["name"])))
+    return found
+
+
+def _model_checkpoint_folders(trainer: Trainer) -> list[tuple[str, str]]:
+    """(the remote folder, the last-file prefix) of each of the trainer's ``ModelCheckpoint``s."""
+    folders = []
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint) and type(callback).__name__ != "ResumeCallback":
+            # NOTE: before setup a ModelCheckpoint without dirpath has not resolved it: Lightning's own resolution
+            folder = callback.dirpath or getattr(callback, "_ModelCheckpoint__resolve_ckpt_dir")(trainer)  # noqa: B009
+            if is_remote(str(folder)):
+                folders.append((str(folder), callback.CHECKPOINT_NAME_LAST or "last"))
+    return folders
+
+
+def newest_last(trainer: Trainer | None) -> str | None:
+    """The URL of the newest ``last*.ckpt`` the trainer's ``ModelCheckpoint``s keep on a remote, else None."""
+    if trainer is None:
+        return None
+    found = [entry for folder, last in _model_checkpoint_folders(trainer)
+             for entry in _listed(folder, rf"{re.escape(last)}(-v\d+)?\.ckpt")]
+    return max(found, key=lambda entry: entry[1])[0] if found else None
+
+
+def checkpoints_in(directory: str, trainer: Trainer) -> list[str]:
+    """The checkpoint files (``*.ckpt``) in the remote ``directory`` and the trainer's remote checkpoint folders."""
+    folders = [directory, *(folder for folder, _ in _model_checkpoint_folders(trainer))]
+    return sorted({url for folder in folders for url, _ in _listed(folder, r"[^.].*\.ckpt")})
+
+
+def refuse_a_silent_start(found: list[str]) -> None:
+    """A fit resumes nothing from a remote directory: refused if it holds checkpoints (``found``)."""
+    if found:
+        raise CheckpointError(f"this fit() resumes nothing, but its remote checkpoint directory holds {found}: "
+                              "expected to resume from one of them (pass fit(ckpt_path=...)), or an empty directory "
+                              "to start over")
+
+
+def claim_directory(directory: str, main: bool, agree: Callable[[bool], bool]) -> DirectoryLock | None:
+    """The job's lock on a local ``directory`` (see ``loader_resume.checkpoint_dir.claim``); a remote one is not
+    locked here, which is said once, at start."""
+    if not is_remote(directory):
+        return claim(directory, main=main, agree=agree)
+    if main:
+        logger.warning("the checkpoint directory %s is not locked: a second job writing to it is not refused",
+                       directory)
+    return None

@@ -1,0 +1,122 @@
+"""A real S3 API server on loopback for the tests: moto's, started as its own process (``python -m moto.server``),
+and the environment that points boto3/s3fs (and every child process) at it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from .launch import free_port
+
+
+@contextmanager
+def s3_server() -> Iterator[dict[str, str]]:
+    """Start the server; yield the variables that send S3 clients to it (set in ``os.environ`` meanwhile, so
+    this process's clients and its children use it); stop it."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    before = {name: os.environ.get(name) for name in env}
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(env["AWS_ENDPOINT_URL"], timeout=1).close()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"moto's S3 server did not start (exit {server.poll()})") from None
+                time.sleep(0.1)
+        os.environ.update(env)
+        yield env
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def bucket(name: str) -> None:
+    """Create an empty bucket on the server the environment points at."""
+    import s3fs
+
+    s3fs.S3FileSystem(skip_instance_cache=True).mkdir(name)
+
+
+def objects(url: str) -> list[str]:
+    """Every object under ``url`` (``s3://bucket/prefix``), as URLs, fresh from the server."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    return sorted(f"s3://{path}" for path in fs.find(url.removeprefix("s3://")))
+
+
+class Cuttable:
+    """A TCP relay on loopback in front of the server (``endpoint``), whose link can be cut: while cut, every
+    connection is refused or reset, as a network that went away; restored, it relays again."""
+
+    def __init__(self, endpoint: str) -> None:
+        import socket
+        import threading
+
+        self._socket, self._threading = socket, threading
+        host, port = endpoint.removeprefix("http://").split(":")
+        self.target = (host, int(port))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._open: list[Any] = []
+        self._listener: Any = None
+        self.restore()
+
+    def restore(self) -> None:
+        listener = self._socket.create_server(("127.0.0.1", self.port), reuse_port=True)
+        self._listener = listener
+        self._threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def cut(self) -> None:
+        listener, self._listener = self._listener, None
+        with contextlib.suppress(OSError):
+            listener.shutdown(self._socket.SHUT_RDWR)  # NOTE: wakes the accept() blocked in the relay's thread
+        listener.close()
+        for connection in self._open:
+            with contextlib.suppress(OSError):
+                connection.close()
+        self._open.clear()
+
+    def _accept(self, listener: Any) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return  # cut
+            try:
+                upstream = self._socket.create_connection(self.target)
+            except OSError:
+                client.close()
+                continue
+            self._open += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                self._threading.Thread(target=_relay, args=(a, b), daemon=True).start()
+
+
+def _relay(source: Any, target: Any) -> None:
+    try:
+        while data := source.recv(1 << 16):
+            target.sendall(data)
+    except OSError:
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            target.shutdown(2)

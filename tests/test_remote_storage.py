@@ -1,0 +1,159 @@
+"""Checkpoints on object storage, against a real S3 API server on loopback (moto's, tests/support/s3.py), and on
+``file://`` URLs. Lightning (tests/lightning_child.py ``--root URL``): ``Trainer(default_root_dir=URL)`` with
+``ResumeCallback()``, SIGTERM after step 5, then the same command: the rerun continues with the uninterrupted
+run's batches and weights, from the preemption checkpoint on the bucket, or from the newest ``last.ckpt`` there."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loader_resume.checkpoint_dir import DirectoryLock
+from support.s3 import Cuttable, bucket, objects, s3_server
+
+TESTS = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[dict[str, str]]:
+    with s3_server() as env:
+        yield env
+
+
+def lightning(out: Path, *args: str, expect: int = 0) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run([sys.executable, str(TESTS / "lightning_child.py"), str(out), "--workers", "2", *args],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == expect, done.stderr[-3000:]
+    return done.stderr
+
+
+def rows(out: Path) -> tuple[list[Any], str]:
+    return json.loads((out / "log-0.json").read_text()), (out / "weights-0.txt").read_text()
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], str]:
+    out = tmp_path_factory.mktemp("full")
+    lightning(out)
+    return rows(out)
+
+
+def test_lightning_on_s3_sigterm_writes_the_checkpoint_on_the_bucket_and_the_same_command_continues(
+    s3: dict[str, str], full: tuple[list[Any], str], tmp_path: Path
+) -> None:
+    bucket("run-a")
+    command = ["--root", "s3://run-a/job", "--signal-at", "5", "--append"]
+    lightning(tmp_path, *command, expect=143)
+    stored = objects("s3://run-a/job")
+    assert "s3://run-a/job/preempted.ckpt" in stored and not [url for url in stored if ".tmp" in url], stored
+    assert len(rows(tmp_path)[0]) == 5
+    lightning(tmp_path, *command)
+    assert rows(tmp_path) == full
+    assert "s3://run-a/job/preempted.ckpt" not in objects("s3://run-a/job")  # a finished fit leaves none behind
+
+
+def test_lightning_on_s3_passes_over_a_corrupted_preemption_checkpoint_to_the_newest_last_ckpt_there(
+    s3: dict[str, str], full: tuple[list[Any], str], tmp_path: Path
+) -> None:
+    """Bytes flipped in the bucket's ``preempted.ckpt``: its CRC-32s, read through fsspec, refuse it (named in a
+    warning); Lightning's own search drops the URL's protocol and finds no remote ``last.ckpt``: the callback
+    offers the newest one (step 6: every 3 steps), and the rerun continues from there."""
+    import s3fs
+
+    bucket("run-b")
+    lightning(tmp_path / "first", "--root", "s3://run-b/job", "--signal-at", "7", expect=143)
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    data = bytearray(fs.cat("run-b/job/preempted.ckpt"))
+    data[len(data) // 2] ^= 0xFF
+    fs.pipe("run-b/job/preempted.ckpt", bytes(data))
+    assert "s3://run-b/job/ckpt/last.ckpt" in objects("s3://run-b/job")
+    stderr = lightning(tmp_path / "rerun", "--root", "s3://run-b/job")
+    assert "skipping checkpoint s3://run-b/job/preempted.ckpt" in stderr and "CRC-32" in stderr
+    resumed, weights = rows(tmp_path / "rerun")
+    assert resumed == full[0][6:] and weights == full[1]
+
+
+def test_lightning_on_s3_refuses_to_start_over_when_the_bucket_holds_checkpoints_it_cannot_resume(
+    s3: dict[str, str], tmp_path: Path
+) -> None:
+    """No preemption checkpoint, no ``last.ckpt`` (``save_last=False``), but step checkpoints: never a silent step 0."""
+    import s3fs
+
+    bucket("run-c")
+    lightning(tmp_path / "first", "--root", "s3://run-c/job", "--signal-at", "7", "--no-save-last", expect=143)
+    s3fs.S3FileSystem(skip_instance_cache=True).rm("run-c/job/preempted.ckpt")
+    stderr = lightning(tmp_path / "rerun", "--root", "s3://run-c/job", "--no-save-last", expect=1)
+    assert "resumes nothing, but its remote checkpoint directory holds" in stderr
+    assert "s3://run-c/job/ckpt/step=6.ckpt" in stderr
+
+
+def test_lightning_on_a_file_url_is_the_local_path_locked_and_resumed(
+    full: tuple[list[Any], str], tmp_path: Path
+) -> None:
+    """``default_root_dir="file:///..."`` (Lightning makes it ``file:/...``): the local directory, with its lock;
+    nothing goes to a ``./file:`` directory."""
+    root = tmp_path / "root"
+    command = ["--root", f"file://{root}", "--signal-at", "5", "--append"]
+    lightning(tmp_path / "out", *command, expect=143)
+    assert (root / "preempted.ckpt").is_file()
+    held = DirectoryLock.acquire(root)  # another job holds the local directory: this one is refused
+    try:
+        assert "is in use by another job" in lightning(tmp_path / "out", *command, expect=1)
+    finally:
+        held.release()
+    lightning(tmp_path / "out", *command)
+    assert rows(tmp_path / "out") == full
+    assert not list(Path.cwd().glob("file:*")) and not list(tmp_path.glob("**/file:*"))
+
+
+def test_lightning_on_s3_without_credentials_stops_before_the_first_step_naming_the_url_and_cause(
+    s3: dict[str, str], tmp_path: Path
+) -> None:
+    """No credentials: the fit stops where it looks for its checkpoint, before training, naming the URL and the
+    cause (never a run whose preemption save would fail, nor a silent start)."""
+    bucket("run-d")
+    env = {name: value for name, value in os.environ.items() if not name.startswith("AWS_") or name.endswith("URL")}
+    env["AWS_SHARED_CREDENTIALS_FILE"] = env["AWS_CONFIG_FILE"] = str(tmp_path / "none")
+    done = subprocess.run([sys.executable, str(TESTS / "lightning_child.py"), str(tmp_path), "--resume-dir",
+                           "s3://run-d/job", "--signal-at", "2"], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "s3://run-d/job/preempted.ckpt: cannot reach the checkpoint storage (NoCredentialsError" in done.stderr
+    assert not (tmp_path / "log-0.json").exists() and objects("s3://run-d") == []
+
+
+def test_lightning_on_s3_a_network_error_at_the_preemption_save_exits_74_and_a_rerun_resumes_from_the_last_one(
+    s3: dict[str, str], full: tuple[list[Any], str], tmp_path: Path
+) -> None:
+    """The link to the S3 server is cut mid-job (a relay in between closes every connection and refuses new ones):
+    the preemption save fails, exit 74 naming the URL and the cause. With the link back, the same command resumes
+    exactly from what was written before it went: the newest ``last.ckpt`` (step 3)."""
+    bucket("run-e")
+    link = Cuttable(s3["AWS_ENDPOINT_URL"])
+    (tmp_path / "out").mkdir()
+    command = [sys.executable, str(TESTS / "lightning_child.py"), str(tmp_path / "out"), "--root", "s3://run-e/job",
+               "--wait-at", "4", "--signal-at", "5", "--workers", "2"]
+    job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "AWS_ENDPOINT_URL": link.url})
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "out" / "waiting").exists():
+        assert time.monotonic() < deadline and job.poll() is None, "training never reached step 4"
+        time.sleep(0.02)
+    link.cut()  # the job waits after step 4; the save follows step 5
+    (tmp_path / "out" / "go").write_text("")
+    _, stderr = job.communicate(timeout=600)
+    link.restore()
+    assert job.returncode == 74, stderr[-3000:]
+    assert "NOT written to s3://run-e/job/preempted.ckpt" in stderr and "connect" in stderr.lower()
+    assert "s3://run-e/job/preempted.ckpt" not in objects("s3://run-e/job")
+    lightning(tmp_path / "rerun", "--root", "s3://run-e/job")
+    resumed, weights = rows(tmp_path / "rerun")
+    assert resumed == full[0][3:] and weights == full[1]
