@@ -226,10 +226,12 @@ class FabricResume:
                   *, weights_only: bool | None = None) -> dict[str, Any]:
         """``fabric.load``; a checkpoint's ``loader_resume`` entry goes into the loaders and this rank's RNG
         (restored right before the next batch is fetched)."""
+        # NOTE: Fabric.load has weights_only from lightning 2.6.1: passed on only when given (as a stock call would)
+        options = {} if weights_only is None else {"weights_only": weights_only}
         if not state:
-            return self._fabric_load(path, state, strict, weights_only=weights_only)  # type: ignore[no-any-return, unused-ignore]
+            return self._fabric_load(path, state, strict, **options)  # type: ignore[no-any-return, unused-ignore]
         given = referenced(state, self.loaders)
-        remainder: dict[str, Any] = self._fabric_load(path, given, strict, weights_only=weights_only)
+        remainder: dict[str, Any] = self._fabric_load(path, given, strict, **options)
         for key, value in given.items():  # Fabric's load updates plain values in the dict it is given
             original = state.get(key)
             # NOTE: Fabric's FSDP and model-parallel strategies, from a sharded checkpoint, put a stateful object's

@@ -93,6 +93,25 @@ def test_next_numbered_names_the_index_list_each_out_of_order_batch_was_made_fro
     assert [number for number, _ in pairs] != list(range(8)) and sorted(n for n, _ in pairs) == list(range(8))
 
 
+def test_torch_caps_each_workers_lists_in_flight_from_2_7() -> None:
+    """torch 2.7 added the per-worker cap (``_workers_num_tasks``) that in_order=False needs; 2.6 has in_order
+    without it (a slow batch collects every list in flight: tests/test_out_of_order.py hangs there)."""
+    version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    assert torch_internals.caps_worker_tasks() == (version >= (2, 7))
+
+
+def test_in_order_false_is_refused_at_construction_where_torch_does_not_cap_workers_tasks() -> None:
+    """torch 2.6 (the compat leg's oldest corner): refused at construction, naming the torch it needs, never a
+    silent fallback or a wait; from torch 2.7 it is built and delivers every batch. in_order=True: built on any."""
+    if torch_internals.caps_worker_tasks():
+        loader = ResumableDataLoader(list(range(8)), batch_size=2, num_workers=2, in_order=False)
+        assert sorted(x for batch in loader for x in batch.tolist()) == list(range(8))
+    else:
+        with pytest.raises(ValueError, match=r"in_order=False needs torch >= 2\.7: torch 2\.6.*in_order=True\)"):
+            ResumableDataLoader(list(range(8)), batch_size=2, num_workers=2, in_order=False)
+    assert list(ResumableDataLoader(list(range(4)), batch_size=2, in_order=True))[1].tolist() == [2, 3]
+
+
 class _EveryOther(torch_internals.IndexHooks[int]):
     """Index lists from the subclass: every other item, always fetched as lists."""
 

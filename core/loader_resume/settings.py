@@ -6,12 +6,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch.utils.data import DistributedSampler
 
 from .distributed import rank_and_world
 from .keyed_rng import KEYING_MODES, generator_mask
 from .position import Setup
 from .sampler import ShardedSampler
+from .torch_internals import caps_worker_tasks
 from .worker_transport import MAX_BY_VALUE_BYTES
 
 __all__ = ["settings"]
@@ -30,6 +32,10 @@ def settings(dataset: Any, *, seed: int, keying: str, keyed_generators: Sequence
                          f"memory, as DataLoader) to {MAX_BY_VALUE_BYTES}")
     if keying not in KEYING_MODES:
         raise ValueError(f"keying={keying!r}: expected one of {list(KEYING_MODES)}")
+    if not in_order and not caps_worker_tasks():  # NOTE: torch 2.6 has in_order=False, without the cap it needs
+        raise ValueError(f"in_order=False needs torch >= 2.7: torch {torch.__version__}'s DataLoader hands index lists "
+                         "to its workers in turn however many each holds, so the batches after a slow one pile up "
+                         "behind it and wait (upgrade torch, or build the loader with in_order=True)")
     shard_drop_last = None
     if type(sampler) in (DistributedSampler, ShardedSampler):
         # NOTE: a DistributedSampler (the user's, or the one Lightning injects by rebuilding the

@@ -19,6 +19,8 @@ without the range; while one does (``torch.profiler``, ``torch.autograd.profiler
 it calls torch's own ``__next__``, so traces show the DataLoader ranges as before.
 
 :func:`next_numbered`: with ``in_order=False``, which index list of the pass a delivered batch was made from.
+:func:`caps_worker_tasks`: whether torch's multi-process iterator caps each worker's index lists in flight (the
+cap ``in_order=False`` needs: torch >= 2.7).
 
 :func:`fetch_items`: a worker that must read a batch again (``worker_fetch.WorkerFetch``) reads its items
 as torch's map-style fetcher does, which it cannot reach from the worker loop.
@@ -46,11 +48,11 @@ from typing import Any, Final, TypeVar
 from torch._C._autograd import _profiler_enabled
 from torch.utils.data import DataLoader
 from torch.utils.data._utils import signal_handling
-from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
+from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind, _MultiProcessingDataLoaderIter
 
-__all__ = ["IndexHooks", "closing_feeder_threads", "default_store", "fetch_items", "forget_persistent_iterator",
-           "forks_workers", "is_map_style", "kill_workers", "next_batch", "next_numbered", "random_sampler_num_samples",
-           "set_past_guard", "starts_workers", "worker_processes", "wrap_fetcher"]
+__all__ = ["IndexHooks", "caps_worker_tasks", "closing_feeder_threads", "default_store", "fetch_items",
+           "forget_persistent_iterator", "forks_workers", "is_map_style", "kill_workers", "next_batch", "next_numbered",
+           "random_sampler_num_samples", "set_past_guard", "starts_workers", "worker_processes", "wrap_fetcher"]
 
 T = TypeVar("T")
 
@@ -124,6 +126,14 @@ def next_numbered(iterator: Any) -> tuple[int, Any]:
     batch = next_batch(iterator)
     (number,) = before - iterator._task_info.keys()
     return number, batch
+
+
+def caps_worker_tasks() -> bool:
+    """Whether torch's multi-process iterator, with ``in_order=False``, gives a worker a new index list only while it
+    holds fewer than its share of those in flight (``_workers_num_tasks``, torch >= 2.7). torch 2.6 hands the lists
+    to the workers in turn however many each holds: a worker held up by a slow batch collects every list in flight
+    (``prefetch_factor * num_workers``), and the other batches wait for it as they would in order."""
+    return "_workers_num_tasks" in _MultiProcessingDataLoaderIter._try_put_index.__code__.co_names
 
 
 def fetch_items(dataset: Any, indices: Any) -> Any:
