@@ -121,6 +121,18 @@ def test_sigusr1_on_one_rank_checkpoints_at_the_step_both_agree_and_the_same_com
     assert logs(tmp_path) == logs(full["2-acc3"]) and weights(tmp_path) == weights(full["2-acc3"])
 
 
+def test_sigterm_on_one_process_checkpoints_at_the_next_step_and_the_same_command_continues(
+        full: dict[str, Path], tmp_path: Path) -> None:
+    """One process (where the support matrix's oldest transformers, 4.57 to 5.17, can resume on the CPU: with
+    several CPU processes those load the optimizer onto ``cpu:0``): SIGTERM at the end of step 4, in the second epoch,
+    no checkpoint being due; checkpoint-4 is written, exit 143; the same command again continues exactly."""
+    same = ["--save-steps", "100", "--signal-at", "4", "--resume", "true"]
+    assert "checkpoint written at step 4" in run(tmp_path, 1, *same, expect=143)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-4"]
+    run(tmp_path, 1, *same)
+    assert logs(tmp_path) == logs(full["1"]) and weights(tmp_path) == weights(full["1"])
+
+
 def test_sigterm_to_the_whole_launch_mid_epoch_checkpoints_and_the_same_command_continues(
         full: dict[str, Path], tmp_path: Path) -> None:
     """SIGTERM to ``accelerate launch``'s process group in the second epoch: its agent passes it on to each rank's
