@@ -26,6 +26,7 @@ from loader_resume.checkpoint_dir import FAILED_SAVE_EXIT_CODE, DirectoryLock, p
 from loader_resume.convert import resumable
 from loader_resume.distributed import gather_rng_states, gather_states
 from loader_resume.preemption import Preemption
+from loader_resume.remote_lease import RemoteLease
 from loader_resume.sampler import loader_seed
 from loader_resume.slurm import Requeue
 from loader_resume.storage import is_remote, join, local_path
@@ -95,7 +96,7 @@ class ResumeCallback(OnExceptionCheckpoint):
         self._asked_unknown = False  # Lightning asked for ckpt_path before we could learn the trainer's dir
         self._training = TrainingLoaders(self._resumable)
         self._generators = FitGenerators()
-        self._lock: DirectoryLock | None = None
+        self._lock: DirectoryLock | RemoteLease | None = None
         self._claimed = False  # on every rank (the lock: the main one's)
         self._choosing = True  # Lightning may be choosing the checkpoint of a fit (see ckpt_path)
         self._skipped: str | None = None  # our preemption checkpoint, passed over as it does not verify

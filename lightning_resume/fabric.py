@@ -31,6 +31,7 @@ from loader_resume.checkpoint_dir import DirectoryLock, claim, newest_complete, 
 from loader_resume.checkpoint_entry import PendingEntry
 from loader_resume.distributed import gather_rng_states, gather_states
 from loader_resume.preemption import Preemption
+from loader_resume.remote_lease import RemoteLease
 from loader_resume.sampler import loader_seed
 from loader_resume.slurm import Requeue
 from loader_resume.step_boundary import ReportingDataLoader, StepBoundaries
@@ -108,7 +109,7 @@ class FabricResume:
         self._boundaries, self._claimed = StepBoundaries(), False  # _claimed: the directory (see restore)
         self._hooked: set[int] = set()
         self._state: dict[str, Any] | None = None
-        self._lock: DirectoryLock | None = None
+        self._lock: DirectoryLock | RemoteLease | None = None
         self._entry = PendingEntry()  # a loaded checkpoint's generators and loader states, until they can go in
         self._fabric_save, self._fabric_load = fabric.save, fabric.load
         fabric.setup_dataloaders = self.setup_dataloaders  # type: ignore[method-assign]

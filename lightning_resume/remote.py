@@ -11,7 +11,6 @@ directory holding checkpoints is refused (:func:`checkpoints_in`), never a silen
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Callable
 from typing import Any
@@ -21,11 +20,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from loader_resume.checkpoint import CheckpointError
 from loader_resume.checkpoint_dir import DirectoryLock, claim
+from loader_resume.remote_lease import RemoteLease
 from loader_resume.storage import is_remote, remote_filesystem
 
 __all__ = ["checkpoints_in", "claim_directory", "newest_last", "refuse_a_silent_start"]
-
-logger = logging.getLogger(__name__)
 
 
 def _listed(directory: str, pattern: str) -> list[tuple[str, Any]]:
@@ -77,12 +75,7 @@ def refuse_a_silent_start(found: list[str]) -> None:
                               "to start over")
 
 
-def claim_directory(directory: str, main: bool, agree: Callable[[bool], bool]) -> DirectoryLock | None:
-    """The job's lock on a local ``directory`` (see ``loader_resume.checkpoint_dir.claim``); a remote one is not
-    locked here, which is said once, at start."""
-    if not is_remote(directory):
-        return claim(directory, main=main, agree=agree)
-    if main:
-        logger.warning("the checkpoint directory %s is not locked: a second job writing to it is not refused",
-                       directory)
-    return None
+def claim_directory(directory: str, main: bool, agree: Callable[[bool], bool]) -> DirectoryLock | RemoteLease | None:
+    """The job's hold on ``directory``: a local one's lock, a remote one's lease where its store can create
+    conditionally (else it is said, at start, not to be locked); see ``loader_resume.checkpoint_dir.claim``."""
+    return claim(directory, main=main, agree=agree)

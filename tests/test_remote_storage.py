@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from loader_resume.checkpoint_dir import DirectoryLock
+from loader_resume.remote_lease import RemoteLease
 from support.s3 import Cuttable, bucket, objects, s3_server
 
 TESTS = Path(__file__).parent
@@ -155,5 +156,51 @@ def test_lightning_on_s3_a_network_error_at_the_preemption_save_exits_74_and_a_r
     assert "NOT written to s3://run-e/job/preempted.ckpt" in stderr and "connect" in stderr.lower()
     assert "s3://run-e/job/preempted.ckpt" not in objects("s3://run-e/job")
     lightning(tmp_path / "rerun", "--root", "s3://run-e/job")
+    resumed, weights = rows(tmp_path / "rerun")
+    assert resumed == full[0][3:] and weights == full[1]
+
+
+def test_a_second_job_on_the_same_bucket_directory_is_refused_naming_the_first(
+    s3: dict[str, str], tmp_path: Path
+) -> None:
+    """The first job's lease (S3's conditional create) is held and renewed while it runs: a second job waits,
+    then is refused at setup naming the holder, and writes nothing; the first one's release frees the directory."""
+    bucket("run-f")
+    first = RemoteLease.acquire("s3://run-f/job")
+    assert first is not None and objects("s3://run-f/job") == ["s3://run-f/job/.loader_resume.lease"]
+    try:
+        stderr = lightning(tmp_path / "second", "--root", "s3://run-f/job", expect=1)
+        assert "checkpoint directory s3://run-f/job is in use by another job (host" in stderr
+        assert not (tmp_path / "second" / "log-0.json").exists()
+    finally:
+        first.release()
+    assert objects("s3://run-f/job") == []
+    lightning(tmp_path / "third", "--root", "s3://run-f/job")  # free again: it runs, and lets go at its end
+    assert "s3://run-f/job/.loader_resume.lease" not in objects("s3://run-f/job")
+
+
+def test_a_killed_jobs_lease_ends_with_its_term_and_the_rerun_takes_the_directory_over_and_resumes(
+    s3: dict[str, str], full: tuple[list[Any], str], tmp_path: Path
+) -> None:
+    """SIGKILL (no chance to remove the lease) after step 4; the lease's term (LOADER_RESUME_LEASE_SECONDS=3)
+    passes, and the same command takes the directory over, saying so, and resumes from the newest last.ckpt."""
+    bucket("run-g")
+    env = {**os.environ, "LOADER_RESUME_LEASE_SECONDS": "3"}
+    (tmp_path / "out").mkdir()
+    command = [sys.executable, str(TESTS / "lightning_child.py"), str(tmp_path / "out"), "--root", "s3://run-g/job",
+               "--wait-at", "4", "--workers", "2"]
+    job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "out" / "waiting").exists():
+        assert time.monotonic() < deadline and job.poll() is None, "training never reached step 4"
+        time.sleep(0.02)
+    job.kill()
+    job.wait()
+    assert "s3://run-g/job/.loader_resume.lease" in objects("s3://run-g/job")
+    (tmp_path / "rerun").mkdir()
+    done = subprocess.run([sys.executable, str(TESTS / "lightning_child.py"), str(tmp_path / "rerun"), "--root",
+                           "s3://run-g/job", "--workers", "2"], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "taking over s3://run-g/job: its lease ended at" in done.stderr
     resumed, weights = rows(tmp_path / "rerun")
     assert resumed == full[0][3:] and weights == full[1]

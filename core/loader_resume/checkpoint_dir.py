@@ -36,6 +36,8 @@ from pathlib import Path
 from typing import Final
 
 from .checkpoint import CheckpointError, complete_checkpoints, describe_failure, is_temporary, verify
+from .remote_lease import RemoteLease
+from .storage import is_remote, local_path
 
 __all__ = ["FAILED_SAVE_EXIT_CODE", "LOCK_FILE", "CheckpointDirectoryError", "DirectoryLock", "claim",
            "newest_complete", "newest_usable", "preemption_exit_code"]
@@ -146,13 +148,17 @@ class DirectoryLock:
                         path.unlink()
 
 
-def claim(directory: str | os.PathLike[str], *, main: bool, agree: Callable[[bool], bool]) -> DirectoryLock | None:
-    """:meth:`DirectoryLock.acquire` on the main process; every process of the job calls it (``agree``: a flag
-    held on any process, a collective) and raises if the main process was refused."""
-    lock, error = None, None
+def claim(directory: str | os.PathLike[str], *, main: bool,
+          agree: Callable[[bool], bool]) -> DirectoryLock | RemoteLease | None:
+    """:meth:`DirectoryLock.acquire` on the main process (an fsspec URL: :meth:`RemoteLease.acquire`, ``None`` where
+    its store cannot lock); every process of the job calls it (``agree``: a flag held on any process, a collective)
+    and raises if the main process was refused."""
+    lock: DirectoryLock | RemoteLease | None = None
+    error: Exception | None = None
     if main:
         try:
-            lock = DirectoryLock.acquire(Path(directory))
+            lock = RemoteLease.acquire(os.fspath(directory)) if is_remote(directory) else \
+                DirectoryLock.acquire(Path(local_path(directory)))
         except Exception as refused:  # NOTE: whatever the main process met, every process learns of it
             error = refused
     if agree(error is not None):
