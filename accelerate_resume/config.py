@@ -24,6 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from loader_resume.keyed_rng import KEYING_MODES, generator_mask
 from loader_resume.preemption import signal_numbers
+from loader_resume.remote_lease import LEASE_VARIABLE
 
 __all__ = ["CONFIG_VARIABLE", "ENV_PREFIX", "ResumeConfig", "load_config"]
 
@@ -127,15 +128,15 @@ def load_config(config: str | os.PathLike[str] | Mapping[str, Any] | DictConfig 
 def _variables(environ: Mapping[str, str]) -> dict[str, str]:
     """``{field: value}`` of the ``LOADER_RESUME_<FIELD>`` variables; an unknown one fails, naming the closest."""
     valid = {ENV_PREFIX + f.name.upper(): f.name for f in fields(ResumeConfig)}
+    other = [CONFIG_VARIABLE, LEASE_VARIABLE]  # NOTE: ours too, but not fields (the lease's: loader_resume's)
     found = {}
     for name, value in environ.items():
-        if not name.startswith(ENV_PREFIX) or name == CONFIG_VARIABLE:
+        if not name.startswith(ENV_PREFIX) or name in other:
             continue
         if name not in valid:
-            close = difflib.get_close_matches(name, [*valid, CONFIG_VARIABLE], n=1)
+            close = difflib.get_close_matches(name, [*valid, *other], n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
-            raise ValueError(f"environment variable {name}: unknown{hint}; expected one of "
-                             f"{[*valid, CONFIG_VARIABLE]}")
+            raise ValueError(f"environment variable {name}: unknown{hint}; expected one of {[*valid, *other]}")
         found[valid[name]] = value
     return found
 

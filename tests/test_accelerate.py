@@ -321,6 +321,15 @@ def test_environment_variables_set_fields_between_the_yaml_file_and_the_argument
     assert (from_path.exit_code, from_path.keying, from_path.save_every_n_steps) == (99, "batch", 7)
 
 
+def test_the_lease_term_variable_is_ours_and_not_a_field_and_its_typo_is_named() -> None:
+    """LOADER_RESUME_LEASE_SECONDS (the term of a lease on S3, read by loader_resume) is accepted beside the
+    fields; a misspelt one fails naming it."""
+    config = load_config(None, environ={"LOADER_RESUME_LEASE_SECONDS": "30", "LOADER_RESUME_KEEP": "3"})
+    assert config.keep == 3 and not hasattr(config, "lease_seconds")
+    with pytest.raises(ValueError, match=r"LOADER_RESUME_LEASE_SECOND: unknown \(did you mean LOADER_RESUME_LEASE_"):
+        load_config(None, environ={"LOADER_RESUME_LEASE_SECOND": "30"})
+
+
 def test_a_misspelt_variable_fails_at_enable_resume_naming_it_and_the_closest(
     accelerator: Any, monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -23,17 +23,19 @@ from typing import Any, Final
 
 from .storage import join, remote_filesystem
 
-__all__ = ["LEASE_FILE", "RemoteLease", "lease_seconds"]
+__all__ = ["LEASE_FILE", "LEASE_VARIABLE", "RemoteLease", "lease_seconds"]
 
 logger = logging.getLogger(__name__)
 
 LEASE_FILE: Final = ".loader_resume.lease"
+LEASE_VARIABLE: Final = "LOADER_RESUME_LEASE_SECONDS"
+"""The environment variable of the lease's term, in seconds (every front door; not a field of their configs)."""
 _WAIT: Final = 10.0  # seconds a job waits for a lease held by another job (one still exiting) before it is refused
 
 
 def lease_seconds() -> float:
     """The lease's term: ``LOADER_RESUME_LEASE_SECONDS`` (a number > 0), else 120."""
-    text = os.environ.get("LOADER_RESUME_LEASE_SECONDS", "120")
+    text = os.environ.get(LEASE_VARIABLE, "120")
     try:
         seconds = float(text)
     except ValueError:
