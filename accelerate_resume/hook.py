@@ -35,6 +35,7 @@ from loader_resume.checkpoint import (
 from loader_resume.checkpoint_dir import (
     CheckpointDirectoryError,
     claim,
+    local_directory,
     newest_complete,
     newest_usable,
     preemption_exit_code,
@@ -86,7 +87,7 @@ class Resume:
                              "batch sizes (the default)")
         self.accelerator, self.config = accelerator, config
         root = config.checkpoint_dir or os.path.join(accelerator.project_dir or os.getcwd(), "resume_checkpoints")
-        self.checkpoint_dir = Path(root)
+        self.checkpoint_dir = local_directory(root)  # NOTE: Accelerate's save_state writes local directories
         self._boundaries = StepBoundaries()
         self.epoch = 0
         """The epoch ``epochs()`` is in (restored on resume)."""
@@ -132,6 +133,7 @@ class Resume:
         while self.epoch < num_epochs:
             yield self.epoch
             self.epoch += 1
+            self._boundaries.epoch_ended()
 
     def close(self) -> None:
         """Undo ``enable_resume``: signal handlers, ``prepare``, hooks, directory lock (prepared loaders stay)."""

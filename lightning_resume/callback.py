@@ -35,7 +35,7 @@ from .fit_start import make_newest, quiet_fresh_fit, trainer_calling
 from .generators import FitGenerators
 from .integrity import exists, nothing_else_to_resume, save_atomically, usable, verify_loads
 from .loaders import TrainingLoaders, drop_lightning_loader_states, evaluation_workers_ignore
-from .remote import checkpoints_in, claim_directory, newest_last, refuse_a_silent_start
+from .remote import checkpoints_in, claim_directory, newer, newest_last, refuse_a_silent_start
 from .stopping import adopt_lightnings_sigterm, slurm_requeue, stop_validating_as_planned
 
 __all__ = ["CHECKPOINT_KEY", "ResumeCallback"]
@@ -126,8 +126,8 @@ class ResumeCallback(OnExceptionCheckpoint):
             return path
         if exists(path) and not usable(path):
             self._skipped, path = path, path + ".skipped"  # NOTE: no such file: Lightning looks for another one
-        if is_remote(path) and not exists(path):  # NOTE: Lightning's own search finds no remote last.ckpt
-            return newest_last(trainer_calling(self)) or path
+        if is_remote(path):  # NOTE: Lightning's own search finds no remote last.ckpt: the newer of it and ours
+            return newer(path if exists(path) else None, newest_last(trainer_calling(self))) or path
         return path
 
     # --- hooks ---------------------------------------------------------------------------------

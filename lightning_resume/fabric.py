@@ -1,11 +1,10 @@
 """``FabricResume``: exact mid-epoch resume for Lightning Fabric loops, with preemption checkpoints.
 
-On one ``Fabric`` instance, with public APIs only: ``fabric.setup_dataloaders`` returns loaders sharded by us
-(:mod:`lightning_resume.fabric_loader`); ``fabric.save``/``fabric.load`` carry every rank's loader and RNG
-state under ``checkpoint["loader_resume"]`` (Fabric saves one copy, from rank 0; each rank takes its own part,
-also at another world size); a preemption signal leads, at the next step boundary
-(:mod:`loader_resume.step_boundary`) agreed by the ranks, to a sealed checkpoint directory and an exit with
-``exit_code``; :meth:`FabricResume.restore` loads the newest complete one. The docs' Fabric page has the loop.
+On one ``Fabric``, public APIs only: ``fabric.setup_dataloaders`` returns loaders sharded by us (``fabric_loader``);
+``fabric.save``/``fabric.load`` carry every rank's loader and RNG state under ``checkpoint["loader_resume"]`` (one
+copy, from rank 0; each rank takes its own part, at another world size too); a preemption signal leads, at the next
+step boundary (``loader_resume.step_boundary``) the ranks agree on, to a sealed checkpoint directory and an exit
+with ``exit_code``; :meth:`FabricResume.restore` loads the newest complete one. The docs' Fabric page has the loop.
 """
 
 from __future__ import annotations
@@ -27,7 +26,14 @@ from loader_resume.checkpoint import (
     complete_checkpoints,
     write_sealed,
 )
-from loader_resume.checkpoint_dir import DirectoryLock, claim, newest_complete, newest_usable, preemption_exit_code
+from loader_resume.checkpoint_dir import (
+    DirectoryLock,
+    claim,
+    local_directory,
+    newest_complete,
+    newest_usable,
+    preemption_exit_code,
+)
 from loader_resume.checkpoint_entry import PendingEntry
 from loader_resume.distributed import gather_rng_states, gather_states
 from loader_resume.preemption import Preemption
@@ -57,12 +63,11 @@ class FabricResume:
         keyed_generators: which global generators are keyed inside data loading.
         signals: signals that request a preemption checkpoint (``()`` for none); handled once
             :meth:`restore` has the state to save.
-        checkpoint_dir: where checkpoints go; ``None``: ``./resume_checkpoints``.
+        checkpoint_dir: where checkpoints go, a local path (a URL is refused); ``None``: ``./resume_checkpoints``.
         save_every_n_steps: also checkpoint every N optimizer steps (0: only on preemption).
         check_every_n_steps: agree on signals every N optimizer steps (one tiny collective each time).
         keep: how many complete checkpoints to keep.
-        exit_code: the exit status after a preemption checkpoint (143 = 128 + SIGTERM, so a scheduler sees a
-            failure and requeues).
+        exit_code: the exit status after a preemption checkpoint (143 = 128 + SIGTERM: a scheduler requeues).
         verify_checksums: seal checkpoints with SHA-256 checksums (else sizes only).
         slurm_requeue: inside a SLURM job, after a checkpoint requested by SIGUSR1 (``sbatch --signal=USR1@90``)
             the main process runs ``scontrol requeue`` (``loader_resume.slurm``); other signals stop without one.
@@ -93,7 +98,7 @@ class FabricResume:
             raise ValueError("FabricResume(fabric): this Fabric already has one; expected one per Fabric")
         self.fabric = fabric
         self.seed, self.keying, self.keyed_generators = seed, keying, tuple(keyed_generators)
-        self.checkpoint_dir = Path(checkpoint_dir if checkpoint_dir is not None else "resume_checkpoints")
+        self.checkpoint_dir = local_directory(checkpoint_dir if checkpoint_dir is not None else "resume_checkpoints")
         self.save_every_n_steps, self.check_every_n_steps = save_every_n_steps, check_every_n_steps
         self.keep, self.exit_code, self.verify_checksums = keep, exit_code, verify_checksums
         self.preemption = Preemption(signals)
@@ -128,6 +133,7 @@ class FabricResume:
         while self.epoch < num_epochs:
             yield self.epoch
             self.epoch += 1
+            self._boundaries.epoch_ended()
 
     def setup_dataloaders(self, *dataloaders: DataLoader[Any], use_distributed_sampler: bool = True,
                           move_to_device: bool = True) -> Any:
@@ -190,9 +196,8 @@ class FabricResume:
                     fabric.barrier()
                 raise
 
-        written = write_sealed(final, write_into, main=fabric.is_global_zero, agree=self._any_rank, step=self.step,
-                               checksums=self.verify_checksums, keep=self.keep)
-        if not written:
+        if not write_sealed(final, write_into, main=fabric.is_global_zero, agree=self._any_rank, step=self.step,
+                            checksums=self.verify_checksums, keep=self.keep):
             return None
         logger.info("checkpoint written at step %d: %s", self.step, final)
         return final
@@ -203,9 +208,8 @@ class FabricResume:
         if self._lock is not None:
             self._lock.release()
             self._lock, self._claimed = None, False
-        fabric = self.fabric
         for name in ("setup_dataloaders", "save", "load", "loader_resume"):
-            fabric.__dict__.pop(name, None)
+            self.fabric.__dict__.pop(name, None)
 
     def save_to(self, path: str | Path, state: dict[str, Any],
                 filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
@@ -215,8 +219,7 @@ class FabricResume:
             raise ValueError(f"fabric.save(path, state): state has a key {CHECKPOINT_KEY!r}, which loader-resume "
                              "writes; expected another name")
         entry = {
-            "format": CHECKPOINT_FORMAT, "step": self.step, "epoch": self.epoch,
-            "world_size": self.fabric.world_size,
+            "format": CHECKPOINT_FORMAT, "step": self.step, "epoch": self.epoch, "world_size": self.fabric.world_size,
             "loaders": [gather_states(loader, loader.resume_state(pass_ended=self._boundaries.left(loader)))
                         for loader in self.loaders],
             "rng": gather_rng_states(),

@@ -23,21 +23,34 @@ from loader_resume.checkpoint_dir import DirectoryLock, claim
 from loader_resume.remote_lease import RemoteLease
 from loader_resume.storage import is_remote, remote_filesystem
 
-__all__ = ["checkpoints_in", "claim_directory", "newest_last", "refuse_a_silent_start"]
+__all__ = ["checkpoints_in", "claim_directory", "newer", "newest_last", "refuse_a_silent_start"]
 
 
 def _listed(directory: str, pattern: str) -> list[tuple[str, Any]]:
     """``(url, modified)`` of the files in the remote ``directory`` whose name matches ``pattern``."""
     fs, path = remote_filesystem(directory)
-    if not fs.exists(path):
+    try:
+        entries = fs.ls(path, detail=True, refresh=True)
+    except FileNotFoundError:
         return []
     protocol = directory.split("://", 1)[0]
     found = []
-    for entry in fs.ls(path, detail=True):
+    for entry in entries:
         name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
         if entry.get("type") == "file" and re.fullmatch(pattern, name):
-            found.append((f"{protocol}://{entry['name']}", fs.modified(entry["name"])))
+            modified = entry.get("LastModified") or fs.modified(entry["name"])  # NOTE: S3 lists it: no request
+            found.append((f"{protocol}://{entry['name']}", modified))
     return found
+
+
+def newer(ours: str | None, last: str | None) -> str | None:
+    """The more recently written of the preemption checkpoint ``ours`` and a ``last.ckpt`` (either may be None):
+    a later run that resumed from ``ours``, then wrote ``last.ckpt`` and crashed, resumes from its own progress.
+    ``ours`` on a tie: a preemption stop may write ``last.ckpt`` at the same step after it."""
+    if ours is None or last is None:
+        return ours or last
+    fs, _ = remote_filesystem(ours)
+    return last if fs.modified(last) > fs.modified(ours) else ours
 
 
 def _model_checkpoint_folders(trainer: Trainer) -> list[tuple[str, str]]:
@@ -78,4 +91,4 @@ def refuse_a_silent_start(found: list[str]) -> None:
 def claim_directory(directory: str, main: bool, agree: Callable[[bool], bool]) -> DirectoryLock | RemoteLease | None:
     """The job's hold on ``directory``: a local one's lock, a remote one's lease where its store can create
     conditionally (else it is said, at start, not to be locked); see ``loader_resume.checkpoint_dir.claim``."""
-    return claim(directory, main=main, agree=agree)
+    return claim(directory, main=main, agree=agree, remote=True)

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from loader_resume import ResumableDataLoader
 from support.passes import BATCH, EPOCHS, N, build, record, rest
 
 TESTS = Path(__file__).parent
@@ -179,3 +180,24 @@ def test_which_continuation_was_chosen_is_logged_once_per_loader_and_a_pass_left
     said.state_dict(pass_ended=False)
     list(said)
     assert not [r for r in caplog.records if r.name == "loader_resume.pass_notes"]  # the loop said which
+
+
+def test_a_sampler_without_len_takes_states_and_says_batch_k_of_an_unknown_total(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The log line needs the epoch's batches, which a user's sampler without ``__len__`` cannot tell: it says "?"
+    (and the state is taken as before)."""
+
+    class Endless(torch.utils.data.Sampler[int]):
+        def __init__(self) -> None:
+            pass
+
+        def __iter__(self) -> Any:
+            return iter(range(20))
+
+    caplog.set_level(logging.INFO, logger="loader_resume")
+    loader = ResumableDataLoader(list(range(20)), batch_size=4, sampler=Endless())
+    iterator = iter(loader)
+    next(iterator)
+    assert loader.state_dict()["position"] == 4
+    assert "continues the pass of epoch 0 at batch 2 of ? when loaded" in caplog.text

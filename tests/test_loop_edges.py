@@ -268,3 +268,65 @@ def test_a_front_doors_save_after_a_zip_ends_starts_the_next_epoch_and_after_a_b
     after = list(front_door_loop(resumed, order, start_epoch=cut.value.epoch))
     assert before + after == full
     assert any(row[0] == "l" for row in after[:2]) and len(before) in (2 * 3, 2 * N // 2 // BATCH)
+
+
+class Saving(Reports):
+    """Reports that also take every loader's state at each step boundary, as the front doors' checkpoints do."""
+
+    def __init__(self, loaders: dict[str, ReportingDataLoader]) -> None:
+        super().__init__()
+        self.loaders, self.states = loaders, list[dict[str, Any]]()
+
+    def before_batch(self, loader: ReportingDataLoader) -> None:
+        if self.boundaries.crossed(loader):
+            self.states.append({name: each.resume_state(pass_ended=self.boundaries.left(each))
+                                for name, each in self.loaders.items()})
+
+
+def cycling_loop(loaders: dict[str, ReportingDataLoader], steps: int,
+                 boundaries: list[dict[str, Any]] | None = None) -> list[tuple[list[int], list[int]]]:
+    """Each step: a batch of ``main`` (its passes in a ``for``, two epochs) and one of ``aux`` drawn by hand, with a
+    new ``iter()`` at its end (the short loader cycles four times an epoch); an optimizer step. Stops after
+    ``steps`` steps in all; ``boundaries``: the states taken at each step boundary go there."""
+    reports = Saving(loaders)
+    weight = torch.nn.Parameter(torch.zeros(()))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    reports.boundaries.hook(optimizer)
+    for loader in loaders.values():
+        loader.attach(reports, None)
+    rows, aux = [], iter(loaders["aux"])
+    while len(rows) < steps:
+        for batch in loaders["main"]:
+            try:
+                extra = next(aux)
+            except StopIteration:
+                aux = iter(loaders["aux"])
+                extra = next(aux)
+            rows.append((batch["id"].tolist(), extra["id"].tolist()))
+            (weight * 0).backward()
+            optimizer.step()
+            if len(rows) == steps:
+                break
+        reports.boundaries.epoch_ended()  # as the front doors' epochs() between two epochs
+    if boundaries is not None:
+        boundaries.extend(reports.states)
+    return rows
+
+
+def test_a_loader_cycled_by_hand_beside_the_main_one_leaves_no_pass_at_any_step_boundary() -> None:
+    """A short auxiliary loader drawn with next() and given a new iter() at its end runs out four times an epoch;
+    that ends no pass of the main loader: a checkpoint at every step boundary of two epochs resumes exactly."""
+
+    def loaders() -> dict[str, ReportingDataLoader]:
+        return {"main": ReportingDataLoader(Augmented(N), batch_size=BATCH, shuffle=True, seed=1),
+                "aux": ReportingDataLoader(Augmented(N // 4), batch_size=BATCH, shuffle=True, seed=2)}
+
+    steps = 2 * N // BATCH
+    states: list[dict[str, Any]] = []
+    full = cycling_loop(loaders(), steps, states)
+    assert len(states) == steps - 1  # a boundary before every step but the first
+    for done, saved in enumerate(states, start=1):
+        resumed = loaders()
+        for name, loader in resumed.items():
+            loader.load_state_dict(saved[name])
+        assert cycling_loop(resumed, steps - done) == full[done:], f"resumed at the boundary after step {done}"

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from loader_resume.checkpoint_dir import DirectoryLock
+from loader_resume.checkpoint_dir import CheckpointDirectoryError, DirectoryLock
 from loader_resume.remote_lease import RemoteLease
 from support.s3 import Cuttable, bucket, objects, s3_server
 
@@ -161,13 +163,15 @@ def test_lightning_on_s3_a_network_error_at_the_preemption_save_exits_74_and_a_r
 
 
 def test_a_second_job_on_the_same_bucket_directory_is_refused_naming_the_first(
-    s3: dict[str, str], tmp_path: Path
+    s3: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The first job's lease (S3's conditional create) is held and renewed while it runs: a second job waits,
-    then is refused at setup naming the holder, and writes nothing; the first one's release frees the directory."""
+    """The first job's lease (S3's conditional create) is held and renewed while it runs (a term of 6 s: renewed
+    every 2 s): a second job waits, then is refused at setup naming the holder, and writes nothing; the first one's
+    release frees the directory."""
+    monkeypatch.setenv("LOADER_RESUME_LEASE_SECONDS", "6")
     bucket("run-f")
     first = RemoteLease.acquire("s3://run-f/job")
-    assert first is not None and objects("s3://run-f/job") == ["s3://run-f/job/.loader_resume.lease"]
+    assert first is not None and objects("s3://run-f/job") == ["s3://run-f/job/.loader_resume.lease.1"]
     try:
         stderr = lightning(tmp_path / "second", "--root", "s3://run-f/job", expect=1)
         assert "checkpoint directory s3://run-f/job is in use by another job (host" in stderr
@@ -176,7 +180,7 @@ def test_a_second_job_on_the_same_bucket_directory_is_refused_naming_the_first(
         first.release()
     assert objects("s3://run-f/job") == []
     lightning(tmp_path / "third", "--root", "s3://run-f/job")  # free again: it runs, and lets go at its end
-    assert "s3://run-f/job/.loader_resume.lease" not in objects("s3://run-f/job")
+    assert not [url for url in objects("s3://run-f/job") if ".loader_resume.lease" in url]
 
 
 def test_a_killed_jobs_lease_ends_with_its_term_and_the_rerun_takes_the_directory_over_and_resumes(
@@ -196,11 +200,139 @@ def test_a_killed_jobs_lease_ends_with_its_term_and_the_rerun_takes_the_director
         time.sleep(0.02)
     job.kill()
     job.wait()
-    assert "s3://run-g/job/.loader_resume.lease" in objects("s3://run-g/job")
+    assert "s3://run-g/job/.loader_resume.lease.1" in objects("s3://run-g/job")
     (tmp_path / "rerun").mkdir()
     done = subprocess.run([sys.executable, str(TESTS / "lightning_child.py"), str(tmp_path / "rerun"), "--root",
                            "s3://run-g/job", "--workers", "2"], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "taking over s3://run-g/job: its lease ended at" in done.stderr
+    assert "taking over s3://run-g/job: its lease .loader_resume.lease.1 ended" in done.stderr
     resumed, weights = rows(tmp_path / "rerun")
     assert resumed == full[0][3:] and weights == full[1]
+
+
+HOLDER = """
+import pathlib, sys, time
+from loader_resume.remote_lease import RemoteLease
+lease = RemoteLease.acquire(sys.argv[1])
+out = pathlib.Path(sys.argv[2])
+(out / "held").write_text(str(lease.number))
+while not (out / "stop").exists():
+    time.sleep(0.05)
+lease.release()
+(out / "lost").write_text(str(lease.lost))
+"""
+
+
+def test_a_lease_being_renewed_is_refused_and_two_jobs_taking_over_an_ended_one_never_both_hold_it(
+    s3: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Term 3 s (renewed every second): a job meeting a renewed lease is refused naming its holder; a lease left by
+    a killed job (never renewed) is waited out, and of two jobs taking over at once exactly one holds it."""
+    import s3fs
+
+    monkeypatch.setenv("LOADER_RESUME_LEASE_SECONDS", "3")
+    bucket("run-h")
+    first = RemoteLease.acquire("s3://run-h/a")
+    assert first is not None
+    try:
+        with pytest.raises(CheckpointDirectoryError, match=r"s3://run-h/a is in use by another job \(host .*, pid"):
+            RemoteLease.acquire("s3://run-h/a", wait=2)
+    finally:
+        first.release()
+    s3fs.S3FileSystem(skip_instance_cache=True).pipe("run-h/b/.loader_resume.lease.1", b'{"owner": "a killed job"}')
+    outcomes: dict[str, Any] = {}
+
+    def take(name: str) -> None:
+        try:
+            outcomes[name] = RemoteLease.acquire("s3://run-h/b", wait=2)
+        except CheckpointDirectoryError as refused:
+            outcomes[name] = refused
+
+    racers = [threading.Thread(target=take, args=(name,)) for name in "xy"]
+    for racer in racers:
+        racer.start()
+    for racer in racers:
+        racer.join(timeout=60)
+    held = [lease for lease in outcomes.values() if isinstance(lease, RemoteLease)]
+    assert len(held) == 1 and held[0].number == 2, outcomes
+    assert objects("s3://run-h/b") == ["s3://run-h/b/.loader_resume.lease.2"]  # the ended one removed
+    held[0].release()
+    assert objects("s3://run-h/b") == []
+
+
+def test_a_holder_stopped_past_its_term_loses_the_lease_loudly_and_never_removes_the_next_holders(
+    s3: dict[str, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A real process holds the lease (term 3 s) and is stopped (SIGSTOP) past its term: another job takes the
+    directory over; the first, continued (SIGCONT), finds a higher lease at its next renewal, says the lease was
+    lost, and on release removes only its own object."""
+    monkeypatch.setenv("LOADER_RESUME_LEASE_SECONDS", "3")
+    bucket("run-i")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, "s3://run-i/job", str(tmp_path)],
+                              stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "held").exists():
+        assert time.monotonic() < deadline and holder.poll() is None, "the holder never took the lease"
+        time.sleep(0.05)
+    os.kill(holder.pid, signal.SIGSTOP)
+    try:
+        second = RemoteLease.acquire("s3://run-i/job", wait=2)  # waits the silent lease out (3 s), then takes it
+    finally:
+        os.kill(holder.pid, signal.SIGCONT)
+    assert second is not None and second.number == 2
+    time.sleep(2.5)  # two of the first holder's renewal periods
+    (tmp_path / "stop").write_text("")
+    _, stderr = holder.communicate(timeout=60)
+    assert (tmp_path / "lost").read_text() == "True"
+    assert "was taken by another job" in stderr
+    assert "s3://run-i/job/.loader_resume.lease.2" in objects("s3://run-i/job")  # the second's lease stands
+    second.release()
+
+
+def test_lightning_on_s3_a_rerun_after_a_crash_resumes_from_the_newer_last_ckpt_not_an_older_preemption_one(
+    s3: dict[str, str], full: tuple[list[Any], str], tmp_path: Path
+) -> None:
+    """Preempted at step 5 (preempted.ckpt); the rerun resumes, writes last.ckpt at steps 6 and 9 and is killed
+    after step 10, leaving the old preemption checkpoint; the next rerun resumes from step 9, the newer."""
+    bucket("run-j")
+    lightning(tmp_path / "first", "--root", "s3://run-j/job", "--signal-at", "5", expect=143)
+    (tmp_path / "second").mkdir()
+    second = subprocess.Popen([sys.executable, str(TESTS / "lightning_child.py"), str(tmp_path / "second"),
+                               "--root", "s3://run-j/job", "--wait-at", "10", "--workers", "2"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "second" / "waiting").exists():
+        assert time.monotonic() < deadline and second.poll() is None, "the rerun never reached step 10"
+        time.sleep(0.02)
+    second.kill()
+    second.wait()
+    assert "s3://run-j/job/preempted.ckpt" in objects("s3://run-j/job")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("LOADER_RESUME_LEASE_SECONDS", "1")  # NOTE: the killed job's lease: ended by the time it looks
+        time.sleep(1.5)
+        lightning(tmp_path / "third", "--root", "s3://run-j/job")
+    resumed, weights = rows(tmp_path / "third")
+    assert resumed == full[0][9:] and weights == full[1]
+
+
+def test_lightning_on_a_bucket_that_does_not_exist_is_refused_at_setup_naming_the_url_and_cause(
+    s3: dict[str, str], tmp_path: Path
+) -> None:
+    """ResumeCallback(dirpath="s3://no-such-bucket/job"): taking the directory's lease fails, naming the URL and
+    the store's answer, before any step (nothing trained, nothing written)."""
+    stderr = lightning(tmp_path, "--resume-dir", "s3://no-such-bucket/job", expect=1)
+    assert "checkpoint directory s3://no-such-bucket/job: cannot take its lease (FileNotFoundError" in stderr
+    assert "bucket does not exist" in stderr and not (tmp_path / "log-0.json").exists()
+
+
+def test_a_front_door_that_writes_local_directories_refuses_a_url_for_them(tmp_path: Path) -> None:
+    """Accelerate's checkpoint_dir as an s3:// URL: refused at enable_resume, naming it (never a local ./s3:/
+    directory that only looks remote)."""
+    from accelerate import Accelerator
+
+    from accelerate_resume import enable_resume
+
+    with pytest.raises(CheckpointDirectoryError, match=r"checkpoint directory s3://bucket/run: a URL, but this front "
+                                                       r"door writes its checkpoints as local directories"):
+        enable_resume(Accelerator(cpu=True), {"checkpoint_dir": "s3://bucket/run"})
+    assert not Path("s3:").exists()

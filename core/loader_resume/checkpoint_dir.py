@@ -40,7 +40,7 @@ from .remote_lease import RemoteLease
 from .storage import is_remote, local_path
 
 __all__ = ["FAILED_SAVE_EXIT_CODE", "LOCK_FILE", "CheckpointDirectoryError", "DirectoryLock", "claim",
-           "newest_complete", "newest_usable", "preemption_exit_code"]
+           "local_directory", "newest_complete", "newest_usable", "preemption_exit_code"]
 
 logger = logging.getLogger(__name__)
 
@@ -148,17 +148,27 @@ class DirectoryLock:
                         path.unlink()
 
 
-def claim(directory: str | os.PathLike[str], *, main: bool,
-          agree: Callable[[bool], bool]) -> DirectoryLock | RemoteLease | None:
-    """:meth:`DirectoryLock.acquire` on the main process (an fsspec URL: :meth:`RemoteLease.acquire`, ``None`` where
-    its store cannot lock); every process of the job calls it (``agree``: a flag held on any process, a collective)
-    and raises if the main process was refused."""
+def local_directory(directory: str | os.PathLike[str]) -> Path:
+    """``directory`` as a local path (a ``file:`` URL's path), for a front door that writes local directories; a URL
+    of another store is refused, naming it (never a local ``./s3:/...`` directory that only looks remote)."""
+    if is_remote(directory):
+        raise CheckpointDirectoryError(f"checkpoint directory {os.fspath(directory)}: a URL, but this front door "
+                                       "writes its checkpoints as local directories; expected a local path (a shared "
+                                       "mount, for checkpoints that outlive the machine)")
+    return Path(local_path(directory))
+
+
+def claim(directory: str | os.PathLike[str], *, main: bool, agree: Callable[[bool], bool],
+          remote: bool = False) -> DirectoryLock | RemoteLease | None:
+    """:meth:`DirectoryLock.acquire` on the main process (an fsspec URL, where the front door writes there
+    (``remote``): :meth:`RemoteLease.acquire`, ``None`` where its store cannot lock); every process of the job calls
+    it (``agree``: a flag held on any process, a collective) and raises if the main process was refused."""
     lock: DirectoryLock | RemoteLease | None = None
     error: Exception | None = None
     if main:
         try:
-            lock = RemoteLease.acquire(os.fspath(directory)) if is_remote(directory) else \
-                DirectoryLock.acquire(Path(local_path(directory)))
+            lock = RemoteLease.acquire(os.fspath(directory)) if is_remote(directory) and remote else \
+                DirectoryLock.acquire(local_directory(directory))
         except Exception as refused:  # NOTE: whatever the main process met, every process learns of it
             error = refused
     if agree(error is not None):

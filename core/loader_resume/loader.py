@@ -238,7 +238,7 @@ class ResumableDataLoader(IndexHooks[T]):
 
     @property
     def epoch(self) -> int:
-        """The epoch the next batch belongs to (after a load: the loaded one)."""
+        """The epoch a state taken now continues: the pass in flight's (after a ``break`` too), else the next one's."""
         return self._position.epoch
 
     def state_dict(self, *, batches_ago: int = 0, pass_ended: bool | None = None) -> dict[str, Any]:

@@ -151,7 +151,8 @@ class MapPosition:
     def progress(self) -> tuple[int, int | None]:
         shard = self.setup.shard()
         unit = shard.world if self.unit_is_batch else shard.step
-        return -(-self._samples // unit), self.batches_per_epoch()
+        known = self.sampler is None or hasattr(self.sampler, "__len__")  # NOTE: a user's sampler may have none
+        return -(-self._samples // unit), self.batches_per_epoch() if known else None
 
     def fill_state(self, state: dict[str, Any], batches_ago: int = 0, next_pass: bool = False) -> None:
         if batches_ago:

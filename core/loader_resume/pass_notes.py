@@ -56,7 +56,8 @@ class PassNotes:
         if self.warned or taken is None or at_pass is None or at_pass[0].done:
             return
         state = now()  # NOTE: one pass's states differ in position: equal ones were taken where it is left
-        if (taken["epoch"], taken["position"], taken["stream"]) == (state["epoch"], state["position"], state["stream"]):
+        fields = ("epoch", "position", "stream")  # NOTE: .get: the state was handed to the caller, who may edit it
+        if tuple(taken.get(name) for name in fields) == tuple(state[name] for name in fields):
             self.warned = True
             done, total = self.position.progress()
             logger.warning("%s: the loop left the pass of epoch %d after batch %d of %s, where a state was taken; "

@@ -145,9 +145,10 @@ class StepBoundaries:
         self._participants: set[int] = set()  # loaders that delivered a batch since the last boundary
         self._step_loaders: set[int] = set()  # ...of which those that delivered before an optimizer step
         self._events = itertools.count()  # orders deliveries and passes that ran out
-        self._last_batch: dict[int, int] = {}  # a loader's id: when it last delivered a batch
-        self._ran_out = -1  # when a training loader's pass last ran out
+        self._last_batch: dict[int, tuple[int, int]] = {}  # a loader's id: (when, the loop's epoch) of its last batch
+        self._ran_out = -1  # when a training loader's pass ran out, until the loop's next request for a batch
         self._trained: set[int] = set()  # loaders that ever delivered before an optimizer step
+        self._epochs = 0  # the loop's epochs ended (epoch_ended)
 
     @property
     def step(self) -> int:
@@ -166,22 +167,31 @@ class StepBoundaries:
 
     def delivered(self, loader: Any) -> None:
         self._participants.add(id(loader))
-        self._last_batch[id(loader)] = next(self._events)
+        self._last_batch[id(loader)] = (next(self._events), self._epochs)
 
     def ran_out(self, loader: Any) -> None:
         """``loader``'s pass ran out (the loop asked past its last batch)."""
         if id(loader) in self._trained:  # NOTE: an evaluation loader, which feeds no step, ends no epoch
             self._ran_out = next(self._events)
 
+    def epoch_ended(self) -> None:
+        """The loop's epoch is over: the front door's ``epochs()`` moves to the next one."""
+        self._epochs += 1
+
     def left(self, loader: Any) -> bool:
-        """Whether the loop left ``loader``'s pass: a training loader's pass ran out after ``loader``'s last batch
-        (``zip`` over loaders of unequal length ends there), so its pass in flight, if any, is over and a state
-        describes where its next pass starts. A loop that ``break``s runs nothing out: its passes continue.
-        NOTE: an iterator kept across epochs by hand (``next()`` on it) is left too, until its next batch."""
-        return self._last_batch.get(id(loader), self._ran_out) < self._ran_out
+        """Whether the loop left ``loader``'s pass, so that its pass in flight, if any, is over and a state describes
+        where its next pass starts: the loop's epoch ended since ``loader``'s last batch (``epochs()`` moved on), or
+        a training loader's pass ran out after it and the loop has asked for no batch since (a save right after a
+        ``zip`` over loaders of unequal length, which ends there). A ``break`` runs nothing out: its passes go on;
+        nor does a loader cycled by hand (``next()``, a new ``iter()`` at its end), asked again at once.
+        NOTE: an iterator kept across ``epochs()`` by hand is left with the epoch, until its next batch."""
+        last = self._last_batch.get(id(loader))
+        return last is not None and (last[1] < self._epochs or last[0] < self._ran_out)
 
     def crossed(self, loader: Any) -> bool:
-        """Whether this request for a batch from ``loader`` is a step boundary (then counted)."""
+        """Whether this request for a batch from ``loader`` is a step boundary (then counted). A pass that ran out
+        before it stands for the loop's end no more (see :meth:`left`)."""
+        self._ran_out = -1
         if not (self._stepped and id(loader) in self._step_loaders):
             return False
         self._before, self.steps, self._stepped = self.steps, self.steps + self._stepped, 0
