@@ -19,6 +19,7 @@ from loader_resume.checkpoint import CheckpointError
 __all__ = ["RANK_FILE", "FORMAT", "read_ranks", "rank_file", "unwrapped"]
 
 RANK_FILE = "loader_resume_rank_{rank}.pt"
+"""Each worker's file inside a checkpoint reported to Ray: its loader states and generators, by rank."""
 FORMAT = 1
 """The layout of a rank file (``"format"`` in it); another is refused naming both."""
 

@@ -44,8 +44,10 @@ class RayResume:
             result: by default it builds another loader with a ``DistributedSampler`` (another order, a state
             nobody saves), and its wrapper reads a batch ahead (a resume would skip one) — refused; move batches
             with :func:`to_device`.
-        model, optimizer, scheduler: saved by rank 0 and loaded by every rank (``prepare_model``'s DDP wrapper
-            is looked through; a sharded FSDP model is refused: rank 0 cannot save it alone).
+        model: saved by rank 0 and loaded by every rank (``prepare_model``'s DDP wrapper is looked through; a
+            sharded FSDP model is refused: rank 0 cannot save it alone).
+        optimizer: saved by rank 0 and loaded by every rank, as ``model``.
+        scheduler: saved by rank 0 and loaded by every rank, as ``model``.
         every_n_steps: report a checkpoint every N steps (:meth:`step_end`); 0: only when :meth:`report` is
             called, or at Ray's preemption notice.
         preemption_notice: ask ``ray.train.get_preemption_info()`` every ``check_every_n_steps`` steps (a barrier

@@ -19,3 +19,4 @@ __all__ = [
     "global_rng_state", "set_global_rng_state",
 ]
 __version__ = "0.1.0"
+"""This release (the version in ``pyproject.toml``)."""

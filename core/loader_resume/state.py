@@ -26,6 +26,8 @@ __all__ = ["STATE_KEYS", "STATE_VERSION", "StateError", "check_state"]
 logger = logging.getLogger(__name__)
 
 STATE_VERSION: Final = 3
+"""The layout ``state_dict()`` writes (``"version"`` in it). States of versions 1 to 3 load (an older one is
+read in this layout); any other is refused with a ``StateError`` naming ``version``."""
 READABLE_VERSIONS: Final = (1, 2, 3)
 
 # Fields the position depends on: a saved value must equal the current one, or the order differs.
