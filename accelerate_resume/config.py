@@ -31,7 +31,7 @@ __all__ = ["CONFIG_VARIABLE", "ENV_PREFIX", "ResumeConfig", "load_config"]
 ENV_PREFIX: Final = "LOADER_RESUME_"
 """Environment variables ``LOADER_RESUME_<FIELD>`` (the field's name in capitals) set a field on every rank."""
 CONFIG_VARIABLE: Final = "LOADER_RESUME_CONFIG"
-"""A YAML file of :class:`ResumeConfig` keys, read when ``enable_resume`` is given no path."""
+"""A YAML file of ``ResumeConfig`` keys, read when ``enable_resume`` is given no path."""
 
 
 

@@ -2,7 +2,7 @@
 
 How it hooks in, with public Accelerate APIs only:
 - ``accelerator.prepare`` is wrapped (on this instance): DataLoaders become
-  :class:`AcceleratedResumableDataLoader`s sharded by us; everything else goes to Accelerate's own
+  ``AcceleratedResumableDataLoader``s sharded by us; everything else goes to Accelerate's own
   ``prepare`` unchanged. Optimizers get a step post-hook (torch's public
   ``register_step_post_hook``), which fires only on real steps — not on skipped accumulation steps.
 - A *step boundary* is a request for the next batch, after an optimizer step, from a loader that
@@ -64,12 +64,12 @@ def enable_resume(accelerator: Accelerator,
     """Arm ``accelerator`` for exact resume; call it before ``accelerator.prepare``.
 
     Args:
-        config: a YAML file, dict or DictConfig of :class:`ResumeConfig` keys; ``None``: the defaults
-            (``configs/accelerate_resume.yaml``): SIGTERM and SIGUSR1 handled, checkpoints under
+        config: a YAML file, dict or DictConfig of [`ResumeConfig`][accelerate_resume.ResumeConfig] keys; ``None``: the
+            defaults (``configs/accelerate_resume.yaml``): SIGTERM and SIGUSR1 handled, checkpoints under
             ``project_dir``, automatic resume on. Either way ``$LOADER_RESUME_CONFIG`` (a YAML file, when
             ``config`` is no path) and ``LOADER_RESUME_<FIELD>`` variables are read on every process
-            (see :func:`load_config`: argument > variable > YAML > default); ``LOADER_RESUME_ENABLED=0``
-            switches it all off without a code change.
+            (see [`load_config`][accelerate_resume.load_config]: argument > variable > YAML > default);
+            ``LOADER_RESUME_ENABLED=0`` switches it all off without a code change.
         overrides: an omegaconf dotlist applied last, e.g. the ``key=value`` words of ``sys.argv``.
     """
     return Resume(accelerator, load_config(config, overrides))

@@ -18,7 +18,7 @@ __all__ = ["AcceleratedResumableDataLoader", "placed"]
 
 
 class AcceleratedResumableDataLoader(ReportingDataLoader, DataLoaderStateMixin):
-    """A :class:`~loader_resume.ResumableDataLoader` sharded by us across Accelerate's processes.
+    """A [`ResumableDataLoader`][loader_resume.ResumableDataLoader] sharded by us across Accelerate's processes.
 
     As Accelerate's ``DataLoaderShard`` does, it moves each batch to ``device``, tells the gradient
     state which loader is active, raises ``end_of_dataloader`` with the last batch of an epoch (so
@@ -26,7 +26,7 @@ class AcceleratedResumableDataLoader(ReportingDataLoader, DataLoaderStateMixin):
     not fetch a batch ahead: each request for the next batch is first reported to the hook, which is
     where step boundaries (periodic and preemption checkpoints, automatic resume) happen.
     A map-style loader knows its last batch from its position; a loader over an ``IterableDataset``
-    fetches one batch ahead, as ``DataLoaderShard`` does (:meth:`resume_state` accounts for it).
+    fetches one batch ahead, as ``DataLoaderShard`` does (``resume_state`` accounts for it).
     """
 
     _is_accelerate_prepared = True  # Accelerate's own prepare_data_loader keeps it as it is

@@ -24,7 +24,7 @@ STATE_FILE = "loader_resume.pt"
 def write_checkpoint(accelerator: Accelerator, final: Path, *, step: int, checksums: bool, keep: int) -> bool:
     """``accelerator.save_state`` into a temporary directory beside ``final``, sealed with a manifest and
     renamed to ``final``; checkpoints beyond the newest ``keep`` are deleted. Every process calls it
-    (:func:`loader_resume.checkpoint.write_sealed`: a failed write is agreed by all and returns ``False``).
+    (``loader_resume.checkpoint.write_sealed``: a failed write is agreed by all and returns ``False``).
     """
     return write_sealed(final, lambda directory: _save_state_to(accelerator, directory),
                         main=accelerator.is_main_process, agree=any_rank, step=step, checksums=checksums, keep=keep)

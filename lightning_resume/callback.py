@@ -1,7 +1,7 @@
 """``ResumeCallback``: add it to a ``lightning.Trainer`` and mid-epoch resume becomes exact.
 
 The user's module or datamodule keeps returning plain ``torch.utils.data.DataLoader``s. The callback
-converts the training loaders to :class:`loader_resume.ResumableDataLoader` (same dataset, batch size, collate,
+converts the training loaders to ``loader_resume.ResumableDataLoader`` (same dataset, batch size, collate,
 workers, pin-memory, drop-last and shuffle choice), which shard themselves across DDP ranks; every checkpoint gets
 each rank's loader state and RNG states under one key, and a resumed ``fit`` continues with the very next batch.
 """

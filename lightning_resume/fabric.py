@@ -4,7 +4,7 @@ On one ``Fabric``, public APIs only: ``fabric.setup_dataloaders`` returns loader
 ``fabric.save``/``fabric.load`` carry every rank's loader and RNG state under ``checkpoint["loader_resume"]`` (one
 copy, from rank 0; each rank takes its own part, at another world size too); a preemption signal leads, at the next
 step boundary (``loader_resume.step_boundary``) the ranks agree on, to a sealed checkpoint directory and an exit
-with ``exit_code``; :meth:`FabricResume.restore` loads the newest complete one. The docs' Fabric page has the loop.
+with ``exit_code``; ``FabricResume.restore`` loads the newest complete one. The docs' Fabric page has the loop.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ __all__ = ["CHECKPOINT_FILE", "FabricResumableDataLoader", "FabricResume"]
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "checkpoint.ckpt"
-"""The file ``fabric.save`` writes inside a checkpoint directory of :class:`FabricResume`."""
+"""The file ``fabric.save`` writes inside a checkpoint directory of ``FabricResume``."""
 
 
 class FabricResume:
@@ -62,7 +62,7 @@ class FabricResume:
         keying: ``"batch"``, ``"sample"`` or ``"off"`` (see ``ResumableDataLoader``).
         keyed_generators: which global generators are keyed inside data loading.
         signals: signals that request a preemption checkpoint (``()`` for none); handled once
-            :meth:`restore` has the state to save.
+            [`restore`][lightning_resume.FabricResume.restore] has the state to save.
         checkpoint_dir: where checkpoints go, a local path (a URL is refused); ``None``: ``./resume_checkpoints``.
         save_every_n_steps: also checkpoint every N optimizer steps (0: only on preemption).
         check_every_n_steps: agree on signals every N optimizer steps (one tiny collective each time).
@@ -104,9 +104,9 @@ class FabricResume:
         self.preemption = Preemption(signals)
         self._requeue = Requeue(slurm_requeue)
         self.epoch = 0
-        """The epoch :meth:`epochs` is in (restored on resume)."""
+        """The epoch [`epochs`][lightning_resume.FabricResume.epochs] is in (restored on resume)."""
         self.loaded_from: Path | None = None
-        """The checkpoint directory :meth:`restore` loaded, if any."""
+        """The checkpoint directory [`restore`][lightning_resume.FabricResume.restore] loaded, if any."""
         self.loaders: list[FabricResumableDataLoader] = []
         """The loaders set up so far, in the order their states are saved."""
         self.preempted_at: int | None = None
@@ -137,7 +137,7 @@ class FabricResume:
 
     def setup_dataloaders(self, *dataloaders: DataLoader[Any], use_distributed_sampler: bool = True,
                           move_to_device: bool = True) -> Any:
-        """``fabric.setup_dataloaders``: each loader as a :class:`FabricResumableDataLoader` sharded for this
+        """``fabric.setup_dataloaders``: each loader as a ``FabricResumableDataLoader`` sharded for this
         rank (``use_distributed_sampler`` is ignored: the loader shards itself); one loader or a list, as
         Fabric returns them. Every rank must call it (the ranks' datasets are compared)."""
         if not dataloaders:
@@ -180,9 +180,9 @@ class FabricResume:
         return complete_checkpoints(self.checkpoint_dir)
 
     def save(self) -> Path | None:
-        """Checkpoint now (every rank calls it): ``fabric.save`` of the state given to :meth:`restore` into
-        ``checkpoint_dir/step_<step>/`` written atomically; checkpoints beyond ``keep`` are deleted. A failed
-        write on any rank is agreed by all: logged, the previous checkpoints stay, ``None`` is returned."""
+        """Checkpoint now (every rank calls it): the state given to [`restore`][lightning_resume.FabricResume.restore],
+        by ``fabric.save`` into ``checkpoint_dir/step_<step>/``, atomically; checkpoints beyond ``keep`` are deleted.
+        A failed write on any rank is agreed by all: logged, the previous checkpoints stay, ``None`` is returned."""
         if self._state is None:
             raise RuntimeError("FabricResume.save(): no state to save; call resume.restore(state) first")
         state, fabric = self._state, self.fabric

@@ -1,4 +1,4 @@
-"""What :class:`~lightning_resume.FabricResume` hands back and keeps: the loader ``fabric.setup_dataloaders``
+"""What ``FabricResume`` hands back and keeps: the loader ``fabric.setup_dataloaders``
 returns, its reference inside a checkpoint's state, and how a process leaves after a preemption checkpoint."""
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ __all__ = ["FabricResumableDataLoader", "LoaderReference", "convert", "leave_lau
 
 
 class FabricResumableDataLoader(ReportingDataLoader):
-    """What ``fabric.setup_dataloaders`` returns under :class:`FabricResume`: a
-    :class:`~loader_resume.ResumableDataLoader` sharded across Fabric's processes that moves batches to the
-    device with ``fabric.to_device`` and reports batch requests (step boundaries)."""
+    """What ``fabric.setup_dataloaders`` returns under [`FabricResume`][lightning_resume.FabricResume]: a
+    [`ResumableDataLoader`][loader_resume.ResumableDataLoader] sharded across Fabric's processes that moves batches to
+    the device with ``fabric.to_device`` and reports batch requests (step boundaries)."""
 
 
 class LoaderReference:
-    """A loader of :class:`FabricResume` inside the state given to ``fabric.save``/``fabric.load``: saved as a
+    """A loader of ``FabricResume`` inside the state given to ``fabric.save``/``fabric.load``: saved as a
     reference to the ``loader_resume`` entry, which holds every rank's state (loaded from there)."""
 
     def __init__(self, index: int) -> None:
@@ -48,7 +48,7 @@ class LoaderReference:
 
 def convert(loader: DataLoader[Any], fabric: Fabric, *, seed: int, keying: str, keyed_generators: Sequence[str],
             signals: Sequence[int]) -> FabricResumableDataLoader:
-    """``loader`` as a :class:`FabricResumableDataLoader` sharded for this rank; its workers ignore ``signals``.
+    """``loader`` as a ``FabricResumableDataLoader`` sharded for this rank; its workers ignore ``signals``.
     A collective (the ranks' datasets are compared)."""
     if not isinstance(loader, DataLoader):
         raise TypeError(f"setup_dataloaders(): {type(loader).__name__} is not a torch DataLoader; expected the "
@@ -60,7 +60,7 @@ def convert(loader: DataLoader[Any], fabric: Fabric, *, seed: int, keying: str, 
 
 
 def referenced(state: Mapping[str, Any], loaders: Sequence[Any]) -> dict[str, Any]:
-    """``state`` with each of ``loaders`` replaced by a :class:`LoaderReference` to its place in the entry."""
+    """``state`` with each of ``loaders`` replaced by a ``LoaderReference`` to its place in the entry."""
     ids = {id(loader): i for i, loader in enumerate(loaders)}
     return {key: LoaderReference(ids[id(value)]) if id(value) in ids else value for key, value in state.items()}
 

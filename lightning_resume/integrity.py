@@ -1,12 +1,12 @@
 """``ResumeCallback``'s checkpoint files under storage faults: written atomically under a name of their own,
 verified before Lightning loads them, and a corrupted preemption checkpoint passed over at an automatic resume.
 
-- :func:`save_atomically`: ``trainer.save_checkpoint`` into ``.NAME.tmp-TOKEN`` (a name of this write alone), then
+- ``save_atomically``: ``trainer.save_checkpoint`` into ``.NAME.tmp-TOKEN`` (a name of this write alone), then
   renamed (to an fsspec URL: one upload, visible only once complete); a failed write on any rank (a full disk, a
   read-only mount, any exception) is agreed by all ranks, the temporary file is removed, the previous checkpoint
   stays, and ``None`` is returned.
-- :func:`usable`: whether a checkpoint file verifies (:func:`loader_resume.torch_file.verify_torch_file`), with
-  a warning naming it and why not; :func:`verify_loads`: every file the strategy loads is verified first, so a
+- ``usable``: whether a checkpoint file verifies (``loader_resume.torch_file.verify_torch_file``), with
+  a warning naming it and why not; ``verify_loads``: every file the strategy loads is verified first, so a
   changed or truncated checkpoint is refused naming the file (``fit(ckpt_path=...)`` included).
 """
 
@@ -78,7 +78,7 @@ def _save_remote(trainer: Trainer, final: str) -> str | None:
 
 def exists(path: str) -> bool:
     """Whether the checkpoint file ``path`` (a local path or a URL) exists; a URL that cannot be reached (no
-    credentials, no network, no such bucket) raises :class:`CheckpointError` naming it and the cause."""
+    credentials, no network, no such bucket) raises ``CheckpointError`` naming it and the cause."""
     if not is_remote(path):
         return os.path.isfile(path)
     fs, inner = remote_filesystem(path)

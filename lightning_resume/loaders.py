@@ -100,7 +100,7 @@ class TrainingLoaders:
 
     def convert(self, loaders: Any) -> Any:
         """``loaders`` (what a module's ``train_dataloader()`` returns) with every DataLoader made resumable;
-        a checkpoint's states waiting in :meth:`load` go into them."""
+        a checkpoint's states waiting in ``load`` go into them."""
         converted, self.loaders = resumable_tree(loaders, lambda loader, index: self._make(loader, *self._shard, index))
         for loader in self.loaders:  # Lightning asks for the training loaders on every rank: a collective is safe
             check_same_dataset(loader)

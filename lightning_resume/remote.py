@@ -5,8 +5,8 @@ Lightning looks for a restarted fit's checkpoint among the ``OnExceptionCheckpoi
 ``last*.ckpt`` files its ``ModelCheckpoint``s list, but it lists those without the URL's protocol
 (``ModelCheckpoint._find_last_checkpoints``, Lightning 2.6; Lightning #18261), so on a remote it finds none of
 them. So our ``ckpt_path`` offers, when the preemption checkpoint is absent, the newest ``last*.ckpt`` of the
-trainer's ``ModelCheckpoint``s on the remote (:func:`newest_last`); and a fit that resumes nothing from a remote
-directory holding checkpoints is refused (:func:`checkpoints_in`), never a silent start at step 0.
+trainer's ``ModelCheckpoint``s on the remote (``newest_last``); and a fit that resumes nothing from a remote
+directory holding checkpoints is refused (``checkpoints_in``), never a silent start at step 0.
 """
 
 from __future__ import annotations

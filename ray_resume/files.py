@@ -29,7 +29,7 @@ def rank_file(directory: Path, rank: int) -> Path:
 
 
 def read_ranks(directory: Path) -> list[dict[str, Any]]:
-    """Every rank's file of the checkpoint in ``directory``, in rank order; :class:`CheckpointError` naming what
+    """Every rank's file of the checkpoint in ``directory``, in rank order; ``CheckpointError`` naming what
     is missing (a rank's file, a checkpoint not written by ``RayResume``) or of another format."""
     found = sorted(int(match.group(1)) for path in directory.iterdir()
                    if (match := re.fullmatch(r"loader_resume_rank_(\d+)\.pt", path.name)))

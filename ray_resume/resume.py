@@ -39,31 +39,33 @@ class RayResume:
     """Checkpoints and restores a Ray Train worker's data position with its model.
 
     Args:
-        loaders: the training loaders, :class:`loader_resume.ResumableDataLoader` (they shard themselves across
-            Ray's workers, through the process group Ray set up). Not ``ray.train.torch.prepare_data_loader``'s
+        loaders: the training loaders, [`loader_resume.ResumableDataLoader`][loader_resume.ResumableDataLoader] (they
+            shard themselves across Ray's workers, through the process group Ray set up). Not
+            ``ray.train.torch.prepare_data_loader``'s
             result: by default it builds another loader with a ``DistributedSampler`` (another order, a state
             nobody saves), and its wrapper reads a batch ahead (a resume would skip one) — refused; move batches
-            with :func:`to_device`.
+            with [`to_device`][ray_resume.to_device].
         model: saved by rank 0 and loaded by every rank (``prepare_model``'s DDP wrapper is looked through; a
             sharded FSDP model is refused: rank 0 cannot save it alone).
         optimizer: saved by rank 0 and loaded by every rank, as ``model``.
         scheduler: saved by rank 0 and loaded by every rank, as ``model``.
-        every_n_steps: report a checkpoint every N steps (:meth:`step_end`); 0: only when :meth:`report` is
-            called, or at Ray's preemption notice.
+        every_n_steps: report a checkpoint every N steps ([`step_end`][ray_resume.RayResume.step_end]); 0: only when
+            [`report`][ray_resume.RayResume.report] is called, or at Ray's preemption notice.
         preemption_notice: ask ``ray.train.get_preemption_info()`` every ``check_every_n_steps`` steps (a barrier
             across workers, as the steps are: rank 0's answer goes to every worker, so all see the notice at the
             same step); at the first notice every worker reports a checkpoint at that step boundary.
         check_every_n_steps: how often the preemption notice is asked for.
         stop_on_preemption: after the notice's checkpoint (step N), the workers finish step N (the code after
-            :meth:`step_end` runs) and then wait for Ray to restart the run, at the node's deadline: the next
-            :meth:`step_end` (step N + 1's work is done again after the restart, its code after ``step_end``
-            runs once) or the next pass of :meth:`epochs` does not return, unless the run is over. The restart
-            continues with step N + 1. ``False``: training goes on, as Ray's own example does, and the restart
-            replays the steps after the newest registered checkpoint.
+            [`step_end`][ray_resume.RayResume.step_end] runs) and then wait for Ray to restart the run, at the node's
+            deadline: the next [`step_end`][ray_resume.RayResume.step_end] (step N + 1's work is done again after the
+            restart, its code after ``step_end`` runs once) or the next pass of [`epochs`][ray_resume.RayResume.epochs]
+            does not return, unless the run is over. The restart continues with step N + 1. ``False``: training goes on,
+            as Ray's own example does, and the restart replays the steps after the newest registered checkpoint.
 
-    Every worker calls :meth:`step_end` once per step, with the same settings: Ray pairs its barriers by order.
-    A checkpoint due at an epoch's last step is reported once the epoch's own code after its loop (a scheduler's
-    step, an evaluation) has run: at the next pass of :meth:`epochs`, or at the next step.
+    Every worker calls [`step_end`][ray_resume.RayResume.step_end] once per step, with the same settings: Ray pairs its
+    barriers by order. A checkpoint due at an epoch's last step is reported once the epoch's own code after its loop (a
+    scheduler's step, an evaluation) has run: at the next pass of [`epochs`][ray_resume.RayResume.epochs], or at the
+    next step.
     """
 
     def __init__(self, *loaders: ResumableDataLoader[Any], model: Any = None, optimizer: Any = None,
@@ -90,7 +92,8 @@ class RayResume:
         self.every_n_steps, self.check_every_n_steps = every_n_steps, check_every_n_steps
         self.preemption_notice, self.stop_on_preemption = preemption_notice, stop_on_preemption
         self.step = 0
-        """Optimizer steps taken (counted by :meth:`step_end`), restored from a checkpoint."""
+        """Optimizer steps taken (counted by [`step_end`][ray_resume.RayResume.step_end]), restored from a
+        checkpoint."""
         self.epoch = 0
         self._restored = self._resumed = False
         self._noticed = self._stopping = False
@@ -100,7 +103,7 @@ class RayResume:
 
     def restore(self) -> bool:
         """Load ``ray.train.get_checkpoint()`` if Ray has one (a retry, or a rerun of the same run); whether it
-        did. Called by :meth:`epochs` if not before; once."""
+        did. Called by [`epochs`][ray_resume.RayResume.epochs] if not before; once."""
         if not self._restored:
             self._restored = True
             checkpoint = ray.train.get_checkpoint()

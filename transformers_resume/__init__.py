@@ -3,7 +3,7 @@
     trainer = ResumableTrainer(model=model, args=args, train_dataset=data)     # was: Trainer(...)
     trainer.train(resume_from_checkpoint=True)                                # continues with the very next batch
 
-Own ``Trainer`` subclasses (TRL's ``SFTTrainer``, ...) take :class:`ResumeTrainerMixin` first:
+Own ``Trainer`` subclasses (TRL's ``SFTTrainer``, ...) take ``ResumeTrainerMixin`` first:
 ``class MyTrainer(ResumeTrainerMixin, SFTTrainer)``.
 """
 

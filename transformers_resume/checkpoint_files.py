@@ -1,7 +1,7 @@
 """The files ``ResumableTrainer`` adds to a Trainer ``checkpoint-N``, what they say about Trainer's step, and how a
 checkpoint is verified before it is resumed.
 
-:func:`verify_checkpoint`: complete (every file :func:`missing_file` asks for) and intact, as far as its files allow:
+``verify_checkpoint``: complete (every file ``missing_file`` asks for) and intact, as far as its files allow:
 each file ``torch.save`` wrote (``*.pt``, ``*.pth``, ``*.bin``) against the CRC-32 stored for each of its records,
 each safetensors file's structure (it stores no checksum: a flipped bit inside a tensor is not seen), each JSON file
 parsed. On several ranks each rank reads its share of the files, so the job reads each file once.
@@ -110,7 +110,7 @@ def _checkpoints_in(root: Path) -> list[Path]:
 
 
 def _complete(root: Path, warn: bool) -> list[Path]:
-    """The complete checkpoints in ``root`` (:func:`missing_file`), newest first; others skipped (named)."""
+    """The complete checkpoints in ``root`` (``missing_file``), newest first; others skipped (named)."""
     complete = []
     for path in _checkpoints_in(root):
         try:
@@ -136,8 +136,8 @@ def newest_resumable(root: Path, *, rank: int = 0, world_size: int = 1,
                      agree: Callable[[bool], bool] | None = None) -> Path | None:
     """The newest complete checkpoint in ``root`` whose files verify (each rank its share; ``agree``: whether a flag
     holds on any rank, a collective), or ``None`` if there is none. A newer one that fails is skipped with a warning
-    naming the file and why; :class:`~loader_resume.checkpoint.CheckpointError` if none verifies (never a silent
-    start from scratch). With ``agree``, each candidate is checked to be every rank's (:func:`agreed_checkpoint`);
+    naming the file and why; ``CheckpointError`` if none verifies (never a silent
+    start from scratch). With ``agree``, each candidate is checked to be every rank's (``agreed_checkpoint``);
     without it, this process alone decides."""
     complete, skipped = _complete(root, warn=True), None
     for index in range(len(complete) + 1):
@@ -164,8 +164,8 @@ def newest_resumable(root: Path, *, rank: int = 0, world_size: int = 1,
 
 
 def verify_named(checkpoint: Path, *, rank: int, world_size: int, agree: Callable[[bool], bool]) -> None:
-    """Raise :class:`~loader_resume.checkpoint.CheckpointError` on every rank unless ``checkpoint`` (named by the
-    user) is complete and its files verify (each rank its share; ``agree`` as for :func:`newest_resumable`)."""
+    """Raise ``CheckpointError`` on every rank unless ``checkpoint`` (named by the
+    user) is complete and its files verify (each rank its share; ``agree`` as for ``newest_resumable``)."""
     failure = None
     try:
         missing = missing_file(checkpoint)

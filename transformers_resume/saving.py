@@ -6,10 +6,10 @@ deletion of older checkpoints. A storage failure on one rank (a full disk, a rea
 ``OSError``, the ``RuntimeError`` torch's writer makes of one, safetensors' error) would leave the other ranks
 waiting in a collective, or training on after a checkpoint that one rank never finished.
 
-:class:`AgreedWrite`: the ranks agree at fixed points of each write (after the model; after each rank's last file;
+``AgreedWrite``: the ranks agree at fixed points of each write (after the model; after each rank's last file;
 at the end). Every rank passes each point once, and a rank that failed between two points joins the next one with
 its failure, so the collectives stay paired and all ranks stop the write at the same point. Then the main process
-removes the partial ``checkpoint-N``, and every rank raises :class:`SaveFailed` naming what failed and which
+removes the partial ``checkpoint-N``, and every rank raises ``SaveFailed`` naming what failed and which
 checkpoint is still the newest complete one. A collective inside Trainer's own writing (a sharded model's gather)
 is not such a point: a failure inside one is not agreed.
 """
@@ -40,7 +40,7 @@ class AgreedWrite:
         self._agreeing = False
 
     def point(self, failed: bool = False) -> None:
-        """A point every rank passes once, at the same place of the write: :class:`SaveFailed` on every rank once
+        """A point every rank passes once, at the same place of the write: ``SaveFailed`` on every rank once
         any rank failed."""
         self._agreeing = True
         agreed = self._agree(failed)
@@ -51,7 +51,7 @@ class AgreedWrite:
     def run(self, write: Callable[[], None], directory: Path, *, main: bool, step: int,
             newest: Callable[[], Path | None]) -> None:
         """``write()`` (which passes the points inside it), then the last point. If it failed on any rank: the main
-        process removes ``directory`` and :class:`SaveFailed` is raised on every rank, naming ``directory``, the
+        process removes ``directory`` and ``SaveFailed`` is raised on every rank, naming ``directory``, the
         cause and ``newest()`` (the checkpoint a resume would still find); an error other than the storage's is
         raised instead, after the agreement."""
         own: Exception | None = None

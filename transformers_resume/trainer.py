@@ -5,10 +5,9 @@ Stock ``Trainer`` resumes by re-reading ``global_step % steps_per_epoch`` batche
 loaded again, and the order and augmentation values after the resume are not the uninterrupted run's.
 Here, with public Trainer APIs where they exist:
 
-- ``get_train_dataloader`` builds Trainer's own training ``DataLoader`` (its collator, workers, pinning,
-  sampler choice) and makes it an :class:`~accelerate_resume.AcceleratedResumableDataLoader`, sharded by
-  us across ``args.world_size`` (instead of Accelerate's ``DataLoaderShard``), seeded by ``args.data_seed``
-  (else ``args.seed``).
+- ``get_train_dataloader`` builds Trainer's own training ``DataLoader`` (its collator, workers, pinning, sampler choice)
+  and makes it an ``AcceleratedResumableDataLoader``, sharded by us across ``args.world_size`` (instead of Accelerate's
+  ``DataLoaderShard``), seeded by ``args.data_seed`` (else ``args.seed``).
 - Every checkpoint ``checkpoint-N`` gets one ``loader_resume_<rank>.pt`` per rank, written (atomically)
   before Trainer writes its ``trainer_state.json``, the file whose presence makes a Trainer checkpoint
   complete; the ranks wait for each other after their last file (Trainer's ``rng_state_<rank>.pth``), so
@@ -119,8 +118,9 @@ class ResumeTrainerMixin:
 
     # --- the loader -------------------------------------------------------------------------------
     def get_train_dataloader(self) -> DataLoader[Any]:
-        """Trainer's training loader, as an :class:`~accelerate_resume.AcceleratedResumableDataLoader` sharded
-        across the processes; a checkpoint's state being resumed goes into it."""
+        """Trainer's training loader, as an
+        [`AcceleratedResumableDataLoader`][accelerate_resume.AcceleratedResumableDataLoader] sharded across the
+        processes; a checkpoint's state being resumed goes into it."""
         plain = unprepared(self.accelerator, super().get_train_dataloader)  # type: ignore[misc]
         args, accelerator = self.args, self.accelerator
         ours = sharded_resumable(
@@ -296,4 +296,5 @@ class _AgreeOnSignals(TrainerCallback):
 
 
 class ResumableTrainer(ResumeTrainerMixin, trainer_module.Trainer):
-    """``transformers.Trainer`` with exact mid-epoch resume (:class:`ResumeTrainerMixin`)."""
+    """``transformers.Trainer`` with exact mid-epoch resume
+    ([`ResumeTrainerMixin`][transformers_resume.ResumeTrainerMixin])."""

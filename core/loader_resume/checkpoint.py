@@ -6,8 +6,8 @@ checkpoints untouched plus a ``.tmp`` leftover (ignored, with a warning), or a c
 Loading verifies the manifest first, so a truncated file, flipped bytes or an edited state are refused
 with an error naming the file, never loaded as wrong data.
 
-What goes into a checkpoint besides the loader state is here too: :func:`global_rng_state` and
-:func:`set_global_rng_state` (``loader_resume.generators``: the process's generators, as plain tensors).
+What goes into a checkpoint besides the loader state is here too: ``global_rng_state`` and
+``set_global_rng_state`` (``loader_resume.generators``: the process's generators, as plain tensors).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def temporary_name(final: Path, token: str = "") -> Path:
 
 
 def is_temporary(path: Path) -> bool:
-    """Whether ``path`` is named as :func:`temporary_name` names (a leftover, once its writer is gone)."""
+    """Whether ``path`` is named as ``temporary_name`` names (a leftover, once its writer is gone)."""
     return re.fullmatch(r"\.(step_\d+|.+\.ckpt)\.tmp(-\d+-[0-9a-f]{8})?", path.name) is not None
 
 
@@ -83,7 +83,8 @@ def seal(directory: Path, final: Path, *, checksums: bool = True) -> None:
 
 
 def verify(directory: Path) -> None:
-    """Raise :class:`CheckpointError` unless ``directory`` matches its manifest byte for byte."""
+    """Raise [`CheckpointError`][loader_resume.checkpoint.CheckpointError] unless ``directory`` matches its manifest
+    byte for byte."""
     manifest = directory / MANIFEST
     try:
         described = json.loads(manifest.read_text())
@@ -139,8 +140,8 @@ def write_sealed(final: Path, write_into: Callable[[Path], None], *, main: bool,
                  step: int, checksums: bool = True, keep: int = 2, token: str | None = None) -> bool:
     """Write a checkpoint directory atomically, every process of a job together: ``write_into(temporary)`` on
     every process (the main one creates the directory first, under a name of this write alone:
-    :func:`temporary_name`, :func:`writer_token`), then the main process seals it and renames it to ``final``
-    (:func:`seal`), and deletes checkpoints beyond the newest ``keep`` (:func:`prune`).
+    ``temporary_name``, ``writer_token``), then the main process seals it and renames it to ``final``
+    (``seal``), and deletes checkpoints beyond the newest ``keep`` (``prune``).
 
     ``agree(flag)`` is whether ``flag`` holds on any process (a collective; on one process, ``flag``). A
     failed write on any process — any exception out of ``write_into`` or the seal: a full disk (``OSError`` or

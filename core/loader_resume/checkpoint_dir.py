@@ -1,6 +1,6 @@
 """One job per checkpoint directory, and a directory that cannot be written refused at start.
 
-:func:`claim` (every process of a job calls it; the main process acts): the directory is created if needed and
+``claim`` (every process of a job calls it; the main process acts): the directory is created if needed and
 locked for this process's lifetime with a record lock on ``.loader_resume.lock``: an open-file-description lock
 (Linux's ``F_OFD_SETLK``; elsewhere ``fcntl.lockf``). The kernel drops it when its process ends, however it ends
 (a killed job never blocks its restart); other code of the process reading the file (an upload of the directory)
@@ -9,12 +9,12 @@ past its parent. The holder writes who it is (host, pid, start time, command) in
 that file, so a second job on the same directory is refused with an error naming the first; the file is removed
 when the job lets go (at its exit too, unless it is killed: a file left behind blocks nothing). A
 directory that cannot be written fails there, naming it and the cause. Leftovers of writes interrupted in an
-earlier job (``.NAME.tmp-TOKEN``, see :func:`loader_resume.checkpoint.temporary_name`) are deleted once the lock
+earlier job (``.NAME.tmp-TOKEN``, see ``loader_resume.checkpoint.temporary_name``) are deleted once the lock
 is held (no other writer can be using them).
 
-:func:`newest_usable`: an automatic resume skips a newest checkpoint that fails verification (naming it) and takes
-the one before. :func:`preemption_exit_code`: after a preemption checkpoint that could not be written, the process
-exits with :data:`FAILED_SAVE_EXIT_CODE`, never with the code that tells a scheduler it can resume.
+``newest_usable``: an automatic resume skips a newest checkpoint that fails verification (naming it) and takes
+the one before. ``preemption_exit_code``: after a preemption checkpoint that could not be written, the process
+exits with ``FAILED_SAVE_EXIT_CODE``, never with the code that tells a scheduler it can resume.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class CheckpointDirectoryError(RuntimeError):
 
 
 class DirectoryLock:
-    """This process holds ``directory`` (see the module's description); :meth:`release` lets go."""
+    """This process holds ``directory`` (see the module's description); ``release`` lets go."""
 
     def __init__(self, directory: Path, descriptor: int) -> None:
         self.directory, self._descriptor, self._users = directory, descriptor, 1
@@ -68,7 +68,7 @@ class DirectoryLock:
 
     @classmethod
     def acquire(cls, directory: Path, wait: float = LOCK_WAIT) -> DirectoryLock:
-        """Hold ``directory``; :class:`CheckpointDirectoryError` if it cannot be written or another process holds
+        """Hold ``directory``; ``CheckpointDirectoryError`` if it cannot be written or another process holds
         it after ``wait`` seconds. A second claim in the same process shares the first (one job)."""
         directory = Path(os.path.realpath(directory))
         held = _HELD.get(directory)
@@ -160,8 +160,8 @@ def local_directory(directory: str | os.PathLike[str]) -> Path:
 
 def claim(directory: str | os.PathLike[str], *, main: bool, agree: Callable[[bool], bool],
           remote: bool = False) -> DirectoryLock | RemoteLease | None:
-    """:meth:`DirectoryLock.acquire` on the main process (an fsspec URL, where the front door writes there
-    (``remote``): :meth:`RemoteLease.acquire`, ``None`` where its store cannot lock); every process of the job calls
+    """``DirectoryLock.acquire`` on the main process (an fsspec URL, where the front door writes there
+    (``remote``): ``RemoteLease.acquire``, ``None`` where its store cannot lock); every process of the job calls
     it (``agree``: a flag held on any process, a collective) and raises if the main process was refused."""
     lock: DirectoryLock | RemoteLease | None = None
     error: Exception | None = None
@@ -225,10 +225,10 @@ def _owner(directory: Path) -> str:
 
 
 def newest_usable(checkpoints: list[Path], agree: Callable[[bool], bool]) -> Path | None:
-    """The newest of ``checkpoints`` (oldest first, as :func:`~loader_resume.checkpoint.complete_checkpoints`
-    lists them) that passes :func:`~loader_resume.checkpoint.verify` on every process (``agree``: a collective);
+    """The newest of ``checkpoints`` (oldest first, as ``complete_checkpoints``
+    lists them) that passes ``verify`` on every process (``agree``: a collective);
     a newer one that fails is skipped with a warning naming it and why. ``None`` if there are none;
-    :class:`~loader_resume.checkpoint.CheckpointError` if none verifies (never a silent start from scratch)."""
+    ``CheckpointError`` if none verifies (never a silent start from scratch)."""
     newest: str | None = None
     for path in reversed(checkpoints):
         failure = None
@@ -251,8 +251,8 @@ def newest_usable(checkpoints: list[Path], agree: Callable[[bool], bool]) -> Pat
 
 def preemption_exit_code(written: Path | None, step: int, resumable: int, continues_from: str) -> int:
     """The exit code after the agreed preemption checkpoint at ``step`` (``written``: where it went, ``None`` if the
-    write failed), logged: ``resumable`` (143) once written, else :data:`FAILED_SAVE_EXIT_CODE` (the log says that a
-    rerun ``continues_from``: :func:`newest_complete`, or what the framework will find)."""
+    write failed), logged: ``resumable`` (143) once written, else ``FAILED_SAVE_EXIT_CODE`` (the log says that a
+    rerun ``continues_from``: ``newest_complete``, or what the framework will find)."""
     if written is not None:
         logger.warning("preemption signal: checkpoint written at step %d (%s); exiting with %d", step, written,
                        resumable)

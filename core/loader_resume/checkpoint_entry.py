@@ -1,9 +1,9 @@
 """A front door's checkpoint entry loaded back (``FabricResume``, Accelerate's ``enable_resume``).
 
 The entry (``{"format", "step", "epoch", "world_size", "rng": [each rank's], "loaders": [each loader's gathered
-states], ...}``) is read before the loaders exist, or after: :class:`PendingEntry` checks its format, keeps this
+states], ...}``) is read before the loaders exist, or after: ``PendingEntry`` checks its format, keeps this
 rank's generators until right before the next batch is fetched, and loads the loaders' states as soon as as
-many loaders exist as it holds states (each through :func:`~loader_resume.distributed.load_rank_state`, so another
+many loaders exist as it holds states (each through ``load_rank_state``, so another
 world size resumes as it does there).
 """
 
@@ -31,7 +31,7 @@ class PendingEntry:
 
     def read(self, saved: Any, path: str | os.PathLike[str], rank: int) -> dict[str, Any]:
         """``saved`` (an entry found at ``path``), checked; its generators of ``rank`` (none, with a warning, for a
-        rank the saving run did not have) and its loader states wait for :meth:`restore_rng` and :meth:`apply`."""
+        rank the saving run did not have) and its loader states wait for ``restore_rng`` and ``apply``."""
         found = saved.get("format") if isinstance(saved, dict) else saved
         if found != CHECKPOINT_FORMAT:
             raise CheckpointError(f"{os.fspath(path)}: format {found!r}; expected {CHECKPOINT_FORMAT} (written by "
@@ -46,7 +46,7 @@ class PendingEntry:
 
     def apply(self, loaders: Sequence[Any]) -> None:
         """The loaders of the job so far: once there are as many as the entry holds states, each gets its own
-        (:class:`CheckpointError` if there are more)."""
+        (``CheckpointError`` if there are more)."""
         saved = self._loaders
         if saved is None or len(loaders) < len(saved):
             return

@@ -1,9 +1,9 @@
-"""Turn a plain ``torch.utils.data.DataLoader`` into an equivalent :class:`ResumableDataLoader`.
+"""Turn a plain ``torch.utils.data.DataLoader`` into an equivalent ``ResumableDataLoader``.
 
 Used by the framework integrations (which receive the user's plain loaders) and by
 ``loader-resume check``. Every DataLoader setting is kept, and so is the sampler's shuffle choice; a
 custom sampler or batch sampler is kept as it is. Under DDP the sampler is expressed as a
-``DistributedSampler`` (DataLoader's own samplers) or a :class:`ShardedSampler` (custom ones), which the
+``DistributedSampler`` (DataLoader's own samplers) or a ``ShardedSampler`` (custom ones), which the
 loader turns into its own sharding — and which tells frameworks that inject samplers that the loader is
 already sharded.
 """
@@ -97,7 +97,7 @@ def _sharded(loader: DataLoader[Any], sampler: Any, seed: int, rank: int, world_
 
 def sharded_resumable(loader: DataLoader[Any], *, rank: int, world_size: int, loader_class: type[L], seed: int,
                       keying: str, keyed_generators: Sequence[str], ignore_signals: Sequence[int]) -> L:
-    """:func:`resumable` for a framework's process ``rank`` of ``world_size``, the ranks' datasets compared
+    """``resumable`` for a framework's process ``rank`` of ``world_size``, the ranks' datasets compared
     (``distributed.check_same_dataset``: a collective, every rank calls it)."""
     ours = resumable(loader, seed=seed, keying=keying, keyed_generators=keyed_generators, rank=rank,
                      world_size=world_size, ignore_signals=ignore_signals, loader_class=loader_class)

@@ -69,7 +69,8 @@ def gather_states(loader: _RankedLoader, state: dict[str, Any] | None = None) ->
 
 
 def load_rank_state(loader: _RankedLoader, gathered: Mapping[str, Any]) -> None:
-    """Load this rank's part of ``gathered`` (from :func:`gather_states`) into ``loader``.
+    """Load this rank's part of ``gathered`` (from [`gather_states`][loader_resume.distributed.gather_states]) into
+    ``loader``.
 
     A map-style state may be resumed with another world size (the rest of the epoch is then spread
     over the new ranks); an iterable-dataset state only if its dataset defines ``reshard_states``
@@ -101,8 +102,9 @@ class DCPLoaderState:
     of a non-tensor value that every rank saves under the same key. A loader's own state fits neither: a
     stream's states are per rank, and its shape changes as it runs (a worker's ``None`` becomes the
     dataset's state dict, which DCP then refuses: "Missing key in checkpoint"). This holds what
-    :func:`gather_states` returns — the same on every rank — as ``torch.save`` bytes under one key, and
-    loads it through :func:`load_rank_state`, so another world size resumes as it does there::
+    [`gather_states`][loader_resume.distributed.gather_states] returns — the same on every rank — as ``torch.save``
+    bytes under one key, and loads it through [`load_rank_state`][loader_resume.distributed.load_rank_state], so another
+    world size resumes as it does there::
 
         dcp.save({"loader": DCPLoaderState(loader), ...}, checkpoint_id=path)   # every rank
         dcp.load({"loader": DCPLoaderState(loader), ...}, checkpoint_id=path)   # every rank
@@ -152,7 +154,7 @@ def check_same_dataset(loader: _RankedLoader) -> None:
 
 
 def gather_rng_states() -> list[dict[str, Any]]:
-    """Every rank's :func:`~loader_resume.global_rng_state`, in rank order (a collective
+    """Every rank's [`global_rng_state`][loader_resume.global_rng_state], in rank order (a collective
     under ``torch.distributed``)."""
     state = global_rng_state()
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -175,7 +177,8 @@ def collective_device() -> torch.device | None:
     """Where a tensor for a collective must live: the current CUDA device on an NCCL group, else the CPU.
 
     ``all_gather_object`` picks the same device by itself (torch's rule), so each rank must have called
-    ``torch.cuda.set_device`` (Lightning, Accelerate and :func:`init_process_group` do).
+    ``torch.cuda.set_device`` (Lightning, Accelerate and
+    [`init_process_group`][loader_resume.distributed.init_process_group] do).
     """
     return torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend()) else None
 
@@ -187,7 +190,7 @@ def init_process_group(backend: str = "gloo", timeout: timedelta = timedelta(min
     store, whose keys hold the previous attempt's addresses; gloo then sometimes connects to a dead
     worker ("connectFullMesh failed ... Connection refused") and the attempt fails, or hangs. So each
     rendezvous round gets keys of its own: its rank 0 draws a fresh *generation* from the store and
-    every rank learns it (:func:`_agree_on_generation`). ``TORCHELASTIC_RESTART_COUNT`` cannot serve:
+    every rank learns it (``_agree_on_generation``). ``TORCHELASTIC_RESTART_COUNT`` cannot serve:
     each agent counts only its own workers' failures, so after one node's worker crashes the two
     nodes' ranks would wait under different keys until the timeout. Outside torchrun (no
     ``TORCHELASTIC_RESTART_COUNT``) this is the plain ``env://`` initialisation. On an NCCL backend the

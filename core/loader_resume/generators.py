@@ -36,7 +36,7 @@ def global_rng_state() -> dict[str, Any]:
 
 
 def set_global_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`global_rng_state` returned.
+    """Restore what [`global_rng_state`][loader_resume.global_rng_state] returned.
 
     CUDA states are restored only onto as many visible CUDA devices as were saved (device ``i`` gets
     saved state ``i``); otherwise they are left alone with a warning that names both counts, since a

@@ -1,5 +1,5 @@
 """The fields of a loader's state that say what it reads and how — the dataset's length, the seed, the order,
-the world size — as distinct from the position the loader's :class:`~loader_resume.position.Position` fills in."""
+the world size — as distinct from the position the loader's ``Position`` fills in."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ class StateIdentity:
         return state
 
     def checked(self, state: Any) -> dict[str, Any]:
-        """``state`` checked against these fields (:func:`~loader_resume.state.check_state`); a :class:`Mixture`
+        """``state`` checked against these fields (``check_state``); a ``Mixture``
         dataset first checks its own part, which names a source of another length."""
         dataset = self.loader.dataset
         if isinstance(dataset, Mixture) and isinstance(state, Mapping) and isinstance(state.get("dataset_state"),

@@ -1,8 +1,8 @@
 """Planning one pass over a map-style dataset: its index lists, each keyed, from a plan and a position.
 
-:func:`plan_indices` is a function of ``(plan, epoch, start, sampler state)``: it reads nothing else and
+``plan_indices`` is a function of ``(plan, epoch, start, sampler state)``: it reads nothing else and
 writes nothing back (only a user's own sampler, which it iterates, changes). The map-style position
-(:mod:`loader_resume.map_position`) records what each list will move the position to once delivered.
+(``loader_resume.map_position``) records what each list will move the position to once delivered.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class Plan:
     """Per-batch keying in this process (``num_workers=0``): each list's key parts are recorded here as it is
     handed out, for the fetch (``keyed_fetch.KeyedFetch``), instead of a key carried by the list."""
     resolve: Callable[[int, list[int]], list[Any]] | None = None
-    """A :class:`~loader_resume.mixture.Mixture`'s ``resolve``: each list's positions of the epoch become the keys
+    """A ``Mixture``'s ``resolve``: each list's positions of the epoch become the keys
     the dataset is read with, as the list is handed out."""
 
 

@@ -1,10 +1,10 @@
 """Where keys are applied in the main process: the fetch of a batch at ``num_workers=0``.
 
 torch's single-process iterator fetches each index list right after drawing it from the loader's plan
-(:class:`NextFetch` records its key's parts); :class:`KeyedFetch` wraps torch's fetcher, seeds the
+(``NextFetch`` records its key's parts); ``KeyedFetch`` wraps torch's fetcher, seeds the
 generators the dataset draws from and gives the caller's generators back. In a worker, keys are applied
-as the list arrives: :mod:`loader_resume.worker_fetch`. How keys are derived and generators seeded is
-:mod:`loader_resume.keyed_rng`.
+as the list arrives: ``loader_resume.worker_fetch``. How keys are derived and generators seeded is
+``loader_resume.keyed_rng``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class NextFetch:
     its key's parts (the list itself carries nothing: no key is derived for a batch nothing is seeded for).
 
     torch's single-process iterator fetches each list right after drawing it from the loader's index plan,
-    which records it here as it hands it out (:class:`KeyedFetch` checks it is the same list object).
+    which records it here as it hands it out (``KeyedFetch`` checks it is the same list object).
     """
 
     __slots__ = ("indices", "keys", "mask", "position")
@@ -46,8 +46,8 @@ class KeyedFetch:
     and only the generators the dataset draws from are seeded.
 
     Wraps torch's fetcher. Before the fetch, the generators' states are copied (as memory,
-    :mod:`loader_resume.rng_memory`); the generators the dataset is known to draw from
-    (:class:`DrawnGenerators`; at a loader's first keyed fetch, all of them), and torch's always (datasets
+    ``loader_resume.rng_memory``); the generators the dataset is known to draw from
+    (``DrawnGenerators``; at a loader's first keyed fetch, all of them), and torch's always (datasets
     read ``torch.initial_seed()`` to derive generators of their own), are seeded with the batch's key.
     After it, the generators not seeded are compared with those copies: one that moved means the dataset
     drew from the caller's generator, so its state is put back, it is learned as drawn, and the fetch is

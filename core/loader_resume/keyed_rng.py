@@ -5,10 +5,10 @@ CPU generator, numpy's legacy global ``RandomState``, Python's ``random``) are s
 ``(seed, epoch, position)``. Whichever worker or process fetches the batch, and whether the job was
 resumed or not, the values drawn are the same — so no worker RNG is ever snapshotted.
 
-This module derives keys, seeds the generators (:func:`seed_generators`) and saves and restores the
-caller's generators around a fetch in the main process (:class:`CallerRng`, through
-:mod:`loader_resume.rng_memory`). Where keys are applied —
-at the fetch, in a worker or in the main process — is :mod:`loader_resume.keyed_fetch`.
+This module derives keys, seeds the generators (``seed_generators``) and saves and restores the
+caller's generators around a fetch in the main process (``CallerRng``, through
+``loader_resume.rng_memory``). Where keys are applied —
+at the fetch, in a worker or in the main process — is ``loader_resume.keyed_fetch``.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def seed_generators(key: int, mask: int) -> None:
 class CallerRng:
     """Save and restore the caller's global generators around a keyed fetch in the main process.
 
-    States are copied as memory (:mod:`loader_resume.rng_memory`): ~0.3 µs a generator, where numpy's
+    States are copied as memory (``loader_resume.rng_memory``): ~0.3 µs a generator, where numpy's
     ``get_state``/``set_state`` costs ~50 µs a pair. Cached normals (torch's, numpy's spare Gaussian,
     ``random.gauss_next``) are part of what is restored.
     """
@@ -116,4 +116,4 @@ class DrawnGenerators:
         self.learned = False
         """Whether a fetch has shown it yet (the first keyed fetch seeds every keyed generator)."""
         self.mask = 0
-        """The generators seen drawn from (bits of :func:`loader_resume.keyed_rng.generator_mask`)."""
+        """The generators seen drawn from (bits of ``loader_resume.keyed_rng.generator_mask``)."""

@@ -1,7 +1,7 @@
 """Streams that keep their own position, restored through their library's own protocol (no third-party import).
 
 Two streaming libraries keep the epoch and the position inside the dataset and take them back only through
-a ``state_dict`` of their own loader's, with required arguments (so :func:`loader_resume.thirdparty.is_stateful`
+a ``state_dict`` of their own loader's, with required arguments (so ``loader_resume.thirdparty.is_stateful``
 says no). The loader feeds that protocol with what it counts itself — the epoch, and the items each worker
 (or the rank) delivered — so a resume is O(1), never a replay:
 
@@ -40,7 +40,7 @@ class LibraryProtocol(Protocol):
     def main_process(self, dataset: Any, *, epoch: int, items: int, worker: int, workers: int, world: int,
                      batch_size: int) -> Any:
         """In the main process, before the pass's workers start: what the copy that iterates is handed
-        (:meth:`in_worker`). ``items``: this worker's delivered items in ``epoch`` (``per_worker``), else the rank's."""
+        (``in_worker``). ``items``: this worker's delivered items in ``epoch`` (``per_worker``), else the rank's."""
 
     def in_worker(self, dataset: Any, handed: Any, *, epoch: int) -> None:
         """In the copy that iterates, after ``set_epoch`` and before ``iter()``; ``handed`` is None on a pass

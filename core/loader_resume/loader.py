@@ -1,10 +1,10 @@
 """``ResumableDataLoader``: a drop-in ``torch.utils.data.DataLoader`` that resumes exactly.
 
-A real ``DataLoader`` subclass: torch's iterators, workers and pin-memory thread run unchanged. Two points of torch
-are taken over on the loader object (:class:`~loader_resume.torch_internals.IndexHooks`): torch's iterator draws
-index lists from the loader's :class:`~loader_resume.position.Position`, and map-style data is fetched as lists so
-each can key the RNGs (``keyed_fetch``). Batches are counted as *handed to the caller* (prefetching never skews
-the position); what a delivered batch means is the position's (``map_position``, ``stream_position``).
+A real ``DataLoader`` subclass: torch's iterators, workers and pin-memory thread run unchanged. Two points of torch are
+taken over on the loader object (``IndexHooks``): torch's iterator draws index lists from the loader's ``Position``, and
+map-style data is fetched as lists so each can key the RNGs (``keyed_fetch``). Batches are counted as *handed to the
+caller* (prefetching never skews the position); what a delivered batch means is the position's (``map_position``,
+``stream_position``).
 """
 
 from __future__ import annotations
@@ -274,7 +274,7 @@ class ResumableDataLoader(IndexHooks[T]):
         return self._position.planned(epoch)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue from ``state_dict`` at the next ``iter()``; raises :class:`StateError` if it cannot.
+        """Continue from ``state_dict`` at the next ``iter()``; raises [`StateError`][loader_resume.StateError] if not.
 
         Map-style: world size, batch size, ``num_workers`` and ``drop_last`` may differ from the saving run (logged);
         what the order depends on (dataset length, seed, shuffle, keying) may not. Iterable: ``num_workers`` and the

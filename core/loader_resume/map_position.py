@@ -1,7 +1,7 @@
 """Map-style data: the position is a count of global samples delivered in one keyed global order.
 
 The order of an epoch is a function of ``(seed, epoch)`` (our permutation) or of the user's sampler; each
-global step takes ``world * batch`` units of it (:mod:`loader_resume.sampler`). So the position is the same
+global step takes ``world * batch`` units of it (``loader_resume.sampler``). So the position is the same
 number on every rank, and a resume at another world size, batch size or worker count continues there.
 """
 
@@ -55,7 +55,7 @@ class MapPass:
 
 
 class MapPosition:
-    """Epoch and global samples delivered; see :class:`loader_resume.position.Position` for the interface."""
+    """Epoch and global samples delivered; see ``loader_resume.position.Position`` for the interface."""
 
     kind = "map"
 

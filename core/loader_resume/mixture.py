@@ -20,8 +20,8 @@ So resuming at any position costs one bisection over the changes, one block and 
 each source's permutation (vectorised, and kept for the lists that follow: consecutive positions cost a
 slice), and the state is the sources' lengths and one entry per change (its start and weights): JSON.
 
-Under :class:`~loader_resume.ResumableDataLoader`, positions are resolved into ``(source, item)`` keys in
-the main process as torch requests each batch, so DataLoader workers only fetch. :meth:`Mixture.set_weights`
+Under ``ResumableDataLoader``, positions are resolved into ``(source, item)`` keys in
+the main process as torch requests each batch, so DataLoader workers only fetch. ``Mixture.set_weights``
 takes effect from the first position whose batch has not yet been requested (with ``num_workers=0``: the
 next batch; with workers: after the batches torch prefetches). The same calls at the same steps on every
 rank give the same position on every rank, and a rerun that makes the same calls continues as the
@@ -149,7 +149,8 @@ class Mixture:
                                   if is_stateful(self.sources[name])}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """The weights and changes of ``state`` (checked by :meth:`check_state` first)."""
+        """The weights and changes of ``state`` (checked by [`check_state`][loader_resume.Mixture.check_state]
+        first)."""
         self.check_state(state)
         states = state["source_states"]
         self._starts, self._weights, self._drawn = [], [], []
@@ -166,7 +167,7 @@ class Mixture:
             self.sources[name].load_state_dict(source_state)
 
     def check_state(self, state: Mapping[str, Any]) -> None:
-        """Raises :class:`~loader_resume.StateError` if ``state`` was saved by another mixture: other sources, a
+        """Raises [`StateError`][loader_resume.StateError] if ``state`` was saved by another mixture: other sources, a
         source of another length (named), other settings. A loader checks it before its own fields."""
         if not isinstance(state, Mapping) or state.get("version") != MIXTURE_VERSION:
             found = state.get("version") if isinstance(state, Mapping) else type(state).__name__

@@ -1,10 +1,10 @@
 """Where a loader stands in its data: the one interface the loader delegates to, and what both kinds share.
 
-``ResumableDataLoader`` keeps torch's hooks; what a batch handed over means is a :class:`Position`'s:
+``ResumableDataLoader`` keeps torch's hooks; what a batch handed over means is a ``Position``'s:
 
-- :class:`loader_resume.map_position.MapPosition`: map-style data, a count of global samples delivered
+- ``loader_resume.map_position.MapPosition``: map-style data, a count of global samples delivered
   in one global order (the same on every rank);
-- :class:`loader_resume.stream_position.StreamPosition`: iterable datasets (*streams*), each worker's
+- ``loader_resume.stream_position.StreamPosition``: iterable datasets (*streams*), each worker's
   progress and the round-robin's next worker, on this rank.
 
 A position is what torch's iterator draws its index lists from (``iter(position)``), so it holds nothing
@@ -29,7 +29,7 @@ __all__ = ["SKIP", "PassStart", "Position", "Setup", "PassIterator", "tell_epoch
 T = TypeVar("T")
 
 SKIP: Final = object()
-"""What :meth:`Position.deliver` returns for an item of torch's iterator that is not a batch for the caller."""
+"""What ``Position.deliver`` returns for an item of torch's iterator that is not a batch for the caller."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +43,7 @@ class Setup:
     generators: tuple[str, ...]
     """The keyed generators' names (``keyed_generators``)."""
     mask: int
-    """The same as a mask (:func:`loader_resume.keyed_rng.generator_mask`)."""
+    """The same as a mask (``loader_resume.keyed_rng.generator_mask``)."""
     batch_size: int | None
     unbatched: bool
     """``batch_size=None`` without a batch sampler: items are handed over one by one, not collated."""
@@ -58,7 +58,7 @@ class Setup:
     in_order: bool = True
     """``DataLoader(in_order=...)``: ``False`` lets workers' batches arrive in any order."""
     by_value_bytes: int = BY_VALUE_BYTES
-    """Tensors up to this size come back from workers by value (:mod:`loader_resume.worker_transport`)."""
+    """Tensors up to this size come back from workers by value (``loader_resume.worker_transport``)."""
 
     def shard(self) -> Shard:
         """This rank's view of the global order (rank and world size resolved now)."""
@@ -95,7 +95,7 @@ class PassStart:
 
 
 class Position(Protocol):
-    """Where a loader stands; fresh start and resume go through one entry, :meth:`reset` (as torchdata nodes)."""
+    """Where a loader stands; fresh start and resume go through one entry, ``reset`` (as torchdata nodes)."""
 
     kind: str
     """The state's ``kind``: ``"map"`` or ``"iterable"``."""
@@ -112,7 +112,7 @@ class Position(Protocol):
 
     def deliver(self, pass_: Any, item: Any, number: int | None = None) -> Any:
         """torch's iterator produced ``item`` for the caller (``number``: which of the pass's index lists it was
-        made from, when they may arrive out of order): move the position; return the batch (or :data:`SKIP`)."""
+        made from, when they may arrive out of order): move the position; return the batch (or ``SKIP``)."""
 
     def end(self, pass_: Any) -> None:
         """torch's iterator of ``pass_`` is exhausted: the next pass is the next epoch."""

@@ -3,7 +3,7 @@
 Never save inside a signal handler: it runs at an arbitrary point of a step (mid-backward, mid-collective)
 and, under DDP, a collective started there can deadlock against the other ranks (Lightning's
 SIGTERM + OnExceptionCheckpoint hung 4 of 4 tries here). ``Preemption`` keeps the handler to one
-assignment; the training loop calls :meth:`Preemption.agreed` at step boundaries, which is one
+assignment; the training loop calls ``Preemption.agreed`` at step boundaries, which is one
 ``all_reduce`` so that every rank stops at the same step.
 """
 
@@ -92,7 +92,7 @@ class IgnoreSignalsInWorker:
 
 @contextmanager
 def held_while_forking(worker_init_fn: Any) -> Iterator[None]:
-    """While DataLoader starts its workers (in the main thread): the signals an :class:`IgnoreSignalsInWorker`
+    """While DataLoader starts its workers (in the main thread): the signals an ``IgnoreSignalsInWorker``
     ignores are blocked, so a worker forked meanwhile holds them pending until its init ignores them. This
     process gets any that arrived as soon as the block ends.
 
@@ -111,9 +111,9 @@ def held_while_forking(worker_init_fn: Any) -> Iterator[None]:
 
 def workers_ignore_signals(loader: Any, signals: Sequence[int]) -> Any:
     """``loader`` (a ``DataLoader`` of any class: an evaluation loader a framework built) with workers that ignore
-    ``signals`` as a ``ResumableDataLoader``'s do: its ``worker_init_fn`` wrapped in :class:`IgnoreSignalsInWorker`,
+    ``signals`` as a ``ResumableDataLoader``'s do: its ``worker_init_fn`` wrapped in ``IgnoreSignalsInWorker``,
     and its ``multiprocessing_context`` one whose processes start with the signals held (as
-    :func:`held_while_forking`). A signal to the whole process group during an evaluation then leaves the
+    ``held_while_forking``). A signal to the whole process group during an evaluation then leaves the
     evaluation whole, and the job checkpoints at the next step boundary. Accelerate's ``DataLoaderShard``: its
     ``base_dataloader``. Without workers, or done already, it is returned as it is."""
     inner = getattr(loader, "base_dataloader", loader)  # NOTE: Accelerate's adapter iterates the loader it wraps

@@ -55,7 +55,7 @@ def lease_seconds() -> float:
 
 
 class RemoteLease:
-    """This job holds the remote directory (see the module's description); :meth:`release` lets go."""
+    """This job holds the remote directory (see the module's description); ``release`` lets go."""
 
     def __init__(self, fs: Any, root: str, directory: str, number: int, term: float, token: str) -> None:
         self._fs, self._root, self.directory, self.number, self._term = fs, root, directory, number, term
@@ -72,7 +72,7 @@ class RemoteLease:
     @classmethod
     def acquire(cls, directory: str, wait: float = _WAIT) -> RemoteLease | None:
         """Hold the remote ``directory``; ``None`` (said in a warning) where its store has no conditional create;
-        :class:`~loader_resume.checkpoint_dir.CheckpointDirectoryError` if another job holds it (renewing it
+        ``CheckpointDirectoryError`` if another job holds it (renewing it
         after ``wait`` seconds), or if the store cannot be reached (naming the URL and the cause)."""
         from .checkpoint_dir import CheckpointDirectoryError
 

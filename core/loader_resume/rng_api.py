@@ -1,5 +1,5 @@
 """A global generator's state through its public API, where its memory is not laid out as
-:mod:`loader_resume.rng_memory` probed it: slower, the same values, compared by value."""
+``loader_resume.rng_memory`` probed it: slower, the same values, compared by value."""
 
 from __future__ import annotations
 

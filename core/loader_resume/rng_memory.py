@@ -1,7 +1,7 @@
 """The global generators' states as memory: copied, compared and put back in well under a microsecond each.
 
 A keyed fetch in the main process must leave the caller's generators as they were, and must know whether
-the dataset drew from a generator it did not key (:class:`loader_resume.keyed_fetch.KeyedFetch`). The
+the dataset drew from a generator it did not key (``loader_resume.keyed_fetch.KeyedFetch``). The
 public APIs copy a whole state into Python objects (torch ``get_state``/``set_state`` ~1.5 µs a pair,
 numpy's legacy ``get_state``/``set_state`` ~50 µs, ``random.getstate``/``setstate`` ~9 µs). Each of the
 three is an MT19937 whose state lies in one block of memory, so a state is taken as ``bytes`` of that
@@ -187,8 +187,8 @@ def _random_block() -> _Block | None:
 class GeneratorStates:
     """The keyed global generators of this process, in bit order (1 torch, 2 numpy, 4 ``random``).
 
-    :meth:`take` copies their whole states, one ``bytes`` per generator where its state is a block of
-    memory (the usual case, ~0.2 µs each); :meth:`changed` compares them, :meth:`put` writes them back.
+    ``take`` copies their whole states, one ``bytes`` per generator where its state is a block of
+    memory (the usual case, ~0.2 µs each); ``changed`` compares them, ``put`` writes them back.
     """
 
     __slots__ = ("_generators", "_numpy_owner")
@@ -209,8 +209,8 @@ class GeneratorStates:
         return torch_state.take(), numpy_state.take(), random_state.take()
 
     def marks(self, among: int) -> tuple[Any, ...]:
-        """The marks (:meth:`_Block.marks`) of the generators of ``among``: equal marks before and after a fetch
-        mean the generators did not move (different ones are confirmed by :meth:`changed`)."""
+        """The marks (``_Block.marks``) of the generators of ``among``: equal marks before and after a fetch
+        mean the generators did not move (different ones are confirmed by ``changed``)."""
         self._follow_numpy()
         return tuple([generator.marks() for i, generator in enumerate(self._generators) if among >> i & 1])
 
@@ -219,7 +219,7 @@ class GeneratorStates:
             self.__init__()  # type: ignore[misc]  # np.random.set_bit_generator replaced numpy's: probe again
 
     def moved(self, marks: tuple[Any, ...], among: int) -> int:
-        """The generators of ``among`` whose marks are no longer ``marks`` (taken by :meth:`marks` with the same
+        """The generators of ``among`` whose marks are no longer ``marks`` (taken by ``marks`` with the same
         ``among``): marks are words of a state, so these have moved."""
         out, j = 0, 0
         for i, generator in enumerate(self._generators):
@@ -248,7 +248,7 @@ _STATES: GeneratorStates | None = None
 
 
 def generator_states() -> GeneratorStates:
-    """This process's :class:`GeneratorStates` (probed on first use; a fork inherits the same addresses)."""
+    """This process's ``GeneratorStates`` (probed on first use; a fork inherits the same addresses)."""
     global _STATES
     if _STATES is None:
         _STATES = GeneratorStates()

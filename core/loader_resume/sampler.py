@@ -150,7 +150,7 @@ class Order(NamedTuple):
 
 
 class ShardedSampler(DistributedSampler):  # type: ignore[type-arg]
-    """Marks a custom sampler as "shard me across ranks" for :class:`ResumableDataLoader`.
+    """Marks a custom sampler as "shard me across ranks" for [`ResumableDataLoader`][loader_resume.ResumableDataLoader].
 
     The loader takes the wrapped sampler's order and gives each rank its slice of every global step
     (the same rules as for shuffled data), saving the wrapped sampler's state if it has one. It is a

@@ -1,4 +1,4 @@
-"""A loader's own settings, checked and fixed in one place when it is built (:class:`~loader_resume.position.Setup`):
+"""A loader's own settings, checked and fixed in one place when it is built (``Setup``):
 the order, the random keys and the state all read them from there."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def settings(dataset: Any, *, seed: int, keying: str, keyed_generators: Sequence
              snapshot_every_n_steps: int | None, sampler: Any, batch_size: int | None, unbatched: bool,
              drop_last: bool, num_workers: int, persistent_workers: bool, rank: int | None, world_size: int | None,
              in_order: bool, by_value_bytes: int) -> Setup:
-    """The :class:`Setup` of a loader built with these arguments; ``ValueError`` naming a bad one."""
+    """The ``Setup`` of a loader built with these arguments; ``ValueError`` naming a bad one."""
     if snapshot_every_n_steps is not None and (type(snapshot_every_n_steps) is not int or snapshot_every_n_steps < 0):
         raise ValueError(f"snapshot_every_n_steps={snapshot_every_n_steps!r}: expected None or an int >= 0 "
                          "(as StatefulDataLoader; the state is exact at every step whatever the value)")

@@ -2,12 +2,12 @@
 
 SLURM warns a job before its time limit or a preemption with a signal of the job's choosing (``sbatch
 --signal=USR1@90``); Lightning answers it by checkpointing and running ``scontrol requeue JOB``, so the job is
-queued again and continues from its checkpoint. :func:`requeue_job` is that command, run once per job (the main
+queued again and continues from its checkpoint. ``requeue_job`` is that command, run once per job (the main
 process), after the agreed checkpoint is written: the job id in the array form when the job is an array task
 (``SLURM_ARRAY_JOB_ID_SLURM_ARRAY_TASK_ID``), else ``SLURM_JOB_ID``. A failed requeue is logged with its exit code,
 never raised: the checkpoint is written and the job ends as it would without the requeue.
 
-:class:`Requeue` is the same for the front doors without a SLURM environment of their own (Fabric, Accelerate,
+``Requeue`` is the same for the front doors without a SLURM environment of their own (Fabric, Accelerate,
 the transformers Trainer): asked for (``slurm_requeue=True``) and inside a SLURM job, the requeue signal (SIGUSR1:
 ``sbatch --signal=USR1@90``) requests a preemption checkpoint as any signal does, and once it is written the main
 process requeues the job. Other signals (SIGTERM: ``scancel``, the time limit) stop without a requeue.
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 def slurm_job_id(environ: Mapping[str, str] = os.environ) -> str | None:
     """The id ``scontrol requeue`` takes for this job (an array task's: ``ARRAYJOB_TASK``), or ``None`` outside
-    SLURM; :class:`ValueError` for an id that is not one."""
+    SLURM; ``ValueError`` for an id that is not one."""
     array_job = environ.get("SLURM_ARRAY_JOB_ID")
     job = f"{array_job}_{environ.get('SLURM_ARRAY_TASK_ID', '')}" if array_job else environ.get("SLURM_JOB_ID")
     if job is not None and re.fullmatch(r"\d+(_\d+)?", job) is None:

@@ -2,7 +2,7 @@
 
 The loader shards one whole map-style dataset across ranks itself; a dataset split per rank beforehand (HF
 ``split_dataset_by_node``, a per-rank ``Subset``) is split again, and each rank silently sees a fraction of
-its part. :func:`loader_resume.distributed.check_same_dataset` compares the ranks' datasets through a
+its part. ``loader_resume.distributed.check_same_dataset`` compares the ranks' datasets through a
 collective, which the integrations can call on every rank; a plain loop may build or iterate a loader on
 some ranks only (a validation loader on rank 0), where a collective would hang the job. So at each of its
 first ``iter()`` calls a loader *publishes* what it reads — type, length, content identity — in the process
@@ -33,7 +33,7 @@ _BUILT: Counter[str] = Counter()  # loaders built in this process, per settings 
 
 
 class SplitCheck:
-    """One loader's check (see the module doc); :meth:`at_iter` returns None once it is done."""
+    """One loader's check (see the module doc); ``at_iter`` returns None once it is done."""
 
     def __init__(self, dataset: Any, settings: tuple[Any, ...]) -> None:
         self.dataset = dataset

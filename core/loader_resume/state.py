@@ -7,7 +7,7 @@ Version history:
       it ran dry in the epoch. Version-1 states still load (the new fields read as None and False).
   3 — ``position`` means one thing: global samples delivered of map-style data (None for iterable
       datasets, whose delivered-batch count moved to ``stream["delivered"]``). Version-1 and -2 states
-      still load: :func:`check_state` returns them in this layout. A loader built with ``in_order=False``
+      still load: ``check_state`` returns them in this layout. A loader built with ``in_order=False``
       adds ``ahead``: the ends (global sample counts) of the steps delivered past ``position``.
 
 Every key is always present (constant shape), values are ints, strings, bools, None or lists of those,
@@ -86,7 +86,7 @@ batch and its iterator's end, by a loader of a hand-written loop, ``step_boundar
 
 
 def check_state(saved: Any, current: Mapping[str, Any]) -> dict[str, Any]:
-    """``saved`` in this version's layout; raises :class:`StateError` unless it can resume a loader whose own
+    """``saved`` in this version's layout; raises ``StateError`` unless it can resume a loader whose own
     state is ``current``.
 
     ``current`` is the loader's state as it would be saved now. Nothing is modified (an older version's

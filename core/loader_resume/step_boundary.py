@@ -5,12 +5,12 @@ step *and* after everything the loop does once it stepped (an LR scheduler's ste
 before the next batch is fetched. Loops written by hand (Accelerate, Lightning Fabric) have no hook
 there, so it is found from two signals:
 
-- :class:`ReportingDataLoader` reports every request for a batch, before it fetches, and every batch it
+- ``ReportingDataLoader`` reports every request for a batch, before it fetches, and every batch it
   hands over;
 - an optimizer step post-hook (torch's public ``register_step_post_hook``), which fires on real steps only
   (never on a skipped accumulation step).
 
-:class:`StepBoundaries` combines them: a *step boundary* is a request for the next batch, after an
+``StepBoundaries`` combines them: a *step boundary* is a request for the next batch, after an
 optimizer step, from a loader that delivered a batch before that step. An evaluation loader iterated
 after the step is no boundary, and gradient accumulation is never split. The request that ends a pass
 is no boundary either: the next pass's first request is, once the loop has run its end-of-epoch code.
@@ -31,7 +31,7 @@ __all__ = ["BatchRequests", "ReportingDataLoader", "StepBoundaries"]
 
 
 class BatchRequests(Protocol):
-    """What a :class:`ReportingDataLoader` reports to whoever decides step boundaries."""
+    """What a ``ReportingDataLoader`` reports to whoever decides step boundaries."""
 
     def before_batch(self, loader: ReportingDataLoader) -> None:
         """The training loop asks ``loader`` for its next batch (the place for a step boundary)."""
@@ -47,12 +47,12 @@ _END: Any = object()
 
 
 class ReportingDataLoader(ResumableDataLoader[Any]):
-    """A :class:`~loader_resume.ResumableDataLoader` that reports each batch request, before the fetch, to a
-    :class:`BatchRequests` (:meth:`attach`), and can move batches to a device.
+    """A ``ResumableDataLoader`` that reports each batch request, before the fetch, to a
+    ``BatchRequests`` (``attach``), and can move batches to a device.
 
     ``end_of_dataloader`` is true while the last batch of a pass is out. A map-style loader knows its last
     batch from its position; a loader over an ``IterableDataset`` fetches one batch ahead to see the end
-    coming (:meth:`resume_state` accounts for it).
+    coming (``resume_state`` accounts for it).
     """
 
     _reports: BatchRequests | None = None
@@ -134,8 +134,8 @@ class ReportingDataLoader(ResumableDataLoader[Any]):
 
 class StepBoundaries:
     """Counts a hand-written loop's optimizer steps and tells which batch request is a step boundary (see
-    the module docstring). Feed it :meth:`optimizer_stepped` (an optimizer step post-hook),
-    :meth:`delivered` and ask :meth:`crossed` at each request (both from :class:`BatchRequests`)."""
+    the module docstring). Feed it ``optimizer_stepped`` (an optimizer step post-hook),
+    ``delivered`` and ask ``crossed`` at each request (both from ``BatchRequests``)."""
 
     def __init__(self) -> None:
         self.steps = 0
@@ -190,7 +190,7 @@ class StepBoundaries:
 
     def crossed(self, loader: Any) -> bool:
         """Whether this request for a batch from ``loader`` is a step boundary (then counted). A pass that ran out
-        before it stands for the loop's end no more (see :meth:`left`)."""
+        before it stands for the loop's end no more (see ``left``)."""
         self._ran_out = -1
         if not (self._stepped and id(loader) in self._step_loaders):
             return False

@@ -1,9 +1,9 @@
 """Iterable datasets (streams): the position is each worker's progress and the round-robin's next worker.
 
 A stream's position lives in the dataset copies (one per worker, per rank); the main process keeps the
-progress each delivered batch was tagged with (:mod:`loader_resume.stream_tasks`) and restores the
-workers from it. Ticket keys and the saved layout: :mod:`loader_resume.stream_tasks`,
-:mod:`loader_resume.stream_state`.
+progress each delivered batch was tagged with (``loader_resume.stream_tasks``) and restores the
+workers from it. Ticket keys and the saved layout: ``loader_resume.stream_tasks``,
+``loader_resume.stream_state``.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class NextStreamPass:
 
 
 class StreamPosition:
-    """Each worker's progress in the epoch; see :class:`loader_resume.position.Position` for the interface."""
+    """Each worker's progress in the epoch; see ``loader_resume.position.Position`` for the interface."""
 
     kind = "iterable"
 

@@ -93,7 +93,7 @@ class SavedStream(NamedTuple):
 
 
 def parse_stream(saved: Any, rank: int) -> SavedStream:
-    """The validated :class:`SavedStream` of a saved ``"stream"`` value."""
+    """The validated ``SavedStream`` of a saved ``"stream"`` value."""
     if not isinstance(saved, Mapping) or set(saved) != {"rank", "next_worker", "delivered", "workers"}:
         raise StateError("stream", saved, "a dict with keys rank, next_worker, delivered, workers",
                          "The state was edited or corrupted.")

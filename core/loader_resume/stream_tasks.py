@@ -1,18 +1,18 @@
 """Iterable datasets, the tasks and hooks torch runs: keyed pulls, tagged batches, renumbered workers (steps
-3-5 and 7 of the round trip in :mod:`loader_resume.stream_worker`). Each holds the loader's
-:class:`~loader_resume.stream_worker.WorkerStream`.
+3-5 and 7 of the round trip in ``loader_resume.stream_worker``). Each holds the loader's
+``WorkerStream``.
 
 Everything here runs through public DataLoader hooks, torch's worker loop untouched:
 
-- the *index list* of each task (:class:`Ticket`) is iterated by torch's fetcher right before it pulls
+- the *index list* of each task (``Ticket``) is iterated by torch's fetcher right before it pulls
   items from the stream: there the keyed generators are reseeded from (seed, epoch, rank, worker, batch
   ordinal of that worker), and skipped items are replayed for datasets without state;
-- the *collate function* (:class:`StreamCollate`) runs in the worker right after: it tags the batch with
-  the worker's progress and its dataset's ``state_dict()`` (:class:`WorkerMeta`); the main process keeps
+- the *collate function* (``StreamCollate``) runs in the worker right after: it tags the batch with
+  the worker's progress and its dataset's ``state_dict()`` (``WorkerMeta``); the main process keeps
   the tags of batches actually handed to the caller;
-- the *worker_init_fn* (:class:`WorkerInit`) renumbers workers, so torch's round-robin, which always
+- the *worker_init_fn* (``WorkerInit``) renumbers workers, so torch's round-robin, which always
   starts with the first worker it started, continues at the worker after the last one delivered
-  (:func:`report_worker_id`), and hands each worker the progress it resumes from.
+  (``report_worker_id``), and hands each worker the progress it resumes from.
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ class WorkerInit:
 def report_worker_id(worker: int) -> None:
     """Make ``get_worker_info().id`` report ``worker`` in this worker process.
 
-    NOTE: ``WorkerInfo`` is frozen; :func:`~loader_resume.torch_internals.set_past_guard` changes its ``id``
+    NOTE: ``WorkerInfo`` is frozen; ``set_past_guard`` changes its ``id``
     in place. torch's round-robin always hands the first task to the first
     worker it started; renumbering which shard each started worker serves is how the order continues
     at the right worker without forking torch's worker loop. Pinned by a test.

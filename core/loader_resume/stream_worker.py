@@ -1,26 +1,26 @@
 """Iterable datasets: a worker's stream, from the state it resumes from to the progress each batch carries.
 
-An ``IterableDataset`` owns its position, one copy per worker. Each loader has one :class:`WorkerStream`, the
+An ``IterableDataset`` owns its position, one copy per worker. Each loader has one ``WorkerStream``, the
 one owner of a worker's progress; every object torch hands a worker (the tasks, the collate, the dataset in
 its place, the ``worker_init_fn``) holds that same ``WorkerStream``. In a worker process it is that worker's
 own copy (inherited by ``fork``, or resolved by its token when unpickled: one per loader and process); with
 ``num_workers=0`` it is the loader's. The round trip of a worker's progress:
 
-1. **Save.** The main process records, for each batch handed to the caller, the :class:`Progress` its worker
+1. **Save.** The main process records, for each batch handed to the caller, the ``Progress`` its worker
    tagged it with (``stream_state.StreamPass.deliver``); ``state_dict()`` writes each worker's last one.
 2. **Load.** ``load_state_dict`` parses them back (``stream_state.parse_stream``): the next pass starts from
    them (``stream_position.StreamPosition``).
 3. **iter().** The next pass hands each worker its progress and new number through ``WorkerInit``
-   (``stream_tasks``); with ``num_workers=0`` the loader calls :meth:`WorkerStream.start` itself.
+   (``stream_tasks``); with ``num_workers=0`` the loader calls ``WorkerStream.start`` itself.
 4. **Worker start.** ``WorkerInit`` renumbers the worker (torch's round-robin then continues at the right
-   worker) and calls :meth:`WorkerStream.start` with the progress that worker resumes from.
+   worker) and calls ``WorkerStream.start`` with the progress that worker resumes from.
 5. **Each task.** Iterating a ``Ticket`` (the index list of one batch) seeds the keyed generators for the
-   worker's next batch (:meth:`WorkerStream.seed`), after replaying items a stream without state must skip.
-6. **First pull.** :class:`StreamStandIn` opens the user's stream (:meth:`WorkerStream.open`) as torchdata's
+   worker's next batch (``WorkerStream.seed``), after replaying items a stream without state must skip.
+6. **First pull.** ``StreamStandIn`` opens the user's stream (``WorkerStream.open``) as torchdata's
    ``StatefulDataLoader`` does — ``set_epoch(epoch)``, the dataset's saved state, ``iter(dataset)``, then the
    saved state of the iterator it returned — and marks a worker whose stream ended (it stays ended on resume).
 7. **Collate.** ``StreamCollate`` counts the batch into the progress, records the dataset's state
-   (:meth:`WorkerStream.snapshot`) and tags the batch with the worker's number and a copy of its progress.
+   (``WorkerStream.snapshot``) and tags the batch with the worker's number and a copy of its progress.
 8. **Delivery.** Back in the main process, the tag of each batch handed over is step 1's record.
 """
 
@@ -69,7 +69,7 @@ class Progress:
     that lives on into later epochs carries them, and a replay in a new process starts them afresh."""
     library: Any = None
     """Restored through its library's own protocol: what the copy that iterates is handed
-    (:mod:`loader_resume.library_protocols`). Made at each restore from the counts above; never saved."""
+    (``loader_resume.library_protocols``). Made at each restore from the counts above; never saved."""
 
     def needs_replay(self) -> bool:
         """Nothing restores this position but pulling and dropping the items delivered so far."""
@@ -93,14 +93,14 @@ class WorkerStream:
     replay: int = 0
     """Items to pull and drop before the next batch, to reach a restored position (no dataset state)."""
     restore: Progress | None = None
-    """What the stream is restored to when it is opened (:meth:`open`)."""
+    """What the stream is restored to when it is opened (``open``)."""
     dataset: Any = None
     """The user's dataset copy, once opened; ``dataset_state`` says whether it is Stateful (decided once)."""
     dataset_state: bool = False
     iterator: Any = None
     """The iterator the user's dataset returned, once opened, if it is another Stateful object (else None)."""
     keyed: tuple[int, int, int] | None = None
-    """``(stream_key, key, mask)`` of the batch being pulled (see :meth:`seed`), None when keying is off."""
+    """``(stream_key, key, mask)`` of the batch being pulled (see ``seed``), None when keying is off."""
 
     def __post_init__(self) -> None:
         _STREAMS[self.token] = self
@@ -117,7 +117,7 @@ class WorkerStream:
         return fresh
 
     def seed(self, stream_key: int, mask: int, ordinal: int) -> None:
-        """Seed the keyed generators for this worker's batch ``ordinal`` and remember it (:meth:`open`)."""
+        """Seed the keyed generators for this worker's batch ``ordinal`` and remember it (``open``)."""
         if mask:
             key = derive_key(stream_key, self.worker, ordinal)
             self.keyed = (stream_key, key, mask)
@@ -191,7 +191,7 @@ class WorkerStream:
         return iterator  # type: ignore[no-any-return]
 
     def snapshot(self) -> None:
-        """Record the dataset's and its iterator's states in this worker's progress (after :meth:`open`).
+        """Record the dataset's and its iterator's states in this worker's progress (after ``open``).
 
         NOTE: deep copies: a ``state_dict()`` may return the live objects the stream goes on mutating, and a
         worker's batch is pickled by the queue's feeder thread some time after it is put (as StatefulDataLoader).
@@ -225,7 +225,7 @@ def _snapshot(state: Any) -> Any:
 
 
 _STREAMS: weakref.WeakValueDictionary[tuple[int, int], WorkerStream] = weakref.WeakValueDictionary()
-"""This process's :class:`WorkerStream` of each loader, by token (what an unpickled one resolves to)."""
+"""This process's ``WorkerStream`` of each loader, by token (what an unpickled one resolves to)."""
 
 
 def _worker_stream(token: tuple[int, int]) -> WorkerStream:
@@ -255,7 +255,7 @@ class StreamStandIn(IterableDataset[Any]):
 
 class _EndOfStream:
     """The last item a worker's stream yields (never collated): the batch carrying it, or an
-    :data:`ENDED` batch, tells the main process the stream's end-of-stream progress."""
+    ``ENDED`` batch, tells the main process the stream's end-of-stream progress."""
 
     __slots__ = ("name",)
 

@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 ROUND_TRIPS: Final = ("copy", "json", "torch", "dcp", "process")
-"""Where :func:`assert_resumes_exactly` sends each state before the resumed loader gets it:
+"""Where ``assert_resumes_exactly`` sends each state before the resumed loader gets it:
 
 - ``"copy"``: a deep copy (the default);
 - ``"json"``: ``json.dumps`` and back (the state is plain data);
@@ -39,7 +39,7 @@ ROUND_TRIPS: Final = ("copy", "json", "torch", "dcp", "process")
 - ``"dcp"``: ``torch.distributed.checkpoint.save`` of the state, then ``load`` into the resumed loader as a
   ``Stateful`` (DCP reads into the fresh loader's own ``state_dict()`` as its template, so a state whose
   user parts change shape between a fresh loader and a running one fails here: wrap such a loader in
-  :class:`loader_resume.distributed.DCPLoaderState`);
+  ``loader_resume.distributed.DCPLoaderState``);
 - ``"process"``: ``torch.save`` bytes resumed in another, spawned process (``make_loader`` must then be
   picklable: a module-level function or a ``functools.partial`` of one)."""
 
@@ -85,7 +85,7 @@ def run_epochs(loader: Iterable[Any], epochs: int, first_epoch: int = 0) -> list
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ResumeReport:
-    """What :func:`assert_resumes_exactly` checked."""
+    """What [`assert_resumes_exactly`][loader_resume.testing.assert_resumes_exactly] checked."""
 
     batches: int
     """Batches in the uninterrupted run."""
@@ -110,7 +110,8 @@ def assert_resumes_exactly(
         cuts: batch counts after which to cut (0 = before the first batch); default: every one.
         make_resumed: builds the loader that resumes (default ``make_loader``): pass another
             ``num_workers`` or batch size here to prove the state is portable.
-        round_trip: where each state goes before it is loaded, one of :data:`ROUND_TRIPS`.
+        round_trip: where each state goes before it is loaded, one of
+            [`ROUND_TRIPS`][loader_resume.testing.ROUND_TRIPS].
         after_batch: called after each batch with the loader and the batches delivered so far (over all
             epochs), in the reference run and in every resumed one (counting on from the cut), before any
             state is taken: a run's per-step calls, such as ``Mixture.set_weights`` (picklable with
@@ -270,7 +271,8 @@ def assert_delivers_rest_exactly_once(before: Iterable[int], after: Iterable[int
     of an epoch's last step without ``drop_last``). Raises AssertionError naming what was lost or repeated.
 
     For resumes whose batches are composed differently from the uninterrupted run's (another world size,
-    batch size or worker count), where :func:`assert_resumes_exactly` cannot compare batch by batch.
+    batch size or worker count), where [`assert_resumes_exactly`][loader_resume.testing.assert_resumes_exactly] cannot
+    compare batch by batch.
     """
     delivered = [*before, *after]
     counts: dict[int, int] = {}

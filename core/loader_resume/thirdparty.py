@@ -3,17 +3,17 @@
 
 Questions asked of the user's dataset (or sampler):
 
-- :func:`is_stateful`: does it implement the Stateful protocol the loader calls (``state_dict()`` and
-  ``load_state_dict(state)``)? :func:`foreign_state_dict` names another library's protocol instead;
-- :func:`unrestorable`: its ``state_dict()`` exists but cannot restore it exactly, so the loader does
+- ``is_stateful``: does it implement the Stateful protocol the loader calls (``state_dict()`` and
+  ``load_state_dict(state)``)? ``foreign_state_dict`` names another library's protocol instead;
+- ``unrestorable``: its ``state_dict()`` exists but cannot restore it exactly, so the loader does
   not call it and resumes by replay instead (exact, at the cost of re-reading the epoch's delivered items).
-- :func:`irreproducible`: it draws from a random generator no keying reaches, so a resumed continuation
+- ``irreproducible``: it draws from a random generator no keying reaches, so a resumed continuation
   will *not* be bit-identical; the loader says so when a state is loaded.
-- :func:`content_identity`: what identifies its content beyond its length, so ranks can compare theirs
-  (:func:`loader_resume.distributed.check_same_dataset`).
+- ``content_identity``: what identifies its content beyond its length, so ranks can compare theirs
+  (``loader_resume.distributed.check_same_dataset``).
 
 What the loader cannot do for a dataset as its author may expect is said when the loader is built
-(:func:`warn_at_construction`) and when a resume replays items (:func:`warn_replay`).
+(``warn_at_construction``) and when a resume replays items (``warn_replay``).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def mark_accelerator(accelerator: Any, mode: str | None) -> None:
 
 
 def accelerator_mode(accelerator: Any) -> str | None:
-    """What :func:`mark_accelerator` recorded for ``accelerator`` (``None``: nothing, or not an Accelerator)."""
+    """What ``mark_accelerator`` recorded for ``accelerator`` (``None``: nothing, or not an Accelerator)."""
     try:
         return _ACCELERATORS.get(accelerator)
     except TypeError:  # not weakly referenceable or not hashable: no Accelerator
@@ -80,8 +80,8 @@ def is_stateful(owner: Any) -> bool:
 
     A ``state_dict`` that requires arguments (litdata's ``StreamingDataset.state_dict(num_samples_yielded,
     num_workers, batch_size)``, Mosaic's ``state_dict(num_samples, from_beginning)``) is another library's
-    protocol, not this one: such an object is treated as stateless (see :func:`foreign_state_dict`), and so
-    is one whose state is known not to restore it exactly (:func:`loader_resume.thirdparty.unrestorable`).
+    protocol, not this one: such an object is treated as stateless (see ``foreign_state_dict``), and so
+    is one whose state is known not to restore it exactly (``loader_resume.thirdparty.unrestorable``).
     """
     state_dict, load = getattr(owner, "state_dict", None), getattr(owner, "load_state_dict", None)
     if not (callable(state_dict) and callable(load)):

@@ -2,11 +2,11 @@
 writer stores for it in the file's zip directory (``torch.serialization.set_crc32_options``, on by default).
 
 ``torch.load`` itself does not check them: a flipped bit in a weight loads as another weight, and a truncated
-file fails with an error that names no file. :func:`verify_torch_file` refuses both, naming the file and the
+file fails with an error that names no file. ``verify_torch_file`` refuses both, naming the file and the
 record. It reads the whole file once (about as fast as the disk; the load that follows then reads from the page
 cache). A changed file is refused; a file written again by ``torch.save`` is a new, consistent file.
 
-A safetensors file stores no checksum: :func:`verify_safetensors` checks its structure only (a header that parses,
+A safetensors file stores no checksum: ``verify_safetensors`` checks its structure only (a header that parses,
 tensors that end where the file ends), which refuses a truncated or overwritten file but not a flipped bit inside a
 tensor's bytes.
 """
@@ -27,7 +27,7 @@ __all__ = ["verify_safetensors", "verify_torch_file"]
 
 
 def verify_torch_file(path: str | os.PathLike[str]) -> None:
-    """Raise :class:`~loader_resume.checkpoint.CheckpointError` unless ``path`` (a local path or an fsspec URL) is
+    """Raise ``CheckpointError`` unless ``path`` (a local path or an fsspec URL) is
     a complete ``torch.save`` zip file whose every record matches its stored CRC-32. What cannot be checked is let
     through: a file in torch's legacy format (no zip), records whose CRC-32 was not computed
     (``set_crc32_options(False)`` stores 0)."""
@@ -47,7 +47,7 @@ def verify_torch_file(path: str | os.PathLike[str]) -> None:
 
 
 def verify_safetensors(path: str | os.PathLike[str]) -> None:
-    """Raise :class:`~loader_resume.checkpoint.CheckpointError` unless ``path`` is a whole safetensors file: an
+    """Raise ``CheckpointError`` unless ``path`` is a whole safetensors file: an
     8-byte header length, a JSON header within the file, and the last tensor ending at the file's last byte."""
     try:
         size = os.path.getsize(path)

@@ -1,38 +1,38 @@
 """Every place where the package relies on torch's private names, each behind a name here and pinned by a
 test (``tests/test_torch_internals.py``); ``tests/test_architecture.py`` keeps every other module off them.
-The one other reliance on torch beyond its public API names nothing private: :mod:`loader_resume.rng_memory`
+The one other reliance on torch beyond its public API names nothing private: ``loader_resume.rng_memory``
 copies the CPU generator's state as memory where a probe at import finds the layout it expects (and falls
 back to ``get_state``/``set_state`` where it does not: ``tests/test_lazy_keying.py`` pins both).
 
-:class:`IndexHooks`: torch's DataLoader asks the loader object for ``_index_sampler`` (what its iterators draw
+``IndexHooks``: torch's DataLoader asks the loader object for ``_index_sampler`` (what its iterators draw
 index lists from) and ``_auto_collation`` (whether items are fetched as lists and collated); a subclass of it
-answers through :meth:`IndexHooks._index_lists` and :meth:`IndexHooks._fetches_lists`.
+answers through ``IndexHooks._index_lists`` and ``IndexHooks._fetches_lists``.
 
-:func:`is_map_style`, :func:`forget_persistent_iterator` (the next ``iter()`` starts workers afresh),
-:func:`wrap_fetcher` (a single-process iterator's map-style fetcher, wrapped), :func:`set_past_guard` (a write
+``is_map_style``, ``forget_persistent_iterator`` (the next ``iter()`` starts workers afresh),
+``wrap_fetcher`` (a single-process iterator's map-style fetcher, wrapped), ``set_past_guard`` (a write
 DataLoader refuses after construction — ``dataset`` — or into the frozen ``WorkerInfo``).
 
-:func:`next_batch`: torch's ``_BaseDataLoaderIter.__next__`` opens a ``record_function`` profiler range
+``next_batch``: torch's ``_BaseDataLoaderIter.__next__`` opens a ``record_function`` profiler range
 around every batch, whether or not a profiler is recording (~10 µs a batch on 2 vCPUs:
 an operator dispatch to enter it, one to leave). While none records, the loader runs the same steps
 without the range; while one does (``torch.profiler``, ``torch.autograd.profiler``, NVTX/ITT emission),
 it calls torch's own ``__next__``, so traces show the DataLoader ranges as before.
 
-:func:`next_numbered`: with ``in_order=False``, which index list of the pass a delivered batch was made from.
-:func:`caps_worker_tasks`: whether torch's multi-process iterator caps each worker's index lists in flight (the
+``next_numbered``: with ``in_order=False``, which index list of the pass a delivered batch was made from.
+``caps_worker_tasks``: whether torch's multi-process iterator caps each worker's index lists in flight (the
 cap ``in_order=False`` needs: torch >= 2.7).
 
-:func:`fetch_items`: a worker that must read a batch again (``worker_fetch.WorkerFetch``) reads its items
+``fetch_items``: a worker that must read a batch again (``worker_fetch.WorkerFetch``) reads its items
 as torch's map-style fetcher does, which it cannot reach from the worker loop.
 
-:func:`starts_workers` (whether an ``iter()`` starts workers), :func:`forks_workers` (whether by ``fork``),
-:func:`worker_processes` (a multi-process iterator's worker processes), :func:`kill_workers` (some of them, then
+``starts_workers`` (whether an ``iter()`` starts workers), ``forks_workers`` (whether by ``fork``),
+``worker_processes`` (a multi-process iterator's worker processes), ``kill_workers`` (some of them, then
 the iterator shut down) and
-:func:`closing_feeder_threads` (the feeder threads of ``multiprocessing`` queues that were closed and are
+``closing_feeder_threads`` (the feeder threads of ``multiprocessing`` queues that were closed and are
 stopping: the standard library's own private names, for ``worker_start``).
 
-:func:`random_sampler_num_samples` (whether a ``RandomSampler`` was given ``num_samples``) and
-:func:`default_store` (the default process group's key-value store, which has no public accessor).
+``random_sampler_num_samples`` (whether a ``RandomSampler`` was given ``num_samples``) and
+``default_store`` (the default process group's key-value store, which has no public accessor).
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ _TORCH_NEXT: Final = _BaseDataLoaderIter.__next__
 _STEPS: Final = {"record_function", "_sampler_iter", "_reset", "_next_data", "_num_yielded",
                  "_IterableDataset_len_called"}
 _SAME_STEPS: Final = _STEPS <= set(_TORCH_NEXT.__code__.co_names)
-"""torch's ``__next__`` is still made of the steps below (else :func:`next_batch` always calls it)."""
+"""torch's ``__next__`` is still made of the steps below (else ``next_batch`` always calls it)."""
 
 
 def next_batch(iterator: Any) -> Any:

@@ -1,9 +1,9 @@
 """Where keys are applied in a DataLoader worker: as a batch's index list arrives.
 
-A batch's index list carries its key (:class:`KeyedIndices`); unpickled in a worker (:func:`_arrived`),
-it seeds the generators the dataset draws from (:class:`WorkerFetch`), usually ahead, off the critical
-path, by a helper thread (:class:`SeedAhead`). In the main process keys are applied by
-:mod:`loader_resume.keyed_fetch`; how keys are derived and generators seeded is :mod:`loader_resume.keyed_rng`.
+A batch's index list carries its key (``KeyedIndices``); unpickled in a worker (``_arrived``),
+it seeds the generators the dataset draws from (``WorkerFetch``), usually ahead, off the critical
+path, by a helper thread (``SeedAhead``). In the main process keys are applied by
+``loader_resume.keyed_fetch``; how keys are derived and generators seeded is ``loader_resume.keyed_rng``.
 """
 
 from __future__ import annotations
@@ -50,23 +50,23 @@ class KeySpec(NamedTuple):
     sample_base: int | None
     """``keying="sample"``: each item is keyed by ``derive_key(sample_base, index)``; else None."""
     mask: int
-    """Which generators are keyed (:func:`loader_resume.keyed_rng.generator_mask`)."""
+    """Which generators are keyed (``loader_resume.keyed_rng.generator_mask``)."""
 
 
 class KeyedIndices(list[int]):
     """A batch's indices, carrying the key its fetch is seeded with.
 
-    ``spec`` says how (:class:`KeySpec`). The batch key is applied at the *fetch*, never when the
+    ``spec`` says how (``KeySpec``). The batch key is applied at the *fetch*, never when the
     list is iterated, so it holds whatever the dataset does with the list (HF ``datasets`` iterates it
     three times before its transform runs; other datasets convert it with numpy or torch and never call
-    ``__iter__``): in a worker as the list arrives (:func:`_arrived`, the last thing before torch's
+    ``__iter__``): in a worker as the list arrives (``_arrived``, the last thing before torch's
     fetcher reads the dataset), in the main process as the loader hands the list to the fetcher (the
     loader restores the caller's generators once the whole fetch is done). With ``sample_base`` set
-    (``keying="sample"``), :class:`SampleKeyedIndices` also re-seeds before each item while the list is
+    (``keying="sample"``), ``SampleKeyedIndices`` also re-seeds before each item while the list is
     iterated, with ``derive_key(sample_base, index)``.
 
     ``ahead``: the key of the batch this worker will most likely fetch next (``num_workers`` batches
-    later; see :class:`SeedAhead`). Only a hint: a wrong guess costs a second seeding, never a wrong value.
+    later; see ``SeedAhead``). Only a hint: a wrong guess costs a second seeding, never a wrong value.
     """
 
     __slots__ = ("ahead", "spec")
@@ -84,7 +84,7 @@ class KeyedIndices(list[int]):
 
 
 class SampleKeyedIndices(KeyedIndices):
-    """``keying="sample"``: each item is keyed by its index as the list is iterated (see :class:`KeyedIndices`)."""
+    """``keying="sample"``: each item is keyed by its index as the list is iterated (see ``KeyedIndices``)."""
 
     __slots__ = ()
 
@@ -97,15 +97,15 @@ class SampleKeyedIndices(KeyedIndices):
 
 
 def keyed_indices(indices: Sequence[int], spec: KeySpec, ahead: int | None = None) -> KeyedIndices:
-    """The :class:`KeyedIndices` (or :class:`SampleKeyedIndices`) for ``spec``."""
+    """The ``KeyedIndices`` (or ``SampleKeyedIndices``) for ``spec``."""
     return (KeyedIndices if spec.sample_base is None else SampleKeyedIndices)(indices, spec, ahead)
 
 
 def _arrived(indices: list[int], key: int, sample_base: int | None, mask: int, ahead: int | None) -> KeyedIndices:
     """Unpickling a batch's indices in a worker: the last thing a worker does before fetching the batch.
 
-    Per-batch keying: :data:`WORKER_FETCH` seeds what the batch needs (see :class:`WorkerFetch`).
-    Per-sample keying: waits for :data:`SEED_AHEAD` and seeds the batch key for everything the batch
+    Per-batch keying: ``WORKER_FETCH`` seeds what the batch needs (see ``WorkerFetch``).
+    Per-sample keying: waits for ``SEED_AHEAD`` and seeds the batch key for everything the batch
     reads outside its items. In torch's worker loop only a few checks of the message (no random draws)
     lie between this and ``fetcher.fetch(indices)``.
     """
@@ -125,12 +125,12 @@ class WorkerFetch:
     """A worker's keyed fetches (per-batch keying): only the generators the dataset draws from are seeded.
 
     A worker's first batch seeds every keyed generator and learns which ones the dataset moves
-    (:class:`~loader_resume.keyed_rng.DrawnGenerators`, per worker process). Afterwards a batch's arrival
+    (``DrawnGenerators``, per worker process). Afterwards a batch's arrival
     seeds those, and torch's always (``torch.initial_seed()`` must report the batch's key), and notes a
     few words of the others (``rng_memory``'s marks); once the batch is collated
-    (:class:`SeedAheadCollate`), an unseeded generator whose words moved was drawn from: it is learned,
+    (``SeedAheadCollate``), an unseeded generator whose words moved was drawn from: it is learned,
     and the batch is read again with it seeded, so its values are those of a fetch seeded in full. The
-    generators for the next batch are then seeded ahead (:class:`SeedAhead`). A dataset that draws no
+    generators for the next batch are then seeded ahead (``SeedAhead``). A dataset that draws no
     random number thus pays torch's seeding a batch instead of the three generators' (~19 µs on cold
     caches); one that starts drawing later pays one more read of one batch per worker and generator.
     Only a seeding beyond torch's goes to the helper thread: torch's alone costs less in line than a wake
@@ -212,10 +212,10 @@ class SeedAhead:
     In a DataLoader worker, seeding the three generators costs ~19 µs per batch (cold caches), and on
     tiny items torch's worker pipeline is latency-bound: every µs a worker spends between receiving
     indices and handing over the batch shows in throughput, ~2.5x over (measured: 0.95x plain
-    DataLoader with the seeding in line). So after a batch is collated (:class:`SeedAheadCollate`), a
+    DataLoader with the seeding in line). So after a batch is collated (``SeedAheadCollate``), a
     helper thread seeds for the batch this worker will most likely get next (``KeyedIndices.ahead``)
     while the worker ships the batch and waits. When that batch's indices arrive, the worker first
-    waits for the helper (:func:`_arrived`) and keeps the seeding only if the key matches; otherwise
+    waits for the helper (``_arrived``) and keeps the seeding only if the key matches; otherwise
     (an epoch's first batches, a tail) it seeds in line as before. Values drawn are therefore always
     those of the batch's own key. Between the collate and the next indices, only torch's worker loop
     runs (queue put and get), which draws no random numbers.
@@ -280,7 +280,7 @@ SEED_AHEAD: Final = SeedAhead()
 
 
 class SeedAheadCollate:
-    """Wraps a worker's collate_fn: once a batch is collated, start seeding for the next (:class:`SeedAhead`)."""
+    """Wraps a worker's collate_fn: once a batch is collated, start seeding for the next (``SeedAhead``)."""
 
     def __init__(self, collate_fn: Callable[[list[Any]], Any]) -> None:
         self.collate_fn = collate_fn

@@ -8,16 +8,16 @@ its after-fork re-initialisation, before any Python code of its own runs. torch'
 for such a worker's batches forever too (it checks only whether its workers are alive), and so does
 the whole job. A plain ``DataLoader`` forks the same way and shares the hazard.
 
-A :class:`ResumableDataLoader <loader_resume.loader.ResumableDataLoader>` that starts workers by ``fork`` (the
+A ``ResumableDataLoader`` that starts workers by ``fork`` (the
 default on Linux; ``spawn`` and ``forkserver`` start from a process without those threads):
 
 - makes every fork of the process from then on first wait (at most a second) for the feeder threads that
-  are stopping right now (:func:`join_exiting_feeders`, an ``os.register_at_fork`` hook): no fork happens
+  are stopping right now (``join_exiting_feeders``, an ``os.register_at_fork`` hook): no fork happens
   while one of them stops — a plain ``DataLoader``'s pools in the same process included;
 - then waits until every new worker has started (a byte in shared memory that the worker sets first
   thing in its ``worker_init_fn``; a forked worker starts within milliseconds). A worker that has not
   started after ``worker_start_timeout`` seconds is named in an error (its pid, how long, what to
-  change), killed, and the ``iter()`` raises :class:`WorkerStartError` instead of hanging.
+  change), killed, and the ``iter()`` raises ``WorkerStartError`` instead of hanging.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ _POLL = 0.002
 
 
 class WorkerStartError(RuntimeError):
-    """A DataLoader worker was forked but never started (see :mod:`loader_resume.worker_start`)."""
+    """A DataLoader worker was forked but never started (see ``loader_resume.worker_start``)."""
 
 
 class StartMark:
@@ -64,7 +64,7 @@ class StartMark:
 
 class WorkerStart:
     """One ``iter()`` of a loader: if it starts workers, their ``worker_init_fn`` (in ``attributes``, the loader's
-    attributes torch's iterator is built with) marks them started; :meth:`wait` waits for the marks."""
+    attributes torch's iterator is built with) marks them started; ``wait`` waits for the marks."""
 
     def __init__(self, loader: Any, attributes: dict[str, Any]) -> None:
         self.loader = loader
@@ -77,7 +77,7 @@ class WorkerStart:
             attributes["worker_init_fn"] = self.mark
 
     def wait(self, iterator: Any) -> None:
-        """Return once ``iterator``'s workers started (:func:`wait_started`)."""
+        """Return once ``iterator``'s workers started (``wait_started``)."""
         if self.mark is not None:
             try:
                 wait_started(iterator, self.mark, self.timeout)
@@ -107,7 +107,7 @@ def join_exiting_feeders(timeout: float = 1.0) -> None:
 def wait_started(iterator: Any, mark: StartMark, timeout: float | None) -> None:
     """Return once every worker of ``iterator`` (just built, its workers just started) has run ``mark``, or
     one has died (torch reports that at the first batch). After ``timeout`` seconds, the workers that have not
-    started are killed and :class:`WorkerStartError` names them."""
+    started are killed and ``WorkerStartError`` names them."""
     workers = worker_processes(iterator)
     start = time.monotonic()
     while not all(mark.marks[i] for i in range(len(workers))):

@@ -7,8 +7,8 @@ receives the file descriptor and maps it. For a small tensor that round trip cos
 (``benchmarks/bench_core.py``: several hundred µs of CPU a batch on tiny items, most of what a 2-worker
 pipeline spends). In the loader's workers, a tensor of at most ``by_value_bytes`` bytes is therefore pickled
 with its bytes instead (the worker's collate still allocates it as before), and rebuilt in the main process
-as an ordinary CPU tensor of the same dtype, shape, strides and bytes (:func:`send_small_tensors_by_value`,
-installed by :class:`ByValueInit` once the worker's own ``worker_init_fn`` has run). Larger tensors, and any
+as an ordinary CPU tensor of the same dtype, shape, strides and bytes (``send_small_tensors_by_value``,
+installed by ``ByValueInit`` once the worker's own ``worker_init_fn`` has run). Larger tensors, and any
 tensor that is not a plain, contiguous CPU tensor owning its whole storage, travel as DataLoader sends them.
 
 What differs from DataLoader's own transport: a tensor that came by value is not in shared memory
@@ -78,13 +78,13 @@ def send_small_tensors_by_value(limit: int) -> None:
 def by_value_init(attributes: dict[str, Any], worker_init_fn: Callable[[int], None] | None, num_workers: int,
                   limit: int) -> None:
     """With workers and a ``limit``, the ``worker_init_fn`` torch's iterator is built with (in ``attributes``,
-    the loader's attributes for it; else the loader's own) becomes a :class:`ByValueInit` around it."""
+    the loader's attributes for it; else the loader's own) becomes a ``ByValueInit`` around it."""
     if num_workers and limit:
         attributes["worker_init_fn"] = ByValueInit(attributes.get("worker_init_fn", worker_init_fn), limit)
 
 
 class ByValueInit:
-    """A worker's ``worker_init_fn``: the one it had (if any), then :func:`send_small_tensors_by_value`."""
+    """A worker's ``worker_init_fn``: the one it had (if any), then ``send_small_tensors_by_value``."""
 
     def __init__(self, inner: Callable[[int], None] | None, limit: int) -> None:
         self.inner, self.limit = inner, limit
