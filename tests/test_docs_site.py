@@ -19,8 +19,8 @@ MAX_CODE_LINE = 88  # characters: a code box at 1280 px holds this many without 
 BUNDLE_URLS = {
     "https://unpkg.com/mermaid": "only on a page with a Mermaid diagram",
     "https://unpkg.com/resize-observer-polyfill": "only in a browser without ResizeObserver",
-    "https://api.github.com/repos/": "only with repo_url set (the repository's star count)",
-    "https://api.github.com/users/": "only with repo_url set",
+    "https://api.github.com/repos/": "only for a data-md-component=\"source\" link (the repository's star count)",
+    "https://api.github.com/users/": "only for a data-md-component=\"source\" link",
     "https://bit.ly/2s3ChXG": "a link in the search worker's warning about an invalid query",
 }
 
@@ -119,7 +119,9 @@ def test_scripts_fetch_nothing_from_another_host(site: Path) -> None:
     )
     assert not unexpected, unexpected
     # The situations in which the bundle's URLs would be used never arise here.
-    assert "repo_url" not in (ROOT / "mkdocs.yml").read_text()
+    # repo_url is set, but the link to it is plain (overrides/partials/source.html): no source component to fetch for.
+    assert not any('data-md-component="source"' in page.read_text() for page in _files(site, ".html"))
+    assert REPO_URL in (site / "index.html").read_text()
     assert not any('class="mermaid"' in page.read_text() for page in _files(site, ".html"))
 
 
@@ -161,3 +163,28 @@ def test_the_recipes_name_their_tested_programs() -> None:
         assert (ROOT / path).is_file(), path
     for path, name in re.findall(r"`((?:tests|tests_ray)/[\w/]+\.py)::(\w+)`", recipes):
         assert f"def {name}(" in (ROOT / path).read_text(), (path, name)
+
+
+REPO_URL = "https://github.com/loader-resume/loader-resume"
+EXAMPLES = {"pytorch.md": "digits_resume.py", "lightning.md": "lightning_digits.py", "fabric.md": "fabric_digits.py",
+            "accelerate.md": "accelerate_digits.py", "transformers.md": "transformers_digits.py",
+            "ray.md": "ray_digits.py"}
+
+
+def test_the_site_shows_the_release_of_pyproject() -> None:
+    version = re.search(r'^version = "([^"]+)"$', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    config = (ROOT / "mkdocs.yml").read_text()
+    assert re.search(rf"^copyright: loader-resume {re.escape(version)} ", config, re.M), "mkdocs.yml's copyright line"
+    assert f"repo_url: {REPO_URL}\n" in config
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    assert "## [Unreleased]" in changelog and re.search(rf"^## \[{re.escape(version)}\] - \d{{4}}-\d\d-\d\d$",
+                                                         changelog, re.M)
+    init = (ROOT / "core" / "loader_resume" / "__init__.py").read_text()
+    assert f'__version__ = "{version}"' in init
+
+
+@pytest.mark.parametrize("page", FRONT_ENDS)
+def test_a_front_end_page_links_to_its_example(page: str) -> None:
+    example = EXAMPLES[page]
+    assert (ROOT / "examples" / example).is_file()
+    assert f"]({REPO_URL}/blob/main/examples/{example})" in (ROOT / "docs" / page).read_text()
