@@ -2,7 +2,7 @@
 
     python accelerate_loops_child.py OUT --shape zip|alternate [--workers W] [--signal-after N]
 
-``zip``: ``for xa, xb in zip(a, b)``, a (12 batches) longer than b (8), one optimizer step per pair.
+``zip``: ``for xa, xb in zip(a, b)``, a (6 batches) longer than b (4), one optimizer step per pair.
 ``alternate``: the batches of ``zip(b, a)`` one after another, the optimizer stepped twice per batch.
 OUT/log.json gathers every run's rows (optimizer steps done, and per loader the ids and a fingerprint of the noise
 its items drew) and the final weights. ``--signal-after N``: SIGTERM to itself after N rows of this run; the
@@ -44,7 +44,7 @@ def main() -> None:
     resume = enable_resume(accelerator, {"seed": 7})
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    data = {"a": Noisy(48), "b": Noisy(32)}
+    data = {"a": Noisy(24), "b": Noisy(16)}
     a, b = (DataLoader(data[name], batch_size=4, shuffle=True, num_workers=args.workers) for name in "ab")
     model, optimizer, a, b = accelerator.prepare(model, optimizer, a, b)
 
