@@ -1,4 +1,5 @@
-"""A real Lightning run for test_lightning.py: `python lightning_child.py OUT [--resume CKPT] [options]`.
+"""A real Lightning run for test_lightning.py: `python lightning_child.py OUT [--resume CKPT] [options]`
+(`python lightning_child.py --batch PLAN`: several one-device runs in one process, tests/support/batch.py).
 
 Trains a small MLP with dropout on generated data whose items draw augmentation noise, with
 ResumeCallback and ModelCheckpoint(every_n_train_steps=K, save_top_k=-1). Each rank writes
@@ -13,6 +14,7 @@ import gc
 import json
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +33,7 @@ from loader_resume import Mixture
 from loader_resume.distributed import init_process_group
 from loader_resume.storage import local_path
 from loader_resume.testing import fingerprint
+from support.batch import run_each
 from support.data import Noisy
 from support.device import add_device_options
 from support.mounts import fill
@@ -209,7 +212,7 @@ def resume_callbacks(args: argparse.Namespace) -> list[ResumeCallback]:
     return [callback] * (2 if args.two_callbacks else 1)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--resume")
@@ -244,7 +247,7 @@ def main() -> None:
     parser.add_argument("--no-save-last", action="store_true", help="ModelCheckpoint(save_last=False)")
     parser.add_argument("--wait-at", type=int, help="after this step, write OUT/waiting and wait for OUT/go")
     add_device_options(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.resume and args.n_resume:
         args.items = args.n_resume
     torch.manual_seed(123)
@@ -273,4 +276,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1] == "--batch":
+        run_each(main, sys.argv[2])
+    else:
+        main()

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 from lightning_resume import ResumeCallback
 from loader_resume import ResumableDataLoader
 from loader_resume.testing import assert_delivers_rest_exactly_once
+from support.batch import Done, run_batch
 from support.data import Augmented
 from support.launch import progress_of
 
@@ -52,48 +53,100 @@ def assert_continues(full: dict[str, Any], resumed: dict[str, Any], at: int) -> 
     assert resumed["weights"] == full["weights"]
 
 
+def outcome(out: Path, done: Done) -> dict[str, Any]:
+    """A finished run's logs and weights (every rank's), and its stderr."""
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = sorted(out.glob("log-*.json"))
+    return {"logs": [json.loads(p.read_text()) for p in ranks],
+            "weights": [(out / f"weights-{p.stem.split('-')[1]}.txt").read_text() for p in ranks],
+            "stderr": done.stderr}
+
+
+# The one-device runs that are neither signalled nor the subject of a process start run in two processes
+# (tests/support/batch.py): the uninterrupted runs, then every resume from their checkpoints and the refusals.
+VALIDATION = ["--val-every", "3", "--every", "3", "--onecycle", "--workers", "2"]
+REFERENCES = {
+    "single": ["--every", "2"],
+    "workers": ["--workers", "2"],  # checkpoints every 3 steps
+    "mixture": ["--mixture", "--every", "6"],
+    "plain": ["--no-callback", "--every", "3"],
+    "validation": VALIDATION,
+    **{f"stream{workers}": ["--stream", "--workers", str(workers), "--every", "3"] for workers in (0, 2)},
+}
+
+
 @pytest.fixture(scope="module")
-def single(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
-    out = tmp_path_factory.mktemp("single")
-    return out, ok(out, "--every", "2")
-
-
-@pytest.mark.parametrize(("checkpoint", "at"), [("step=6", 6), ("step=8", 8), ("step=10", 10)])
-def test_resume_from_mid_epoch_and_epoch_end_checkpoints_is_exact(
-    single: tuple[Path, dict[str, Any]], tmp_path: Path, checkpoint: str, at: int
-) -> None:
-    """8 batches an epoch: step 6 is mid-epoch, step 8 the epoch's last batch (no empty epoch), 10 in epoch 1."""
-    out, full = single
-    resumed = ok(tmp_path, "--every", "2", "--resume", str(out / "ckpt" / f"{checkpoint}.ckpt"))
-    assert_continues(full, resumed, at)
-
-
-def test_resume_from_last_is_exact(single: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
-    """A job killed after step 11: its last.ckpt is the periodic save of step 10 (save_last=True)."""
-    (tmp_path / "ckpt").mkdir()
-    shutil.copy(single[0] / "ckpt" / "step=10.ckpt", tmp_path / "ckpt" / "last.ckpt")
-    resumed = ok(tmp_path, "--every", "100", "--resume", "last")
-    assert_continues(single[1], resumed, 10)
-
-
-def test_resume_with_workers_is_exact(tmp_path: Path) -> None:
-    full = ok(tmp_path / "full", "--workers", "2", "--every", "3")
-    resumed = ok(tmp_path / "resumed", "--workers", "2", "--resume", str(tmp_path / "full" / "ckpt" / "step=9.ckpt"))
-    assert_continues(full, resumed, 9)
-
-
-def test_a_mixture_whose_weights_a_callback_changes_resumes_exactly(tmp_path: Path) -> None:
-    """A user's callback sets the weights after steps 3 and 9; resumed from the checkpoint of step 6 (the first
-    change inside it), the same callback makes the second change at the same step."""
-    full = ok(tmp_path / "full", "--mixture", "--every", "6")
-    resumed = ok(tmp_path / "resumed", "--mixture", "--resume", str(tmp_path / "full" / "ckpt" / "step=6.ckpt"))
-    assert_continues(full, resumed, 6)
+def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict[str, Any]]]:
+    root = tmp_path_factory.mktemp("references")
+    done = run_batch(CHILD, [[str(root / name), *args] for name, args in REFERENCES.items()], root / "batch")
+    return {name: (root / name, outcome(root / name, each)) for name, each in zip(REFERENCES, done, strict=True)}
 
 
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     out = tmp_path_factory.mktemp("ddp")
     return out, ok(out, "--devices", "2", "--every", "2")
+
+
+@pytest.fixture(scope="module")
+def resumed(references: dict[str, tuple[Path, dict[str, Any]]], ddp: tuple[Path, dict[str, Any]],
+            tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Done]]:
+    """Each one-device resume (and refusal) of the tests below, in one fresh process, in this order."""
+    root = tmp_path_factory.mktemp("resumed")
+
+    def at(name: str, checkpoint: str) -> str:
+        return str(references[name][0] / "ckpt" / f"{checkpoint}.ckpt")
+
+    (root / "last" / "ckpt").mkdir(parents=True)  # a job killed after step 11: its last.ckpt is step 10's save
+    shutil.copy(at("single", "step=10"), root / "last" / "ckpt" / "last.ckpt")
+    runs = {
+        **{checkpoint: ["--every", "2", "--resume", at("single", checkpoint)]
+           for checkpoint in ("step=6", "step=8", "step=10")},
+        "last": ["--every", "100", "--resume", "last"],
+        "workers": ["--workers", "2", "--resume", at("workers", "step=9")],
+        "mixture": ["--mixture", "--resume", at("mixture", "step=6")],
+        "ddp-on-one": ["--every", "100", "--resume", str(ddp[0] / "ckpt" / "step=2.ckpt")],
+        "validation": [*VALIDATION, "--resume", at("validation", "step=6")],
+        **{f"stream{w}": ["--stream", "--workers", str(w), "--every", "3", "--resume", at(f"stream{w}", "step=6")]
+           for w in (0, 2)},
+        "plain": ["--resume", at("plain", "step=3")],
+        "length": ["--n-resume", "31", "--resume", at("single", "step=6")],  # refused
+        "two-callbacks": ["--two-callbacks"],  # refused
+    }
+    done = run_batch(CHILD, [[str(root / name), *args] for name, args in runs.items()], root / "batch")
+    return {name: (root / name, each) for name, each in zip(runs, done, strict=True)}
+
+
+def resume(resumed: dict[str, tuple[Path, Done]], name: str) -> dict[str, Any]:
+    return outcome(*resumed[name])
+
+
+@pytest.mark.parametrize(("checkpoint", "at"), [("step=6", 6), ("step=8", 8), ("step=10", 10)])
+def test_resume_from_mid_epoch_and_epoch_end_checkpoints_is_exact(
+    references: dict[str, tuple[Path, dict[str, Any]]], resumed: dict[str, tuple[Path, Done]], checkpoint: str,
+    at: int
+) -> None:
+    """8 batches an epoch: step 6 is mid-epoch, step 8 the epoch's last batch (no empty epoch), 10 in epoch 1."""
+    assert_continues(references["single"][1], resume(resumed, checkpoint), at)
+
+
+def test_resume_from_last_is_exact(references: dict[str, tuple[Path, dict[str, Any]]],
+                                   resumed: dict[str, tuple[Path, Done]]) -> None:
+    """A job killed after step 11: its last.ckpt is the periodic save of step 10 (save_last=True)."""
+    assert_continues(references["single"][1], resume(resumed, "last"), 10)
+
+
+def test_resume_with_workers_is_exact(references: dict[str, tuple[Path, dict[str, Any]]],
+                                      resumed: dict[str, tuple[Path, Done]]) -> None:
+    assert_continues(references["workers"][1], resume(resumed, "workers"), 9)
+
+
+def test_a_mixture_whose_weights_a_callback_changes_resumes_exactly(
+    references: dict[str, tuple[Path, dict[str, Any]]], resumed: dict[str, tuple[Path, Done]]
+) -> None:
+    """A user's callback sets the weights after steps 3 and 9; resumed from the checkpoint of step 6 (the first
+    change inside it), the same callback makes the second change at the same step."""
+    assert_continues(references["mixture"][1], resume(resumed, "mixture"), 6)
 
 
 def test_ddp_ranks_each_see_half_of_every_epoch_disjoint(ddp: tuple[Path, dict[str, Any]]) -> None:
@@ -111,12 +164,12 @@ def test_ddp_resume_is_exact_per_rank(ddp: tuple[Path, dict[str, Any]], tmp_path
 
 
 def test_ddp_checkpoint_resumes_on_one_device_delivering_the_rest_exactly_once(
-    ddp: tuple[Path, dict[str, Any]], tmp_path: Path
+    ddp: tuple[Path, dict[str, Any]], resumed: dict[str, tuple[Path, Done]]
 ) -> None:
-    resumed = ok(tmp_path, "--every", "100", "--resume", str(ddp[0] / "ckpt" / "step=2.ckpt"))
+    on_one = resume(resumed, "ddp-on-one")
     before = [i for log in ddp[1]["logs"] for row in log[:2] for i in row[1]]
     rest: list[int] = []
-    for row in resumed["logs"][0]:
+    for row in on_one["logs"][0]:
         if len(before) + len(rest) >= 30:
             break
         rest += row[1]
@@ -124,30 +177,28 @@ def test_ddp_checkpoint_resumes_on_one_device_delivering_the_rest_exactly_once(
 
 
 def test_single_device_checkpoint_resumes_on_two_devices_delivering_the_rest_exactly_once(
-    single: tuple[Path, dict[str, Any]], tmp_path: Path
+    references: dict[str, tuple[Path, dict[str, Any]]], tmp_path: Path
 ) -> None:
-    resumed = ok(tmp_path, "--devices", "2", "--every", "100", "--resume", str(single[0] / "ckpt" / "step=4.ckpt"))
-    before = [i for row in single[1]["logs"][0][:4] for i in row[1]]
+    out, single = references["single"]
+    resumed = ok(tmp_path, "--devices", "2", "--every", "100", "--resume", str(out / "ckpt" / "step=4.ckpt"))
+    before = [i for row in single["logs"][0][:4] for i in row[1]]
     rest = [i for log in resumed["logs"] for row in log if row[0] < 6 for i in row[1]]
     assert_delivers_rest_exactly_once(before, rest, 30)
 
 
-def test_checkpoint_without_our_state_warns_that_the_order_restarts(tmp_path: Path) -> None:
-    ok(tmp_path / "plain", "--no-callback", "--every", "3")
-    resumed = ok(tmp_path / "resumed", "--resume", str(tmp_path / "plain" / "ckpt" / "step=3.ckpt"))
-    assert "no loader_resume state" in resumed["stderr"] and "restarts from the start of the epoch" in resumed["stderr"]
+def test_checkpoint_without_our_state_warns_that_the_order_restarts(resumed: dict[str, tuple[Path, Done]]) -> None:
+    stderr = resume(resumed, "plain")["stderr"]  # resumed from a checkpoint of a fit without ResumeCallback
+    assert "no loader_resume state" in stderr and "restarts from the start of the epoch" in stderr
 
 
-def test_checkpoint_from_another_dataset_length_fails_clearly(
-    single: tuple[Path, dict[str, Any]], tmp_path: Path
-) -> None:
-    done = run(tmp_path, "--n-resume", "31", "--resume", str(single[0] / "ckpt" / "step=6.ckpt"))
+def test_checkpoint_from_another_dataset_length_fails_clearly(resumed: dict[str, tuple[Path, Done]]) -> None:
+    done = resumed["length"][1]
     assert done.returncode != 0
     assert "loader state field 'dataset_len': saved 30, expected 31" in done.stderr
 
 
-def test_two_resume_callbacks_are_refused(tmp_path: Path) -> None:
-    done = run(tmp_path, "--two-callbacks")
+def test_two_resume_callbacks_are_refused(resumed: dict[str, tuple[Path, Done]]) -> None:
+    done = resumed["two-callbacks"][1]
     assert done.returncode != 0 and "more than one ResumeCallback" in done.stderr
 
 
@@ -216,23 +267,18 @@ def preempted_then_rerun(out: Path, devices: int, whole_group: bool, natural: bo
     return ok(out, *command[3:], cwd=cwd)
 
 
-@pytest.fixture(scope="module")
-def full_with_workers(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
-    runs = {}
-    for devices in (1, 2):
-        out = tmp_path_factory.mktemp(f"full{devices}")
-        runs[devices] = ok(out, "--workers", "2", "--devices", str(devices))
-    return runs
-
-
 @pytest.mark.parametrize(("devices", "whole_group", "natural"),
-                         [(1, False, False), (2, False, False), (2, True, False), (1, False, True), (2, False, True)])
+                         [(1, False, False), (2, False, False), (2, True, True), (1, False, True)])
 def test_sigterm_checkpoints_at_a_step_boundary_and_a_rerun_continues_exactly(
-    full_with_workers: dict[int, dict[str, Any]], tmp_path: Path, devices: int, whole_group: bool, natural: bool
+    references: dict[str, tuple[Path, dict[str, Any]]], ddp: tuple[Path, dict[str, Any]], tmp_path: Path,
+    devices: int, whole_group: bool, natural: bool
 ) -> None:
-    """``natural``: what users pick first, ``Trainer(default_root_dir=d, callbacks=[ResumeCallback()])``."""
+    """``natural``: what users pick first, ``Trainer(default_root_dir=d, callbacks=[ResumeCallback()])``. On two
+    devices the signal to the whole group and the natural setup are one case (they are independent: the signal's
+    path to the ranks, where the checkpoint is found). The jobs run with 2 workers; batches do not depend on
+    num_workers (the augmentation is keyed), so the 2-device job compares with the uninterrupted DDP run."""
     resumed = preempted_then_rerun(tmp_path / "job", devices, whole_group, natural)
-    full = full_with_workers[devices]
+    full = references["workers"][1] if devices == 1 else ddp[1]
     assert resumed["logs"] == full["logs"]  # the restarted job's log appends to the first run's
     assert resumed["weights"] == full["weights"]
     assert not (tmp_path / "job" / "preempted.ckpt").exists()  # a finished fit leaves nothing to resume
@@ -243,24 +289,23 @@ def test_unknown_signal_name_is_refused() -> None:
         ResumeCallback(signals=("SIGTERMM",))
 
 
-def test_validation_mid_epoch_and_estimated_stepping_batches_keep_resume_exact(tmp_path: Path) -> None:
+def test_validation_mid_epoch_and_estimated_stepping_batches_keep_resume_exact(
+    references: dict[str, tuple[Path, dict[str, Any]]], resumed: dict[str, tuple[Path, Done]]
+) -> None:
     """Validation every 3 steps (its own shuffled loader) does not move the training position, a
     checkpoint written right after it resumes exactly, and estimated_stepping_batches in
     configure_optimizers (which loads the training loaders early) does not lose the loader state."""
-    options = ["--val-every", "3", "--every", "3", "--onecycle", "--workers", "2"]
-    full = ok(tmp_path / "full", *options)
+    full = references["validation"][1]
     assert [row[0] for row in full["logs"][0]] == list(range(24))
-    resumed = ok(tmp_path / "resumed", *options, "--resume", str(tmp_path / "full" / "ckpt" / "step=6.ckpt"))
-    assert_continues(full, resumed, 6)
+    assert_continues(full, resume(resumed, "validation"), 6)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_iterable_dataset_without_len_loses_no_batch_to_lightnings_prefetch(tmp_path: Path, workers: int) -> None:
+def test_iterable_dataset_without_len_loses_no_batch_to_lightnings_prefetch(
+    references: dict[str, tuple[Path, dict[str, Any]]], resumed: dict[str, tuple[Path, Done]], workers: int
+) -> None:
     """Lightning fetches one batch ahead from a loader without __len__; the saved state must not skip it."""
-    options = ["--stream", "--workers", str(workers), "--every", "3"]
-    full = ok(tmp_path / "full", *options)
-    resumed = ok(tmp_path / "resumed", *options, "--resume", str(tmp_path / "full" / "ckpt" / "step=6.ckpt"))
-    assert_continues(full, resumed, 6)
+    assert_continues(references[f"stream{workers}"][1], resume(resumed, f"stream{workers}"), 6)
 
 
 def test_ddp_keeps_a_custom_sampler_sharded_by_our_rules_and_resumes_exactly(tmp_path: Path) -> None:
@@ -274,7 +319,7 @@ def test_ddp_keeps_a_custom_sampler_sharded_by_our_rules_and_resumes_exactly(tmp
 
 
 def test_under_slurm_sigusr1_saves_at_a_step_boundary_not_in_lightnings_handler(
-    full_with_workers: dict[int, dict[str, Any]], tmp_path: Path
+    references: dict[str, tuple[Path, dict[str, Any]]], tmp_path: Path
 ) -> None:
     """A simulated SLURM job (Lightning detects SLURMEnvironment and arms its auto-requeue handler, which
     would save hpc_ckpt_*.ckpt inside the signal handler, mid-step, and call scontrol). Ours saves at the step
@@ -304,7 +349,7 @@ def test_under_slurm_sigusr1_saves_at_a_step_boundary_not_in_lightnings_handler(
     assert calls.read_text().splitlines() == ["requeue 4242"]
     rerun = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, **slurm})
     assert rerun.returncode == 0, rerun.stderr[-3000:]
-    full = full_with_workers[1]
+    full = references["workers"][1]
     assert json.loads((out / "log-0.json").read_text()) == full["logs"][0]
     assert (out / "weights-0.txt").read_text() == full["weights"][0]
 
