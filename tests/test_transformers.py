@@ -19,55 +19,52 @@ from pathlib import Path
 
 import pytest
 
+from support.batch import Done, run_batch
 from support.launch import logs, weights
-from support.trainer_launch import ENV, ITEMS, command, run
+from support.trainer_launch import CHILD, ENV, ITEMS, command, run
 
 
 def reads(out: Path) -> list[int]:
     return [int(path.read_text()) for path in sorted(out.glob("reads-*.txt"))]
 
 
+ONE_PROCESS = {"1": [], "1-acc3": ["--accumulate", "3"], "1-stream": ["--stream"], "stock": ["--stock"]}
+"""The uninterrupted one-process runs: accumulation 1 and 3, a stream, a stock Trainer."""
+ONE_PROCESS_CASES = [(1, 0, 10), (3, 2, 4), (1, 0, 8), (3, 2, 6)]  # accumulation, workers, crash after the save of
+CRASHES = {**{f"{a}-{w}-{c}": ["--accumulate", str(a), "--workers", str(w), "--crash-at", str(c)]
+              for a, w, c in ONE_PROCESS_CASES},
+           "stream": ["--stream", "--crash-at", "10"], "stock": ["--stock", "--crash-at", "10"]}
+"""One process crashed right after a checkpoint (``os._exit``: each a process of its own)."""
+
+
 @pytest.fixture(scope="module")
 def full(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Uninterrupted runs: one process (accumulation 1 and 3; a stream), two processes (accumulation 3)."""
-    runs = {}
-    for name, processes, args in (("1", 1, ()), ("1-acc3", 1, ("--accumulate", "3")), ("1-stream", 1, ("--stream",)),
-                                  ("2-acc3", 2, ("--accumulate", "3"))):
-        out = tmp_path_factory.mktemp(f"full{name}")
-        run(out, processes, *args)
-        runs[name] = out
+    """The uninterrupted one-process runs (one batch process, tests/support/batch.py), and two processes
+    (accumulation 3, torchrun)."""
+    root = tmp_path_factory.mktemp("full")
+    done = run_batch(CHILD, [[str(root / name), "--processes", "1", *args] for name, args in ONE_PROCESS.items()],
+                     root / "batch")
+    for name, each in zip(ONE_PROCESS, done, strict=True):
+        assert each.returncode == 0, f"{name}: {each.stderr[-3000:]}"
+    runs = {name: root / name for name in ONE_PROCESS}
+    runs["2-acc3"] = root / "2-acc3"
+    run(runs["2-acc3"], 2, "--accumulate", "3")
     return runs
 
 
-@pytest.mark.parametrize(("accumulate", "workers", "crash"), [(1, 0, 10), (3, 2, 4), (1, 0, 8), (3, 2, 6)])
-def test_one_process_resumes_with_the_uninterrupted_runs_batches(full: dict[str, Path], tmp_path: Path,
-                                                                 accumulate: int, workers: int, crash: int) -> None:
-    """8 batches an epoch; with accumulation 3 an epoch is 3 optimizer steps (3 + 3 + 2 micro-batches) and
-    step 4 is in the second epoch. Steps 8 and 6 end an epoch (Trainer resumes them with the next epoch's
-    first batch). Batches do not depend on num_workers: both compare with one run."""
-    options = ["--accumulate", str(accumulate), "--workers", str(workers)]
-    run(tmp_path, 1, *options, "--crash-at", str(crash))
-    cut = len(logs(tmp_path)[0])
-    run(tmp_path, 1, *options, "--resume", "true")
-    reference = full["1" if accumulate == 1 else "1-acc3"]
-    assert logs(tmp_path) == logs(reference) and weights(tmp_path) == weights(reference)
-    read_after = sum(len(row["ids"]) for row in logs(tmp_path)[0][cut:])
-    assert reads(tmp_path) == [read_after]  # no batch read to be skipped
+@pytest.fixture(scope="module")
+def crashes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    runs = {}
+    for name, args in CRASHES.items():
+        runs[name] = tmp_path_factory.mktemp(f"crashed-{name}")
+        run(runs[name], 1, *args)
+    return runs
 
 
-def test_a_stream_resumes_with_the_uninterrupted_runs_batches_reading_none_to_skip(full: dict[str, Path],
-                                                                                    tmp_path: Path) -> None:
-    """An iterable dataset (max_steps=20; 8 batches a pass): crashed after step 10, mid second pass. Trainer's
-    own skipping would read the 10 batches again (an iterable dataset cannot skip without reading); here the
-    resumed run reads what it trains, plus the one batch Trainer's loop reads past its last step (as the
-    uninterrupted run does)."""
-    run(tmp_path, 1, "--stream", "--crash-at", "10")
-    cut = len(logs(tmp_path)[0])
-    run(tmp_path, 1, "--stream", "--resume", "true")
-    assert logs(tmp_path) == logs(full["1-stream"]) and weights(tmp_path) == weights(full["1-stream"])
-    past_the_end = reads(full["1-stream"])[0] - sum(len(row["ids"]) for row in logs(full["1-stream"])[0])
-    assert past_the_end == 4  # one batch
-    assert reads(tmp_path) == [sum(len(row["ids"]) for row in logs(tmp_path)[0][cut:]) + past_the_end]
+@pytest.fixture(scope="module")
+def crashed(crashes: dict[str, Path]) -> Path:
+    """One process crashed right after the checkpoint of step 10 (checkpoints 9 and 10 kept)."""
+    return crashes["1-0-10"]
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +77,83 @@ def crashed_on_two(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         run(out, 2, "--accumulate", "3", "--crash-at", "3", "--slow-rank", "1", launcher=launcher)
         runs[launcher] = out
     return runs
+
+
+MISSING = ["loader_resume_0.pt", "trainer_state.json", "rng_state.pth"]
+
+
+@pytest.fixture(scope="module")
+def resumed(crashes: dict[str, Path], crashed_on_two: dict[str, Path],
+            tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Done]]:
+    """Every one-process resume and refusal of the tests below, in one fresh process (tests/support/batch.py),
+    each in a copy of the crashed run it continues, changed as its test says."""
+    root = tmp_path_factory.mktemp("resumed")
+
+    def copy(name: str, crash: Path) -> str:
+        shutil.copytree(crash, root / name)
+        return str(root / name)
+
+    runs = [[copy(f"{a}-{w}-{c}", crashes[f"{a}-{w}-{c}"]), "--accumulate", str(a), "--workers", str(w),
+             "--resume", "true"] for a, w, c in ONE_PROCESS_CASES]
+    runs.append([copy("stream", crashes["stream"]), "--stream", "--resume", "true"])
+    runs.append([copy("stock", crashes["stock"]), "--stock", "--resume", "true"])
+    incomplete = Path(copy("incomplete", crashes["1-0-10"]))  # killed between our file and trainer_state.json
+    (incomplete / "run" / "checkpoint-10" / "trainer_state.json").unlink()
+    log = incomplete / "log-0.jsonl"
+    log.write_text("".join(line + "\n" for line in log.read_text().splitlines()[:9]))  # step 10 is done again
+    runs.append([str(incomplete), "--resume", "true"])
+    for file in MISSING:
+        checkpoint = Path(copy(f"missing-{file}", crashes["1-0-10"])) / "run" / "checkpoint-10"
+        (checkpoint / file).unlink()
+        runs.append([str(checkpoint.parent.parent), "--resume", str(checkpoint)])
+    runs.append([copy("ignore-data-skip", crashes["1-0-10"]), "--ignore-data-skip", "--resume", "true"])
+    runs.append([str(root / "jit"), "--jit"])
+    runs.append([copy("two-on-one", crashed_on_two["torchrun"]), "--accumulate", "3", "--resume", "true"])
+    done = run_batch(CHILD, [[out, "--processes", "1", *args] for out, *args in runs], root / "batch")
+    return {Path(out).name: (Path(out), each) for (out, *_), each in zip(runs, done, strict=True)}
+
+
+def finished(resumed: dict[str, tuple[Path, Done]], name: str) -> tuple[Path, str]:
+    out, done = resumed[name]
+    assert done.returncode == 0, f"{name}: exit {done.returncode}\n{done.stderr[-6000:]}"
+    return out, done.stderr
+
+
+def refused(resumed: dict[str, tuple[Path, Done]], name: str) -> tuple[Path, str]:
+    """A run that must end with exit 1 (an exception): its directory and stderr."""
+    out, done = resumed[name]
+    assert done.returncode == 1, f"{name}: exit {done.returncode}\n{done.stderr[-6000:]}"
+    return out, done.stderr
+
+
+@pytest.mark.parametrize(("accumulate", "workers", "crash"), ONE_PROCESS_CASES)
+def test_one_process_resumes_with_the_uninterrupted_runs_batches(full: dict[str, Path], crashes: dict[str, Path],
+                                                                 resumed: dict[str, tuple[Path, Done]],
+                                                                 accumulate: int, workers: int, crash: int) -> None:
+    """8 batches an epoch; with accumulation 3 an epoch is 3 optimizer steps (3 + 3 + 2 micro-batches) and
+    step 4 is in the second epoch. Steps 8 and 6 end an epoch (Trainer resumes them with the next epoch's
+    first batch). Batches do not depend on num_workers: both compare with one run."""
+    name = f"{accumulate}-{workers}-{crash}"
+    cut = len(logs(crashes[name])[0])
+    out, _ = finished(resumed, name)
+    reference = full["1" if accumulate == 1 else "1-acc3"]
+    assert logs(out) == logs(reference) and weights(out) == weights(reference)
+    read_after = sum(len(row["ids"]) for row in logs(out)[0][cut:])
+    assert reads(out) == [read_after]  # no batch read to be skipped
+
+
+def test_a_stream_resumes_with_the_uninterrupted_runs_batches_reading_none_to_skip(
+        full: dict[str, Path], crashes: dict[str, Path], resumed: dict[str, tuple[Path, Done]]) -> None:
+    """An iterable dataset (max_steps=20; 8 batches a pass): crashed after step 10, mid second pass. Trainer's
+    own skipping would read the 10 batches again (an iterable dataset cannot skip without reading); here the
+    resumed run reads what it trains, plus the one batch Trainer's loop reads past its last step (as the
+    uninterrupted run does)."""
+    cut = len(logs(crashes["stream"])[0])
+    out, _ = finished(resumed, "stream")
+    assert logs(out) == logs(full["1-stream"]) and weights(out) == weights(full["1-stream"])
+    past_the_end = reads(full["1-stream"])[0] - sum(len(row["ids"]) for row in logs(full["1-stream"])[0])
+    assert past_the_end == 4  # one batch
+    assert reads(out) == [sum(len(row["ids"]) for row in logs(out)[0][cut:]) + past_the_end]
 
 
 def test_every_ranks_files_are_written_before_trainers_state_marks_a_checkpoint_complete(
@@ -155,39 +229,25 @@ def test_sigterm_to_the_whole_launch_mid_epoch_checkpoints_and_the_same_command_
     assert logs(tmp_path) == logs(full["2-acc3"]) and weights(tmp_path) == weights(full["2-acc3"])
 
 
-def test_transformers_own_jit_checkpoint_is_refused_naming_ours(tmp_path: Path) -> None:
-    stderr = run(tmp_path, 1, "--jit", expect=1)
+def test_transformers_own_jit_checkpoint_is_refused_naming_ours(resumed: dict[str, tuple[Path, Done]]) -> None:
+    _, stderr = refused(resumed, "jit")
     assert "enable_jit_checkpoint=True) with ResumableTrainer: expected it off" in stderr
 
 
-@pytest.fixture(scope="module")
-def crashed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One process crashed right after the checkpoint of step 10 (checkpoints 9 and 10 kept)."""
-    out = tmp_path_factory.mktemp("crashed")
-    run(out, 1, "--crash-at", "10")
-    return out
-
-
-def test_a_checkpoint_without_trainers_state_is_skipped_for_the_one_before(full: dict[str, Path], crashed: Path,
-                                                                          tmp_path: Path) -> None:
+def test_a_checkpoint_without_trainers_state_is_skipped_for_the_one_before(
+        full: dict[str, Path], resumed: dict[str, tuple[Path, Done]]) -> None:
     """Killed between our file and Trainer's trainer_state.json: checkpoint-10 is incomplete. Resuming with
     True warns naming the file and resumes from checkpoint-9, exactly."""
-    shutil.copytree(crashed, tmp_path, dirs_exist_ok=True)
-    (tmp_path / "run" / "checkpoint-10" / "trainer_state.json").unlink()
-    log = tmp_path / "log-0.jsonl"
-    log.write_text("".join(line + "\n" for line in log.read_text().splitlines()[:9]))  # step 10 is done again
-    stderr = run(tmp_path, 1, "--resume", "true")
+    out, stderr = finished(resumed, "incomplete")
     assert "checkpoint-10: trainer_state.json is missing" in stderr
-    assert logs(tmp_path) == logs(full["1"]) and weights(tmp_path) == weights(full["1"])
+    assert logs(out) == logs(full["1"]) and weights(out) == weights(full["1"])
 
 
-@pytest.mark.parametrize("file", ["loader_resume_0.pt", "trainer_state.json", "rng_state.pth"])
-def test_an_explicit_checkpoint_missing_a_file_is_refused_naming_it(crashed: Path, tmp_path: Path, file: str) -> None:
-    shutil.copytree(crashed, tmp_path, dirs_exist_ok=True)
-    checkpoint = tmp_path / "run" / "checkpoint-10"
-    (checkpoint / file).unlink()
-    stderr = run(tmp_path, 1, "--resume", str(checkpoint), expect=1)
-    assert f"{checkpoint / file}: missing; expected a complete checkpoint" in stderr
+@pytest.mark.parametrize("file", MISSING)
+def test_an_explicit_checkpoint_missing_a_file_is_refused_naming_it(resumed: dict[str, tuple[Path, Done]],
+                                                                    file: str) -> None:
+    out, stderr = refused(resumed, f"missing-{file}")
+    assert f"{out / 'run' / 'checkpoint-10' / file}: missing; expected a complete checkpoint" in stderr
 
 
 def test_a_two_rank_checkpoint_lacking_a_file_of_rank_1_is_incomplete(crashed_on_two: dict[str, Path],
@@ -203,9 +263,8 @@ def test_a_two_rank_checkpoint_lacking_a_file_of_rank_1_is_incomplete(crashed_on
         assert missing_file(checkpoint) == checkpoint / file
 
 
-def test_ignore_data_skip_is_refused_on_a_resume(crashed: Path, tmp_path: Path) -> None:
-    shutil.copytree(crashed, tmp_path, dirs_exist_ok=True)
-    stderr = run(tmp_path, 1, "--ignore-data-skip", "--resume", "true", expect=1)
+def test_ignore_data_skip_is_refused_on_a_resume(resumed: dict[str, tuple[Path, Done]]) -> None:
+    _, stderr = refused(resumed, "ignore-data-skip")
     assert "TrainingArguments(ignore_data_skip=True) with ResumableTrainer: expected it off" in stderr
 
 
@@ -214,14 +273,13 @@ def learning_rates(out: Path) -> dict[int, float]:
 
 
 def test_two_processes_resume_on_one_with_the_rest_of_the_epoch_exactly_once(
-        full: dict[str, Path], crashed_on_two: dict[str, Path], tmp_path: Path) -> None:
+        full: dict[str, Path], crashed_on_two: dict[str, Path], resumed: dict[str, tuple[Path, Done]]) -> None:
     """Crashed after step 3 on 2 processes (accumulation 3): epoch 1 has delivered 3 batches a rank, samples
     0-23 of its order. On one process that is step 5 (8 batches an epoch: steps of 3 + 3 + 2; 6 batches in):
     the resumed run trains the 6 samples left of epoch 1, then epoch 2, exactly as the uninterrupted
     one-process run does from its step 5 (same batches and values, same learning rates, same last step)."""
-    shutil.copytree(crashed_on_two["torchrun"], tmp_path, dirs_exist_ok=True)
-    before = [logs(tmp_path)[rank] for rank in range(2)]
-    stderr = run(tmp_path, 1, "--accumulate", "3", "--resume", "true")
+    before = [logs(crashed_on_two["torchrun"])[rank] for rank in range(2)]
+    tmp_path, stderr = finished(resumed, "two-on-one")
     assert "written by 2 process(es), resumed on 1: step 3 is step 5 here" in stderr
     after = logs(tmp_path)[0][len(before[0]):]
     one = logs(full["1-acc3"])[0]
@@ -247,17 +305,16 @@ def test_a_position_between_steps_at_the_new_world_size_is_refused() -> None:
         step_at(state, world_size=2, batch_size=4, accumulation=1, steps_per_epoch=4, checkpoint=Path("c"))
 
 
-def test_stock_trainer_continues_differently(tmp_path: Path) -> None:
+def test_stock_trainer_continues_differently(full: dict[str, Path], crashes: dict[str, Path],
+                                             resumed: dict[str, tuple[Path, Done]]) -> None:
     """What ResumableTrainer fixes, measured on the same job with a stock Trainer: its batches after the resume
     are not its uninterrupted run's (its sampler skips the index lists without reading them, on a map-style
     dataset, but the order and the augmentation values drawn after the resume differ)."""
-    run(tmp_path / "full", 1, "--stock")
-    run(tmp_path / "cut", 1, "--stock", "--crash-at", "10")
-    cut = len(logs(tmp_path / "cut")[0])
-    run(tmp_path / "cut", 1, "--stock", "--resume", "true")
-    uninterrupted, resumed = logs(tmp_path / "full")[0], logs(tmp_path / "cut")[0]
-    assert resumed[:cut] == uninterrupted[:cut] and len(resumed) == len(uninterrupted)
-    assert resumed[cut:] != uninterrupted[cut:]
+    cut = len(logs(crashes["stock"])[0])
+    out, _ = finished(resumed, "stock")
+    uninterrupted, resumed_log = logs(full["stock"])[0], logs(out)[0]
+    assert resumed_log[:cut] == uninterrupted[:cut] and len(resumed_log) == len(uninterrupted)
+    assert resumed_log[cut:] != uninterrupted[cut:]
 
 
 def test_the_checkpoint_file_holds_this_ranks_state(crashed: Path) -> None:

@@ -2,6 +2,7 @@
 
     python transformers_child.py OUT [options]                               # one process
     torchrun --nproc_per_node 2 transformers_child.py OUT --processes 2      # two (gloo, CPU)
+    python transformers_child.py --batch PLAN      # several one-process runs, one after another (support/batch.py)
 
 A tiny model (dropout, returns ``{"loss": ...}``) on generated data whose items draw augmentation noise
 from torch, numpy and random, and whose collator draws from numpy, trained by ``ResumableTrainer``
@@ -19,6 +20,7 @@ import json
 import multiprocessing
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from loader_resume.testing import fingerprint
+from support.batch import run_each
 from support.data import NoisyEverywhere, NoisyStream
 from support.device import add_device_options
 from support.mounts import fill
@@ -138,7 +141,7 @@ class SlowRankTrainer(ResumableTrainer):
         super()._save_rng_state(output_dir)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--processes", type=int, default=1, help="the world size this run must have")
@@ -159,11 +162,12 @@ def main() -> None:
     parser.add_argument("--ignore-data-skip", action="store_true")
     parser.add_argument("--stock", action="store_true", help="a stock transformers Trainer")
     add_device_options(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", 0))
     log = (out / f"log-{rank}.jsonl").open("a")
+    Items.reads.value = 0  # this run's reads (a batch makes several runs in one process)
     torch.manual_seed(123)
     model = Tiny(log, args.sleep)
     training = TrainingArguments(
@@ -199,5 +203,16 @@ def main() -> None:
         torch.distributed.destroy_process_group()
 
 
+def fresh_accelerate() -> None:
+    """Accelerate's state is shared by every Accelerator of a process (Trainer makes one per run)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1] == "--batch":
+        run_each(main, sys.argv[2], fresh_accelerate)
+    else:
+        main()

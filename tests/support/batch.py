@@ -49,9 +49,11 @@ def _status(code: Any) -> int:
     return 1
 
 
-def run_each(main: Callable[[list[str]], Any], plan: str) -> None:
-    """The child's side: every run of the JSON file ``plan`` (``[{"argv": [...], "stderr": PATH, "exit": PATH}]``)."""
+def run_each(main: Callable[[list[str]], Any], plan: str, fresh: Callable[[], None] = lambda: None) -> None:
+    """The child's side: every run of the JSON file ``plan`` (``[{"argv": [...], "stderr": PATH, "exit": PATH}]``);
+    ``fresh()`` before each run forgets what a library keeps for the whole process (Accelerate's shared state)."""
     for run in json.loads(Path(plan).read_text()):
+        fresh()
         environ = dict(os.environ)
         handlers = {number: signal.getsignal(number) for number in SIGNALS}
         sys.stdout.flush()
