@@ -2,6 +2,7 @@
 
     python accelerate_child.py OUT [options]                                  # one process
     accelerate launch --multi_gpu --num_processes 2 accelerate_child.py OUT   # two (gloo, CPU)
+    python accelerate_child.py --batch PLAN      # several one-process runs, one after another (support/batch.py)
 
 Trains a small MLP with dropout on generated data whose items draw augmentation noise from torch,
 numpy and random, with ``enable_resume``. Each process appends one JSON line per micro-batch to
@@ -17,6 +18,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -31,13 +33,14 @@ from accelerate_resume import AcceleratedResumableDataLoader, enable_resume
 from loader_resume import Mixture
 from loader_resume.distributed import init_process_group
 from loader_resume.testing import fingerprint
+from support.batch import fresh_accelerate, run_each
 from support.data import NoisyEverywhere as Noisy
 from support.data import NoisyStream
 from support.device import add_device_options
 from support.mounts import fill
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--processes", type=int, default=1, help="the world size this run must have")
@@ -68,7 +71,7 @@ def main() -> None:
                         "state_dict_type FULL_STATE_DICT or SHARDED_STATE_DICT")
     add_device_options(parser)
     parser.add_argument("overrides", nargs="*", help="resume config dotlist, e.g. save_every_n_steps=4")
-    args = parser.parse_intermixed_args()
+    args = parser.parse_intermixed_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -178,4 +181,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1] == "--batch":  # NOTE: not for --disk-full-at, which replaces torch.save for the process
+        run_each(main, sys.argv[2], fresh_accelerate)
+    else:
+        main()

@@ -28,27 +28,127 @@ from accelerate_resume import AcceleratedResumableDataLoader, ResumeConfig, enab
 from loader_resume import ResumableDataLoader
 from loader_resume.checkpoint import MANIFEST
 from loader_resume.testing import assert_delivers_rest_exactly_once
+from support.batch import Done, run_batch
 from support.data import Augmented
-from support.launch import command, free_port, logs, progress_of, run, trained, weights
+from support.launch import ACCELERATE_CHILD, command, free_port, logs, progress_of, run, trained, weights
+from support.reference import shared_run
 
 ROOT = Path(__file__).parent.parent
 N, EPOCHS = 30, 3  # 1 process: 8 batches an epoch; 2 processes: 4 per rank
 
 
+EVAL = ["--eval-n", "13"]
+ONE_PROCESS = {  # the uninterrupted one-process runs
+    "1": EVAL, "workers": [*EVAL, "--workers", "2"], "stream": ["--stream", "--workers", "2"],
+    "accumulate": ["--accumulate", "2", "--items", "26", "--workers", "2"],
+    "periodic": ["save_every_n_steps=5", "keep=2"],
+}
+SAVE_LOAD = [(1, 0, 10), (1, 2, 10), (2, 0, 6), (2, 2, 6)]  # processes, workers, the step of save_state
+DAMAGES = ["flip", "truncate", "edit"]
+
+
 @pytest.fixture(scope="module")
-def full(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    """Uninterrupted runs with an evaluation after each epoch, on 1 and 2 processes."""
-    runs = {}
-    for processes in (1, 2):
-        out = tmp_path_factory.mktemp(f"full{processes}")
-        run(out, processes, "--eval-n", "13")
-        runs[processes] = out
+def full(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, Path]:
+    """Uninterrupted runs: with an evaluation after each epoch on 1 process (0 and 2 workers) and on 2; a stream
+    at 2 workers; accumulation 2 over 7 batches an epoch; periodic checkpoints. The one-process runs run in one
+    process (tests/support/batch.py)."""
+    root = tmp_path_factory.mktemp("full")
+    done = run_batch(ACCELERATE_CHILD, [[str(root / name), *args] for name, args in ONE_PROCESS.items()],
+                     root / "batch")
+    for name, each in zip(ONE_PROCESS, done, strict=True):
+        assert each.returncode == 0, f"{name}: {each.stderr[-3000:]}"
+    runs: dict[Any, Path] = {1 if name == "1" else name: root / name for name in ONE_PROCESS}
+    runs[2] = root / "2"
+    run(runs[2], 2, *EVAL)
     return runs
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One-process jobs stopped by their own hand, each a process of its own (they end with os._exit or a
+    signal): save_state then a crash, a loop's break then save_state, a SIGTERM (copied before any rerun)."""
+    root = tmp_path_factory.mktemp("stopped")
+    runs = {}
+    for processes, workers, at in SAVE_LOAD:
+        name = f"save-{processes}-{workers}"
+        run(root / name, processes, *EVAL, "--workers", str(workers), "--save-at", str(at))
+        runs[name] = root / name
+    for name, options in (("break-map", EVAL), ("break-stream", ["--stream"])):
+        run(root / name, 1, "--workers", "2", *options, "--break-at", "5")
+        runs[name] = root / name
+    for name, processes, options in (("preempted1", 1, [*EVAL, "--signal-at", "11"]),
+                                     ("preempted2", 2, [*EVAL, "--signal-at", "6"]),
+                                     ("accumulate", 1, [*ONE_PROCESS["accumulate"], "--signal-at", "8"]),
+                                     ("stream", 1, ["--stream", "--workers", "2", "--signal-at", "11"])):
+        run(root / name, processes, *options, expect=143)
+        runs[name] = root / name
+    return runs
+
+
+@pytest.fixture(scope="module")
+def resumed(stopped: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Done]]:
+    """Every one-process continuation of a stopped job (load_state, the automatic resume, the same command
+    again) and the refusals, in one fresh process (tests/support/batch.py), each in a copy of the job it
+    continues, changed as its test says."""
+    root = tmp_path_factory.mktemp("resumed")
+
+    def copy(name: str, of: str) -> Path:
+        shutil.copytree(stopped[of], root / name)
+        return root / name
+
+    runs: list[tuple[Path, list[str]]] = []
+    for _, workers, _ in [case for case in SAVE_LOAD if case[0] == 1]:
+        out = copy(f"load-1-{workers}", f"save-1-{workers}")
+        runs.append((out, [*EVAL, "--workers", str(workers), "--load", str(out / "explicit")]))
+    for name, options in (("break-map", EVAL), ("break-stream", ["--stream"])):
+        out = copy(name, name)
+        runs.append((out, ["--workers", "2", *options, "--load", str(out / "explicit")]))
+    out = copy("2-on-1", "preempted2")
+    for path in out.glob("log-*.jsonl"):
+        path.unlink()
+    runs.append((out, EVAL))
+    out = copy("skip", "preempted1")
+    checkpoints = out / "resume_checkpoints"
+    (sealed,) = checkpoints.iterdir()
+    shutil.copytree(sealed, checkpoints / ".step_000000099.tmp")  # killed before it was sealed and renamed
+    shutil.copytree(sealed, checkpoints / "step_000000098")
+    (checkpoints / "step_000000098" / MANIFEST).unlink()
+    runs.append((out, EVAL))
+    for damage in DAMAGES:
+        out = copy(f"damaged-{damage}", "preempted1")
+        (sealed,) = (out / "resume_checkpoints").iterdir()
+        spoil(sealed / ("model.safetensors" if damage == "flip" else "loader_resume.pt"), damage)
+        runs.append((out, EVAL))
+    runs.append((copy("another-dataset", "preempted1"), ["--items", "20"]))
+    runs.append((copy("accumulate", "accumulate"), ONE_PROCESS["accumulate"]))  # the same command again
+    runs.append((copy("stream", "stream"), ["--stream", "--workers", "2"]))
+    done = run_batch(ACCELERATE_CHILD, [[str(out), *args] for out, args in runs], root / "batch")
+    return {out.name: (out, each) for (out, _), each in zip(runs, done, strict=True)}
+
+
+def spoil(target: Path, damage: str) -> None:
+    data = bytearray(target.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x01
+    elif damage == "truncate":
+        data = data[: len(data) // 2]
+    else:  # an edited state: a valid file, another position
+        state = torch.load(target, weights_only=True)
+        state["loaders"][0]["ranks"][0]["position"] = 0
+        torch.save(state, target)
+        data = bytearray(target.read_bytes())
+    target.write_bytes(bytes(data))
+
+
+def finished(resumed: dict[str, tuple[Path, Done]], name: str, expect: int = 0) -> tuple[Path, str]:
+    out, done = resumed[name]
+    assert done.returncode == expect, f"{name}: exit {done.returncode}\n{done.stderr[-3000:]}"
+    return out, done.stderr
 
 
 # --- real runs ------------------------------------------------------------------------------------
 def test_two_processes_shard_every_epoch_disjointly_and_gather_for_metrics_drops_the_padding(
-    full: dict[int, Path],
+    full: dict[Any, Path],
 ) -> None:
     ranks = logs(full[2])
     for epoch in range(EPOCHS):
@@ -58,45 +158,39 @@ def test_two_processes_shard_every_epoch_disjointly_and_gather_for_metrics_drops
     assert evaluations == [list(range(13))] * EPOCHS  # 13 items over 2 ranks x 4: the padded item is dropped
 
 
-def test_batches_do_not_depend_on_num_workers(full: dict[int, Path], tmp_path: Path) -> None:
-    run(tmp_path, 1, "--eval-n", "13", "--workers", "2")
-    assert logs(tmp_path) == logs(full[1]) and weights(tmp_path) == weights(full[1])
+def test_batches_do_not_depend_on_num_workers(full: dict[Any, Path]) -> None:
+    assert logs(full["workers"]) == logs(full[1]) and weights(full["workers"]) == weights(full[1])
 
 
-@pytest.mark.parametrize(("processes", "workers", "at"), [(1, 0, 10), (1, 2, 10), (2, 0, 6), (2, 2, 6)])
+@pytest.mark.parametrize(("processes", "workers", "at"), SAVE_LOAD)
 def test_save_state_then_load_state_in_a_fresh_process_is_exact(
-    full: dict[int, Path], tmp_path: Path, processes: int, workers: int, at: int
+    full: dict[Any, Path], stopped: dict[str, Path], resumed: dict[str, tuple[Path, Done]], tmp_path: Path,
+    processes: int, workers: int, at: int
 ) -> None:
     """The user's own save_state / load_state, in the second epoch (the epoch counter must survive)."""
-    options = ["--eval-n", "13", "--workers", str(workers)]
-    run(tmp_path, processes, *options, "--save-at", str(at))
-    assert trained(logs(tmp_path)[0])[-1]["epoch"] == 1
-    run(tmp_path, processes, *options, "--load", str(tmp_path / "explicit"))
-    assert logs(tmp_path) == logs(full[processes])
-    assert weights(tmp_path) == weights(full[processes])
-
-
-@pytest.fixture(scope="module")
-def stream_full(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An uninterrupted run over an IterableDataset at 2 workers."""
-    out = tmp_path_factory.mktemp("stream-full")
-    run(out, 1, "--stream", "--workers", "2")
-    return out
+    assert trained(logs(stopped[f"save-{processes}-{workers}"])[0])[-1]["epoch"] == 1
+    if processes == 1:
+        out, _ = finished(resumed, f"load-1-{workers}")
+    else:
+        out = tmp_path
+        shutil.copytree(stopped[f"save-{processes}-{workers}"], out, dirs_exist_ok=True)
+        run(out, processes, *EVAL, "--workers", str(workers), "--load", str(out / "explicit"))
+    assert logs(out) == logs(full[processes])
+    assert weights(out) == weights(full[processes])
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_loop_that_breaks_then_save_state_continues_its_pass_in_a_fresh_process(
-    full: dict[int, Path], stream_full: Path, tmp_path: Path, stream: bool
+    full: dict[Any, Path], stopped: dict[str, Path], resumed: dict[str, tuple[Path, Done]], stream: bool
 ) -> None:
     """A stop flag's ``break`` at step 5 (mid-epoch), then ``accelerator.save_state`` after the loop: the loop left
     the pass, its generator is closed, nothing ran out. ``load_state`` in a fresh process continues with the very
     next batch; a stream's batch fetched ahead of the loop is not lost."""
-    options = ["--workers", "2", *(["--stream"] if stream else ["--eval-n", "13"])]
-    run(tmp_path, 1, *options, "--break-at", "5")
-    assert trained(logs(tmp_path)[0])[-1]["step"] == 5
-    run(tmp_path, 1, *options, "--load", str(tmp_path / "explicit"))
-    reference = stream_full if stream else full[1]
-    assert logs(tmp_path) == logs(reference) and weights(tmp_path) == weights(reference)
+    name = "break-stream" if stream else "break-map"
+    assert trained(logs(stopped[name])[0])[-1]["step"] == 5
+    out, _ = finished(resumed, name)
+    reference = full["stream"] if stream else full[1]
+    assert logs(out) == logs(reference) and weights(out) == weights(reference)
 
 
 def preempt(out: Path, processes: int, whole_group: bool, *args: str) -> None:
@@ -120,130 +214,105 @@ def preempt(out: Path, processes: int, whole_group: bool, *args: str) -> None:
 
 @pytest.mark.parametrize("whole_group", [False, True])
 def test_sigterm_mid_epoch_checkpoints_at_a_step_boundary_and_the_same_command_continues(
-    full: dict[int, Path], tmp_path: Path, whole_group: bool
+    full: dict[Any, Path], tmp_path: Path, whole_group: bool
 ) -> None:
-    preempt(tmp_path, 2, whole_group, "--eval-n", "13", "--workers", "2")
+    preempt(tmp_path, 2, whole_group, *EVAL, "--workers", "2")
     checkpoints = sorted(p.name for p in (tmp_path / "resume_checkpoints").iterdir())
     stopped = trained(logs(tmp_path)[0])
     assert checkpoints == [f"step_{len(stopped):09d}"] and 5 <= len(stopped) < EPOCHS * 4
-    run(tmp_path, 2, "--eval-n", "13", "--workers", "2")
+    run(tmp_path, 2, *EVAL, "--workers", "2")
     assert logs(tmp_path) == logs(full[2])  # the rerun's log appends to the first run's
     assert weights(tmp_path) == weights(full[2])
 
 
-@pytest.fixture(scope="module")
-def preempted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    """A job on 1 and on 2 processes stopped by SIGTERM in the second epoch (copied before any rerun)."""
-    runs = {}
-    for processes, micro in ((1, 11), (2, 6)):
-        out = tmp_path_factory.mktemp(f"preempted{processes}")
-        run(out, processes, "--eval-n", "13", "--signal-at", str(micro), expect=143)
-        runs[processes] = out
-    return runs
-
-
 @pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
 def test_checkpoint_resumes_on_another_process_count_delivering_the_rest_exactly_once(
-    preempted: dict[int, Path], tmp_path: Path, before: int, after: int
+    stopped: dict[str, Path], resumed: dict[str, tuple[Path, Done]], tmp_path: Path, before: int, after: int
 ) -> None:
-    shutil.copytree(preempted[before], tmp_path, dirs_exist_ok=True)
-    cut = [trained(rows) for rows in logs(tmp_path)]
+    cut = [trained(rows) for rows in logs(stopped[f"preempted{before}"])]
     epoch = cut[0][-1]["epoch"]
     assert epoch == 1
-    for path in tmp_path.glob("log-*.jsonl"):
-        path.unlink()
-    run(tmp_path, after, "--eval-n", "13")
-    resumed = [trained(rows) for rows in logs(tmp_path)]
+    if after == 1:
+        out, _ = finished(resumed, "2-on-1")
+    else:
+        out = tmp_path
+        shutil.copytree(stopped[f"preempted{before}"], out, dirs_exist_ok=True)
+        for path in out.glob("log-*.jsonl"):
+            path.unlink()
+        run(out, after, *EVAL)
+    resumed_rows = [trained(rows) for rows in logs(out)]
     before_cut = [i for rows in cut for row in rows if row["epoch"] == epoch for i in row["ids"]]
-    after_cut = [i for rows in resumed for row in rows if row["epoch"] == epoch for i in row["ids"]]
+    after_cut = [i for rows in resumed_rows for row in rows if row["epoch"] == epoch for i in row["ids"]]
     assert_delivers_rest_exactly_once(before_cut, after_cut, N)
     for later in range(epoch + 1, EPOCHS):
-        assert sorted(i for rows in resumed for row in rows if row["epoch"] == later for i in row["ids"]) == \
+        assert sorted(i for rows in resumed_rows for row in rows if row["epoch"] == later for i in row["ids"]) == \
             list(range(N))
-    assert min(row["step"] for rows in resumed for row in rows) == max(row["step"] for row in cut[0]) + 1
+    assert min(row["step"] for rows in resumed_rows for row in rows) == max(row["step"] for row in cut[0]) + 1
 
 
 def test_automatic_resume_skips_an_interrupted_save_and_an_unsealed_directory_with_a_warning(
-    full: dict[int, Path], preempted: dict[int, Path], tmp_path: Path
+    full: dict[Any, Path], resumed: dict[str, tuple[Path, Done]]
 ) -> None:
-    shutil.copytree(preempted[1], tmp_path, dirs_exist_ok=True)
-    root = tmp_path / "resume_checkpoints"
-    (sealed,) = root.iterdir()
-    shutil.copytree(sealed, root / ".step_000000099.tmp")  # killed before it was sealed and renamed
-    shutil.copytree(sealed, root / "step_000000098")
-    (root / "step_000000098" / MANIFEST).unlink()
-    stderr = run(tmp_path, 1, "--eval-n", "13")
+    out, stderr = finished(resumed, "skip")
+    root = out / "resume_checkpoints"
     assert f"deleting {root / '.step_000000099.tmp'}: left by a write interrupted in an earlier job" in stderr
     assert not (root / ".step_000000099.tmp").exists()
     assert "step_000000098: it has no loader_resume_manifest.json" in stderr
-    assert logs(tmp_path) == logs(full[1]) and weights(tmp_path) == weights(full[1])
+    assert logs(out) == logs(full[1]) and weights(out) == weights(full[1])
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "edit"])
-def test_a_damaged_checkpoint_is_refused_naming_the_file(preempted: dict[int, Path], tmp_path: Path,
-                                                         damage: str) -> None:
-    shutil.copytree(preempted[1], tmp_path, dirs_exist_ok=True)
-    (sealed,) = (tmp_path / "resume_checkpoints").iterdir()
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_checkpoint_is_refused_naming_the_file(resumed: dict[str, tuple[Path, Done]], damage: str) -> None:
+    out, stderr = finished(resumed, f"damaged-{damage}", expect=1)
+    (sealed,) = (out / "resume_checkpoints").iterdir()
     target = sealed / ("model.safetensors" if damage == "flip" else "loader_resume.pt")
-    data = bytearray(target.read_bytes())
-    if damage == "flip":
-        data[len(data) // 2] ^= 0x01
-    elif damage == "truncate":
-        data = data[: len(data) // 2]
-    else:  # an edited state: a valid file, another position
-        state = torch.load(target, weights_only=True)
-        state["loaders"][0]["ranks"][0]["position"] = 0
-        torch.save(state, target)
-        data = bytearray(target.read_bytes())
-    target.write_bytes(bytes(data))
-    stderr = run(tmp_path, 1, "--eval-n", "13", expect=1)
     assert f"CheckpointError: {target}:" in stderr and "refusing to load it" in stderr
 
 
-def test_gradient_accumulation_is_never_split_and_resume_is_exact(tmp_path: Path) -> None:
-    """26 items, 4 a batch: 7 batches an epoch, so the last accumulation is cut short by the epoch's end."""
-    options = ["--accumulate", "2", "--items", "26", "--workers", "2"]
-    run(tmp_path / "full", 1, *options)
-    run(tmp_path / "job", 1, *options, "--signal-at", "8", expect=143)  # a signal after a non-syncing micro-batch
-    stopped = logs(tmp_path / "job")[0]
-    assert not stopped[7]["sync"] and len(stopped) == 9 and stopped[-1]["sync"]  # it waited for the step
-    run(tmp_path / "job", 1, *options)
-    assert logs(tmp_path / "job") == logs(tmp_path / "full")
-    assert weights(tmp_path / "job") == weights(tmp_path / "full")
-    syncs = [row["sync"] for row in logs(tmp_path / "full")[0][:7]]
+def test_gradient_accumulation_is_never_split_and_resume_is_exact(
+    full: dict[Any, Path], stopped: dict[str, Path], resumed: dict[str, tuple[Path, Done]]
+) -> None:
+    """26 items, 4 a batch: 7 batches an epoch, so the last accumulation is cut short by the epoch's end; the
+    signal comes after micro-batch 8, which does not sync."""
+    stopped_rows = logs(stopped["accumulate"])[0]
+    assert not stopped_rows[7]["sync"] and len(stopped_rows) == 9 and stopped_rows[-1]["sync"]  # waited for the step
+    out, _ = finished(resumed, "accumulate")
+    assert logs(out) == logs(full["accumulate"])
+    assert weights(out) == weights(full["accumulate"])
+    syncs = [row["sync"] for row in logs(full["accumulate"])[0][:7]]
     assert syncs == [False, True, False, True, False, True, True]  # the epoch's end syncs
 
 
-def test_iterable_dataset_with_workers_resumes_exactly_after_sigterm(stream_full: Path, tmp_path: Path) -> None:
-    options = ["--stream", "--workers", "2"]
-    run(tmp_path / "job", 1, *options, "--signal-at", "11", expect=143)
-    run(tmp_path / "job", 1, *options)
-    assert logs(tmp_path / "job") == logs(stream_full)
-    assert weights(tmp_path / "job") == weights(stream_full)
+def test_iterable_dataset_with_workers_resumes_exactly_after_sigterm(
+    full: dict[Any, Path], resumed: dict[str, tuple[Path, Done]]
+) -> None:
+    out, _ = finished(resumed, "stream")
+    assert logs(out) == logs(full["stream"])
+    assert weights(out) == weights(full["stream"])
 
 
-def test_periodic_checkpoints_keep_the_newest(tmp_path: Path) -> None:
-    run(tmp_path, 1, "save_every_n_steps=5", "keep=2")
-    assert sorted(p.name for p in (tmp_path / "resume_checkpoints").iterdir()) == ["step_000000015",
-                                                                                   "step_000000020"]
+def test_periodic_checkpoints_keep_the_newest(full: dict[Any, Path]) -> None:
+    assert sorted(p.name for p in (full["periodic"] / "resume_checkpoints").iterdir()) == ["step_000000015",
+                                                                                          "step_000000020"]
 
 
-def test_accelerate_launch_hands_loader_resume_variables_to_every_rank(tmp_path: Path) -> None:
+def test_accelerate_launch_hands_loader_resume_variables_to_every_rank(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """``LOADER_RESUME_SAVE_EVERY_N_STEPS=5 accelerate launch ...`` on 2 processes: 12 steps, checkpoints at 5
     and 10 (every rank must take part in each save), the same batches as without them; a misspelt variable
     stops the launch at once, naming it."""
     run(tmp_path / "job", 2, env={"LOADER_RESUME_SAVE_EVERY_N_STEPS": "5", "LOADER_RESUME_KEEP": "2"})
     assert sorted(p.name for p in (tmp_path / "job" / "resume_checkpoints").iterdir()) == ["step_000000005",
                                                                                            "step_000000010"]
-    run(tmp_path / "plain", 2)
-    assert logs(tmp_path / "job") == logs(tmp_path / "plain")
+    plain = shared_run(tmp_path_factory, "accelerate-2-processes", lambda out: run(out, 2))
+    assert logs(tmp_path / "job") == logs(plain)
     stderr = run(tmp_path / "typo", 2, expect=1, env={"LOADER_RESUME_SAVE_EVERY_N_STEP": "5"})
     assert "LOADER_RESUME_SAVE_EVERY_N_STEP: unknown (did you mean LOADER_RESUME_SAVE_EVERY_N_STEPS?)" in stderr
 
 
-def test_checkpoint_of_another_dataset_fails_clearly(preempted: dict[int, Path], tmp_path: Path) -> None:
-    shutil.copytree(preempted[1], tmp_path, dirs_exist_ok=True)
-    stderr = run(tmp_path, 1, "--items", "20", expect=1)
+def test_checkpoint_of_another_dataset_fails_clearly(resumed: dict[str, tuple[Path, Done]]) -> None:
+    _, stderr = finished(resumed, "another-dataset", expect=1)
     assert "StateError" in stderr and "dataset_len" in stderr and "30" in stderr and "20" in stderr
 
 

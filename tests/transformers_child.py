@@ -31,7 +31,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from loader_resume.testing import fingerprint
-from support.batch import run_each
+from support.batch import fresh_accelerate, run_each
 from support.data import NoisyEverywhere, NoisyStream
 from support.device import add_device_options
 from support.mounts import fill
@@ -201,14 +201,6 @@ def main(argv: list[str] | None = None) -> None:
     gc.collect()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-
-
-def fresh_accelerate() -> None:
-    """Accelerate's state is shared by every Accelerator of a process (Trainer makes one per run)."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Done", "run_batch", "run_each"]
+__all__ = ["Done", "fresh_accelerate", "run_batch", "run_each"]
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -82,6 +82,14 @@ def run_each(main: Callable[[list[str]], Any], plan: str, fresh: Callable[[], No
             for number, handler in handlers.items():
                 signal.signal(number, handler)
         Path(run["exit"]).write_text(str(code))
+
+
+def fresh_accelerate() -> None:
+    """Forget Accelerate's state, shared by every ``Accelerator`` of a process (each run makes its own)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
 
 
 def run_batch(script: Path, runs: Sequence[Sequence[str]], where: Path, timeout: float = 600) -> list[Done]:

@@ -1,0 +1,45 @@
+"""Uninterrupted reference runs, made once per test session and shared by every test that compares with one.
+
+Several modules compare with the same uninterrupted run of a child script (the same command, the same
+arguments). Under pytest-xdist each worker is a process of its own, so a session fixture alone would still make
+the run once per worker: here the run goes to a directory all workers share (the session's base temporary
+directory), under a file lock, so the first test that needs it makes it and any other (on any worker) waits for
+it and reads it. A run that failed is made again by the next test that asks (and fails there too).
+
+Reference directories are read, never written: a test that changes files copies the directory first.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+__all__ = ["shared_run"]
+
+
+def _root(factory: pytest.TempPathFactory) -> Path:
+    base = factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "references"
+    root.mkdir(exist_ok=True)
+    return root
+
+
+def shared_run(factory: pytest.TempPathFactory, name: str, make: Callable[[Path], None]) -> Path:
+    """The directory of the run ``name`` (a file name: it says what the run is), made by ``make(directory)`` the
+    first time any test of this session asks for it."""
+    root = _root(factory)
+    out, done = root / name, root / f"{name}.done"
+    with (root / f"{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not done.exists():
+            if out.exists():  # an attempt that failed
+                shutil.rmtree(out)
+            out.mkdir()
+            make(out)
+            done.touch()
+    return out
