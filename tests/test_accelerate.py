@@ -31,7 +31,7 @@ from loader_resume.testing import assert_delivers_rest_exactly_once
 from support.batch import Done, run_batch
 from support.data import Augmented
 from support.launch import ACCELERATE_CHILD, command, free_port, logs, progress_of, run, trained, weights
-from support.reference import shared_run
+from support.reference import accelerate_run
 
 ROOT = Path(__file__).parent.parent
 N, EPOCHS = 30, 3  # 1 process: 8 batches an epoch; 2 processes: 4 per rank
@@ -305,7 +305,7 @@ def test_accelerate_launch_hands_loader_resume_variables_to_every_rank(
     run(tmp_path / "job", 2, env={"LOADER_RESUME_SAVE_EVERY_N_STEPS": "5", "LOADER_RESUME_KEEP": "2"})
     assert sorted(p.name for p in (tmp_path / "job" / "resume_checkpoints").iterdir()) == ["step_000000005",
                                                                                            "step_000000010"]
-    plain = shared_run(tmp_path_factory, "accelerate-2-processes", lambda out: run(out, 2))
+    plain = accelerate_run(tmp_path_factory, 2)
     assert logs(tmp_path / "job") == logs(plain)
     stderr = run(tmp_path / "typo", 2, expect=1, env={"LOADER_RESUME_SAVE_EVERY_N_STEP": "5"})
     assert "LOADER_RESUME_SAVE_EVERY_N_STEP: unknown (did you mean LOADER_RESUME_SAVE_EVERY_N_STEPS?)" in stderr

@@ -24,6 +24,7 @@ from lightning_resume import FabricResume
 from loader_resume.checkpoint_dir import LOCK_FILE
 from loader_resume.testing import assert_delivers_rest_exactly_once
 from support.launch import TESTS, logs, progress_of, trained, weights
+from support.reference import child_run
 
 CHILD = TESTS / "fabric_child.py"
 N, EPOCHS = 30, 3
@@ -40,8 +41,8 @@ def run(out: Path, devices: int, *args: str, expect: int = 0) -> str:
 @pytest.fixture(scope="module")
 def full(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Uninterrupted runs: 2 ranks (map-style and a stream), 1 device."""
-    runs = {}
-    for name, devices, args in (("2", 2, ()), ("2-stream", 2, ("--stream",)), ("1", 1, ())):
+    runs = {"2": child_run(tmp_path_factory, "fabric_child.py", "--devices", "2")}  # test_storage_faults.py's too
+    for name, devices, args in (("2-stream", 2, ("--stream",)), ("1", 1, ())):
         out = tmp_path_factory.mktemp(f"full{name}")
         run(out, devices, *args)
         runs[name] = out

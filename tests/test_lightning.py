@@ -25,6 +25,7 @@ from loader_resume.testing import assert_delivers_rest_exactly_once
 from support.batch import Done, run_batch
 from support.data import Augmented
 from support.launch import progress_of
+from support.reference import child_run
 
 CHILD = Path(__file__).parent / "lightning_child.py"
 
@@ -39,10 +40,7 @@ def run(out: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedP
 def ok(out: Path, *args: str, cwd: Path | None = None) -> dict[str, Any]:
     done = run(out, *args, cwd=cwd)
     assert done.returncode == 0, done.stderr[-3000:]
-    ranks = sorted(out.glob("log-*.json"))
-    return {"logs": [json.loads(p.read_text()) for p in ranks],
-            "weights": [(out / f"weights-{p.stem.split('-')[1]}.txt").read_text() for p in ranks],
-            "stderr": done.stderr}
+    return finished(out, done.stderr)
 
 
 def assert_continues(full: dict[str, Any], resumed: dict[str, Any], at: int) -> None:
@@ -53,13 +51,16 @@ def assert_continues(full: dict[str, Any], resumed: dict[str, Any], at: int) -> 
     assert resumed["weights"] == full["weights"]
 
 
-def outcome(out: Path, done: Done) -> dict[str, Any]:
+def finished(out: Path, stderr: str = "") -> dict[str, Any]:
     """A finished run's logs and weights (every rank's), and its stderr."""
-    assert done.returncode == 0, done.stderr[-3000:]
     ranks = sorted(out.glob("log-*.json"))
     return {"logs": [json.loads(p.read_text()) for p in ranks],
-            "weights": [(out / f"weights-{p.stem.split('-')[1]}.txt").read_text() for p in ranks],
-            "stderr": done.stderr}
+            "weights": [(out / f"weights-{p.stem.split('-')[1]}.txt").read_text() for p in ranks], "stderr": stderr}
+
+
+def outcome(out: Path, done: Done) -> dict[str, Any]:
+    assert done.returncode == 0, done.stderr[-3000:]
+    return finished(out, done.stderr)
 
 
 # The one-device runs that are neither signalled nor the subject of a process start run in two processes
@@ -84,8 +85,9 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path
 
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
-    out = tmp_path_factory.mktemp("ddp")
-    return out, ok(out, "--devices", "2", "--every", "2")
+    """The uninterrupted DDP fit (made once per session: test_storage_faults.py compares with it too)."""
+    out = child_run(tmp_path_factory, "lightning_child.py", "--devices", "2", "--every", "2")
+    return out, finished(out)
 
 
 @pytest.fixture(scope="module")

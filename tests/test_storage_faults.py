@@ -25,18 +25,16 @@ import torch
 
 from loader_resume.checkpoint import MANIFEST, complete_checkpoints, is_temporary, verify, write_sealed
 from loader_resume.checkpoint_dir import FAILED_SAVE_EXIT_CODE, CheckpointDirectoryError, DirectoryLock
+from support.batch import Done, run_batch
 from support.launch import command, forked_ranks, logs, progress_of, run, trained, weights
 from support.mounts import read_only, tmpfs
+from support.reference import accelerate_run, child_run
 
 
 @pytest.fixture(scope="module")
 def full(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    """Uninterrupted runs on 1 and 2 processes."""
-    runs = {}
-    for processes in (1, 2):
-        runs[processes] = tmp_path_factory.mktemp(f"full{processes}")
-        run(runs[processes], processes)
-    return runs
+    """Uninterrupted runs on 1 and 2 processes (made once per session: other modules compare with them too)."""
+    return {processes: accelerate_run(tmp_path_factory, processes) for processes in (1, 2)}
 
 
 def checkpoints(out: Path) -> list[str]:
@@ -302,10 +300,14 @@ def lightning_weights(out: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def lightning_full(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("lightning_full")
-    done = lightning(out, "--devices", "2")
-    assert done.returncode == 0, done.stderr[-3000:]
-    return out
+    """The uninterrupted DDP fit (test_lightning.py's too; its checkpoints every 2 steps change nothing here)."""
+    return child_run(tmp_path_factory, "lightning_child.py", "--devices", "2", "--every", "2")
+
+
+@pytest.fixture(scope="module")
+def lightning_single(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted one-device fit, checkpointing every 3 steps."""
+    return child_run(tmp_path_factory, "lightning_child.py", "--every", "3")
 
 
 def test_lightning_a_failed_preemption_save_exits_74_on_both_ranks_and_leaves_nothing(lightning_full: Path,
@@ -326,26 +328,41 @@ def test_lightning_a_failed_preemption_save_exits_74_on_both_ranks_and_leaves_no
     assert lightning_weights(out) == lightning_weights(lightning_full)
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_lightning_a_changed_or_truncated_checkpoint_is_refused_naming_the_file(tmp_path: Path, damage: str) -> None:
-    done = lightning(tmp_path, "--every", "3")
-    assert done.returncode == 0, done.stderr[-3000:]
-    target = tmp_path / "ckpt" / "step=6.ckpt"
-    data = bytearray(target.read_bytes())
-    if damage == "flip":
-        data[len(data) // 2] ^= 0x01
-    else:
-        del data[len(data) // 2:]
-    target.write_bytes(bytes(data))
-    refused = lightning(tmp_path / "again", "--resume", str(target))
+LIGHTNING_DAMAGES = ["flip", "truncate"]
+
+
+@pytest.fixture(scope="module")
+def lightning_damaged(lightning_single: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Done]]:
+    """A resume from a copy of the fit's step=6.ckpt, one bit flipped or its second half cut, each: one process
+    for both (tests/support/batch.py)."""
+    root = tmp_path_factory.mktemp("lightning_damaged")
+    runs = []
+    for damage in LIGHTNING_DAMAGES:
+        target = root / damage / "step=6.ckpt"
+        target.parent.mkdir()
+        data = bytearray((lightning_single / "ckpt" / "step=6.ckpt").read_bytes())
+        if damage == "flip":
+            data[len(data) // 2] ^= 0x01
+        else:
+            del data[len(data) // 2:]
+        target.write_bytes(bytes(data))
+        runs.append([str(root / damage / "again"), "--resume", str(target)])
+    done = run_batch(LIGHTNING_CHILD, runs, root / "batch")
+    return {damage: (root / damage / "step=6.ckpt", each) for damage, each in zip(LIGHTNING_DAMAGES, done, strict=True)}
+
+
+@pytest.mark.parametrize("damage", LIGHTNING_DAMAGES)
+def test_lightning_a_changed_or_truncated_checkpoint_is_refused_naming_the_file(
+    lightning_damaged: dict[str, tuple[Path, Done]], damage: str
+) -> None:
+    target, refused = lightning_damaged[damage]
     assert refused.returncode != 0
     expected = "does not match the CRC-32 stored" if damage == "flip" else "not a complete torch checkpoint"
     assert f"CheckpointError: {target}: " in refused.stderr and expected in refused.stderr, refused.stderr[-3000:]
 
 
-def test_lightning_an_automatic_resume_passes_over_a_corrupted_preemption_checkpoint(tmp_path: Path) -> None:
-    full = lightning(tmp_path / "full")
-    assert full.returncode == 0, full.stderr[-3000:]
+def test_lightning_an_automatic_resume_passes_over_a_corrupted_preemption_checkpoint(lightning_single: Path,
+                                                                                   tmp_path: Path) -> None:
     out = tmp_path / "job"
     stopped = lightning(out, "--signal-at", "7")
     assert stopped.returncode == 143, stopped.stderr[-3000:]
@@ -357,7 +374,7 @@ def test_lightning_an_automatic_resume_passes_over_a_corrupted_preemption_checkp
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert f"skipping checkpoint {preempted} at the automatic resume" in rerun.stderr
     assert f"Restoring states from the checkpoint path at {out / 'ckpt' / 'last.ckpt'}" in rerun.stderr
-    assert lightning_weights(out) == lightning_weights(tmp_path / "full")
+    assert lightning_weights(out) == lightning_weights(lightning_single)
     again = tmp_path / "alone"  # the same, with no other checkpoint to fall back on: refused, not started over
     assert lightning(again, "--signal-at", "7").returncode == 143
     shutil.rmtree(again / "ckpt")
@@ -380,9 +397,9 @@ def fabric(out: Path, *args: str, expect: int = 0) -> str:
 
 
 def test_fabric_a_preemption_save_on_a_full_disk_exits_74_and_a_corrupted_newest_is_passed_over(
-    tmp_path: Path,
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    fabric(tmp_path / "full", "--devices", "2")
+    full = child_run(tmp_path_factory, "fabric_child.py", "--devices", "2")  # test_fabric.py's too
     out = tmp_path / "job"
     with tmpfs(out / "resume_checkpoints", "1m"):
         stderr = fabric(out, "--devices", "2", "--save-every", "3", "--fill-disk-at", "7", "--signal-at", "7",
@@ -397,4 +414,4 @@ def test_fabric_a_preemption_save_on_a_full_disk_exits_74_and_a_corrupted_newest
         stderr = fabric(out, "--devices", "2")
     assert f"skipping checkpoint {newest.parent}: {newest}:" in stderr
     assert f"resuming from {out / 'resume_checkpoints' / 'step_000000003'}, the newest" in stderr
-    assert weights(out) == weights(tmp_path / "full")
+    assert weights(out) == weights(full)

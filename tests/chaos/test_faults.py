@@ -15,6 +15,7 @@ import pytest
 
 from loader_resume.checkpoint import MANIFEST, CheckpointError, complete_checkpoints, seal, temporary_name, verify
 from support.launch import logs, run, trained, weights
+from support.reference import accelerate_run
 
 EVAL = ("--eval-n", "13")
 
@@ -51,13 +52,14 @@ def test_a_storm_of_signals_each_ends_in_one_checkpoint_and_the_job_stays_exact(
     assert weights(tmp_path) == weights(uninterrupted)
 
 
-def test_a_signal_to_one_rank_only_stops_both_at_the_same_step(tmp_path: Path) -> None:
-    run(tmp_path / "full", 2)
+def test_a_signal_to_one_rank_only_stops_both_at_the_same_step(tmp_path: Path,
+                                                               tmp_path_factory: pytest.TempPathFactory) -> None:
+    full = accelerate_run(tmp_path_factory, 2)  # made once per session (other modules compare with it too)
     run(tmp_path / "job", 2, "--signal-at", "3", "--signal-rank", "1", expect=143)
     assert [len(trained(rows)) for rows in logs(tmp_path / "job")] == [3, 3]
     run(tmp_path / "job", 2)
-    assert logs(tmp_path / "job") == logs(tmp_path / "full")
-    assert weights(tmp_path / "job") == weights(tmp_path / "full")
+    assert logs(tmp_path / "job") == logs(full)
+    assert weights(tmp_path / "job") == weights(full)
 
 
 def test_a_full_disk_during_a_save_keeps_training_and_reports_it(uninterrupted: Path, tmp_path: Path) -> None:

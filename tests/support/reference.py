@@ -13,13 +13,18 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-__all__ = ["shared_run"]
+from .launch import TESTS, run
+
+__all__ = ["accelerate_run", "child_run", "shared_run"]
 
 
 def _root(factory: pytest.TempPathFactory) -> Path:
@@ -43,3 +48,23 @@ def shared_run(factory: pytest.TempPathFactory, name: str, make: Callable[[Path]
             make(out)
             done.touch()
     return out
+
+
+def _name(*parts: str) -> str:
+    return re.sub(r"[^A-Za-z0-9=.-]+", "_", "-".join(parts))
+
+
+def child_run(factory: pytest.TempPathFactory, child: str, *args: str) -> Path:
+    """``python tests/CHILD OUT *args`` (it must exit 0), made once per session."""
+    def make(out: Path) -> None:
+        done = subprocess.run([sys.executable, str(TESTS / child), str(out), *args], capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, f"{child} {args}: exit {done.returncode}\n{done.stderr[-3000:]}"
+
+    return shared_run(factory, _name(Path(child).stem, *args), make)
+
+
+def accelerate_run(factory: pytest.TempPathFactory, processes: int, *args: str) -> Path:
+    """tests/accelerate_child.py on ``processes`` processes (``accelerate launch`` for more than one), made once per
+    session."""
+    return shared_run(factory, _name("accelerate", str(processes), *args), lambda out: run(out, processes, *args))
