@@ -1,12 +1,14 @@
 """A real Accelerate loop over two prepared loaders of unequal length, for test_loop_edges_frameworks.py.
 
-    python accelerate_loops_child.py OUT --shape zip|alternate [--workers W] [--signal-after N]
+    python accelerate_loops_child.py OUT --shape zip|alternate [--workers W] [--signal-at N[,N...]]
+    python accelerate_loops_child.py --batch PLAN      # several runs, one after another (support/batch.py)
 
 ``zip``: ``for xa, xb in zip(a, b)``, a (6 batches) longer than b (4), one optimizer step per pair.
 ``alternate``: the batches of ``zip(b, a)`` one after another, the optimizer stepped twice per batch.
 OUT/log.json gathers every run's rows (optimizer steps done, and per loader the ids and a fingerprint of the noise
-its items drew) and the final weights. ``--signal-after N``: SIGTERM to itself after N rows of this run; the
-checkpoint follows at the next step boundary (exit 143); the same command again continues.
+its items drew) and the final weights. ``--signal-at N``: SIGTERM to itself once the job's N-th row is logged
+(counting the rows of the runs before); the checkpoint follows at the next step boundary (exit 143); the same
+command again continues, and is signalled again at the next N of the list.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import json
 import os
 import signal
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,16 +29,17 @@ from torch.utils.data import DataLoader
 
 from accelerate_resume import enable_resume
 from loader_resume.testing import fingerprint
+from support.batch import fresh_accelerate, run_each
 from support.data import Noisy
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--shape", required=True, choices=["zip", "alternate"])
     parser.add_argument("--workers", type=int, default=0)
-    parser.add_argument("--signal-after", type=int)
-    args = parser.parse_args()
+    parser.add_argument("--signal-at", type=lambda text: {int(n) for n in text.split(",")}, default=set())
+    args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(123)
@@ -50,10 +54,8 @@ def main() -> None:
 
     log = out / "log.json"
     rows: list[Any] = json.loads(log.read_text())["rows"] if log.exists() else []
-    here = 0
 
     def step(named: dict[str, Any]) -> None:
-        nonlocal here
         row: dict[str, Any] = {}
         loss = torch.zeros(())
         for name, (x, y, ids) in sorted(named.items()):
@@ -66,8 +68,7 @@ def main() -> None:
         row["step"] = resume.step
         rows.append(row)
         log.write_text(json.dumps({"rows": rows}))
-        here += 1
-        if here == args.signal_after:
+        if len(rows) in args.signal_at:
             os.kill(os.getpid(), signal.SIGTERM)
 
     def alternate() -> Iterator[dict[str, Any]]:
@@ -86,4 +87,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1] == "--batch":
+        run_each(main, sys.argv[2], fresh_accelerate)
+    else:
+        main()
