@@ -1,6 +1,7 @@
 """A training job with evaluations inside it, for test_eval_preemption.py: one per front door.
 
     python eval_preemption_child.py OUT --front FRONT [--eval-workers W] [--signal-in-eval K]
+    python eval_preemption_child.py --batch PLAN      # several runs, one after another (support/batch.py)
 
 FRONT: ``lightning`` (Trainer, ``val_check_interval=2``, a sanity check of 1 batch), ``fabric``, ``accelerate``
 or ``transformers`` (an evaluation every 2 optimizer steps). 24 training items in batches of 4 (6 steps an
@@ -20,6 +21,7 @@ import json
 import os
 import random
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from loader_resume.testing import fingerprint
+from support.batch import fresh_accelerate, run_each
 from support.data import NoisyEverywhere
 
 EPOCHS, EVERY = 2, 2
@@ -216,14 +219,14 @@ def transformers(job: Job) -> None:
     job.finished(model.net)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--front", required=True, choices=["lightning", "fabric", "accelerate", "transformers"])
     parser.add_argument("--eval-workers", type=int, default=2)
     parser.add_argument("--signal-in-eval", type=int, default=-1)
     parser.add_argument("--signal-in-step", type=int, default=-1, help="SIGTERM to the group in this training step")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     np.random.seed(0)  # NOTE: as seed_everything: an evaluation loader without workers draws from these
     random.seed(0)
     job = Job(args)
@@ -235,5 +238,15 @@ def main() -> None:
         transformers(job)
 
 
+def fresh() -> None:
+    """Before each run of a batch: Accelerate's shared state forgotten, and torch's deterministic mode (a Lightning
+    run's ``deterministic=True`` sets it for the process) off, as in a fresh process."""
+    fresh_accelerate()
+    torch.use_deterministic_algorithms(False)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1] == "--batch":
+        run_each(main, sys.argv[2], fresh)
+    else:
+        main()
