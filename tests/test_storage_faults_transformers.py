@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 
 from loader_resume.checkpoint_dir import FAILED_SAVE_EXIT_CODE
+from support.batch import Done, run_batch
 from support.launch import forked_ranks, logs, weights
 from support.mounts import read_only, tmpfs
-from support.trainer_launch import ENV, command, run
+from support.trainer_launch import CHILD, ENV, command, run
 
 
 @pytest.fixture(scope="module")
@@ -141,19 +142,37 @@ def damage(path: Path, how: str) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.fixture(scope="module")
+def damaged(crashed: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Done, Done]]:
+    """For each damage, a copy of the crashed run with that file of its newest checkpoint (checkpoint-10) damaged:
+    a resume naming that checkpoint, then an automatic resume (its batch log cut back to step 9, which it does
+    again). Every one of these runs in one fresh process (tests/support/batch.py), in this order."""
+    root = tmp_path_factory.mktemp("damaged")
+    runs = []
+    for file, how, _ in DAMAGES:
+        out = root / f"{file}-{how}"
+        shutil.copytree(crashed, out)
+        newest = out / "run" / "checkpoint-10"
+        damage(newest / file, how)
+        keep_steps(out, 9)
+        runs += [[str(out / "named"), "--processes", "1", "--resume", str(newest)],
+                 [str(out), "--processes", "1", "--resume", "true"]]
+    done = run_batch(CHILD, runs, root / "batch")
+    return {file: (root / f"{file}-{how}", done[2 * index], done[2 * index + 1])
+            for index, (file, how, _) in enumerate(DAMAGES)}
+
+
 @pytest.mark.parametrize(("file", "how", "named"), DAMAGES)
 def test_a_damaged_newest_checkpoint_is_passed_over_at_an_automatic_resume_and_refused_when_named(
-    full: dict[int, Path], crashed: Path, tmp_path: Path, file: str, how: str, named: str
+    full: dict[int, Path], damaged: dict[str, tuple[Path, Done, Done]], file: str, how: str, named: str
 ) -> None:
-    shutil.copytree(crashed, tmp_path, dirs_exist_ok=True)
-    newest = tmp_path / "run" / "checkpoint-10"
-    damage(newest / file, how)
-    stderr = run(tmp_path / "named", 1, "--resume", str(newest), expect=1)
-    assert f"CheckpointError: {newest / file}: " in stderr and named in stderr, stderr[-4000:]
-    keep_steps(tmp_path, 9)
-    stderr = run(tmp_path, 1, "--resume", "true")
-    assert f"skipping {newest}: {newest / file}: " in stderr, stderr[-4000:]
-    assert logs(tmp_path) == logs(full[1]) and weights(tmp_path) == weights(full[1])
+    out, refused, resumed = damaged[file]
+    newest = out / "run" / "checkpoint-10"
+    assert refused.returncode == 1, refused.stderr[-4000:]
+    assert f"CheckpointError: {newest / file}: " in refused.stderr and named in refused.stderr, refused.stderr[-4000:]
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"skipping {newest}: {newest / file}: " in resumed.stderr, resumed.stderr[-4000:]
+    assert logs(out) == logs(full[1]) and weights(out) == weights(full[1])
 
 
 def _write_on_rank(rank: int, store: str, failures: dict[int, tuple[int, str]], out: str) -> None:
