@@ -20,6 +20,7 @@ import pytest
 
 from loader_resume.checkpoint_dir import CheckpointDirectoryError, DirectoryLock
 from loader_resume.remote_lease import RemoteLease
+from support.reference import child_run
 from support.s3 import Cuttable, bucket, objects, s3_server
 
 TESTS = Path(__file__).parent
@@ -45,9 +46,10 @@ def rows(out: Path) -> tuple[list[Any], str]:
 
 @pytest.fixture(scope="module")
 def full(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], str]:
-    out = tmp_path_factory.mktemp("full")
-    lightning(out)
-    return rows(out)
+    """The uninterrupted fit on a local directory (checkpoints every 3 steps), made once per session:
+    test_storage_faults.py compares with it too. No loader workers there: the batches do not depend on
+    num_workers (the augmentation is keyed), so the 2-worker runs here must match it all the same."""
+    return rows(child_run(tmp_path_factory, "lightning_child.py", "--every", "3"))
 
 
 def test_lightning_on_s3_sigterm_writes_the_checkpoint_on_the_bucket_and_the_same_command_continues(
