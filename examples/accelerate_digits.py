@@ -1,15 +1,17 @@
-"""Accelerate on scikit-learn's digits with enable_resume: interrupt it, run it again, it continues.
+"""Accelerate + enable_resume on scikit-learn's digits: stopped and rerun, it continues.
 
-    python examples/accelerate_digits.py                               # Ctrl-C or `kill -TERM <pid>`...
-    python examples/accelerate_digits.py                               # ...and the same command continues
-    accelerate launch --multi_gpu --num_processes 2 examples/accelerate_digits.py --cpu   # two CPU processes
-    python examples/accelerate_digits.py save_every_n_steps=50 epochs=5                   # dotlist overrides
+    python examples/accelerate_digits.py       # Ctrl-C or `kill -TERM <pid>`...
+    python examples/accelerate_digits.py       # ...and the same command continues
+    accelerate launch --multi_gpu --num_processes 2 \
+        examples/accelerate_digits.py --cpu    # two CPU processes
+    python examples/accelerate_digits.py save_every_n_steps=50 epochs=5   # overrides
 
-Resume settings come from configs/accelerate_resume.yaml (our keys; override any of them as
-``key=value``); ``epochs``, ``workers``, ``batch_size`` and ``project_dir`` are this script's own.
-On a signal the run checkpoints at the next optimizer step and exits with code 143; the next run
-resumes from the newest complete checkpoint automatically. The last line printed is a digest of the
-final weights: an interrupted-and-rerun job prints the same one as an uninterrupted job.
+Resume settings come from configs/accelerate_resume.yaml (our keys; override any of them
+as ``key=value``); ``epochs``, ``workers``, ``batch_size`` and ``project_dir`` are this
+script's own. On a signal the run checkpoints at the next optimizer step and exits with
+code 143; the next run resumes from the newest complete checkpoint automatically. The
+last line printed is a digest of the final weights: an interrupted-and-rerun job prints
+the same one as an uninterrupted job.
 """
 
 from __future__ import annotations
@@ -28,11 +30,13 @@ from loader_resume.testing import fingerprint
 from loader_resume.tools.demo import NoisyDigits
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "accelerate_resume.yaml"
-OWN = {"epochs": 3, "workers": 2, "batch_size": 32, "project_dir": "runs/accelerate_digits"}
+OWN = {"epochs": 3, "workers": 2, "batch_size": 32,
+       "project_dir": "runs/accelerate_digits"}
 
 
 def split(argv: list[str]) -> tuple[dict[str, str], list[str], bool]:
-    """This script's own ``key=value`` settings, the resume config overrides, and ``--cpu``."""
+    """This script's own ``key=value`` settings, the resume config overrides, and
+    ``--cpu``."""
     own = {key: str(value) for key, value in OWN.items()}
     overrides = []
     for arg in argv:
@@ -49,15 +53,19 @@ def main(argv: list[str]) -> None:
     torch.manual_seed(0)
     accelerator = Accelerator(cpu=cpu, project_dir=own["project_dir"])
     resume = enable_resume(accelerator, CONFIG, overrides)
-    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 10))
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.2),
+                          nn.Linear(64, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    # a plain DataLoader: prepare makes it resumable
     train = DataLoader(NoisyDigits(), batch_size=int(own["batch_size"]), shuffle=True,
-                       num_workers=int(own["workers"]))  # a plain DataLoader: prepare makes it resumable
+                       num_workers=int(own["workers"]))
     model, optimizer, train = accelerator.prepare(model, optimizer, train)
     accelerator.print(f"training on {accelerator.num_processes} process(es)")
     if resume.restore() is not None:
-        accelerator.print(f"resumed from {resume.loaded_from} at epoch {resume.epoch}, step {resume.step}")
-    for epoch in resume.epochs(int(own["epochs"])):  # after a resume: the saved epoch, the very next batch
+        accelerator.print(f"resumed from {resume.loaded_from} at epoch {resume.epoch}, "
+                          f"step {resume.step}")
+    # after a resume: the saved epoch, from the very next batch
+    for epoch in resume.epochs(int(own["epochs"])):
         model.train()
         for x, y, _ in train:
             loss = nn.functional.cross_entropy(model(x), y)
@@ -65,11 +73,15 @@ def main(argv: list[str]) -> None:
             optimizer.step()
             optimizer.zero_grad()
             if resume.step % 20 == 0:
-                accelerator.print(f"epoch {epoch} step {resume.step} loss {loss.item():.3f}", flush=True)
+                accelerator.print(f"epoch {epoch} step {resume.step} "
+                                  f"loss {loss.item():.3f}", flush=True)
     accelerator.wait_for_everyone()
-    digest = fingerprint([p.detach().cpu() for p in accelerator.unwrap_model(model).parameters()])
+    digest = fingerprint([p.detach().cpu()
+                          for p in accelerator.unwrap_model(model).parameters()])
     accelerator.print(f"final weights digest: {digest}", flush=True)
-    gc.collect()  # before the process group goes: gloo aborts a process whose threads still hold tensors
+    # before the process group goes: gloo aborts a process whose threads still hold
+    # tensors
+    gc.collect()
     accelerator.end_training()
 
 

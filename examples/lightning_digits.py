@@ -1,14 +1,15 @@
-"""Lightning on scikit-learn's digits with ResumeCallback: interrupt it, run it again, it continues.
+"""Lightning + ResumeCallback on scikit-learn's digits: stopped and rerun, it continues.
 
-    python examples/lightning_digits.py                      # Ctrl-C or `kill -TERM <pid>` mid-run...
-    python examples/lightning_digits.py                      # ...and the same command continues
-    python examples/lightning_digits.py --devices 2          # DDP on two CPU processes (= trainer.devices=2)
-    python examples/lightning_digits.py data.num_workers=0 trainer.max_epochs=5   # omegaconf overrides
+    python examples/lightning_digits.py        # Ctrl-C or `kill -TERM <pid>` mid-run...
+    python examples/lightning_digits.py        # ...and the same command continues
+    python examples/lightning_digits.py --devices 2   # DDP on two CPU processes
+    python examples/lightning_digits.py data.num_workers=0 trainer.max_epochs=5
 
-Settings live in configs/lightning_digits.yaml. On a signal the run checkpoints at the next step and
-exits with `resume.exit_code`; the next run resumes from that checkpoint automatically. The last line
-printed is a digest of the final weights: an interrupted-and-rerun job prints the same one as an
-uninterrupted job.
+Settings live in configs/lightning_digits.yaml, overridden by omegaconf dotlist words
+(``--devices N`` is ``trainer.devices=N``). On a signal the run checkpoints at the next
+step and exits with `resume.exit_code`; the next run resumes from that checkpoint
+automatically. The last line printed is a digest of the final weights: an
+interrupted-and-rerun job prints the same one as an uninterrupted job.
 """
 
 from __future__ import annotations
@@ -36,26 +37,30 @@ class DigitsModule(L.LightningModule):
     def __init__(self, cfg: DictConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.net = nn.Sequential(nn.Linear(64, cfg.model.hidden), nn.ReLU(), nn.Dropout(cfg.model.dropout),
+        self.net = nn.Sequential(nn.Linear(64, cfg.model.hidden), nn.ReLU(),
+                                 nn.Dropout(cfg.model.dropout),
                                  nn.Linear(cfg.model.hidden, 10))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y, _ = batch
         loss = nn.functional.cross_entropy(self.net(x), y)
         if self.global_step % 20 == 0 and self.global_rank == 0:
-            print(f"epoch {self.current_epoch} step {self.global_step} loss {loss.item():.3f}", flush=True)
+            print(f"epoch {self.current_epoch} step {self.global_step} "
+                  f"loss {loss.item():.3f}", flush=True)
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.cfg.model.lr, momentum=0.9)
 
-    def train_dataloader(self) -> DataLoader[Any]:  # a plain DataLoader: the callback makes it resumable
-        return DataLoader(NoisyDigits(), batch_size=self.cfg.data.batch_size, shuffle=True,
-                          num_workers=self.cfg.data.num_workers)
+    def train_dataloader(self) -> DataLoader[Any]:
+        # a plain DataLoader: the callback makes it resumable
+        return DataLoader(NoisyDigits(), batch_size=self.cfg.data.batch_size,
+                          shuffle=True, num_workers=self.cfg.data.num_workers)
 
 
 def load_config(overrides: list[str]) -> DictConfig:
-    """configs/lightning_digits.yaml with omegaconf dotlist overrides; a key that is not in it is an error."""
+    """configs/lightning_digits.yaml with omegaconf dotlist overrides; a key that is not
+    in it is an error."""
     base = OmegaConf.load(CONFIG)
     OmegaConf.set_struct(base, True)
     cfg = OmegaConf.merge(base, OmegaConf.from_dotlist(overrides))
@@ -66,26 +71,34 @@ def load_config(overrides: list[str]) -> DictConfig:
 def main(overrides: list[str]) -> None:
     cfg = load_config(overrides)
     torch.manual_seed(0)
-    root = str(cfg.trainer.default_root_dir)  # a local path or a URL (s3://bucket/run): kept a string
+    # a local path or a URL (s3://bucket/run): kept a string
+    root = str(cfg.trainer.default_root_dir)
     trainer = L.Trainer(
-        accelerator="cpu", devices=cfg.trainer.devices, strategy="ddp" if cfg.trainer.devices > 1 else "auto",
-        max_epochs=cfg.trainer.max_epochs, default_root_dir=root, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, deterministic=True,
+        accelerator="cpu", devices=cfg.trainer.devices,
+        strategy="ddp" if cfg.trainer.devices > 1 else "auto",
+        max_epochs=cfg.trainer.max_epochs, default_root_dir=root, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, deterministic=True,
         callbacks=[
-            ResumeCallback(dirpath=root, **OmegaConf.to_container(cfg.resume)),  # type: ignore[arg-type]
-            # NOTE: Lightning's ModelCheckpoint reads a file: URL as a relative local path: give it the path
+            ResumeCallback(dirpath=root,  # type: ignore[arg-type]
+                           **OmegaConf.to_container(cfg.resume)),
+            # NOTE: Lightning's ModelCheckpoint reads a file: URL as a relative local
+            # path: give it the path
             ModelCheckpoint(dirpath=f"{local_path(root)}/checkpoints",
-                            every_n_train_steps=cfg.trainer.every_n_train_steps, save_top_k=-1, save_last=True),
+                            every_n_train_steps=cfg.trainer.every_n_train_steps,
+                            save_top_k=-1, save_last=True),
         ],
     )
     model = DigitsModule(cfg)
-    trainer.fit(model)  # no ckpt_path: a rerun finds the preemption (or last) checkpoint by itself
+    # no ckpt_path: a rerun finds the preemption (or last) checkpoint by itself
+    trainer.fit(model)
     if trainer.is_global_zero:
-        print(f"final weights digest: {fingerprint([p.detach() for p in model.parameters()])}", flush=True)
+        print("final weights digest: "
+              f"{fingerprint([p.detach() for p in model.parameters()])}", flush=True)
 
 
 def _overrides(argv: list[str]) -> list[str]:
-    """``--devices N`` is accepted as a shorthand for ``trainer.devices=N``; the rest are dotlist overrides."""
+    """``--devices N`` is accepted as a shorthand for ``trainer.devices=N``; the rest
+    are dotlist overrides."""
     out, args = [], iter(argv)
     for arg in args:
         if arg == "--devices":
