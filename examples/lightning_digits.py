@@ -68,14 +68,16 @@ def load_config(overrides: list[str]) -> DictConfig:
     return cfg
 
 
+# --8<-- [start:trainer]
 def main(overrides: list[str]) -> None:
     cfg = load_config(overrides)
     torch.manual_seed(0)
     # a local path or a URL (s3://bucket/run): kept a string
     root = str(cfg.trainer.default_root_dir)
     trainer = L.Trainer(
-        accelerator="cpu", devices=cfg.trainer.devices,
-        strategy="ddp" if cfg.trainer.devices > 1 else "auto",
+        accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices,
+        num_nodes=cfg.trainer.num_nodes,
+        strategy="ddp" if cfg.trainer.devices * cfg.trainer.num_nodes > 1 else "auto",
         max_epochs=cfg.trainer.max_epochs, default_root_dir=root, logger=False,
         enable_progress_bar=False, enable_model_summary=False, deterministic=True,
         callbacks=[
@@ -91,6 +93,7 @@ def main(overrides: list[str]) -> None:
     model = DigitsModule(cfg)
     # no ckpt_path: a rerun finds the preemption (or last) checkpoint by itself
     trainer.fit(model)
+# --8<-- [end:trainer]
     if trainer.is_global_zero:
         print("final weights digest: "
               f"{fingerprint([p.detach() for p in model.parameters()])}", flush=True)
