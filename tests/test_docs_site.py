@@ -29,8 +29,25 @@ def _markdown_files() -> list[Path]:
     return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
+SNIPPET = re.compile(r'^\s*--8<-- "([^":]+)(?::([\w-]+))?"\s*$')
+
+
+def _included(line: str) -> list[str] | None:
+    """The lines a ``--8<-- "path"`` or ``--8<-- "path:section"`` line includes (section markers left out),
+    or None for any other line."""
+    match = SNIPPET.match(line)
+    if match is None:
+        return None
+    text = (ROOT / match.group(1)).read_text()
+    if match.group(2):
+        start, end = f"[start:{match.group(2)}]", f"[end:{match.group(2)}]"
+        text = text[text.index("\n", text.index(start)) + 1 : text.rindex("\n", 0, text.index(end))]
+    return [line for line in text.splitlines() if "--8<-- [" not in line]
+
+
 def _code_lines(path: Path) -> list[tuple[int, str]]:
-    """Every line inside a fenced code block of a Markdown file, with its line number."""
+    """Every line inside a fenced code block of a Markdown file, with its line number; a snippet line
+    stands for the lines it includes (each with the snippet line's number)."""
     lines, fence = [], None
     for number, line in enumerate(path.read_text().splitlines(), 1):
         match = re.match(r"\s*(`{3,}|~{3,})", line)
@@ -39,7 +56,7 @@ def _code_lines(path: Path) -> list[tuple[int, str]]:
         elif fence is not None and line.strip().startswith(fence) and line.strip() == fence[0] * len(line.strip()):
             fence = None
         elif fence is not None:
-            lines.append((number, line))
+            lines += [(number, included) for included in _included(line) or [line]]
     assert fence is None, f"{path.name}: a code block is not closed"
     return lines
 
@@ -129,7 +146,7 @@ def test_code_is_highlighted_at_build_time(site: Path) -> None:
     home = (site / "index.html").read_text()
     assert 'class="highlight"' in home
     # Pygments' token classes: a keyword and a name, in the page itself (no highlighter runs in the browser).
-    assert re.search(r'<span class="kn">from</span>', home), "Python code carries Pygments' token spans"
+    assert re.search(r'<span class="k">def</span>', home), "Python code carries Pygments' token spans"
     assert "highlight.js" not in home and "hljs" not in home
     assert not _urls("".join(re.findall(r'<link\b[^>]*rel="stylesheet"[^>]*>', home)))
 
@@ -166,7 +183,7 @@ def test_the_recipes_name_their_tested_programs() -> None:
 
 
 REPO_URL = "https://github.com/loader-resume/loader-resume"
-EXAMPLES = {"pytorch.md": "digits_resume.py", "lightning.md": "lightning_digits.py", "fabric.md": "fabric_digits.py",
+EXAMPLES = {"pytorch.md": "plain_digits.py", "lightning.md": "lightning_digits.py", "fabric.md": "fabric_digits.py",
             "accelerate.md": "accelerate_digits.py", "transformers.md": "transformers_digits.py",
             "ray.md": "ray_digits.py"}
 
@@ -188,3 +205,25 @@ def test_a_front_end_page_links_to_its_example(page: str) -> None:
     example = EXAMPLES[page]
     assert (ROOT / "examples" / example).is_file()
     assert f"]({REPO_URL}/blob/main/examples/{example})" in (ROOT / "docs" / page).read_text()
+
+
+@pytest.mark.parametrize("page", FRONT_ENDS)
+def test_a_front_end_recipe_is_its_whole_example_included_from_the_file(page: str) -> None:
+    """One source: the page shows the file CI runs, never a copy that can drift from it."""
+    text = (ROOT / "docs" / page).read_text()
+    recipe = text[text.index("\n## Recipe\n") : text.index("\n## What happens\n")]
+    assert f'--8<-- "examples/{EXAMPLES[page]}"' in recipe
+    assert re.search(r'```python title="examples/' + re.escape(EXAMPLES[page]) + r'" hl_lines="[\d ]+"', recipe)
+
+
+def test_the_line_check_reads_included_files() -> None:
+    home = _code_lines(ROOT / "docs" / "index.md")
+    assert any("preemption = Preemption(" in line for _, line in home)
+    assert not any("--8<--" in line for _, line in home)
+
+
+def test_the_fsdp_launch_configuration_is_one_accelerate_reads() -> None:
+    config_args = pytest.importorskip("accelerate.commands.config.config_args")
+    config = config_args.load_config_from_file(str(ROOT / "configs" / "accelerate_fsdp.yaml"))
+    assert config.distributed_type == "FSDP"
+    assert config.fsdp_config["fsdp_state_dict_type"] == "SHARDED_STATE_DICT"
