@@ -42,6 +42,10 @@ class ResumeConfig:
     checkpoint_dir: Optional[str] = None  # noqa: UP045 (omegaconf reads the annotation at runtime)
     """Where checkpoints go (``step_000000042/`` each); ``None``: ``<project_dir>/resume_checkpoints``
     (``project_dir``: the Accelerator's, else the working directory)."""
+    remote: Optional[str] = None  # noqa: UP045
+    """An fsspec URL (``s3://bucket/run``, ``gs://...``) each sealed checkpoint is copied to, its manifest last; at an
+    automatic resume the complete remote checkpoints newer than the local ones are downloaded first (a new machine's
+    rerun resumes from them). One job at a time holds it (a lease). ``None``: local checkpoints only."""
     save_every_n_steps: int = 0
     """Also checkpoint every N optimizer steps (0: only on preemption)."""
     keep: int = 2

@@ -33,7 +33,6 @@ from loader_resume.checkpoint import (
     verify,
 )
 from loader_resume.checkpoint_dir import (
-    CheckpointDirectoryError,
     claim,
     local_directory,
     newest_complete,
@@ -44,6 +43,7 @@ from loader_resume.checkpoint_entry import PendingEntry
 from loader_resume.convert import sharded_resumable
 from loader_resume.distributed import any_rank, gather_rng_states, gather_states
 from loader_resume.preemption import Preemption
+from loader_resume.remote_copy import fetch_newer, start_remote_copy
 from loader_resume.sampler import loader_seed
 from loader_resume.slurm import Requeue
 from loader_resume.step_boundary import ReportingDataLoader, StepBoundaries
@@ -112,9 +112,13 @@ class Resume:
         self._handles = [accelerator.register_save_state_pre_hook(self._on_save_state),
                          accelerator.register_load_state_pre_hook(self._on_load_state)]
         mark_accelerator(accelerator, "resume")
+        self._lock, self._remote = None, None
         try:
             self._lock = claim(self.checkpoint_dir, main=accelerator.is_main_process, agree=any_rank)
-        except CheckpointDirectoryError:
+            self._remote = start_remote_copy(config.remote, self.checkpoint_dir, keep=config.keep,
+                                             main=accelerator.is_main_process, agree=any_rank)
+        except Exception:
+            self.close()
             accelerator.end_training()  # NOTE: every process is here; gloo aborts a process leaving a live group
             raise
         self.preemption.install()
@@ -142,9 +146,10 @@ class Resume:
                 mark_accelerator(self.accelerator, None)
             return
         self.preemption.uninstall()
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
+        for held in (self._lock, self._remote):
+            if held is not None:
+                held.release()
+        self._lock = self._remote = None
         for handle in self._handles:
             handle.remove()
         accelerator = self.accelerator
@@ -170,8 +175,8 @@ class Resume:
         final = self.checkpoint_dir / f"step_{self.step:09d}"
         self._collected = self._collect()  # every collective before any write: a failed write cannot unpair them
         try:
-            written = write_checkpoint(self.accelerator, final, step=self.step,
-                                       checksums=self.config.verify_checksums, keep=self.config.keep)
+            written = write_checkpoint(self.accelerator, final, step=self.step, checksums=self.config.verify_checksums,
+                                       keep=self.config.keep, copy=self._remote.upload if self._remote else None)
         finally:
             self._collected = None
         if not written:
@@ -256,6 +261,8 @@ class Resume:
         the first call acts; else at the first ``epochs()`` or batch). Returns the checkpoint loaded, if any."""
         if not self._started:
             self._started = True
+            if self.config.auto_resume:
+                fetch_newer(self._remote, main=self.accelerator.is_main_process, agree=any_rank)
             found = newest_usable(self.checkpoints(), any_rank) if self.config.auto_resume else None
             if found is not None:  # NOTE: verified above
                 logger.info("resuming from %s", found)

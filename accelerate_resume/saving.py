@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +22,16 @@ STATE_FILE = "loader_resume.pt"
 """Our file inside an Accelerate checkpoint directory (loaded with ``weights_only=True``)."""
 
 
-def write_checkpoint(accelerator: Accelerator, final: Path, *, step: int, checksums: bool, keep: int) -> bool:
+def write_checkpoint(accelerator: Accelerator, final: Path, *, step: int, checksums: bool, keep: int,
+                     copy: Callable[[Path], object] | None = None) -> bool:
     """``accelerator.save_state`` into a temporary directory beside ``final``, sealed with a manifest and
-    renamed to ``final``; checkpoints beyond the newest ``keep`` are deleted. Every process calls it
-    (``loader_resume.checkpoint.write_sealed``: a failed write is agreed by all and returns ``False``).
+    renamed to ``final`` (then ``copy(final)``: the remote copy's upload); checkpoints beyond the newest ``keep`` are
+    deleted. Every process calls it (``loader_resume.checkpoint.write_sealed``: a failed write is agreed by all and
+    returns ``False``).
     """
     return write_sealed(final, lambda directory: _save_state_to(accelerator, directory),
-                        main=accelerator.is_main_process, agree=any_rank, step=step, checksums=checksums, keep=keep)
+                        main=accelerator.is_main_process, agree=any_rank, step=step, checksums=checksums, keep=keep,
+                        copy=copy)
 
 
 def _save_state_to(accelerator: Accelerator, directory: Path) -> None:

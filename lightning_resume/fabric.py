@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +21,7 @@ from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
 
 from loader_resume import GENERATORS
-from loader_resume.checkpoint import (
-    CHECKPOINT_FORMAT,
-    complete_checkpoints,
-    write_sealed,
-)
+from loader_resume.checkpoint import CHECKPOINT_FORMAT, complete_checkpoints, write_sealed
 from loader_resume.checkpoint_dir import (
     DirectoryLock,
     claim,
@@ -37,13 +33,14 @@ from loader_resume.checkpoint_dir import (
 from loader_resume.checkpoint_entry import PendingEntry
 from loader_resume.distributed import gather_rng_states, gather_states
 from loader_resume.preemption import Preemption
+from loader_resume.remote_copy import RemoteCopy, fetch_newer
 from loader_resume.remote_lease import RemoteLease
 from loader_resume.sampler import loader_seed
 from loader_resume.slurm import Requeue
 from loader_resume.step_boundary import ReportingDataLoader, StepBoundaries
 
 from .callback import CHECKPOINT_KEY
-from .fabric_loader import FabricResumableDataLoader, LoaderReference, convert, leave_launched_process, referenced
+from .fabric_loader import FabricResumableDataLoader, convert, leave_launched_process, loaded_into, referenced
 
 __all__ = ["CHECKPOINT_FILE", "FabricResumableDataLoader", "FabricResume"]
 
@@ -64,6 +61,8 @@ class FabricResume:
         signals: signals that request a preemption checkpoint (``()`` for none); handled once
             [`restore`][lightning_resume.FabricResume.restore] has the state to save.
         checkpoint_dir: where checkpoints go, a local path (a URL is refused); ``None``: ``./resume_checkpoints``.
+        remote: an fsspec URL (``s3://bucket/run``) each sealed checkpoint is copied to, its manifest last; at
+            ``restore`` the complete ones there newer than the local ones are downloaded first (one job holds it).
         save_every_n_steps: also checkpoint every N optimizer steps (0: only on preemption).
         check_every_n_steps: agree on signals every N optimizer steps (one tiny collective each time).
         keep: how many complete checkpoints to keep.
@@ -88,6 +87,7 @@ class FabricResume:
         exit_code: int = 143,
         verify_checksums: bool = True,
         slurm_requeue: bool = False,
+        remote: str | None = None,
     ) -> None:
         for name, value, least in (("save_every_n_steps", save_every_n_steps, 0),
                                    ("check_every_n_steps", check_every_n_steps, 1), ("keep", keep, 1),
@@ -115,6 +115,7 @@ class FabricResume:
         self._hooked: set[int] = set()
         self._state: dict[str, Any] | None = None
         self._lock: DirectoryLock | RemoteLease | None = None
+        self._remote = None if remote is None else RemoteCopy(remote, self.checkpoint_dir, keep=keep)
         self._entry = PendingEntry()  # a loaded checkpoint's generators and loader states, until they can go in
         self._fabric_save, self._fabric_load = fabric.save, fabric.load
         fabric.setup_dataloaders = self.setup_dataloaders  # type: ignore[method-assign]
@@ -166,8 +167,11 @@ class FabricResume:
         self._state = state
         if not self._claimed:  # NOTE: one job per directory, writable, from the first restore on (every rank)
             self._lock = claim(self.checkpoint_dir, main=self.fabric.is_global_zero, agree=self._any_rank)
+            if self._remote is not None:
+                self._remote.hold(main=self.fabric.is_global_zero, agree=self._any_rank)
             self._claimed = True
         self.preemption.install()
+        fetch_newer(self._remote, main=self.fabric.is_global_zero, agree=self._any_rank)
         found = newest_usable(self.checkpoints(), self._any_rank)
         if found is not None:
             logger.info("resuming from %s", found)
@@ -197,7 +201,8 @@ class FabricResume:
                 raise
 
         if not write_sealed(final, write_into, main=fabric.is_global_zero, agree=self._any_rank, step=self.step,
-                            checksums=self.verify_checksums, keep=self.keep):
+                            checksums=self.verify_checksums, keep=self.keep,
+                            copy=self._remote.upload if self._remote else None):
             return None
         logger.info("checkpoint written at step %d: %s", self.step, final)
         return final
@@ -205,9 +210,10 @@ class FabricResume:
     def close(self) -> None:
         """Undo ``FabricResume``: signal handlers, Fabric's methods, the directory lock (set-up loaders stay)."""
         self.preemption.uninstall()
-        if self._lock is not None:
-            self._lock.release()
-            self._lock, self._claimed = None, False
+        for held in (self._lock, self._remote):
+            if held is not None:
+                held.release()
+        self._lock, self._claimed = None, False
         for name in ("setup_dataloaders", "save", "load", "loader_resume"):
             self.fabric.__dict__.pop(name, None)
 
@@ -236,14 +242,7 @@ class FabricResume:
             return self._fabric_load(path, state, strict, **options)  # type: ignore[no-any-return, unused-ignore]
         given = referenced(state, self.loaders)
         remainder: dict[str, Any] = self._fabric_load(path, given, strict, **options)
-        for key, value in given.items():  # Fabric's load updates plain values in the dict it is given
-            original = state.get(key)
-            # NOTE: Fabric's FSDP and model-parallel strategies, from a sharded checkpoint, put a stateful object's
-            # state dict in its place (a scheduler would keep its fresh state): it goes into the object instead
-            if isinstance(value, Mapping) and value is not original and hasattr(original, "load_state_dict"):
-                original.load_state_dict(value)  # type: ignore[union-attr]
-            elif not isinstance(value, LoaderReference):
-                state[key] = value
+        loaded_into(state, given)
         saved = remainder.pop(CHECKPOINT_KEY, None)
         if saved is None:
             logger.warning("%s has no %s entry (saved without FabricResume?): loaders restart their epoch and the "

@@ -20,7 +20,8 @@ from loader_resume.step_boundary import ReportingDataLoader
 
 from .callback import CHECKPOINT_KEY
 
-__all__ = ["FabricResumableDataLoader", "LoaderReference", "convert", "leave_launched_process", "referenced"]
+__all__ = ["FabricResumableDataLoader", "LoaderReference", "convert", "leave_launched_process", "loaded_into",
+           "referenced"]
 
 
 class FabricResumableDataLoader(ReportingDataLoader):
@@ -63,6 +64,18 @@ def referenced(state: Mapping[str, Any], loaders: Sequence[Any]) -> dict[str, An
     """``state`` with each of ``loaders`` replaced by a ``LoaderReference`` to its place in the entry."""
     ids = {id(loader): i for i, loader in enumerate(loaders)}
     return {key: LoaderReference(ids[id(value)]) if id(value) in ids else value for key, value in state.items()}
+
+
+def loaded_into(state: dict[str, Any], given: Mapping[str, Any]) -> None:
+    """What ``fabric.load`` put into ``given`` (``referenced(state, ...)``), back into the user's ``state``."""
+    for key, value in given.items():  # Fabric's load updates plain values in the dict it is given
+        original = state.get(key)
+        # NOTE: Fabric's FSDP and model-parallel strategies, from a sharded checkpoint, put a stateful object's
+        # state dict in its place (a scheduler would keep its fresh state): it goes into the object instead
+        if isinstance(value, Mapping) and value is not original and hasattr(original, "load_state_dict"):
+            original.load_state_dict(value)  # type: ignore[union-attr]
+        elif not isinstance(value, LoaderReference):
+            state[key] = value
 
 
 def leave_launched_process(fabric: Fabric, exit_code: int) -> None:

@@ -83,6 +83,7 @@ def main() -> None:
     parser.add_argument("--slurm-requeue", action="store_true", help="FabricResume(slurm_requeue=True)")
     parser.add_argument("--save-every", type=int, default=0, help="FabricResume(save_every_n_steps=...)")
     parser.add_argument("--keep", type=int, default=2, help="FabricResume(keep=...)")
+    parser.add_argument("--remote", help="FabricResume(remote=URL): checkpoints copied to object storage")
     parser.add_argument("--fill-disk-at", type=int, help="rank 0 fills the checkpoint directory's file system after "
                         "this micro-batch (a real full disk: mount a small tmpfs there)")
     parser.add_argument("--strategy", choices=["fsdp-sharded", "fsdp-full", "model-parallel"],
@@ -99,7 +100,7 @@ def main() -> None:
     assert fabric.world_size == args.devices, (fabric.world_size, args.devices)
     rank = fabric.global_rank
     resume = FabricResume(fabric, seed=7, checkpoint_dir=out / "resume_checkpoints", slurm_requeue=args.slurm_requeue,
-                          save_every_n_steps=args.save_every, keep=args.keep)
+                          save_every_n_steps=args.save_every, keep=args.keep, remote=args.remote)
     torch.manual_seed(123)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2))
     if args.strategy:  # NOTE: a sharded model first, then its optimizer (with state to shard) over its parameters

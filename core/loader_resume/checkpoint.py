@@ -137,7 +137,8 @@ def prune(root: Path, keep: int) -> None:
 
 
 def write_sealed(final: Path, write_into: Callable[[Path], None], *, main: bool, agree: Callable[[bool], bool],
-                 step: int, checksums: bool = True, keep: int = 2, token: str | None = None) -> bool:
+                 step: int, checksums: bool = True, keep: int = 2, token: str | None = None,
+                 copy: Callable[[Path], object] | None = None) -> bool:
     """Write a checkpoint directory atomically, every process of a job together: ``write_into(temporary)`` on
     every process (the main one creates the directory first, under a name of this write alone:
     ``temporary_name``, ``writer_token``), then the main process seals it and renames it to ``final``
@@ -147,7 +148,9 @@ def write_sealed(final: Path, write_into: Callable[[Path], None], *, main: bool,
     failed write on any process — any exception out of ``write_into`` or the seal: a full disk (``OSError`` or
     the ``RuntimeError`` torch's writer turns it into), a lost mount, a read-only file system — is agreed by
     all: the partial directory is removed, the error is logged naming the path and the cause, the previous
-    checkpoints stay and ``False`` is returned. What the caller does then (train on, or exit) is its own. Another
+    checkpoints stay and ``False`` is returned. ``copy(final)``, if given, runs on the main process once the
+    checkpoint is sealed (``RemoteCopy.upload``): its failure counts as the write's, though the sealed local
+    directory stays. What the caller does then (train on, or exit) is its own. Another
     error (a bug) is agreed as well, then raised on every process (its own there, a ``RuntimeError`` naming it on
     the others); a failed collective is raised at once (no process is left to agree with). ``token``: the
     temporary name's, if the caller agreed on one.
@@ -155,6 +158,7 @@ def write_sealed(final: Path, write_into: Callable[[Path], None], *, main: bool,
     """
     temporary = temporary_name(final, writer_token() if token is None else token)
     failure: Exception | None = None
+    sealed = False
     try:
         if main:
             temporary.mkdir(parents=True)
@@ -168,6 +172,9 @@ def write_sealed(final: Path, write_into: Callable[[Path], None], *, main: bool,
         if not agree(failure is not None) and main:
             try:
                 seal(temporary, final, checksums=checksums)
+                sealed = True
+                if copy is not None:
+                    copy(final)
             except Exception as error:
                 failure = _unless_collective(error)
         if not agree(failure is not None):
@@ -186,6 +193,9 @@ def write_sealed(final: Path, write_into: Callable[[Path], None], *, main: bool,
         raise RuntimeError(f"checkpoint at step {step} NOT written to {final}: another process failed with an "
                            "error that is not the storage's (its log names it)")
     cause = describe_failure(failure, final.parent) if failure is not None else "failed on another process"
+    if sealed:
+        logger.error("checkpoint at step %d written to %s but NOT copied: %s", step, final, cause)
+        return False
     kept = complete_checkpoints(final.parent)
     logger.error("checkpoint at step %d NOT written to %s: %s; the newest complete checkpoint is still %s", step,
                  final, cause, kept[-1] if kept else "none")

@@ -1,0 +1,143 @@
+"""A remote copy of sealed checkpoints (``loader_resume.remote_copy``) for the front doors that write local directories,
+against a real S3 API server on loopback (moto's, tests/support/s3.py). Accelerate (tests/accelerate_child.py on 2
+processes, ``accelerate launch``) with ``remote=s3://...`` and Fabric (tests/fabric_child.py, 2 devices) with
+``FabricResume(remote=...)``: SIGTERM mid-epoch, the machine's disk lost (the local checkpoint directory deleted), the
+same command again: it downloads the copy and continues with the uninterrupted run's batches and weights."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import s3fs
+
+from loader_resume.checkpoint import MANIFEST, seal, verify
+from loader_resume.remote_copy import RemoteCopy, RemoteCopyError
+from support.launch import TESTS, logs, run, trained, weights
+from support.s3 import bucket, objects, s3_server
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[dict[str, str]]:
+    with s3_server() as env:
+        yield env
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("full")
+    run(out, 2)
+    return out
+
+
+def preempted(out: Path, remote: str) -> list[str]:
+    """A 2-process job SIGTERMed after its 6th step with ``remote``; its local checkpoints, then deleted (the disk
+    went with the machine)."""
+    run(out, 2, "--signal-at", "6", f"remote={remote}", expect=143)
+    local = sorted(p.name for p in (out / "resume_checkpoints").iterdir())
+    shutil.rmtree(out / "resume_checkpoints")
+    return local
+
+
+def test_accelerate_sigterm_copies_the_checkpoint_to_s3_and_a_rerun_on_a_new_disk_continues_exactly(
+    s3: dict[str, str], full: Path, tmp_path: Path
+) -> None:
+    bucket("copy-a")
+    local = preempted(tmp_path, "s3://copy-a/job")
+    stopped = len(trained(logs(tmp_path)[0]))
+    assert local == [f"step_{stopped:09d}"]
+    stored = objects("s3://copy-a/job")
+    assert f"s3://copy-a/job/{local[0]}/{MANIFEST}" in stored and not [u for u in stored if "lease" in u], stored
+    run(tmp_path, 2, "remote=s3://copy-a/job")
+    assert logs(tmp_path) == logs(full)  # the rerun's log appends to the first run's
+    assert weights(tmp_path) == weights(full)
+    assert (tmp_path / "resume_checkpoints" / local[0] / MANIFEST).is_file()  # downloaded whole, then sealed
+
+
+def test_an_upload_killed_before_its_manifest_is_skipped_naming_it_and_the_rerun_resumes_from_the_one_before(
+    s3: dict[str, str], full: Path, tmp_path: Path
+) -> None:
+    """A newer remote directory without its manifest (what a kill during the upload leaves) is passed over with a
+    warning naming it; the rerun resumes exactly from the complete one before it. The variable
+    ``LOADER_RESUME_REMOTE`` is the config field's."""
+    bucket("copy-b")
+    (done,) = preempted(tmp_path, "s3://copy-b/job")
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    partial = f"copy-b/job/step_{int(done[5:]) + 1:09d}"
+    for path in fs.find(f"copy-b/job/{done}"):
+        if not path.endswith(MANIFEST):
+            fs.copy(path, path.replace(f"copy-b/job/{done}", partial))
+    stderr = run(tmp_path, 2, env={"LOADER_RESUME_REMOTE": "s3://copy-b/job"})
+    assert f"skipping s3://{partial}: it has no {MANIFEST}" in stderr
+    assert logs(tmp_path) == logs(full) and weights(tmp_path) == weights(full)
+
+
+def test_a_bucket_that_does_not_exist_is_refused_at_start_naming_the_url(s3: dict[str, str], tmp_path: Path) -> None:
+    stderr = run(tmp_path, 2, "remote=s3://no-such-bucket/job", expect=1)
+    assert "s3://no-such-bucket/job" in stderr
+    assert not (tmp_path / "log-0.jsonl").exists()  # refused before the first step
+
+
+def sealed(directory: Path, files: dict[str, bytes]) -> Path:
+    building = directory.with_name(f".{directory.name}.building")
+    for name, data in files.items():
+        (building / name).parent.mkdir(parents=True, exist_ok=True)
+        (building / name).write_bytes(data)
+    seal(building, directory)
+    return directory
+
+
+def test_the_copy_keeps_the_newest_and_downloads_only_what_is_newer_than_the_local_ones(
+    s3: dict[str, str], tmp_path: Path
+) -> None:
+    """Uploads keep the newest ``keep`` remote copies (nested files too); a download brings the complete remote
+    ones newer than the newest local one, byte for byte (they verify against their manifests)."""
+    bucket("copy-c")
+    local = tmp_path / "local"
+    copy = RemoteCopy("s3://copy-c/job", local, keep=2)
+    for step in (1, 2, 3):
+        copy.upload(sealed(local / f"step_{step:09d}", {"a.bin": bytes([step]) * 100, "sub/b.bin": b"x" * step}))
+    assert copy.complete() == ["step_000000002", "step_000000003"]
+    fresh = tmp_path / "fresh"
+    made = RemoteCopy("s3://copy-c/job", fresh, keep=2).download_newer()
+    assert [p.name for p in made] == ["step_000000002", "step_000000003"]
+    for path in made:
+        verify(path)
+    assert (fresh / "step_000000003" / "sub" / "b.bin").read_bytes() == b"xxx"
+    assert RemoteCopy("s3://copy-c/job", fresh, keep=2).download_newer() == []  # nothing newer than step 3
+
+
+def test_a_local_path_is_not_a_remote_copy_and_an_unreachable_store_is_named(
+    s3: dict[str, str], tmp_path: Path
+) -> None:
+    with pytest.raises(ValueError, match="expected an fsspec URL"):
+        RemoteCopy("file:///tmp/x", tmp_path)
+    checkpoint = sealed(tmp_path / "step_000000001", {"a.bin": b"a"})
+    with pytest.raises(RemoteCopyError, match=r"upload .* to s3://no-such-bucket-2/job/step_000000001: "):
+        RemoteCopy("s3://no-such-bucket-2/job", tmp_path).upload(checkpoint)
+
+
+def fabric(out: Path, *args: str, expect: int = 0) -> str:
+    done = subprocess.run([sys.executable, str(TESTS / "fabric_child.py"), str(out), "--devices", "2", *args],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == expect, done.stderr[-3000:]
+    return done.stderr
+
+
+def test_fabric_sigterm_copies_the_checkpoint_to_s3_and_a_rerun_on_a_new_disk_continues_exactly(
+    s3: dict[str, str], tmp_path: Path
+) -> None:
+    bucket("copy-f")
+    fabric(tmp_path / "full")
+    job = tmp_path / "job"
+    fabric(job, "--signal-at", "5", "--remote", "s3://copy-f/job", expect=143)
+    (local,) = [p.name for p in (job / "resume_checkpoints").iterdir()]
+    shutil.rmtree(job / "resume_checkpoints")
+    stored = objects("s3://copy-f/job")
+    assert f"s3://copy-f/job/{local}/{MANIFEST}" in stored and not [u for u in stored if "lease" in u], stored
+    fabric(job, "--remote", "s3://copy-f/job")
+    assert logs(job) == logs(tmp_path / "full") and weights(job) == weights(tmp_path / "full")
