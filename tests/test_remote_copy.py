@@ -6,9 +6,12 @@ same command again: it downloads the copy and continues with the uninterrupted r
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,8 +20,8 @@ import s3fs
 
 from loader_resume.checkpoint import MANIFEST, seal, verify
 from loader_resume.remote_copy import RemoteCopy, RemoteCopyError
-from support.launch import TESTS, logs, run, trained, weights
-from support.s3 import bucket, objects, s3_server
+from support.launch import TESTS, command, logs, progress_of, run, trained, weights
+from support.s3 import Cuttable, bucket, objects, s3_server
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +41,7 @@ def preempted(out: Path, remote: str) -> list[str]:
     """A 2-process job SIGTERMed after its 6th step with ``remote``; its local checkpoints, then deleted (the disk
     went with the machine)."""
     run(out, 2, "--signal-at", "6", f"remote={remote}", expect=143)
-    local = sorted(p.name for p in (out / "resume_checkpoints").iterdir())
+    local = sorted(p.name for p in (out / "resume_checkpoints").glob("step_*"))
     shutil.rmtree(out / "resume_checkpoints")
     return local
 
@@ -73,6 +76,37 @@ def test_an_upload_killed_before_its_manifest_is_skipped_naming_it_and_the_rerun
             fs.copy(path, path.replace(f"copy-b/job/{done}", partial))
     stderr = run(tmp_path, 2, env={"LOADER_RESUME_REMOTE": "s3://copy-b/job"})
     assert f"skipping s3://{partial}: it has no {MANIFEST}" in stderr
+    assert logs(tmp_path) == logs(full) and weights(tmp_path) == weights(full)
+
+
+def test_an_upload_cut_at_the_preemption_save_exits_74_and_the_same_machines_rerun_resumes_from_its_disk(
+    s3: dict[str, str], full: Path, tmp_path: Path
+) -> None:
+    """The link to the store is cut mid-job (a relay that closes every connection), then rank 0 gets SIGTERM:
+    the checkpoint is sealed locally but its upload fails, so every process exits 74 (not 143: nothing that outlives
+    the machine was written) naming the URL, and no complete copy is on the bucket. On the same machine, with the
+    link back, the same command resumes exactly from the local checkpoint."""
+    bucket("copy-d")
+    link = Cuttable(s3["AWS_ENDPOINT_URL"])
+    env = {**os.environ, "AWS_ENDPOINT_URL": link.url, "LOADER_RESUME_LEASE_SECONDS": "6"}
+    job = subprocess.Popen(command(tmp_path, 2, "--sleep", "0.2", "remote=s3://copy-d/job"), stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while progress_of(tmp_path / "progress-0") < 3:
+        assert time.monotonic() < deadline and job.poll() is None, "training never reached step 3"
+        time.sleep(0.02)
+    link.cut()
+    os.kill(int((tmp_path / "pid-0").read_text()), signal.SIGTERM)  # the launcher reports its ranks' exit codes
+    _, stderr = job.communicate(timeout=600)
+    link.restore()
+    assert job.returncode != 0 and "exitcode  : 74" in stderr, stderr[-3000:]
+    assert "but NOT copied: RemoteCopyError: upload" in stderr and "to s3://copy-d/job/step_" in stderr
+    assert not [url for url in objects("s3://copy-d/job") if url.endswith(MANIFEST)]
+    (local,) = [p.name for p in (tmp_path / "resume_checkpoints").glob("step_*")]
+    assert int(local[5:]) == len(trained(logs(tmp_path)[0]))  # sealed at the step the job stopped after
+    done = subprocess.run(command(tmp_path, 2, "remote=s3://copy-d/job"), capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
     assert logs(tmp_path) == logs(full) and weights(tmp_path) == weights(full)
 
 
@@ -135,7 +169,7 @@ def test_fabric_sigterm_copies_the_checkpoint_to_s3_and_a_rerun_on_a_new_disk_co
     fabric(tmp_path / "full")
     job = tmp_path / "job"
     fabric(job, "--signal-at", "5", "--remote", "s3://copy-f/job", expect=143)
-    (local,) = [p.name for p in (job / "resume_checkpoints").iterdir()]
+    (local,) = [p.name for p in (job / "resume_checkpoints").glob("step_*")]
     shutil.rmtree(job / "resume_checkpoints")
     stored = objects("s3://copy-f/job")
     assert f"s3://copy-f/job/{local}/{MANIFEST}" in stored and not [u for u in stored if "lease" in u], stored
