@@ -37,6 +37,7 @@ def s3_server() -> Iterator[dict[str, str]]:
                     raise RuntimeError(f"moto's S3 server did not start (exit {server.poll()})") from None
                 time.sleep(0.1)
         os.environ.update(env)
+        _forget_clients()  # NOTE: fsspec keeps one S3FileSystem per process; one made earlier sends to another server
         yield env
     finally:
         for name, value in before.items():
@@ -46,6 +47,13 @@ def s3_server() -> Iterator[dict[str, str]]:
                 os.environ[name] = value
         server.terminate()
         server.wait(timeout=30)
+        _forget_clients()
+
+
+def _forget_clients() -> None:
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
 
 
 def bucket(name: str) -> None:
