@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.state import AcceleratorState, GradientState
 from torch.utils.data import DataLoader
@@ -358,6 +358,20 @@ def test_bare_enable_resume_is_fully_armed(accelerator: Any, tmp_path: Path) -> 
         assert signal.getsignal(number) == resume.preemption._on_signal
     resume.close()
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_split_batches_is_refused_naming_what_is_expected(tmp_path: Path) -> None:
+    """Per-process batch sizes are what the loaders shard; an Accelerator that splits each batch is refused."""
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    try:
+        accelerator = Accelerator(cpu=True, project_dir=str(tmp_path),
+                                  dataloader_config=DataLoaderConfiguration(split_batches=True))
+        with pytest.raises(ValueError, match=r"split_batches=True\) is not supported; expected per-process batch"):
+            enable_resume(accelerator)
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
 
 
 def test_the_shipped_yaml_holds_the_defaults() -> None:

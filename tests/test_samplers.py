@@ -112,6 +112,22 @@ def test_stateful_sampler_state_is_taken_at_the_last_yielded_batch_not_the_prefe
     assert loader.state_dict()["sampler_state"] == {"i": 4}
 
 
+def test_pass_ended_over_a_stateful_sampler_holds_its_own_state_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    """A loop that left a pass on purpose (``pass_ended=True``) over a user's sampler that keeps its own position:
+    the state is the sampler's ``state_dict()`` as it is then — 4 indices delivered and the next batch's 2 already
+    read from it (a mid-pass state would hold 4: where the pass continues) — and a warning says that what the next
+    pass does with it is the sampler's."""
+    loader = ResumableDataLoader(Augmented(20), sampler=CountingSampler(20), batch_size=2)
+    for number, _ in enumerate(loader):
+        if number == 1:
+            break
+    with caplog.at_level(logging.WARNING, logger="loader_resume"):
+        state = loader.state_dict(pass_ended=True)
+    assert state["sampler_state"] == loader.sampler.state_dict() == {"i": 6}
+    assert loader.state_dict()["sampler_state"] == {"i": 4}
+    assert "a pass over CountingSampler was left before its end: the state holds that sampler's own" in caplog.text
+
+
 def test_stateful_sampler_resumes_at_every_cut() -> None:
     assert_resumes_exactly(lambda: ResumableDataLoader(Augmented(11), sampler=CountingSampler(11), batch_size=3),
                            epochs=2)
