@@ -51,8 +51,8 @@ class Hidden(litdata.StreamingDataset):  # type: ignore[misc]
     state_dict = None  # litdata's dataset never calls it itself (only StreamingDataLoader does)
 
 
-LOADERS = {"ResumableDataLoader, litdata's protocol (now)": (litdata.StreamingDataset, ResumableDataLoader),
-           "ResumableDataLoader, replay (before)": (Hidden, ResumableDataLoader),
+LOADERS = {"ResumableDataLoader, litdata's protocol": (litdata.StreamingDataset, ResumableDataLoader),
+           "ResumableDataLoader, replay (protocol hidden)": (Hidden, ResumableDataLoader),
            "litdata.StreamingDataLoader": (litdata.StreamingDataset, litdata.StreamingDataLoader)}
 
 
