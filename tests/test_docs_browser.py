@@ -1,7 +1,9 @@
-"""The built documentation as a reader sees it: two pages opened in a real headless Chromium at 1280 px.
+"""The built documentation as a reader sees it: its pages opened in a real headless Chromium at 1280 px and at a
+phone's 390 px.
 
-The code is highlighted (a keyword's colour is not the plain text's), no code block scrolls sideways, the page
-itself does not, nothing is requested from another host, and the search finds a page without a server.
+The code is highlighted (a keyword's colour is not the plain text's), no code block scrolls sideways at 1280 px
+(at 390 px a code block scrolls inside its box), no page itself does at either width, nothing is requested from
+another host, and the search finds a page without a server.
 Marked `browser` (the default run deselects it); CI runs it with Debian's chromium-headless-shell, driven by
 Playwright (`python -m pytest -m browser`).
 """
@@ -24,8 +26,11 @@ import pytest
 pytestmark = pytest.mark.browser
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = ["", "accelerate/"]  # the home page and the Accelerate quick start
-WIDTH = 1280
+# The home page, each front door's page (a whole program each), the journeys: pages of code.
+CODE_PAGES = ["", "pytorch/", "lightning/", "fabric/", "accelerate/", "transformers/", "ray/", "journeys/"]
+# Pages of tables and prose.
+TEXT_PAGES = ["guarantees/", "how-tested/", "troubleshooting/", "changelog/"]
+WIDTH, PHONE = 1280, 390
 
 CHROMIUM = os.environ.get("LOADER_RESUME_CHROMIUM") or next(
     (found for name in ("chromium-headless-shell", "chromium") if (found := shutil.which(name))), None
@@ -93,23 +98,32 @@ def browser() -> Iterator[object]:
             browser.close()
 
 
-@pytest.mark.parametrize("page_path", PAGES)
-def test_a_page_reads_well_at_1280_px(browser: object, site_url: str, page_path: str) -> None:
-    context = browser.new_context(viewport={"width": WIDTH, "height": 900})  # type: ignore[attr-defined]
+def opened(browser: object, url: str, width: int) -> tuple[dict[str, object], list[str]]:
+    """What MEASURE sees on the page at ``url`` in a window ``width`` px wide, and every URL the page requested."""
+    context = browser.new_context(viewport={"width": width, "height": 900})  # type: ignore[attr-defined]
     page = context.new_page()
     requested: list[str] = []
     page.on("request", lambda request: requested.append(request.url))
-    page.goto(site_url + page_path, wait_until="networkidle")
+    page.goto(url, wait_until="networkidle")
     seen = page.evaluate(MEASURE)
     context.close()
+    return seen, requested
 
-    assert seen["blocks"] > 0, "the page has code blocks"
-    assert seen["keyword"] and seen["plain"], seen
-    assert seen["keyword"] != seen["plain"], f"a keyword is drawn in the plain text's colour: {seen}"
-    if seen["comment"]:
-        assert seen["comment"] != seen["plain"], seen
-    assert not seen["overflowing"], f"code blocks scroll sideways at {WIDTH} px: {seen['overflowing']}"
-    assert seen["pageScroll"] <= seen["pageClient"], f"the page scrolls sideways: {seen}"
+
+@pytest.mark.parametrize("page_path", CODE_PAGES + TEXT_PAGES)
+@pytest.mark.parametrize("width", [WIDTH, PHONE])
+def test_a_page_reads_well_on_a_screen_and_a_phone(browser: object, site_url: str, page_path: str,
+                                                   width: int) -> None:
+    seen, requested = opened(browser, site_url + page_path, width)
+    if page_path in CODE_PAGES:
+        assert seen["blocks"] > 0, "the page has code blocks"
+        assert seen["keyword"] and seen["plain"], seen
+        assert seen["keyword"] != seen["plain"], f"a keyword is drawn in the plain text's colour: {seen}"
+        if seen["comment"]:
+            assert seen["comment"] != seen["plain"], seen
+        if width == WIDTH:
+            assert not seen["overflowing"], f"code blocks scroll sideways at {WIDTH} px: {seen['overflowing']}"
+    assert seen["pageScroll"] <= seen["pageClient"], f"the page scrolls sideways at {width} px: {seen}"
     local = urlparse(site_url).netloc
     elsewhere = [url for url in requested if urlparse(url).scheme in ("http", "https", "ws", "wss")
                  and urlparse(url).netloc != local]
