@@ -23,8 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from loader_resume.checkpoint import describe_failure, storage_failure
+from loader_resume.checkpoint_dir import DirectoryLock, claim
+from loader_resume.distributed import any_rank
+from loader_resume.remote_lease import RemoteLease
 
-__all__ = ["AgreedWrite", "SaveFailed", "end_processes"]
+__all__ = ["AgreedWrite", "SaveFailed", "end_processes", "hold_output_dir"]
 
 
 class SaveFailed(Exception):
@@ -87,3 +90,14 @@ def end_processes(trainer: Any) -> None:
     trainer.model_wrapped = trainer.model
     gc.collect()
     trainer.accelerator.end_training()
+
+
+def hold_output_dir(trainer: Any) -> DirectoryLock | RemoteLease | None:
+    """``claim`` of ``trainer.args.output_dir`` on every process of the job. Where it is refused (on every process,
+    agreed), the processes end first (``end_processes``), then the error leaves ``train``: a process that exits
+    with the group alive would be aborted by gloo (SIGABRT) on some ranks, and the launcher report that instead."""
+    try:
+        return claim(trainer.args.output_dir, main=trainer.args.process_index == 0, agree=any_rank)
+    except Exception:
+        end_processes(trainer)
+        raise

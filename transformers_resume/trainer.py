@@ -56,14 +56,14 @@ from accelerate_resume import AcceleratedResumableDataLoader
 from accelerate_resume.loader import placed
 from loader_resume import GENERATORS
 from loader_resume.checkpoint import CHECKPOINT_FORMAT, CheckpointError, temporary_name, writer_token
-from loader_resume.checkpoint_dir import claim, preemption_exit_code
+from loader_resume.checkpoint_dir import preemption_exit_code
 from loader_resume.convert import sharded_resumable
 from loader_resume.distributed import any_rank, load_rank_state
 from loader_resume.preemption import Preemption, workers_ignore_signals
 from loader_resume.slurm import Requeue
 
 from .checkpoint_files import LOADER_STATE_FILE, newest_complete, newest_resumable, read_states, step_at, verify_named
-from .saving import AgreedWrite, SaveFailed, end_processes
+from .saving import AgreedWrite, SaveFailed, end_processes, hold_output_dir
 from .trainer_patches import no_skipping, unprepared
 
 __all__ = ["LOADER_STATE_FILE", "ResumableTrainer", "ResumeTrainerMixin"]
@@ -145,7 +145,7 @@ class ResumeTrainerMixin:
         """``Trainer.train``; ``resume_from_checkpoint=True`` picks the newest complete checkpoint in
         ``args.output_dir`` that verifies (see the module docstring). ``args.output_dir`` is this job's while it
         trains: a second job on it is refused."""
-        lock = claim(self.args.output_dir, main=self.args.process_index == 0, agree=any_rank)
+        lock = hold_output_dir(self)
         try:
             return self._train(resume_from_checkpoint, *args, **kwargs)
         finally:
