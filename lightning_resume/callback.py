@@ -227,7 +227,11 @@ class ResumeCallback(OnExceptionCheckpoint):
         quiet_fresh_fit(True)
         self._choosing = True
         if self.preempted_at is not None and (self.exit_code is not None or self._exit_with == FAILED_SAVE_EXIT_CODE):
-            raise SystemExit(self._exit_with)
+            from .fabric_loader import leave_process  # NOTE: fabric_loader imports this module
+
+            # NOTE: Lightning's strategy teardown (the DDP wrapper undone) ran before this hook
+            leave_process(trainer.strategy.barrier if trainer.world_size > 1 else None, trainer.global_rank,
+                          self._exit_with)
 
     def _let_go(self) -> None:
         if self._lock is not None:

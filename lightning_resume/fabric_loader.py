@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +20,8 @@ from loader_resume.step_boundary import ReportingDataLoader
 
 from .callback import CHECKPOINT_KEY
 
-__all__ = ["FabricResumableDataLoader", "LoaderReference", "convert", "leave_launched_process", "loaded_into",
-           "referenced"]
+__all__ = ["FabricResumableDataLoader", "LoaderReference", "convert", "leave_launched_process", "leave_process",
+           "loaded_into", "referenced"]
 
 
 class FabricResumableDataLoader(ReportingDataLoader):
@@ -79,14 +79,20 @@ def loaded_into(state: dict[str, Any], given: Mapping[str, Any]) -> None:
 
 
 def leave_launched_process(fabric: Fabric, exit_code: int) -> None:
-    """End this process with ``exit_code`` once every rank is here (all ranks call it): the process group is torn
-    down first, and a rank Fabric's launcher started waits for rank 0 to leave."""
-    if fabric.world_size > 1:
-        fabric.barrier()
+    """End this process with ``exit_code`` once every rank is here (all ranks call it): see ``leave_process``."""
+    leave_process(fabric.barrier if fabric.world_size > 1 else None, fabric.global_rank, exit_code)
+
+
+def leave_process(barrier: Callable[[], None] | None, rank: int, exit_code: int) -> None:
+    """End this process with ``exit_code`` after ``barrier()`` (every rank calls it): the process group is torn
+    down first (gloo aborts, SIGABRT, a process that exits with its group alive), and a rank that Lightning's or
+    Fabric's launcher started waits for rank 0 to leave."""
+    if barrier is not None:
+        barrier()
     gc.collect()  # NOTE: gloo aborts a process whose worker threads still hold collectives' tensors at exit
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    if fabric.global_rank != 0:
+    if rank != 0:
         _outlive_launching_rank()
     raise SystemExit(exit_code)
 
