@@ -36,7 +36,7 @@ from .generators import FitGenerators
 from .integrity import exists, nothing_else_to_resume, save_atomically, usable, verify_loads
 from .loaders import TrainingLoaders, drop_lightning_loader_states, evaluation_workers_ignore
 from .remote import checkpoints_in, claim_directory, newer, newest_last, refuse_a_silent_start
-from .stopping import adopt_lightnings_sigterm, slurm_requeue, stop_validating_as_planned
+from .stopping import adopt_lightnings_sigterm, leave_process, slurm_requeue, stop_validating_as_planned
 
 __all__ = ["CHECKPOINT_KEY", "ResumeCallback"]
 
@@ -227,8 +227,6 @@ class ResumeCallback(OnExceptionCheckpoint):
         quiet_fresh_fit(True)
         self._choosing = True
         if self.preempted_at is not None and (self.exit_code is not None or self._exit_with == FAILED_SAVE_EXIT_CODE):
-            from .fabric_loader import leave_process  # NOTE: fabric_loader imports this module
-
             # NOTE: Lightning's strategy teardown (the DDP wrapper undone) ran before this hook
             leave_process(trainer.strategy.barrier if trainer.world_size > 1 else None, trainer.global_rank,
                           self._exit_with)

@@ -3,14 +3,9 @@ returns, its reference inside a checkpoint's state, and how a process leaves aft
 
 from __future__ import annotations
 
-import gc
-import os
-import time
-from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch.distributed as dist
 from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
 
@@ -19,8 +14,9 @@ from loader_resume.convert import sharded_resumable
 from loader_resume.step_boundary import ReportingDataLoader
 
 from .callback import CHECKPOINT_KEY
+from .stopping import leave_process
 
-__all__ = ["FabricResumableDataLoader", "LoaderReference", "convert", "leave_launched_process", "leave_process",
+__all__ = ["FabricResumableDataLoader", "LoaderReference", "convert", "leave_launched_process",
            "loaded_into", "referenced"]
 
 
@@ -83,38 +79,3 @@ def leave_launched_process(fabric: Fabric, exit_code: int) -> None:
     leave_process(fabric.barrier if fabric.world_size > 1 else None, fabric.global_rank, exit_code)
 
 
-def leave_process(barrier: Callable[[], None] | None, rank: int, exit_code: int) -> None:
-    """End this process with ``exit_code`` after ``barrier()`` (every rank calls it): the process group is torn
-    down first (gloo aborts, SIGABRT, a process that exits with its group alive), and a rank that Lightning's or
-    Fabric's launcher started waits for rank 0 to leave."""
-    if barrier is not None:
-        barrier()
-    gc.collect()  # NOTE: gloo aborts a process whose worker threads still hold collectives' tensors at exit
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    if rank != 0:
-        _outlive_launching_rank()
-    raise SystemExit(exit_code)
-
-
-def _outlive_launching_rank(timeout: float = 60.0) -> None:
-    """Wait for the process that launched this one to end, if it is rank 0 running this same command.
-
-    NOTE: Fabric's own launcher runs rank 0 as the main process and the other ranks as its children, and
-    a thread of rank 0 SIGKILLs everything once a child ends with a non-zero status: a child leaving first
-    with ``exit_code`` could get rank 0 killed before it leaves with its own. Under torchrun (a parent that
-    is not this command) there is nothing to wait for.
-    """
-    parent = os.getppid()
-    try:
-        theirs = Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")
-        mine = Path("/proc/self/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return
-    # NOTE: Fabric starts the other ranks as [sys.executable, abspath(script), *args]: compare the script's name
-    # and the arguments, not the paths
-    same = len(theirs) == len(mine) > 1 and theirs[2:] == mine[2:] and \
-        os.path.basename(theirs[1]) == os.path.basename(mine[1])
-    deadline = time.monotonic() + timeout
-    while same and os.getppid() == parent and time.monotonic() < deadline:
-        time.sleep(0.05)

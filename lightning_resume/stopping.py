@@ -1,17 +1,24 @@
-"""How a preempted ``fit`` stops, seen from ``ResumeCallback``: Lightning's own SIGTERM bookkeeping, the
-validation it runs at the step that stops ``fit``, and SLURM's requeue."""
+"""How a preempted job stops: for ``ResumeCallback``, Lightning's own SIGTERM bookkeeping, the validation it runs
+at the step that stops ``fit`` and SLURM's requeue; for it and ``FabricResume``, the process's exit
+(``leave_process``)."""
 
 from __future__ import annotations
 
+import gc
+import os
 import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
 
+import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
 from loader_resume.preemption import Preemption
 from loader_resume.slurm import Requeue
 
-__all__ = ["slurm_requeue", "adopt_lightnings_sigterm", "stop_validating_as_planned"]
+__all__ = ["adopt_lightnings_sigterm", "leave_process", "slurm_requeue", "stop_validating_as_planned"]
 
 
 def adopt_lightnings_sigterm(trainer: Trainer, preemption: Preemption) -> None:
@@ -44,3 +51,40 @@ def slurm_requeue(trainer: Trainer, preemption: Preemption) -> Requeue:
     if requeue.signal is not None and requeue.signal not in preemption.signals:
         preemption.signals = (*preemption.signals, requeue.signal)
     return requeue
+
+
+def leave_process(barrier: Callable[[], None] | None, rank: int, exit_code: int) -> None:
+    """End this process with ``exit_code`` after ``barrier()`` (every rank calls it): the process group is torn
+    down first (gloo aborts, SIGABRT, a process that exits with its group alive), and a rank that Lightning's or
+    Fabric's launcher started waits for rank 0 to leave."""
+    if barrier is not None:
+        barrier()
+    gc.collect()  # NOTE: gloo aborts a process whose worker threads still hold collectives' tensors at exit
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    if rank != 0:
+        _outlive_launching_rank()
+    raise SystemExit(exit_code)
+
+
+def _outlive_launching_rank(timeout: float = 60.0) -> None:
+    """Wait for the process that launched this one to end, if it is rank 0 running this same command.
+
+    NOTE: Fabric's own launcher runs rank 0 as the main process and the other ranks as its children, and
+    a thread of rank 0 SIGKILLs everything once a child ends with a non-zero status: a child leaving first
+    with ``exit_code`` could get rank 0 killed before it leaves with its own. Under torchrun (a parent that
+    is not this command) there is nothing to wait for.
+    """
+    parent = os.getppid()
+    try:
+        theirs = Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")
+        mine = Path("/proc/self/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return
+    # NOTE: Fabric starts the other ranks as [sys.executable, abspath(script), *args]: compare the script's name
+    # and the arguments, not the paths
+    same = len(theirs) == len(mine) > 1 and theirs[2:] == mine[2:] and \
+        os.path.basename(theirs[1]) == os.path.basename(mine[1])
+    deadline = time.monotonic() + timeout
+    while same and os.getppid() == parent and time.monotonic() < deadline:
+        time.sleep(0.05)
