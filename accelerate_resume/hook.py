@@ -9,6 +9,7 @@ How it hooks in, with public Accelerate APIs only:
   delivered a batch before that step: an evaluation loader iterated after the step is no boundary,
   and gradient accumulation is never split. Without an optimizer passed to ``prepare`` there are no
   boundaries (nothing is saved by itself; ``Resume.save()`` still works).
+- ``accelerator.load_state`` is wrapped too: see ``accelerate_resume.fsdp`` (torch's first FSDP, sharded).
 - ``save_state``/``load_state`` pre-hooks put every rank's loader state and RNG states in
   ``loader_resume.pt`` of the checkpoint directory, so the user's own ``save_state`` calls carry them too.
 """
@@ -50,6 +51,7 @@ from loader_resume.step_boundary import ReportingDataLoader, StepBoundaries
 from loader_resume.thirdparty import accelerator_mode, mark_accelerator
 
 from .config import ResumeConfig, load_config
+from .fsdp import filling_load_state
 from .loader import AcceleratedResumableDataLoader, placed
 from .saving import STATE_FILE, read_state, write_checkpoint
 
@@ -109,6 +111,7 @@ class Resume:
                            "Accelerate's own loaders, no preemption checkpoints, no automatic resume")
             return
         accelerator.prepare = self._prepare_hooked  # type: ignore[method-assign]
+        accelerator.load_state = filling_load_state(accelerator)  # type: ignore[method-assign]
         self._handles = [accelerator.register_save_state_pre_hook(self._on_save_state),
                          accelerator.register_load_state_pre_hook(self._on_load_state)]
         mark_accelerator(accelerator, "resume")
@@ -154,6 +157,7 @@ class Resume:
             handle.remove()
         accelerator = self.accelerator
         del accelerator.prepare
+        del accelerator.load_state
         mark_accelerator(accelerator, None)
 
     def checkpoints(self) -> list[Path]:
@@ -273,25 +277,21 @@ class Resume:
     # --- save_state / load_state ------------------------------------------------------------------
     def _collect(self) -> dict[str, Any]:
         """What goes into ``loader_resume.pt``; gathers from every process (a collective)."""
-        return {
-            "format": CHECKPOINT_FORMAT, "step": self.step, "epoch": self.epoch,
-            "accelerator_step": self.accelerator.step, "world_size": self.accelerator.num_processes,
-            "loaders": [gather_states(loader, loader.resume_state(pass_ended=self._boundaries.left(loader)))
-                        for loader in self._loaders],
-            "rng": gather_rng_states(),
-        }
+        return {"format": CHECKPOINT_FORMAT, "step": self.step, "epoch": self.epoch,
+                "accelerator_step": self.accelerator.step, "world_size": self.accelerator.num_processes,
+                "loaders": [gather_states(loader, loader.resume_state(pass_ended=self._boundaries.left(loader)))
+                            for loader in self._loaders],
+                "rng": gather_rng_states()}
 
     def _on_save_state(self, models: Any, weights: Any, output_dir: str) -> None:
-        # NOTE: every process runs save_state and this hook; for the user's own save_state calls the
-        # gather happens here, for ours it happened before save_state (see save).
+        # NOTE: every process runs this; the gather: here for the user's own save_state, before it for ours (see save)
         state = self._collected if self._collected is not None else self._collect()
         if self.accelerator.is_main_process:
             torch.save(state, os.path.join(output_dir, STATE_FILE))
 
     def _on_load_state(self, models: Any, input_dir: str) -> None:
         path = os.path.join(input_dir, STATE_FILE)
-        state = read_state(path)
-        if state is None:
+        if (state := read_state(path)) is None:
             return
         state = self._entry.read(state, path, self.accelerator.process_index)
         self._boundaries.reset(state["step"])

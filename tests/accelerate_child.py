@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mixture", action="store_true", help="a Mixture whose weights change after steps 3 and 9")
     parser.add_argument("--eval-n", type=int, default=0, help="evaluate on this many items after each epoch")
     parser.add_argument("--log-dir", default="", help="logs and weights go to OUT/LOG_DIR (default: OUT)")
+    parser.add_argument("--momentum", type=float, default=0.0, help="SGD's momentum: optimizer state to restore")
     parser.add_argument("--fsdp", choices=["full", "sharded"], help="FSDP (on a GPU; under torchrun): the plugin's "
                         "state_dict_type FULL_STATE_DICT or SHARDED_STATE_DICT")
     add_device_options(parser)
@@ -78,8 +79,11 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(123)
     if "TORCHELASTIC_RESTART_COUNT" in os.environ and args.device == "cpu":  # torchrun / accelerate launch: safe
         init_process_group("gloo")  # across restarts
+    # NOTE: use_orig_params=True, as configs/accelerate_fsdp.yaml: the optimizer is made before prepare (as the
+    # examples do), and torch's first FSDP without it keeps only flattened parameters, so Accelerate's save_state
+    # cannot name the optimizer's (a KeyError in FSDP.optim_state_dict, stock Accelerate's own behaviour).
     fsdp = None if args.fsdp is None else FullyShardedDataParallelPlugin(
-        state_dict_type=f"{args.fsdp.upper()}_STATE_DICT")
+        state_dict_type=f"{args.fsdp.upper()}_STATE_DICT", use_orig_params=True)
     accelerator = Accelerator(cpu=args.device == "cpu", project_dir=str(out), fsdp_plugin=fsdp,
                               gradient_accumulation_steps=args.accumulate,
                               mixed_precision="bf16" if args.bf16 else "no")
@@ -111,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
 
         accelerator.register_save_state_pre_hook(vanish)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=args.momentum)
     data: Any = NoisyStream(args.items, rank, args.processes) if args.stream else Noisy(args.items)
     if args.mixture:
         data = Mixture({"a": data, "b": Noisy(9)}, {"a": 2, "b": 1}, block_size=6)

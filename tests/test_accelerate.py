@@ -356,8 +356,10 @@ def test_bare_enable_resume_is_fully_armed(accelerator: Any, tmp_path: Path) -> 
     assert resume.checkpoint_dir == tmp_path / "resume_checkpoints"
     for number in (signal.SIGTERM, signal.SIGUSR1):
         assert signal.getsignal(number) == resume.preemption._on_signal
+    assert {"prepare", "load_state"} <= vars(accelerator).keys()  # wrapped on this instance
     resume.close()
     assert signal.getsignal(signal.SIGTERM) == before
+    assert not {"prepare", "load_state"} & vars(accelerator).keys()  # Accelerate's own again
 
 
 def test_split_batches_is_refused_naming_what_is_expected(tmp_path: Path) -> None:

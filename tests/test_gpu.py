@@ -116,10 +116,49 @@ def test_accelerate_resumes_exactly_with_cuda_dropout_bf16_and_pinned_batches(tm
 @pytest.mark.parametrize("kind", ["full", "sharded"])
 def test_accelerate_fsdp_on_one_gpu_ends_with_143_not_a_hang_and_resumes_exactly(tmp_path: Path, kind: str) -> None:
     """``FullyShardedDataParallelPlugin(state_dict_type=FULL_STATE_DICT / SHARDED_STATE_DICT)`` under torchrun
-    (Accelerate uses FSDP in a distributed run only): SIGTERM ends with the agreed checkpoint and 143."""
+    (Accelerate uses FSDP in a distributed run only): SIGTERM ends with the agreed checkpoint and 143. SGD with
+    momentum: the optimizer's state is restored too (sharded, Accelerate alone loaded none of it)."""
     launcher = [TORCHRUN, "--nproc_per_node", "1", "--master_port", str(free_port())]
-    interrupted_then_resumed(tmp_path, "accelerate_child.py", [*ON_GPU, "--fsdp", kind], ["--signal-at", "7"],
+    args = [*ON_GPU, "--fsdp", kind, "--momentum", "0.9"]
+    interrupted_then_resumed(tmp_path, "accelerate_child.py", args, ["--signal-at", "7"],
                              launcher=launcher)
+
+
+@needs_cuda("Accelerate ignores its FSDP plugin on the CPU")
+def test_the_accelerate_fsdp_journey_stopped_by_sigterm_and_rerun_ends_with_the_same_weights(tmp_path: Path) -> None:
+    """The Journeys page's Accelerate with FSDP as written: ``accelerate launch --config_file
+    configs/accelerate_fsdp.yaml`` (one process on the one GPU) of the unchanged ``examples/accelerate_digits.py``.
+    SIGTERM to the job's whole process group, launcher and worker alike (as a scheduler sends it), at step 20 of
+    epoch 0: a sealed checkpoint holding FSDP's sharded model, and no end; the same command again continues and
+    ends with the uninterrupted run's weights (the digest it prints)."""
+    def command(project: Path) -> list[str]:
+        return [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
+                str(ROOT / "configs" / "accelerate_fsdp.yaml"), "--num_processes", "1", "--main_process_port",
+                str(free_port()), str(ROOT / "examples" / "accelerate_digits.py"), f"project_dir={project}"]
+
+    def digest(output: str) -> str:
+        (line,) = [line for line in output.splitlines() if line.startswith("final weights digest: ")]
+        return line
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    full = subprocess.run(command(tmp_path / "full"), capture_output=True, text=True, timeout=420, env=env)
+    assert full.returncode == 0, full.stderr[-4000:]
+    with (tmp_path / "stderr").open("w") as stderr:
+        first = subprocess.Popen(command(tmp_path / "cut"), stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                 env=env, start_new_session=True)
+        assert first.stdout is not None
+        for line in first.stdout:  # training is under way, mid-epoch 0 of 3
+            if line.startswith("epoch 0 step 20 "):
+                os.killpg(first.pid, signal.SIGTERM)
+                break
+        rest = first.communicate(timeout=300)[0]
+    assert first.returncode != 0 and "final weights digest" not in rest, (tmp_path / "stderr").read_text()[-4000:]
+    sealed = [path.parent for path in (tmp_path / "cut").rglob("loader_resume_manifest.json")]
+    assert len(sealed) == 1 and (sealed[0] / "pytorch_model_fsdp_0").is_dir(), sealed  # FSDP's sharded state
+    again = subprocess.run(command(tmp_path / "cut"), capture_output=True, text=True, timeout=420, env=env)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert "resumed from" in again.stdout and "epoch 0 step 20 " not in again.stdout  # it continued
+    assert digest(again.stdout) == digest(full.stdout)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
