@@ -21,7 +21,7 @@ import s3fs
 from loader_resume.checkpoint import MANIFEST, seal, verify
 from loader_resume.remote_copy import RemoteCopy, RemoteCopyError
 from support.launch import TESTS, command, logs, progress_of, run, trained, weights
-from support.s3 import Cuttable, bucket, objects, s3_server
+from support.s3 import ONE_ATTEMPT, Cuttable, bucket, objects, s3_server
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_an_upload_cut_at_the_preemption_save_exits_74_and_the_same_machines_rer
     link back, the same command resumes exactly from the local checkpoint."""
     bucket("copy-d")
     link = Cuttable(s3["AWS_ENDPOINT_URL"])
-    env = {**os.environ, "AWS_ENDPOINT_URL": link.url, "LOADER_RESUME_LEASE_SECONDS": "6"}
+    env = {**os.environ, "AWS_ENDPOINT_URL": link.url, "LOADER_RESUME_LEASE_SECONDS": "6", **ONE_ATTEMPT}
     job = subprocess.Popen(command(tmp_path, 2, "--sleep", "0.2", "remote=s3://copy-d/job"), stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     deadline = time.monotonic() + 300

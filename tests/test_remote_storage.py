@@ -21,7 +21,7 @@ import pytest
 from loader_resume.checkpoint_dir import CheckpointDirectoryError, DirectoryLock
 from loader_resume.remote_lease import RemoteLease
 from support.reference import child_run
-from support.s3 import Cuttable, bucket, objects, s3_server
+from support.s3 import ONE_ATTEMPT, Cuttable, bucket, objects, s3_server
 
 TESTS = Path(__file__).parent
 
@@ -136,18 +136,20 @@ def test_lightning_on_s3_without_credentials_stops_before_the_first_step_naming_
 
 
 def test_lightning_on_s3_a_network_error_at_the_preemption_save_exits_74_and_a_rerun_resumes_from_the_last_one(
-    s3: dict[str, str], full: tuple[list[Any], str], tmp_path: Path
+    s3: dict[str, str], full: tuple[list[Any], str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The link to the S3 server is cut mid-job (a relay in between closes every connection and refuses new ones):
     the preemption save fails, exit 74 naming the URL and the cause. With the link back, the same command resumes
-    exactly from what was written before it went: the newest ``last.ckpt`` (step 3)."""
+    exactly from what was written before it went: the newest ``last.ckpt`` (step 3), once the lease the cut job
+    could not remove has ended (its term: 6 s here)."""
+    monkeypatch.setenv("LOADER_RESUME_LEASE_SECONDS", "6")
     bucket("run-e")
     link = Cuttable(s3["AWS_ENDPOINT_URL"])
     (tmp_path / "out").mkdir()
     command = [sys.executable, str(TESTS / "lightning_child.py"), str(tmp_path / "out"), "--root", "s3://run-e/job",
                "--wait-at", "4", "--signal-at", "5", "--workers", "2"]
     job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                           env={**os.environ, "AWS_ENDPOINT_URL": link.url})
+                           env={**os.environ, "AWS_ENDPOINT_URL": link.url, **ONE_ATTEMPT})
     deadline = time.monotonic() + 300
     while not (tmp_path / "out" / "waiting").exists():
         assert time.monotonic() < deadline and job.poll() is None, "training never reached step 4"

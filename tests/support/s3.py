@@ -71,6 +71,11 @@ def objects(url: str) -> list[str]:
     return sorted(f"s3://{path}" for path in fs.find(url.removeprefix("s3://")))
 
 
+ONE_ATTEMPT = {"AWS_MAX_ATTEMPTS": "1"}
+"""For a process whose link is cut: botocore's own retries off (s3fs still tries each call 5 times, backing off), so
+a cut link fails a save in seconds instead of minutes; what fails, and how, is the same."""
+
+
 class Cuttable:
     """A TCP relay on loopback in front of the server (``endpoint``), whose link can be cut: while cut, every
     connection is refused or reset, as a network that went away; restored, it relays again."""
