@@ -19,8 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from loader_resume.checkpoint import MANIFEST
 from support.batch import Done, run_batch
 from support.launch import logs, weights
+from support.s3 import bucket, objects, s3_server
 from support.trainer_launch import CHILD, ENV, ITEMS, command, run
 
 
@@ -204,6 +206,27 @@ def test_sigterm_on_one_process_checkpoints_at_the_next_step_and_the_same_comman
     assert "checkpoint written at step 4" in run(tmp_path, 1, *same, expect=143)
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-4"]
     run(tmp_path, 1, *same)
+    assert logs(tmp_path) == logs(full["1"]) and weights(tmp_path) == weights(full["1"])
+
+
+def test_sigterm_with_a_remote_copy_uploads_the_checkpoint_and_a_rerun_on_a_new_disk_continues_exactly(
+        full: dict[str, Path], tmp_path: Path) -> None:
+    """``ResumableTrainer(remote="s3://...")`` against a real S3 API server on loopback: SIGTERM at the end of step 4
+    writes checkpoint-4 locally, then uploads it, its manifest last (and no lease is left behind); with the local
+    output directory gone (a new machine), the same command downloads it and continues exactly. A bucket that does not
+    exist stops ``train`` before its first step, naming the URL."""
+    same = ["--save-steps", "100", "--signal-at", "4", "--resume", "true", "--remote", "s3://copy-t/job"]
+    with s3_server() as env:
+        bucket("copy-t")
+        assert "checkpoint written at step 4" in run(tmp_path, 1, *same, expect=143, env=env)
+        stored = objects("s3://copy-t/job")
+        assert f"s3://copy-t/job/checkpoint-4/{MANIFEST}" in stored, stored
+        assert "s3://copy-t/job/checkpoint-4/trainer_state.json" in stored
+        assert not [url for url in stored if "lease" in url], stored
+        shutil.rmtree(tmp_path / "run")
+        run(tmp_path, 1, *same, env=env)
+        refused = run(tmp_path / "other", 1, "--remote", "s3://no-such-bucket-t/job", expect=1, env=env)
+    assert "s3://no-such-bucket-t/job" in refused and (tmp_path / "other" / "log-0.jsonl").read_text() == ""  # no step
     assert logs(tmp_path) == logs(full["1"]) and weights(tmp_path) == weights(full["1"])
 
 

@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--signal-name", default="SIGTERM")
     parser.add_argument("--fill-disk-at", type=int, help="rank 0 fills OUT/run's file system at the end of this step")
     parser.add_argument("--slurm-requeue", action="store_true", help="ResumableTrainer(slurm_requeue=True)")
+    parser.add_argument("--remote", help="ResumableTrainer(remote=URL): checkpoints copied there")
     parser.add_argument("--slow-rank", type=int, help="this rank writes its RNG file 0.5 s late at each checkpoint")
     parser.add_argument("--stream", action="store_true", help="an iterable dataset (20 steps)")
     parser.add_argument("--save-steps", type=int, default=1)
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     callbacks += [] if args.signal_at is None else [SignalAt(args.signal_at, args.signal_name)]
     callbacks += [] if args.fill_disk_at is None else [FillDiskAt(args.fill_disk_at, out / "run")]
     data = ItemsStream(30, rank=0, world=1) if args.stream else Items(30)
-    options = {} if args.stock else {"slurm_requeue": args.slurm_requeue}
+    options = {} if args.stock else {"slurm_requeue": args.slurm_requeue, "remote": args.remote}
     trainer = kind(model=model, args=training, train_dataset=data, data_collator=collate, callbacks=callbacks,
                    **options)
     assert trainer.args.world_size == args.processes, (trainer.args.world_size, args.processes)

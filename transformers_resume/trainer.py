@@ -49,7 +49,6 @@ from typing import Any
 import torch
 import transformers.trainer as trainer_module
 from torch.utils.data import DataLoader
-from transformers.trainer_callback import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from accelerate_resume import AcceleratedResumableDataLoader
@@ -60,10 +59,13 @@ from loader_resume.checkpoint_dir import preemption_exit_code
 from loader_resume.convert import sharded_resumable
 from loader_resume.distributed import any_rank, load_rank_state
 from loader_resume.preemption import Preemption, workers_ignore_signals
+from loader_resume.remote_copy import RemoteCopy
 from loader_resume.slurm import Requeue
 
 from .checkpoint_files import LOADER_STATE_FILE, newest_complete, newest_resumable, read_states, step_at, verify_named
+from .remote import copy_checkpoint, fetch_remote, start_remote
 from .saving import AgreedWrite, SaveFailed, end_processes, hold_output_dir
+from .signals import AgreeOnSignals
 from .trainer_patches import no_skipping, unprepared
 
 __all__ = ["LOADER_STATE_FILE", "ResumableTrainer", "ResumeTrainerMixin"]
@@ -80,7 +82,8 @@ class ResumeTrainerMixin:
     ``keyed_generators`` (see ``ResumableDataLoader``); ``signals`` that request a preemption checkpoint
     (``()``: none), ``check_every_n_steps`` (how often the ranks agree on them), ``exit_code`` (after a
     preemption checkpoint) and ``slurm_requeue`` (inside a SLURM job, ``scontrol requeue`` after a checkpoint
-    requested by SIGUSR1: ``loader_resume.slurm``).
+    requested by SIGUSR1: ``loader_resume.slurm``); ``remote``, an fsspec URL each checkpoint is copied to and
+    resumed from (else ``$LOADER_RESUME_REMOTE``; ``transformers_resume.remote``).
     """
 
     args: Any
@@ -91,15 +94,18 @@ class ResumeTrainerMixin:
 
     def __init__(self, *args: Any, keying: str = "batch", keyed_generators: Sequence[str] = GENERATORS,
                  signals: Sequence[str | int] = ("SIGTERM", "SIGUSR1"), check_every_n_steps: int = 1,
-                 exit_code: int = 143, slurm_requeue: bool = False, **kwargs: Any) -> None:
+                 exit_code: int = 143, slurm_requeue: bool = False, remote: str | None = None,
+                 **kwargs: Any) -> None:
         for name, value, least in (("check_every_n_steps", check_every_n_steps, 1), ("exit_code", exit_code, 0)):
             if type(value) is not int or value < least:
                 raise ValueError(f"{type(self).__name__}({name}={value!r}): expected an int >= {least}")
         self.resume_keying, self.resume_keyed_generators = keying, tuple(keyed_generators)
         self.resume_loader: AcceleratedResumableDataLoader | None = None
         """The training loader of the current ``train()`` (``None`` before)."""
-        self.preemption, self._requeue = Preemption(signals), Requeue(slurm_requeue)
+        self.preemption, self.requeue = Preemption(signals), Requeue(slurm_requeue)
         self.check_every_n_steps, self.exit_code = check_every_n_steps, exit_code
+        self.remote = remote
+        self._copy: RemoteCopy | None = None  # while train() runs, with a remote URL
         self.preempted_at: int | None = None
         """The step of the preemption checkpoint, once taken."""
         self._loader_states: dict[str, Any] | None = None
@@ -114,7 +120,7 @@ class ResumeTrainerMixin:
                 "the loader has delivered that step's batches; ResumableTrainer handles SIGTERM/SIGUSR1 itself, "
                 "agreed by every rank at a step boundary (its signals= argument)")
         super().__init__(*args, **kwargs)
-        self.add_callback(_AgreeOnSignals(self))  # type: ignore[attr-defined]
+        self.add_callback(AgreeOnSignals(self))  # type: ignore[attr-defined]
 
     # --- the loader -------------------------------------------------------------------------------
     def get_train_dataloader(self) -> DataLoader[Any]:
@@ -147,15 +153,18 @@ class ResumeTrainerMixin:
         trains: a second job on it is refused."""
         lock = hold_output_dir(self)
         try:
+            self._copy = start_remote(self, self.remote)
             return self._train(resume_from_checkpoint, *args, **kwargs)
         finally:
-            if lock is not None:
-                lock.release()
+            for held in (lock, self._copy):
+                if held is not None:
+                    held.release()
 
     def _train(self, resume_from_checkpoint: str | bool | None, *args: Any, **kwargs: Any) -> Any:
         args_, root = self.args, Path(self.args.output_dir)
         checkpoint: str | None
         if resume_from_checkpoint is True:
+            fetch_remote(self, self._copy)
             found = newest_resumable(root, rank=args_.process_index, world_size=args_.world_size, agree=any_rank)
             checkpoint = None if found is None else os.fspath(found)
             if checkpoint is None:  # NOTE: stock Trainer raises here; one command must start a job and continue it
@@ -189,7 +198,7 @@ class ResumeTrainerMixin:
             self.preemption.uninstall()
         if self.preempted_at is not None:
             written = root / f"{PREFIX_CHECKPOINT_DIR}-{self.preempted_at}"
-            self._requeue.after_checkpoint(self.args.process_index == 0)
+            self.requeue.after_checkpoint(self.args.process_index == 0)
             end_processes(self)
             raise SystemExit(preemption_exit_code(written, self.preempted_at, self.exit_code, os.fspath(written)))
         return output
@@ -223,6 +232,7 @@ class ResumeTrainerMixin:
                             newest=lambda: newest_complete(run_dir))
         finally:
             self._write = None
+        copy_checkpoint(self, self._copy, directory)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         super().save_model(output_dir, _internal_call)  # type: ignore[misc]
@@ -277,22 +287,6 @@ class ResumeTrainerMixin:
         trainer.resumable_checkpoint() is not None)`` starts or continues with one command."""
         found = newest_resumable(Path(self.args.output_dir))
         return None if found is None else os.fspath(found)
-
-
-class _AgreeOnSignals(TrainerCallback):
-    """At the end of each optimizer step (every ``check_every_n_steps``), the ranks agree on a preemption signal;
-    if any rank got one, Trainer saves a checkpoint now and stops."""
-
-    def __init__(self, trainer: ResumeTrainerMixin) -> None:
-        self.trainer = trainer
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        trainer = self.trainer
-        if state.global_step % trainer.check_every_n_steps == 0 and trainer.preemption.agreed():
-            trainer.preempted_at = state.global_step
-            trainer._requeue.decide(trainer.preemption.received, any_rank)
-            control.should_save = True
-            control.should_training_stop = True
 
 
 class ResumableTrainer(ResumeTrainerMixin, trainer_module.Trainer):

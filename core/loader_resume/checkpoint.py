@@ -31,7 +31,7 @@ from .generators import global_rng_state, set_global_rng_state
 __all__ = [
     "CHECKPOINT_FORMAT", "MANIFEST", "CheckpointError", "complete_checkpoints", "describe_failure", "global_rng_state",
     "is_temporary", "prune", "seal", "set_global_rng_state", "storage_failure", "temporary_name", "verify",
-    "writer_token", "write_sealed",
+    "writer_token", "write_manifest", "write_sealed",
 ]
 
 logger = logging.getLogger(__name__)
@@ -68,11 +68,16 @@ def writer_token(broadcast: Callable[[str], str] | None = None) -> str:
     return token[0] if broadcast is None else broadcast(token[0])
 
 
-def seal(directory: Path, final: Path, *, checksums: bool = True) -> None:
-    """Write ``directory``'s manifest, then rename it to ``final`` (replacing an older ``final``)."""
+def write_manifest(directory: Path, *, checksums: bool = True) -> None:
+    """Write ``directory``'s manifest (its files' sizes, and SHA-256 sums if ``checksums``), atomically."""
     files = {name: _describe(directory / name, checksums) for name in _files(directory)}
     manifest = directory / MANIFEST
     _write_atomically(manifest, json.dumps({"format": _MANIFEST_FORMAT, "files": files}, indent=1, sort_keys=True))
+
+
+def seal(directory: Path, final: Path, *, checksums: bool = True) -> None:
+    """Write ``directory``'s manifest, then rename it to ``final`` (replacing an older ``final``)."""
+    write_manifest(directory, checksums=checksums)
     if final.exists():
         shutil.rmtree(final)
     os.replace(directory, final)

@@ -111,7 +111,7 @@ class RemoteCopy:
     def download_newer(self) -> list[Path]:
         """Download the complete remote checkpoints newer than the newest complete local one (at most ``keep``,
         newest last) into ``local_root``; returns the local directories made."""
-        local = complete_checkpoints(self.local_root)
+        local = complete_checkpoints(self.local_root, self.pattern)
         newest_local = self._number(local[-1].name) if local else -1
         newer = [name for name in self.complete() if self._number(name) > newest_local][-self.keep:]
         made = []
@@ -163,11 +163,11 @@ def _get(fs: Any, root: str, name: str, into: Path) -> None:
 
 
 def start_remote_copy(url: str | None, local_root: Path, *, keep: int, main: bool,
-                      agree: Callable[[bool], bool]) -> RemoteCopy | None:
+                      agree: Callable[[bool], bool], pattern: str = r"step_(\d+)") -> RemoteCopy | None:
     """The ``RemoteCopy`` of ``url`` (``None``: no copy), holding its lease (``RemoteCopy.hold``)."""
     if url is None:
         return None
-    copy = RemoteCopy(url, local_root, keep=keep)
+    copy = RemoteCopy(url, local_root, keep=keep, pattern=pattern)
     copy.hold(main=main, agree=agree)
     return copy
 
