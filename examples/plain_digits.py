@@ -41,21 +41,24 @@ from loader_resume.checkpoint import (
     verify,
 )
 from loader_resume.distributed import (
+    any_rank,
     gather_rng_states,
     gather_states,
     init_process_group,
     load_rank_state,
 )
 from loader_resume.preemption import Preemption
+from loader_resume.remote_copy import RemoteCopy, fetch_newer, start_remote_copy
 from loader_resume.testing import fingerprint
 from loader_resume.tools.demo import NoisyDigits
 
 
 # --8<-- [start:checkpoint]
 def save(root: Path, step: int, epoch: int, model: nn.Module,
-         optimizer: torch.optim.Optimizer, loader: ResumableDataLoader[Any]) -> None:
+         optimizer: torch.optim.Optimizer, loader: ResumableDataLoader[Any],
+         copy: RemoteCopy | None = None) -> None:
     """All ranks call it (the gathers are collectives); rank 0 writes and seals
-    ``root/step_N``."""
+    ``root/step_N``, then uploads it to ``copy``'s URL, its manifest last."""
     state = {"step": step, "epoch": epoch, "model": model.state_dict(),
              "optimizer": optimizer.state_dict(), "loader": gather_states(loader),
              "rng": gather_rng_states()}
@@ -67,6 +70,8 @@ def save(root: Path, step: int, epoch: int, model: nn.Module,
         torch.save(state, temporary / "state.pt")
         seal(temporary, final)
         prune(root, keep=2)
+        if copy is not None:
+            copy.upload(final)
     if dist.is_initialized():
         dist.barrier()
 
@@ -119,6 +124,9 @@ def main() -> None:
                         help="torch.use_deterministic_algorithms(True)")
     parser.add_argument("--sleep", type=float, default=0.0,
                         help="seconds per step (to interrupt it by hand)")
+    parser.add_argument("--remote",
+                        help="an fsspec URL (s3://bucket/run) each checkpoint is "
+                        "copied to, and resumed from on a machine without them")
     args = parser.parse_args()
     cuda = args.device == "cuda"
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if cuda
@@ -146,6 +154,10 @@ def main() -> None:
     root = Path(args.out) / "checkpoints"
     preemption = Preemption(("SIGTERM", "SIGUSR1"))
     preemption.install()
+    # a copy off the machine (one job per URL): the newer complete ones come first
+    main = loader.rank == 0
+    copy = start_remote_copy(args.remote, root, keep=2, main=main, agree=any_rank)
+    fetch_newer(copy, main=main, agree=any_rank)
     step, first_epoch = restore(root, model, optimizer, loader)
     log = (open(Path(args.batch_log) / f"log-{loader.rank}.jsonl", "a")
            if args.batch_log else None)
@@ -171,7 +183,7 @@ def main() -> None:
                 # NOTE: a checkpoint taken after an epoch's last batch resumes at
                 # the next epoch's start
                 save(root, step, epoch + (loader.epoch > epoch), model, optimizer,
-                     loader)
+                     loader, copy)
             if stop:
                 raise SystemExit(143)
             time.sleep(args.sleep)

@@ -6,6 +6,7 @@ same command again: it downloads the copy and continues with the uninterrupted r
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -14,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import s3fs
@@ -175,3 +177,46 @@ def test_fabric_sigterm_copies_the_checkpoint_to_s3_and_a_rerun_on_a_new_disk_co
     assert f"s3://copy-f/job/{local}/{MANIFEST}" in stored and not [u for u in stored if "lease" in u], stored
     fabric(job, "--remote", "s3://copy-f/job")
     assert logs(job) == logs(tmp_path / "full") and weights(job) == weights(tmp_path / "full")
+
+
+def test_a_plain_loop_with_a_remote_copy_stopped_and_rerun_on_a_new_disk_continues_exactly(
+    s3: dict[str, str], tmp_path: Path
+) -> None:
+    """``examples/plain_digits.py --remote s3://...`` (``start_remote_copy``, ``fetch_newer``, ``RemoteCopy.upload``
+    after each seal): SIGTERM mid-epoch, the local checkpoints deleted, the same command: the uninterrupted run's
+    batches and final weights."""
+    bucket("copy-p")
+
+    def command(out: Path, *args: str) -> list[str]:
+        out.mkdir(exist_ok=True)
+        return [sys.executable, str(TESTS.parent / "examples" / "plain_digits.py"), "--out", str(out), "--epochs",
+                "1", "--batch-log", str(out), *args]
+
+    def steps(out: Path) -> dict[int, list[Any]]:  # the last write of each step wins (a rerun appends)
+        rows = [json.loads(line) for line in (out / "log-0.jsonl").read_text().splitlines()]
+        return {row["step"]: [row["epoch"], row["ids"], row["batch"]] for row in rows}
+
+    full = subprocess.run(command(tmp_path / "full"), capture_output=True, text=True, timeout=300)
+    assert full.returncode == 0, full.stderr[-3000:]
+    job = tmp_path / "job"
+    same = ["--remote", "s3://copy-p/job"]
+    first = subprocess.Popen(command(job, *same, "--sleep", "0.05"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True)
+    deadline = time.monotonic() + 300
+    while not (job / "log-0.jsonl").exists() or len((job / "log-0.jsonl").read_text().splitlines()) < 5:
+        assert time.monotonic() < deadline and first.poll() is None, "training never reached step 5"
+        time.sleep(0.02)
+    first.send_signal(signal.SIGTERM)
+    _, stderr = first.communicate(timeout=120)
+    assert first.returncode == 143, stderr[-3000:]
+    (local,) = [p.name for p in (job / "checkpoints").glob("step_*")]
+    assert f"s3://copy-p/job/{local}/{MANIFEST}" in objects("s3://copy-p/job")
+    shutil.rmtree(job / "checkpoints")
+    written = len((job / "log-0.jsonl").read_text().splitlines())
+    again = subprocess.run(command(job, *same), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    resumed = json.loads((job / "log-0.jsonl").read_text().splitlines()[written])
+    assert resumed["step"] == int(local.removeprefix("step_")) + 1  # it continued from the bucket's copy
+    assert steps(job) == steps(tmp_path / "full")
+    assert again.stdout.splitlines()[-1] == full.stdout.splitlines()[-1]
+    assert full.stdout.splitlines()[-1].startswith("final weights digest: ")
