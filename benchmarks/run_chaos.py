@@ -1,4 +1,4 @@
-"""The long chaos suite (``pytest -m chaos tests/chaos``), its figures printed and written into the docs.
+"""The long chaos suite (``pytest -m chaos``), its figures printed and written into the docs.
 
     python benchmarks/run_chaos.py        # ~10 min on 2 cores
 
@@ -42,7 +42,7 @@ def main() -> None:
         rows.append(["scale: n = 10^8, 1,024 -> 768 -> 1,536 ranks",
                      f"exactly once; {scale.group(1)} ms per rank, {scale.group(2)} MiB peak (whole simulation)"])
     passed = re.search(r"(\d+) passed", output)
-    text = (f"Measured by `python benchmarks/run_chaos.py` (`pytest -m chaos tests/chaos`: "
+    text = (f"Measured by `python benchmarks/run_chaos.py` (`pytest -m chaos`: "
             f"{passed.group(1) if passed else '?'} long tests passed in {minutes:.1f} min "
             f"on {os.cpu_count()} CPU cores).\n\n"
             + markdown(["long chaos run", "result"], rows))
