@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CODE_PAGES = ["", "pytorch/", "lightning/", "fabric/", "accelerate/", "transformers/", "ray/", "journeys/"]
 # Pages of tables and prose.
 TEXT_PAGES = ["guarantees/", "how-tested/", "troubleshooting/", "changelog/"]
+# Pages with a figure (docs/figures.py's SVGs, the benchmark's plot).
+FIGURE_PAGES = ["how-it-works/", "clusters/", "benchmarks/"]
 WIDTH, PHONE = 1280, 390
 
 CHROMIUM = os.environ.get("LOADER_RESUME_CHROMIUM") or next(
@@ -70,7 +72,12 @@ MEASURE = """() => {
   const keyword = document.querySelector('.md-content .highlight code .kn, .md-content .highlight code .k');
   const comment = document.querySelector('.md-content .highlight code .c1');
   const plain = keyword ? getComputedStyle(keyword.closest('code')).color : null;
+  const figures = [...document.querySelectorAll('.md-content img')].map(img => ({
+    src: img.getAttribute('src'), loaded: img.complete && img.naturalWidth > 0, alt: img.alt,
+    right: img.getBoundingClientRect().right, shown: img.getBoundingClientRect().width}));
   return {
+    figures,
+    viewport: window.innerWidth,
     blocks: blocks.length,
     overflowing,
     pageScroll: document.documentElement.scrollWidth,
@@ -110,7 +117,7 @@ def opened(browser: object, url: str, width: int) -> tuple[dict[str, object], li
     return seen, requested
 
 
-@pytest.mark.parametrize("page_path", CODE_PAGES + TEXT_PAGES)
+@pytest.mark.parametrize("page_path", CODE_PAGES + TEXT_PAGES + FIGURE_PAGES)
 @pytest.mark.parametrize("width", [WIDTH, PHONE])
 def test_a_page_reads_well_on_a_screen_and_a_phone(browser: object, site_url: str, page_path: str,
                                                    width: int) -> None:
@@ -124,6 +131,11 @@ def test_a_page_reads_well_on_a_screen_and_a_phone(browser: object, site_url: st
         if width == WIDTH:
             assert not seen["overflowing"], f"code blocks scroll sideways at {WIDTH} px: {seen['overflowing']}"
     assert seen["pageScroll"] <= seen["pageClient"], f"the page scrolls sideways at {width} px: {seen}"
+    if page_path in FIGURE_PAGES:  # each figure drawn, with alt text, inside the window
+        assert seen["figures"], "the page shows a figure"
+        for figure in seen["figures"]:
+            assert figure["loaded"] and figure["alt"] and figure["shown"] > 0, figure
+            assert figure["right"] <= seen["viewport"], f"a figure leaves the window at {width} px: {figure}"
     local = urlparse(site_url).netloc
     elsewhere = [url for url in requested if urlparse(url).scheme in ("http", "https", "ws", "wss")
                  and urlparse(url).netloc != local]
