@@ -175,7 +175,7 @@ def test_a_front_end_page_opens_with_a_recipe_then_what_happens_then_the_referen
 def test_the_recipes_name_their_tested_programs() -> None:
     recipes = (ROOT / "docs" / "recipes.md").read_text()
     sections = re.findall(r"^## (.+)$", recipes, re.M)
-    assert len(sections) == 5 and all("Tested:" in part for part in re.split(r"^## .+$", recipes, flags=re.M)[1:])
+    assert len(sections) == 6 and all("Tested:" in part for part in re.split(r"^## .+$", recipes, flags=re.M)[1:])
     for path in re.findall(r"`((?:examples|tests|tests_ray)/[\w/]+\.py)", recipes):
         assert (ROOT / path).is_file(), path
     for path, name in re.findall(r"`((?:tests|tests_ray)/[\w/]+\.py)::(\w+)`", recipes):
