@@ -81,6 +81,47 @@ def test_an_upload_killed_before_its_manifest_is_skipped_naming_it_and_the_rerun
     assert logs(tmp_path) == logs(full) and weights(tmp_path) == weights(full)
 
 
+def test_a_job_killed_during_an_upload_leaves_a_copy_that_a_rerun_passes_over_for_the_one_before(
+    s3: dict[str, str], full: Path, tmp_path: Path
+) -> None:
+    """A real kill during an upload: the job copies a checkpoint every 3 steps; once one copy is complete, the link
+    stops answering the PUT of a manifest (every other file of that checkpoint is on the bucket by then, the
+    manifest going last), and the job's processes are SIGKILLed there. On a new machine (the local checkpoints
+    deleted), the same command passes that directory over, naming it, and resumes exactly from the complete copy
+    before it."""
+    bucket("copy-k")
+    link = Cuttable(s3["AWS_ENDPOINT_URL"])
+    same = ["remote=s3://copy-k/job", "save_every_n_steps=3"]
+    env = {**os.environ, "AWS_ENDPOINT_URL": link.url, "LOADER_RESUME_LEASE_SECONDS": "6"}
+    job = subprocess.Popen(command(tmp_path, 2, "--sleep", "0.2", *same), stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    copy = RemoteCopy("s3://copy-k/job", tmp_path / "unused")  # looks at the bucket directly, not through the link
+    deadline = time.monotonic() + 300
+    try:
+        while not copy.complete():
+            assert time.monotonic() < deadline and job.poll() is None, "no complete copy was made"
+            time.sleep(0.05)
+        link.stall = f"/{MANIFEST} ".encode()  # the next manifest's PUT
+        assert link.stalled.wait(timeout=120) and job.poll() is None, "no upload reached its manifest"
+        os.killpg(job.pid, signal.SIGKILL)  # the launcher; each rank runs in a session of its own
+        for rank in (0, 1):
+            os.kill(int((tmp_path / f"pid-{rank}").read_text()), signal.SIGKILL)
+        job.communicate(timeout=60)
+    finally:
+        link.close()
+    (complete,) = copy.complete()
+    partial = sorted({url.split("/")[4] for url in objects("s3://copy-k/job") if "/step_" in url} - {complete})
+    assert len(partial) == 1 and partial[0] > complete, (complete, partial)
+    assert [url for url in objects(f"s3://copy-k/job/{partial[0]}")], "the killed upload left its files"
+    shutil.rmtree(tmp_path / "resume_checkpoints")
+    stderr = run(tmp_path, 2, "--log-dir", "rerun", *same, env={"LOADER_RESUME_LEASE_SECONDS": "6"})
+    assert f"skipping s3://copy-k/job/{partial[0]}: it has no {MANIFEST}" in stderr
+    resumed_at = int(complete.removeprefix("step_"))
+    for rerun, uninterrupted in zip(logs(tmp_path / "rerun"), logs(full), strict=True):
+        assert trained(rerun) == [row for row in trained(uninterrupted) if row["step"] > resumed_at]
+    assert weights(tmp_path / "rerun") == weights(full)
+
+
 def test_an_upload_cut_at_the_preemption_save_exits_74_and_the_same_machines_rerun_resumes_from_its_disk(
     s3: dict[str, str], full: Path, tmp_path: Path
 ) -> None:

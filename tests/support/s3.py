@@ -7,6 +7,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -82,7 +83,6 @@ class Cuttable:
 
     def __init__(self, endpoint: str) -> None:
         import socket
-        import threading
 
         self._socket, self._threading = socket, threading
         host, port = endpoint.removeprefix("http://").split(":")
@@ -91,6 +91,11 @@ class Cuttable:
         self.url = f"http://127.0.0.1:{self.port}"
         self._open: list[Any] = []
         self._listener: Any = None
+        self.stall: bytes | None = None
+        """While set: a request whose first line holds it is never passed on (the link stops answering it)."""
+        self.stalled = threading.Event()
+        """Set once a request was held so."""
+        self._released = threading.Event()
         self.restore()
 
     def restore(self) -> None:
@@ -120,13 +125,22 @@ class Cuttable:
                 client.close()
                 continue
             self._open += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                self._threading.Thread(target=_relay, args=(a, b), daemon=True).start()
+            for a, b, link in ((client, upstream, self), (upstream, client, None)):
+                self._threading.Thread(target=_relay, args=(a, b, link), daemon=True).start()
+
+    def close(self) -> None:
+        """Cut the link and let every held request's thread end."""
+        self._released.set()
+        self.cut()
 
 
-def _relay(source: Any, target: Any) -> None:
+def _relay(source: Any, target: Any, link: Cuttable | None) -> None:
     try:
         while data := source.recv(1 << 16):
+            if link is not None and link.stall is not None and link.stall in data.split(b"\r\n", 1)[0]:
+                link.stalled.set()
+                link._released.wait()
+                return
             target.sendall(data)
     except OSError:
         pass
