@@ -39,8 +39,9 @@ from torch.distributed.fsdp import fully_shard
 
 from loader_resume import ResumableDataLoader, set_global_rng_state
 from loader_resume.checkpoint import complete_checkpoints, prune, seal, temporary_name, verify, writer_token
-from loader_resume.distributed import DCPLoaderState, gather_rng_states, init_process_group
+from loader_resume.distributed import DCPLoaderState, any_rank, gather_rng_states, init_process_group
 from loader_resume.preemption import Preemption, workers_ignore_signals
+from loader_resume.remote_copy import RemoteCopy, fetch_newer, start_remote_copy
 from loader_resume.testing import fingerprint
 from loader_resume.tools.demo import NoisyDigits
 
@@ -69,14 +70,18 @@ class Training(Stateful):
             set_global_rng_state(rng[dist.get_rank()])
 
 
-def save(root: Path, training: Training, loader: ResumableDataLoader[Any]) -> None:
-    """Every rank: the distributed checkpoint under a temporary name, then rank 0 seals and renames it."""
+def save(root: Path, training: Training, loader: ResumableDataLoader[Any],
+         copy: RemoteCopy | None = None) -> None:
+    """Every rank: the distributed checkpoint under a temporary name, then rank 0 seals and renames it (and uploads
+    it to ``copy``'s URL, its manifest last)."""
     final = root / f"step_{training.step:09d}"
     temporary = temporary_name(final, writer_token())  # NOTE: the same name on every rank (rank 0's, broadcast)
     dcp.save({"training": training, "loader": DCPLoaderState(loader)}, checkpoint_id=temporary)
     if dist.get_rank() == 0:
         seal(temporary, final)
         prune(root, keep=2)
+        if copy is not None:
+            copy.upload(final)
     dist.barrier()
 
 
@@ -96,6 +101,8 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=10, help="checkpoint every N optimizer steps")
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--batch-log", help="write one JSON line per step to DIR/log-RANK.jsonl")
+    parser.add_argument("--remote", help="an fsspec URL (s3://bucket/run) each checkpoint is copied to, and resumed "
+                        "from on a machine without them")
     args = parser.parse_args()
     init_process_group("gloo")  # under torchrun (one process: WORLD_SIZE=1 RANK=0 ... or torchrun --nproc 1)
     torch.manual_seed(0)
@@ -109,6 +116,9 @@ def main() -> None:
     preemption = Preemption(("SIGTERM", "SIGUSR1"))
     preemption.install()
     workers_ignore_signals(loader, preemption.signals)  # a signal to the process group: the main process decides
+    main = dist.get_rank() == 0  # a copy off the machine (one job per URL): the newer complete ones come first
+    copy = start_remote_copy(args.remote, root, keep=2, main=main, agree=any_rank)
+    fetch_newer(copy, main=main, agree=any_rank)
     restore(root, training, loader)
     rank = dist.get_rank()
     log = open(Path(args.batch_log) / f"log-{rank}.jsonl", "a") if args.batch_log else None
@@ -126,7 +136,7 @@ def main() -> None:
             stop = preemption.agreed()  # every rank, every step: one tiny all_reduce
             if stop or training.step % args.every == 0:
                 training.epoch = epoch + (loader.epoch > epoch)  # after an epoch's last batch: the next epoch
-                save(root, training, loader)
+                save(root, training, loader, copy)
             if stop:
                 print(f"preempted: checkpoint at step {training.step}; exiting with 143", flush=True)
                 raise SystemExit(143)

@@ -6,21 +6,25 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
-from loader_resume.checkpoint import complete_checkpoints
+import pytest
+
+from loader_resume.checkpoint import MANIFEST, complete_checkpoints
 from support.launch import ROOT, TORCHRUN, free_port
+from support.s3 import bucket, objects, s3_server
 
 EXAMPLE = ROOT / "examples" / "fsdp2_dcp.py"
 
 
-def command(out: Path) -> list[str]:
+def command(out: Path, *args: str) -> list[str]:
     return [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port()), str(EXAMPLE), "--out", str(out),
-            "--batch-log", str(out), "--workers", "2", "--every", "100"]
+            "--batch-log", str(out), "--workers", "2", "--every", "100", *args]
 
 
 def rows(out: Path) -> list[list[dict[str, Any]]]:
@@ -33,17 +37,20 @@ def digest(stdout: str) -> str:
     return found[0]
 
 
-def test_sigterm_to_the_launch_and_the_same_command_continue_with_the_uninterrupted_runs_batches(
-    tmp_path: Path
-) -> None:
-    full = tmp_path / "full"
-    full.mkdir()
-    done = subprocess.run(command(full), capture_output=True, text=True, timeout=300)
+@pytest.fixture(scope="module")
+def full(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The uninterrupted run: its directory (batch logs) and final weights' digest."""
+    out = tmp_path_factory.mktemp("full")
+    done = subprocess.run(command(out), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    reference = digest(done.stdout)
-    out = tmp_path / "cut"
+    return out, digest(done.stdout)
+
+
+def stopped(out: Path, *args: str) -> Path:
+    """The command SIGTERMed (the whole launch) after step 5, mid-epoch 0: every rank exits 143; the one sealed
+    checkpoint it leaves."""
     out.mkdir()
-    first = subprocess.Popen(command(out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    first = subprocess.Popen(command(out, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              start_new_session=True)
     deadline = time.monotonic() + 120
     while not (out / "log-0.jsonl").is_file() or len((out / "log-0.jsonl").read_text().splitlines()) < 5:
@@ -54,6 +61,37 @@ def test_sigterm_to_the_launch_and_the_same_command_continue_with_the_uninterrup
     assert stdout.count("exiting with 143") == 2 and "final weights digest" not in stdout, stderr[-3000:]
     sealed = complete_checkpoints(out / "checkpoints")
     assert len(sealed) == 1 and 5 <= int(sealed[0].name[5:]) < 15, sealed  # mid-epoch 0 (15 steps an epoch)
+    return sealed[0]
+
+
+def test_sigterm_to_the_launch_and_the_same_command_continue_with_the_uninterrupted_runs_batches(
+    full: tuple[Path, str], tmp_path: Path
+) -> None:
+    out = tmp_path / "cut"
+    stopped(out)
     rerun = subprocess.run(command(out), capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert rows(out) == rows(full) and digest(rerun.stdout) == reference
+    assert rows(out) == rows(full[0]) and digest(rerun.stdout) == full[1]
+
+
+def test_with_a_remote_copy_a_rerun_on_a_new_disk_continues_from_the_bucket(
+    full: tuple[Path, str], tmp_path: Path
+) -> None:
+    """``--remote s3://...`` against a real S3 API server on loopback: the sealed DCP directory is uploaded, its
+    manifest last; with the local checkpoints deleted (a new machine), the same command downloads it and continues
+    with the uninterrupted run's batches and weights."""
+    out = tmp_path / "cut"
+    with s3_server() as env:
+        bucket("dcp")
+        sealed = stopped(out, "--remote", "s3://dcp/job")
+        assert f"s3://dcp/job/{sealed.name}/{MANIFEST}" in objects("s3://dcp/job")
+        shutil.rmtree(out / "checkpoints")
+        written = [len(each) for each in rows(out)]
+        rerun = subprocess.run(command(out, "--remote", "s3://dcp/job"), capture_output=True, text=True,
+                               timeout=300, env={**os.environ, **env})
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    step = int(sealed.name[5:])  # one log line per step, from step 1
+    for rank, (each, uninterrupted) in enumerate(zip(rows(out), rows(full[0]), strict=True)):
+        assert each[written[rank]]["step"] == step + 1  # it continued from the bucket's copy
+        assert each[written[rank]:] == uninterrupted[step:]
+    assert digest(rerun.stdout) == full[1]
