@@ -11,6 +11,7 @@ rerun's log continues the first run's, and writes OUT/weights-RANK.txt (fingerpr
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -158,6 +159,12 @@ def main() -> None:
     weights = fingerprint([(p.full_tensor() if isinstance(p, DTensor) else p).detach() for p in model.parameters()])
     (out / f"weights-{rank}.txt").write_text(weights)
     fabric.barrier()
+    # NOTE: gloo aborts a process (SIGABRT, "terminate called without an active exception") whose process group is
+    # left to the interpreter's teardown; the DDP wrapper holds the group, so it goes first
+    del model, optimizer
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -91,8 +92,8 @@ class Cuttable:
         self.url = f"http://127.0.0.1:{self.port}"
         self._open: list[Any] = []
         self._listener: Any = None
-        self.stall: bytes | None = None
-        """While set: a request whose first line holds it is never passed on (the link stops answering it)."""
+        self.stall: re.Pattern[bytes] | None = None
+        """While set: a request whose first line matches it is never passed on (the link stops answering it)."""
         self.stalled = threading.Event()
         """Set once a request was held so."""
         self._released = threading.Event()
@@ -137,7 +138,7 @@ class Cuttable:
 def _relay(source: Any, target: Any, link: Cuttable | None) -> None:
     try:
         while data := source.recv(1 << 16):
-            if link is not None and link.stall is not None and link.stall in data.split(b"\r\n", 1)[0]:
+            if link is not None and link.stall is not None and link.stall.search(data.split(b"\r\n", 1)[0]):
                 link.stalled.set()
                 link._released.wait()
                 return
