@@ -11,7 +11,8 @@ loader and RNG states, in a directory sealed with a manifest
 (``loader_resume.checkpoint``: written under a temporary name, checksummed, renamed). On
 start the newest sealed checkpoint is verified and loaded, so rerunning the command — or
 torchrun restarting crashed processes — continues with the very next batch.
-``--batch-log DIR`` writes one JSON line per step and rank (the chaos tests audit them).
+``--batch-log DIR`` writes one JSON line per step and rank (the chaos tests audit them);
+``--audit DIR`` has the loader log what it hands over, for ``loader-resume audit DIR``.
 The last line printed is a digest of the final weights, the same for an
 interrupted-and-resumed job as for an uninterrupted one.
 """
@@ -124,6 +125,9 @@ def main() -> None:
                         help="torch.use_deterministic_algorithms(True)")
     parser.add_argument("--sleep", type=float, default=0.0,
                         help="seconds per step (to interrupt it by hand)")
+    parser.add_argument("--audit",
+                        help="a directory or fsspec URL each rank logs the batches it "
+                        "is handed to, for `loader-resume audit DIR`")
     parser.add_argument("--remote",
                         help="an fsspec URL (s3://bucket/run) each checkpoint is "
                         "copied to, and resumed from on a machine without them")
@@ -150,7 +154,8 @@ def main() -> None:
     loader = ResumableDataLoader(NoisyDigits(), batch_size=args.batch_size,
                                  shuffle=True, pin_memory=cuda,
                                  num_workers=args.workers,
-                                 seed=0)  # rank and world from torch.distributed
+                                 seed=0,  # rank and world from torch.distributed
+                                 audit=args.audit)
     root = Path(args.out) / "checkpoints"
     preemption = Preemption(("SIGTERM", "SIGUSR1"))
     preemption.install()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -19,6 +20,7 @@ from typing import Any, TypeVar
 import torch
 from torch.utils.data import Dataset, default_collate, default_convert
 
+from .audit import record_state, state_digest
 from .distributed import rank_and_world
 from .identity import ENDED_PASS, StateIdentity
 from .keyed_fetch import KeyedFetch
@@ -26,10 +28,10 @@ from .keyed_rng import GENERATORS, CallerRng, DrawnGenerators, derive_key
 from .load_warnings import LoadWarnings
 from .map_position import MapPosition
 from .pass_notes import PassNotes
-from .position import PassIterator, Position
+from .position import PassIterator
 from .preemption import held_while_forking
-from .sampler import Order, classify_order, default_seed
-from .settings import settings
+from .sampler import default_seed
+from .settings import positioned, settings
 from .state import check_state
 from .stream_position import StreamPosition
 from .thirdparty import refuse_stock_accelerate, warn_at_construction
@@ -66,6 +68,7 @@ class ResumableDataLoader(IndexHooks[T]):
         rank: shard for this rank (with ``world_size``); default from ``torch.distributed`` when initialised.
         world_size: shard across so many ranks; default from ``torch.distributed`` when initialised.
         by_value_bytes: tensors up to this size come back from workers by value (``worker_transport``); 0: never.
+        audit: a directory or fsspec URL where each rank logs every batch and state (``loader-resume audit DIR``).
 
     Semantics: ``state_dict()`` may be called at any time and describes where the next batch comes from; after
     ``load_state_dict(s)`` the next ``iter()`` continues there; without a load each ``iter()`` starts a new epoch,
@@ -100,6 +103,7 @@ class ResumableDataLoader(IndexHooks[T]):
         rank: int | None = None,
         world_size: int | None = None,
         by_value_bytes: int = BY_VALUE_BYTES,
+        audit: str | os.PathLike[str] | None = None,
     ) -> None:
         unbatched = batch_size is None and batch_sampler is None
         if collate_fn is None:
@@ -117,16 +121,9 @@ class ResumableDataLoader(IndexHooks[T]):
             persistent_workers=persistent_workers, rank=rank, world_size=world_size, in_order=in_order,
             by_value_bytes=by_value_bytes,
         )
-        self._position: Position
-        if is_map_style(self):
-            order = classify_order(dataset, sampler, batch_sampler, shuffle)
-            self._position = MapPosition(setup, order)
-        else:
-            order = Order(None, "iterable", False)
-            self._position = StreamPosition(setup)
+        order, self._position = positioned(setup, is_map_style(self), sampler, batch_sampler, shuffle, audit)
         self._identity = StateIdentity(self, self._position, order.name, order.shuffle)
-        self._loads = LoadWarnings(self)
-        self._notes = PassNotes(self, self._position)
+        self._loads, self._notes = LoadWarnings(self), PassNotes(self, self._position)
         self._drawn = DrawnGenerators()  # the generators this dataset draws from in this process (num_workers=0)
         warn_at_construction(dataset, batch_read=self._position.kind == "map" and keying == "sample")
 
@@ -249,6 +246,7 @@ class ResumableDataLoader(IndexHooks[T]):
         ended = bool(pass_ended)
         state = self._identity.for_state(ended)
         self._position.fill_state(state, batches_ago, ended)
+        record_state(self._position.setup, "state", state)
         if self._rest_empty:  # a loaded "ending" no iter() has taken up: still the same (no pass in flight to end)
             state["ending"] = True
         elif pass_ended is None:  # NOTE: per call only a reference kept; the note looks once (see pass_notes)
@@ -283,6 +281,7 @@ class ResumableDataLoader(IndexHooks[T]):
         A state that would be ignored is warned of once per loader and case: loaded while an iterator of this
         loader is mid-epoch (it goes on), or over an earlier state that no ``iter()`` took up."""
         state = self._identity.checked(state_dict)
+        record_state(self._position.setup, "load", state_dict)
         self._loads.loading()
         self._notes.taken = None
         self._identity.forget_pass()
@@ -294,6 +293,7 @@ class ResumableDataLoader(IndexHooks[T]):
         if not isinstance(self._position, StreamPosition):
             raise TypeError("load_resharded(): map-style states load at any world size through load_state_dict()")
         states = [check_state(state, self._identity.fields()) for state in ranks]
+        record_state(self._position.setup, "load", {"resharded": [state_digest(state) for state in ranks]})
         self._loads.loading()
         self._identity.forget_pass()
         self._position.reset_resharded(states)

@@ -12,11 +12,12 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .audit import map_pass, map_step
 from .index_plan import Pending, Plan, plan_indices
 from .keyed_fetch import NextFetch
 from .load_warnings import warn_sampler_left
 from .mixture import Mixture
-from .out_of_order import OutOfOrder
+from .out_of_order import OutOfOrder, checked_ahead
 from .position import PassStart, Setup, tell_epoch
 from .sampler import Order, steps_per_epoch
 from .split_check import SplitCheck
@@ -42,7 +43,7 @@ class NextPass:
 class MapPass:
     """One ``iter()`` over map-style data: where it starts, and the steps produced but not yet delivered."""
 
-    __slots__ = ("done", "epoch", "out_of_order", "pending", "sampler_state", "start")
+    __slots__ = ("audited", "done", "epoch", "out_of_order", "pending", "sampler_state", "start")
 
     def __init__(self, epoch: int, start: int, sampler_state: Any = None,
                  out_of_order: OutOfOrder | None = None) -> None:
@@ -52,6 +53,7 @@ class MapPass:
         self.pending: deque[Pending] = deque()
         self.out_of_order = out_of_order
         """``in_order=False`` with workers: the steps, delivered in any order (else ``pending``, in order)."""
+        self.audited: deque[list[Any]] | None = None  # audit=DIR: the ids of each step in `pending`
 
 
 class MapPosition:
@@ -90,7 +92,7 @@ class MapPosition:
                 self.setup.dataset.load_state_dict(state["dataset_state"])
                 restart = True  # persistent workers hold copies of the old dataset
             epoch, position, sampler_state = state["epoch"], state["position"], state["sampler_state"]
-            ahead = _checked_ahead(state, self.setup)
+            ahead = checked_ahead(state, self.setup)
             if self.sampler is None and position == self._n:
                 epoch, position = epoch + 1, 0
         if self._mixture is not None and state is not None:  # NOTE: nothing past the loaded position is requested
@@ -123,6 +125,8 @@ class MapPosition:
         # NOTE: with no workers batches come in order, but the steps delivered ahead before a resume are still skipped
         self._pass = MapPass(self.epoch, self._samples, start.sampler_state,
                              OutOfOrder(skip) if numbered or skip else None)
+        if self.setup.audit is not None and map_pass(self.setup, self.epoch, self._samples, self.sampler, self._n):
+            self._pass.audited = deque()
         collate = _Unbatch(collate_fn) if self.setup.unbatched else collate_fn
         if self.setup.seeds_ahead:
             collate = SeedAheadCollate(collate)
@@ -134,6 +138,8 @@ class MapPosition:
                 pass_.out_of_order.deliver(number, lambda end, last, state: self._advance(pass_, end, last, state))
                 return item
             end, last, self._sampler_state = pass_.pending.popleft()
+            if pass_.audited is not None:
+                map_step(self.setup, pass_.epoch, self._samples, end, pass_.audited.popleft(), self.unit_is_batch)
             self._samples = end
             if last:
                 self._next_epoch(pass_)
@@ -224,8 +230,11 @@ class MapPosition:
 
     @staticmethod
     def _recorded(pass_: MapPass, lists: Iterator[tuple[list[Any], Pending]]) -> Iterator[list[Any]]:
+        audited = pass_.audited
         for indices, pending in lists:
             pass_.pending.append(pending)
+            if audited is not None:  # NOTE: list.copy: a keyed list's own iteration may seed (keying="sample")
+                audited.append(list.copy(indices) if isinstance(indices, list) else list(indices))
             yield indices
 
     def _next_epoch(self, pass_: MapPass) -> None:
@@ -263,22 +272,6 @@ def _requested(mixture: Mixture, pass_: MapPass, lists: Iterator[tuple[Any, Pend
     for indices, pending in lists:
         mixture.requested(pass_.epoch, pending[0])
         yield indices, pending
-
-
-def _checked_ahead(state: Mapping[str, Any], setup: Setup) -> list[int]:
-    """A state's steps delivered ahead (``in_order=False``), refused where this loader's steps differ."""
-    ahead = state.get("ahead") or []
-    if not ahead:
-        return []
-    if setup.in_order:  # NOTE: its own states have no `ahead`: a state taken before those steps would lose them
-        raise StateError("ahead", ahead, "[] for a loader built with in_order=True",
-                         "Batches were delivered out of order past the position: resume with in_order=False.")
-    shard = setup.shard()
-    if (state["world_size"], state["batch_size"]) != (shard.world, setup.batch_size):
-        raise StateError("ahead", ahead, f"[] to resume with world_size={shard.world}, batch_size={setup.batch_size}",
-                         f"Batches were delivered out of order past the position, as steps of world_size="
-                         f"{state['world_size']} and batch_size={state['batch_size']}: resume with those.")
-    return list(ahead)
 
 
 class _Unbatch:

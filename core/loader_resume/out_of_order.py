@@ -20,12 +20,13 @@ the same ones (any ``num_workers``); one without resumes anywhere, as every map-
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from .index_plan import Pending
+from .state import StateError
 
-__all__ = ["OutOfOrder"]
+__all__ = ["OutOfOrder", "checked_ahead"]
 
 
 class OutOfOrder:
@@ -64,3 +65,19 @@ class OutOfOrder:
         planned included)."""
         delivered = {entry[0] for entry in self._steps if entry[3]}
         return sorted(delivered | {end for end in self.skip if end > position})
+
+
+def checked_ahead(state: Mapping[str, Any], setup: Any) -> list[int]:
+    """A state's steps delivered ahead (``in_order=False``), refused where this loader's steps differ."""
+    ahead = state.get("ahead") or []
+    if not ahead:
+        return []
+    if setup.in_order:  # NOTE: its own states have no `ahead`: a state taken before those steps would lose them
+        raise StateError("ahead", ahead, "[] for a loader built with in_order=True",
+                         "Batches were delivered out of order past the position: resume with in_order=False.")
+    shard = setup.shard()
+    if (state["world_size"], state["batch_size"]) != (shard.world, setup.batch_size):
+        raise StateError("ahead", ahead, f"[] to resume with world_size={shard.world}, batch_size={setup.batch_size}",
+                         f"Batches were delivered out of order past the position, as steps of world_size="
+                         f"{state['world_size']} and batch_size={state['batch_size']}: resume with those.")
+    return list(ahead)

@@ -59,6 +59,14 @@ class Setup:
     """``DataLoader(in_order=...)``: ``False`` lets workers' batches arrive in any order."""
     by_value_bytes: int = BY_VALUE_BYTES
     """Tensors up to this size come back from workers by value (``loader_resume.worker_transport``)."""
+    audit: Any = None
+    """The loader's ``loader_resume.audit.AuditLog`` (``audit=DIR``), else None: nothing is recorded."""
+
+    def audit_log(self) -> Any:
+        """The audit log, opened for this rank (None when the loader keeps none)."""
+        if self.audit is not None:
+            self.audit.open(*rank_and_world(self.rank, self.world_size))
+        return self.audit
 
     def shard(self) -> Shard:
         """This rank's view of the global order (rank and world size resolved now)."""

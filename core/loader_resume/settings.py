@@ -3,20 +3,24 @@ the order, the random keys and the state all read them from there."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.utils.data import DistributedSampler
 
+from .audit import audit_log
 from .distributed import rank_and_world
 from .keyed_rng import KEYING_MODES, generator_mask
-from .position import Setup
-from .sampler import ShardedSampler
+from .map_position import MapPosition
+from .position import Position, Setup
+from .sampler import Order, ShardedSampler, classify_order
+from .stream_position import StreamPosition
 from .torch_internals import caps_worker_tasks
 from .worker_transport import MAX_BY_VALUE_BYTES
 
-__all__ = ["settings"]
+__all__ = ["positioned", "settings"]
 
 
 def settings(dataset: Any, *, seed: int, keying: str, keyed_generators: Sequence[str],
@@ -51,3 +55,17 @@ def settings(dataset: Any, *, seed: int, keying: str, keyed_generators: Sequence
         num_workers=num_workers, persistent_workers=persistent_workers, rank=rank, world_size=world_size,
         shard_drop_last=shard_drop_last, in_order=in_order, by_value_bytes=by_value_bytes,
     )
+
+
+def positioned(setup: Setup, map_style: bool, sampler: Any, batch_sampler: Any, shuffle: bool | None,
+               audit: str | os.PathLike[str] | None) -> tuple[Order, Position]:
+    """What orders a loader's data and where it stands: a ``MapPosition`` (``map_style``) or a ``StreamPosition``,
+    with the ``AuditLog`` of ``audit=DIR`` in its setup (the log only records: nothing delivered depends on it)."""
+    if map_style:
+        order = classify_order(setup.dataset, sampler, batch_sampler, shuffle)
+        position: Position = MapPosition(setup, order)
+    else:
+        order, position = Order(None, "iterable", False), StreamPosition(setup)
+    if audit is not None:
+        position.setup = audit_log(audit, setup, position.dataset_len(), order.name, setup.num_workers)
+    return order, position

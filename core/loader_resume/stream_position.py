@@ -101,6 +101,9 @@ class StreamPosition:
         replay = sum(p.items for p in progress if p.needs_replay()) if restored else 0
         if replay:
             warn_replay(setup.dataset, replay)
+        audit = setup.audit_log()
+        if audit is not None:
+            audit.record({"t": "pass", "e": self.epoch, "wb": [p.batches for p in progress]})
         stream = self.worker_stream
         collate = StreamCollate(collate_fn, stream, unbatch=setup.unbatched, drop_last=setup.drop_last,
                                 batch_size=setup.batch_size or 1)
@@ -130,6 +133,10 @@ class StreamPosition:
             return SKIP
         if ours:
             pass_.deliver(meta)
+            if self.setup.audit is not None:  # epoch, worker, and the worker's batches and items after this one
+                worker, progress = meta
+                self.setup.audit.record({"t": "b", "e": pass_.epoch, "w": worker, "b": progress.batches,
+                                         "i": progress.items})
         return batch
 
     def end(self, pass_: StreamPass) -> None:

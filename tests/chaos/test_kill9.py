@@ -14,6 +14,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -112,7 +113,7 @@ EVERY = 4
 def plain(out: Path) -> list[str]:
     """The plain-PyTorch example: 15 steps an epoch on 2 ranks, 4 epochs, a checkpoint every 4 steps."""
     return [str(ROOT / "examples" / "plain_digits.py"), "--out", str(out), "--batch-log", str(out / "log"),
-            "--every", str(EVERY), "--epochs", "4"]
+            "--every", str(EVERY), "--epochs", "4", "--audit", str(out / "audit")]
 
 
 def accelerate(out: Path) -> list[str]:
@@ -149,6 +150,15 @@ def audit(job: str, tmp_path: Path, kills: int, seed: int) -> None:
     survived = len(list((tmp_path / "job").glob("killed-*")))
     # NOTE: a kill planned after more steps than an attempt has left never happens (the job finishes)
     assert survived >= kills - kills // 10, f"only {survived} of {kills} kills happened"
+    if job == "plain":  # the job's own audit (audit=DIR) agrees: every sample once per epoch, across the kills
+        for out, attempts in ((tmp_path / "full", 1), (tmp_path / "job", survived + 1)):
+            done = subprocess.run([str(Path(sys.executable).parent / "loader-resume"), "audit", str(out / "audit"),
+                                   "--json"], capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+            (report,) = json.loads(done.stdout)
+            assert [(row["epoch"], row["delivered"], row["status"]) for row in report["epochs"]] == [
+                (epoch, 1797, "ok") for epoch in range(4)]
+            assert len(report["attempts"]) >= attempts and {a["world"] for a in report["attempts"]} == {2}
     final = (tmp_path / "job" / weights).read_text().split()[-1]
     assert final == (tmp_path / "full" / weights).read_text().split()[-1]
     print(f"{job}: survived {survived} SIGKILLs under torchrun ({kills} planned); the audit is exact", flush=True)

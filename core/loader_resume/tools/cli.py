@@ -16,12 +16,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     commands = parser.add_subparsers(dest="command")
-    from . import check, demo
+    from . import audit, check, demo
 
     check.add_arguments(commands.add_parser(
         "check", help="verify that a DataLoader factory resumes exactly (cut, resume in fresh processes, compare)"))
     demo.add_arguments(commands.add_parser(
         "demo", help="train on digits, SIGTERM it mid-epoch, resume, and compare with the uninterrupted run"))
+    audit.add_arguments(commands.add_parser(
+        "audit", help="check a job's audit=DIR logs: every sample delivered exactly once across its restarts"))
     return parser
 
 
@@ -39,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import check
 
         return check.main(args)
+    if args.command == "audit":
+        from . import audit
+
+        return audit.main(args)
     if args.command == "demo":
         from . import demo
 

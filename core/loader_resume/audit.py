@@ -1,0 +1,207 @@
+"""The delivery log of ``ResumableDataLoader(audit=DIR)``: what each rank handed its caller, in every attempt.
+
+Each loader appends compact JSON lines to its own file per process (one *attempt* of the job on one rank), under
+``DIR/<loader>/``: a header, each pass's start, each delivered batch (epoch, global position, the sample ids —
+a digest instead of the ids above ``MAX_IDS`` — and the batch's random key), each state taken and each state
+loaded (a digest of the whole state, so a later attempt's load is matched to the state it came from). Nothing
+is ever rewritten: a restart opens a new file. ``loader-resume audit DIR`` (``loader_resume.tools.audit``)
+reads them all back and checks that every sample was seen exactly once across the restarts.
+
+Cost: one short line per batch into a buffer; the buffer is written (appended locally, a new part object on
+object storage) every ``FLUSH_RECORDS`` records or ``FLUSH_SECONDS``, at every state taken or loaded (so every
+batch a checkpoint covers is on disk before the checkpoint is), and when the process exits. A kill loses at
+most the batches after the last of those, which a resume delivers again anyway; a line torn by a kill is named
+and ignored by the reader.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .keyed_rng import derive_key
+from .storage import is_remote, join, local_path, remote_filesystem
+
+__all__ = ["AUDIT_FORMAT", "AuditLog", "audit_log", "record_state", "state_digest"]
+
+logger = logging.getLogger(__name__)
+
+AUDIT_FORMAT = 1
+"""The version of the log's records (the header's ``"format"``)."""
+MAX_IDS = 1024
+"""Batches with more samples record a digest of their ids, not the ids."""
+FLUSH_RECORDS = 512
+FLUSH_SECONDS = 5.0
+
+_OPEN: list[AuditLog] = []  # flushed at exit (held: a loader collected early still has its records written)
+_NAMES_LOCK = threading.Lock()
+_NAMES: set[tuple[str, str]] = set()  # (directory, loader name) taken in this process
+
+
+def state_digest(state: Mapping[str, Any]) -> str:
+    """A short digest of a loader state's content (what a later attempt's load is matched by)."""
+    text = json.dumps(state, sort_keys=True, default=repr, separators=(",", ":"))
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def ids_field(ids: Sequence[Any]) -> dict[str, Any]:
+    """A batch's sample ids as recorded: the ids themselves up to ``MAX_IDS``, else their count and digest."""
+    plain = [_plain(value) for value in ids]
+    if len(plain) <= MAX_IDS:
+        return {"ids": plain}
+    text = json.dumps(plain, separators=(",", ":"), default=repr)
+    return {"count": len(plain), "digest": hashlib.blake2b(text.encode(), digest_size=8).hexdigest()}
+
+
+def _plain(value: Any) -> Any:
+    if type(value) in (int, str, float, bool):
+        return value
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    item = getattr(value, "item", None)  # numpy and torch scalars
+    return item() if callable(item) else repr(value)
+
+
+class AuditLog:
+    """One loader's log in this process; opened at its first record (the rank is known by then)."""
+
+    def __init__(self, directory: str | os.PathLike[str], header: dict[str, Any]) -> None:
+        self.directory = local_path(os.fspath(directory))
+        self._header = header
+        self._buffer: list[str] = []
+        self._last_flush = time.monotonic()
+        self._path: str | None = None
+        self._part = 0
+        self._lock = threading.Lock()
+        self.rank, self.world = 0, 1
+
+    # --- records -------------------------------------------------------------------------------
+    def open(self, rank: int, world: int) -> None:
+        """Name this attempt's file (rank, start time, host, pid) and write the header; once."""
+        if self._path is not None:
+            return
+        self.rank, self.world = rank, world
+        name = str(self._header["loader"])
+        with _NAMES_LOCK:  # NOTE: two loaders of one process with the same identity: told apart by their order
+            base, ordinal = name, 1
+            while (self.directory, name) in _NAMES:
+                ordinal += 1
+                name = f"{base}.{ordinal}"
+            _NAMES.add((self.directory, name))
+        now = time.time()
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f"{now % 1:.6f}"[1:]
+        host = socket.gethostname().replace("/", "_")
+        folder = join(self.directory, name)
+        self._path = join(folder, f"rank{rank:05d}.{stamp}Z.{host}.{os.getpid()}")
+        if not is_remote(self.directory):
+            os.makedirs(local_path(folder), exist_ok=True)
+        header = dict(self._header, loader=name, format=AUDIT_FORMAT, rank=rank, world=world, time=now,
+                      host=host, pid=os.getpid())
+        self._buffer.append(json.dumps({"t": "begin", **header}, default=repr, separators=(",", ":")))
+        _OPEN.append(self)
+        self.flush()  # NOTE: every process that opened a log has its file, even one killed before the next write
+
+    def record(self, fields: dict[str, Any], *, flush: bool = False) -> None:
+        """Append one record; written now if ``flush`` or the buffer is due."""
+        self._buffer.append(json.dumps(fields, default=repr, separators=(",", ":")))
+        if flush or len(self._buffer) >= FLUSH_RECORDS or time.monotonic() - self._last_flush > FLUSH_SECONDS:
+            self.flush(sync=flush)
+
+    def flush(self, *, sync: bool = False) -> None:
+        """Write what is buffered (with a time mark); ``sync``: to stable storage before returning."""
+        with self._lock:
+            if not self._buffer or self._path is None:
+                return
+            self._buffer.append(json.dumps({"t": "at", "time": time.time()}))
+            text = "\n".join(self._buffer) + "\n"
+            self._buffer = []
+            self._last_flush = time.monotonic()
+            try:
+                if is_remote(self._path):  # NOTE: no append on object storage: each flush is one part object
+                    filesystem, path = remote_filesystem(f"{self._path}.{self._part:06d}.jsonl")
+                    with filesystem.open(path, "wb") as part:
+                        part.write(text.encode())
+                    self._part += 1
+                else:
+                    with open(f"{self._path}.jsonl", "ab") as file:
+                        file.write(text.encode())
+                        if sync:
+                            file.flush()
+                            os.fsync(file.fileno())
+            except OSError as error:  # NOTE: the audit never stops the training it watches: said, not raised
+                logger.error("audit log %s: could not write %d records (%s); the audit of this run will name "
+                             "the gap", self._path, text.count("\n"), error)
+
+    def close(self) -> None:
+        """Write the end record and what is left."""
+        if self._path is not None:
+            self._buffer.append(json.dumps({"t": "end", "time": time.time()}))
+            self.flush(sync=True)
+
+
+def audit_log(directory: str | os.PathLike[str], setup: Any, length: int | None, order: str, num_workers: int) -> Any:
+    """``setup`` (a loader's ``loader_resume.position.Setup``) with the ``AuditLog`` of ``audit=directory``, named by
+    what identifies its data (``order``: its state's ``source``)."""
+    if not setup.in_order and num_workers > 0:
+        raise ValueError("audit= with in_order=False: the audit records batches in the order of their global "
+                         "positions; build the loader with in_order=True to audit it")
+    if not isinstance(directory, str | os.PathLike) or not os.fspath(directory):
+        raise ValueError(f"audit={directory!r}: expected a directory or an fsspec URL (s3://bucket/run/audit)")
+    kind = "iterable" if order == "iterable" else "map"
+    size = "stream" if kind == "iterable" else length
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", f"{type(setup.dataset).__name__}-{size}-seed{setup.seed}")
+    header = {"loader": name, "kind": kind, "n": length, "order": order, "seed": setup.seed, "keying": setup.keying,
+              "batch_size": setup.batch_size, "drop_last": setup.shard().drop_last}
+    return dataclasses.replace(setup, audit=AuditLog(directory, header))
+
+
+def record_state(setup: Any, kind: str, state: Mapping[str, Any]) -> None:
+    """Record a state taken (``"state"``) or loaded (``"load"``), if ``setup`` keeps an audit: where it stands and
+    its digest; written now."""
+    if setup.audit is None:
+        return
+    audit = setup.audit_log()
+    record: dict[str, Any] = {"t": kind, "e": state.get("epoch"), "d": state_digest(state)}
+    if state.get("kind") == "map":
+        record["pos"] = state.get("position")
+    stream = state.get("stream")
+    if isinstance(stream, Mapping):
+        record["wb"] = [worker.get("batches") for worker in stream.get("workers", [])]
+    if "resharded" in state:
+        record["resharded"] = state["resharded"]
+    audit.record(record, flush=True)
+
+
+def map_pass(setup: Any, epoch: int, start: int, sampler: Any, length: int | None) -> bool:
+    """Record a map-style pass's start and its epoch's units (``length``, or the user ``sampler``'s length: None if
+    it has none); whether the loader keeps an audit."""
+    units = length if sampler is None else (len(sampler) if hasattr(sampler, "__len__") else None)
+    audit = setup.audit_log()
+    if audit is not None:
+        audit.record({"t": "pass", "e": epoch, "s": start, "units": units})
+    return audit is not None
+
+
+def map_step(setup: Any, epoch: int, start: int, end: int, ids: list[Any], unit_is_batch: bool) -> None:
+    """Record a delivered map-style step: its epoch, global start and end, this rank's units' ids, the batch's key."""
+    units = 1 if unit_is_batch else len(ids)
+    record = {"t": "b", "e": epoch, "s": start, "end": end, "u": units, **ids_field(ids)}
+    if setup.keying == "batch" and setup.mask:  # the key the batch's generators are seeded with
+        record["k"] = derive_key(derive_key(setup.seed, epoch, "batch"), start + setup.shard().rank * units)
+    setup.audit.record(record)
+
+
+@atexit.register
+def _flush_all() -> None:
+    for log in list(_OPEN):
+        log.close()

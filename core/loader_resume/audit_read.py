@@ -1,0 +1,168 @@
+"""Reading ``audit=DIR`` logs back (``loader_resume.audit`` writes them): each process's records, per loader,
+grouped into the job's attempts.
+
+A file is one loader in one process (one rank of one attempt). Ranks of one attempt run side by side; attempts
+follow one another. So the files of a loader, taken by start time, fall into attempts: a file joins the attempt
+before it while that attempt lacks its rank, has its world size, ran until shortly before, and took no state the
+file loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from .audit import AUDIT_FORMAT
+from .storage import is_remote, local_path, remote_filesystem
+
+__all__ = ["AuditFormatError", "RankLog", "Attempt", "read_audit"]
+
+SAME_ATTEMPT_SECONDS = 60.0
+"""How long after an attempt's last record another rank's first may come and still be of the same attempt."""
+_FILE = re.compile(r"^(rank\d+\.[^/]+?)(?:\.(\d{6}))?\.jsonl$")
+
+
+class AuditFormatError(ValueError):
+    """An audit directory that cannot be read: nothing there, a damaged record, an unknown format."""
+
+
+@dataclass
+class RankLog:
+    """One file: a loader on one rank in one attempt."""
+
+    path: str
+    header: dict[str, Any]
+    records: list[dict[str, Any]]
+    torn: str | None = None
+    """A last line cut short by a kill (ignored), else None."""
+
+    @property
+    def rank(self) -> int:
+        return int(self.header["rank"])
+
+    @property
+    def world(self) -> int:
+        return int(self.header["world"])
+
+    @property
+    def start(self) -> float:
+        return float(self.header["time"])
+
+    @property
+    def end(self) -> float:
+        times = [float(record["time"]) for record in self.records if "time" in record]
+        return max([self.start, *times])
+
+
+@dataclass
+class Attempt:
+    """The files of one attempt of the job (one per rank), in rank order."""
+
+    number: int
+    logs: list[RankLog] = field(default_factory=list)
+
+    @property
+    def world(self) -> int:
+        return self.logs[0].world
+
+    @property
+    def start(self) -> float:
+        return min(log.start for log in self.logs)
+
+    @property
+    def end(self) -> float:
+        return max(log.end for log in self.logs)
+
+
+def read_audit(directory: str | os.PathLike[str]) -> dict[str, list[Attempt]]:
+    """Every loader's attempts found under ``directory`` (a local path or an fsspec URL)."""
+    texts = _texts(local_path(os.fspath(directory)))
+    if not texts:
+        raise AuditFormatError(f"{os.fspath(directory)}: no audit logs (expected <loader>/rank*.jsonl files written by "
+                               "a loader built with audit=DIR)")
+    by_loader: dict[str, list[RankLog]] = {}
+    for path, text in sorted(texts.items()):
+        log = _parse(path, text)
+        by_loader.setdefault(str(log.header["loader"]), []).append(log)
+    return {name: _attempts(logs) for name, logs in sorted(by_loader.items())}
+
+
+def _texts(directory: str) -> dict[str, str]:
+    """Each file's text (object storage: a file's parts joined in order), by its name."""
+    parts: dict[str, list[tuple[int, str]]] = {}
+    filesystem: Any = None
+    if is_remote(directory):
+        filesystem, root = remote_filesystem(directory)
+        names = [str(name) for name in filesystem.find(root) if str(name).endswith(".jsonl")]
+    else:
+        names = [os.path.join(folder, name) for folder, _, files in os.walk(directory) for name in files
+                 if name.endswith(".jsonl")]
+    for name in names:
+        found = _FILE.match(os.path.basename(name))
+        if found is None:
+            continue
+        key = os.path.join(os.path.dirname(name), found.group(1))
+        parts.setdefault(key, []).append((int(found.group(2) or 0), name))
+    # NOTE: a file is named as it is (a local log), or by its parts' pattern (object storage)
+    return {files[0][1] if len(files) == 1 else f"{key}.*.jsonl": "".join(_read(filesystem, name) for _, name in
+            sorted(files)) for key, files in parts.items()}
+
+
+def _read(filesystem: Any, name: str) -> str:
+    if filesystem is not None:
+        return bytes(filesystem.cat_file(name)).decode()
+    with open(name, encoding="utf-8") as file:
+        return file.read()
+
+
+def _parse(path: str, text: str) -> RankLog:
+    lines = text.split("\n")
+    torn = None
+    if lines and lines[-1] == "":
+        lines.pop()
+    elif lines:  # NOTE: the last write was cut short by a kill: that line alone is ignored (and named)
+        torn = lines.pop()
+    records: list[dict[str, Any]] = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            if number == len(lines) and torn is None:
+                torn = line
+                break
+            raise AuditFormatError(f"{path}: line {number} is damaged ({error}); a record in the middle of a log is "
+                                   "only ever written whole") from error
+    if not records or records[0].get("t") != "begin":
+        raise AuditFormatError(f"{path}: no header record (expected the first line to be a 'begin' record)")
+    header = records[0]
+    if header.get("format") != AUDIT_FORMAT:
+        raise AuditFormatError(f"{path}: audit format {header.get('format')!r}; expected {AUDIT_FORMAT} (written by "
+                               "another loader-resume release?)")
+    return RankLog(path, header, records[1:], torn)
+
+
+def _attempts(logs: list[RankLog]) -> list[Attempt]:
+    attempts: list[Attempt] = []
+    for log in sorted(logs, key=lambda log: (log.start, log.rank)):
+        current = attempts[-1] if attempts else None
+        if current is not None and _joins(log, current):
+            current.logs.append(log)
+        else:
+            attempts.append(Attempt(len(attempts) + 1, [log]))
+    for attempt in attempts:
+        attempt.logs.sort(key=lambda log: log.rank)
+    return attempts
+
+
+def _joins(log: RankLog, attempt: Attempt) -> bool:
+    """Whether ``log`` is another rank of ``attempt``: one it lacks, of its world size, started while it ran (ranks
+    that wait for no collective may start seconds apart: ``SAME_ATTEMPT_SECONDS``), not resuming from its states."""
+    if log.world != attempt.world or log.rank in {other.rank for other in attempt.logs}:
+        return False
+    if log.start > attempt.end + SAME_ATTEMPT_SECONDS:
+        return False
+    taken = {record["d"] for other in attempt.logs for record in other.records if record["t"] == "state"}
+    return not any(record["t"] == "load" and record.get("d") in taken for record in log.records)

@@ -1,0 +1,103 @@
+"""One attempt of a small job with ``audit=DIR``, as a real process: the tests of ``loader-resume audit`` run two or
+three in a row (a rank each, side by side, for a world of 2), with a crash, a ``break`` or a state of their choosing.
+
+    python tests/audit_child.py AUDIT_DIR OUT.json [--rank R --world W] [--load STATE] [--save-at K STATE]
+        [--steps S] [--epochs E] [--break-at B STATE [--pass-ended]] [--stream --workers N]
+
+Each batch holds the samples' ids (and a keyed random draw); every delivered ``(epoch, ids)`` is written to
+OUT.json, the test's own record of what the attempt saw. ``--steps S``: the attempt stops (exit 3, a crash) after S
+batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+from loader_resume import ResumableDataLoader
+
+N = 100
+
+
+class Ids(Dataset[dict[str, Any]]):
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {"id": index, "noise": torch.rand(())}
+
+
+class Lines(IterableDataset[dict[str, Any]]):
+    """A stream of ids, split between workers, that knows how far it got (``state_dict``)."""
+
+    def __init__(self) -> None:
+        self.done = 0
+
+    def __iter__(self) -> Any:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        mine = list(range(worker, N, workers))
+        while self.done < len(mine):
+            self.done += 1
+            yield {"id": mine[self.done - 1], "noise": torch.rand(())}
+
+    def state_dict(self) -> dict[str, int]:
+        return {"done": self.done}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.done = state["done"]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.done = 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("audit")
+    parser.add_argument("out")
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--world", type=int, default=1)
+    parser.add_argument("--load")
+    parser.add_argument("--save-at", nargs=2, action="append", default=[])
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--break-at", nargs=2)
+    parser.add_argument("--pass-ended", action="store_true")
+    parser.add_argument("--stream", action="store_true")
+    parser.add_argument("--workers", type=int, default=0)
+    args = parser.parse_args()
+    dataset = Lines() if args.stream else Ids()
+    loader = ResumableDataLoader(dataset, batch_size=8, shuffle=not args.stream, seed=11, rank=args.rank,
+                                 world_size=args.world, num_workers=args.workers, audit=args.audit)
+    if args.load:
+        loader.load_state_dict(torch.load(args.load, weights_only=True))
+    saves = {int(step): path for step, path in args.save_at}
+    seen: list[Any] = []
+    step = 0
+    try:
+        for epoch in range(loader.epoch, args.epochs):
+            for batch in loader:
+                seen.append([epoch, batch["id"].tolist()])
+                step += 1
+                if step in saves:
+                    torch.save(loader.state_dict(), saves[step])
+                if args.steps is not None and step == args.steps:
+                    return 3
+                if args.break_at is not None and step == int(args.break_at[0]):
+                    break
+            if args.break_at is not None and step == int(args.break_at[0]):  # a loop that leaves the pass, then saves
+                torch.save(loader.state_dict(pass_ended=args.pass_ended or None), args.break_at[1])
+                return 0
+        return 0
+    finally:
+        with open(args.out, "w") as file:
+            json.dump(seen, file)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

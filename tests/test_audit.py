@@ -1,0 +1,180 @@
+"""``audit=DIR`` and ``loader-resume audit DIR``: a job's own record of what each rank was handed, checked after the
+fact. Each attempt is a real process (``tests/audit_child.py``; a world of 2 is two processes side by side); the
+attempts write what they saw themselves, so what the audit says is compared with the truth, not with itself. Jobs
+made wrong on purpose (a pass skipped, a state from another run, a resume that did not load) fail, naming where.
+The front doors' SIGTERM and rerun with ``--audit``: ``tests/test_remote_copy.py`` (on S3) and the SIGKILL chaos
+of ``tests/chaos/test_kill9.py`` (under torchrun)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loader_resume import ResumableDataLoader
+from loader_resume.tools.cli import main as cli
+
+CHILD = Path(__file__).parent / "audit_child.py"
+N = 100
+
+
+def attempt(out: Path, name: str, *args: str, expect: int = 0) -> list[Any]:
+    """One attempt (one process); what it was handed, as it wrote it."""
+    done = subprocess.run([sys.executable, str(CHILD), str(out / "audit"), str(out / f"{name}.json"), *args],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == expect, done.stderr[-3000:]
+    return json.loads((out / f"{name}.json").read_text())  # type: ignore[no-any-return]
+
+
+def side_by_side(out: Path, name: str, *args: str, expect: int = 0) -> list[list[Any]]:
+    """One attempt of a world of 2: two processes at once, rank 0 and rank 1."""
+    children = [subprocess.Popen([sys.executable, str(CHILD), str(out / "audit"), str(out / f"{name}-{rank}.json"),
+                                  "--rank", str(rank), "--world", "2", *[a.replace("RANK", str(rank)) for a in args]],
+                                 stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    for child in children:
+        _, stderr = child.communicate(timeout=120)
+        assert child.returncode == expect, stderr[-3000:]
+    return [json.loads((out / f"{name}-{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def audit(out: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, dict[str, Any], str]:
+    """``loader-resume audit`` as JSON and as text: exit code, the (one) loader's report, the text."""
+    capsys.readouterr()
+    code = cli(["audit", str(out / "audit"), "--json"])
+    (report,) = json.loads(capsys.readouterr().out)
+    assert cli(["audit", str(out / "audit")]) == code
+    return code, report, capsys.readouterr().out
+
+
+def by_epoch(batches: list[Any]) -> dict[int, list[int]]:
+    ids: dict[int, list[int]] = {}
+    for epoch, batch in batches:
+        ids.setdefault(epoch, []).extend(batch)
+    return ids
+
+
+def test_a_job_cut_at_two_ranks_and_resumed_on_one_passes_and_says_where_it_resumed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """World 2 (two processes) crashes after 7 steps, its last state taken after step 4; a world of 1 resumes from it
+    and finishes two epochs. The batches that count (each attempt's up to where the next resumed) hold every sample
+    once per epoch, and the audit says so, where the resume was (4 steps of 2 ranks of 8) and what was redone."""
+    ranks = side_by_side(tmp_path, "first", "--save-at", "4", str(tmp_path / "state-RANK.pt"), "--steps", "7",
+                         expect=3)
+    rest = attempt(tmp_path, "second", "--load", str(tmp_path / "state-0.pt"))
+    counted = by_epoch([batch for rank in ranks for batch in rank[:4]] + rest)
+    assert {epoch: sorted(ids) for epoch, ids in counted.items()} == {0: list(range(N)), 1: list(range(N))}
+    code, report, text = audit(tmp_path, capsys)
+    assert code == 0, text
+    assert [(a["world"], a["batches"], a["resumed"], a["rolled_back"]) for a in report["attempts"]] == [
+        (2, 14, "(fresh)", 0), (1, len(rest), "epoch 0 position 64", 3)]
+    assert [(e["epoch"], e["delivered"], e["status"]) for e in report["epochs"]] == [(0, N, "ok"), (1, N, "ok")]
+    assert report["ok"] and "OK: every sample was delivered exactly once" in text
+
+
+def test_a_pass_skipped_by_a_state_saved_after_a_break_fails_naming_the_first_sample_never_seen(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The loop breaks after 3 batches and saves ``state_dict(pass_ended=True)`` (it says it leaves the pass on
+    purpose), then the job is rerun from that state: epoch 0's samples from position 24 on are never seen."""
+    first = attempt(tmp_path, "first", "--break-at", "3", str(tmp_path / "state.pt"), "--pass-ended")
+    rest = attempt(tmp_path, "second", "--load", str(tmp_path / "state.pt"))
+    assert len(by_epoch(first + rest)[0]) == 24  # the truth: the rest of epoch 0 was skipped
+    code, report, text = audit(tmp_path, capsys)
+    assert code == 1
+    (finding,) = report["findings"]
+    assert (finding["epoch"], finding["position"]) == (0, 24) and "never delivered: 76 samples" in finding["message"]
+    assert "FAIL epoch 0, position 24: never delivered" in text and text.rstrip().splitlines()[-1].startswith("FAILED")
+    # the same loop, saying nothing, continues the pass (the default that loses nothing): the audit passes
+    again = tmp_path / "default"
+    again.mkdir()
+    attempt(again, "first", "--break-at", "3", str(again / "state.pt"))
+    attempt(again, "second", "--load", str(again / "state.pt"))
+    assert audit(again, capsys)[0] == 0
+
+
+def test_a_state_from_another_run_fails_naming_it_and_the_samples_it_skipped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The job crashes after step 5 (its state from step 3); its rerun loads a state another run took at step 6."""
+    other = tmp_path / "other"
+    other.mkdir()
+    attempt(other, "run", "--save-at", "6", str(other / "state.pt"), "--steps", "6", expect=3)
+    attempt(tmp_path, "first", "--save-at", "3", str(tmp_path / "state.pt"), "--steps", "5", expect=3)
+    attempt(tmp_path, "second", "--load", str(other / "state.pt"))
+    code, report, text = audit(tmp_path, capsys)
+    assert code == 1
+    messages = {(f["attempt"], f["epoch"], f["position"]): f["message"] for f in report["findings"]}
+    assert "no earlier attempt took" in messages[(2, 0, 48)]
+    assert "never delivered: 8 samples" in messages[(0, 0, 40)]  # step 6 (positions 40..47): in neither attempt
+
+
+def test_a_rerun_that_loaded_nothing_fails_though_every_sample_was_seen(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """States were taken (a checkpoint), but the rerun started from the beginning (it did not find it)."""
+    attempt(tmp_path, "first", "--save-at", "3", str(tmp_path / "state.pt"), "--steps", "5", expect=3)
+    attempt(tmp_path, "second")
+    code, report, _ = audit(tmp_path, capsys)
+    assert code == 1 and [f["attempt"] for f in report["findings"]] == [2]
+    assert "started from the beginning" in report["findings"][0]["message"]
+
+
+def test_a_stream_with_two_workers_resumed_passes_and_a_rerun_from_an_older_state_rolls_back_what_followed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An iterable dataset with a state, two workers: the worker batches continue where the state said."""
+    stream = ["--stream", "--workers", "2", "--epochs", "1"]
+    first = attempt(tmp_path, "first", *stream, "--save-at", "4", str(tmp_path / "state.pt"), "--steps", "7", expect=3)
+    rest = attempt(tmp_path, "second", *stream, "--load", str(tmp_path / "state.pt"))
+    assert sorted(by_epoch(first[:4] + rest)[0]) == list(range(N))
+    code, report, text = audit(tmp_path, capsys)
+    assert code == 0, text
+    assert [(e["worker"], e["delivered"]) for e in report["epochs"]] == [(0, 7), (1, 7)]  # 50 ids each, 8 a batch
+    # a third run from the first one's state (the second one's work lost with its checkpoints): all of it redone
+    again = attempt(tmp_path, "third", *stream, "--load", str(tmp_path / "state.pt"))
+    assert again == rest
+    code, report, text = audit(tmp_path, capsys)
+    assert code == 0, text
+    assert [a["rolled_back"] for a in report["attempts"]] == [0, 3, len(rest)]
+
+
+def test_a_record_torn_by_a_kill_is_ignored_and_named_and_a_damaged_one_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    attempt(tmp_path, "first", "--save-at", "3", str(tmp_path / "state.pt"), "--steps", "5", expect=3)
+    attempt(tmp_path, "second", "--load", str(tmp_path / "state.pt"))
+    (log, *_) = sorted((tmp_path / "audit").rglob("rank*.jsonl"))
+    text = log.read_text()
+    log.write_text(text + text.splitlines()[-3][:17])  # a kill in the middle of a write: half a line, no newline
+    code, report, out = audit(tmp_path, capsys)
+    assert code == 0 and report["notes"] == [f"{log}: its last line was cut short (a kill while writing): ignored"]
+    lines = text.splitlines()
+    lines[2] = lines[2][:-9]
+    log.write_text("\n".join(lines) + "\n")
+    assert cli(["audit", str(tmp_path / "audit")]) == 2
+    assert f"{log}: line 3 is damaged" in capsys.readouterr().err
+    assert cli(["audit", str(tmp_path / "nothing")]) == 2
+    assert "no audit logs" in capsys.readouterr().err
+
+
+def test_audit_is_refused_where_it_cannot_follow_and_costs_nothing_when_off(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="in_order=True to audit"):
+        ResumableDataLoader(list(range(8)), num_workers=1, in_order=False, audit=tmp_path)
+    with pytest.raises(ValueError, match="expected a directory or an fsspec URL"):
+        ResumableDataLoader(list(range(8)), audit="")
+    loader = ResumableDataLoader(list(range(8)), batch_size=2, audit=tmp_path / "never")
+    assert not (tmp_path / "never").exists()  # nothing written until a batch is handed over
+    list(loader)
+    (log,) = (tmp_path / "never").rglob("rank00000.*.jsonl")  # its header, at once
+    assert [json.loads(line)["t"] for line in log.read_text().splitlines()] == ["begin", "at"]
+    loader.state_dict()  # the batches before a state are written with it
+    assert [json.loads(line)["t"] for line in log.read_text().splitlines()][2:] == ["pass", "b", "b", "b", "b",
+                                                                                  "state", "at"]
+    plain = ResumableDataLoader(list(range(8)), batch_size=2)
+    assert plain._position.setup.audit is None and os.listdir(tmp_path) == ["never"]
