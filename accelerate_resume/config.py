@@ -46,6 +46,9 @@ class ResumeConfig:
     """An fsspec URL (``s3://bucket/run``, ``gs://...``) each sealed checkpoint is copied to, its manifest last; at an
     automatic resume the complete remote checkpoints newer than the local ones are downloaded first (a new machine's
     rerun resumes from them). One job at a time holds it (a lease). ``None``: local checkpoints only."""
+    audit: Optional[str] = None  # noqa: UP045
+    """A directory or fsspec URL where each rank logs the batches its loaders hand over, for ``loader-resume audit
+    DIR`` (``ResumableDataLoader(audit=...)``); ``None``: no log."""
     save_every_n_steps: int = 0
     """Also checkpoint every N optimizer steps (0: only on preemption)."""
     keep: int = 2

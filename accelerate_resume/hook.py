@@ -216,9 +216,9 @@ class Resume:
 
     def _convert(self, loader: DataLoader[Any], placement: bool | None) -> AcceleratedResumableDataLoader:
         config, accelerator = self.config, self.accelerator
-        seed = loader_seed(config.seed, len(self._loaders))  # NOTE: each loader of the job its own keyed values
         ours = sharded_resumable(loader, rank=accelerator.process_index, world_size=accelerator.num_processes,
-                                 loader_class=AcceleratedResumableDataLoader, seed=seed, keying=config.keying,
+                                 loader_class=AcceleratedResumableDataLoader, keying=config.keying, audit=config.audit,
+                                 seed=loader_seed(config.seed, len(self._loaders)),  # each loader its own values
                                  keyed_generators=config.keyed_generators, ignore_signals=self.preemption.signals)
         ours.attach_accelerate(self, *placed(self.accelerator, placement))
         self._loaders.append(ours)

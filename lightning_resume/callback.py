@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from loader_resume import GENERATORS, ResumableDataLoader
+from loader_resume.audit import audit_from_environment
 from loader_resume.checkpoint import CHECKPOINT_FORMAT
 from loader_resume.checkpoint_dir import FAILED_SAVE_EXIT_CODE, DirectoryLock, preemption_exit_code
 from loader_resume.convert import resumable
@@ -65,6 +66,8 @@ class ResumeCallback(OnExceptionCheckpoint):
         exit_code: after a preemption checkpoint, end the process with this code (143 = 128 + SIGTERM,
             so a scheduler sees a failure and requeues); ``None``: return from ``fit()`` normally
             (``callback.preempted_at`` tells the step).
+        audit: a directory or URL each rank logs its loaders' batches to, for ``loader-resume audit DIR`` (``None``:
+            ``$LOADER_RESUME_AUDIT``, if set; see ``ResumableDataLoader(audit=...)``).
 
     One per ``Trainer``: a second one is refused at ``setup``. The training loaders' state and every
     rank's torch/numpy/random RNG states are written under ``checkpoint["loader_resume"]``; Lightning's
@@ -84,11 +87,13 @@ class ResumeCallback(OnExceptionCheckpoint):
         filename: str = "preempted",
         check_every_n_steps: int = 1,
         exit_code: int | None = 143,
+        audit: str | os.PathLike[str] | None = None,
     ) -> None:
         super().__init__(local_path(dirpath) if dirpath is not None else os.getcwd(), filename)  # NOTE: file: URLs
         if type(check_every_n_steps) is not int or check_every_n_steps < 1:
             raise ValueError(f"ResumeCallback(check_every_n_steps={check_every_n_steps!r}): expected an int >= 1")
         self.seed, self.keying, self.keyed_generators = seed, keying, tuple(keyed_generators)
+        self.audit = audit_from_environment(audit)
         self.preemption = Preemption(signals)
         self.check_every_n_steps, self.exit_code = check_every_n_steps, exit_code
         self.preempted_at: int | None = None
@@ -288,4 +293,5 @@ class ResumeCallback(OnExceptionCheckpoint):
         return resumable(
             loader, seed=loader_seed(self.seed, index), keying=self.keying, keyed_generators=self.keyed_generators,
             rank=rank, world_size=world_size, distributed=distributed, ignore_signals=self.preemption.signals,
+            audit=self.audit,
         )

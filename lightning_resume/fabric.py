@@ -21,6 +21,7 @@ from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
 
 from loader_resume import GENERATORS
+from loader_resume.audit import audit_from_environment
 from loader_resume.checkpoint import CHECKPOINT_FORMAT, complete_checkpoints, write_sealed
 from loader_resume.checkpoint_dir import (
     DirectoryLock,
@@ -70,6 +71,7 @@ class FabricResume:
         verify_checksums: seal checkpoints with SHA-256 checksums (else sizes only).
         slurm_requeue: inside a SLURM job, after a checkpoint requested by SIGUSR1 (``sbatch --signal=USR1@90``)
             the main process runs ``scontrol requeue`` (``loader_resume.slurm``); other signals stop without one.
+        audit: a directory or URL each rank logs its batches to, for `loader-resume audit` (else $LOADER_RESUME_AUDIT).
     """
 
     def __init__(
@@ -88,6 +90,7 @@ class FabricResume:
         verify_checksums: bool = True,
         slurm_requeue: bool = False,
         remote: str | None = None,
+        audit: str | os.PathLike[str] | None = None,
     ) -> None:
         for name, value, least in (("save_every_n_steps", save_every_n_steps, 0),
                                    ("check_every_n_steps", check_every_n_steps, 1), ("keep", keep, 1),
@@ -98,11 +101,11 @@ class FabricResume:
             raise ValueError("FabricResume(fabric): this Fabric already has one; expected one per Fabric")
         self.fabric = fabric
         self.seed, self.keying, self.keyed_generators = seed, keying, tuple(keyed_generators)
+        self.audit = audit_from_environment(audit)
         self.checkpoint_dir = local_directory(checkpoint_dir if checkpoint_dir is not None else "resume_checkpoints")
         self.save_every_n_steps, self.check_every_n_steps = save_every_n_steps, check_every_n_steps
         self.keep, self.exit_code, self.verify_checksums = keep, exit_code, verify_checksums
-        self.preemption = Preemption(signals)
-        self._requeue = Requeue(slurm_requeue)
+        self.preemption, self._requeue = Preemption(signals), Requeue(slurm_requeue)
         self.epoch = 0
         """The epoch [`epochs`][lightning_resume.FabricResume.epochs] is in (restored on resume)."""
         self.loaded_from: Path | None = None
@@ -111,16 +114,14 @@ class FabricResume:
         """The loaders set up so far, in the order their states are saved."""
         self.preempted_at: int | None = None
         """The step of the preemption checkpoint, once taken."""
-        self._boundaries, self._claimed = StepBoundaries(), False  # _claimed: the directory (see restore)
-        self._hooked: set[int] = set()
+        self._boundaries, self._claimed, self._hooked = StepBoundaries(), False, set[int]()  # _claimed: see restore
         self._state: dict[str, Any] | None = None
         self._lock: DirectoryLock | RemoteLease | None = None
         self._remote = None if remote is None else RemoteCopy(remote, self.checkpoint_dir, keep=keep)
         self._entry = PendingEntry()  # a loaded checkpoint's generators and loader states, until they can go in
         self._fabric_save, self._fabric_load = fabric.save, fabric.load
         fabric.setup_dataloaders = self.setup_dataloaders  # type: ignore[method-assign]
-        fabric.save = self.save_to  # type: ignore[method-assign]
-        fabric.load = self.load_from  # type: ignore[method-assign]
+        fabric.save, fabric.load = self.save_to, self.load_from  # type: ignore[method-assign]
         fabric.loader_resume = self  # type: ignore[attr-defined]
 
     # --- the user's API ----------------------------------------------------------------------------
@@ -260,7 +261,7 @@ class FabricResume:
     # --- loaders and step boundaries ----------------------------------------------------------------
     def _convert(self, loader: DataLoader[Any], move_to_device: bool) -> FabricResumableDataLoader:
         ours = convert(loader, self.fabric, seed=loader_seed(self.seed, len(self.loaders)), keying=self.keying,
-                       keyed_generators=self.keyed_generators, signals=self.preemption.signals)  # each its own seed
+                       keyed_generators=self.keyed_generators, signals=self.preemption.signals, audit=self.audit)
         ours.attach(self, self.fabric.to_device if move_to_device else None)
         self.loaders.append(ours)
         self._entry.apply(self.loaders)

@@ -44,7 +44,7 @@ class LoaderReference:
 
 
 def convert(loader: DataLoader[Any], fabric: Fabric, *, seed: int, keying: str, keyed_generators: Sequence[str],
-            signals: Sequence[int]) -> FabricResumableDataLoader:
+            signals: Sequence[int], audit: str | None = None) -> FabricResumableDataLoader:
     """``loader`` as a ``FabricResumableDataLoader`` sharded for this rank; its workers ignore ``signals``.
     A collective (the ranks' datasets are compared)."""
     if not isinstance(loader, DataLoader):
@@ -52,7 +52,7 @@ def convert(loader: DataLoader[Any], fabric: Fabric, *, seed: int, keying: str, 
                         "DataLoader itself (not one already set up by Fabric)")
     ours = sharded_resumable(loader, rank=fabric.global_rank, world_size=fabric.world_size,
                              loader_class=FabricResumableDataLoader, seed=seed, keying=keying,
-                             keyed_generators=keyed_generators, ignore_signals=signals)
+                             keyed_generators=keyed_generators, ignore_signals=signals, audit=audit)
     return ours
 
 

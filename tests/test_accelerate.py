@@ -28,6 +28,7 @@ from accelerate_resume import AcceleratedResumableDataLoader, ResumeConfig, enab
 from loader_resume import ResumableDataLoader
 from loader_resume.checkpoint import MANIFEST
 from loader_resume.testing import assert_delivers_rest_exactly_once
+from support.audit import audited
 from support.batch import Done, run_batch
 from support.data import Augmented
 from support.launch import ACCELERATE_CHILD, command, free_port, logs, progress_of, run, trained, weights
@@ -214,8 +215,9 @@ def preempt(out: Path, processes: int, whole_group: bool, *args: str) -> None:
 
 @pytest.mark.parametrize("whole_group", [False, True])
 def test_sigterm_mid_epoch_checkpoints_at_a_step_boundary_and_the_same_command_continues(
-    full: dict[Any, Path], tmp_path: Path, whole_group: bool
+    full: dict[Any, Path], tmp_path: Path, whole_group: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("LOADER_RESUME_AUDIT", str(tmp_path / "audit"))  # the job's own audit agrees, last
     preempt(tmp_path, 2, whole_group, *EVAL, "--workers", "2")
     checkpoints = sorted(p.name for p in (tmp_path / "resume_checkpoints").iterdir())
     stopped = trained(logs(tmp_path)[0])
@@ -223,6 +225,7 @@ def test_sigterm_mid_epoch_checkpoints_at_a_step_boundary_and_the_same_command_c
     run(tmp_path, 2, *EVAL, "--workers", "2")
     assert logs(tmp_path) == logs(full[2])  # the rerun's log appends to the first run's
     assert weights(tmp_path) == weights(full[2])
+    audited(tmp_path / "audit", [2, 2])
 
 
 @pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])

@@ -107,7 +107,7 @@ def test_a_state_from_another_run_fails_naming_it_and_the_samples_it_skipped(
     attempt(other, "run", "--save-at", "6", str(other / "state.pt"), "--steps", "6", expect=3)
     attempt(tmp_path, "first", "--save-at", "3", str(tmp_path / "state.pt"), "--steps", "5", expect=3)
     attempt(tmp_path, "second", "--load", str(other / "state.pt"))
-    code, report, text = audit(tmp_path, capsys)
+    code, report, _ = audit(tmp_path, capsys)
     assert code == 1
     messages = {(f["attempt"], f["epoch"], f["position"]): f["message"] for f in report["findings"]}
     assert "no earlier attempt took" in messages[(2, 0, 48)]
@@ -152,7 +152,7 @@ def test_a_record_torn_by_a_kill_is_ignored_and_named_and_a_damaged_one_is_refus
     (log, *_) = sorted((tmp_path / "audit").rglob("rank*.jsonl"))
     text = log.read_text()
     log.write_text(text + text.splitlines()[-3][:17])  # a kill in the middle of a write: half a line, no newline
-    code, report, out = audit(tmp_path, capsys)
+    code, report, _ = audit(tmp_path, capsys)
     assert code == 0 and report["notes"] == [f"{log}: its last line was cut short (a kill while writing): ignored"]
     lines = text.splitlines()
     lines[2] = lines[2][:-9]

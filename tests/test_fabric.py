@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 from lightning_resume import FabricResume
 from loader_resume.checkpoint_dir import LOCK_FILE
 from loader_resume.testing import assert_delivers_rest_exactly_once
+from support.audit import audited
 from support.launch import TESTS, logs, progress_of, trained, weights
 from support.reference import child_run
 
@@ -55,11 +56,14 @@ def checkpoints(out: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_sigterm_mid_epoch_then_the_same_command_continues_exactly(full: dict[str, Path], tmp_path: Path,
-                                                                   workers: int) -> None:
+def test_sigterm_mid_epoch_then_the_same_command_continues_exactly(
+    full: dict[str, Path], tmp_path: Path, workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A real SIGTERM from outside to the whole process group (ranks and DataLoader workers), as a scheduler
     sends it: one checkpoint at the next step boundary, exit 143, and the rerun's batches and weights are
-    the uninterrupted run's. Batches do not depend on num_workers, so both compare with the same run."""
+    the uninterrupted run's. Batches do not depend on num_workers, so both compare with the same run. The job's own
+    audit (``LOADER_RESUME_AUDIT``) agrees."""
+    monkeypatch.setenv("LOADER_RESUME_AUDIT", str(tmp_path / "audit"))
     first = subprocess.Popen([sys.executable, str(CHILD), str(tmp_path), "--devices", "2", "--workers", str(workers),
                               "--sleep", "0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                              start_new_session=True)
@@ -75,6 +79,7 @@ def test_sigterm_mid_epoch_then_the_same_command_continues_exactly(full: dict[st
     run(tmp_path, 2, "--workers", str(workers))
     assert logs(tmp_path) == logs(full["2"])  # the rerun's log appends to the first run's
     assert weights(tmp_path) == weights(full["2"])
+    audited(tmp_path / "audit", [2, 2])
 
 
 def test_an_iterable_dataset_resumes_exactly_on_every_rank(full: dict[str, Path], tmp_path: Path) -> None:

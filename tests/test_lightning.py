@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 from lightning_resume import ResumeCallback
 from loader_resume import ResumableDataLoader
 from loader_resume.testing import assert_delivers_rest_exactly_once
+from support.audit import audited
 from support.batch import Done, run_batch
 from support.data import Augmented
 from support.launch import progress_of
@@ -273,13 +274,16 @@ def preempted_then_rerun(out: Path, devices: int, whole_group: bool, natural: bo
                          [(1, False, False), (2, False, False), (2, True, True), (1, False, True)])
 def test_sigterm_checkpoints_at_a_step_boundary_and_a_rerun_continues_exactly(
     references: dict[str, tuple[Path, dict[str, Any]]], ddp: tuple[Path, dict[str, Any]], tmp_path: Path,
-    devices: int, whole_group: bool, natural: bool
+    devices: int, whole_group: bool, natural: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``natural``: what users pick first, ``Trainer(default_root_dir=d, callbacks=[ResumeCallback()])``. On two
     devices the signal to the whole group and the natural setup are one case (they are independent: the signal's
     path to the ranks, where the checkpoint is found). The jobs run with 2 workers; batches do not depend on
-    num_workers (the augmentation is keyed), so the 2-device job compares with the uninterrupted DDP run."""
+    num_workers (the augmentation is keyed), so the 2-device job compares with the uninterrupted DDP run. The job's
+    own audit (``LOADER_RESUME_AUDIT``) agrees."""
+    monkeypatch.setenv("LOADER_RESUME_AUDIT", str(tmp_path / "audit"))
     resumed = preempted_then_rerun(tmp_path / "job", devices, whole_group, natural)
+    audited(tmp_path / "audit", [devices, devices])
     full = references["workers"][1] if devices == 1 else ddp[1]
     assert resumed["logs"] == full["logs"]  # the restarted job's log appends to the first run's
     assert resumed["weights"] == full["weights"]

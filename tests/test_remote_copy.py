@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import s3fs
 
+from loader_resume.audit_check import audit_directory
 from loader_resume.checkpoint import MANIFEST, seal, verify
 from loader_resume.remote_copy import RemoteCopy, RemoteCopyError
 from support.launch import TESTS, command, logs, progress_of, run, trained, weights
@@ -241,7 +242,7 @@ def test_a_plain_loop_with_a_remote_copy_stopped_and_rerun_on_a_new_disk_continu
     full = subprocess.run(command(tmp_path / "full"), capture_output=True, text=True, timeout=300)
     assert full.returncode == 0, full.stderr[-3000:]
     job = tmp_path / "job"
-    same = ["--remote", "s3://copy-p/job"]
+    same = ["--remote", "s3://copy-p/job", "--audit", "s3://copy-p/audit"]
     first = subprocess.Popen(command(job, *same, "--sleep", "0.05"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              text=True)
     deadline = time.monotonic() + 300
@@ -262,3 +263,9 @@ def test_a_plain_loop_with_a_remote_copy_stopped_and_rerun_on_a_new_disk_continu
     assert steps(job) == steps(tmp_path / "full")
     assert again.stdout.splitlines()[-1] == full.stdout.splitlines()[-1]
     assert full.stdout.splitlines()[-1].startswith("final weights digest: ")
+    # the loader's audit, kept in the bucket too (audit=s3://...): the rerun resumed at the bucket's checkpoint
+    (report,) = audit_directory("s3://copy-p/audit")
+    assert report.ok, report.findings
+    assert [(a["world"], a["resumed"]) for a in report.attempts] == [
+        (1, "(fresh)"), (1, f"epoch 0 position {64 * int(local.removeprefix('step_'))}")]
+    assert [(row["epoch"], row["delivered"], row["status"]) for row in report.epochs] == [(0, 1797, "ok")]

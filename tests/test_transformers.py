@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from loader_resume.checkpoint import MANIFEST
+from support.audit import audited
 from support.batch import Done, run_batch
 from support.launch import logs, weights
 from support.s3 import bucket, objects, s3_server
@@ -201,12 +202,15 @@ def test_sigterm_on_one_process_checkpoints_at_the_next_step_and_the_same_comman
         full: dict[str, Path], tmp_path: Path) -> None:
     """One process (where the support matrix's oldest transformers, 4.57 to 5.17, can resume on the CPU: with
     several CPU processes those load the optimizer onto ``cpu:0``): SIGTERM at the end of step 4, in the second epoch,
-    no checkpoint being due; checkpoint-4 is written, exit 143; the same command again continues exactly."""
+    no checkpoint being due; checkpoint-4 is written, exit 143; the same command again continues exactly, and the
+    job's own audit (``LOADER_RESUME_AUDIT``) agrees."""
+    env = {"LOADER_RESUME_AUDIT": str(tmp_path / "audit")}
     same = ["--save-steps", "100", "--signal-at", "4", "--resume", "true"]
-    assert "checkpoint written at step 4" in run(tmp_path, 1, *same, expect=143)
+    assert "checkpoint written at step 4" in run(tmp_path, 1, *same, expect=143, env=env)
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-4"]
-    run(tmp_path, 1, *same)
+    run(tmp_path, 1, *same, env=env)
     assert logs(tmp_path) == logs(full["1"]) and weights(tmp_path) == weights(full["1"])
+    audited(tmp_path / "audit", [1, 1])
 
 
 def test_sigterm_with_a_remote_copy_uploads_the_checkpoint_and_a_rerun_on_a_new_disk_continues_exactly(

@@ -54,6 +54,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from accelerate_resume import AcceleratedResumableDataLoader
 from accelerate_resume.loader import placed
 from loader_resume import GENERATORS
+from loader_resume.audit import audit_from_environment
 from loader_resume.checkpoint import CHECKPOINT_FORMAT, CheckpointError, temporary_name, writer_token
 from loader_resume.checkpoint_dir import preemption_exit_code
 from loader_resume.convert import sharded_resumable
@@ -83,7 +84,9 @@ class ResumeTrainerMixin:
     (``()``: none), ``check_every_n_steps`` (how often the ranks agree on them), ``exit_code`` (after a
     preemption checkpoint) and ``slurm_requeue`` (inside a SLURM job, ``scontrol requeue`` after a checkpoint
     requested by SIGUSR1: ``loader_resume.slurm``); ``remote``, an fsspec URL each checkpoint is copied to and
-    resumed from (else ``$LOADER_RESUME_REMOTE``; ``transformers_resume.remote``).
+    resumed from (else ``$LOADER_RESUME_REMOTE``; ``transformers_resume.remote``); ``audit``, a directory or URL
+    where each rank logs the batches its training loader hands over, for ``loader-resume audit DIR`` (else
+    ``$LOADER_RESUME_AUDIT``, if set).
     """
 
     args: Any
@@ -95,11 +98,12 @@ class ResumeTrainerMixin:
     def __init__(self, *args: Any, keying: str = "batch", keyed_generators: Sequence[str] = GENERATORS,
                  signals: Sequence[str | int] = ("SIGTERM", "SIGUSR1"), check_every_n_steps: int = 1,
                  exit_code: int = 143, slurm_requeue: bool = False, remote: str | None = None,
-                 **kwargs: Any) -> None:
+                 audit: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
         for name, value, least in (("check_every_n_steps", check_every_n_steps, 1), ("exit_code", exit_code, 0)):
             if type(value) is not int or value < least:
                 raise ValueError(f"{type(self).__name__}({name}={value!r}): expected an int >= {least}")
         self.resume_keying, self.resume_keyed_generators = keying, tuple(keyed_generators)
+        self.resume_audit = audit_from_environment(audit)
         self.resume_loader: AcceleratedResumableDataLoader | None = None
         """The training loader of the current ``train()`` (``None`` before)."""
         self.preemption, self.requeue = Preemption(signals), Requeue(slurm_requeue)
@@ -132,7 +136,8 @@ class ResumeTrainerMixin:
         ours = sharded_resumable(
             plain, rank=args.process_index, world_size=args.world_size, loader_class=AcceleratedResumableDataLoader,
             seed=args.data_seed if args.data_seed is not None else args.seed, keying=self.resume_keying,
-            keyed_generators=self.resume_keyed_generators, ignore_signals=self.preemption.signals)
+            keyed_generators=self.resume_keyed_generators, ignore_signals=self.preemption.signals,
+            audit=self.resume_audit)
         ours.attach_accelerate(None, *placed(accelerator, None))
         if self._loader_states is not None:
             load_rank_state(ours, self._loader_states)

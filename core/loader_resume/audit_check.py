@@ -19,7 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .audit_read import Attempt, RankLog, read_audit
-from .keyed_rng import derive_key
+
+SAME = ("kind", "n", "order", "seed", "keying")
+"""What every attempt's loader must share: what decides its order and its random keys (the batch size, the world
+size and the workers may change)."""
 
 __all__ = ["Finding", "LoaderReport", "audit_directory", "check_loader"]
 
@@ -67,6 +70,15 @@ def check_loader(name: str, attempts: list[Attempt]) -> LoaderReport:
         for log in attempt.logs:
             if log.torn is not None:
                 report.notes.append(f"{log.path}: its last line was cut short (a kill while writing): ignored")
+    for attempt in attempts:
+        for log in attempt.logs:
+            changed = [f"{key} {log.header.get(key)!r} (attempt 1: {header.get(key)!r})" for key in SAME
+                       if log.header.get(key) != header.get(key)]
+            if changed:
+                report.findings.append(Finding(attempt.number, None, None, f"ran with {', '.join(changed)}: "
+                                               "the order and the random keys are not the same", log.rank))
+    if report.findings:
+        return report
     if header["kind"] == "map":
         _MapCheck(report).run(attempts)
     else:
@@ -110,7 +122,7 @@ def _resume(report: LoaderReport, attempt: Attempt, earlier: list[Attempt]) -> d
 class _MapCheck:
     def __init__(self, report: LoaderReport) -> None:
         self.report = report
-        self.seen: dict[tuple[int, int], tuple[int, int, Any, int]] = {}  # (epoch, position) -> attempt, rank, id, step
+        self.seen: dict[tuple[int, int], tuple[int, int, int]] = {}  # (epoch, position) -> attempt, rank, step start
         self.steps: dict[tuple[int, int], int] = {}  # (epoch, step start) -> the step's end
         self.units: dict[int, int | None] = {}
         self.padding: dict[int, int] = {}
@@ -139,7 +151,7 @@ class _MapCheck:
                         self.units[record["e"]] = record["units"]
                     elif record["t"] == "b":
                         batches += 1
-                        self._add(attempt.number, log.rank, log.world, record, header)
+                        self._add(attempt.number, log.rank, log.world, record)
             self.report.attempts.append({"number": attempt.number, "world": attempt.world, "batches": batches,
                                          "resumed": resumed, "rolled_back": rolled})
         self._epochs(header)
@@ -149,7 +161,7 @@ class _MapCheck:
         gone = [key for key in self.steps if key >= where]
         for key in gone:
             del self.steps[key]
-        for key in [key for key, seen in self.seen.items() if (key[0], seen[3]) >= where]:
+        for key in [key for key, seen in self.seen.items() if (key[0], seen[2]) >= where]:
             del self.seen[key]
         return len(gone)
 
@@ -165,29 +177,24 @@ class _MapCheck:
                     attempt.number, got[0], got[1], f"resumed from epoch {where[0]} position {where[1]}, but its first "
                     f"batch starts at epoch {got[0]} position {got[1]}", log.rank))
 
-    def _add(self, attempt: int, rank: int, world: int, record: dict[str, Any], header: dict[str, Any]) -> None:
-        epoch, start, units = record["e"], record["s"], record["u"]
-        self.steps[(epoch, start)] = record["end"]
+    def _add(self, attempt: int, rank: int, world: int, record: dict[str, Any]) -> None:
+        epoch, start, end = record["e"], record["s"], record["end"]
+        units = -(-(end - start) // world)  # a full step's batch, or the tail's share (loader_resume.sampler)
+        self.steps[(epoch, start)] = end
         self.step_size[epoch] = max(self.step_size.get(epoch, 0), units * world)
         first = start + rank * units
-        if "k" in record and record["k"] != derive_key(derive_key(header["seed"], epoch, "batch"), first):
-            self.report.findings.append(Finding(attempt, epoch, first, "the batch's random key is not the one of its "
-                                                "(seed, epoch, position)", rank))
-        ids = record.get("ids")
         total = self.units.get(epoch)
-        for offset in range(units):
-            position = first + offset
+        for position in range(first, first + units):
             if total is not None and position >= total:
                 self.padding[epoch] = self.padding.get(epoch, 0) + 1
                 continue
-            sample = None if ids is None else (tuple(ids) if units == 1 and len(ids) != 1 else ids[offset])
             previous = self.seen.get((epoch, position))
             if previous is not None:
                 self.report.findings.append(Finding(
                     attempt, epoch, position, f"delivered again (first by attempt {previous[0]} rank {previous[1]}), "
                     "with no resume between", rank))
                 continue
-            self.seen[(epoch, position)] = (attempt, rank, sample, start)
+            self.seen[(epoch, position)] = (attempt, rank, start)
 
     def _epochs(self, header: dict[str, Any]) -> None:
         epochs = sorted({epoch for epoch, _ in self.seen} | set(self.padding))
@@ -210,12 +217,6 @@ class _MapCheck:
                     status = f"position {missing[0]} never delivered ({len(missing)} missing)"
                     self.report.findings.append(Finding(0, epoch, missing[0], f"never delivered: {len(missing)} "
                                                         f"samples of the epoch from step {step} of the epoch on"))
-            if header["order"] == "permutation":
-                ids = [self.seen[(epoch, p)][2] for p in positions]
-                if None not in ids and len(set(ids)) != len(ids):
-                    status = "a sample delivered twice"
-                    twice = sorted({i for i in ids if ids.count(i) > 1})[:5]
-                    self.report.findings.append(Finding(0, epoch, None, f"samples {twice} delivered twice"))
             if begin:
                 status += f" (from position {begin}: earlier ones ran before this audit)"
             self.report.epochs.append({"epoch": epoch, "delivered": len(positions), "dropped": dropped,

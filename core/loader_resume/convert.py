@@ -44,6 +44,7 @@ def resumable(
     ignore_signals: Sequence[int] = (),
     loader_class: type[L] = ResumableDataLoader,  # type: ignore[assignment]
     distributed: bool = False,
+    audit: str | None = None,
 ) -> L:
     """``loader`` as a ResumableDataLoader (one of ``loader_class`` is returned as it is, unless another
     ``num_workers``, rank or world size is asked for: then it is rebuilt with them).
@@ -57,14 +58,17 @@ def resumable(
             class is rebuilt as one, keeping its seed, keying, keyed generators and ``by_value_bytes``.
         distributed: express the sharding as a ``DistributedSampler`` for one rank too (a framework that puts
             one on any loader without it, as Lightning does under a parallel strategy of one process).
+        audit: the ``audit=`` of the loader built (a ResumableDataLoader of its own keeps its own).
     """
     same_build = (num_workers is None or num_workers == loader.num_workers) and world_size is None
-    if isinstance(loader, loader_class) and same_build:
+    if isinstance(loader, loader_class) and same_build and (audit is None or loader._position.setup.audit is not None):
         return loader
     by_value_bytes = BY_VALUE_BYTES
     if isinstance(loader, ResumableDataLoader):
         seed, keying, keyed_generators = loader.seed, loader.keying, loader.keyed_generators
         by_value_bytes = loader.by_value_bytes
+        own = loader._position.setup.audit
+        audit = own.directory if own is not None else audit
     custom_batches = loader.batch_sampler is not None and type(loader.batch_sampler) is not BatchSampler
     sampler = None if custom_batches or isinstance(loader.dataset, IterableDataset) else loader.sampler
     if sampler is not None and world_size is not None and (world_size > 1 or distributed):
@@ -83,7 +87,7 @@ def resumable(
         generator=loader.generator, prefetch_factor=loader.prefetch_factor if workers else None,
         persistent_workers=loader.persistent_workers and workers > 0, pin_memory_device=loader.pin_memory_device,
         in_order=getattr(loader, "in_order", True), seed=seed, keying=keying, keyed_generators=keyed_generators,
-        rank=None if world_size is None else rank, world_size=world_size, by_value_bytes=by_value_bytes,
+        rank=None if world_size is None else rank, world_size=world_size, by_value_bytes=by_value_bytes, audit=audit,
     )
 
 
@@ -96,10 +100,11 @@ def _sharded(loader: DataLoader[Any], sampler: Any, seed: int, rank: int, world_
 
 
 def sharded_resumable(loader: DataLoader[Any], *, rank: int, world_size: int, loader_class: type[L], seed: int,
-                      keying: str, keyed_generators: Sequence[str], ignore_signals: Sequence[int]) -> L:
+                      keying: str, keyed_generators: Sequence[str], ignore_signals: Sequence[int],
+                      audit: str | None = None) -> L:
     """``resumable`` for a framework's process ``rank`` of ``world_size``, the ranks' datasets compared
     (``distributed.check_same_dataset``: a collective, every rank calls it)."""
     ours = resumable(loader, seed=seed, keying=keying, keyed_generators=keyed_generators, rank=rank,
-                     world_size=world_size, ignore_signals=ignore_signals, loader_class=loader_class)
+                     world_size=world_size, ignore_signals=ignore_signals, loader_class=loader_class, audit=audit)
     check_same_dataset(ours)
     return ours

@@ -53,7 +53,7 @@ class MapPass:
         self.pending: deque[Pending] = deque()
         self.out_of_order = out_of_order
         """``in_order=False`` with workers: the steps, delivered in any order (else ``pending``, in order)."""
-        self.audited: deque[list[Any]] | None = None  # audit=DIR: the ids of each step in `pending`
+        self.audited: deque[list[Any]] | None = None  # audit=DIR, a user sampler: the ids of each step in `pending`
 
 
 class MapPosition:
@@ -125,8 +125,8 @@ class MapPosition:
         # NOTE: with no workers batches come in order, but the steps delivered ahead before a resume are still skipped
         self._pass = MapPass(self.epoch, self._samples, start.sampler_state,
                              OutOfOrder(skip) if numbered or skip else None)
-        if self.setup.audit is not None and map_pass(self.setup, self.epoch, self._samples, self.sampler, self._n):
-            self._pass.audited = deque()
+        if map_pass(self.setup, self.epoch, self._samples, self.sampler, self._n) and self.sampler is not None:
+            self._pass.audited = deque()  # a user sampler's ids are recorded (ours follow from the positions)
         collate = _Unbatch(collate_fn) if self.setup.unbatched else collate_fn
         if self.setup.seeds_ahead:
             collate = SeedAheadCollate(collate)
@@ -138,8 +138,8 @@ class MapPosition:
                 pass_.out_of_order.deliver(number, lambda end, last, state: self._advance(pass_, end, last, state))
                 return item
             end, last, self._sampler_state = pass_.pending.popleft()
-            if pass_.audited is not None:
-                map_step(self.setup, pass_.epoch, self._samples, end, pass_.audited.popleft(), self.unit_is_batch)
+            if self.setup.audit is not None:
+                map_step(self.setup, pass_, self._samples, end)
             self._samples = end
             if last:
                 self._next_epoch(pass_)

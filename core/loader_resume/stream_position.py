@@ -134,9 +134,7 @@ class StreamPosition:
         if ours:
             pass_.deliver(meta)
             if self.setup.audit is not None:  # epoch, worker, and the worker's batches and items after this one
-                worker, progress = meta
-                self.setup.audit.record({"t": "b", "e": pass_.epoch, "w": worker, "b": progress.batches,
-                                         "i": progress.items})
+                self.setup.audit.delivered(("w", pass_.epoch, meta[0], meta[1].batches, meta[1].items))
         return batch
 
     def end(self, pass_: StreamPass) -> None:
