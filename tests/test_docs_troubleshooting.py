@@ -56,6 +56,7 @@ ENTRIES = {
     "own resume protocol": "replay",
     "defines __getitems__": "batch-read",
     "with the same seed": "shared-seed",
+    "could not write %d records": "audit-log",
     "is still mid-epoch": "load-state",
     "called twice with no iter()": "load-state",
     "the loop left the pass": "pass-left",

@@ -148,8 +148,8 @@ class AuditLog:
                             file.flush()
                             os.fsync(file.fileno())
             except OSError as error:  # NOTE: the audit never stops the training it watches: said, not raised
-                logger.error("audit log %s: could not write %d records (%s); the audit of this run will name "
-                             "the gap", self._path, text.count("\n"), error)
+                logger.error("audit log %s: could not write %d records (%s); loader-resume audit will report "
+                             "those batches as never delivered", self._path, text.count("\n"), error)
 
     def close(self) -> None:
         """Write the end record and what is left."""

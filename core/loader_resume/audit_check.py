@@ -216,7 +216,7 @@ class _MapCheck:
                     step = sum(1 for e, start in self.steps if e == epoch and start < missing[0])
                     status = f"position {missing[0]} never delivered ({len(missing)} missing)"
                     self.report.findings.append(Finding(0, epoch, missing[0], f"never delivered: {len(missing)} "
-                                                        f"samples of the epoch from step {step} of the epoch on"))
+                                                        f"samples from step {step} of the epoch on"))
             if begin:
                 status += f" (from position {begin}: earlier ones ran before this audit)"
             self.report.epochs.append({"epoch": epoch, "delivered": len(positions), "dropped": dropped,

@@ -58,17 +58,15 @@ def resumable(
             class is rebuilt as one, keeping its seed, keying, keyed generators and ``by_value_bytes``.
         distributed: express the sharding as a ``DistributedSampler`` for one rank too (a framework that puts
             one on any loader without it, as Lightning does under a parallel strategy of one process).
-        audit: the ``audit=`` of the loader built (a ResumableDataLoader of its own keeps its own).
+        audit: the ``audit=`` of the loader built (given, a ResumableDataLoader is rebuilt with it).
     """
     same_build = (num_workers is None or num_workers == loader.num_workers) and world_size is None
-    if isinstance(loader, loader_class) and same_build and (audit is None or loader._position.setup.audit is not None):
+    if isinstance(loader, loader_class) and same_build and audit is None:
         return loader
     by_value_bytes = BY_VALUE_BYTES
     if isinstance(loader, ResumableDataLoader):
         seed, keying, keyed_generators = loader.seed, loader.keying, loader.keyed_generators
         by_value_bytes = loader.by_value_bytes
-        own = loader._position.setup.audit
-        audit = own.directory if own is not None else audit
     custom_batches = loader.batch_sampler is not None and type(loader.batch_sampler) is not BatchSampler
     sampler = None if custom_batches or isinstance(loader.dataset, IterableDataset) else loader.sampler
     if sampler is not None and world_size is not None and (world_size > 1 or distributed):

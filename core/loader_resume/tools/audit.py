@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from dataclasses import asdict
 from typing import Any
 
@@ -43,7 +42,7 @@ def render(reports: list[LoaderReport]) -> str:
         header = report.header
         size = f"{header['n']} samples" if header.get("n") is not None else "a stream"
         out.append(f"loader {report.name} ({header['kind']}, {header.get('order')}, {size}, seed {header['seed']})")
-        out.append(_table(["attempt", "ranks", "resumed from", "batches", "rolled back"],
+        out.append(_table(["attempt", "ranks", "resumed from", "batches (all ranks)", "steps rolled back"],
                           [[a["number"], a["world"], a["resumed"], a["batches"], a["rolled_back"]]
                            for a in report.attempts]))
         streams = header["kind"] != "map"
@@ -59,9 +58,10 @@ def render(reports: list[LoaderReport]) -> str:
         out.append("")
     bad = [report for report in reports if not report.ok]
     first = next((report.findings[0] for report in bad), None)
-    verdict = ("OK: every sample was delivered exactly once across the attempts" if first is None else
-               f"FAILED: {sum(len(report.findings) for report in bad)} findings; the first: {first.message}")
-    out.append(f"{verdict} (checked {time.strftime('%Y-%m-%d %H:%M:%S')})")
+    count = sum(len(report.findings) for report in bad)
+    attempts = max((len(report.attempts) for report in reports), default=0)
+    out.append(f"OK: every sample delivered exactly once, across {attempts} attempt{'s' * (attempts != 1)}"
+               if first is None else f"FAILED: {count} finding{'s' * (count != 1)}, the first: {first.message}")
     return "\n".join(out) + "\n"
 
 
