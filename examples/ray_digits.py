@@ -42,7 +42,8 @@ def train_func(config: dict[str, Any]) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     # shards itself across Ray's workers
     loader = ResumableDataLoader(NoisyDigits(), batch_size=config["batch_size"],
-                                 shuffle=True, seed=0, num_workers=config["workers"])
+                                 shuffle=True, seed=0, num_workers=config["workers"],
+                                 audit=config["audit"])  # None: no audit log
     resume = RayResume(loader, model=model, optimizer=optimizer,
                        every_n_steps=config["every"])
     log = (Path(config["batch_log"], f"log-{rank}.jsonl").open("a")
@@ -78,6 +79,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--sleep", type=float, default=0.0,
                         help="seconds per step (to interrupt it by hand)")
+    parser.add_argument("--audit",
+                        help="a directory each rank logs the batches it is handed to, "
+                        "for `loader-resume audit DIR`")
     parser.add_argument("--batch-log",
                         help="write one JSON line per step to DIR/log-RANK.jsonl")
     args = parser.parse_args()
@@ -88,6 +92,7 @@ def main() -> None:
     config = {"out": str(out), "epochs": args.epochs, "every": args.every,
               "workers": args.workers, "batch_size": args.batch_size,
               "sleep": args.sleep,
+              "audit": str(Path(args.audit).resolve()) if args.audit else None,
               "batch_log": (str(Path(args.batch_log).resolve()) if args.batch_log
                             else None)}
     trainer = TorchTrainer(train_func, train_loop_config=config,

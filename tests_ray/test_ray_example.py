@@ -21,7 +21,7 @@ ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'core'}:{ROOT}"}
 
 def command(out: Path) -> list[str]:
     return [sys.executable, str(ROOT / "examples" / "ray_digits.py"), "--out", str(out), "--every", "4",
-            "--batch-log", str(out), "--sleep", "0.1"]
+            "--batch-log", str(out), "--sleep", "0.1", "--audit", str(out / "audit")]
 
 
 def batches(out: Path) -> dict[tuple[int, int], Any]:
@@ -52,3 +52,14 @@ def test_interrupted_with_ctrl_c_and_run_again_it_ends_with_the_uninterrupted_di
     assert again.stdout.splitlines()[-1] == full.stdout.splitlines()[-1]
     assert full.stdout.splitlines()[-1].startswith("final weights digest: ")
     assert batches(tmp_path / "cut") == batches(tmp_path / "full")
+    # the job's own audit (ResumableDataLoader(audit=...)) agrees: every sample once per epoch, one resume
+    for out, attempts in (("full", 1), ("cut", 2)):
+        done = subprocess.run([sys.executable, "-c", "import sys; from loader_resume.tools.cli import main; "
+                               "sys.exit(main(sys.argv[1:]))", "audit", str(tmp_path / out / "audit"), "--json"],
+                              capture_output=True, text=True, timeout=120, env=ENV)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        (report,) = json.loads(done.stdout)
+        assert [(row["epoch"], row["delivered"], row["status"]) for row in report["epochs"]] == [
+            (0, 1797, "ok"), (1, 1797, "ok")]
+        assert len(report["attempts"]) == attempts
+        assert [a["resumed"] == "(fresh)" for a in report["attempts"]] == [True] + [False] * (attempts - 1)

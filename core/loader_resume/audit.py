@@ -205,12 +205,15 @@ def map_pass(setup: Any, epoch: int, start: int, sampler: Any, length: int | Non
     return True
 
 
-def map_step(setup: Any, pass_: Any, start: int, end: int) -> None:
+def map_step(setup: Any, pass_: Any, start: int, end: int, last: bool) -> None:
     """Record a delivered map-style step of ``pass_``: its epoch, global start and end (this rank's units follow from
     them and the world size), and the ids of a user sampler's units (our permutation's are a function of the
-    positions, recomputed by the audit)."""
+    positions, recomputed by the audit). An epoch's ``last`` step is written at once (a process may end without
+    running its exit handlers: Ray's workers do)."""
     ids = pass_.audited.popleft() if pass_.audited is not None else None
     setup.audit.delivered(("b", pass_.epoch, start, end, ids))
+    if last:
+        setup.audit.flush()
 
 
 def _line(item: str | tuple[Any, ...]) -> str:

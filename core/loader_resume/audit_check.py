@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .audit_read import Attempt, RankLog, read_audit
+from .audit_read import Attempt, first_load, read_audit
 
 SAME = ("kind", "n", "order", "seed", "keying")
 """What every attempt's loader must share: what decides its order and its random keys (the batch size, the world
@@ -86,15 +86,6 @@ def check_loader(name: str, attempts: list[Attempt]) -> LoaderReport:
     return report
 
 
-def _first_load(log: RankLog) -> dict[str, Any] | None:
-    for record in log.records:
-        if record["t"] == "b":
-            return None
-        if record["t"] == "load":
-            return record
-    return None
-
-
 def _states(attempts: list[Attempt]) -> dict[str, int]:
     """Digest of each state taken -> the attempt that took it (the latest)."""
     return {record["d"]: attempt.number for attempt in attempts for log in attempt.logs for record in log.records
@@ -103,7 +94,7 @@ def _states(attempts: list[Attempt]) -> dict[str, int]:
 
 def _resume(report: LoaderReport, attempt: Attempt, earlier: list[Attempt]) -> dict[str, Any] | None:
     """The state ``attempt`` resumed from (checked to be one an earlier attempt took), or None: it began afresh."""
-    loads = [_first_load(log) for log in attempt.logs]
+    loads = [first_load(log) for log in attempt.logs]
     if all(load is None for load in loads):
         if _states(earlier):
             report.findings.append(Finding(attempt.number, None, None, "started from the beginning, though earlier "
@@ -237,7 +228,7 @@ class _StreamCheck:
                 return
             rolled, batches = 0, 0
             for log in attempt.logs:
-                loaded = _first_load(log)
+                loaded = first_load(log)
                 if loaded is not None or index:
                     rolled += self._cut(log.rank, loaded)
                 for record in log.records:

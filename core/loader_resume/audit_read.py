@@ -18,7 +18,7 @@ from typing import Any
 from .audit import AUDIT_FORMAT
 from .storage import is_remote, local_path, remote_filesystem
 
-__all__ = ["AuditFormatError", "RankLog", "Attempt", "read_audit"]
+__all__ = ["AuditFormatError", "Attempt", "RankLog", "first_load", "read_audit"]
 
 SAME_ATTEMPT_SECONDS = 60.0
 """How long after an attempt's last record another rank's first may come and still be of the same attempt."""
@@ -159,10 +159,27 @@ def _attempts(logs: list[RankLog]) -> list[Attempt]:
 
 def _joins(log: RankLog, attempt: Attempt) -> bool:
     """Whether ``log`` is another rank of ``attempt``: one it lacks, of its world size, started while it ran (ranks
-    that wait for no collective may start seconds apart: ``SAME_ATTEMPT_SECONDS``), not resuming from its states."""
+    that wait for no collective may start seconds apart: ``SAME_ATTEMPT_SECONDS``), resuming where it resumed (a
+    map-style position is the same on every rank), or at least not from a state it took."""
     if log.world != attempt.world or log.rank in {other.rank for other in attempt.logs}:
         return False
     if log.start > attempt.end + SAME_ATTEMPT_SECONDS:
         return False
+    mine = first_load(log)
+    loads = [load for load in map(first_load, attempt.logs) if load is not None]
+    if mine is not None and "pos" in mine and any((load.get("e"), load.get("pos")) == (mine["e"], mine["pos"])
+                                                  for load in loads):
+        return True
+    # NOTE: a state taken right after a load is the loaded one again (a front door may take it at once)
     taken = {record["d"] for other in attempt.logs for record in other.records if record["t"] == "state"}
-    return not any(record["t"] == "load" and record.get("d") in taken for record in log.records)
+    return mine is None or mine.get("d") not in taken - {load.get("d") for load in loads}
+
+
+def first_load(log: RankLog) -> dict[str, Any] | None:
+    """The state ``log``'s loader loaded before its first batch, if any."""
+    for record in log.records:
+        if record["t"] == "b":
+            return None
+        if record["t"] == "load":
+            return record
+    return None

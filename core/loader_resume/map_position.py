@@ -139,7 +139,7 @@ class MapPosition:
                 return item
             end, last, self._sampler_state = pass_.pending.popleft()
             if self.setup.audit is not None:
-                map_step(self.setup, pass_, self._samples, end)
+                map_step(self.setup, pass_, self._samples, end, last)
             self._samples = end
             if last:
                 self._next_epoch(pass_)

@@ -142,6 +142,8 @@ class StreamPosition:
         if pass_ is not self._pass or pass_.done:
             return
         pass_.done = True
+        if self.setup.audit is not None:  # NOTE: a stream's end is written at once (see audit.map_step)
+            self.setup.audit.flush()
         self.epoch += 1
         self._next = _after(pass_)
 
