@@ -97,8 +97,10 @@ def _guard_forks() -> None:
         os.register_at_fork(before=join_exiting_feeders)
 
 
-def join_exiting_feeders(timeout: float = 1.0) -> None:
-    """Wait (at most ``timeout`` seconds in all) for the queue feeder threads that were told to stop."""
+def join_exiting_feeders(timeout: float = 10.0) -> None:
+    """Wait (at most ``timeout`` seconds in all) for the queue feeder threads that were told to stop. NOTE: one stops
+    in milliseconds, but on a loaded machine its thread may not run for over a second (1 s was seen to be too short
+    on 2 busy cores); only a thread that never stops makes a fork wait the whole timeout."""
     deadline = time.monotonic() + timeout
     for thread in closing_feeder_threads():
         thread.join(max(0.0, deadline - time.monotonic()))
