@@ -2,7 +2,8 @@
 three in a row (a rank each, side by side, for a world of 2), with a crash, a ``break`` or a state of their choosing.
 
     python tests/audit_child.py AUDIT_DIR OUT.json [--rank R --world W] [--load STATE] [--save-at K STATE]
-        [--steps S] [--epochs E] [--break-at B STATE [--pass-ended]] [--stream --workers N]
+        [--steps S] [--epochs E] [--break-at B STATE [--pass-ended]] [--limit K] [--regression]
+        [--stream --workers N]
 
 Each batch holds the samples' ids (and a keyed random draw); every delivered ``(epoch, ids)`` is written to
 OUT.json, the test's own record of what the attempt saw. ``--steps S``: the attempt stops (exit 3, a crash) after S
@@ -70,7 +71,14 @@ def main() -> int:
     parser.add_argument("--pass-ended", action="store_true")
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--limit", type=int, help="leave every pass after so many batches (limit_train_batches)")
+    parser.add_argument("--regression", action="store_true", help="a library whose states skip the pass in flight")
     args = parser.parse_args()
+    if args.regression:  # NOTE: a wrong library on purpose: every state describes the next pass's start
+        from loader_resume.map_position import MapPosition
+
+        fill = MapPosition.fill_state
+        MapPosition.fill_state = lambda self, state, ago=0, next_pass=False: fill(self, state, ago, True)  # type: ignore[method-assign]
     dataset = Lines() if args.stream else Ids()
     loader = ResumableDataLoader(dataset, batch_size=8, shuffle=not args.stream, seed=11, rank=args.rank,
                                  world_size=args.world, num_workers=args.workers, audit=args.audit)
@@ -89,6 +97,8 @@ def main() -> int:
                 if args.steps is not None and step == args.steps:
                     return 3
                 if args.break_at is not None and step == int(args.break_at[0]):
+                    break
+                if args.limit is not None and step % args.limit == 0:
                     break
             if args.break_at is not None and step == int(args.break_at[0]):  # a loop that leaves the pass, then saves
                 torch.save(loader.state_dict(pass_ended=args.pass_ended or None), args.break_at[1])

@@ -77,12 +77,13 @@ def test_a_job_cut_at_two_ranks_and_resumed_on_one_passes_and_says_where_it_resu
     assert report["ok"] and text.splitlines()[-1] == "OK: every sample delivered exactly once, across 2 attempts"
 
 
-def test_a_pass_skipped_by_a_state_saved_after_a_break_fails_naming_the_first_sample_never_seen(
+def test_a_pass_skipped_by_a_wrong_state_fails_naming_the_first_sample_never_seen(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The loop breaks after 3 batches and saves ``state_dict(pass_ended=True)`` (it says it leaves the pass on
-    purpose), then the job is rerun from that state: epoch 0's samples from position 24 on are never seen."""
-    first = attempt(tmp_path, "first", "--break-at", "3", str(tmp_path / "state.pt"), "--pass-ended")
+    """A library made wrong on purpose (its states after a ``break`` describe the next pass: the rule this project
+    once had): the loop breaks after 3 batches, saves, and the job is rerun from that state. Epoch 0's samples from
+    position 24 on are never seen, and the loop never said it left the pass."""
+    first = attempt(tmp_path, "first", "--break-at", "3", str(tmp_path / "state.pt"), "--regression")
     rest = attempt(tmp_path, "second", "--load", str(tmp_path / "state.pt"))
     assert len(by_epoch(first + rest)[0]) == 24  # the truth: the rest of epoch 0 was skipped
     code, report, text = audit(tmp_path, capsys)
@@ -90,12 +91,40 @@ def test_a_pass_skipped_by_a_state_saved_after_a_break_fails_naming_the_first_sa
     (finding,) = report["findings"]
     assert (finding["epoch"], finding["position"]) == (0, 24) and "never delivered: 76 samples" in finding["message"]
     assert "FAIL epoch 0, position 24: never delivered" in text and text.rstrip().splitlines()[-1].startswith("FAILED")
-    # the same loop, saying nothing, continues the pass (the default that loses nothing): the audit passes
-    again = tmp_path / "default"
-    again.mkdir()
-    attempt(again, "first", "--break-at", "3", str(again / "state.pt"))
-    attempt(again, "second", "--load", str(again / "state.pt"))
-    assert audit(again, capsys)[0] == 0
+    # the same loop with this library: it continues the pass (the default that loses nothing)
+    for name, said in (("default", ()), ("said", ("--pass-ended",))):
+        again = tmp_path / name
+        again.mkdir()
+        attempt(again, "first", "--break-at", "3", str(again / "state.pt"), *said)
+        attempt(again, "second", "--load", str(again / "state.pt"))
+        code, report, _ = audit(again, capsys)
+        assert code == 0, report
+        if said:  # the loop said it leaves the pass (pass_ended=True): the samples it left are named, not a fault
+            assert report["epochs"][0]["status"] == "left at position 24: the loop left it (pass_ended=True)"
+
+
+def test_passes_the_loop_leaves_itself_are_named_and_a_resume_follows_the_state_it_loaded(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every pass left after 3 batches (as ``limit_train_batches``), no restart: each epoch is left where the loop
+    left it. Then a lineage: attempt 1 takes states after steps 4 and 8 and crashes after 9; attempt 2 resumes from
+    the first and crashes 2 steps later; attempt 3 resumes from the second (attempt 1's), and finishes."""
+    limited = tmp_path / "limited"
+    limited.mkdir()
+    attempt(limited, "only", "--limit", "3", "--epochs", "3")
+    code, report, _ = audit(limited, capsys)
+    left = "left at position 24: the loop began the next pass before its end"
+    assert code == 0 and [row["status"] for row in report["epochs"]] == [left, left, "partial: the job stopped at "
+                                                                                      "position 24"]
+    first = attempt(tmp_path, "first", "--save-at", "4", str(tmp_path / "s4.pt"), "--save-at", "8",
+                    str(tmp_path / "s8.pt"), "--steps", "9", expect=3)
+    attempt(tmp_path, "second", "--load", str(tmp_path / "s4.pt"), "--steps", "2", expect=3)
+    rest = attempt(tmp_path, "third", "--load", str(tmp_path / "s8.pt"))
+    assert sorted(by_epoch(first[:8] + rest)[0]) == list(range(N))  # the truth
+    code, report, text = audit(tmp_path, capsys)
+    assert code == 0, text
+    assert [(a["resumed"], a["rolled_back"]) for a in report["attempts"]] == [
+        ("(fresh)", 0), ("epoch 0 position 32", 5), ("epoch 0 position 64", 1)]
 
 
 def test_a_state_from_another_run_fails_naming_it_and_the_samples_it_skipped(

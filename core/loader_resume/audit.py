@@ -58,8 +58,13 @@ def audit_from_environment(audit: str | os.PathLike[str] | None) -> str | None:
 
 
 def state_digest(state: Mapping[str, Any]) -> str:
-    """A short digest of a loader state's content (what a later attempt's load is matched by)."""
-    text = json.dumps(state, sort_keys=True, default=repr, separators=(",", ":"))
+    """A short digest of a loader state's content (what a later attempt's load is matched by); its ``"ending"`` mark,
+    which front doors add after the state is taken, is left out."""
+    plain = {key: value for key, value in state.items() if key != "ending"}
+    try:
+        text = json.dumps(plain, sort_keys=True, default=repr, separators=(",", ":"))
+    except (TypeError, ValueError):  # NOTE: keys json cannot sort (a user's state with tuple or mixed keys)
+        text = repr(sorted(plain.items(), key=repr))
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
@@ -107,7 +112,10 @@ class AuditLog:
         folder = join(self.directory, name)
         self._path = join(folder, f"rank{rank:05d}.{stamp}Z.{host}.{os.getpid()}")
         if not is_remote(self.directory):
-            os.makedirs(local_path(folder), exist_ok=True)
+            try:
+                os.makedirs(local_path(folder), exist_ok=True)
+            except OSError as error:  # NOTE: said at the first write (flush), never raised into training
+                logger.debug("audit directory %s: %s", folder, error)
         header = dict(self._header, loader=name, format=AUDIT_FORMAT, rank=rank, world=world, time=now,
                       host=host, pid=os.getpid())
         self._buffer.append(json.dumps({"t": "begin", **header}, default=repr, separators=(",", ":")))
@@ -147,7 +155,7 @@ class AuditLog:
                         if sync:
                             file.flush()
                             os.fsync(file.fileno())
-            except OSError as error:  # NOTE: the audit never stops the training it watches: said, not raised
+            except Exception as error:  # NOTE: the audit never stops the training it watches: said, not raised
                 logger.error("audit log %s: could not write %d records (%s); loader-resume audit will report "
                              "those batches as never delivered", self._path, text.count("\n"), error)
 
@@ -158,7 +166,8 @@ class AuditLog:
             self.flush(sync=True)
 
 
-def audit_log(directory: str | os.PathLike[str], setup: Any, length: int | None, order: str, num_workers: int) -> Any:
+def audit_log(directory: str | os.PathLike[str], setup: Any, length: int | None, order: str, shuffle: bool,
+              num_workers: int) -> Any:
     """``setup`` (a loader's ``loader_resume.position.Setup``) with the ``AuditLog`` of ``audit=directory``, named by
     what identifies its data (``order``: its state's ``source``)."""
     if not setup.in_order and num_workers > 0:
@@ -168,7 +177,8 @@ def audit_log(directory: str | os.PathLike[str], setup: Any, length: int | None,
         raise ValueError(f"audit={directory!r}: expected a directory or an fsspec URL (s3://bucket/run/audit)")
     kind = "iterable" if order == "iterable" else "map"
     size = "stream" if kind == "iterable" else length
-    name = re.sub(r"[^A-Za-z0-9._-]", "_", f"{type(setup.dataset).__name__}-{size}-seed{setup.seed}")
+    arranged = "shuffled" if shuffle else "in-order" if order == "permutation" else order.partition(":")[0]
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", f"{type(setup.dataset).__name__}-{size}-seed{setup.seed}-{arranged}")
     header = {"loader": name, "kind": kind, "n": length, "order": order, "seed": setup.seed, "keying": setup.keying,
               "batch_size": setup.batch_size, "drop_last": setup.shard().drop_last}
     # NOTE: loaders of one identity in one process (a framework's rebuilt copies, a loader made anew each epoch)
@@ -178,9 +188,9 @@ def audit_log(directory: str | os.PathLike[str], setup: Any, length: int | None,
     return dataclasses.replace(setup, audit=log)
 
 
-def record_state(setup: Any, kind: str, state: Mapping[str, Any]) -> None:
-    """Record a state taken (``"state"``) or loaded (``"load"``), if ``setup`` keeps an audit: where it stands and
-    its digest; written now."""
+def record_state(setup: Any, kind: str, state: Mapping[str, Any], *, ended: bool = False) -> None:
+    """Record a state taken (``"state"``) or loaded (``"load"``), if ``setup`` keeps an audit: where it stands, its
+    digest, and whether the loop said it left the pass (``ended``: ``pass_ended=True``); written now."""
     if setup.audit is None:
         return
     audit = setup.audit_log()
@@ -192,6 +202,8 @@ def record_state(setup: Any, kind: str, state: Mapping[str, Any]) -> None:
         record["wb"] = [worker.get("batches") for worker in stream.get("workers", [])]
     if "resharded" in state:
         record["resharded"] = state["resharded"]
+    if ended:
+        record["x"] = 1
     audit.record(record, flush=True)
 
 
@@ -211,7 +223,7 @@ def map_step(setup: Any, pass_: Any, start: int, end: int, last: bool) -> None:
     positions, recomputed by the audit). An epoch's ``last`` step is written at once (a process may end without
     running its exit handlers: Ray's workers do)."""
     ids = pass_.audited.popleft() if pass_.audited is not None else None
-    setup.audit.delivered(("b", pass_.epoch, start, end, ids))
+    setup.audit.delivered(("b", pass_.epoch, start, end, ids, last))
     if last:
         setup.audit.flush()
 
@@ -221,8 +233,10 @@ def _line(item: str | tuple[Any, ...]) -> str:
         return item
     if item[0] == "w":
         return '{"t":"b","e":%d,"w":%d,"b":%d,"i":%d}' % item[1:]  # noqa: UP031 (twice as fast as format)
-    _, epoch, start, end, ids = item
+    _, epoch, start, end, ids, last = item
     line = '{"t":"b","e":%d,"s":%d,"end":%d' % (epoch, start, end)  # noqa: UP031
+    if last:
+        line += ',"l":1'
     if ids is None:
         return line + "}"
     return line + "," + json.dumps(ids_field(ids), separators=(",", ":"), default=repr)[1:]

@@ -1,12 +1,8 @@
 """Checking a job's audit logs (``loader_resume.audit_read``): was every sample seen exactly once across restarts?
 
-Map-style data (positions are global): each attempt's batches are laid out by epoch and global position. An attempt
-that loaded a state resumes where that state stands; the batches an earlier attempt delivered from there on were
-rolled back with the model (counted, not errors). The loaded state must be one an earlier attempt took (its digest
-is recorded), and the attempt's first batch must start where the state said. Then each epoch must hold every
-position exactly once: the documented exceptions are the padding of the last step (``DistributedSampler``'s rule:
-positions past the end, counted), the samples ``drop_last`` leaves out (a tail shorter than one step), and the last
-epoch of the job, which may stop part-way. With our own permutation the ids at distinct positions must be distinct.
+Every attempt must share its loader's identity (``SAME``); an attempt that loaded a state must have loaded one an
+earlier attempt took (its digest is recorded), and one that loaded none after states were taken is named. Map-style
+data: ``loader_resume.audit_map``.
 
 Streams (each rank's workers own their part): each worker's batches of an epoch must be numbered 1, 2, ... without
 a gap or a repeat after the cuts, and an attempt must continue each worker where its loaded state said.
@@ -24,7 +20,7 @@ SAME = ("kind", "n", "order", "seed", "keying")
 """What every attempt's loader must share: what decides its order and its random keys (the batch size, the world
 size and the workers may change)."""
 
-__all__ = ["Finding", "LoaderReport", "audit_directory", "check_loader"]
+__all__ = ["Finding", "LoaderReport", "audit_directory", "check_loader", "resumed_from", "states_taken"]
 
 
 @dataclass(frozen=True)
@@ -80,23 +76,25 @@ def check_loader(name: str, attempts: list[Attempt]) -> LoaderReport:
     if report.findings:
         return report
     if header["kind"] == "map":
-        _MapCheck(report).run(attempts)
+        from .audit_map import MapCheck  # NOTE: it builds on this module's Finding and resumed_from
+
+        MapCheck(report).run(attempts)
     else:
         _StreamCheck(report).run(attempts)
     return report
 
 
-def _states(attempts: list[Attempt]) -> dict[str, int]:
+def states_taken(attempts: list[Attempt]) -> dict[str, int]:
     """Digest of each state taken -> the attempt that took it (the latest)."""
     return {record["d"]: attempt.number for attempt in attempts for log in attempt.logs for record in log.records
             if record["t"] == "state"}
 
 
-def _resume(report: LoaderReport, attempt: Attempt, earlier: list[Attempt]) -> dict[str, Any] | None:
+def resumed_from(report: LoaderReport, attempt: Attempt, earlier: list[Attempt]) -> dict[str, Any] | None:
     """The state ``attempt`` resumed from (checked to be one an earlier attempt took), or None: it began afresh."""
     loads = [first_load(log) for log in attempt.logs]
     if all(load is None for load in loads):
-        if _states(earlier):
+        if states_taken(earlier):
             report.findings.append(Finding(attempt.number, None, None, "started from the beginning, though earlier "
                                            "attempts took states: no state was loaded before its first batch"))
         return None
@@ -104,114 +102,10 @@ def _resume(report: LoaderReport, attempt: Attempt, earlier: list[Attempt]) -> d
     if missing:
         report.findings.append(Finding(attempt.number, None, None, f"ranks {missing} loaded no state, the others did"))
     load = next(load for load in loads if load is not None)
-    if earlier and "resharded" not in load and load["d"] not in _states(earlier):
+    if earlier and "resharded" not in load and load["d"] not in states_taken(earlier):
         report.findings.append(Finding(attempt.number, load.get("e"), load.get("pos"), "loaded a state that no earlier "
                                        "attempt took (another run's checkpoint, or an edited state)"))
     return load
-
-
-class _MapCheck:
-    def __init__(self, report: LoaderReport) -> None:
-        self.report = report
-        self.seen: dict[tuple[int, int], tuple[int, int, int]] = {}  # (epoch, position) -> attempt, rank, step start
-        self.steps: dict[tuple[int, int], int] = {}  # (epoch, step start) -> the step's end
-        self.units: dict[int, int | None] = {}
-        self.padding: dict[int, int] = {}
-        self.step_size: dict[int, int] = {}  # epoch -> units of its last full step
-        self.known_from: dict[int, int] = {}  # epoch -> first position this audit saw (a job resumed from elsewhere)
-
-    def run(self, attempts: list[Attempt]) -> None:
-        header = self.report.header
-        for index, attempt in enumerate(attempts):
-            load = _resume(self.report, attempt, attempts[:index])
-            rolled = 0
-            resumed = "(fresh)"
-            if load is not None:
-                where = (load["e"], load["pos"])
-                resumed = f"epoch {where[0]} position {where[1]}"
-                rolled = self._cut(where)
-                if index == 0:
-                    self.known_from[where[0]] = where[1]
-                self._check_landing(attempt, where)
-            elif index:
-                rolled = self._cut((-1, 0))
-            batches = 0
-            for log in attempt.logs:
-                for record in log.records:
-                    if record["t"] == "pass":
-                        self.units[record["e"]] = record["units"]
-                    elif record["t"] == "b":
-                        batches += 1
-                        self._add(attempt.number, log.rank, log.world, record)
-            self.report.attempts.append({"number": attempt.number, "world": attempt.world, "batches": batches,
-                                         "resumed": resumed, "rolled_back": rolled})
-        self._epochs(header)
-
-    def _cut(self, where: tuple[int, int]) -> int:
-        """Forget what was delivered from ``where`` on (rolled back with the model); the steps forgotten."""
-        gone = [key for key in self.steps if key >= where]
-        for key in gone:
-            del self.steps[key]
-        for key in [key for key, seen in self.seen.items() if (key[0], seen[2]) >= where]:
-            del self.seen[key]
-        return len(gone)
-
-    def _check_landing(self, attempt: Attempt, where: tuple[int, int]) -> None:
-        for log in attempt.logs:
-            first = next((record for record in log.records if record["t"] == "b"), None)
-            if first is None:
-                continue
-            got = (first["e"], first["s"])
-            at_end = got == (where[0] + 1, 0) and where[1] == self.units.get(where[0])
-            if got != where and not at_end:
-                self.report.findings.append(Finding(
-                    attempt.number, got[0], got[1], f"resumed from epoch {where[0]} position {where[1]}, but its first "
-                    f"batch starts at epoch {got[0]} position {got[1]}", log.rank))
-
-    def _add(self, attempt: int, rank: int, world: int, record: dict[str, Any]) -> None:
-        epoch, start, end = record["e"], record["s"], record["end"]
-        units = -(-(end - start) // world)  # a full step's batch, or the tail's share (loader_resume.sampler)
-        self.steps[(epoch, start)] = end
-        self.step_size[epoch] = max(self.step_size.get(epoch, 0), units * world)
-        first = start + rank * units
-        total = self.units.get(epoch)
-        for position in range(first, first + units):
-            if total is not None and position >= total:
-                self.padding[epoch] = self.padding.get(epoch, 0) + 1
-                continue
-            previous = self.seen.get((epoch, position))
-            if previous is not None:
-                self.report.findings.append(Finding(
-                    attempt, epoch, position, f"delivered again (first by attempt {previous[0]} rank {previous[1]}), "
-                    "with no resume between", rank))
-                continue
-            self.seen[(epoch, position)] = (attempt, rank, start)
-
-    def _epochs(self, header: dict[str, Any]) -> None:
-        epochs = sorted({epoch for epoch, _ in self.seen} | set(self.padding))
-        last = epochs[-1] if epochs else None
-        for epoch in epochs:
-            positions = sorted(position for e, position in self.seen if e == epoch)
-            total = self.units.get(epoch)
-            begin = self.known_from.get(epoch, 0)
-            end = total if total is not None else positions[-1] + 1
-            missing = [p for p in range(begin, end) if (epoch, p) not in self.seen]
-            dropped, status = 0, "ok"
-            if missing:
-                suffix = missing == list(range(missing[0], end))
-                if suffix and epoch == last:
-                    status = f"partial: the job stopped at position {missing[0]} of {end}"
-                elif suffix and header["drop_last"] and len(missing) < self.step_size.get(epoch, 0):
-                    dropped = len(missing)
-                else:
-                    step = sum(1 for e, start in self.steps if e == epoch and start < missing[0])
-                    status = f"position {missing[0]} never delivered ({len(missing)} missing)"
-                    self.report.findings.append(Finding(0, epoch, missing[0], f"never delivered: {len(missing)} "
-                                                        f"samples from step {step} of the epoch on"))
-            if begin:
-                status += f" (from position {begin}: earlier ones ran before this audit)"
-            self.report.epochs.append({"epoch": epoch, "delivered": len(positions), "dropped": dropped,
-                                       "padding": self.padding.get(epoch, 0), "status": status})
 
 
 class _StreamCheck:
@@ -220,11 +114,16 @@ class _StreamCheck:
         self.seen: dict[tuple[int, int, int], set[int]] = {}  # (epoch, rank, worker) -> batch numbers
 
     def run(self, attempts: list[Attempt]) -> None:
+        workers = None
         for index, attempt in enumerate(attempts):
-            load = _resume(self.report, attempt, attempts[:index])
-            if load is not None and "resharded" in load:
+            load = resumed_from(self.report, attempt, attempts[:index])
+            counts = {len(record["wb"]) for log in attempt.logs for record in log.records if record["t"] == "pass"}
+            changed = workers is not None and bool(counts - {workers})
+            workers = next(iter(counts), workers)
+            if load is not None and ("resharded" in load or changed):
                 self.report.findings.append(Finding(attempt.number, load.get("e"), None, "resumed a stream at another "
-                                                    "world size: the audit cannot follow a reshard (not checked)"))
+                                                    "world size or num_workers: the audit cannot follow a re-shard "
+                                                    "(not checked)"))
                 return
             rolled, batches = 0, 0
             for log in attempt.logs:

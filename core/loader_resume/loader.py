@@ -246,7 +246,7 @@ class ResumableDataLoader(IndexHooks[T]):
         ended = bool(pass_ended)
         state = self._identity.for_state(ended)
         self._position.fill_state(state, batches_ago, ended)
-        record_state(self._position.setup, "state", state)
+        record_state(self._position.setup, "state", state, ended=ended)
         if self._rest_empty:  # a loaded "ending" no iter() has taken up: still the same (no pass in flight to end)
             state["ending"] = True
         elif pass_ended is None:  # NOTE: per call only a reference kept; the note looks once (see pass_notes)

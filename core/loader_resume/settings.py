@@ -67,5 +67,5 @@ def positioned(setup: Setup, map_style: bool, sampler: Any, batch_sampler: Any, 
     else:
         order, position = Order(None, "iterable", False), StreamPosition(setup)
     if audit is not None:
-        position.setup = audit_log(audit, setup, position.dataset_len(), order.name, setup.num_workers)
+        position.setup = audit_log(audit, setup, position.dataset_len(), order.name, order.shuffle, setup.num_workers)
     return order, position
