@@ -146,12 +146,19 @@ def test_a_state_from_another_run_fails_naming_it_and_the_samples_it_skipped(
 def test_a_rerun_that_loaded_nothing_fails_though_every_sample_was_seen(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """States were taken (a checkpoint), but the rerun started from the beginning (it did not find it)."""
+    """States were taken (a checkpoint), but the rerun started from the beginning (it did not find it). Unless the
+    only state was the attempt's last record (a job killed in its first save has no checkpoint): said, not failed."""
     attempt(tmp_path, "first", "--save-at", "3", str(tmp_path / "state.pt"), "--steps", "5", expect=3)
     attempt(tmp_path, "second")
     code, report, _ = audit(tmp_path, capsys)
     assert code == 1 and [f["attempt"] for f in report["findings"]] == [2]
     assert "started from the beginning" in report["findings"][0]["message"]
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    attempt(killed, "first", "--save-at", "3", str(killed / "state.pt"), "--steps", "3", expect=3)
+    attempt(killed, "second")
+    code, report, _ = audit(killed, capsys)
+    assert code == 0 and [note.split(":")[0] for note in report["notes"]] == ["attempt 2 started from the beginning"]
 
 
 def test_a_stream_with_two_workers_resumed_passes_and_a_rerun_from_an_older_state_rolls_back_what_followed(

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .audit_read import Attempt, first_load, read_audit
+from .audit_read import Attempt, RankLog, first_load, read_audit
 
 SAME = ("kind", "n", "order", "seed", "keying")
 """What every attempt's loader must share: what decides its order and its random keys (the batch size, the world
@@ -90,13 +90,26 @@ def states_taken(attempts: list[Attempt]) -> dict[str, int]:
             if record["t"] == "state"}
 
 
+def _saved(log: RankLog) -> bool:
+    """Whether ``log``'s attempt went on delivering after a state it took (so its save, which comes first, was done)."""
+    state_before = False
+    for record in log.records:
+        if record["t"] == "b" and state_before:
+            return True
+        state_before = state_before or record["t"] == "state"
+    return False
+
+
 def resumed_from(report: LoaderReport, attempt: Attempt, earlier: list[Attempt]) -> dict[str, Any] | None:
     """The state ``attempt`` resumed from (checked to be one an earlier attempt took), or None: it began afresh."""
     loads = [first_load(log) for log in attempt.logs]
     if all(load is None for load in loads):
-        if states_taken(earlier):
+        if any(_saved(log) for other in earlier for log in other.logs):
             report.findings.append(Finding(attempt.number, None, None, "started from the beginning, though earlier "
                                            "attempts took states: no state was loaded before its first batch"))
+        elif states_taken(earlier):
+            report.notes.append(f"attempt {attempt.number} started from the beginning: the only states taken before "
+                                "were each their attempt's last record (killed while saving: no checkpoint, maybe)")
         return None
     missing = [log.rank for log, load in zip(attempt.logs, loads, strict=True) if load is None]
     if missing:
