@@ -28,6 +28,7 @@ from accelerate_resume import AcceleratedResumableDataLoader, ResumeConfig, enab
 from loader_resume import ResumableDataLoader
 from loader_resume.checkpoint import MANIFEST
 from loader_resume.testing import assert_delivers_rest_exactly_once
+from support import forked
 from support.audit import audited
 from support.batch import Done, run_batch
 from support.data import Augmented
@@ -196,7 +197,7 @@ def test_a_loop_that_breaks_then_save_state_continues_its_pass_in_a_fresh_proces
 
 def preempt(out: Path, processes: int, whole_group: bool, *args: str) -> None:
     """A real SIGTERM from the test, mid-epoch, to rank 0 or to the whole process group."""
-    first = subprocess.Popen(command(out, processes, "--sleep", "0.1", *args), stdout=subprocess.DEVNULL,
+    first = forked.popen(command(out, processes, "--sleep", "0.1", *args), stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True, start_new_session=True)
     progress = out / "progress-0"
     deadline = time.monotonic() + 120
@@ -326,7 +327,7 @@ def test_a_resumable_loader_given_to_a_stock_accelerator_is_refused_on_every_ran
     a plain DataLoader, or over a StatefulDataLoader): prepare() refuses it on both ranks, naming the call to
     make; a loader enable_resume converted is kept as it is by Accelerate's own prepare_data_loader."""
     accelerate = Path(sys.executable).with_name("accelerate")
-    done = subprocess.run([str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+    done = forked.run([str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
                            str(ROOT / "tests" / "accelerate_stock_child.py"), str(tmp_path),
                            *(["--stateful"] if stateful else [])], capture_output=True, text=True, timeout=300)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from loader_resume import ResumableDataLoader
+from support import forked
 from support.passes import BATCH, EPOCHS, N, build, record, rest
 
 TESTS = Path(__file__).parent
@@ -55,7 +55,7 @@ def cut(config: dict[str, Any], at: int, how: str) -> tuple[list[list[Any]], dic
 def resumed_in_a_fresh_process(cases: list[tuple[dict[str, Any], dict[str, Any]]], tmp_path: Path) -> list[Any]:
     saved, out = tmp_path / "cases.pt", tmp_path / "out.json"
     torch.save(cases, saved)
-    done = subprocess.run([sys.executable, str(TESTS / "break_resume_child.py"), str(saved), str(out)],
+    done = forked.run([sys.executable, str(TESTS / "break_resume_child.py"), str(saved), str(out)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())  # type: ignore[no-any-return]

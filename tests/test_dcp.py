@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from loader_resume.checkpoint import MANIFEST, complete_checkpoints
+from support import forked
 from support.launch import ROOT, TORCHRUN, free_port
 from support.s3 import bucket, objects, s3_server
 
@@ -41,7 +42,7 @@ def digest(stdout: str) -> str:
 def full(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """The uninterrupted run: its directory (batch logs) and final weights' digest."""
     out = tmp_path_factory.mktemp("full")
-    done = subprocess.run(command(out), capture_output=True, text=True, timeout=300)
+    done = forked.run(command(out), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return out, digest(done.stdout)
 
@@ -50,7 +51,7 @@ def stopped(out: Path, *args: str) -> Path:
     """The command SIGTERMed (the whole launch) after step 5, mid-epoch 0: every rank exits 143; the one sealed
     checkpoint it leaves."""
     out.mkdir()
-    first = subprocess.Popen(command(out, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    first = forked.popen(command(out, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              start_new_session=True)
     deadline = time.monotonic() + 120
     while not (out / "log-0.jsonl").is_file() or len((out / "log-0.jsonl").read_text().splitlines()) < 5:
@@ -69,7 +70,7 @@ def test_sigterm_to_the_launch_and_the_same_command_continue_with_the_uninterrup
 ) -> None:
     out = tmp_path / "cut"
     stopped(out)
-    rerun = subprocess.run(command(out), capture_output=True, text=True, timeout=300)
+    rerun = forked.run(command(out), capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert rows(out) == rows(full[0]) and digest(rerun.stdout) == full[1]
 
@@ -87,7 +88,7 @@ def test_with_a_remote_copy_a_rerun_on_a_new_disk_continues_from_the_bucket(
         assert f"s3://dcp/job/{sealed.name}/{MANIFEST}" in objects("s3://dcp/job")
         shutil.rmtree(out / "checkpoints")
         written = [len(each) for each in rows(out)]
-        rerun = subprocess.run(command(out, "--remote", "s3://dcp/job"), capture_output=True, text=True,
+        rerun = forked.run(command(out, "--remote", "s3://dcp/job"), capture_output=True, text=True,
                                timeout=300, env={**os.environ, **env})
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     step = int(sealed.name[5:])  # one log line per step, from step 1

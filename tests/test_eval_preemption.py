@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from support import forked
 from support.batch import run_batch
 from support.reference import shared_run
 
@@ -23,7 +24,7 @@ CHILD = Path(__file__).parent / "eval_preemption_child.py"
 
 
 def run(out: Path, front: str, workers: int, *args: str | int) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(CHILD), *argv(out, front, workers, *args)], capture_output=True,
+    return forked.run([sys.executable, str(CHILD), *argv(out, front, workers, *args)], capture_output=True,
                           text=True, timeout=300, start_new_session=True)
 
 

@@ -9,11 +9,13 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from support import forked
+
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
 def test_digits_example_resumes_exactly_in_fresh_processes() -> None:
-    done = subprocess.run(
+    done = forked.run(
         [sys.executable, str(EXAMPLES / "digits_resume.py"), "--workers", "0", "--signal-after", "25"],
         capture_output=True, text=True, timeout=300,
     )
@@ -39,11 +41,11 @@ def interrupted_and_rerun(script: str, directory: str, tmp_path: Path, *settings
     """(uninterrupted stdout, rerun stdout): a run of ``script`` (with ``settings``) SIGTERMed at its "epoch 0
     step 20" line (mid-epoch 0) must exit 143 without finishing (then ``stopped()`` checks what it left); the same
     command again must finish."""
-    uninterrupted = subprocess.run([sys.executable, script, *settings, f"{directory}={tmp_path / 'a'}"],
+    uninterrupted = forked.run([sys.executable, script, *settings, f"{directory}={tmp_path / 'a'}"],
                                    capture_output=True, text=True, timeout=300)
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
     command = [sys.executable, script, *settings, f"{directory}={tmp_path / 'b'}"]
-    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    first = forked.popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert first.stdout is not None
     for line in first.stdout:  # training is under way, mid-epoch 0
         if line.startswith("epoch 0 step 20 "):
@@ -52,7 +54,7 @@ def interrupted_and_rerun(script: str, directory: str, tmp_path: Path, *settings
     rest = first.communicate(timeout=120)[0]
     assert first.returncode == 143 and "final weights digest" not in rest
     stopped()
-    rerun = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    rerun = forked.run(command, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     return uninterrupted.stdout, rerun.stdout
 
@@ -68,13 +70,13 @@ def test_lightning_example_interrupted_by_sigterm_and_rerun_ends_with_the_same_w
 
 
 def test_lightning_example_config_typo_fails_clearly(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, str(EXAMPLES / "lightning_digits.py"), "trainer.max_epoch=2"],
+    done = forked.run([sys.executable, str(EXAMPLES / "lightning_digits.py"), "trainer.max_epoch=2"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "max_epoch" in done.stderr
 
 
 def test_lightning_example_runs_on_two_processes(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, str(EXAMPLES / "lightning_digits.py"), "--devices", "2",
+    done = forked.run([sys.executable, str(EXAMPLES / "lightning_digits.py"), "--devices", "2",
                            "trainer.max_epochs=1", f"trainer.default_root_dir={tmp_path}"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -83,7 +85,7 @@ def test_lightning_example_runs_on_two_processes(tmp_path: Path) -> None:
 
 def test_demo_command_sigterms_resumes_and_reports_exactness() -> None:
     cli = Path(sys.executable).parent / "loader-resume"
-    done = subprocess.run([str(cli), "demo", "--workers", "0", "--signal-after", "20"],
+    done = forked.run([str(cli), "demo", "--workers", "0", "--signal-after", "20"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "SIGTERM during step 20" in done.stdout and "step 1\n" not in done.stdout
@@ -100,7 +102,7 @@ def test_accelerate_example_interrupted_by_sigterm_and_rerun_ends_with_the_same_
 
 def test_accelerate_example_runs_on_two_processes(tmp_path: Path) -> None:
     accelerate = Path(sys.executable).with_name("accelerate")
-    done = subprocess.run([str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+    done = forked.run([str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
                            str(EXAMPLES / "accelerate_digits.py"), "--cpu", "epochs=1", f"project_dir={tmp_path}"],
                           capture_output=True, text=True, timeout=300)
@@ -121,7 +123,7 @@ def test_fabric_example_interrupted_by_sigterm_and_rerun_ends_with_the_same_weig
 
 
 def test_fabric_example_typo_fails_clearly() -> None:
-    typo = subprocess.run([sys.executable, str(EXAMPLES / "fabric_digits.py"), "epoch=1"], capture_output=True,
+    typo = forked.run([sys.executable, str(EXAMPLES / "fabric_digits.py"), "epoch=1"], capture_output=True,
                           text=True, timeout=300)
     assert typo.returncode != 0 and "unknown setting 'epoch=1'" in typo.stderr
 

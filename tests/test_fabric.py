@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 from lightning_resume import FabricResume
 from loader_resume.checkpoint_dir import LOCK_FILE
 from loader_resume.testing import assert_delivers_rest_exactly_once
+from support import forked
 from support.audit import audited
 from support.launch import TESTS, logs, progress_of, trained, weights
 from support.reference import child_run
@@ -33,7 +34,7 @@ N, EPOCHS = 30, 3
 
 def run(out: Path, devices: int, *args: str, expect: int = 0) -> str:
     """The Fabric child on ``devices`` processes (Fabric launches the other ranks itself); its stderr."""
-    done = subprocess.run([sys.executable, str(CHILD), str(out), "--devices", str(devices), *args],
+    done = forked.run([sys.executable, str(CHILD), str(out), "--devices", str(devices), *args],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == expect, done.stderr[-3000:]
     return done.stderr
@@ -64,7 +65,7 @@ def test_sigterm_mid_epoch_then_the_same_command_continues_exactly(
     the uninterrupted run's. Batches do not depend on num_workers, so both compare with the same run. The job's own
     audit (``LOADER_RESUME_AUDIT``) agrees."""
     monkeypatch.setenv("LOADER_RESUME_AUDIT", str(tmp_path / "audit"))
-    first = subprocess.Popen([sys.executable, str(CHILD), str(tmp_path), "--devices", "2", "--workers", str(workers),
+    first = forked.popen([sys.executable, str(CHILD), str(tmp_path), "--devices", "2", "--workers", str(workers),
                               "--sleep", "0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                              start_new_session=True)
     deadline = time.monotonic() + 120

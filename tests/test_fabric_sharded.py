@@ -7,19 +7,19 @@ values, learning rates) and final weights on every rank."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from support import forked
 from support.launch import logs, weights
 
 CHILD = Path(__file__).with_name("fabric_child.py")
 
 
 def run(out: Path, strategy: str, *args: str, expect: int = 0) -> None:
-    done = subprocess.run([sys.executable, str(CHILD), str(out), "--devices", "2", "--strategy", strategy, *args],
+    done = forked.run([sys.executable, str(CHILD), str(out), "--devices", "2", "--strategy", strategy, *args],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == expect, f"{strategy}: exit {done.returncode}\n{done.stderr[-4000:]}"
 

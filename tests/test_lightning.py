@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 from lightning_resume import ResumeCallback
 from loader_resume import ResumableDataLoader
 from loader_resume.testing import assert_delivers_rest_exactly_once
+from support import forked
 from support.audit import audited
 from support.batch import Done, run_batch
 from support.data import Augmented
@@ -33,7 +34,7 @@ CHILD = Path(__file__).parent / "lightning_child.py"
 
 def run(out: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     out.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run([sys.executable, str(CHILD), str(out), *args], capture_output=True, text=True, timeout=300,
+    done = forked.run([sys.executable, str(CHILD), str(out), *args], capture_output=True, text=True, timeout=300,
                           cwd=cwd)
     return done
 
@@ -253,7 +254,7 @@ def preempted_then_rerun(out: Path, devices: int, whole_group: bool, natural: bo
     out.mkdir(parents=True)
     cwd = out.parent / "elsewhere"
     cwd.mkdir()
-    first = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    first = forked.popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                              start_new_session=True, cwd=cwd)
     progress = out / "progress-0"
     deadline = time.monotonic() + 120
@@ -342,7 +343,7 @@ def test_under_slurm_sigusr1_saves_at_a_step_boundary_not_in_lightnings_handler(
     out = tmp_path / "job"
     out.mkdir()
     command = [sys.executable, str(CHILD), str(out), "--sleep", "0.15", "--append", "--workers", "2"]
-    first = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    first = forked.popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                              env={**os.environ, **slurm})
     progress = out / "progress-0"
     while progress_of(progress) < 4:
@@ -353,7 +354,7 @@ def test_under_slurm_sigusr1_saves_at_a_step_boundary_not_in_lightnings_handler(
     assert first.returncode == 143, stderr[-3000:]
     assert not list(out.glob("hpc_ckpt_*.ckpt")) and (out / "preempted.ckpt").exists()
     assert calls.read_text().splitlines() == ["requeue 4242"]
-    rerun = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, **slurm})
+    rerun = forked.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, **slurm})
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     full = references["workers"][1]
     assert json.loads((out / "log-0.json").read_text()) == full["logs"][0]
@@ -393,7 +394,7 @@ def cli_rows(out: Path) -> list[Any]:
 @pytest.fixture(scope="module")
 def cli_full(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], str]:
     out = tmp_path_factory.mktemp("cli_full")
-    done = subprocess.run(cli_command(out, "yaml"), capture_output=True, text=True, timeout=300, cwd=out)
+    done = forked.run(cli_command(out, "yaml"), capture_output=True, text=True, timeout=300, cwd=out)
     assert done.returncode == 0, done.stderr[-3000:]
     return cli_rows(out), (out / "weights.txt").read_text()
 
@@ -404,7 +405,7 @@ def test_lightning_cli_sigterm_and_the_same_command_again_continues_exactly(
     out, elsewhere = tmp_path / "job", tmp_path / "elsewhere"
     command = cli_command(out, how)
     elsewhere.mkdir()
-    first = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=elsewhere)
+    first = forked.popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=elsewhere)
     deadline = time.monotonic() + 120
     while len(cli_rows(out)) < 4:
         assert time.monotonic() < deadline and first.poll() is None, "training never reached step 4"
@@ -415,7 +416,7 @@ def test_lightning_cli_sigterm_and_the_same_command_again_continues_exactly(
     where = out / "preemption" if how == "argument" else out
     assert (where / "preempted.ckpt").exists()
     assert 4 <= len(cli_rows(out)) < len(cli_full[0])
-    again = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=elsewhere)
+    again = forked.run(command, capture_output=True, text=True, timeout=300, cwd=elsewhere)
     assert again.returncode == 0, again.stderr[-3000:]
     assert cli_rows(out) == cli_full[0]  # the rerun's steps continue the first run's: together, the full run
     assert (out / "weights.txt").read_text() == cli_full[1]

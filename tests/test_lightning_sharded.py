@@ -16,12 +16,13 @@ step as it happens) and final weights equal the uninterrupted fit's.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from support import forked
 
 CHILD = Path(__file__).with_name("lightning_child.py")
 CASES = [("ddp", 1), ("fsdp-full", 1), ("fsdp-sharded", 1), ("model-parallel", 1), ("model-parallel", 2)]
@@ -29,7 +30,7 @@ CASES = [("ddp", 1), ("fsdp-full", 1), ("fsdp-sharded", 1), ("model-parallel", 1
 
 def fit(out: Path, strategy: str, devices: int, *args: str, expect: int = 0) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run([sys.executable, str(CHILD), str(out), "--strategy", strategy, "--devices", str(devices),
+    done = forked.run([sys.executable, str(CHILD), str(out), "--strategy", strategy, "--devices", str(devices),
                            "--batch-log", str(out), *args], capture_output=True, text=True, timeout=300)
     assert done.returncode == expect, f"{strategy} on {devices}: exit {done.returncode}\n{done.stderr[-4000:]}"
 
@@ -81,7 +82,7 @@ def test_tensor_parallel_ranks_sharing_one_data_shard_are_refused_not_fed_apart(
     processes must see the same batches, which per-process sharding would not give. Refused at setup, named."""
     out = tmp_path / "tp"
     out.mkdir()
-    done = subprocess.run([sys.executable, str(CHILD), str(out), "--strategy", "model-parallel-auto", "--devices",
+    done = forked.run([sys.executable, str(CHILD), str(out), "--strategy", "model-parallel-auto", "--devices",
                            "2"], capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert ("ResumeCallback under ModelParallelStrategy: the data is sharded over 1 data-parallel ranks of 2 "

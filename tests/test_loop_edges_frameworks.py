@@ -12,13 +12,13 @@ one job SIGTERMed at its first step, mid-epoch and at an epoch's last batch in r
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from support import forked
 from support.batch import run_batch
 from support.reference import child_run
 
@@ -26,7 +26,7 @@ TESTS = Path(__file__).parent
 
 
 def lightning(out: Path, *args: str, expect: int = 0) -> None:
-    done = subprocess.run([sys.executable, str(TESTS / "lightning_loops_child.py"), str(out), *args],
+    done = forked.run([sys.executable, str(TESTS / "lightning_loops_child.py"), str(out), *args],
                           capture_output=True, text=True, timeout=600, start_new_session=True)
     assert done.returncode == expect, done.stderr[-3000:]
 
@@ -85,7 +85,7 @@ CHAINS = {"zip": "1,3,4", "alternate": "1,5,8"}  # the first step, mid-epoch, an
 
 def accelerate(out: Path, shape: str, *args: str) -> int:
     command = [sys.executable, str(ACCELERATE), str(out), "--shape", shape, "--workers", SHAPES[shape][0], *args]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, start_new_session=True)
+    done = forked.run(command, capture_output=True, text=True, timeout=300, start_new_session=True)
     assert done.returncode in (0, 143), done.stderr[-3000:]
     return done.returncode
 

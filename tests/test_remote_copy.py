@@ -24,6 +24,7 @@ import s3fs
 from loader_resume.audit_check import audit_directory
 from loader_resume.checkpoint import MANIFEST, seal, verify
 from loader_resume.remote_copy import RemoteCopy, RemoteCopyError
+from support import forked
 from support.launch import TESTS, command, logs, progress_of, run, trained, weights
 from support.s3 import ONE_ATTEMPT, Cuttable, bucket, objects, s3_server
 
@@ -95,7 +96,7 @@ def test_a_job_killed_during_an_upload_leaves_a_copy_that_a_rerun_passes_over_fo
     link = Cuttable(s3["AWS_ENDPOINT_URL"])
     same = ["remote=s3://copy-k/job", "save_every_n_steps=3"]
     env = {**os.environ, "AWS_ENDPOINT_URL": link.url, "LOADER_RESUME_LEASE_SECONDS": "6"}
-    job = subprocess.Popen(command(tmp_path, 2, "--sleep", "0.2", *same), stdout=subprocess.DEVNULL,
+    job = forked.popen(command(tmp_path, 2, "--sleep", "0.2", *same), stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     copy = RemoteCopy("s3://copy-k/job", tmp_path / "unused")  # looks at the bucket directly, not through the link
     deadline = time.monotonic() + 300
@@ -134,7 +135,7 @@ def test_an_upload_cut_at_the_preemption_save_exits_74_and_the_same_machines_rer
     bucket("copy-d")
     link = Cuttable(s3["AWS_ENDPOINT_URL"])
     env = {**os.environ, "AWS_ENDPOINT_URL": link.url, "LOADER_RESUME_LEASE_SECONDS": "6", **ONE_ATTEMPT}
-    job = subprocess.Popen(command(tmp_path, 2, "--sleep", "0.2", "remote=s3://copy-d/job"), stdout=subprocess.DEVNULL,
+    job = forked.popen(command(tmp_path, 2, "--sleep", "0.2", "remote=s3://copy-d/job"), stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     deadline = time.monotonic() + 300
     while progress_of(tmp_path / "progress-0") < 3:
@@ -149,7 +150,7 @@ def test_an_upload_cut_at_the_preemption_save_exits_74_and_the_same_machines_rer
     assert not [url for url in objects("s3://copy-d/job") if url.endswith(MANIFEST)]
     (local,) = [p.name for p in (tmp_path / "resume_checkpoints").glob("step_*")]
     assert int(local[5:]) == len(trained(logs(tmp_path)[0]))  # sealed at the step the job stopped after
-    done = subprocess.run(command(tmp_path, 2, "remote=s3://copy-d/job"), capture_output=True, text=True,
+    done = forked.run(command(tmp_path, 2, "remote=s3://copy-d/job"), capture_output=True, text=True,
                           timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert logs(tmp_path) == logs(full) and weights(tmp_path) == weights(full)
@@ -201,7 +202,7 @@ def test_a_local_path_is_not_a_remote_copy_and_an_unreachable_store_is_named(
 
 
 def fabric(out: Path, *args: str, expect: int = 0) -> str:
-    done = subprocess.run([sys.executable, str(TESTS / "fabric_child.py"), str(out), "--devices", "2", *args],
+    done = forked.run([sys.executable, str(TESTS / "fabric_child.py"), str(out), "--devices", "2", *args],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == expect, done.stderr[-3000:]
     return done.stderr
@@ -239,11 +240,11 @@ def test_a_plain_loop_with_a_remote_copy_stopped_and_rerun_on_a_new_disk_continu
         rows = [json.loads(line) for line in (out / "log-0.jsonl").read_text().splitlines()]
         return {row["step"]: [row["epoch"], row["ids"], row["batch"]] for row in rows}
 
-    full = subprocess.run(command(tmp_path / "full"), capture_output=True, text=True, timeout=300)
+    full = forked.run(command(tmp_path / "full"), capture_output=True, text=True, timeout=300)
     assert full.returncode == 0, full.stderr[-3000:]
     job = tmp_path / "job"
     same = ["--remote", "s3://copy-p/job", "--audit", "s3://copy-p/audit"]
-    first = subprocess.Popen(command(job, *same, "--sleep", "0.05"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    first = forked.popen(command(job, *same, "--sleep", "0.05"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              text=True)
     deadline = time.monotonic() + 300
     while not (job / "log-0.jsonl").exists() or len((job / "log-0.jsonl").read_text().splitlines()) < 5:
@@ -256,7 +257,7 @@ def test_a_plain_loop_with_a_remote_copy_stopped_and_rerun_on_a_new_disk_continu
     assert f"s3://copy-p/job/{local}/{MANIFEST}" in objects("s3://copy-p/job")
     shutil.rmtree(job / "checkpoints")
     written = len((job / "log-0.jsonl").read_text().splitlines())
-    again = subprocess.run(command(job, *same), capture_output=True, text=True, timeout=300)
+    again = forked.run(command(job, *same), capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     resumed = json.loads((job / "log-0.jsonl").read_text().splitlines()[written])
     assert resumed["step"] == int(local.removeprefix("step_")) + 1  # it continued from the bucket's copy

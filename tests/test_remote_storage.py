@@ -20,6 +20,7 @@ import pytest
 
 from loader_resume.checkpoint_dir import CheckpointDirectoryError, DirectoryLock
 from loader_resume.remote_lease import RemoteLease
+from support import forked
 from support.reference import child_run
 from support.s3 import ONE_ATTEMPT, Cuttable, bucket, objects, s3_server
 
@@ -34,7 +35,7 @@ def s3() -> Iterator[dict[str, str]]:
 
 def lightning(out: Path, *args: str, expect: int = 0) -> str:
     out.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run([sys.executable, str(TESTS / "lightning_child.py"), str(out), "--workers", "2", *args],
+    done = forked.run([sys.executable, str(TESTS / "lightning_child.py"), str(out), "--workers", "2", *args],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == expect, done.stderr[-3000:]
     return done.stderr
@@ -128,7 +129,7 @@ def test_lightning_on_s3_without_credentials_stops_before_the_first_step_naming_
     bucket("run-d")
     env = {name: value for name, value in os.environ.items() if not name.startswith("AWS_") or name.endswith("URL")}
     env["AWS_SHARED_CREDENTIALS_FILE"] = env["AWS_CONFIG_FILE"] = str(tmp_path / "none")
-    done = subprocess.run([sys.executable, str(TESTS / "lightning_child.py"), str(tmp_path), "--resume-dir",
+    done = forked.run([sys.executable, str(TESTS / "lightning_child.py"), str(tmp_path), "--resume-dir",
                            "s3://run-d/job", "--signal-at", "2"], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 1, done.stderr[-3000:]
     assert "s3://run-d/job/preempted.ckpt: cannot reach the checkpoint storage (NoCredentialsError" in done.stderr
@@ -148,7 +149,7 @@ def test_lightning_on_s3_a_network_error_at_the_preemption_save_exits_74_and_a_r
     (tmp_path / "out").mkdir()
     command = [sys.executable, str(TESTS / "lightning_child.py"), str(tmp_path / "out"), "--root", "s3://run-e/job",
                "--wait-at", "4", "--signal-at", "5", "--workers", "2"]
-    job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    job = forked.popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                            env={**os.environ, "AWS_ENDPOINT_URL": link.url, **ONE_ATTEMPT})
     deadline = time.monotonic() + 300
     while not (tmp_path / "out" / "waiting").exists():
@@ -197,7 +198,7 @@ def test_a_killed_jobs_lease_ends_with_its_term_and_the_rerun_takes_the_director
     (tmp_path / "out").mkdir()
     command = [sys.executable, str(TESTS / "lightning_child.py"), str(tmp_path / "out"), "--root", "s3://run-g/job",
                "--wait-at", "4", "--workers", "2"]
-    job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    job = forked.popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     deadline = time.monotonic() + 300
     while not (tmp_path / "out" / "waiting").exists():
         assert time.monotonic() < deadline and job.poll() is None, "training never reached step 4"
@@ -206,7 +207,7 @@ def test_a_killed_jobs_lease_ends_with_its_term_and_the_rerun_takes_the_director
     job.wait()
     assert "s3://run-g/job/.loader_resume.lease.1" in objects("s3://run-g/job")
     (tmp_path / "rerun").mkdir()
-    done = subprocess.run([sys.executable, str(TESTS / "lightning_child.py"), str(tmp_path / "rerun"), "--root",
+    done = forked.run([sys.executable, str(TESTS / "lightning_child.py"), str(tmp_path / "rerun"), "--root",
                            "s3://run-g/job", "--workers", "2"], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "taking over s3://run-g/job: its lease .loader_resume.lease.1 ended" in done.stderr
@@ -272,7 +273,7 @@ def test_a_holder_stopped_past_its_term_loses_the_lease_loudly_and_never_removes
     lost, and on release removes only its own object."""
     monkeypatch.setenv("LOADER_RESUME_LEASE_SECONDS", "3")
     bucket("run-i")
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, "s3://run-i/job", str(tmp_path)],
+    holder = forked.popen([sys.executable, "-c", HOLDER, "s3://run-i/job", str(tmp_path)],
                               stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not (tmp_path / "held").exists():
@@ -301,7 +302,7 @@ def test_lightning_on_s3_a_rerun_after_a_crash_resumes_from_the_newer_last_ckpt_
     bucket("run-j")
     lightning(tmp_path / "first", "--root", "s3://run-j/job", "--signal-at", "5", expect=143)
     (tmp_path / "second").mkdir()
-    second = subprocess.Popen([sys.executable, str(TESTS / "lightning_child.py"), str(tmp_path / "second"),
+    second = forked.popen([sys.executable, str(TESTS / "lightning_child.py"), str(tmp_path / "second"),
                                "--root", "s3://run-j/job", "--wait-at", "10", "--workers", "2"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300

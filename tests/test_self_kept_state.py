@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ import pytest
 
 from loader_resume import ResumableDataLoader
 from loader_resume.testing import fingerprint
+from support import forked
 from support.data import CountsOwnEpochs
 
 TESTS = Path(__file__).resolve().parent
@@ -72,7 +72,7 @@ def test_the_attributes_are_in_the_state_and_refused_when_malformed() -> None:
 
 
 def test_loader_resume_check_reports_the_warning_with_the_divergence() -> None:
-    done = subprocess.run([str(CLI), "check", "check_pipelines:counts_own_epochs",
+    done = forked.run([str(CLI), "check", "check_pipelines:counts_own_epochs",
                            "--epochs", "2", "--cuts", "5", "--workers", "0", "--json"],
                           capture_output=True, text=True, cwd=TESTS, timeout=300)
     (scenario,) = json.loads(done.stdout)

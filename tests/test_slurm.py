@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import stat
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import pytest
 
 from loader_resume.slurm import slurm_job_id
+from support import forked
 
 CHILD = Path(__file__).with_name("lightning_child.py")
 
@@ -40,7 +40,7 @@ def slurm_env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 def fit(out: Path, env: dict[str, str], *args: str, expect: int = 0) -> str:
     out.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run([sys.executable, str(CHILD), str(out), "--batch-log", str(out), *args], env=env,
+    done = forked.run([sys.executable, str(CHILD), str(out), "--batch-log", str(out), *args], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == expect, done.stderr[-4000:]
     return done.stderr
@@ -87,7 +87,7 @@ FRONT_DOORS = {  # (child, its options for a requeue on SIGUSR1 after micro-batc
 
 def job(front_door: str, out: Path, env: dict[str, str], *args: str, expect: int = 0) -> str:
     child, _, every_run = FRONT_DOORS[front_door]
-    done = subprocess.run([sys.executable, str(TESTS / child), str(out), *args, *every_run], env=env,
+    done = forked.run([sys.executable, str(TESTS / child), str(out), *args, *every_run], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == expect, done.stderr[-4000:]
     return done.stderr

@@ -25,6 +25,7 @@ import torch
 
 from loader_resume.checkpoint import MANIFEST, complete_checkpoints, is_temporary, verify, write_sealed
 from loader_resume.checkpoint_dir import FAILED_SAVE_EXIT_CODE, CheckpointDirectoryError, DirectoryLock
+from support import forked
 from support.batch import Done, run_batch
 from support.launch import command, forked_ranks, logs, progress_of, run, trained, weights
 from support.mounts import read_only, tmpfs
@@ -97,7 +98,7 @@ def test_a_checkpoint_directory_that_cannot_be_written_is_refused_at_start_namin
 
 def test_a_directory_turned_read_only_mid_run_makes_the_preemption_save_fail_loudly(tmp_path: Path) -> None:
     """The issue's case: periodic saves fail on a read-only mount, then SIGTERM: exit 74, never 143."""
-    job = subprocess.Popen(command(tmp_path, 1, "--sleep", "0.1", "save_every_n_steps=2"), stderr=subprocess.PIPE,
+    job = forked.popen(command(tmp_path, 1, "--sleep", "0.1", "save_every_n_steps=2"), stderr=subprocess.PIPE,
                            stdout=subprocess.DEVNULL, text=True, start_new_session=True)
     deadline = time.monotonic() + 120
     while progress_of(tmp_path / "progress-0") < 3:
@@ -116,13 +117,13 @@ def test_a_directory_turned_read_only_mid_run_makes_the_preemption_save_fail_lou
 def test_a_second_job_on_a_directory_in_use_is_refused_naming_the_first_and_a_killed_one_blocks_nothing(
     full: dict[int, Path], tmp_path: Path
 ) -> None:
-    first = subprocess.Popen(command(tmp_path, 1, "--sleep", "1", "save_every_n_steps=2"),
+    first = forked.popen(command(tmp_path, 1, "--sleep", "1", "save_every_n_steps=2"),
                              stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, start_new_session=True)
     deadline = time.monotonic() + 120
     while progress_of(tmp_path / "progress-0") < 2:
         assert time.monotonic() < deadline and first.poll() is None, "training never reached step 2"
         time.sleep(0.02)
-    second = subprocess.run(command(tmp_path, 1, "--log-dir", "second"), capture_output=True, text=True, timeout=120)
+    second = forked.run(command(tmp_path, 1, "--log-dir", "second"), capture_output=True, text=True, timeout=120)
     assert second.returncode == 1, second.stderr[-3000:]
     holder = (tmp_path / "pid-0").read_text()
     assert f"is in use by another job (pid {holder} on " in second.stderr, second.stderr[-3000:]
@@ -245,7 +246,7 @@ for attempt in range(30):
 def test_two_real_writers_of_the_same_names_never_seal_a_mixed_checkpoint(tmp_path: Path) -> None:
     """Without the directory lock (the core's write alone): each write has a directory of its own, so a sealed
     checkpoint holds one writer's four files, never a mix or a part."""
-    writers = [subprocess.Popen([sys.executable, "-c", _RACER, str(tmp_path), me], stderr=subprocess.PIPE, text=True)
+    writers = [forked.popen([sys.executable, "-c", _RACER, str(tmp_path), me], stderr=subprocess.PIPE, text=True)
                for me in "XY"]
     for writer in writers:
         _, stderr = writer.communicate(timeout=120)
@@ -262,7 +263,7 @@ def test_two_real_writers_of_the_same_names_never_seal_a_mixed_checkpoint(tmp_pa
 def test_the_lock_dies_with_its_process_and_is_not_inherited_by_a_fork(tmp_path: Path) -> None:
     """A DataLoader worker forked while the job holds its directory does not keep the lock past the job; other
     code of the holder reading the lock file (an upload of the directory) does not let it go."""
-    holder = subprocess.Popen([sys.executable, "-c", (
+    holder = forked.popen([sys.executable, "-c", (
         "import os, sys, time\n"
         "from pathlib import Path\n"
         "from loader_resume.checkpoint_dir import LOCK_FILE, DirectoryLock\n"
@@ -290,7 +291,7 @@ LIGHTNING_CHILD = Path(__file__).with_name("lightning_child.py")
 
 def lightning(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
     out.mkdir(parents=True, exist_ok=True)
-    return subprocess.run([sys.executable, str(LIGHTNING_CHILD), str(out), *args], capture_output=True, text=True,
+    return forked.run([sys.executable, str(LIGHTNING_CHILD), str(out), *args], capture_output=True, text=True,
                           timeout=300)
 
 
@@ -390,7 +391,7 @@ FABRIC_CHILD = Path(__file__).with_name("fabric_child.py")
 
 
 def fabric(out: Path, *args: str, expect: int = 0) -> str:
-    done = subprocess.run([sys.executable, str(FABRIC_CHILD), str(out), *args], capture_output=True, text=True,
+    done = forked.run([sys.executable, str(FABRIC_CHILD), str(out), *args], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == expect, done.stderr[-3000:]
     return done.stderr

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from loader_resume.checkpoint_dir import FAILED_SAVE_EXIT_CODE
+from support import forked
 from support.batch import Done, run_batch
 from support.launch import forked_ranks, logs, weights
 from support.mounts import read_only, tmpfs
@@ -91,7 +92,7 @@ def test_an_output_dir_that_cannot_be_written_is_refused_at_start_naming_it(tmp_
 def test_a_second_job_on_an_output_dir_in_use_is_refused_naming_the_first_and_a_killed_one_blocks_nothing(
     full: dict[int, Path], tmp_path: Path
 ) -> None:
-    first = subprocess.Popen(command(tmp_path, 1, "--sleep", "1", "--resume", "true"), stdout=subprocess.DEVNULL,
+    first = forked.popen(command(tmp_path, 1, "--sleep", "1", "--resume", "true"), stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True, env=ENV)
     try:
         deadline = time.monotonic() + 120

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from loader_resume.checkpoint import MANIFEST
+from support import forked
 from support.audit import audited
 from support.batch import Done, run_batch
 from support.launch import logs, weights
@@ -241,7 +242,7 @@ def test_sigterm_to_the_whole_launch_mid_epoch_checkpoints_and_the_same_command_
     write one checkpoint and exit 143 within the agent's grace period; the same command again continues
     exactly."""
     same = ["--accumulate", "3", "--workers", "2", "--save-steps", "100", "--sleep", "0.1", "--resume", "true"]
-    first = subprocess.Popen(command(tmp_path, 2, *same, launcher="accelerate"), stdout=subprocess.DEVNULL,
+    first = forked.popen(command(tmp_path, 2, *same, launcher="accelerate"), stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True, start_new_session=True, env=ENV)
     deadline = time.monotonic() + 120
     while len(logs(tmp_path)[0] if (tmp_path / "log-0.jsonl").exists() else []) < 5:  # in epoch 1

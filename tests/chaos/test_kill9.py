@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from support import forked
 from support.launch import BATCH_KEYS as KEYS
 from support.launch import TORCHRUN, free_port
 
@@ -59,7 +60,7 @@ def effective(history: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list
 
 def launch(command: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
     """Run torchrun in its own process group; on a timeout the whole group (its workers too) is killed."""
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    process = forked.popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
@@ -152,7 +153,7 @@ def audit(job: str, tmp_path: Path, kills: int, seed: int) -> None:
     assert survived >= kills - kills // 10, f"only {survived} of {kills} kills happened"
     if job == "plain":  # the job's own audit (audit=DIR) agrees: every sample once per epoch, across the kills
         for out, attempts in ((tmp_path / "full", 1), (tmp_path / "job", survived + 1)):
-            done = subprocess.run([str(Path(sys.executable).parent / "loader-resume"), "audit", str(out / "audit"),
+            done = forked.run([str(Path(sys.executable).parent / "loader-resume"), "audit", str(out / "audit"),
                                    "--json"], capture_output=True, text=True, timeout=120)
             assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
             (report,) = json.loads(done.stdout)

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from support import forked
 from support.launch import BATCH_KEYS as KEYS
 from support.launch import ROOT, TORCHRUN, free_port
 
@@ -48,7 +49,7 @@ class Node:
                    "--rdzv-conf", f"last_call_timeout=1,is_host={int(name == 'a')}", *job(out, epochs)]
         self.name, self.out = name, out
         self.stdout, self.stderr = (out / f"{name}.out").open("w"), (out / f"{name}.err").open("w")
-        self.process = subprocess.Popen(command, env=env, stdout=self.stdout, stderr=self.stderr,
+        self.process = forked.popen(command, env=env, stdout=self.stdout, stderr=self.stderr,
                                         start_new_session=True)
 
     def lose(self) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from support import forked
 from support.launch import command, progress_of
 
 TESTS = Path(__file__).parent.parent
@@ -59,7 +60,7 @@ def restarts(job: str, out: Path, count: int, seed: int, epochs: str) -> int:
     build, rng = JOBS[job], random.Random(seed)
     signalled = 0
     for attempt in range(count + 1):
-        run = subprocess.Popen(build(out, "--epochs", epochs, "--sleep", "0.05"), stdout=subprocess.DEVNULL,
+        run = forked.popen(build(out, "--epochs", epochs, "--sleep", "0.05"), stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True, start_new_session=True)
         if attempt < count:
             start, wait = max(progress_of(out / "progress-0"), 0), rng.randint(1, 3)
@@ -86,7 +87,7 @@ def restarts(job: str, out: Path, count: int, seed: int, epochs: str) -> int:
 
 def check(job: str, tmp_path: Path, count: int) -> None:
     full, epochs = tmp_path / "full", str(3 + count)  # 4 steps an epoch; a run makes 1 to 4 before its signal
-    done = subprocess.run(JOBS[job](full, "--epochs", epochs), capture_output=True, text=True, timeout=600)
+    done = forked.run(JOBS[job](full, "--epochs", epochs), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     signalled = restarts(job, tmp_path / "job", count, seed=count, epochs=epochs)
     assert signalled == count

@@ -18,7 +18,6 @@ import gc
 import json
 import os
 import signal
-import subprocess
 import sys
 import traceback
 import warnings
@@ -26,6 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from support import forked
 
 __all__ = ["Done", "fresh_accelerate", "run_batch", "run_each"]
 
@@ -99,7 +100,7 @@ def run_batch(script: Path, runs: Sequence[Sequence[str]], where: Path, timeout:
     plan = [{"argv": [str(arg) for arg in argv], "stderr": str(where / f"run-{index}.stderr"),
              "exit": str(where / f"run-{index}.exit")} for index, argv in enumerate(runs)]
     (where / "plan.json").write_text(json.dumps(plan))
-    done = subprocess.run([sys.executable, str(script), "--batch", str(where / "plan.json")], capture_output=True,
+    done = forked.run([sys.executable, str(script), "--batch", str(where / "plan.json")], capture_output=True,
                           text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
     return [Done(int(Path(run["exit"]).read_text()), Path(run["stderr"]).read_text()) for run in plan]

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from support import forked
 
 TESTS = Path(__file__).resolve().parent.parent
 ROOT = TESTS.parent
@@ -32,7 +33,7 @@ def launch(script: Path, mode: str, out: Path, workers: int = 0, args: Sequence[
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "WORKERS": str(workers)}
-        procs.append(subprocess.Popen([sys.executable, str(script), mode, str(out), *args], env=env))
+        procs.append(forked.popen([sys.executable, str(script), mode, str(out), *args], env=env))
     codes = [p.wait(timeout=240) for p in procs]
     assert codes == [0, 0], f"{mode}: exit codes {codes}"
 
@@ -65,7 +66,7 @@ def command(out: Path, processes: int, *args: str) -> list[str]:
 
 def run(out: Path, processes: int, *args: str, expect: int = 0, env: dict[str, str] | None = None) -> str:
     """Run the Accelerate child (``env``: variables added to this process's environment); its stderr."""
-    done = subprocess.run(command(out, processes, *args), capture_output=True, text=True, timeout=300,
+    done = forked.run(command(out, processes, *args), capture_output=True, text=True, timeout=300,
                           env=None if env is None else {**os.environ, **env})
     failed = expect != 0 and processes > 1  # the launcher reports a failed child with its own code
     assert (done.returncode != 0 if failed else done.returncode == expect), done.stderr[-3000:]

@@ -15,12 +15,13 @@ import fcntl
 import os
 import re
 import shutil
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from support import forked
 
 from .launch import TESTS, run
 
@@ -57,7 +58,7 @@ def _name(*parts: str) -> str:
 def child_run(factory: pytest.TempPathFactory, child: str, *args: str) -> Path:
     """``python tests/CHILD OUT *args`` (it must exit 0), made once per session."""
     def make(out: Path) -> None:
-        done = subprocess.run([sys.executable, str(TESTS / child), str(out), *args], capture_output=True, text=True,
+        done = forked.run([sys.executable, str(TESTS / child), str(out), *args], capture_output=True, text=True,
                               timeout=300)
         assert done.returncode == 0, f"{child} {args}: exit {done.returncode}\n{done.stderr[-3000:]}"
 

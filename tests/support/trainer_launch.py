@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+from support import forked
 from support.launch import TESTS, TORCHRUN, free_port
 
 CHILD = TESTS / "transformers_child.py"
@@ -35,7 +35,7 @@ def run(out: Path, processes: int, *args: str, launcher: str = "torchrun", expec
         env: dict[str, str] | None = None) -> str:
     """The Trainer child on ``processes`` processes (``env``: variables added to ``ENV``); its stderr. A launcher
     reports a rank's failure with its own exit code and the rank's in its report."""
-    done = subprocess.run(command(out, processes, *args, launcher=launcher), capture_output=True, text=True,
+    done = forked.run(command(out, processes, *args, launcher=launcher), capture_output=True, text=True,
                           timeout=300, env={**ENV, **(env or {})})
     report = f"{args}: exit {done.returncode}\n{done.stderr[-6000:]}"
     if processes > 1 and expect != 0:
