@@ -198,7 +198,7 @@ def test_a_loop_that_breaks_then_save_state_continues_its_pass_in_a_fresh_proces
 def preempt(out: Path, processes: int, whole_group: bool, *args: str) -> None:
     """A real SIGTERM from the test, mid-epoch, to rank 0 or to the whole process group."""
     first = forked.popen(command(out, processes, "--sleep", "0.1", *args), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
     progress = out / "progress-0"
     deadline = time.monotonic() + 120
     while progress_of(progress) < 5:
@@ -328,9 +328,9 @@ def test_a_resumable_loader_given_to_a_stock_accelerator_is_refused_on_every_ran
     make; a loader enable_resume converted is kept as it is by Accelerate's own prepare_data_loader."""
     accelerate = Path(sys.executable).with_name("accelerate")
     done = forked.run([str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-                           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-                           str(ROOT / "tests" / "accelerate_stock_child.py"), str(tmp_path),
-                           *(["--stateful"] if stateful else [])], capture_output=True, text=True, timeout=300)
+                       "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+                       str(ROOT / "tests" / "accelerate_stock_child.py"), str(tmp_path),
+                       *(["--stateful"] if stateful else [])], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert not list(tmp_path.glob("replaced-*.txt"))
     for rank in (0, 1):

@@ -27,7 +27,7 @@ N = 100
 def attempt(out: Path, name: str, *args: str, expect: int = 0) -> list[Any]:
     """One attempt (one process); what it was handed, as it wrote it."""
     done = forked.run([sys.executable, str(CHILD), str(out / "audit"), str(out / f"{name}.json"), *args],
-                          capture_output=True, text=True, timeout=120)
+                      capture_output=True, text=True, timeout=120)
     assert done.returncode == expect, done.stderr[-3000:]
     return json.loads((out / f"{name}.json").read_text())  # type: ignore[no-any-return]
 
@@ -35,8 +35,8 @@ def attempt(out: Path, name: str, *args: str, expect: int = 0) -> list[Any]:
 def side_by_side(out: Path, name: str, *args: str, expect: int = 0) -> list[list[Any]]:
     """One attempt of a world of 2: two processes at once, rank 0 and rank 1."""
     children = [forked.popen([sys.executable, str(CHILD), str(out / "audit"), str(out / f"{name}-{rank}.json"),
-                                  "--rank", str(rank), "--world", "2", *[a.replace("RANK", str(rank)) for a in args]],
-                                 stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+                              "--rank", str(rank), "--world", "2", *[a.replace("RANK", str(rank)) for a in args]],
+                             stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
     for child in children:
         _, stderr = child.communicate(timeout=120)
         assert child.returncode == expect, stderr[-3000:]

@@ -56,7 +56,7 @@ def resumed_in_a_fresh_process(cases: list[tuple[dict[str, Any], dict[str, Any]]
     saved, out = tmp_path / "cases.pt", tmp_path / "out.json"
     torch.save(cases, saved)
     done = forked.run([sys.executable, str(TESTS / "break_resume_child.py"), str(saved), str(out)],
-                          capture_output=True, text=True, timeout=600)
+                      capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())  # type: ignore[no-any-return]
 

@@ -52,7 +52,7 @@ def stopped(out: Path, *args: str) -> Path:
     checkpoint it leaves."""
     out.mkdir()
     first = forked.popen(command(out, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)
+                         start_new_session=True)
     deadline = time.monotonic() + 120
     while not (out / "log-0.jsonl").is_file() or len((out / "log-0.jsonl").read_text().splitlines()) < 5:
         assert time.monotonic() < deadline and first.poll() is None, "training never reached step 5"
@@ -89,7 +89,7 @@ def test_with_a_remote_copy_a_rerun_on_a_new_disk_continues_from_the_bucket(
         shutil.rmtree(out / "checkpoints")
         written = [len(each) for each in rows(out)]
         rerun = forked.run(command(out, "--remote", "s3://dcp/job"), capture_output=True, text=True,
-                               timeout=300, env={**os.environ, **env})
+                           timeout=300, env={**os.environ, **env})
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     step = int(sealed.name[5:])  # one log line per step, from step 1
     for rank, (each, uninterrupted) in enumerate(zip(rows(out), rows(full[0]), strict=True)):

@@ -25,7 +25,7 @@ CHILD = Path(__file__).parent / "eval_preemption_child.py"
 
 def run(out: Path, front: str, workers: int, *args: str | int) -> subprocess.CompletedProcess[str]:
     return forked.run([sys.executable, str(CHILD), *argv(out, front, workers, *args)], capture_output=True,
-                          text=True, timeout=300, start_new_session=True)
+                      text=True, timeout=300, start_new_session=True)
 
 
 def argv(out: Path, front: str, workers: int, *args: str | int) -> list[str]:

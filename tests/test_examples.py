@@ -42,7 +42,7 @@ def interrupted_and_rerun(script: str, directory: str, tmp_path: Path, *settings
     step 20" line (mid-epoch 0) must exit 143 without finishing (then ``stopped()`` checks what it left); the same
     command again must finish."""
     uninterrupted = forked.run([sys.executable, script, *settings, f"{directory}={tmp_path / 'a'}"],
-                                   capture_output=True, text=True, timeout=300)
+                               capture_output=True, text=True, timeout=300)
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
     command = [sys.executable, script, *settings, f"{directory}={tmp_path / 'b'}"]
     first = forked.popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -71,14 +71,14 @@ def test_lightning_example_interrupted_by_sigterm_and_rerun_ends_with_the_same_w
 
 def test_lightning_example_config_typo_fails_clearly(tmp_path: Path) -> None:
     done = forked.run([sys.executable, str(EXAMPLES / "lightning_digits.py"), "trainer.max_epoch=2"],
-                          capture_output=True, text=True, timeout=120)
+                      capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "max_epoch" in done.stderr
 
 
 def test_lightning_example_runs_on_two_processes(tmp_path: Path) -> None:
     done = forked.run([sys.executable, str(EXAMPLES / "lightning_digits.py"), "--devices", "2",
-                           "trainer.max_epochs=1", f"trainer.default_root_dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=300)
+                       "trainer.max_epochs=1", f"trainer.default_root_dir={tmp_path}"],
+                      capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert _digest(done.stdout) and "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in done.stderr
 
@@ -86,7 +86,7 @@ def test_lightning_example_runs_on_two_processes(tmp_path: Path) -> None:
 def test_demo_command_sigterms_resumes_and_reports_exactness() -> None:
     cli = Path(sys.executable).parent / "loader-resume"
     done = forked.run([str(cli), "demo", "--workers", "0", "--signal-after", "20"],
-                          capture_output=True, text=True, timeout=300)
+                      capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "SIGTERM during step 20" in done.stdout and "step 1\n" not in done.stdout
     assert "identical ids and noise: yes; final weights identical: yes" in done.stdout
@@ -103,9 +103,9 @@ def test_accelerate_example_interrupted_by_sigterm_and_rerun_ends_with_the_same_
 def test_accelerate_example_runs_on_two_processes(tmp_path: Path) -> None:
     accelerate = Path(sys.executable).with_name("accelerate")
     done = forked.run([str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-                           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
-                           str(EXAMPLES / "accelerate_digits.py"), "--cpu", "epochs=1", f"project_dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=300)
+                       "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+                       str(EXAMPLES / "accelerate_digits.py"), "--cpu", "epochs=1", f"project_dir={tmp_path}"],
+                      capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "training on 2 process(es)" in done.stdout and _digest(done.stdout)
 
@@ -124,7 +124,7 @@ def test_fabric_example_interrupted_by_sigterm_and_rerun_ends_with_the_same_weig
 
 def test_fabric_example_typo_fails_clearly() -> None:
     typo = forked.run([sys.executable, str(EXAMPLES / "fabric_digits.py"), "epoch=1"], capture_output=True,
-                          text=True, timeout=300)
+                      text=True, timeout=300)
     assert typo.returncode != 0 and "unknown setting 'epoch=1'" in typo.stderr
 
 

@@ -35,7 +35,7 @@ N, EPOCHS = 30, 3
 def run(out: Path, devices: int, *args: str, expect: int = 0) -> str:
     """The Fabric child on ``devices`` processes (Fabric launches the other ranks itself); its stderr."""
     done = forked.run([sys.executable, str(CHILD), str(out), "--devices", str(devices), *args],
-                          capture_output=True, text=True, timeout=300)
+                      capture_output=True, text=True, timeout=300)
     assert done.returncode == expect, done.stderr[-3000:]
     return done.stderr
 
@@ -66,8 +66,8 @@ def test_sigterm_mid_epoch_then_the_same_command_continues_exactly(
     audit (``LOADER_RESUME_AUDIT``) agrees."""
     monkeypatch.setenv("LOADER_RESUME_AUDIT", str(tmp_path / "audit"))
     first = forked.popen([sys.executable, str(CHILD), str(tmp_path), "--devices", "2", "--workers", str(workers),
-                              "--sleep", "0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)
+                          "--sleep", "0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
     deadline = time.monotonic() + 120
     while progress_of(tmp_path / "progress-0") < 5:
         assert time.monotonic() < deadline and first.poll() is None, "training never reached step 5"

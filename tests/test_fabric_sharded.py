@@ -20,7 +20,7 @@ CHILD = Path(__file__).with_name("fabric_child.py")
 
 def run(out: Path, strategy: str, *args: str, expect: int = 0) -> None:
     done = forked.run([sys.executable, str(CHILD), str(out), "--devices", "2", "--strategy", strategy, *args],
-                          capture_output=True, text=True, timeout=300)
+                      capture_output=True, text=True, timeout=300)
     assert done.returncode == expect, f"{strategy}: exit {done.returncode}\n{done.stderr[-4000:]}"
 
 

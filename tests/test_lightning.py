@@ -35,7 +35,7 @@ CHILD = Path(__file__).parent / "lightning_child.py"
 def run(out: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     out.mkdir(parents=True, exist_ok=True)
     done = forked.run([sys.executable, str(CHILD), str(out), *args], capture_output=True, text=True, timeout=300,
-                          cwd=cwd)
+                      cwd=cwd)
     return done
 
 
@@ -255,7 +255,7 @@ def preempted_then_rerun(out: Path, devices: int, whole_group: bool, natural: bo
     cwd = out.parent / "elsewhere"
     cwd.mkdir()
     first = forked.popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True, cwd=cwd)
+                         start_new_session=True, cwd=cwd)
     progress = out / "progress-0"
     deadline = time.monotonic() + 120
     while progress_of(progress) < 4:
@@ -344,7 +344,7 @@ def test_under_slurm_sigusr1_saves_at_a_step_boundary_not_in_lightnings_handler(
     out.mkdir()
     command = [sys.executable, str(CHILD), str(out), "--sleep", "0.15", "--append", "--workers", "2"]
     first = forked.popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, **slurm})
+                         env={**os.environ, **slurm})
     progress = out / "progress-0"
     while progress_of(progress) < 4:
         assert first.poll() is None, first.communicate()[1][-3000:]

@@ -31,7 +31,7 @@ CASES = [("ddp", 1), ("fsdp-full", 1), ("fsdp-sharded", 1), ("model-parallel", 1
 def fit(out: Path, strategy: str, devices: int, *args: str, expect: int = 0) -> None:
     out.mkdir(parents=True, exist_ok=True)
     done = forked.run([sys.executable, str(CHILD), str(out), "--strategy", strategy, "--devices", str(devices),
-                           "--batch-log", str(out), *args], capture_output=True, text=True, timeout=300)
+                       "--batch-log", str(out), *args], capture_output=True, text=True, timeout=300)
     assert done.returncode == expect, f"{strategy} on {devices}: exit {done.returncode}\n{done.stderr[-4000:]}"
 
 
@@ -83,7 +83,7 @@ def test_tensor_parallel_ranks_sharing_one_data_shard_are_refused_not_fed_apart(
     out = tmp_path / "tp"
     out.mkdir()
     done = forked.run([sys.executable, str(CHILD), str(out), "--strategy", "model-parallel-auto", "--devices",
-                           "2"], capture_output=True, text=True, timeout=300)
+                       "2"], capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert ("ResumeCallback under ModelParallelStrategy: the data is sharded over 1 data-parallel ranks of 2 "
             "processes") in done.stderr, done.stderr[-3000:]

@@ -27,7 +27,7 @@ TESTS = Path(__file__).parent
 
 def lightning(out: Path, *args: str, expect: int = 0) -> None:
     done = forked.run([sys.executable, str(TESTS / "lightning_loops_child.py"), str(out), *args],
-                          capture_output=True, text=True, timeout=600, start_new_session=True)
+                      capture_output=True, text=True, timeout=600, start_new_session=True)
     assert done.returncode == expect, done.stderr[-3000:]
 
 

@@ -97,7 +97,7 @@ def test_a_job_killed_during_an_upload_leaves_a_copy_that_a_rerun_passes_over_fo
     same = ["remote=s3://copy-k/job", "save_every_n_steps=3"]
     env = {**os.environ, "AWS_ENDPOINT_URL": link.url, "LOADER_RESUME_LEASE_SECONDS": "6"}
     job = forked.popen(command(tmp_path, 2, "--sleep", "0.2", *same), stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+                       stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     copy = RemoteCopy("s3://copy-k/job", tmp_path / "unused")  # looks at the bucket directly, not through the link
     deadline = time.monotonic() + 300
     try:
@@ -136,7 +136,7 @@ def test_an_upload_cut_at_the_preemption_save_exits_74_and_the_same_machines_rer
     link = Cuttable(s3["AWS_ENDPOINT_URL"])
     env = {**os.environ, "AWS_ENDPOINT_URL": link.url, "LOADER_RESUME_LEASE_SECONDS": "6", **ONE_ATTEMPT}
     job = forked.popen(command(tmp_path, 2, "--sleep", "0.2", "remote=s3://copy-d/job"), stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+                       stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     deadline = time.monotonic() + 300
     while progress_of(tmp_path / "progress-0") < 3:
         assert time.monotonic() < deadline and job.poll() is None, "training never reached step 3"
@@ -151,7 +151,7 @@ def test_an_upload_cut_at_the_preemption_save_exits_74_and_the_same_machines_rer
     (local,) = [p.name for p in (tmp_path / "resume_checkpoints").glob("step_*")]
     assert int(local[5:]) == len(trained(logs(tmp_path)[0]))  # sealed at the step the job stopped after
     done = forked.run(command(tmp_path, 2, "remote=s3://copy-d/job"), capture_output=True, text=True,
-                          timeout=600, env=env)
+                      timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert logs(tmp_path) == logs(full) and weights(tmp_path) == weights(full)
 
@@ -203,7 +203,7 @@ def test_a_local_path_is_not_a_remote_copy_and_an_unreachable_store_is_named(
 
 def fabric(out: Path, *args: str, expect: int = 0) -> str:
     done = forked.run([sys.executable, str(TESTS / "fabric_child.py"), str(out), "--devices", "2", *args],
-                          capture_output=True, text=True, timeout=300)
+                      capture_output=True, text=True, timeout=300)
     assert done.returncode == expect, done.stderr[-3000:]
     return done.stderr
 
@@ -245,7 +245,7 @@ def test_a_plain_loop_with_a_remote_copy_stopped_and_rerun_on_a_new_disk_continu
     job = tmp_path / "job"
     same = ["--remote", "s3://copy-p/job", "--audit", "s3://copy-p/audit"]
     first = forked.popen(command(job, *same, "--sleep", "0.05"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             text=True)
+                         text=True)
     deadline = time.monotonic() + 300
     while not (job / "log-0.jsonl").exists() or len((job / "log-0.jsonl").read_text().splitlines()) < 5:
         assert time.monotonic() < deadline and first.poll() is None, "training never reached step 5"

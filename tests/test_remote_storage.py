@@ -36,7 +36,7 @@ def s3() -> Iterator[dict[str, str]]:
 def lightning(out: Path, *args: str, expect: int = 0) -> str:
     out.mkdir(parents=True, exist_ok=True)
     done = forked.run([sys.executable, str(TESTS / "lightning_child.py"), str(out), "--workers", "2", *args],
-                          capture_output=True, text=True, timeout=600)
+                      capture_output=True, text=True, timeout=600)
     assert done.returncode == expect, done.stderr[-3000:]
     return done.stderr
 
@@ -130,7 +130,7 @@ def test_lightning_on_s3_without_credentials_stops_before_the_first_step_naming_
     env = {name: value for name, value in os.environ.items() if not name.startswith("AWS_") or name.endswith("URL")}
     env["AWS_SHARED_CREDENTIALS_FILE"] = env["AWS_CONFIG_FILE"] = str(tmp_path / "none")
     done = forked.run([sys.executable, str(TESTS / "lightning_child.py"), str(tmp_path), "--resume-dir",
-                           "s3://run-d/job", "--signal-at", "2"], capture_output=True, text=True, timeout=600, env=env)
+                       "s3://run-d/job", "--signal-at", "2"], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 1, done.stderr[-3000:]
     assert "s3://run-d/job/preempted.ckpt: cannot reach the checkpoint storage (NoCredentialsError" in done.stderr
     assert not (tmp_path / "log-0.json").exists() and objects("s3://run-d") == []
@@ -150,7 +150,7 @@ def test_lightning_on_s3_a_network_error_at_the_preemption_save_exits_74_and_a_r
     command = [sys.executable, str(TESTS / "lightning_child.py"), str(tmp_path / "out"), "--root", "s3://run-e/job",
                "--wait-at", "4", "--signal-at", "5", "--workers", "2"]
     job = forked.popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                           env={**os.environ, "AWS_ENDPOINT_URL": link.url, **ONE_ATTEMPT})
+                       env={**os.environ, "AWS_ENDPOINT_URL": link.url, **ONE_ATTEMPT})
     deadline = time.monotonic() + 300
     while not (tmp_path / "out" / "waiting").exists():
         assert time.monotonic() < deadline and job.poll() is None, "training never reached step 4"
@@ -208,7 +208,7 @@ def test_a_killed_jobs_lease_ends_with_its_term_and_the_rerun_takes_the_director
     assert "s3://run-g/job/.loader_resume.lease.1" in objects("s3://run-g/job")
     (tmp_path / "rerun").mkdir()
     done = forked.run([sys.executable, str(TESTS / "lightning_child.py"), str(tmp_path / "rerun"), "--root",
-                           "s3://run-g/job", "--workers", "2"], capture_output=True, text=True, timeout=600, env=env)
+                       "s3://run-g/job", "--workers", "2"], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "taking over s3://run-g/job: its lease .loader_resume.lease.1 ended" in done.stderr
     resumed, weights = rows(tmp_path / "rerun")
@@ -274,7 +274,7 @@ def test_a_holder_stopped_past_its_term_loses_the_lease_loudly_and_never_removes
     monkeypatch.setenv("LOADER_RESUME_LEASE_SECONDS", "3")
     bucket("run-i")
     holder = forked.popen([sys.executable, "-c", HOLDER, "s3://run-i/job", str(tmp_path)],
-                              stderr=subprocess.PIPE, text=True)
+                          stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not (tmp_path / "held").exists():
         assert time.monotonic() < deadline and holder.poll() is None, "the holder never took the lease"
@@ -303,8 +303,8 @@ def test_lightning_on_s3_a_rerun_after_a_crash_resumes_from_the_newer_last_ckpt_
     lightning(tmp_path / "first", "--root", "s3://run-j/job", "--signal-at", "5", expect=143)
     (tmp_path / "second").mkdir()
     second = forked.popen([sys.executable, str(TESTS / "lightning_child.py"), str(tmp_path / "second"),
-                               "--root", "s3://run-j/job", "--wait-at", "10", "--workers", "2"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                           "--root", "s3://run-j/job", "--wait-at", "10", "--workers", "2"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while not (tmp_path / "second" / "waiting").exists():
         assert time.monotonic() < deadline and second.poll() is None, "the rerun never reached step 10"

@@ -73,8 +73,8 @@ def test_the_attributes_are_in_the_state_and_refused_when_malformed() -> None:
 
 def test_loader_resume_check_reports_the_warning_with_the_divergence() -> None:
     done = forked.run([str(CLI), "check", "check_pipelines:counts_own_epochs",
-                           "--epochs", "2", "--cuts", "5", "--workers", "0", "--json"],
-                          capture_output=True, text=True, cwd=TESTS, timeout=300)
+                       "--epochs", "2", "--cuts", "5", "--workers", "0", "--json"],
+                      capture_output=True, text=True, cwd=TESTS, timeout=300)
     (scenario,) = json.loads(done.stdout)
     assert done.returncode == 1 and not scenario["exact"]
     assert any("will NOT be bit-identical" in w and "'epochs_seen'" in w for w in scenario["warned"])

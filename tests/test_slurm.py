@@ -41,7 +41,7 @@ def slurm_env(tmp_path: Path, **extra: str) -> dict[str, str]:
 def fit(out: Path, env: dict[str, str], *args: str, expect: int = 0) -> str:
     out.mkdir(parents=True, exist_ok=True)
     done = forked.run([sys.executable, str(CHILD), str(out), "--batch-log", str(out), *args], env=env,
-                          capture_output=True, text=True, timeout=300)
+                      capture_output=True, text=True, timeout=300)
     assert done.returncode == expect, done.stderr[-4000:]
     return done.stderr
 
@@ -88,7 +88,7 @@ FRONT_DOORS = {  # (child, its options for a requeue on SIGUSR1 after micro-batc
 def job(front_door: str, out: Path, env: dict[str, str], *args: str, expect: int = 0) -> str:
     child, _, every_run = FRONT_DOORS[front_door]
     done = forked.run([sys.executable, str(TESTS / child), str(out), *args, *every_run], env=env,
-                          capture_output=True, text=True, timeout=300)
+                      capture_output=True, text=True, timeout=300)
     assert done.returncode == expect, done.stderr[-4000:]
     return done.stderr
 

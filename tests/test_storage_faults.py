@@ -99,7 +99,7 @@ def test_a_checkpoint_directory_that_cannot_be_written_is_refused_at_start_namin
 def test_a_directory_turned_read_only_mid_run_makes_the_preemption_save_fail_loudly(tmp_path: Path) -> None:
     """The issue's case: periodic saves fail on a read-only mount, then SIGTERM: exit 74, never 143."""
     job = forked.popen(command(tmp_path, 1, "--sleep", "0.1", "save_every_n_steps=2"), stderr=subprocess.PIPE,
-                           stdout=subprocess.DEVNULL, text=True, start_new_session=True)
+                       stdout=subprocess.DEVNULL, text=True, start_new_session=True)
     deadline = time.monotonic() + 120
     while progress_of(tmp_path / "progress-0") < 3:
         assert time.monotonic() < deadline and job.poll() is None, "training never reached step 3"
@@ -118,7 +118,7 @@ def test_a_second_job_on_a_directory_in_use_is_refused_naming_the_first_and_a_ki
     full: dict[int, Path], tmp_path: Path
 ) -> None:
     first = forked.popen(command(tmp_path, 1, "--sleep", "1", "save_every_n_steps=2"),
-                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, start_new_session=True)
+                         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, start_new_session=True)
     deadline = time.monotonic() + 120
     while progress_of(tmp_path / "progress-0") < 2:
         assert time.monotonic() < deadline and first.poll() is None, "training never reached step 2"
@@ -292,7 +292,7 @@ LIGHTNING_CHILD = Path(__file__).with_name("lightning_child.py")
 def lightning(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
     out.mkdir(parents=True, exist_ok=True)
     return forked.run([sys.executable, str(LIGHTNING_CHILD), str(out), *args], capture_output=True, text=True,
-                          timeout=300)
+                      timeout=300)
 
 
 def lightning_weights(out: Path) -> list[str]:
@@ -392,7 +392,7 @@ FABRIC_CHILD = Path(__file__).with_name("fabric_child.py")
 
 def fabric(out: Path, *args: str, expect: int = 0) -> str:
     done = forked.run([sys.executable, str(FABRIC_CHILD), str(out), *args], capture_output=True, text=True,
-                          timeout=300)
+                      timeout=300)
     assert done.returncode == expect, done.stderr[-3000:]
     return done.stderr
 

@@ -93,7 +93,7 @@ def test_a_second_job_on_an_output_dir_in_use_is_refused_naming_the_first_and_a_
     full: dict[int, Path], tmp_path: Path
 ) -> None:
     first = forked.popen(command(tmp_path, 1, "--sleep", "1", "--resume", "true"), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True, env=ENV)
+                         stderr=subprocess.DEVNULL, start_new_session=True, env=ENV)
     try:
         deadline = time.monotonic() + 120
         while not (tmp_path / "log-0.jsonl").is_file() or not (tmp_path / "log-0.jsonl").read_text():

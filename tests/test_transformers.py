@@ -243,7 +243,7 @@ def test_sigterm_to_the_whole_launch_mid_epoch_checkpoints_and_the_same_command_
     exactly."""
     same = ["--accumulate", "3", "--workers", "2", "--save-steps", "100", "--sleep", "0.1", "--resume", "true"]
     first = forked.popen(command(tmp_path, 2, *same, launcher="accelerate"), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True, start_new_session=True, env=ENV)
+                         stderr=subprocess.PIPE, text=True, start_new_session=True, env=ENV)
     deadline = time.monotonic() + 120
     while len(logs(tmp_path)[0] if (tmp_path / "log-0.jsonl").exists() else []) < 5:  # in epoch 1
         assert time.monotonic() < deadline and first.poll() is None, "training never reached micro-batch 5"

@@ -61,7 +61,7 @@ def effective(history: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list
 def launch(command: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
     """Run torchrun in its own process group; on a timeout the whole group (its workers too) is killed."""
     process = forked.popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
+                           start_new_session=True)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -154,7 +154,7 @@ def audit(job: str, tmp_path: Path, kills: int, seed: int) -> None:
     if job == "plain":  # the job's own audit (audit=DIR) agrees: every sample once per epoch, across the kills
         for out, attempts in ((tmp_path / "full", 1), (tmp_path / "job", survived + 1)):
             done = forked.run([str(Path(sys.executable).parent / "loader-resume"), "audit", str(out / "audit"),
-                                   "--json"], capture_output=True, text=True, timeout=120)
+                               "--json"], capture_output=True, text=True, timeout=120)
             assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
             (report,) = json.loads(done.stdout)
             assert [(row["epoch"], row["delivered"], row["status"]) for row in report["epochs"]] == [

@@ -50,7 +50,7 @@ class Node:
         self.name, self.out = name, out
         self.stdout, self.stderr = (out / f"{name}.out").open("w"), (out / f"{name}.err").open("w")
         self.process = forked.popen(command, env=env, stdout=self.stdout, stderr=self.stderr,
-                                        start_new_session=True)
+                                    start_new_session=True)
 
     def lose(self) -> None:
         """The whole node goes: its agent and its worker, at once (torchrun starts workers in sessions of

@@ -61,7 +61,7 @@ def restarts(job: str, out: Path, count: int, seed: int, epochs: str) -> int:
     signalled = 0
     for attempt in range(count + 1):
         run = forked.popen(build(out, "--epochs", epochs, "--sleep", "0.05"), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
         if attempt < count:
             start, wait = max(progress_of(out / "progress-0"), 0), rng.randint(1, 3)
             deadline = time.monotonic() + 120

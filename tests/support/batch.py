@@ -101,6 +101,6 @@ def run_batch(script: Path, runs: Sequence[Sequence[str]], where: Path, timeout:
              "exit": str(where / f"run-{index}.exit")} for index, argv in enumerate(runs)]
     (where / "plan.json").write_text(json.dumps(plan))
     done = forked.run([sys.executable, str(script), "--batch", str(where / "plan.json")], capture_output=True,
-                          text=True, timeout=timeout)
+                      text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
     return [Done(int(Path(run["exit"]).read_text()), Path(run["stderr"]).read_text()) for run in plan]

@@ -67,7 +67,7 @@ def command(out: Path, processes: int, *args: str) -> list[str]:
 def run(out: Path, processes: int, *args: str, expect: int = 0, env: dict[str, str] | None = None) -> str:
     """Run the Accelerate child (``env``: variables added to this process's environment); its stderr."""
     done = forked.run(command(out, processes, *args), capture_output=True, text=True, timeout=300,
-                          env=None if env is None else {**os.environ, **env})
+                      env=None if env is None else {**os.environ, **env})
     failed = expect != 0 and processes > 1  # the launcher reports a failed child with its own code
     assert (done.returncode != 0 if failed else done.returncode == expect), done.stderr[-3000:]
     if failed:

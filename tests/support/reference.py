@@ -59,7 +59,7 @@ def child_run(factory: pytest.TempPathFactory, child: str, *args: str) -> Path:
     """``python tests/CHILD OUT *args`` (it must exit 0), made once per session."""
     def make(out: Path) -> None:
         done = forked.run([sys.executable, str(TESTS / child), str(out), *args], capture_output=True, text=True,
-                              timeout=300)
+                          timeout=300)
         assert done.returncode == 0, f"{child} {args}: exit {done.returncode}\n{done.stderr[-3000:]}"
 
     return shared_run(factory, _name(Path(child).stem, *args), make)

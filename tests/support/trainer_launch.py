@@ -36,7 +36,7 @@ def run(out: Path, processes: int, *args: str, launcher: str = "torchrun", expec
     """The Trainer child on ``processes`` processes (``env``: variables added to ``ENV``); its stderr. A launcher
     reports a rank's failure with its own exit code and the rank's in its report."""
     done = forked.run(command(out, processes, *args, launcher=launcher), capture_output=True, text=True,
-                          timeout=300, env={**ENV, **(env or {})})
+                      timeout=300, env={**ENV, **(env or {})})
     report = f"{args}: exit {done.returncode}\n{done.stderr[-6000:]}"
     if processes > 1 and expect != 0:
         assert done.returncode != 0 and f"exitcode  : {expect}" in done.stderr, report
