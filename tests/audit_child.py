@@ -3,17 +3,18 @@ three in a row (a rank each, side by side, for a world of 2), with a crash, a ``
 
     python tests/audit_child.py AUDIT_DIR OUT.json [--rank R --world W] [--load STATE] [--save-at K STATE]
         [--steps S] [--epochs E] [--break-at B STATE [--pass-ended]] [--limit K] [--regression]
-        [--stream --workers N]
+        [--stream --workers N] [--free-after K PATH]
 
 Each batch holds the samples' ids (and a keyed random draw); every delivered ``(epoch, ids)`` is written to
 OUT.json, the test's own record of what the attempt saw. ``--steps S``: the attempt stops (exit 3, a crash) after S
-batches.
+batches. ``--free-after K PATH``: after K batches, PATH is removed (room made on a full disk).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -73,6 +74,7 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--limit", type=int, help="leave every pass after so many batches (limit_train_batches)")
     parser.add_argument("--regression", action="store_true", help="a library whose states skip the pass in flight")
+    parser.add_argument("--free-after", nargs=2)
     args = parser.parse_args()
     if args.regression:  # NOTE: a wrong library on purpose: every state describes the next pass's start
         from loader_resume.map_position import MapPosition
@@ -94,6 +96,8 @@ def main() -> int:
                 step += 1
                 if step in saves:
                     torch.save(loader.state_dict(), saves[step])
+                if args.free_after is not None and step == int(args.free_after[0]):
+                    os.unlink(args.free_after[1])
                 if args.steps is not None and step == args.steps:
                     return 3
                 if args.break_at is not None and step == int(args.break_at[0]):

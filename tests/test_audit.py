@@ -19,6 +19,7 @@ import pytest
 from loader_resume import ResumableDataLoader
 from loader_resume.tools.cli import main as cli
 from support import forked
+from support.mounts import fill, tmpfs
 
 CHILD = Path(__file__).parent / "audit_child.py"
 N = 100
@@ -198,6 +199,64 @@ def test_a_record_torn_by_a_kill_is_ignored_and_named_and_a_damaged_one_is_refus
     assert f"{log}: line 3 is damaged" in capsys.readouterr().err
     assert cli(["audit", str(tmp_path / "nothing")]) == 2
     assert "no audit logs" in capsys.readouterr().err
+
+
+def test_a_full_disk_under_the_audit_never_stops_training_and_its_records_are_written_once_there_is_room(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The audit directory on a tmpfs with one free page: its writes fail about halfway through the 16 epochs (No
+    space left on device). The job goes on with the same batches as with room, says so once, and keeps the records:
+    with room made after 150 batches they are written then, and the audit sees every epoch whole; with none, they
+    are never written, the job's last error says so, and the log ends at its last whole record (no torn line): the
+    audit sees the epochs written, as it would for a job that stopped there."""
+    expected = attempt(tmp_path / "room", "job", "--epochs", "16")
+    for case in ("freed", "full"):
+        with tmpfs(tmp_path / case / "disk", "16k") as disk:
+            filler = disk / "filler"
+            filler.write_bytes(bytes(12288))  # one page of the four left free
+            command = [sys.executable, str(CHILD), str(disk / "audit"), str(tmp_path / case / "job.json"),
+                       "--epochs", "16", *(["--free-after", "150", str(filler)] if case == "freed" else [])]
+            done = forked.run(command, capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stderr[-3000:]
+            assert json.loads((tmp_path / case / "job.json").read_text()) == expected
+            assert done.stderr.count("could not write") == 1 and "No space left on device" in done.stderr
+            capsys.readouterr()
+            code = cli(["audit", str(disk / "audit"), "--json"])
+            (report,) = json.loads(capsys.readouterr().out)
+            assert not report["notes"], report["notes"]  # no line cut short
+            statuses = [row["status"] for row in report["epochs"]]
+            if case == "freed":
+                assert "written now" in done.stderr and "never written" not in done.stderr
+                assert code == 0 and statuses == ["ok"] * 16
+            else:
+                assert "records were never written" in done.stderr
+                assert code == 0 and 0 < len(statuses) < 16  # the log ends where the writes stopped
+
+
+def test_records_dropped_after_failed_writes_fail_the_audit_naming_how_many(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kept records are bounded (``UNWRITTEN_LIMIT``, here 200 characters): an epoch on a full disk is dropped, a
+    ``lost`` record takes its place once there is room again, and the audit fails, naming how many."""
+    from loader_resume import audit as audit_module
+
+    monkeypatch.setattr(audit_module, "UNWRITTEN_LIMIT", 200)
+    with tmpfs(tmp_path / "disk", "16k") as disk:
+        filler = disk / "filler"
+        (disk / "audit").mkdir()
+        fill(filler)
+        loader = ResumableDataLoader(list(range(40)), batch_size=4, shuffle=True, seed=5, audit=disk / "audit")
+        assert len([batch for batch in loader]) == 10  # epoch 0: its records dropped
+        filler.unlink()
+        assert len([batch for batch in loader]) == 10  # epoch 1: written, after the lost record
+        capsys.readouterr()
+        code = cli(["audit", str(disk / "audit"), "--json"])
+        (report,) = json.loads(capsys.readouterr().out)
+        for key in [key for key in audit_module._LOGS if key[0].startswith(str(disk))]:  # done before the unmount
+            log = audit_module._LOGS.pop(key)
+            log.close()
+            audit_module._OPEN.remove(log)
+    assert code == 1 and any("records were dropped after failed writes" in f["message"] for f in report["findings"])
 
 
 def test_audit_is_refused_where_it_cannot_follow_and_costs_nothing_when_off(tmp_path: Path) -> None:

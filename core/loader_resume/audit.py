@@ -44,6 +44,8 @@ MAX_IDS = 1024
 """Batches with more samples record a digest of their ids, not the ids."""
 FLUSH_RECORDS = 512
 FLUSH_SECONDS = 5.0
+UNWRITTEN_LIMIT = 16 << 20
+"""Characters of records kept after failed writes, beyond which they are dropped (and a ``lost`` record says so)."""
 
 _OPEN: list[AuditLog] = []  # flushed at exit (held: a loader collected early still has its records written)
 _LOGS_LOCK = threading.Lock()
@@ -96,6 +98,7 @@ class AuditLog:
         self._last_flush = time.monotonic()
         self._path: str | None = None
         self._part = 0
+        self._unwritten = ""  # records a write failed to write, written first at the next flush
         self._lock = threading.Lock()
         self.rank, self.world = 0, 1
 
@@ -135,35 +138,64 @@ class AuditLog:
             self.flush()
 
     def flush(self, *, sync: bool = False) -> None:
-        """Write what is buffered (with a time mark); ``sync``: to stable storage before returning."""
+        """Write what is buffered (with a time mark); ``sync``: to stable storage before returning. Records that
+        could not be written (a full disk, a network error) are kept and written first at the next flush."""
         with self._lock:
             if not self._buffer or self._path is None:
                 return
             self._buffer.append(json.dumps({"t": "at", "time": time.time()}))
-            text = "\n".join(map(_line, self._buffer)) + "\n"
+            text = self._unwritten + "\n".join(map(_line, self._buffer)) + "\n"
             self._buffer = []
             self._last_flush = time.monotonic()
             try:
-                if is_remote(self._path):  # NOTE: no append on object storage: each flush is one part object
-                    filesystem, path = remote_filesystem(f"{self._path}.{self._part:06d}.jsonl")
-                    with filesystem.open(path, "wb") as part:
-                        part.write(text.encode())
-                    self._part += 1
-                else:
-                    with open(f"{self._path}.jsonl", "ab") as file:
-                        file.write(text.encode())
-                        if sync:
-                            file.flush()
-                            os.fsync(file.fileno())
+                self._write(text.encode(), sync)
             except Exception as error:  # NOTE: the audit never stops the training it watches: said, not raised
-                logger.error("audit log %s: could not write %d records (%s); loader-resume audit will report "
-                             "those batches as never delivered", self._path, text.count("\n"), error)
+                if len(text) > UNWRITTEN_LIMIT:  # NOTE: memory stays bounded; what is dropped is said in the log
+                    lines = text.splitlines(keepends=True)
+                    head = lines[0] if lines[0].startswith('{"t":"begin"') else ""  # a log starts with its header
+                    dropped = len(lines) - bool(head)
+                    text = head + json.dumps({"t": "lost", "records": dropped}) + "\n"
+                    logger.error("audit log %s: %d records dropped after failed writes (%s); loader-resume audit "
+                                 "will name the loss", self._path, dropped, error)
+                elif not self._unwritten:
+                    logger.error("audit log %s: could not write %d records (%s); kept in memory and written at "
+                                 "the next flush that can", self._path, text.count("\n"), error)
+                self._unwritten = text
+            else:
+                if self._unwritten:
+                    logger.warning("audit log %s: the records kept after a failed write are written now",
+                                   self._path)
+                self._unwritten = ""
+
+    def _write(self, data: bytes, sync: bool) -> None:
+        assert self._path is not None
+        if is_remote(self._path):  # NOTE: no append on object storage: each flush is one part object
+            filesystem, path = remote_filesystem(f"{self._path}.{self._part:06d}.jsonl")
+            with filesystem.open(path, "wb") as part:
+                part.write(data)
+            self._part += 1
+            return
+        with open(f"{self._path}.jsonl", "ab", buffering=0) as file:
+            size = file.tell()
+            try:
+                view = memoryview(data)
+                while view:  # NOTE: an unbuffered write may write part of it
+                    view = view[file.write(view):]
+                if sync:
+                    os.fsync(file.fileno())
+            except OSError:
+                file.truncate(size)  # NOTE: a full disk leaves no part of a line (a torn line means a kill)
+                raise
 
     def close(self) -> None:
         """Write the end record and what is left."""
         if self._path is not None:
             self._buffer.append(json.dumps({"t": "end", "time": time.time()}))
             self.flush(sync=True)
+            if self._unwritten:
+                logger.error("audit log %s: %d records were never written; loader-resume audit sees the log end "
+                             "where the writes stopped, as if the job had stopped there", self._path,
+                             self._unwritten.count("\n"))
 
 
 def audit_log(directory: str | os.PathLike[str], setup: Any, length: int | None, order: str, shuffle: bool,

@@ -66,6 +66,11 @@ def check_loader(name: str, attempts: list[Attempt]) -> LoaderReport:
         for log in attempt.logs:
             if log.torn is not None:
                 report.notes.append(f"{log.path}: its last line was cut short (a kill while writing): ignored")
+            lost = sum(record["records"] for record in log.records if record["t"] == "lost")
+            if lost:
+                report.findings.append(Finding(attempt.number, None, None, f"{log.path}: {lost} records were dropped "
+                                               "after failed writes (a full disk?): what was delivered is not known",
+                                               log.rank))
     for attempt in attempts:
         for log in attempt.logs:
             changed = [f"{key} {log.header.get(key)!r} (attempt 1: {header.get(key)!r})" for key in SAME
