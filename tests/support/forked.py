@@ -35,7 +35,8 @@ from typing import IO, Any
 
 __all__ = ["Forked", "popen", "run"]
 
-PRELOAD = ("torch", "torch.distributed", "numpy", "lightning", "lightning.pytorch", "accelerate", "transformers")
+PRELOAD = ("torch", "torch.distributed", "numpy", "lightning", "lightning.pytorch", "accelerate", "transformers",
+           "transformers.trainer")
 """What the zygote imports: the frameworks the child scripts import (a fresh interpreter's cost of each run)."""
 STARTUP = frozenset({"PYTHONFAULTHANDLER"})
 """The interpreter's start-up variables a forked process applies itself (``faulthandler.enable()``)."""
@@ -248,11 +249,12 @@ def _serve(path: str, preload: Sequence[str]) -> tuple[dict[str, Any], list[int]
     """Import ``preload``, then fork a process for each request on ``path``; returns only in a forked process."""
     import gc
     import importlib
-    import importlib.util
 
     for module in preload:
-        if importlib.util.find_spec(module.partition(".")[0]) is not None:  # a venv may lack a framework
+        try:  # NOTE: a venv may lack a framework (or break it): a child that imports it meets the same error itself
             importlib.import_module(module)
+        except Exception:
+            pass
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
