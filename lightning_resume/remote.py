@@ -11,6 +11,7 @@ directory holding checkpoints is refused (``checkpoints_in``), never a silent st
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +23,8 @@ from loader_resume.checkpoint import CheckpointError
 from loader_resume.checkpoint_dir import DirectoryLock, claim
 from loader_resume.remote_lease import RemoteLease
 from loader_resume.storage import is_remote, remote_filesystem
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["checkpoints_in", "claim_directory", "newer", "newest_last", "refuse_a_silent_start"]
 
@@ -46,11 +49,32 @@ def _listed(directory: str, pattern: str) -> list[tuple[str, Any]]:
 def newer(ours: str | None, last: str | None) -> str | None:
     """The more recently written of the preemption checkpoint ``ours`` and a ``last.ckpt`` (either may be None):
     a later run that resumed from ``ours``, then wrote ``last.ckpt`` and crashed, resumes from its own progress.
-    ``ours`` on a tie: a preemption stop may write ``last.ckpt`` at the same step after it."""
+    Written in the same second (object stores keep whole seconds), the one of the later step; ``ours`` at the same
+    step: a preemption stop may write ``last.ckpt`` at the same step after it."""
     if ours is None or last is None:
         return ours or last
     fs, _ = remote_filesystem(ours)
-    return last if fs.modified(last) > fs.modified(ours) else ours
+    mine, theirs = fs.modified(ours), fs.modified(last)
+    if mine != theirs:
+        return last if theirs > mine else ours
+    try:
+        later = _global_step(last) > _global_step(ours)
+    except Exception as error:  # NOTE: a checkpoint torch cannot read with weights_only: the tie goes to ours
+        logger.warning("%s and %s were written in the same second and their steps could not be read (%s): "
+                       "resuming from %s", ours, last, error, ours)
+        return ours
+    logger.info("%s and %s were written in the same second: resuming from %s, the later step", ours, last,
+                last if later else ours)
+    return last if later else ours
+
+
+def _global_step(url: str) -> int:
+    """The ``global_step`` a Lightning checkpoint holds (read whole: only for the same second's two)."""
+    import torch
+
+    fs, path = remote_filesystem(url)
+    with fs.open(path, "rb") as file:
+        return int(torch.load(file, map_location="cpu", weights_only=True)["global_step"])
 
 
 def _model_checkpoint_folders(trainer: Trainer) -> list[tuple[str, str]]:

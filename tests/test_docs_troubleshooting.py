@@ -36,6 +36,7 @@ ENTRIES = {
     "deleting older ones failed": "checkpoint-not-written",
     "but NOT copied": "checkpoint-not-written",
     "deleting older remote checkpoints failed": "checkpoint-not-written",
+    "written in the same second": "checkpoint-skipped",
     "so its upload did not complete": "checkpoint-skipped",
     "no loader_resume state": "no-loader-state",
     "saved without FabricResume": "no-loader-state",

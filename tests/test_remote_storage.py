@@ -341,3 +341,38 @@ def test_a_front_door_that_writes_local_directories_refuses_a_url_for_them(tmp_p
                                                        r"door writes its checkpoints as local directories"):
         enable_resume(Accelerator(cpu=True), {"checkpoint_dir": "s3://bucket/run"})
     assert not Path("s3:").exists()
+
+
+def test_a_preemption_checkpoint_and_a_last_ckpt_of_the_same_second_are_told_apart_by_their_steps(
+    s3: dict[str, str]
+) -> None:
+    """S3 keeps whole seconds: a rerun that resumed from the preemption checkpoint can write ``last.ckpt`` within
+    the same second (seen in a full run). Of two written in one second, the later step is resumed from; at the same
+    step, the preemption checkpoint."""
+    import io
+
+    import torch
+
+    from lightning_resume.remote import newer
+    from loader_resume.storage import remote_filesystem
+
+    bucket("run-tie")
+    ours, last = "s3://run-tie/job/preempted.ckpt", "s3://run-tie/job/last.ckpt"
+    fs, _ = remote_filesystem(ours)
+
+    def write_both(our_step: int, last_step: int) -> None:
+        for _ in range(20):  # until both land in one second
+            for url, step in ((ours, our_step), (last, last_step)):
+                buffer = io.BytesIO()
+                torch.save({"global_step": step, "state_dict": {"w": torch.zeros(2)}}, buffer)
+                with fs.open(url.removeprefix("s3://"), "wb") as file:
+                    file.write(buffer.getvalue())
+            fs.invalidate_cache()
+            if fs.modified(ours) == fs.modified(last):
+                return
+        raise AssertionError("never written within one second")
+
+    write_both(5, 9)
+    assert newer(ours, last) == last
+    write_both(9, 9)
+    assert newer(ours, last) == ours
