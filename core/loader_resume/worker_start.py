@@ -100,7 +100,7 @@ def _guard_forks() -> None:
         os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork)
 
 
-_COLLECTING: list[bool] = []  # whether the garbage collector ran before the fork in progress
+_COLLECTING: list[bool] = []  # whether the garbage collector was enabled before the fork in progress
 
 
 def _before_fork() -> None:
