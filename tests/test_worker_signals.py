@@ -79,7 +79,10 @@ def test_without_it_a_signal_to_the_group_kills_a_plain_loaders_worker() -> None
         os.killpg(job.pid, signal.SIGTERM)
         time.sleep(0.02)
     _, err = job.communicate(timeout=60)
-    assert job.returncode != 0 and "killed by signal" in err, err[-3000:]
+    # torch reports a killed worker in one of two ways: its watchdog's "killed by signal", or, when the worker died
+    # while the main process fetched the shared memory of a batch it had sent, a failure inside rebuild_storage_fd
+    # (the worker held the other end of the socket that passes the file descriptor).
+    assert job.returncode != 0 and ("killed by signal" in err or "in rebuild_storage_fd" in err), err[-3000:]
 
 
 @pytest.mark.parametrize("context", ["spawn", "forkserver", None])
