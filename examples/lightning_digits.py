@@ -14,6 +14,7 @@ interrupted-and-rerun job prints the same one as an uninterrupted job.
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,13 @@ def main(overrides: list[str]) -> None:
     if trainer.is_global_zero:
         print("final weights digest: "
               f"{fingerprint([p.detach() for p in model.parameters()])}", flush=True)
+    # DDP on CPU: gloo's group ends before the interpreter's teardown
+    # (docs/troubleshooting.md#abort-at-exit)
+    if torch.distributed.is_initialized():
+        trainer.strategy.barrier()
+        del trainer, model
+        gc.collect()
+        torch.distributed.destroy_process_group()
 
 
 def _overrides(argv: list[str]) -> list[str]:

@@ -268,10 +268,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     assert trainer.world_size == args.devices
     trainer.fit(Model(args), ckpt_path=args.resume)
-    if "TORCHELASTIC_RESTART_COUNT" in os.environ and args.device == "cpu":  # the group is ours: tear it down
-        # before the interpreter does
-        torch.distributed.barrier()
-        gc.collect()  # NOTE: gloo aborts (SIGABRT) a process whose threads still hold tensors at exit
+    if torch.distributed.is_initialized():
+        # NOTE: a gloo group left to the interpreter's teardown aborts the process now and then ("terminate called
+        # without an active exception", SIGABRT: a gloo thread frees the last collective's tensors while the
+        # interpreter finalizes). Destroyed here, once nothing holds it (fit unwrapped the DDP model; the
+        # collector frees the wrapper), its threads are joined first (docs/troubleshooting.md#abort-at-exit).
+        trainer.strategy.barrier()
+        del trainer
+        gc.collect()
         torch.distributed.destroy_process_group()
 
 
