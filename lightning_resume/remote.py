@@ -16,6 +16,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -63,15 +64,13 @@ def newer(ours: str | None, last: str | None) -> str | None:
         logger.warning("%s and %s were written in the same second and their steps could not be read (%s): "
                        "resuming from %s", ours, last, error, ours)
         return ours
-    logger.info("%s and %s were written in the same second: resuming from %s, the later step", ours, last,
-                last if later else ours)
-    return last if later else ours
+    chosen = last if later else ours
+    logger.info("%s and %s were written in the same second: resuming from %s, the later step", ours, last, chosen)
+    return chosen
 
 
 def _global_step(url: str) -> int:
     """The ``global_step`` a Lightning checkpoint holds (read whole: only for the same second's two)."""
-    import torch
-
     fs, path = remote_filesystem(url)
     with fs.open(path, "rb") as file:
         return int(torch.load(file, map_location="cpu", weights_only=True)["global_step"])
