@@ -2,9 +2,11 @@
 verified before Lightning loads them, and a corrupted preemption checkpoint passed over at an automatic resume.
 
 - ``save_atomically``: ``trainer.save_checkpoint`` into ``.NAME.tmp-TOKEN`` (a name of this write alone), then
-  renamed (to an fsspec URL: one upload, visible only once complete); a failed write on any rank (a full disk, a
-  read-only mount, any exception) is agreed by all ranks, the temporary file is removed, the previous checkpoint
-  stays, and ``None`` is returned.
+  the writer waited for (``finish_writes``: Lightning's ``AsyncCheckpointIO`` writes in a thread after
+  ``save_checkpoint`` returned), the file verified, and only then renamed (to an fsspec URL: one upload, visible only
+  once complete); a failed write on any rank (a full disk, a read-only mount, a write that failed in the background,
+  any exception) is agreed by all ranks, the temporary file is removed, the previous checkpoint stays, and ``None``
+  is returned.
 - ``usable``: whether a checkpoint file verifies (``loader_resume.torch_file.verify_torch_file``), with
   a warning naming it and why not; ``verify_loads``: every file the strategy loads is verified first, so a
   changed or truncated checkpoint is refused naming the file (``fit(ckpt_path=...)`` included).
@@ -20,60 +22,84 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Trainer
+from lightning.pytorch.plugins import AsyncCheckpointIO
 
 from loader_resume.checkpoint import CheckpointError, describe_failure, storage_failure, writer_token
 from loader_resume.storage import is_remote, remote_filesystem
 from loader_resume.torch_file import verify_torch_file
 
-__all__ = ["exists", "nothing_else_to_resume", "save_atomically", "usable", "verify_loads"]
+__all__ = ["exists", "finish_writes", "nothing_else_to_resume", "save_atomically", "usable", "verify_loads"]
 
 logger = logging.getLogger(__name__)
 
 
 def save_atomically(trainer: Trainer, final: str) -> str | None:
-    """``trainer.save_checkpoint`` to ``final`` through a temporary file (every rank calls it): ``final``, or
-    ``None`` when the write failed on any rank (logged with the path and the cause)."""
+    """``trainer.save_checkpoint`` to ``final`` through a temporary file (every rank calls it): ``final`` once the
+    file is whole on storage and verifies, or ``None`` when the write failed on any rank (logged with the path and
+    the cause)."""
     strategy = trainer.strategy
-    if is_remote(final):  # NOTE: no rename on an object store: Lightning writes one upload, visible once complete
-        return _save_remote(trainer, final)
+    remote = is_remote(final)  # NOTE: no rename on an object store: Lightning writes one upload, visible once complete
     folder, name = os.path.split(final)
-    temporary = os.path.join(folder, f".{name}.tmp-{writer_token(strategy.broadcast)}")
-    failure: Exception | None = None
-    try:
-        trainer.save_checkpoint(temporary)
-    except Exception as error:  # NOTE: the barrier save_checkpoint ends with, which the other ranks are in
-        failure = storage_failure(error)
-        strategy.barrier("Trainer.save_checkpoint")
-    if not strategy.reduce_boolean_decision(failure is not None, all=False) and trainer.is_global_zero:
+    target = final if remote else os.path.join(folder, f".{name}.tmp-{writer_token(strategy.broadcast)}")
+    failure = _write(trainer, target)
+    if not strategy.reduce_boolean_decision(failure is not None, all=False) and trainer.is_global_zero and not remote:
         try:
-            os.replace(temporary, final)
+            os.replace(target, final)
         except OSError as error:
             failure = error
     if not strategy.reduce_boolean_decision(failure is not None, all=False):
         return final
-    cause = describe_failure(failure, Path(final).parent) if failure is not None else "failed on another rank"
-    if trainer.is_global_zero:
+    cause = "failed on another rank" if failure is None else \
+        f"{type(failure).__name__}: {failure}" if remote else describe_failure(failure, Path(final).parent)
+    if trainer.is_global_zero and not remote:
         with contextlib.suppress(OSError):
-            os.remove(temporary)
+            os.remove(target)
     logger.error("checkpoint at step %d NOT written to %s: %s", trainer.global_step, final, cause)
     return None
 
 
-def _save_remote(trainer: Trainer, final: str) -> str | None:
-    """``trainer.save_checkpoint(final)`` to a URL: Lightning's checkpoint IO writes the whole file into one upload
-    inside an fsspec transaction (``_atomic_save``), so a reader sees the previous object or the new one, never a
-    part, and a failed or killed upload leaves the previous one. ``final``, or ``None`` if any rank failed."""
-    failure: Exception | None = None
+def _write(trainer: Trainer, target: str) -> Exception | None:
+    """``trainer.save_checkpoint(target)`` on this rank, the writer waited for and (on the rank that writes) the file
+    verified: ``None``, or what failed. To a URL Lightning's checkpoint IO writes the whole file into one upload inside
+    an fsspec transaction (``_atomic_save``): a reader sees the previous object or the new one, never a part."""
     try:
-        trainer.save_checkpoint(final)
-    except Exception as error:  # NOTE: a store fails in its client's terms too (no credentials, a network error)
-        failure = error
+        trainer.save_checkpoint(target)
+    except Exception as error:  # NOTE: the barrier save_checkpoint ends with, which the other ranks are in
         trainer.strategy.barrier("Trainer.save_checkpoint")
-    if not trainer.strategy.reduce_boolean_decision(failure is not None, all=False):
-        return final
-    cause = f"{type(failure).__name__}: {failure}" if failure is not None else "failed on another rank"
-    logger.error("checkpoint at step %d NOT written to %s: %s", trainer.global_step, final, cause)
+        # NOTE: a store fails in its client's terms too (no credentials, a network error)
+        return error if is_remote(target) else storage_failure(error)
+    try:
+        finish_writes(trainer.strategy.checkpoint_io)
+        if trainer.is_global_zero and not (not is_remote(target) and os.path.isdir(target)):  # NOTE: a sharded save
+            verify_torch_file(target)
+    except Exception as error:  # NOTE: a write that failed in the writer's thread, or a file that is not whole
+        return error
     return None
+
+
+def finish_writes(checkpoint_io: Any) -> None:
+    """Return once every file ``checkpoint_io`` was asked to write is written, or raise why one was not.
+
+    A checkpoint IO may write after its ``save_checkpoint`` returned: Lightning's ``AsyncCheckpointIO`` writes in a
+    thread (so may a user's own). ``teardown()`` is the one moment Lightning's contract gives a checkpoint IO to
+    finish its work (a strategy calls it as ``fit`` ends; ``AsyncCheckpointIO`` waits for its thread there, raises
+    the error of any write that failed in it, and starts a new thread at its next save), so each layer's
+    ``teardown()`` runs, outermost first. A failure raised here is this save's failure, reported by the caller:
+    ``AsyncCheckpointIO`` forgets it (it would raise it again at its next save and as ``fit`` ends, ending the
+    process with a traceback instead of the agreed exit).
+    """
+    failure: BaseException | None = None
+    layer = checkpoint_io
+    while layer is not None:
+        try:
+            layer.teardown()
+        except Exception as error:
+            failure = failure or error
+            if isinstance(layer, AsyncCheckpointIO):
+                layer._error = None  # NOTE: Lightning 2.6's record of the failed write; no public way to clear it
+        layer = getattr(layer, "checkpoint_io", None)  # NOTE: Lightning's wrappers name the IO they wrap so
+    if failure is not None:
+        raise failure
 
 
 def exists(path: str) -> bool:

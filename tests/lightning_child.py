@@ -23,6 +23,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins import AsyncCheckpointIO, TorchCheckpointIO
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -204,6 +205,25 @@ class Faults(L.Callback):
                 time.sleep(0.01)
 
 
+class SlowIO(TorchCheckpointIO):
+    """Lightning's own checkpoint IO, ``seconds`` slower per file, as a large checkpoint on slow storage: it writes
+    OUT/writing (the file's name) first, so a test can kill the job while a write is in flight."""
+
+    def __init__(self, out: str, seconds: float) -> None:
+        super().__init__()
+        self.out, self.seconds = Path(out), seconds
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        (self.out / "writing").write_text(os.path.basename(path))
+        time.sleep(self.seconds)
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+def plugins(args: argparse.Namespace) -> list[Any]:
+    """``--async-io SECONDS``: Lightning's ``AsyncCheckpointIO`` over a writer that takes that long per file."""
+    return [] if args.async_io is None else [AsyncCheckpointIO(SlowIO(args.out, args.async_io))]
+
+
 def resume_callbacks(args: argparse.Namespace) -> list[ResumeCallback]:
     if args.no_callback:
         return []
@@ -245,6 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--root", help="Trainer(default_root_dir=ROOT) (a URL: s3://..., file://...), ResumeCallback() "
                         "without dirpath and ModelCheckpoint(dirpath=ROOT/ckpt); logs stay in OUT")
     parser.add_argument("--no-save-last", action="store_true", help="ModelCheckpoint(save_last=False)")
+    parser.add_argument("--async-io", type=float, help="AsyncCheckpointIO over a writer this many seconds slow")
     parser.add_argument("--wait-at", type=int, help="after this step, write OUT/waiting and wait for OUT/go")
     add_device_options(parser)
     args = parser.parse_args(argv)
@@ -258,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
         precision="bf16-mixed" if args.bf16 else "32-true",
         max_epochs=args.epochs, max_steps=args.max_steps, logger=False, enable_progress_bar=False,
         enable_model_summary=False,
-        num_sanity_val_steps=0, default_root_dir=args.root or args.out, deterministic=True,
+        num_sanity_val_steps=0, default_root_dir=args.root or args.out, deterministic=True, plugins=plugins(args),
         limit_val_batches=1.0 if args.val_every else 0, val_check_interval=args.val_every or None,
         callbacks=[*resume_callbacks(args), *([MixtureSchedule()] if args.mixture else []), Faults(args),
                    # NOTE: Lightning's ModelCheckpoint takes a file: URL's text for a relative local path

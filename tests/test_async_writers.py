@@ -1,0 +1,131 @@
+"""Checkpoints written in the background (Lightning's ``AsyncCheckpointIO``): the preemption checkpoint is whole on
+storage before anything renames or announces it and before the process exits; a write that fails in the background
+is a failed save (exit 74); a job killed while a periodic write is in flight resumes from the newest complete one.
+
+Every job here runs ``tests/lightning_child.py --async-io SECONDS``: ``AsyncCheckpointIO`` over Lightning's own
+``TorchCheckpointIO`` made that many seconds slower per file (a large checkpoint on slow storage), so that each
+write is still in flight when the job goes on, is signalled or is killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loader_resume.checkpoint_dir import FAILED_SAVE_EXIT_CODE
+from support import forked
+from support.launch import progress_of
+from support.mounts import tmpfs
+from support.reference import child_run
+
+CHILD = Path(__file__).parent / "lightning_child.py"
+
+
+def command(out: Path, *args: str) -> list[str]:
+    return [sys.executable, str(CHILD), str(out), *args]
+
+
+def finished(out: Path) -> dict[str, Any]:
+    ranks = sorted(out.glob("log-*.json"))
+    return {"logs": [json.loads(path.read_text()) for path in ranks],
+            "weights": [(out / f"weights-{path.stem.split('-')[1]}.txt").read_text() for path in ranks]}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The uninterrupted one-device fit (no worker: batches do not depend on ``num_workers``)."""
+    return finished(child_run(tmp_path_factory, "lightning_child.py", "--every", "3"))
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The uninterrupted two-rank DDP fit (test_lightning.py's; its checkpoints every 2 steps change nothing)."""
+    return finished(child_run(tmp_path_factory, "lightning_child.py", "--devices", "2", "--every", "2"))
+
+
+def wait_for(condition: Any, process: subprocess.Popen[str], what: str) -> None:
+    deadline = time.monotonic() + 120
+    while not condition():
+        assert time.monotonic() < deadline and process.poll() is None, f"the job never reached {what}"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize(("devices", "workers"), [(1, 0), (1, 2), (2, 2)])
+def test_sigterm_with_an_asynchronous_writer_exits_143_once_the_checkpoint_is_whole_and_the_rerun_continues_exactly(
+    single: dict[str, Any], ddp: dict[str, Any], tmp_path: Path, devices: int, workers: int
+) -> None:
+    """SIGTERM mid-epoch (to the process group on two devices, as a scheduler sends it) while the writer is seconds
+    behind: exit 143 with ``preempted.ckpt`` whole and no temporary file left, then the same command continues
+    with the uninterrupted run's batches and final weights."""
+    out = tmp_path / "job"
+    out.mkdir()
+    job = command(out, "--async-io", "1", "--sleep", "0.15", "--append", "--workers", str(workers),
+                  "--devices", str(devices))
+    first = forked.popen(job, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for(lambda: progress_of(out / "progress-0") >= 4, first, "step 4")
+    (os.killpg if devices > 1 else os.kill)(first.pid, signal.SIGTERM)
+    _, stderr = first.communicate(timeout=120)
+    assert first.returncode == 143, stderr[-3000:]
+    assert stderr.count("checkpoint written at step") == devices, stderr[-3000:]
+    assert [path.name for path in out.iterdir() if ".tmp-" in path.name] == []
+    stopped_at = len(json.loads((out / "log-0.json").read_text()))
+    assert 4 <= stopped_at < 20, stopped_at  # mid-training, well before its 24 (one device) or 12 steps
+    rerun = forked.run(job, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"Restoring states from the checkpoint path at {out / 'preempted.ckpt'}" in rerun.stderr
+    assert finished(out) == (single if devices == 1 else ddp)  # the rerun's log appends to the first run's
+
+
+def test_a_preemption_checkpoint_that_fails_in_the_background_exits_74_and_the_rerun_resumes_from_the_last_complete(
+    ddp: dict[str, Any], tmp_path: Path
+) -> None:
+    """DDP on two ranks; the callback's directory is a tmpfs that fills after step 5, then SIGTERM: the write fails
+    in the writer's thread after ``save_checkpoint`` returned. Both ranks report it and exit 74, nothing is left in
+    the directory but the filler, and the rerun resumes from ModelCheckpoint's ``last.ckpt`` exactly."""
+    out, directory = tmp_path / "job", tmp_path / "resume"
+    out.mkdir()
+    job = command(out, "--async-io", "0.5", "--devices", "2", "--resume-dir", str(directory))
+    with tmpfs(directory, "1m"):
+        done = forked.run([*job, "--fill-disk-at", "5", "--signal-at", "5"], capture_output=True, text=True,
+                          timeout=300)
+        assert done.returncode == FAILED_SAVE_EXIT_CODE, done.stderr[-3000:]
+        assert done.stderr.count("could NOT be written") == 2, done.stderr[-3000:]
+        assert "no space left on device" in done.stderr and "Traceback" not in done.stderr
+        assert sorted(path.name for path in directory.iterdir()) == ["filler"]  # no preempted.ckpt, no temporary
+        (directory / "filler").unlink()
+        rerun = forked.run(job, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"Restoring states from the checkpoint path at {out / 'ckpt' / 'last.ckpt'}" in rerun.stderr
+    assert finished(out)["weights"] == ddp["weights"]
+
+
+def test_a_job_killed_while_a_periodic_write_is_in_flight_resumes_from_the_newest_complete_checkpoint(
+    single: dict[str, Any], tmp_path: Path
+) -> None:
+    """ModelCheckpoint every 3 steps, each file 1.5 s in the writer: SIGKILL to the job while ``step=6.ckpt`` is
+    being written (step 3's files are whole, later steps' are queued). The rerun resumes from step 3's ``last.ckpt``
+    and delivers the uninterrupted run's batches from there, with its final weights."""
+    out = tmp_path / "job"
+    out.mkdir()
+    job = command(out, "--async-io", "1.5", "--sleep", "0.1")
+    first = forked.popen(job, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                         text=True)
+    marker = out / "writing"
+    wait_for(lambda: marker.exists() and marker.read_text() == "step=6.ckpt", first, "the write of step=6.ckpt")
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait(timeout=60)
+    assert sorted(path.name for path in (out / "ckpt").iterdir()) == ["last.ckpt", "step=3.ckpt"]
+    rerun = forked.run(job, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"Restoring states from the checkpoint path at {out / 'ckpt' / 'last.ckpt'}" in rerun.stderr
+    resumed = finished(out)
+    assert resumed["logs"][0] == single["logs"][0][3:]  # the rerun's own log: from step 3 on
+    assert resumed["weights"] == single["weights"]
