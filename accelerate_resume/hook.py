@@ -37,12 +37,12 @@ from loader_resume.checkpoint_dir import (
     claim,
     local_directory,
     newest_complete,
-    newest_usable,
     preemption_exit_code,
 )
 from loader_resume.checkpoint_entry import PendingEntry
 from loader_resume.convert import sharded_resumable
 from loader_resume.distributed import any_rank, gather_rng_states, gather_states
+from loader_resume.fresh_start import newest_or_start
 from loader_resume.preemption import Preemption
 from loader_resume.remote_copy import fetch_newer, start_remote_copy
 from loader_resume.sampler import loader_seed
@@ -267,7 +267,7 @@ class Resume:
             self._started = True
             if self.config.auto_resume:
                 fetch_newer(self._remote, main=self.accelerator.is_main_process, agree=any_rank)
-            found = newest_usable(self.checkpoints(), any_rank) if self.config.auto_resume else None
+            found = newest_or_start(self.checkpoints(), self._lock, any_rank) if self.config.auto_resume else None
             if found is not None:  # NOTE: verified above
                 logger.info("resuming from %s", found)
                 self.accelerator.load_state(os.fspath(found))

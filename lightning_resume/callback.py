@@ -26,6 +26,7 @@ from loader_resume.checkpoint import CHECKPOINT_FORMAT
 from loader_resume.checkpoint_dir import FAILED_SAVE_EXIT_CODE, DirectoryLock, preemption_exit_code
 from loader_resume.convert import resumable
 from loader_resume.distributed import gather_rng_states, gather_states
+from loader_resume.fresh_start import resuming_nothing
 from loader_resume.preemption import Preemption
 from loader_resume.remote_lease import RemoteLease
 from loader_resume.sampler import loader_seed
@@ -176,6 +177,8 @@ class ResumeCallback(OnExceptionCheckpoint):
             raise nothing_else_to_resume(skipped)
         if trainer.ckpt_path is None and is_remote(self.dirpath):
             refuse_a_silent_start(checkpoints_in(str(self.dirpath), trainer))
+        if trainer.ckpt_path is None:  # NOTE: an earlier job's traces and nothing to resume: said (or refused)
+            resuming_nothing(self._lock, functools.partial(trainer.strategy.reduce_boolean_decision, all=False))
         self._training.check_iterated(trainer)
         self._install(trainer)
 

@@ -28,11 +28,11 @@ from loader_resume.checkpoint_dir import (
     claim,
     local_directory,
     newest_complete,
-    newest_usable,
     preemption_exit_code,
 )
 from loader_resume.checkpoint_entry import PendingEntry
 from loader_resume.distributed import gather_rng_states, gather_states
+from loader_resume.fresh_start import newest_or_start
 from loader_resume.preemption import Preemption
 from loader_resume.remote_copy import RemoteCopy, fetch_newer
 from loader_resume.remote_lease import RemoteLease
@@ -173,7 +173,7 @@ class FabricResume:
             self._claimed = True
         self.preemption.install()
         fetch_newer(self._remote, main=self.fabric.is_global_zero, agree=self._any_rank)
-        found = newest_usable(self.checkpoints(), self._any_rank)
+        found = newest_or_start(self.checkpoints(), self._lock, self._any_rank)
         if found is not None:
             logger.info("resuming from %s", found)
             self.fabric.load(found / CHECKPOINT_FILE, state)

@@ -42,6 +42,7 @@ ENTRIES = {
     "saved without FabricResume": "no-loader-state",
     "saved before enable_resume": "no-loader-state",
     "no complete checkpoint in": "no-checkpoint",
+    "no checkpoint to resume from: starting from step 0": "no-checkpoint",
     "will NOT be bit-identical": "not-exact",
     "before they were keyed": "not-exact",
     "re-sharded": "not-exact",

@@ -14,15 +14,15 @@ Here, with public Trainer APIs where they exist:
   ``trainer_state.json`` is written, and older checkpoints deleted, only once every rank's files exist.
   ``train(resume_from_checkpoint=True)`` resumes from the newest complete checkpoint that verifies (one that
   lacks a file or fails a check is skipped with a warning naming it; ``checkpoint_files``), and starts from the
-  beginning where there is none, so one command starts a job and continues it; an explicit path that lacks a
-  file or fails a check is refused, naming the file. A write that fails on any rank is agreed by all
+  beginning where there is none, so one command starts a job and continues it (saying so where an earlier job left
+  traces: ``loader_resume.fresh_start``); an explicit path that lacks a file or fails a check is refused, naming
+  the file. A write that fails on any rank is agreed by all
   (``saving``): nothing partial stays, and training stops with ``CheckpointError`` (a preemption save: exit 74).
   ``output_dir`` is locked while ``train`` runs (one job per directory).
 - While ``train`` runs, Trainer's skipping is a no-op for our loader: it already stands at the next batch.
   Trainer still counts the skipped steps as done, and restores its RNG files (``rng_state_<rank>.pth``).
 - Evaluation and test loaders stay Trainer's; their workers ignore the preemption signals, so a signal to the
   whole process group during an evaluation leaves it whole, and the checkpoint follows at the next step.
-
 - Preemption: SIGTERM or SIGUSR1 only sets a flag; at the end of the next optimizer step (``on_step_end``,
   after the LR scheduler's) all ranks agree, Trainer writes its checkpoint (ours included) and stops, and
   every process exits with ``exit_code`` (143); the same command continues with the next batch.
@@ -59,6 +59,7 @@ from loader_resume.checkpoint import CHECKPOINT_FORMAT, CheckpointError, tempora
 from loader_resume.checkpoint_dir import preemption_exit_code
 from loader_resume.convert import sharded_resumable
 from loader_resume.distributed import any_rank, load_rank_state
+from loader_resume.fresh_start import resuming_nothing
 from loader_resume.preemption import Preemption, workers_ignore_signals
 from loader_resume.remote_copy import RemoteCopy
 from loader_resume.slurm import Requeue
@@ -156,7 +157,7 @@ class ResumeTrainerMixin:
         """``Trainer.train``; ``resume_from_checkpoint=True`` picks the newest complete checkpoint in
         ``args.output_dir`` that verifies (see the module docstring). ``args.output_dir`` is this job's while it
         trains: a second job on it is refused."""
-        lock = hold_output_dir(self)
+        lock = self._held = hold_output_dir(self)  # NOTE: _train tells it whether it resumes nothing
         try:
             self._copy = start_remote(self, self.remote)
             return self._train(resume_from_checkpoint, *args, **kwargs)
@@ -172,7 +173,7 @@ class ResumeTrainerMixin:
             fetch_remote(self, self._copy)
             found = newest_resumable(root, rank=args_.process_index, world_size=args_.world_size, agree=any_rank)
             checkpoint = None if found is None else os.fspath(found)
-            if checkpoint is None:  # NOTE: stock Trainer raises here; one command must start a job and continue it
+            if checkpoint is None and not resuming_nothing(self._held, any_rank):  # NOTE: stock Trainer raises here
                 logger.warning("no complete checkpoint in %s: training starts from the beginning", root)
         else:
             checkpoint = resume_from_checkpoint or None

@@ -10,7 +10,8 @@ that file, so a second job on the same directory is refused with an error naming
 when the job lets go (at its exit too, unless it is killed: a file left behind blocks nothing). A
 directory that cannot be written fails there, naming it and the cause. Leftovers of writes interrupted in an
 earlier job (``.NAME.tmp-TOKEN``, see ``loader_resume.checkpoint.temporary_name``) are deleted once the lock
-is held (no other writer can be using them).
+is held (no other writer can be using them). What an earlier job left (its lock file, as a job killed leaves it,
+and those leftovers) is kept as ``DirectoryLock.traces``, for ``loader_resume.fresh_start``.
 
 ``newest_usable``: an automatic resume skips a newest checkpoint that fails verification (naming it) and takes
 the one before. ``preemption_exit_code``: after a preemption checkpoint that could not be written, the process
@@ -65,6 +66,9 @@ class DirectoryLock:
     def __init__(self, directory: Path, descriptor: int) -> None:
         self.directory, self._descriptor, self._users = directory, descriptor, 1
         self._pid = os.getpid()  # NOTE: a forked child shares none of it (it must not remove the file)
+        self.traces: list[str] = []
+        """What an earlier job that did not end cleanly left here, as a warning names it (empty: nothing)."""
+        self._earlier, self._keep = b"", False
 
     @classmethod
     def acquire(cls, directory: Path, wait: float = LOCK_WAIT) -> DirectoryLock:
@@ -103,6 +107,7 @@ class DirectoryLock:
             os.close(descriptor)  # NOTE: its holder removed it as it let go: lock the file that is there now
         lock = cls(directory, descriptor)
         try:
+            lock._note_earlier_owner()
             lock._write_owner()
             lock._clean_leftovers()
         except OSError as error:
@@ -121,13 +126,28 @@ class DirectoryLock:
             if self._descriptor < 0:
                 return
             with contextlib.suppress(OSError):
-                (self.directory / LOCK_FILE).unlink()  # NOTE: while locked (see acquire: a waiter checks the file)
+                if not self._keep:
+                    (self.directory / LOCK_FILE).unlink()  # NOTE: while locked (acquire: a waiter checks the file)
             self._close()
 
     def _close(self) -> None:
         if self._descriptor >= 0:
             with contextlib.suppress(OSError):
                 os.close(self._descriptor)  # NOTE: drops the lock
+
+    def _note_earlier_owner(self) -> None:
+        """A lock file that names a holder was left by a job that ended without letting go (killed)."""
+        self._earlier = os.pread(self._descriptor, 1 << 16, 0)  # NOTE: through the locked descriptor (_write_owner)
+        if self._earlier:
+            self.traces.append(f"the lock file of a job that did not end cleanly ({_holder(self._earlier)})")
+
+    def keep_traces(self) -> None:
+        """Leave the lock file (the earlier job's, where there was one) as it lets go: a start refused for the traces
+        it found leaves them for the next start to find."""
+        if self._earlier and self._descriptor >= 0:
+            os.ftruncate(self._descriptor, 0)
+            os.pwrite(self._descriptor, self._earlier, 0)
+        self._keep = True
 
     def _write_owner(self) -> None:
         owner = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -141,6 +161,7 @@ class DirectoryLock:
         for path in self.directory.iterdir():
             if is_temporary(path):
                 logger.warning("deleting %s: left by a write interrupted in an earlier job", path)
+                self.traces.append(f"{path.name}, a checkpoint write it never finished (deleted)")
                 if path.is_dir():
                     shutil.rmtree(path, ignore_errors=True)
                 else:
@@ -218,9 +239,16 @@ def _release_all() -> None:
 
 def _owner(directory: Path) -> str:
     try:
-        owner = json.loads((directory / LOCK_FILE).read_text())
+        return _holder((directory / LOCK_FILE).read_bytes())
+    except OSError:
+        return f"its {LOCK_FILE} names no holder"
+
+
+def _holder(text: bytes) -> str:
+    try:
+        owner = json.loads(text)
         return f"pid {owner['pid']} on {owner['host']} since {owner['since']}: {owner['command']}"
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         return f"its {LOCK_FILE} names no holder"
 
 
