@@ -21,6 +21,7 @@ from typing import Any
 import torch.multiprocessing
 
 from .distributed import any_rank
+from .launcher import follow_launcher
 
 __all__ = ["IgnoreSignalsInWorker", "Preemption", "held_while_forking", "signal_numbers", "workers_ignore_signals"]
 
@@ -46,6 +47,7 @@ class Preemption:
         self.signals = signal_numbers(signals)
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
+        self._following = False  # the kernel sends signals[0] here when a launcher that passes none on dies
 
     def install(self) -> None:
         """Install the handlers (main thread only; idempotent)."""
@@ -53,6 +55,7 @@ class Preemption:
             return
         for number in self.signals:
             self._previous[number] = signal.signal(number, self._on_signal)
+        self._following = bool(self.signals) and follow_launcher(self.signals[0])  # NOTE: launcher.py
 
     def uninstall(self) -> None:
         """Put back the handlers ours replaced, where ours is still the one installed (a framework that put its own
@@ -61,6 +64,8 @@ class Preemption:
             if signal.getsignal(number) == self._on_signal:
                 signal.signal(number, previous)
         self._previous = {}
+        if self._following:
+            self._following = follow_launcher(None)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # NOTE: only a flag. No I/O, no logging, no collective: see the module docstring.
