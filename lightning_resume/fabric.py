@@ -42,6 +42,7 @@ from loader_resume.step_boundary import ReportingDataLoader, StepBoundaries
 
 from .callback import CHECKPOINT_KEY
 from .fabric_loader import FabricResumableDataLoader, convert, leave_launched_process, loaded_into, referenced
+from .integrity import save_whole
 
 __all__ = ["CHECKPOINT_FILE", "FabricResumableDataLoader", "FabricResume"]
 
@@ -194,12 +195,7 @@ class FabricResume:
         final = self.checkpoint_dir / f"step_{self.step:09d}"
 
         def write_into(directory: Path) -> None:
-            try:
-                fabric.save(directory / CHECKPOINT_FILE, state)
-            except Exception:  # NOTE: any failed write (agreed by write_sealed); first the barrier fabric.save ends
-                if fabric.world_size > 1:  # with, which the other ranks are in
-                    fabric.barrier()
-                raise
+            save_whole(fabric, directory / CHECKPOINT_FILE, state)  # NOTE: a failed write: agreed by write_sealed
 
         if not write_sealed(final, write_into, main=fabric.is_global_zero, agree=self._any_rank, step=self.step,
                             checksums=self.verify_checksums, keep=self.keep,

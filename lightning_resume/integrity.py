@@ -28,7 +28,8 @@ from loader_resume.checkpoint import CheckpointError, describe_failure, storage_
 from loader_resume.storage import is_remote, remote_filesystem
 from loader_resume.torch_file import verify_torch_file
 
-__all__ = ["exists", "finish_writes", "nothing_else_to_resume", "save_atomically", "usable", "verify_loads"]
+__all__ = ["exists", "finish_writes", "nothing_else_to_resume", "save_atomically", "save_whole", "usable",
+           "verify_loads"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,22 @@ def _write(trainer: Trainer, target: str) -> Exception | None:
     except Exception as error:  # NOTE: a write that failed in the writer's thread, or a file that is not whole
         return error
     return None
+
+
+def save_whole(fabric: Any, path: Path, state: dict[str, Any]) -> None:
+    """``fabric.save(path, state)`` (every rank calls it), returning once the file is on storage (``finish_writes``:
+    a Fabric may write through ``AsyncCheckpointIO`` too), or raising what failed (after the barrier ``fabric.save``
+    ends with, where the failure was in it: the other ranks are there)."""
+    try:
+        fabric.save(path, state)
+    except Exception:
+        if fabric.world_size > 1:
+            fabric.barrier()
+        raise
+    finish_writes(fabric.strategy.checkpoint_io)
+    if fabric.is_global_zero and not path.exists():
+        raise FileNotFoundError(f"{path}: not on storage once the checkpoint IO's save_checkpoint and teardown() "
+                                "returned; expected a CheckpointIO whose teardown() waits for its writes")
 
 
 def finish_writes(checkpoint_io: Any) -> None:

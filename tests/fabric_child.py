@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 from lightning.fabric import Fabric
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.strategies import FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.plugins import AsyncCheckpointIO
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
@@ -32,6 +34,18 @@ from loader_resume.testing import fingerprint
 from support.data import NoisyEverywhere, NoisyStream
 from support.device import add_device_options
 from support.mounts import fill
+
+
+class SlowIO(TorchCheckpointIO):
+    """Lightning's own checkpoint IO, ``seconds`` slower per file."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        time.sleep(self.seconds)
+        super().save_checkpoint(checkpoint, path, storage_options)
 
 
 class CPUFSDPStrategy(FSDPStrategy):
@@ -89,6 +103,8 @@ def main() -> None:
                         "this micro-batch (a real full disk: mount a small tmpfs there)")
     parser.add_argument("--strategy", choices=["fsdp-sharded", "fsdp-full", "model-parallel"],
                         help="default: ddp on several devices, else auto")
+    parser.add_argument("--async-io", type=float, help="Lightning's AsyncCheckpointIO over a writer this many seconds "
+                        "slower per file (a large checkpoint on slow storage)")
     parser.add_argument("--load", help="fabric.load(PATH) with the loader in the state, after restore()")
     add_device_options(parser)
     args = parser.parse_args()
@@ -96,7 +112,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     fabric = Fabric(accelerator=args.device, devices=args.devices, strategy=strategy_of(args),
-                    precision="bf16-mixed" if args.bf16 else "32-true")
+                    precision="bf16-mixed" if args.bf16 else "32-true",
+                    plugins=None if args.async_io is None else [AsyncCheckpointIO(SlowIO(args.async_io))])
     fabric.launch()
     assert fabric.world_size == args.devices, (fabric.world_size, args.devices)
     rank = fabric.global_rank

@@ -129,3 +129,48 @@ def test_a_job_killed_while_a_periodic_write_is_in_flight_resumes_from_the_newes
     resumed = finished(out)
     assert resumed["logs"][0] == single["logs"][0][3:]  # the rerun's own log: from step 3 on
     assert resumed["weights"] == single["weights"]
+
+
+# --- Fabric: FabricResume's sealed checkpoints through Fabric(plugins=[AsyncCheckpointIO(...)]) -------------------
+FABRIC_CHILD = Path(__file__).parent / "fabric_child.py"
+
+
+def fabric_logs(out: Path) -> dict[str, Any]:
+    return {"logs": [path.read_text() for path in sorted(out.glob("log-*.jsonl"))],
+            "weights": [path.read_text() for path in sorted(out.glob("weights-*.txt"))]}
+
+
+def test_fabric_seals_a_preemption_checkpoint_only_once_the_background_write_is_on_storage(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Two ranks, SIGTERM to the process group mid-epoch, each file 1 s in the writer's thread: the sealed
+    checkpoint holds Fabric's file (its manifest names it), exit 143, and the same command continues exactly."""
+    full = child_run(tmp_path_factory, "fabric_child.py", "--devices", "2")  # test_fabric.py's too
+    out = tmp_path / "job"
+    job = [sys.executable, str(FABRIC_CHILD), str(out), "--devices", "2", "--async-io", "1"]
+    first = forked.popen([*job, "--sleep", "0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    wait_for(lambda: progress_of(out / "progress-0") >= 5, first, "step 5")
+    os.killpg(first.pid, signal.SIGTERM)
+    _, stderr = first.communicate(timeout=120)
+    assert first.returncode == 143, stderr[-3000:]
+    (sealed,) = (path for path in (out / "resume_checkpoints").iterdir() if path.name.startswith("step_"))
+    manifest = json.loads((sealed / "loader_resume_manifest.json").read_text())
+    assert sorted(manifest["files"]) == ["checkpoint.ckpt"]
+    assert manifest["files"]["checkpoint.ckpt"]["size"] == (sealed / "checkpoint.ckpt").stat().st_size > 0
+    rerun = forked.run(job, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert fabric_logs(out) == fabric_logs(full)  # the rerun's log appends to the first run's
+
+
+def test_fabric_a_background_write_that_fails_is_a_failed_save(tmp_path: Path) -> None:
+    """One device, the checkpoint directory a tmpfs filled after step 4, then SIGTERM: the write fails in the
+    writer's thread; nothing is sealed, and the job exits 74 naming the cause."""
+    out = tmp_path / "job"
+    with tmpfs(out / "resume_checkpoints", "1m"):
+        done = forked.run([sys.executable, str(FABRIC_CHILD), str(out), "--async-io", "0.5", "--fill-disk-at", "4",
+                           "--signal-at", "4"], capture_output=True, text=True, timeout=300)
+        assert done.returncode == FAILED_SAVE_EXIT_CODE, done.stderr[-3000:]
+        assert "could NOT be written" in done.stderr and "no space left on device" in done.stderr
+        assert "Traceback" not in done.stderr
+        assert [path.name for path in (out / "resume_checkpoints").iterdir()] == ["filler"]  # nothing sealed
