@@ -11,6 +11,12 @@ and renames it to ``step_N``, so a kill during a save leaves the previous checkp
 newest sealed checkpoint is loaded: rerunning the command continues with the very next batch. The last line
 printed is a digest of the final weights, the same for an interrupted-and-resumed job as for an uninterrupted
 one.
+
+With ``--async-save`` each checkpoint is written by ``dcp.async_save``: the call takes the state of this step
+(the model and optimizer copied to CPU memory, the step, the generators and the loader's position, all in the one
+dict it is given) and a thread writes it while training goes on, over a process group of its own. It is sealed
+once written, before the next checkpoint starts; at a preemption the write in flight is finished and sealed, then
+the preemption checkpoint is written and sealed, and only then does the process exit.
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ import gc
 import io
 import json
 import os
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -70,19 +77,47 @@ class Training(Stateful):
             set_global_rng_state(rng[dist.get_rank()])
 
 
-def save(root: Path, training: Training, loader: ResumableDataLoader[Any],
-         copy: RemoteCopy | None = None) -> None:
-    """Every rank: the distributed checkpoint under a temporary name, then rank 0 seals and renames it (and uploads
-    it to ``copy``'s URL, its manifest last)."""
-    final = root / f"step_{training.step:09d}"
-    temporary = temporary_name(final, writer_token())  # NOTE: the same name on every rank (rank 0's, broadcast)
-    dcp.save({"training": training, "loader": DCPLoaderState(loader)}, checkpoint_id=temporary)
-    if dist.get_rank() == 0:
-        seal(temporary, final)
-        prune(root, keep=2)
-        if copy is not None:
-            copy.upload(final)
-    dist.barrier()
+class Checkpoints:
+    """Every rank: each checkpoint written under a temporary name, then sealed and renamed by rank 0 (and uploaded to
+    ``copy``'s URL, its manifest last); with ``asynchronous``, written by ``dcp.async_save``'s thread meanwhile."""
+
+    def __init__(self, root: Path, copy: RemoteCopy | None, asynchronous: bool) -> None:
+        self.root, self.copy = root, copy
+        # NOTE: the writing thread's collectives on a group of their own, never interleaved with the loop's
+        self.group = dist.new_group(backend="gloo") if asynchronous else None
+        self.pending: tuple[Future[Any], Path, Path] | None = None
+
+    def save(self, training: Training, loader: ResumableDataLoader[Any], *, whole: bool = False) -> None:
+        """A checkpoint of this step; ``whole``: sealed before this returns (else, asynchronously, at the next)."""
+        self.finish()
+        final = self.root / f"step_{training.step:09d}"
+        temporary = temporary_name(final, writer_token())  # NOTE: the same name on every rank (rank 0's, broadcast)
+        # NOTE: one dict: the loader's position is taken in the call, with the model of the same step
+        state = {"training": training, "loader": DCPLoaderState(loader)}
+        if self.group is None:
+            dcp.save(state, checkpoint_id=temporary)
+            self._seal(temporary, final)
+            return
+        self.pending = (cast("Future[Any]", dcp.async_save(state, checkpoint_id=temporary, process_group=self.group)),
+                        temporary, final)
+        if whole:
+            self.finish()
+
+    def finish(self) -> None:
+        """The checkpoint being written, if any, waited for and sealed."""
+        if self.pending is not None:
+            future, temporary, final = self.pending
+            self.pending = None
+            future.result()  # NOTE: on rank 0, once every rank's files are written (DCP's last step gathers them)
+            self._seal(temporary, final)
+
+    def _seal(self, temporary: Path, final: Path) -> None:
+        if dist.get_rank() == 0:
+            seal(temporary, final)
+            prune(self.root, keep=2)
+            if self.copy is not None:
+                self.copy.upload(final)
+        dist.barrier()
 
 
 def restore(root: Path, training: Training, loader: ResumableDataLoader[Any]) -> None:
@@ -101,6 +136,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=10, help="checkpoint every N optimizer steps")
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--batch-log", help="write one JSON line per step to DIR/log-RANK.jsonl")
+    parser.add_argument("--async-save", action="store_true", help="write checkpoints with dcp.async_save")
     parser.add_argument("--remote", help="an fsspec URL (s3://bucket/run) each checkpoint is copied to, and resumed "
                         "from on a machine without them")
     args = parser.parse_args()
@@ -120,6 +156,7 @@ def main() -> None:
     copy = start_remote_copy(args.remote, root, keep=2, main=main, agree=any_rank)
     fetch_newer(copy, main=main, agree=any_rank)
     restore(root, training, loader)
+    checkpoints = Checkpoints(root, copy, args.async_save)
     rank = dist.get_rank()
     log = open(Path(args.batch_log) / f"log-{rank}.jsonl", "a") if args.batch_log else None
     for epoch in range(training.epoch, args.epochs):
@@ -136,10 +173,11 @@ def main() -> None:
             stop = preemption.agreed()  # every rank, every step: one tiny all_reduce
             if stop or training.step % args.every == 0:
                 training.epoch = epoch + (loader.epoch > epoch)  # after an epoch's last batch: the next epoch
-                save(root, training, loader, copy)
+                checkpoints.save(training, loader, whole=stop)  # NOTE: a preemption's: on storage before the exit
             if stop:
                 print(f"preempted: checkpoint at step {training.step}; exiting with 143", flush=True)
                 raise SystemExit(143)
+    checkpoints.finish()
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # a collective
     if rank == 0:
         print(f"final weights digest: {fingerprint([full[name] for name in sorted(full)])}", flush=True)
