@@ -70,7 +70,7 @@ def _write(trainer: Trainer, target: str) -> Exception | None:
         # NOTE: a store fails in its client's terms too (no credentials, a network error)
         return error if is_remote(target) else storage_failure(error)
     try:
-        finish_writes(trainer.strategy.checkpoint_io)
+        finish_writes(trainer.strategy)
         if trainer.is_global_zero and not (not is_remote(target) and os.path.isdir(target)):  # NOTE: a sharded save
             verify_torch_file(target)
     except Exception as error:  # NOTE: a write that failed in the writer's thread, or a file that is not whole
@@ -88,14 +88,14 @@ def save_whole(fabric: Any, path: Path, state: dict[str, Any]) -> None:
         if fabric.world_size > 1:
             fabric.barrier()
         raise
-    finish_writes(fabric.strategy.checkpoint_io)
+    finish_writes(fabric.strategy)
     if fabric.is_global_zero and not path.exists():
         raise FileNotFoundError(f"{path}: not on storage once the checkpoint IO's save_checkpoint and teardown() "
                                 "returned; expected a CheckpointIO whose teardown() waits for its writes")
 
 
-def finish_writes(checkpoint_io: Any) -> None:
-    """Return once every file ``checkpoint_io`` was asked to write is written, or raise why one was not.
+def finish_writes(strategy: Any) -> None:
+    """Return once every file the ``strategy``'s checkpoint IO was asked to write is written, or raise why one was not.
 
     A checkpoint IO may write after its ``save_checkpoint`` returned: Lightning's ``AsyncCheckpointIO`` writes in a
     thread (so may a user's own). ``teardown()`` is the one moment Lightning's contract gives a checkpoint IO to
@@ -106,7 +106,10 @@ def finish_writes(checkpoint_io: Any) -> None:
     process with a traceback instead of the agreed exit).
     """
     failure: BaseException | None = None
-    layer = checkpoint_io
+    try:
+        layer = strategy.checkpoint_io
+    except NotImplementedError:  # NOTE: FSDP's and ModelParallelStrategy's own writes (DCP), done when save returns
+        return
     while layer is not None:
         try:
             layer.teardown()

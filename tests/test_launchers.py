@@ -71,7 +71,8 @@ def test_a_launcher_that_passes_signals_on_or_no_launcher_is_not_followed(tmp_pa
     a parent that is no launcher (pytest here; a shell, ``nohup``) nothing is asked of the kernel; under one process
     the launcher is named."""
     script = tmp_path / "which.py"
-    script.write_text("from loader_resume.launcher import silent_launcher\nprint('launcher:', silent_launcher())\n")
+    script.write_text("import os\nfrom loader_resume.launcher import silent_launcher\n"  # one write: ranks share stdout
+                      "os.write(1, f'launcher: {silent_launcher()}\\n'.encode())\n")
     assert silent_launcher() is None
     accelerate = str(Path(sys.executable).with_name("accelerate"))
     common = ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
