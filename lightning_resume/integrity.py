@@ -3,8 +3,8 @@ verified before Lightning loads them, and a corrupted preemption checkpoint pass
 
 - ``save_atomically``: ``trainer.save_checkpoint`` into ``.NAME.tmp-TOKEN`` (a name of this write alone), then
   the writer waited for (``finish_writes``: Lightning's ``AsyncCheckpointIO`` writes in a thread after
-  ``save_checkpoint`` returned), the file verified, and only then renamed (to an fsspec URL: one upload, visible only
-  once complete); a failed write on any rank (a full disk, a read-only mount, a write that failed in the background,
+  ``save_checkpoint`` returned), the file verified (a URL: found), and only then renamed (to an fsspec URL: one
+  upload, visible only once complete); a failed write on any rank (a full disk, a read-only mount, a write that failed in the background,
   any exception) is agreed by all ranks, the temporary file is removed, the previous checkpoint stays, and ``None``
   is returned.
 - ``usable``: whether a checkpoint file verifies (``loader_resume.torch_file.verify_torch_file``), with
@@ -71,8 +71,10 @@ def _write(trainer: Trainer, target: str) -> Exception | None:
         return error if is_remote(target) else storage_failure(error)
     try:
         finish_writes(trainer.strategy)
-        if trainer.is_global_zero and not (not is_remote(target) and os.path.isdir(target)):  # NOTE: a sharded save
-            verify_torch_file(target)
+        if trainer.is_global_zero and is_remote(target) and not exists(target):
+            raise FileNotFoundError(f"{target}: not on the store once the checkpoint IO returned")
+        if trainer.is_global_zero and not is_remote(target) and not os.path.isdir(target):  # NOTE: a sharded save
+            verify_torch_file(target)  # NOTE: an upload is whole once visible: not read back over the network
     except Exception as error:  # NOTE: a write that failed in the writer's thread, or a file that is not whole
         return error
     return None
