@@ -22,6 +22,7 @@ from typing import Any, Final, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from loader_resume.fresh_start import NO_CHECKPOINT_VARIABLE
 from loader_resume.keyed_rng import KEYING_MODES, generator_mask
 from loader_resume.preemption import signal_numbers
 from loader_resume.remote_lease import LEASE_VARIABLE
@@ -135,7 +136,7 @@ def load_config(config: str | os.PathLike[str] | Mapping[str, Any] | DictConfig 
 def _variables(environ: Mapping[str, str]) -> dict[str, str]:
     """``{field: value}`` of the ``LOADER_RESUME_<FIELD>`` variables; an unknown one fails, naming the closest."""
     valid = {ENV_PREFIX + f.name.upper(): f.name for f in fields(ResumeConfig)}
-    other = [CONFIG_VARIABLE, LEASE_VARIABLE]  # NOTE: ours too, but not fields (the lease's: loader_resume's)
+    other = [CONFIG_VARIABLE, LEASE_VARIABLE, NO_CHECKPOINT_VARIABLE]  # NOTE: ours, not fields (loader_resume's)
     found = {}
     for name, value in environ.items():
         if not name.startswith(ENV_PREFIX) or name in other:

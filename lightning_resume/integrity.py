@@ -4,9 +4,9 @@ verified before Lightning loads them, and a corrupted preemption checkpoint pass
 - ``save_atomically``: ``trainer.save_checkpoint`` into ``.NAME.tmp-TOKEN`` (a name of this write alone), then
   the writer waited for (``finish_writes``: Lightning's ``AsyncCheckpointIO`` writes in a thread after
   ``save_checkpoint`` returned), the file verified (a URL: found), and only then renamed (to an fsspec URL: one
-  upload, visible only once complete); a failed write on any rank (a full disk, a read-only mount, a write that failed in the background,
-  any exception) is agreed by all ranks, the temporary file is removed, the previous checkpoint stays, and ``None``
-  is returned.
+  upload, visible only once complete); a failed write on any rank (a full disk, a read-only mount, a write that
+  failed in the background, any exception) is agreed by all ranks, the temporary file is removed, the previous
+  checkpoint stays, and ``None`` is returned.
 - ``usable``: whether a checkpoint file verifies (``loader_resume.torch_file.verify_torch_file``), with
   a warning naming it and why not; ``verify_loads``: every file the strategy loads is verified first, so a
   changed or truncated checkpoint is refused naming the file (``fit(ckpt_path=...)`` included).

@@ -149,3 +149,49 @@ def test_a_lightning_job_killed_before_its_first_checkpoint_was_whole_is_not_res
     uninterrupted = child_run(tmp_path_factory, "lightning_child.py", "--every", "3")
     for name in ("log-0.json", "weights-0.txt"):
         assert (out / name).read_text() == (uninterrupted / name).read_text()
+
+
+# --- through the other front doors: a job SIGKILLed before its first checkpoint -----------------------------------
+FRONT_DOORS = {  # the child, its options, where the front door keeps its checkpoints (under OUT)
+    "fabric": ("fabric_child.py", [], "resume_checkpoints"),
+    "accelerate": ("accelerate_child.py", [], "resume_checkpoints"),
+    "transformers": ("transformers_child.py", ["--resume", "true", "--save-steps", "1000"], "run"),
+}
+
+
+@pytest.mark.parametrize("front_door", sorted(FRONT_DOORS))
+def test_every_front_door_refuses_or_names_the_start_over_after_a_job_killed_before_its_first_checkpoint(
+    tmp_path: Path, front_door: str
+) -> None:
+    child, options, directory = FRONT_DOORS[front_door]
+    out = tmp_path / "job"
+    job = [sys.executable, str(Path(__file__).parent / child), str(out), *options]
+    first = forked.popen([*job, "--sleep", "0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    log = out / "log-0.jsonl"
+    deadline = time.monotonic() + 120
+    while not log.exists() or len(log.read_text().splitlines()) < 3:
+        assert time.monotonic() < deadline and first.poll() is None, "the job never trained 3 batches"
+        time.sleep(0.02)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait(timeout=60)
+    log.unlink()  # the rerun's log alone
+    refused = forked.run(job, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, NO_CHECKPOINT_VARIABLE: "refuse"})
+    assert refused.returncode != 0 and f"{out / directory}: an earlier job left the lock file of a job that did " \
+        f"not end cleanly (pid {first.pid} on " in refused.stderr, refused.stderr[-3000:]
+    assert not log.exists() or not log.read_text()  # refused before its first batch
+    rerun = forked.run(job, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert rerun.stderr.count("no checkpoint to resume from: starting from step 0") == 1, rerun.stderr[-3000:]
+
+
+def test_accelerates_configuration_takes_the_variable_as_ours_and_names_its_typo() -> None:
+    """Accelerate's ``LOADER_RESUME_*`` variables are checked against its configuration's fields: this one, read by
+    every front door, is accepted beside them; a misspelt one fails naming it."""
+    from accelerate_resume.config import load_config
+
+    assert load_config(None, environ={NO_CHECKPOINT_VARIABLE: "refuse", "LOADER_RESUME_KEEP": "3"}).keep == 3
+    with pytest.raises(ValueError, match=r"LOADER_RESUME_NO_CHECKPOINTS: unknown \(did you mean "
+                                         r"LOADER_RESUME_NO_CHECKPOINT\?\)"):
+        load_config(None, environ={"LOADER_RESUME_NO_CHECKPOINTS": "refuse"})
