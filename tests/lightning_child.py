@@ -10,11 +10,13 @@ and OUT/weights-RANK.txt: a fingerprint of the final weights.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -219,8 +221,29 @@ class SlowIO(TorchCheckpointIO):
         super().save_checkpoint(checkpoint, path, storage_options)
 
 
+class OwnThreadIO(SlowIO):
+    """A user's own checkpoint IO that writes each file from a thread of its own (a copy of the checkpoint taken
+    first) and waits for them in ``teardown()``: no Lightning class involved."""
+
+    def __init__(self, out: str, seconds: float) -> None:
+        super().__init__(out, seconds)
+        self.threads: list[threading.Thread] = []
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        copied = copy.deepcopy(checkpoint)
+        self.threads.append(threading.Thread(target=super().save_checkpoint, args=(copied, path, storage_options)))
+        self.threads[-1].start()
+
+    def teardown(self) -> None:
+        while self.threads:
+            self.threads.pop(0).join()
+
+
 def plugins(args: argparse.Namespace) -> list[Any]:
-    """``--async-io SECONDS``: Lightning's ``AsyncCheckpointIO`` over a writer that takes that long per file."""
+    """``--async-io SECONDS``: Lightning's ``AsyncCheckpointIO`` over a writer that takes that long per file;
+    ``--own-async-io SECONDS``: a user's own writer in threads (``OwnThreadIO``)."""
+    if args.own_async_io is not None:
+        return [OwnThreadIO(args.out, args.own_async_io)]
     return [] if args.async_io is None else [AsyncCheckpointIO(SlowIO(args.out, args.async_io))]
 
 
@@ -266,6 +289,8 @@ def main(argv: list[str] | None = None) -> None:
                         "without dirpath and ModelCheckpoint(dirpath=ROOT/ckpt); logs stay in OUT")
     parser.add_argument("--no-save-last", action="store_true", help="ModelCheckpoint(save_last=False)")
     parser.add_argument("--async-io", type=float, help="AsyncCheckpointIO over a writer this many seconds slow")
+    parser.add_argument("--own-async-io", type=float, help="a user's own CheckpointIO writing from threads, this "
+                        "many seconds slow")
     parser.add_argument("--wait-at", type=int, help="after this step, write OUT/waiting and wait for OUT/go")
     add_device_options(parser)
     args = parser.parse_args(argv)

@@ -84,6 +84,24 @@ def test_sigterm_with_an_asynchronous_writer_exits_143_once_the_checkpoint_is_wh
     assert finished(out) == (single if devices == 1 else ddp)  # the rerun's log appends to the first run's
 
 
+def test_a_users_own_checkpoint_io_that_writes_from_threads_is_waited_for_through_its_teardown(
+    single: dict[str, Any], tmp_path: Path
+) -> None:
+    """Not Lightning's class: a ``CheckpointIO`` of the user's whose ``save_checkpoint`` starts a thread and returns,
+    and whose ``teardown()`` joins them. SIGTERM after step 5: exit 143 with ``preempted.ckpt`` whole, and the rerun
+    continues exactly."""
+    out = tmp_path / "job"
+    out.mkdir()
+    job = command(out, "--own-async-io", "1", "--append")
+    done = forked.run([*job, "--signal-at", "5"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 143, done.stderr[-3000:]
+    assert "checkpoint written at step 5" in done.stderr
+    rerun = forked.run(job, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"Restoring states from the checkpoint path at {out / 'preempted.ckpt'}" in rerun.stderr
+    assert finished(out) == single
+
+
 def test_a_preemption_checkpoint_that_fails_in_the_background_exits_74_and_the_rerun_resumes_from_the_last_complete(
     ddp: dict[str, Any], tmp_path: Path
 ) -> None:

@@ -120,13 +120,13 @@ LIGHTNING_CHILD = Path(__file__).parent / "lightning_child.py"
 def test_a_lightning_job_killed_before_its_first_checkpoint_was_whole_is_not_restarted_silently(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """``AsyncCheckpointIO`` 2 s per file; SIGKILL to the job's process group while step 3's file is being written:
+    """``AsyncCheckpointIO`` 1 s per file; SIGKILL to the job's process group while step 3's file is being written:
     nothing complete on storage. The same command with ``LOADER_RESUME_NO_CHECKPOINT=refuse`` stops before any step,
     naming the killed job; without it, it says in one warning that it starts from step 0, and trains exactly the
     uninterrupted run."""
     out = tmp_path / "job"
     out.mkdir()
-    job = [sys.executable, str(LIGHTNING_CHILD), str(out), "--async-io", "2", "--sleep", "0.1"]
+    job = [sys.executable, str(LIGHTNING_CHILD), str(out), "--async-io", "1", "--sleep", "0.1"]
     first = forked.popen(job, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     marker = out / "writing"
     deadline = time.monotonic() + 120
