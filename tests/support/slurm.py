@@ -23,6 +23,10 @@ from pathlib import Path
 __all__ = ["Cluster", "cluster"]
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol")
+# The states a job ends in (``squeue --help``'s base states); every other one (PENDING, RUNNING, CONFIGURING,
+# COMPLETING, REQUEUED, SIGNALING, STAGE_OUT, RESIZING...) is on its way to one of these.
+ENDED = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
+                   "DEADLINE", "OUT_OF_MEMORY", "SPECIAL_EXIT"})
 
 
 def _free_port() -> int:
@@ -62,7 +66,7 @@ class Cluster:
         deadline = time.monotonic() + timeout
         while True:
             fields = self.job(job)
-            if fields["JobState"] not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED"):
+            if fields["JobState"] in ENDED:
                 return fields
             if fields["JobState"] == "PENDING" and fields["Reason"] == "BeginTime":
                 self.run("scontrol", "update", f"JobId={job}", "StartTime=now")
