@@ -9,55 +9,16 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from loader_resume import ResumableDataLoader
 from loader_resume.tools.cli import main as cli
 from support import forked
+from support.audit import CHILD, N, attempt, audit, by_epoch, side_by_side, verdict
 from support.mounts import fill, tmpfs
-
-CHILD = Path(__file__).parent / "audit_child.py"
-N = 100
-
-
-def attempt(out: Path, name: str, *args: str, expect: int = 0) -> list[Any]:
-    """One attempt (one process); what it was handed, as it wrote it."""
-    done = forked.run([sys.executable, str(CHILD), str(out / "audit"), str(out / f"{name}.json"), *args],
-                      capture_output=True, text=True, timeout=120)
-    assert done.returncode == expect, done.stderr[-3000:]
-    return json.loads((out / f"{name}.json").read_text())  # type: ignore[no-any-return]
-
-
-def side_by_side(out: Path, name: str, *args: str, expect: int = 0) -> list[list[Any]]:
-    """One attempt of a world of 2: two processes at once, rank 0 and rank 1."""
-    children = [forked.popen([sys.executable, str(CHILD), str(out / "audit"), str(out / f"{name}-{rank}.json"),
-                              "--rank", str(rank), "--world", "2", *[a.replace("RANK", str(rank)) for a in args]],
-                             stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
-    for child in children:
-        _, stderr = child.communicate(timeout=120)
-        assert child.returncode == expect, stderr[-3000:]
-    return [json.loads((out / f"{name}-{rank}.json").read_text()) for rank in (0, 1)]
-
-
-def audit(out: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, dict[str, Any], str]:
-    """``loader-resume audit`` as JSON and as text: exit code, the (one) loader's report, the text."""
-    capsys.readouterr()
-    code = cli(["audit", str(out / "audit"), "--json"])
-    (report,) = json.loads(capsys.readouterr().out)
-    assert cli(["audit", str(out / "audit")]) == code
-    return code, report, capsys.readouterr().out
-
-
-def by_epoch(batches: list[Any]) -> dict[int, list[int]]:
-    ids: dict[int, list[int]] = {}
-    for epoch, batch in batches:
-        ids.setdefault(epoch, []).extend(batch)
-    return ids
 
 
 def test_a_job_cut_at_two_ranks_and_resumed_on_one_passes_and_says_where_it_resumed(
@@ -76,7 +37,7 @@ def test_a_job_cut_at_two_ranks_and_resumed_on_one_passes_and_says_where_it_resu
     assert [(a["world"], a["batches"], a["resumed"], a["rolled_back"]) for a in report["attempts"]] == [
         (2, 14, "(fresh)", 0), (1, len(rest), "epoch 0 position 64", 3)]
     assert [(e["epoch"], e["delivered"], e["status"]) for e in report["epochs"]] == [(0, N, "ok"), (1, N, "ok")]
-    assert report["ok"] and text.splitlines()[-1] == "OK: every sample delivered exactly once, across 2 attempts"
+    assert report["ok"] and verdict(text) == "OK: every sample delivered exactly once, across 2 attempts"
 
 
 def test_a_pass_skipped_by_a_wrong_state_fails_naming_the_first_sample_never_seen(
@@ -92,7 +53,9 @@ def test_a_pass_skipped_by_a_wrong_state_fails_naming_the_first_sample_never_see
     assert code == 1
     (finding,) = report["findings"]
     assert (finding["epoch"], finding["position"]) == (0, 24) and "never delivered: 76 samples" in finding["message"]
-    assert "FAIL epoch 0, position 24: never delivered" in text and text.rstrip().splitlines()[-1].startswith("FAILED")
+    assert (finding["attempt"], finding["rank"], finding["count"]) == (1, 0, 76)  # attempt 1 had to deliver them
+    assert "FAIL attempt 1, rank 0, epoch 0, position 24: never delivered" in text
+    assert verdict(text).startswith("FAILED: 1 finding, the first: never delivered: 76 samples")
     # the same loop with this library: it continues the pass (the default that loses nothing)
     for name, said in (("default", ()), ("said", ("--pass-ended",))):
         again = tmp_path / name
@@ -138,11 +101,14 @@ def test_a_state_from_another_run_fails_naming_it_and_the_samples_it_skipped(
     attempt(other, "run", "--save-at", "6", str(other / "state.pt"), "--steps", "6", expect=3)
     attempt(tmp_path, "first", "--save-at", "3", str(tmp_path / "state.pt"), "--steps", "5", expect=3)
     attempt(tmp_path, "second", "--load", str(other / "state.pt"))
-    code, report, _ = audit(tmp_path, capsys)
-    assert code == 1
-    messages = {(f["attempt"], f["epoch"], f["position"]): f["message"] for f in report["findings"]}
-    assert "no earlier attempt took" in messages[(2, 0, 48)]
-    assert "never delivered: 8 samples" in messages[(0, 0, 40)]  # step 6 (positions 40..47): in neither attempt
+    code, report, text = audit(tmp_path, capsys)
+    # the logs cannot tell another run's state from the log of an attempt in between that is missing: never "OK"
+    assert code == 3 and not report["findings"] and not report["ok"] and not report["complete"]
+    ((where, gap),) = [((g["attempt"], g["epoch"], g["position"], g["count"]), g["message"]) for g in report["gaps"]]
+    assert where == (2, 0, 48, 8) and "no earlier attempt in these logs took" in gap  # step 6 (40..47): in no attempt
+    assert "another run's checkpoint" in gap and "8 samples before it, from epoch 0 position 40, are in no log" in gap
+    assert "GAP attempt 2, all ranks, epoch 0, position 48: loaded a state" in text
+    assert verdict(text).startswith("INCOMPLETE: nothing found wrong, but the logs do not show the whole job")
 
 
 def test_a_rerun_that_loaded_nothing_fails_though_every_sample_was_seen(
@@ -153,7 +119,8 @@ def test_a_rerun_that_loaded_nothing_fails_though_every_sample_was_seen(
     attempt(tmp_path, "first", "--save-at", "3", str(tmp_path / "state.pt"), "--steps", "5", expect=3)
     attempt(tmp_path, "second")
     code, report, _ = audit(tmp_path, capsys)
-    assert code == 1 and [f["attempt"] for f in report["findings"]] == [2]
+    assert code == 1 and [(f["attempt"], f["rank"], f["epoch"], f["position"]) for f in report["findings"]] == [
+        (2, None, 0, 0)]
     assert "started from the beginning" in report["findings"][0]["message"]
     killed = tmp_path / "killed"
     killed.mkdir()
@@ -173,7 +140,8 @@ def test_a_stream_with_two_workers_resumed_passes_and_a_rerun_from_an_older_stat
     assert sorted(by_epoch(first[:4] + rest)[0]) == list(range(N))
     code, report, text = audit(tmp_path, capsys)
     assert code == 0, text
-    assert [(e["worker"], e["delivered"]) for e in report["epochs"]] == [(0, 7), (1, 7)]  # 50 ids each, 8 a batch
+    # 50 ids each, 8 a batch: 7 batches, 50 samples
+    assert [(e["worker"], e["batches"], e["delivered"]) for e in report["epochs"]] == [(0, 7, 50), (1, 7, 50)]
     # a third run from the first one's state (the second one's work lost with its checkpoints): all of it redone
     again = attempt(tmp_path, "third", *stream, "--load", str(tmp_path / "state.pt"))
     assert again == rest
@@ -198,7 +166,13 @@ def test_a_record_torn_by_a_kill_is_ignored_and_named_and_a_damaged_one_is_refus
     assert cli(["audit", str(tmp_path / "audit")]) == 2
     assert f"{log}: line 3 is damaged" in capsys.readouterr().err
     assert cli(["audit", str(tmp_path / "nothing")]) == 2
+    assert f"{tmp_path / 'nothing'}: no such directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert cli(["audit", str(tmp_path / "empty")]) == 2
     assert "no audit logs" in capsys.readouterr().err
+    log.write_bytes(bytes(range(256)) * 4)  # random bytes, not text
+    assert cli(["audit", str(tmp_path / "audit")]) == 2
+    assert f"{log}: not an audit log (byte 128 is not UTF-8 text" in capsys.readouterr().err
 
 
 def test_a_full_disk_under_the_audit_never_stops_training_and_its_records_are_written_once_there_is_room(

@@ -62,6 +62,7 @@ ENTRIES = {
     "kept after a failed write": "audit-log",
     "records dropped after failed writes": "audit-log",
     "records were never written": "audit-log",
+    "was built without audit=": "audit-log",
     "is still mid-epoch": "load-state",
     "called twice with no iter()": "load-state",
     "the loop left the pass": "pass-left",

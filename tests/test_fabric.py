@@ -75,6 +75,7 @@ def test_sigterm_mid_epoch_then_the_same_command_continues_exactly(
     os.killpg(first.pid, signal.SIGTERM)
     _, stderr = first.communicate(timeout=120)  # a hang between the ranks would fail here
     assert first.returncode == 143, stderr[-3000:]
+    assert "was built without audit=" not in stderr  # FabricResume's loaders read the variable
     stopped = trained(logs(tmp_path)[0])
     assert checkpoints(tmp_path) == [f"step_{len(stopped):09d}"] and 5 <= len(stopped) < EPOCHS * 4
     run(tmp_path, 2, "--workers", str(workers))

@@ -207,7 +207,8 @@ def test_sigterm_on_one_process_checkpoints_at_the_next_step_and_the_same_comman
     job's own audit (``LOADER_RESUME_AUDIT``) agrees."""
     env = {"LOADER_RESUME_AUDIT": str(tmp_path / "audit")}
     same = ["--save-steps", "100", "--signal-at", "4", "--resume", "true"]
-    assert "checkpoint written at step 4" in run(tmp_path, 1, *same, expect=143, env=env)
+    said = run(tmp_path, 1, *same, expect=143, env=env)
+    assert "checkpoint written at step 4" in said and "was built without audit=" not in said
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-4"]
     run(tmp_path, 1, *same, env=env)
     assert logs(tmp_path) == logs(full["1"]) and weights(tmp_path) == weights(full["1"])

@@ -32,7 +32,7 @@ from typing import Any
 from .storage import is_remote, join, local_path, remote_filesystem
 
 __all__ = ["AUDIT_FORMAT", "AUDIT_VARIABLE", "AuditLog", "audit_from_environment", "audit_log", "record_state",
-           "state_digest"]
+           "state_digest", "warn_unaudited"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ UNWRITTEN_LIMIT = 16 << 20
 _OPEN: list[AuditLog] = []  # flushed at exit (held: a loader collected early still has its records written)
 _LOGS_LOCK = threading.Lock()
 _LOGS: dict[tuple[str, str], AuditLog] = {}  # (directory, loader name): one log a process (a loader rebuilt shares it)
+_SAID_UNAUDITED = False  # the warning of warn_unaudited, once a process
 
 
 def audit_from_environment(audit: str | os.PathLike[str] | None) -> str | None:
@@ -57,6 +58,19 @@ def audit_from_environment(audit: str | os.PathLike[str] | None) -> str | None:
     if audit is not None:
         return os.fspath(audit)
     return os.environ.get(AUDIT_VARIABLE) or None
+
+
+def warn_unaudited(setup: Any) -> None:
+    """Once a process: ``$LOADER_RESUME_AUDIT`` is set, but a loader built without ``audit=`` begins a pass (a loader
+    your own code builds reads only ``audit=``; the front doors give theirs the variable's value)."""
+    global _SAID_UNAUDITED
+    if _SAID_UNAUDITED or not os.environ.get(AUDIT_VARIABLE):
+        return
+    _SAID_UNAUDITED = True
+    logger.warning("%s=%s is set, but a ResumableDataLoader of %s was built without audit=: its batches are not "
+                   "recorded. A loader your own code builds reads only audit= (audit=os.environ.get(%r)); the "
+                   "Lightning, Fabric, Accelerate and transformers front doors read the variable themselves",
+                   AUDIT_VARIABLE, os.environ[AUDIT_VARIABLE], type(setup.dataset).__name__, AUDIT_VARIABLE)
 
 
 def state_digest(state: Mapping[str, Any]) -> str:
@@ -243,6 +257,7 @@ def map_pass(setup: Any, epoch: int, start: int, sampler: Any, length: int | Non
     """Record a map-style pass's start and its epoch's units (``length``, or the user ``sampler``'s length: None if
     it has none); whether the loader keeps an audit."""
     if setup.audit is None:
+        warn_unaudited(setup)
         return False
     units = length if sampler is None else (len(sampler) if hasattr(sampler, "__len__") else None)
     setup.audit_log().record({"t": "pass", "e": epoch, "s": start, "units": units})

@@ -56,6 +56,16 @@ class RankLog:
         times = [float(record["time"]) for record in self.records if "time" in record]
         return max([self.start, *times])
 
+    @property
+    def ended(self) -> bool:
+        """Whether the process wrote its log to the end (at exit): a kill loses the records after its last write."""
+        return any(record["t"] == "end" for record in self.records)
+
+    @property
+    def process(self) -> str:
+        """Which process wrote it, in words: ``pid 123 on host``."""
+        return f"pid {self.header.get('pid')} on {self.header.get('host')}"
+
 
 @dataclass
 class Attempt:
@@ -63,6 +73,9 @@ class Attempt:
 
     number: int
     logs: list[RankLog] = field(default_factory=list)
+    alongside: list[tuple[RankLog, RankLog]] = field(default_factory=list)
+    """Pairs (an earlier log, one of this attempt's) of processes that ran at the same time but cannot be ranks of
+    one attempt: the same rank twice, or another world size."""
 
     @property
     def world(self) -> int:
@@ -79,7 +92,16 @@ class Attempt:
 
 def read_audit(directory: str | os.PathLike[str]) -> dict[str, list[Attempt]]:
     """Every loader's attempts found under ``directory`` (a local path or an fsspec URL)."""
-    texts = _texts(local_path(os.fspath(directory)))
+    where = local_path(os.fspath(directory))
+    if is_remote(where):
+        filesystem, root = remote_filesystem(where)
+        found = filesystem.isdir(root)
+    else:
+        found = os.path.isdir(where)
+    if not found:
+        raise AuditFormatError(f"{os.fspath(directory)}: no such directory (expected the audit=DIR the job's loaders "
+                               "were given)")
+    texts = _texts(where)
     if not texts:
         raise AuditFormatError(f"{os.fspath(directory)}: no audit logs (expected <loader>/rank*.jsonl files written by "
                                "a loader built with audit=DIR)")
@@ -113,9 +135,15 @@ def _texts(directory: str) -> dict[str, str]:
 
 def _read(filesystem: Any, name: str) -> str:
     if filesystem is not None:
-        return bytes(filesystem.cat_file(name)).decode()
-    with open(name, encoding="utf-8") as file:
-        return file.read()
+        data = bytes(filesystem.cat_file(name))
+    else:
+        with open(name, "rb") as file:
+            data = file.read()
+    try:
+        return data.decode()
+    except UnicodeDecodeError as error:
+        raise AuditFormatError(f"{name}: not an audit log (byte {error.start} is not UTF-8 text; the loaders write "
+                               "JSON lines)") from None
 
 
 def _parse(path: str, text: str) -> RankLog:
@@ -146,12 +174,17 @@ def _parse(path: str, text: str) -> RankLog:
 
 def _attempts(logs: list[RankLog]) -> list[Attempt]:
     attempts: list[Attempt] = []
+    running: list[RankLog] = []  # the logs before this one that were still written to when it began
     for log in sorted(logs, key=lambda log: (log.start, log.rank)):
         current = attempts[-1] if attempts else None
         if current is not None and _joins(log, current):
             current.logs.append(log)
         else:
             attempts.append(Attempt(len(attempts) + 1, [log]))
+        running = [other for other in running if other.end > log.start]
+        attempts[-1].alongside.extend((other, log) for other in running
+                                      if other.rank == log.rank or other.world != log.world)
+        running.append(log)
     for attempt in attempts:
         attempt.logs.sort(key=lambda log: log.rank)
     return attempts

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from .audit import warn_unaudited
 from .keyed_rng import derive_key
 from .library_protocols import LibraryProtocol, library_protocol
 from .position import SKIP, PassStart, Setup, tell_epoch
@@ -104,6 +105,8 @@ class StreamPosition:
         audit = setup.audit_log()
         if audit is not None:
             audit.record({"t": "pass", "e": self.epoch, "wb": [p.batches for p in progress]})
+        else:
+            warn_unaudited(setup)
         stream = self.worker_stream
         collate = StreamCollate(collate_fn, stream, unbatch=setup.unbatched, drop_last=setup.drop_last,
                                 batch_size=setup.batch_size or 1)
