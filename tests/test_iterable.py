@@ -121,6 +121,56 @@ def test_dataset_without_state_replays_in_process_too() -> None:
     assert_resumes_exactly(lambda: ResumableDataLoader(Shards(7), batch_size=3), epochs=2)
 
 
+def test_a_replayed_stream_resumed_twice_continues_exactly() -> None:
+    """A stream with no state, resumed (6 items replayed), 1 more batch, resumed again: the second resume replays
+    the 8 items delivered, not 14 (the replay was counted twice, and items 8 to 13 were never delivered)."""
+    def build() -> ResumableDataLoader[Any]:
+        return ResumableDataLoader(Shards(20), batch_size=2, seed=1)
+
+    expected = [batch["id"].tolist() for batch in build()]
+    first = build()
+    batches = iter(first)
+    seen = [next(batches)["id"].tolist() for _ in range(3)]
+    second = build()
+    second.load_state_dict(first.state_dict())
+    batches = iter(second)
+    seen.append(next(batches)["id"].tolist())
+    third = build()
+    third.load_state_dict(second.state_dict())
+    assert seen + [batch["id"].tolist() for batch in third] == expected
+
+
+class ResetByEpoch(IterableDataset[int]):
+    """A stream with a state whose ``set_epoch`` starts it over (as most that are told their epoch do)."""
+
+    def __init__(self) -> None:
+        self.done, self.epoch = 0, 0
+
+    def __iter__(self) -> Iterator[int]:
+        while self.done < 10:
+            self.done += 1
+            yield 100 * self.epoch + self.done - 1
+
+    def state_dict(self) -> dict[str, int]:
+        return {"done": self.done}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.done = state["done"]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.done, self.epoch = 0, epoch
+
+
+@pytest.mark.parametrize(("workers", "persistent"), [(0, False), (1, True)])
+def test_a_state_taken_after_a_resume_between_epochs_resumes_exactly(workers: int, persistent: bool) -> None:
+    """Resumed from a state taken between epochs (its copy's state loaded before set_epoch), then cut again in the
+    next epoch: that state is of the epoch, loaded after set_epoch (it said "before the epoch" and the second resume
+    started the epoch over). ``assert_resumes_exactly`` resumes again from each resumed run's first state that is
+    not the uninterrupted run's."""
+    assert_resumes_exactly(lambda: ResumableDataLoader(ResetByEpoch(), batch_size=3, num_workers=workers,
+                                                       persistent_workers=persistent), epochs=3)
+
+
 @pytest.mark.parametrize(("saved", "now", "field"), [(2, 3, "num_workers"), (2, 0, "num_workers")])
 def test_other_worker_count_is_refused_clearly(saved: int, now: int, field: str) -> None:
     loader = ResumableDataLoader(StatefulShards(9), batch_size=2, num_workers=saved)

@@ -106,9 +106,8 @@ class StreamCollate:
         if ended:
             items = items[:-1]
         replayed, stream.replay = stream.replay, 0
-        items = items[replayed:]
+        items = items[replayed:]  # NOTE: already counted: the progress starts where the state it resumes stood
         progress = stream.progress
-        progress.items += replayed
         if not items or (self.drop_last and len(items) < self.batch_size):
             if ended:
                 return ENDED, WorkerMeta(stream.worker, replace(progress))

@@ -126,7 +126,8 @@ class WorkerStream:
     def start(self, epoch: int, worker: int, restore: Progress | None) -> None:
         """Become ``worker`` of ``epoch``, at the progress it is restored to (if any)."""
         self.epoch, self.worker, self.restore, self.iterator, self.keyed = epoch, worker, restore, None, None
-        self.progress = replace(restore, library=None) if restore else Progress()  # (sent with every batch)
+        # NOTE: sent with every batch of this epoch: the state it makes is of this epoch, never "before" it
+        self.progress = replace(restore, library=None, before_epoch=False) if restore else Progress()
         self.replay = restore.items if restore is not None and restore.needs_replay() else 0
 
     def open(self, dataset: Any) -> Iterator[Any]:

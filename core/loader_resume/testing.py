@@ -14,9 +14,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import io
-import json
 import multiprocessing
-import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -24,6 +22,8 @@ from typing import Any, Final, Protocol
 
 import numpy as np
 import torch
+
+from .round_trips import load_through_dcp, through
 
 __all__ = [
     "ROUND_TRIPS", "ResumeReport", "StatefulLoader", "assert_delivers_rest_exactly_once", "assert_resumes_exactly",
@@ -150,29 +150,20 @@ def assert_resumes_exactly(
                 outcome = pool.submit(_resume_from_bytes, make, saved.getvalue(), epochs, fallback,
                                       (after_batch, cut)).result()
             else:
-                outcome = _resume(make, _through(state, round_trip), epochs, fallback, dcp=round_trip == "dcp",
+                outcome = _resume(make, through(state, round_trip), epochs, fallback, dcp=round_trip == "dcp",
                                   calls=(after_batch, cut))
             _check_cut(outcome, records, cut, make_resumed is None)
+            if make_resumed is None:
+                _check_later(make, outcome[4], states, records, cut, epochs, after_batch)
     finally:
         if pool is not None:
             pool.shutdown()
     return ResumeReport(batches=len(records), cuts=chosen)
 
 
-_Outcome = tuple[dict[str, Any], dict[str, Any], dict[str, Any], list[tuple[int, str]]]
+_Outcome = tuple[dict[str, Any], dict[str, Any], dict[str, Any], list[tuple[int, str]], list[dict[str, Any]]]
 """(the state as loaded, after its round trip; the state read back after the load; the state a second loader
-loaded from that reads back; the rest of the run)."""
-
-
-def _through(state: dict[str, Any], round_trip: str) -> dict[str, Any]:
-    if round_trip == "json":
-        return json.loads(json.dumps(state))  # type: ignore[no-any-return]
-    if round_trip == "torch":
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        buffer.seek(0)
-        return torch.load(buffer, weights_only=True)  # type: ignore[no-any-return]
-    return copy.deepcopy(state)
+loaded from that reads back; the rest of the run; the state after each of its batches)."""
 
 
 _Calls = tuple[Callable[[Any, int], None] | None, int]
@@ -189,13 +180,7 @@ def _resume(make: Callable[[], StatefulLoader], state: dict[str, Any], epochs: i
             *, dcp: bool, calls: _Calls) -> _Outcome:
     resumed = make()
     if dcp:
-        from torch.distributed.checkpoint.state_dict_loader import load
-        from torch.distributed.checkpoint.state_dict_saver import save
-
-        with tempfile.TemporaryDirectory() as directory:
-            single = _single_process(save)
-            save({"loader": _Holding(state)}, checkpoint_id=directory, **single)
-            load({"loader": resumed}, checkpoint_id=directory, **single)
+        load_through_dcp(resumed, state)
     else:
         resumed.load_state_dict(state)
     read_back = copy.deepcopy(resumed.state_dict())
@@ -205,44 +190,18 @@ def _resume(make: Callable[[], StatefulLoader], state: dict[str, Any], epochs: i
     # after its last batch says "still in this epoch"; the loader's own epoch says where it resumes.
     first_epoch = getattr(resumed, "epoch", fallback)
     after_batch, delivered = calls
-    rest = []
+    rest, later = [], []
     for epoch in range(first_epoch, epochs):
         for batch in resumed:
             rest.append((epoch, fingerprint(batch)))
             if after_batch is not None:
                 after_batch(resumed, delivered + len(rest))
-    return state, read_back, again.state_dict(), rest
-
-
-def _single_process(save: Callable[..., Any]) -> dict[str, Any]:
-    """The keyword that keeps a DCP round trip in this process: ``no_dist=True`` (torch >= 2.7). Older torch has
-    no such keyword and saves in one process by itself unless a process group is initialised (refused then)."""
-    import inspect
-
-    if "no_dist" in inspect.signature(save).parameters:
-        return {"no_dist": True}
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        raise RuntimeError(f"round_trip='dcp' under an initialised process group needs torch >= 2.7 (torch "
-                           f"{torch.__version__}'s torch.distributed.checkpoint has no no_dist=True); use another "
-                           "round trip, or call it before init_process_group")
-    return {}
-
-
-class _Holding:
-    """A saved state as a DCP ``Stateful``."""
-
-    def __init__(self, state: dict[str, Any]) -> None:
-        self.state = state
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.state = state_dict
+            later.append(copy.deepcopy(resumed.state_dict()))  # NOTE: what a resume of this resumed run loads
+    return state, read_back, again.state_dict(), rest, later
 
 
 def _check_cut(outcome: _Outcome, records: list[tuple[int, str]], cut: int, same_build: bool) -> None:
-    loaded, read_back, again, rest = outcome
+    loaded, read_back, again, rest, _ = outcome
     if same_build:  # a loader built differently (other num_workers) may record its own settings
         _same(read_back, loaded, f"cut {cut}: state read back after load_state_dict")
     _same(again, read_back, f"cut {cut}: get/set/get")
@@ -252,6 +211,20 @@ def _check_cut(outcome: _Outcome, records: list[tuple[int, str]], cut: int, same
             raise AssertionError(f"cut {cut}: batch {cut + offset} (epoch {want[0]}) differs after resume")
     if len(rest) != len(expected):
         raise AssertionError(f"cut {cut}: resumed run gave {len(rest)} batches, uninterrupted run {len(expected)}")
+
+
+def _check_later(make: Callable[[], StatefulLoader], later: list[dict[str, Any]], states: list[dict[str, Any]],
+                 records: list[tuple[int, str]], cut: int, epochs: int, after_batch: Any) -> None:
+    """The states the resumed run took are the uninterrupted run's; at the first that is not (a library's own state
+    may record its read-ahead otherwise), a second resume, from it, must continue the run exactly."""
+    for at, state in enumerate(later, cut + 1):
+        if fingerprint(state) != fingerprint(states[at]):
+            fallback = records[at][0] if at < len(records) else epochs
+            rest = _resume(make, copy.deepcopy(state), epochs, fallback, dcp=False, calls=(after_batch, at))[3]
+            if rest != records[at:]:
+                raise AssertionError(f"cut {cut}, then again after batch {at - 1}: the resumed run's state there "
+                                     "does not continue the run (a second resume repeats or skips batches)")
+            return
 
 
 def _same(got: Any, want: Any, what: str) -> None:
