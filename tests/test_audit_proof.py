@@ -17,6 +17,7 @@ import pytest
 
 from loader_resume import ResumableDataLoader
 from loader_resume import audit as audit_module
+from loader_resume.tools.cli import main as cli
 from support import forked
 from support.audit import CHILD, attempt, audit, by_epoch, side_by_side, verdict
 from support.launch import TORCHRUN, free_port
@@ -97,10 +98,10 @@ def test_a_rank_with_no_log_is_a_gap_not_a_sample_never_delivered(
 
 def torchrun(out: Path, name: str, *args: str) -> int:
     """One launch of ``torchrun --nproc_per_node 2 audit_child.py ... --as-one``: both processes build their loader
-    as rank 0 of 1; a step takes 50 ms (training takes time: the two run side by side). Its exit code."""
+    as rank 0 of 1; a step takes 150 ms (training takes time: the two run side by side). Its exit code."""
     done = forked.run([TORCHRUN, "--rdzv-backend", "static", "--master-addr", "127.0.0.1", "--master-port",
                        str(free_port()), "--nproc_per_node", "2", str(CHILD), str(out / "audit"),
-                       str(out / f"{name}-RANK.json"), "--as-one", "--sleep", "0.05", *args],
+                       str(out / f"{name}-RANK.json"), "--as-one", "--sleep", "0.15", *args],
                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=180)
     return done.returncode
 
@@ -183,7 +184,8 @@ def test_rolled_back_after_a_kill_is_said_to_be_a_lower_bound(
 def test_one_batch_recorded_twice_is_one_finding_with_its_count(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A log with one batch record repeated (8 samples): one finding, where it is, how many, one FAIL line."""
+    """A log with one batch record repeated (8 samples): one finding, where it is, how many, one FAIL line; two
+    batches repeated, apart: two."""
     attempt(tmp_path, "only")
     (log,) = logs_of(tmp_path)
     lines = log.read_text().splitlines(keepends=True)
@@ -196,6 +198,11 @@ def test_one_batch_recorded_twice_is_one_finding_with_its_count(
         1, 0, 0, 16, 8)
     assert "delivered twice in one attempt (ranks 0 and 0), with no resume between: 8 samples" in finding["message"]
     assert text.count("FAIL ") == 1 and "FAIL attempt 1, rank 0, epoch 0, position 16:" in text
+    sixth = [index for index, line in enumerate(lines) if line.startswith('{"t":"b"')][5]
+    log.write_text("".join([*lines[:third + 1], lines[third], *lines[third + 1:sixth + 1], lines[sixth],
+                            *lines[sixth + 1:]]))
+    code, report, text = audit(tmp_path, capsys)  # two batches repeated, apart: two findings
+    assert code == 1 and [(f["position"], f["count"]) for f in report["findings"]] == [(16, 8), (40, 8)]
 
 
 def test_a_plain_loop_under_the_audit_variable_says_once_that_it_records_nothing(
@@ -217,3 +224,59 @@ def test_a_plain_loop_under_the_audit_variable_says_once_that_it_records_nothing
     audited = ResumableDataLoader(list(range(8)), batch_size=2, audit=tmp_path / "audit")
     list(audited)
     assert not caplog.records and list((tmp_path / "audit").rglob("rank*.jsonl"))
+
+
+def test_a_stream_whose_logs_are_not_all_there_is_incomplete_and_a_batch_that_skips_items_fails(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A stream of two ranks, two workers each: cut after 5 steps (a state after 2), resumed. Rank 1's first log
+    deleted: a gap naming it. The first attempt's logs deleted: a gap; with ``--began-before-audit``, each worker
+    is checked from the batch its state stood at. A batch record that moves the stream on by more than a batch
+    holds (8 items skipped) fails, naming the worker, the batch and how many."""
+    stream = ["--stream", "--workers", "2", "--epochs", "1"]
+    side_by_side(tmp_path, "first", *stream, "--save-at", "2", str(tmp_path / "state-RANK.pt"), "--steps", "5",
+                 expect=3)
+    side_by_side(tmp_path, "second", *stream, "--load", str(tmp_path / "state-RANK.pt"))
+    code, report, text = audit(tmp_path, capsys)
+    assert code == 0 and [row["delivered"] for row in report["epochs"]] == [50, 50, 50, 50], text
+    first = sorted(logs_of(tmp_path)[:2])  # the first attempt's, rank 0's then rank 1's
+    cases = {name: tmp_path / "cases" / name for name in ("rank", "attempt", "skip")}
+    for name, copy in cases.items():
+        shutil.copytree(tmp_path / "audit", copy / "audit")
+        lost = {"rank": first[1:], "attempt": first, "skip": []}[name]
+        for path in lost:
+            (copy / path.relative_to(tmp_path)).unlink()
+    code, report, text = audit(cases["rank"], capsys)
+    assert code == 3 and not report["findings"], text
+    assert [(g["attempt"], g["rank"]) for g in report["gaps"]] == [(1, 1)] and "no log of rank 1" in text
+    code, report, text = audit(cases["attempt"], capsys)
+    assert code == 3 and not report["findings"] and [g["attempt"] for g in report["gaps"]] == [1], text
+    code, report, text = audit(cases["attempt"], capsys, "--began-before-audit")
+    assert code == 0, text
+    assert all(row["status"] == "ok (from batch 2: earlier ones are not in these logs)" for row in report["epochs"])
+    log = next(path for path in logs_of(cases["skip"]) if '"w":1,"b":3,' in path.read_text())
+    lines = log.read_text().splitlines(keepends=True)
+    at = next(i for i, line in enumerate(lines) if '"w":1,"b":3,' in line)
+    for i in range(at, len(lines)):  # worker 1's batch 3 and after: 8 items further on than they were
+        record = json.loads(lines[i])
+        if record.get("w") == 1:
+            lines[i] = json.dumps(dict(record, i=record["i"] + 8), separators=(",", ":")) + "\n"
+    log.write_text("".join(lines))
+    code, report, text = audit(cases["skip"], capsys)
+    assert code == 1, text
+    ((where, count, message),) = [((f["epoch"], f["position"]), f["count"], f["message"]) for f in report["findings"]]
+    assert where == (0, 3) and count == 8
+    assert message == "worker 1: batch 3 moved the stream 16 items on, more than a batch holds (8): 8 items skipped"
+
+
+def test_a_log_with_records_that_are_not_records_is_refused_naming_the_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    attempt(tmp_path, "only")
+    (log,) = logs_of(tmp_path)
+    lines = log.read_text().splitlines()
+    for bad, said in (("null", "line 3 is not a record"), ('{"t":"b","e":0}', "line 3: a 'b' record without s, end")):
+        log.write_text("\n".join([*lines[:2], bad, *lines[2:]]) + "\n")
+        capsys.readouterr()
+        assert cli(["audit", str(tmp_path / "audit")]) == 2
+        assert f"{log}: {said}" in capsys.readouterr().err

@@ -246,6 +246,7 @@ def record_state(setup: Any, kind: str, state: Mapping[str, Any], *, ended: bool
     stream = state.get("stream")
     if isinstance(stream, Mapping):
         record["wb"] = [worker.get("batches") for worker in stream.get("workers", [])]
+        record["wi"] = [worker.get("items") for worker in stream.get("workers", [])]
     if "resharded" in state:
         record["resharded"] = state["resharded"]
     if ended:

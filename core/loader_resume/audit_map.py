@@ -15,8 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .audit_check import Finding, LoaderReport, resumed_from
 from .audit_read import Attempt
+from .audit_report import Finding, LoaderReport, resumed_from
 
 __all__ = ["MapCheck"]
 
@@ -33,7 +33,8 @@ class _Own:
         self.seen: dict[Key, tuple[int, int]] = {}
         self.steps: dict[Key, int] = {}
         self.unknown: dict[Key, tuple[int, int]] = {}
-        self.twice: dict[tuple[int, int, int], int] = {}  # (epoch, rank before, rank) -> its finding's index
+        # (epoch, rank before, rank, the position a run of repeats would go on at) -> its finding's index
+        self.twice: dict[tuple[int, int, int, int], int] = {}
 
 
 class MapCheck:
@@ -110,23 +111,25 @@ class MapCheck:
     def _read(self, attempt: Attempt, taken: dict[str, tuple[int, dict[str, Any]]], index: int) -> tuple[_Own, int]:
         own, batches = _Own(attempt.number, attempt.world), 0
         absent = sorted(set(range(attempt.world)) - {log.rank for log in attempt.logs})
+        # NOTE: ranks step together: an epoch whose last step one rank delivered was not left by the loop
+        ended = {record["e"] for log in attempt.logs for record in log.records
+                 if record["t"] == "b" and record.get("l")}
         for log in attempt.logs:
             epoch_of_pass = None
             for record in log.records:
                 kind = record["t"]
                 if kind == "pass":
                     self.units[record["e"]] = record["units"]
-                    if epoch_of_pass is not None and record["e"] > epoch_of_pass:  # a new pass left the one before
+                    if epoch_of_pass is not None and record["e"] > epoch_of_pass and epoch_of_pass not in ended:
                         self.left.setdefault(epoch_of_pass, "the loop began the next pass before its end")
                     epoch_of_pass = record["e"]
                     self.latest = max(self.latest, record["e"])
                 elif kind == "b":
                     batches += 1
                     self._add(own, log.rank, log.world, record)
-                    if log is attempt.logs[0]:
-                        for rank in absent:  # NOTE: its share of the step is not known (no log of it)
-                            for position in self._share(record, rank, log.world):
-                                own.unknown.setdefault((record["e"], position), (rank, record["s"]))
+                    for rank in absent:  # NOTE: its share of the step is not known (no log of it)
+                        for position in self._share(record, rank, log.world):
+                            own.unknown.setdefault((record["e"], position), (rank, record["s"]))
                 elif kind == "state":
                     taken[record["d"]] = (index, record)
                     self.latest = max(self.latest, record["e"] if record.get("e") is not None else -1)
@@ -181,12 +184,12 @@ class MapCheck:
             if previous is None:
                 own.seen[(epoch, position)] = (rank, start)
                 continue
-            index = own.twice.get((epoch, previous[0], rank))
             findings = self.report.findings
+            index = own.twice.pop((epoch, previous[0], rank, position), None)  # NOTE: the run of repeats goes on
             if index is None:
-                own.twice[(epoch, previous[0], rank)] = len(findings)
                 findings.append(Finding(own.number, epoch, position, "", rank, 0))
                 index = len(findings) - 1
+            own.twice[(epoch, previous[0], rank, position + 1)] = index
             count = findings[index].count + 1
             findings[index] = dataclasses.replace(findings[index], count=count, message=(
                 f"delivered twice in one attempt (ranks {previous[0]} and {rank}), with no resume between: {count} "
@@ -196,6 +199,9 @@ class MapCheck:
         """The attempt (of the batches that count) and rank that should have delivered ``key``."""
         for own, begin, until in self.lineage:
             if key >= begin and (until is None or key < until):
+                for (epoch, start), end in own.steps.items():  # NOTE: the step itself, if it ran (a tail is smaller)
+                    if epoch == key[0] and start <= key[1] < end:
+                        return own.number, min((key[1] - start) // -(-(end - start) // own.world), own.world - 1)
                 step = self.step_size.get(key[0]) or 1
                 base = begin[1] if begin[0] == key[0] else 0
                 offset = (key[1] - base) % step
@@ -206,7 +212,7 @@ class MapCheck:
                 steps: dict[Key, int]) -> None:
         header = self.report.header
         gaps: dict[tuple[int, int], list[Key]] = {}  # (attempt, rank with no log) -> its positions that count
-        for epoch in sorted({epoch for epoch, _ in counted} | set(self.padding)):
+        for epoch in sorted({epoch for epoch, _ in counted} | set(self.padding) | {epoch for epoch, _ in unknown}):
             positions = sorted(position for e, position in counted if e == epoch)
             total = self.units.get(epoch)
             end = total if total is not None else self.last_end.get(epoch)

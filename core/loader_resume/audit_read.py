@@ -22,6 +22,11 @@ __all__ = ["AuditFormatError", "Attempt", "RankLog", "first_load", "read_audit"]
 
 SAME_ATTEMPT_SECONDS = 60.0
 """How long after an attempt's last record another rank's first may come and still be of the same attempt."""
+AT_ONCE_SECONDS = 0.5
+"""How long two processes must both have been reading (clocks of two hosts may differ by a little) to be told to
+have read at the same time."""
+REQUIRED = {"b": ("e",), "pass": ("e",), "state": ("d",), "load": ("d",), "lost": ("records",)}
+"""The fields a record of each kind cannot lack (a batch: also ``s`` and ``end``, or a stream's ``w`` and ``b``)."""
 _FILE = re.compile(r"^(rank\d+\.[^/]+?)(?:\.(\d{6}))?\.jsonl$")
 
 
@@ -55,6 +60,27 @@ class RankLog:
     def end(self) -> float:
         times = [float(record["time"]) for record in self.records if "time" in record]
         return max([self.start, *times])
+
+    @property
+    def reading_until(self) -> float:
+        """When it last handed over a batch, at the latest: the time of the write that carried its last batch."""
+        until, pending = self.start, False
+        for record in self.records:
+            pending = pending or record["t"] == "b"
+            if pending and "time" in record:
+                until, pending = float(record["time"]), False
+        return self.end if pending else until
+
+    def took(self, digest: str, before: float) -> bool:
+        """Whether it took the state ``digest`` and wrote it before ``before`` (a restart may load it then)."""
+        taken = False
+        for record in self.records:
+            if "time" in record and float(record["time"]) > before:
+                return False
+            if taken and "time" in record:
+                return True
+            taken = taken or (record["t"] == "state" and record.get("d") == digest)
+        return False
 
     @property
     def ended(self) -> bool:
@@ -163,6 +189,7 @@ def _parse(path: str, text: str) -> RankLog:
                 break
             raise AuditFormatError(f"{path}: line {number} is damaged ({error}); a record in the middle of a log is "
                                    "only ever written whole") from error
+        _check_record(path, number, records[-1])
     if not records or records[0].get("t") != "begin":
         raise AuditFormatError(f"{path}: no header record (expected the first line to be a 'begin' record)")
     header = records[0]
@@ -170,6 +197,17 @@ def _parse(path: str, text: str) -> RankLog:
         raise AuditFormatError(f"{path}: audit format {header.get('format')!r}; expected {AUDIT_FORMAT} (written by "
                                "another loader-resume release?)")
     return RankLog(path, header, records[1:], torn)
+
+
+def _check_record(path: str, number: int, record: Any) -> None:
+    if not isinstance(record, dict) or not isinstance(record.get("t"), str):
+        raise AuditFormatError(f"{path}: line {number} is not a record (expected a JSON object with a 't' field)")
+    need: tuple[str, ...] = REQUIRED.get(record["t"], ())
+    if record["t"] == "b":
+        need += ("w", "b") if "w" in record else ("s", "end")
+    missing = [key for key in need if key not in record]
+    if missing:
+        raise AuditFormatError(f"{path}: line {number}: a {record['t']!r} record without {', '.join(missing)}")
 
 
 def _attempts(logs: list[RankLog]) -> list[Attempt]:
@@ -181,9 +219,11 @@ def _attempts(logs: list[RankLog]) -> list[Attempt]:
             current.logs.append(log)
         else:
             attempts.append(Attempt(len(attempts) + 1, [log]))
-        running = [other for other in running if other.end > log.start]
+        running = [other for other in running if other.reading_until - AT_ONCE_SECONDS > log.start]
+        load = first_load(log)
         attempts[-1].alongside.extend((other, log) for other in running
-                                      if other.rank == log.rank or other.world != log.world)
+                                      if (other.rank == log.rank or other.world != log.world)
+                                      and not (load is not None and other.took(load["d"], log.start)))
         running.append(log)
     for attempt in attempts:
         attempt.logs.sort(key=lambda log: log.rank)

@@ -3,7 +3,8 @@
 Runs the uninterrupted sequence, takes the state before the first batch and after every batch (so
 an epoch's last batch and the epoch boundary are included), restores each into a fresh loader and
 checks that the rest of the run is bit-identical. It also checks that a loaded state reads back
-unchanged, that get/set/get is idempotent and that the state keeps one shape throughout. With
+unchanged, that get/set/get is idempotent, that the state keeps one shape throughout, and that the states
+the resumed run takes resume exactly too (a job cut twice). With
 ``round_trip``, each state first goes where checkpoints go (JSON, ``torch.save`` loaded with
 ``weights_only=True``, ``torch.distributed.checkpoint``, another process). Use it on your own
 pipelines; our test suite uses it everywhere.
