@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from loader_resume.checkpoint import CHECKPOINT_FORMAT, CheckpointError, write_sealed
+from loader_resume.checkpoint import CheckpointError, write_sealed
+from loader_resume.checkpoint_entry import checked_entry
 from loader_resume.distributed import any_rank
 
 __all__ = ["STATE_FILE", "read_state", "write_checkpoint"]
@@ -55,8 +56,4 @@ def read_state(path: str) -> dict[str, Any] | None:
         state = torch.load(path, weights_only=True)
     except Exception as error:
         raise CheckpointError(f"{path}: unreadable ({error}); expected a state written by loader-resume") from None
-    found = state.get("format") if isinstance(state, dict) else None
-    if found != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{path}: format {found!r}; expected {CHECKPOINT_FORMAT} "
-                              "(written by another loader-resume?)")
-    return state  # type: ignore[no-any-return]
+    return checked_entry(state, path)

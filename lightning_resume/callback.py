@@ -24,6 +24,7 @@ from loader_resume import GENERATORS, ResumableDataLoader
 from loader_resume.audit import audit_from_environment
 from loader_resume.checkpoint import CHECKPOINT_FORMAT
 from loader_resume.checkpoint_dir import FAILED_SAVE_EXIT_CODE, DirectoryLock, preemption_exit_code
+from loader_resume.checkpoint_entry import checked_entry
 from loader_resume.convert import resumable
 from loader_resume.distributed import gather_rng_states, gather_states
 from loader_resume.fresh_start import resuming_nothing
@@ -261,10 +262,7 @@ class ResumeCallback(OnExceptionCheckpoint):
             logger.warning("this checkpoint has no loader_resume state (written before ResumeCallback was "
                            "added?): the data order restarts from the start of the epoch")
             return
-        found = saved.get("format") if isinstance(saved, dict) else saved
-        if found != CHECKPOINT_FORMAT:
-            raise ValueError(f"checkpoint['{CHECKPOINT_KEY}'] has format {found!r}; expected {CHECKPOINT_FORMAT} "
-                             "(written by another loader-resume release?)")
+        checked_entry(saved, f"{trainer.ckpt_path}: [{CHECKPOINT_KEY!r}]", needs=("loaders", "rng"))
         self._training.load(saved["loaders"])
         rng = saved["rng"]
         self._generators.to_restore = rng[trainer.global_rank] if trainer.global_rank < len(rng) else None

@@ -23,7 +23,14 @@ from typing import Any
 import pytest
 import torch
 
-from loader_resume.checkpoint import MANIFEST, complete_checkpoints, is_temporary, verify, write_sealed
+from loader_resume.checkpoint import (
+    CHECKPOINT_FORMAT,
+    MANIFEST,
+    complete_checkpoints,
+    is_temporary,
+    verify,
+    write_sealed,
+)
 from loader_resume.checkpoint_dir import FAILED_SAVE_EXIT_CODE, CheckpointDirectoryError, DirectoryLock
 from support import forked
 from support.batch import Done, run_batch
@@ -329,7 +336,7 @@ def test_lightning_a_failed_preemption_save_exits_74_on_both_ranks_and_leaves_no
     assert lightning_weights(out) == lightning_weights(lightning_full)
 
 
-LIGHTNING_DAMAGES = ["flip", "truncate"]
+LIGHTNING_DAMAGES = ["flip", "truncate", "format"]
 
 
 @pytest.fixture(scope="module")
@@ -344,9 +351,13 @@ def lightning_damaged(lightning_single: Path, tmp_path_factory: pytest.TempPathF
         data = bytearray((lightning_single / "ckpt" / "step=6.ckpt").read_bytes())
         if damage == "flip":
             data[len(data) // 2] ^= 0x01
-        else:
+        elif damage == "truncate":
             del data[len(data) // 2:]
         target.write_bytes(bytes(data))
+        if damage == "format":  # a whole checkpoint whose loader_resume entry another release wrote
+            checkpoint = torch.load(target, weights_only=True)
+            checkpoint["loader_resume"]["format"] = 99
+            torch.save(checkpoint, target)
         runs.append([str(root / damage / "again"), "--resume", str(target)])
     done = run_batch(LIGHTNING_CHILD, runs, root / "batch")
     return {damage: (root / damage / "step=6.ckpt", each) for damage, each in zip(LIGHTNING_DAMAGES, done, strict=True)}
@@ -358,7 +369,8 @@ def test_lightning_a_changed_or_truncated_checkpoint_is_refused_naming_the_file(
 ) -> None:
     target, refused = lightning_damaged[damage]
     assert refused.returncode != 0
-    expected = "does not match the CRC-32 stored" if damage == "flip" else "not a complete torch checkpoint"
+    expected = {"flip": "does not match the CRC-32 stored", "truncate": "not a complete torch checkpoint",
+                "format": f"['loader_resume']: format 99; expected {CHECKPOINT_FORMAT} (written by another"}[damage]
     assert f"CheckpointError: {target}: " in refused.stderr and expected in refused.stderr, refused.stderr[-3000:]
 
 

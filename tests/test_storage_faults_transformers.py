@@ -18,7 +18,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 
+from loader_resume.checkpoint import CHECKPOINT_FORMAT
 from loader_resume.checkpoint_dir import FAILED_SAVE_EXIT_CODE
 from support import forked
 from support.batch import Done, run_batch
@@ -126,12 +128,17 @@ def crashed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 DAMAGES = [("optimizer.pt", "flip", "does not match the CRC-32 stored"),
            ("loader_resume_0.pt", "flip", "does not match the CRC-32 stored"),
            ("model.safetensors", "cut", "model.safetensors"),
-           ("trainer_state.json", "cut", "trainer_state.json")]
+           ("trainer_state.json", "cut", "trainer_state.json"),
+           ("loader_resume_0.pt", "format", f"format 99; expected {CHECKPOINT_FORMAT} (written by another")]
 
 
 def damage(path: Path, how: str) -> None:
     """``flip``: one bit in the middle of the largest record of a ``torch.save`` zip file (its data, not the
-    padding between records); ``cut``: the file's second half gone."""
+    padding between records); ``cut``: the file's second half gone; ``format``: rewritten as another release's."""
+    if how == "format":  # a whole file another release wrote
+        state = torch.load(path, weights_only=True)
+        torch.save(dict(state, format=99), path)
+        return
     data = bytearray(path.read_bytes())
     if how == "flip":
         with zipfile.ZipFile(path) as archive:
@@ -159,7 +166,7 @@ def damaged(crashed: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
         runs += [[str(out / "named"), "--processes", "1", "--resume", str(newest)],
                  [str(out), "--processes", "1", "--resume", "true"]]
     done = run_batch(CHILD, runs, root / "batch")
-    return {file: (root / f"{file}-{how}", done[2 * index], done[2 * index + 1])
+    return {f"{file}-{how}": (root / f"{file}-{how}", done[2 * index], done[2 * index + 1])
             for index, (file, how, _) in enumerate(DAMAGES)}
 
 
@@ -167,7 +174,7 @@ def damaged(crashed: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
 def test_a_damaged_newest_checkpoint_is_passed_over_at_an_automatic_resume_and_refused_when_named(
     full: dict[int, Path], damaged: dict[str, tuple[Path, Done, Done]], file: str, how: str, named: str
 ) -> None:
-    out, refused, resumed = damaged[file]
+    out, refused, resumed = damaged[f"{file}-{how}"]
     newest = out / "run" / "checkpoint-10"
     assert refused.returncode == 1, refused.stderr[-4000:]
     assert f"CheckpointError: {newest / file}: " in refused.stderr and named in refused.stderr, refused.stderr[-4000:]

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from loader_resume.checkpoint import CHECKPOINT_FORMAT, CheckpointError
+from loader_resume.checkpoint import CheckpointError
+from loader_resume.checkpoint_entry import checked_entry
 from loader_resume.torch_file import verify_safetensors, verify_torch_file
 
 __all__ = ["LOADER_STATE_FILE", "RNG_STATE_FILE", "TRAINER_STATE", "agreed_checkpoint", "load_state_file",
@@ -77,14 +78,7 @@ def load_state_file(path: Path) -> dict[str, Any]:
     except Exception as error:
         raise CheckpointError(f"{path}: unreadable ({error}); expected a loader state written by ResumableTrainer") \
             from None
-    found = saved.get("format") if isinstance(saved, dict) else None
-    if found != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{path}: format {found!r}; expected {CHECKPOINT_FORMAT}")
-    absent = [key for key in ("world_size", "rank", "global_step", "loader") if key not in saved]
-    if absent:
-        raise CheckpointError(f"{path}: {', '.join(absent)} missing; expected a loader state written by "
-                              "ResumableTrainer")
-    return saved  # type: ignore[no-any-return]
+    return checked_entry(saved, path, needs=("world_size", "rank", "global_step", "loader"))
 
 
 def agreed_checkpoint(found: str | None) -> str | None:

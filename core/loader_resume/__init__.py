@@ -4,10 +4,12 @@
 bit-identically — sample ids and the random numbers drawn while loading them — with another
 ``num_workers``, batch size or world size if need be. ``global_rng_state`` and ``set_global_rng_state``
 save and restore every generator a training step draws from (torch's CPU generator, each CUDA device's, numpy's
-and ``random``'s) for a checkpoint of your own.
+and ``random``'s) for a checkpoint of your own. ``LoaderResumeError`` is the base of every error it raises on
+purpose.
 """
 
 from .checkpoint import global_rng_state, set_global_rng_state
+from .errors import LoaderResumeError
 from .keyed_rng import GENERATORS
 from .loader import ResumableDataLoader
 from .mixture import Mixture
@@ -15,8 +17,8 @@ from .sampler import ShardedSampler
 from .state import STATE_VERSION, StateError
 
 __all__ = [
-    "GENERATORS", "STATE_VERSION", "Mixture", "ResumableDataLoader", "ShardedSampler", "StateError", "__version__",
-    "global_rng_state", "set_global_rng_state",
+    "GENERATORS", "STATE_VERSION", "LoaderResumeError", "Mixture", "ResumableDataLoader", "ShardedSampler",
+    "StateError", "__version__", "global_rng_state", "set_global_rng_state",
 ]
 __version__ = "0.1.0"
 """This release (the version in ``pyproject.toml``)."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .audit import AUDIT_FORMAT
+from .errors import AuditFormatError
 from .storage import is_remote, local_path, remote_filesystem
 
 __all__ = ["AuditFormatError", "Attempt", "RankLog", "first_load", "read_audit"]
@@ -29,9 +30,6 @@ REQUIRED = {"b": ("e",), "pass": ("e",), "state": ("d",), "load": ("d",), "lost"
 """The fields a record of each kind cannot lack (a batch: also ``s`` and ``end``, or a stream's ``w`` and ``b``)."""
 _FILE = re.compile(r"^(rank\d+\.[^/]+?)(?:\.(\d{6}))?\.jsonl$")
 
-
-class AuditFormatError(ValueError):
-    """An audit directory that cannot be read: nothing there, a damaged record, an unknown format."""
 
 
 @dataclass

@@ -26,6 +26,7 @@ from typing import Final
 
 import torch.distributed as dist
 
+from .errors import CheckpointError
 from .generators import global_rng_state, set_global_rng_state
 
 __all__ = [
@@ -43,9 +44,6 @@ CHECKPOINT_FORMAT: Final = 1
 """The format of what loader-resume adds to a training checkpoint (the Lightning entry, the Accelerate file)."""
 _CHUNK = 1 << 20
 
-
-class CheckpointError(ValueError):
-    """A checkpoint directory is incomplete, corrupted or edited."""
 
 
 def temporary_name(final: Path, token: str = "") -> Path:

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Final
 
 from .checkpoint import CheckpointError, complete_checkpoints, describe_failure, is_temporary, verify
+from .errors import CheckpointDirectoryError
 from .remote_lease import RemoteLease
 from .storage import is_remote, local_path
 
@@ -55,9 +56,6 @@ LOCK_WAIT: Final = 10.0
 """Seconds a job waits for a directory held by another process (one still exiting) before it is refused."""
 _HELD: dict[Path, DirectoryLock] = {}
 
-
-class CheckpointDirectoryError(RuntimeError):
-    """A checkpoint directory cannot be written, or another job holds it."""
 
 
 class DirectoryLock:

@@ -17,9 +17,24 @@ from typing import Any
 from .checkpoint import CHECKPOINT_FORMAT, CheckpointError, set_global_rng_state
 from .distributed import load_rank_state
 
-__all__ = ["PendingEntry"]
+__all__ = ["PendingEntry", "checked_entry"]
 
 logger = logging.getLogger(__name__)
+
+
+def checked_entry(saved: Any, where: str | os.PathLike[str], *, needs: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``saved``, a front door's entry found at ``where`` (a file, or a checkpoint's key), if it is one this release
+    reads, with every key in ``needs``; else ``CheckpointError`` naming where, what it found and what was expected.
+    Every front door reads its entry through this."""
+    found = saved.get("format") if isinstance(saved, dict) else saved
+    if found != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{os.fspath(where)}: format {found!r}; expected {CHECKPOINT_FORMAT} (written by another "
+                              "loader-resume release?)")
+    absent = [key for key in needs if key not in saved]
+    if absent:
+        raise CheckpointError(f"{os.fspath(where)}: {', '.join(absent)} missing; expected an entry written by "
+                              "loader-resume")
+    return saved  # type: ignore[no-any-return]
 
 
 class PendingEntry:
@@ -32,11 +47,7 @@ class PendingEntry:
     def read(self, saved: Any, path: str | os.PathLike[str], rank: int) -> dict[str, Any]:
         """``saved`` (an entry found at ``path``), checked; its generators of ``rank`` (none, with a warning, for a
         rank the saving run did not have) and its loader states wait for ``restore_rng`` and ``apply``."""
-        found = saved.get("format") if isinstance(saved, dict) else saved
-        if found != CHECKPOINT_FORMAT:
-            raise CheckpointError(f"{os.fspath(path)}: format {found!r}; expected {CHECKPOINT_FORMAT} (written by "
-                                  "another loader-resume release?)")
-        rng = saved["rng"]
+        rng = checked_entry(saved, path, needs=("rng", "loaders", "world_size"))["rng"]
         self._rng = rng[rank] if rank < len(rng) else None
         if self._rng is None:
             logger.warning("rank %d has no saved RNG state (the checkpoint is from %d processes)", rank,

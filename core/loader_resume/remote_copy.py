@@ -25,6 +25,7 @@ from typing import Any
 
 from .checkpoint import MANIFEST, complete_checkpoints, temporary_name
 from .checkpoint_dir import claim
+from .errors import RemoteCopyError
 from .remote_lease import RemoteLease
 from .storage import is_remote, remote_filesystem
 
@@ -32,9 +33,6 @@ __all__ = ["RemoteCopy", "RemoteCopyError", "fetch_newer", "start_remote_copy"]
 
 logger = logging.getLogger(__name__)
 
-
-class RemoteCopyError(OSError):
-    """An upload to, or a download from, the remote copy failed; the message names the URL and the cause."""
 
 
 class RemoteCopy:

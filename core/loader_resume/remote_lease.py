@@ -29,6 +29,7 @@ import time
 import uuid
 from typing import Any, Final
 
+from .errors import CheckpointDirectoryError
 from .storage import join, remote_filesystem
 
 __all__ = ["LEASE_FILE", "LEASE_VARIABLE", "RemoteLease", "lease_seconds"]
@@ -74,8 +75,6 @@ class RemoteLease:
         """Hold the remote ``directory``; ``None`` (said in a warning) where its store has no conditional create;
         ``CheckpointDirectoryError`` if another job holds it (renewing it
         after ``wait`` seconds), or if the store cannot be reached (naming the URL and the cause)."""
-        from .checkpoint_dir import CheckpointDirectoryError
-
         fs, root = remote_filesystem(directory)
         root = root.rstrip("/")
         if not _creates_conditionally(fs):

@@ -21,6 +21,8 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
+from .errors import StateError
+
 __all__ = ["STATE_KEYS", "STATE_VERSION", "StateError", "check_state"]
 
 logger = logging.getLogger(__name__)
@@ -38,16 +40,6 @@ STATE_KEYS: Final = (
     "version", *MUST_MATCH, "epoch", "position", *MAY_CHANGE, "sampler_state", "dataset_state", "stream",
 )
 
-
-class StateError(ValueError):
-    """A loader state that cannot be resumed here; names the field, the saved and the expected value."""
-
-    def __init__(self, field: str, saved: Any, expected: str, hint: str = "") -> None:
-        """``expected``: what would have been accepted, as the message shows it (``repr(value)`` for a value,
-        or a description such as ``"an int >= 0"``); ``hint``: what to do about it."""
-        self.field, self.saved, self.expected, self.hint = field, saved, expected, hint
-        message = f"loader state field {field!r}: saved {saved!r}, expected {expected}"
-        super().__init__(f"{message}. {hint}" if hint else message)
 
 
 def _is_int(value: Any) -> bool:

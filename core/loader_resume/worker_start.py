@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .errors import WorkerStartError
 from .torch_internals import (
     closing_feeder_threads,
     forget_persistent_iterator,
@@ -47,9 +48,6 @@ logger = logging.getLogger(__name__)
 
 _POLL = 0.002
 
-
-class WorkerStartError(RuntimeError):
-    """A DataLoader worker was forked but never started (see ``loader_resume.worker_start``)."""
 
 
 class StartMark:
