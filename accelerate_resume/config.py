@@ -22,10 +22,10 @@ from typing import Any, Final, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from loader_resume.fresh_start import NO_CHECKPOINT_VARIABLE
-from loader_resume.keyed_rng import KEYING_MODES, generator_mask
-from loader_resume.preemption import signal_numbers
-from loader_resume.remote_lease import LEASE_VARIABLE
+from loader_resume.job.fresh_start import NO_CHECKPOINT_VARIABLE
+from loader_resume.job.preemption import signal_numbers
+from loader_resume.job.remote_lease import LEASE_VARIABLE
+from loader_resume.keyed.keyed_rng import KEYING_MODES, generator_mask
 
 __all__ = ["CONFIG_VARIABLE", "ENV_PREFIX", "ResumeConfig", "load_config"]
 
@@ -72,7 +72,7 @@ class ResumeConfig:
     """Seal each checkpoint with SHA-256 sums and verify them on load (else sizes only)."""
     slurm_requeue: bool = False
     """Inside a SLURM job, after a checkpoint requested by SIGUSR1 (``sbatch --signal=USR1@90``) the main process
-    runs ``scontrol requeue`` (``loader_resume.slurm``); other signals stop without one."""
+    runs ``scontrol requeue`` (``loader_resume.job.slurm``); other signals stop without one."""
     enabled: bool = True
     """``False`` (e.g. ``LOADER_RESUME_ENABLED=0``, no code edited): ``enable_resume`` leaves the Accelerator
     stock — Accelerate's own loaders, no preemption handling, no checkpoints of ours, no automatic

@@ -28,26 +28,26 @@ from accelerate import Accelerator
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
-from loader_resume.checkpoint import (
+from loader_resume.convert import sharded_resumable
+from loader_resume.distributed import any_rank, gather_rng_states, gather_states
+from loader_resume.job.checkpoint import (
     CHECKPOINT_FORMAT,
     complete_checkpoints,
     verify,
 )
-from loader_resume.checkpoint_dir import (
+from loader_resume.job.checkpoint_dir import (
     claim,
     local_directory,
     newest_complete,
     preemption_exit_code,
 )
-from loader_resume.checkpoint_entry import PendingEntry
-from loader_resume.convert import sharded_resumable
-from loader_resume.distributed import any_rank, gather_rng_states, gather_states
-from loader_resume.fresh_start import newest_or_start
-from loader_resume.preemption import Preemption
-from loader_resume.remote_copy import fetch_newer, start_remote_copy
-from loader_resume.sampler import loader_seed
-from loader_resume.slurm import Requeue
-from loader_resume.step_boundary import ReportingDataLoader, StepBoundaries
+from loader_resume.job.checkpoint_entry import PendingEntry
+from loader_resume.job.fresh_start import newest_or_start
+from loader_resume.job.preemption import Preemption
+from loader_resume.job.remote_copy import fetch_newer, start_remote_copy
+from loader_resume.job.slurm import Requeue
+from loader_resume.job.step_boundary import ReportingDataLoader, StepBoundaries
+from loader_resume.order.sampler import loader_seed
 from loader_resume.thirdparty import accelerator_mode, mark_accelerator
 
 from .config import ResumeConfig, load_config

@@ -12,7 +12,7 @@ from accelerate.state import GradientState
 from accelerate.utils import send_to_device
 from torch.utils.data import IterableDataset
 
-from loader_resume.step_boundary import BatchRequests, ReportingDataLoader
+from loader_resume.job.step_boundary import BatchRequests, ReportingDataLoader
 
 __all__ = ["AcceleratedResumableDataLoader", "placed"]
 

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from loader_resume.checkpoint import CheckpointError, write_sealed
-from loader_resume.checkpoint_entry import checked_entry
 from loader_resume.distributed import any_rank
+from loader_resume.job.checkpoint import CheckpointError, write_sealed
+from loader_resume.job.checkpoint_entry import checked_entry
 
 __all__ = ["STATE_FILE", "read_state", "write_checkpoint"]
 
@@ -27,7 +27,7 @@ def write_checkpoint(accelerator: Accelerator, final: Path, *, step: int, checks
                      copy: Callable[[Path], object] | None = None) -> bool:
     """``accelerator.save_state`` into a temporary directory beside ``final``, sealed with a manifest and
     renamed to ``final`` (then ``copy(final)``: the remote copy's upload); checkpoints beyond the newest ``keep`` are
-    deleted. Every process calls it (``loader_resume.checkpoint.write_sealed``: a failed write is agreed by all and
+    deleted. Every process calls it (``loader_resume.job.checkpoint.write_sealed``: a failed write is agreed by all and
     returns ``False``).
     """
     return write_sealed(final, lambda directory: _save_state_to(accelerator, directory),

@@ -41,9 +41,9 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from loader_resume import ResumableDataLoader
-from loader_resume.keyed_rng import CallerRng, derive_key, generator_mask, seed_generators
-from loader_resume.rng_memory import generator_states
-from loader_resume.worker_fetch import KeySpec, keyed_indices
+from loader_resume.keyed.keyed_rng import CallerRng, derive_key, generator_mask, seed_generators
+from loader_resume.keyed.rng_memory import generator_states
+from loader_resume.keyed.worker_fetch import KeySpec, keyed_indices
 
 BATCH = 64
 
@@ -178,7 +178,7 @@ def _probe(script: str, what: str, **fields: Any) -> str:
 _IN_LOADER = """
 import os, statistics, sys, time
 sys.path.insert(0, {bench!r})
-import loader_resume.worker_fetch as worker_fetch
+import loader_resume.keyed.worker_fetch as worker_fetch
 from common import {dataset}
 from loader_resume import ResumableDataLoader
 
@@ -208,7 +208,7 @@ def in_loader_seed_micros(dataset: str) -> float:
 _WAKE_CONTROL = """
 import json, sys
 sys.path.insert(0, {bench!r})
-import loader_resume.worker_fetch as worker_fetch
+import loader_resume.keyed.worker_fetch as worker_fetch
 worker_fetch.seed_generators = lambda key, mask: None  # forked workers inherit it: the helper seeds nothing
 from common import Tiny, batches_per_second, interleaved
 from torch.utils.data import DataLoader

@@ -35,7 +35,7 @@ from common import markdown, write_docs_section
 from torch.utils.data import DataLoader
 
 from loader_resume import ResumableDataLoader
-from loader_resume.library_protocols import library_protocol
+from loader_resume.streams.library_protocols import library_protocol
 from loader_resume.thirdparty import is_stateful
 
 BATCH = 64

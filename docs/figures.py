@@ -38,9 +38,9 @@ from accelerate_resume.config import ResumeConfig
 from accelerate_resume.saving import STATE_FILE
 from lightning_resume import CHECKPOINT_KEY, FabricResume, ResumeCallback
 from lightning_resume.fabric import CHECKPOINT_FILE
-from loader_resume.checkpoint import MANIFEST, temporary_name
-from loader_resume.checkpoint_dir import FAILED_SAVE_EXIT_CODE
-from loader_resume.preemption import Preemption
+from loader_resume.job.checkpoint import MANIFEST, temporary_name
+from loader_resume.job.checkpoint_dir import FAILED_SAVE_EXIT_CODE
+from loader_resume.job.preemption import Preemption
 from transformers_resume import ResumableTrainer
 from transformers_resume.checkpoint_files import LOADER_STATE_FILE, RNG_STATE_FILE, TRAINER_STATE
 

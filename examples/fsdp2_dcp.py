@@ -45,10 +45,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from loader_resume import ResumableDataLoader, set_global_rng_state
-from loader_resume.checkpoint import complete_checkpoints, prune, seal, temporary_name, verify, writer_token
+from loader_resume.job.checkpoint import complete_checkpoints, prune, seal, temporary_name, verify, writer_token
 from loader_resume.distributed import DCPLoaderState, any_rank, gather_rng_states, init_process_group
-from loader_resume.preemption import Preemption, workers_ignore_signals
-from loader_resume.remote_copy import RemoteCopy, fetch_newer, start_remote_copy
+from loader_resume.job.preemption import Preemption, workers_ignore_signals
+from loader_resume.job.remote_copy import RemoteCopy, fetch_newer, start_remote_copy
 from loader_resume.testing import fingerprint
 from loader_resume.tools.demo import NoisyDigits
 

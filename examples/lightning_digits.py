@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_resume import ResumeCallback
-from loader_resume.storage import local_path
+from loader_resume.job.storage import local_path
 from loader_resume.testing import fingerprint
 from loader_resume.tools.demo import NoisyDigits
 

@@ -8,7 +8,8 @@
 Every ``--every`` optimizer steps (and on SIGTERM/SIGUSR1, at the next step) all ranks
 agree and rank 0 writes ``OUT/checkpoints/step_N``: model, optimizer, every rank's
 loader and RNG states, in a directory sealed with a manifest
-(``loader_resume.checkpoint``: written under a temporary name, checksummed, renamed). On
+(``loader_resume.job.checkpoint``: written under a temporary name, checksummed,
+renamed). On
 start the newest sealed checkpoint is verified and loaded, so rerunning the command — or
 torchrun restarting crashed processes — continues with the very next batch.
 ``--batch-log DIR`` writes one JSON line per step and rank (the chaos tests audit them);
@@ -33,14 +34,6 @@ import torch.distributed as dist
 from torch import nn
 
 from loader_resume import ResumableDataLoader
-from loader_resume.checkpoint import (
-    complete_checkpoints,
-    prune,
-    seal,
-    set_global_rng_state,
-    temporary_name,
-    verify,
-)
 from loader_resume.distributed import (
     any_rank,
     gather_rng_states,
@@ -48,8 +41,16 @@ from loader_resume.distributed import (
     init_process_group,
     load_rank_state,
 )
-from loader_resume.preemption import Preemption
-from loader_resume.remote_copy import RemoteCopy, fetch_newer, start_remote_copy
+from loader_resume.job.checkpoint import (
+    complete_checkpoints,
+    prune,
+    seal,
+    set_global_rng_state,
+    temporary_name,
+    verify,
+)
+from loader_resume.job.preemption import Preemption
+from loader_resume.job.remote_copy import RemoteCopy, fetch_newer, start_remote_copy
 from loader_resume.testing import fingerprint
 from loader_resume.tools.demo import NoisyDigits
 

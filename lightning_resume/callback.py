@@ -21,18 +21,18 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from loader_resume import GENERATORS, ResumableDataLoader
-from loader_resume.audit import audit_from_environment
-from loader_resume.checkpoint import CHECKPOINT_FORMAT
-from loader_resume.checkpoint_dir import FAILED_SAVE_EXIT_CODE, DirectoryLock, preemption_exit_code
-from loader_resume.checkpoint_entry import checked_entry
+from loader_resume.audit.log import audit_from_environment
 from loader_resume.convert import resumable
 from loader_resume.distributed import gather_rng_states, gather_states
-from loader_resume.fresh_start import resuming_nothing
-from loader_resume.preemption import Preemption
-from loader_resume.remote_lease import RemoteLease
-from loader_resume.sampler import loader_seed
-from loader_resume.slurm import Requeue
-from loader_resume.storage import is_remote, join, local_path
+from loader_resume.job.checkpoint import CHECKPOINT_FORMAT
+from loader_resume.job.checkpoint_dir import FAILED_SAVE_EXIT_CODE, DirectoryLock, preemption_exit_code
+from loader_resume.job.checkpoint_entry import checked_entry
+from loader_resume.job.fresh_start import resuming_nothing
+from loader_resume.job.preemption import Preemption
+from loader_resume.job.remote_lease import RemoteLease
+from loader_resume.job.slurm import Requeue
+from loader_resume.job.storage import is_remote, join, local_path
+from loader_resume.order.sampler import loader_seed
 
 from .fit_start import make_newest, quiet_fresh_fit, trainer_calling
 from .generators import FitGenerators

@@ -3,7 +3,7 @@
 On one ``Fabric``, public APIs only: ``fabric.setup_dataloaders`` returns loaders sharded by us (``fabric_loader``);
 ``fabric.save``/``fabric.load`` carry every rank's loader and RNG state under ``checkpoint["loader_resume"]`` (one
 copy, from rank 0; each rank takes its own part, at another world size too); a preemption signal leads, at the next
-step boundary (``loader_resume.step_boundary``) the ranks agree on, to a sealed checkpoint directory and an exit
+step boundary (``loader_resume.job.step_boundary``) the ranks agree on, to a sealed checkpoint directory and an exit
 with ``exit_code``; ``FabricResume.restore`` loads the newest complete one. The docs' Fabric page has the loop.
 """
 
@@ -21,24 +21,24 @@ from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
 
 from loader_resume import GENERATORS
-from loader_resume.audit import audit_from_environment
-from loader_resume.checkpoint import CHECKPOINT_FORMAT, complete_checkpoints, write_sealed
-from loader_resume.checkpoint_dir import (
+from loader_resume.audit.log import audit_from_environment
+from loader_resume.distributed import gather_rng_states, gather_states
+from loader_resume.job.checkpoint import CHECKPOINT_FORMAT, complete_checkpoints, write_sealed
+from loader_resume.job.checkpoint_dir import (
     DirectoryLock,
     claim,
     local_directory,
     newest_complete,
     preemption_exit_code,
 )
-from loader_resume.checkpoint_entry import PendingEntry
-from loader_resume.distributed import gather_rng_states, gather_states
-from loader_resume.fresh_start import newest_or_start
-from loader_resume.preemption import Preemption
-from loader_resume.remote_copy import RemoteCopy, fetch_newer
-from loader_resume.remote_lease import RemoteLease
-from loader_resume.sampler import loader_seed
-from loader_resume.slurm import Requeue
-from loader_resume.step_boundary import ReportingDataLoader, StepBoundaries
+from loader_resume.job.checkpoint_entry import PendingEntry
+from loader_resume.job.fresh_start import newest_or_start
+from loader_resume.job.preemption import Preemption
+from loader_resume.job.remote_copy import RemoteCopy, fetch_newer
+from loader_resume.job.remote_lease import RemoteLease
+from loader_resume.job.slurm import Requeue
+from loader_resume.job.step_boundary import ReportingDataLoader, StepBoundaries
+from loader_resume.order.sampler import loader_seed
 
 from .callback import CHECKPOINT_KEY
 from .fabric_loader import FabricResumableDataLoader, convert, leave_launched_process, loaded_into, referenced
@@ -71,7 +71,7 @@ class FabricResume:
         exit_code: the exit status after a preemption checkpoint (143 = 128 + SIGTERM: a scheduler requeues).
         verify_checksums: seal checkpoints with SHA-256 checksums (else sizes only).
         slurm_requeue: inside a SLURM job, after a checkpoint requested by SIGUSR1 (``sbatch --signal=USR1@90``)
-            the main process runs ``scontrol requeue`` (``loader_resume.slurm``); other signals stop without one.
+            the main process runs ``scontrol requeue`` (``loader_resume.job.slurm``); other signals stop without one.
         audit: a directory or URL each rank logs its batches to, for `loader-resume audit` (else $LOADER_RESUME_AUDIT).
     """
 

@@ -9,9 +9,9 @@ from typing import Any
 from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
 
-from loader_resume.checkpoint import CheckpointError
 from loader_resume.convert import sharded_resumable
-from loader_resume.step_boundary import ReportingDataLoader
+from loader_resume.job.checkpoint import CheckpointError
+from loader_resume.job.step_boundary import ReportingDataLoader
 
 from .callback import CHECKPOINT_KEY
 from .stopping import leave_process

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from loader_resume.checkpoint import global_rng_state, set_global_rng_state
+from loader_resume.job.checkpoint import global_rng_state, set_global_rng_state
 
 __all__ = ["FitGenerators"]
 

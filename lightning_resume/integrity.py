@@ -7,7 +7,7 @@ verified before Lightning loads them, and a corrupted preemption checkpoint pass
   upload, visible only once complete); a failed write on any rank (a full disk, a read-only mount, a write that
   failed in the background, any exception) is agreed by all ranks, the temporary file is removed, the previous
   checkpoint stays, and ``None`` is returned.
-- ``usable``: whether a checkpoint file verifies (``loader_resume.torch_file.verify_torch_file``), with
+- ``usable``: whether a checkpoint file verifies (``loader_resume.job.torch_file.verify_torch_file``), with
   a warning naming it and why not; ``verify_loads``: every file the strategy loads is verified first, so a
   changed or truncated checkpoint is refused naming the file (``fit(ckpt_path=...)`` included).
 """
@@ -24,9 +24,9 @@ from typing import Any
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins import AsyncCheckpointIO
 
-from loader_resume.checkpoint import CheckpointError, describe_failure, storage_failure, writer_token
-from loader_resume.storage import is_remote, remote_filesystem
-from loader_resume.torch_file import verify_torch_file
+from loader_resume.job.checkpoint import CheckpointError, describe_failure, storage_failure, writer_token
+from loader_resume.job.storage import is_remote, remote_filesystem
+from loader_resume.job.torch_file import verify_torch_file
 
 __all__ = ["exists", "finish_writes", "nothing_else_to_resume", "save_atomically", "save_whole", "usable",
            "verify_loads"]

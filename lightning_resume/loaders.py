@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from loader_resume import ResumableDataLoader
 from loader_resume.distributed import check_same_dataset, load_rank_state
-from loader_resume.preemption import workers_ignore_signals
+from loader_resume.job.preemption import workers_ignore_signals
 
 __all__ = ["TrainingLoaders", "drop_lightning_loader_states", "evaluation_workers_ignore", "intercept",
            "resumable_tree"]

@@ -20,10 +20,10 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from loader_resume.checkpoint import CheckpointError
-from loader_resume.checkpoint_dir import DirectoryLock, claim
-from loader_resume.remote_lease import RemoteLease
-from loader_resume.storage import is_remote, remote_filesystem
+from loader_resume.job.checkpoint import CheckpointError
+from loader_resume.job.checkpoint_dir import DirectoryLock, claim
+from loader_resume.job.remote_lease import RemoteLease
+from loader_resume.job.storage import is_remote, remote_filesystem
 
 logger = logging.getLogger(__name__)
 
@@ -113,5 +113,5 @@ def refuse_a_silent_start(found: list[str]) -> None:
 
 def claim_directory(directory: str, main: bool, agree: Callable[[bool], bool]) -> DirectoryLock | RemoteLease | None:
     """The job's hold on ``directory``: a local one's lock, a remote one's lease where its store can create
-    conditionally (else it is said, at start, not to be locked); see ``loader_resume.checkpoint_dir.claim``."""
+    conditionally (else it is said, at start, not to be locked); see ``loader_resume.job.checkpoint_dir.claim``."""
     return claim(directory, main=main, agree=agree, remote=True)

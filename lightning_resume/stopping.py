@@ -15,8 +15,8 @@ import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
-from loader_resume.preemption import Preemption
-from loader_resume.slurm import Requeue
+from loader_resume.job.preemption import Preemption
+from loader_resume.job.slurm import Requeue
 
 __all__ = ["adopt_lightnings_sigterm", "leave_process", "slurm_requeue", "stop_validating_as_planned"]
 
@@ -43,7 +43,7 @@ def stop_validating_as_planned(trainer: Trainer) -> None:
 def slurm_requeue(trainer: Trainer, preemption: Preemption) -> Requeue:
     """SLURM's requeue kept: under Lightning's ``SLURMEnvironment`` with ``auto_requeue`` on (Lightning's default in
     a SLURM job), its ``requeue_signal`` (SIGUSR1) requests a preemption checkpoint too, and once the checkpoint that
-    signal led to is written the global-zero rank runs ``scontrol requeue`` (``loader_resume.slurm.Requeue``), as
+    signal led to is written the global-zero rank runs ``scontrol requeue`` (``loader_resume.job.slurm.Requeue``), as
     Lightning's own handler does. Other signals (SIGTERM: ``scancel``, the time limit) stop without a requeue."""
     environment = trainer._accelerator_connector.cluster_environment  # NOTE: as Lightning's signal connector
     on = isinstance(environment, SLURMEnvironment) and environment.auto_requeue

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from loader_resume.checkpoint import CheckpointError
+from loader_resume.job.checkpoint import CheckpointError
 
 __all__ = ["RANK_FILE", "FORMAT", "read_ranks", "rank_file", "unwrapped"]
 

@@ -25,9 +25,9 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
 from loader_resume import ResumableDataLoader
-from loader_resume.checkpoint import CheckpointError
 from loader_resume.distributed import load_rank_state
-from loader_resume.generators import global_rng_state, set_global_rng_state
+from loader_resume.job.checkpoint import CheckpointError
+from loader_resume.job.generators import global_rng_state, set_global_rng_state
 
 from .files import FORMAT, rank_file, read_ranks, unwrapped
 

@@ -99,7 +99,7 @@ def main() -> int:
         args.save_at = [[step, path.replace("RANK", mine)] for step, path in args.save_at]
         args.load = args.load.replace("RANK", mine) if args.load else None
     if args.regression:  # NOTE: a wrong library on purpose: every state describes the next pass's start
-        from loader_resume.map_position import MapPosition
+        from loader_resume.order.map_position import MapPosition
 
         fill = MapPosition.fill_state
         MapPosition.fill_state = lambda self, state, ago=0, next_pass=False: fill(self, state, ago, True)  # type: ignore[method-assign]

@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from lightning_resume import ResumeCallback
 from loader_resume import Mixture
 from loader_resume.distributed import init_process_group
-from loader_resume.storage import local_path
+from loader_resume.job.storage import local_path
 from loader_resume.testing import fingerprint
 from support.batch import run_each
 from support.data import Noisy

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 
 from accelerate_resume import AcceleratedResumableDataLoader, ResumeConfig, enable_resume, load_config
 from loader_resume import ResumableDataLoader
-from loader_resume.checkpoint import MANIFEST
+from loader_resume.job.checkpoint import MANIFEST
 from loader_resume.testing import assert_delivers_rest_exactly_once
 from support import forked
 from support.audit import audited

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from loader_resume.checkpoint_dir import FAILED_SAVE_EXIT_CODE
+from loader_resume.job.checkpoint_dir import FAILED_SAVE_EXIT_CODE
 from support import forked
 from support.launch import progress_of
 from support.mounts import tmpfs

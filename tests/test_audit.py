@@ -212,7 +212,7 @@ def test_records_dropped_after_failed_writes_fail_the_audit_naming_how_many(
 ) -> None:
     """Kept records are bounded (``UNWRITTEN_LIMIT``, here 200 characters): an epoch on a full disk is dropped, a
     ``lost`` record takes its place once there is room again, and the audit fails, naming how many."""
-    from loader_resume import audit as audit_module
+    from loader_resume.audit import log as audit_module
 
     monkeypatch.setattr(audit_module, "UNWRITTEN_LIMIT", 200)
     with tmpfs(tmp_path / "disk", "16k") as disk:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from loader_resume import ResumableDataLoader
-from loader_resume import audit as audit_module
+from loader_resume.audit import log as audit_module
 from loader_resume.tools.cli import main as cli
 from support import forked
 from support.audit import CHILD, attempt, audit, by_epoch, side_by_side, verdict
@@ -212,7 +212,7 @@ def test_a_plain_loop_under_the_audit_variable_says_once_that_it_records_nothing
     ``audit=`` records nothing, and says so once a process, naming the variable and the fix."""
     monkeypatch.setenv("LOADER_RESUME_AUDIT", str(tmp_path / "audit"))
     monkeypatch.setattr(audit_module, "_SAID_UNAUDITED", False)
-    with caplog.at_level(logging.WARNING, logger="loader_resume.audit"):
+    with caplog.at_level(logging.WARNING, logger="loader_resume.audit.log"):
         for _ in range(2):
             loader = ResumableDataLoader(list(range(8)), batch_size=2, shuffle=True, seed=1)
             assert sorted(i for batch in loader for i in batch.tolist()) == list(range(8))

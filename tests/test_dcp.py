@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from loader_resume.checkpoint import MANIFEST, complete_checkpoints
+from loader_resume.job.checkpoint import MANIFEST, complete_checkpoints
 from support import forked
 from support.launch import ROOT, TORCHRUN, free_port
 from support.s3 import bucket, objects, s3_server

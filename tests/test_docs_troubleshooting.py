@@ -152,7 +152,7 @@ def test_every_exception_class_has_an_anchored_entry() -> None:
 
 
 def test_every_exit_code_is_on_the_page() -> None:
-    source = (ROOT / "core" / "loader_resume" / "checkpoint_dir.py").read_text()
+    source = (ROOT / "core" / "loader_resume" / "job" / "checkpoint_dir.py").read_text()
     failed = int(re.search(r"^FAILED_SAVE_EXIT_CODE: Final = (\d+)$", source, re.M).group(1))
     anchors = _anchors()
     assert {f"exit-{failed}", "exit-143", "directory-lock"} <= anchors

@@ -10,12 +10,12 @@ import pytest
 
 import loader_resume
 from loader_resume import LoaderResumeError
-from loader_resume.audit_check import AuditFormatError
-from loader_resume.checkpoint import CHECKPOINT_FORMAT, CheckpointError
-from loader_resume.checkpoint_dir import CheckpointDirectoryError
-from loader_resume.checkpoint_entry import checked_entry
-from loader_resume.remote_copy import RemoteCopyError
-from loader_resume.worker_start import WorkerStartError
+from loader_resume.audit.check import AuditFormatError
+from loader_resume.job.checkpoint import CHECKPOINT_FORMAT, CheckpointError
+from loader_resume.job.checkpoint_dir import CheckpointDirectoryError
+from loader_resume.job.checkpoint_entry import checked_entry
+from loader_resume.job.remote_copy import RemoteCopyError
+from loader_resume.workers.worker_start import WorkerStartError
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = [ROOT / "core" / "loader_resume", *(ROOT / name for name in ("lightning_resume", "accelerate_resume",

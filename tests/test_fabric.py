@@ -21,7 +21,7 @@ from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
 
 from lightning_resume import FabricResume
-from loader_resume.checkpoint_dir import LOCK_FILE
+from loader_resume.job.checkpoint_dir import LOCK_FILE
 from loader_resume.testing import assert_delivers_rest_exactly_once
 from support import forked
 from support.audit import audited

@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import Dataset
 
 from loader_resume import ResumableDataLoader
-from loader_resume.keyed_rng import CallerRng, generator_mask
+from loader_resume.keyed.keyed_rng import CallerRng, generator_mask
 from loader_resume.testing import assert_resumes_exactly, run_epochs
 from support.data import caller_draws, seed_all
 

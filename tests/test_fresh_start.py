@@ -18,16 +18,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from loader_resume.checkpoint import write_sealed
-from loader_resume.checkpoint_dir import LOCK_FILE, CheckpointDirectoryError, DirectoryLock
-from loader_resume.fresh_start import NO_CHECKPOINT_VARIABLE, newest_or_start, resuming_nothing
+from loader_resume.job.checkpoint import write_sealed
+from loader_resume.job.checkpoint_dir import LOCK_FILE, CheckpointDirectoryError, DirectoryLock
+from loader_resume.job.fresh_start import NO_CHECKPOINT_VARIABLE, newest_or_start, resuming_nothing
 from support import forked
 from support.reference import child_run
 
 KILLED_JOB = """
 import sys, time
 from pathlib import Path
-from loader_resume.checkpoint_dir import DirectoryLock
+from loader_resume.job.checkpoint_dir import DirectoryLock
 directory = Path(sys.argv[1])
 DirectoryLock.acquire(directory)
 if sys.argv[2] == "writing":
@@ -56,11 +56,11 @@ def test_an_earlier_killed_job_and_no_checkpoint_is_said_in_one_warning_naming_w
     killed_job(tmp_path, writing=True)
     lock = DirectoryLock.acquire(tmp_path)
     try:
-        with caplog.at_level(logging.WARNING, "loader_resume.fresh_start"):
+        with caplog.at_level(logging.WARNING, "loader_resume.job.fresh_start"):
             assert newest_or_start([], lock, no) is None
     finally:
         lock.release()
-    said = [r.getMessage() for r in caplog.records if r.name == "loader_resume.fresh_start"]
+    said = [r.getMessage() for r in caplog.records if r.name == "loader_resume.job.fresh_start"]
     assert len(said) == 1, said
     assert "the lock file of a job that did not end cleanly (pid " in said[0]
     assert f": -c {tmp_path} writing)" in said[0]  # the killed job's command line
@@ -98,11 +98,11 @@ def test_a_checkpoint_to_resume_or_a_clean_directory_says_nothing(tmp_path: Path
     assert newest_or_start([tmp_path / "step_000000003"], lock, no) == tmp_path / "step_000000003"
     lock.release()
     for directory in (tmp_path, tmp_path / "new"):  # let go of cleanly just now; never used
-        with caplog.at_level(logging.WARNING, "loader_resume.fresh_start"):
+        with caplog.at_level(logging.WARNING, "loader_resume.job.fresh_start"):
             lock = DirectoryLock.acquire(directory)
             assert not resuming_nothing(lock, no)
             lock.release()
-    assert not [r for r in caplog.records if r.name == "loader_resume.fresh_start"]
+    assert not [r for r in caplog.records if r.name == "loader_resume.job.fresh_start"]
 
 
 def test_a_misspelt_choice_is_refused_naming_the_variable_and_the_choices(tmp_path: Path,

@@ -231,7 +231,7 @@ def test_worker_renumbering_uses_torchs_worker_info() -> None:
     """Pins the private detail iterable.report_worker_id relies on: a frozen WorkerInfo's id can be reset."""
     from torch.utils.data._utils import worker as torch_worker
 
-    from loader_resume.stream_tasks import report_worker_id
+    from loader_resume.streams.stream_tasks import report_worker_id
 
     torch_worker._worker_info = torch_worker.WorkerInfo(id=0, num_workers=3, seed=1, dataset=None)
     try:

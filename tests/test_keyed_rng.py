@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch.utils.data._utils.fetch import _MapDatasetFetcher
 
-from loader_resume.keyed_rng import GENERATORS, CallerRng, derive_key, generator_mask
+from loader_resume.keyed.keyed_rng import GENERATORS, CallerRng, derive_key, generator_mask
+from loader_resume.keyed.worker_fetch import SEED_AHEAD, KeyedIndices, KeySpec, SeedAheadCollate, WorkerFetch
 from loader_resume.testing import run_epochs
-from loader_resume.worker_fetch import SEED_AHEAD, KeyedIndices, KeySpec, SeedAheadCollate, WorkerFetch
 from support.data import make
 
 

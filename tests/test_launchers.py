@@ -1,5 +1,5 @@
 """Signals sent where schedulers send them: to the launcher. A one-process ``accelerate launch`` passes no signal on
-(it dies of a SIGTERM at once); the training process follows its death (``loader_resume.launcher``) and writes the
+(it dies of a SIGTERM at once); the training process follows its death (``loader_resume.job.launcher``) and writes the
 agreed checkpoint, and the same command continues exactly."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from loader_resume.launcher import silent_launcher
+from loader_resume.job.launcher import silent_launcher
 from support.launch import ACCELERATE_CHILD, free_port, logs, progress_of, weights
 from support.reference import accelerate_run
 
@@ -71,7 +71,8 @@ def test_a_launcher_that_passes_signals_on_or_no_launcher_is_not_followed(tmp_pa
     a parent that is no launcher (pytest here; a shell, ``nohup``) nothing is asked of the kernel; under one process
     the launcher is named."""
     script = tmp_path / "which.py"
-    script.write_text("import os\nfrom loader_resume.launcher import silent_launcher\n"  # one write: ranks share stdout
+    # one write: ranks share stdout
+    script.write_text("import os\nfrom loader_resume.job.launcher import silent_launcher\n"
                       "os.write(1, f'launcher: {silent_launcher()}\\n'.encode())\n")
     assert silent_launcher() is None
     accelerate = str(Path(sys.executable).with_name("accelerate"))

@@ -20,9 +20,9 @@ import torch
 from torch.utils.data import Dataset
 
 from loader_resume import ResumableDataLoader
-from loader_resume.rng_memory import GeneratorStates, generator_states
+from loader_resume.keyed.rng_memory import GeneratorStates, generator_states
+from loader_resume.keyed.worker_fetch import WorkerFetch
 from loader_resume.testing import assert_resumes_exactly, run_epochs
-from loader_resume.worker_fetch import WorkerFetch
 from support.data import caller_draws, seed_all
 
 
@@ -252,7 +252,7 @@ def test_a_whole_refill_of_the_state_is_a_change(bit: int, words: Any) -> None:
 
 def test_the_public_api_fallback_gives_the_same_values(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the memory layout is not the probed one (another torch, numpy or Python), the public APIs serve."""
-    import loader_resume.rng_memory as rng_memory
+    import loader_resume.keyed.rng_memory as rng_memory
 
     def reported_seeds() -> list[int]:
         return [key for batch in ResumableDataLoader(_ReadsSeed(), batch_size=3, seed=7) for key in batch.tolist()]
@@ -356,7 +356,7 @@ def test_a_worker_names_a_dataset_that_keeps_an_unkeyed_draw(tmp_path: Any) -> N
     import logging
 
     handler = logging.FileHandler(tmp_path / "log")
-    logger = logging.getLogger("loader_resume.worker_fetch")
+    logger = logging.getLogger("loader_resume.keyed.worker_fetch")
     logger.addHandler(handler)
     try:
         run_epochs(ResumableDataLoader(Keeps(), batch_size=4, shuffle=True, seed=3, num_workers=2,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from loader_resume import ResumableDataLoader
-from loader_resume.step_boundary import ReportingDataLoader, StepBoundaries
+from loader_resume.job.step_boundary import ReportingDataLoader, StepBoundaries
 from loader_resume.testing import fingerprint
 from support.data import Augmented, seed_all
 

@@ -16,7 +16,7 @@ from torch.utils.data import Dataset
 
 from loader_resume import Mixture, ResumableDataLoader, StateError
 from loader_resume.testing import assert_resumes_exactly
-from loader_resume.torch_internals import caps_worker_tasks
+from loader_resume.workers.torch_internals import caps_worker_tasks
 
 LENGTHS = {"a": 50, "b": 20, "c": 7}
 BASES = {"a": 0, "b": 1000, "c": 5000}
@@ -308,7 +308,7 @@ def test_a_resume_costs_the_same_at_any_position_and_the_state_keeps_its_size(mo
     """Sources of 10^9 and 10^6 items: a resume at 10 %, 50 % or 90 % of a 10^9-sample epoch evaluates the same
     number of permutation values for its first batch (one block, one chunk per source), and the state is the
     same size wherever it was taken."""
-    from loader_resume import permutation
+    from loader_resume.order import permutation
 
     evaluated: list[int] = []
     original = permutation.KeyedPermutation.__getitem__

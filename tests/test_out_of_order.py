@@ -17,7 +17,7 @@ from torch.utils.data import Dataset, IterableDataset
 
 from loader_resume import ResumableDataLoader, StateError
 from loader_resume.testing import fingerprint
-from loader_resume.torch_internals import caps_worker_tasks
+from loader_resume.workers.torch_internals import caps_worker_tasks
 
 # NOTE: torch 2.6 has in_order=False but no per-worker cap: the loader refuses it there (tests/test_torch_internals.py)
 pytestmark = pytest.mark.skipif(not caps_worker_tasks(), reason=f"in_order=False needs torch >= 2.7 (torch "

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loader_resume.permutation import KeyedPermutation
+from loader_resume.order.permutation import KeyedPermutation
 
 
 @settings(max_examples=200, deadline=None)

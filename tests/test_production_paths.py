@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch.utils.data import IterableDataset
 
 from loader_resume import ResumableDataLoader
-from loader_resume.checkpoint import global_rng_state, set_global_rng_state
 from loader_resume.distributed import _agree_on_generation, collective_device
+from loader_resume.job.checkpoint import global_rng_state, set_global_rng_state
 from support.data import ids, make
 
 

@@ -1,4 +1,5 @@
-"""A remote copy of sealed checkpoints (``loader_resume.remote_copy``) for the front doors that write local directories,
+"""A remote copy of sealed checkpoints (``loader_resume.job.remote_copy``) for the front doors that write local
+directories,
 against a real S3 API server on loopback (moto's, tests/support/s3.py). Accelerate (tests/accelerate_child.py on 2
 processes, ``accelerate launch``) with ``remote=s3://...`` and Fabric (tests/fabric_child.py, 2 devices) with
 ``FabricResume(remote=...)``: SIGTERM mid-epoch, the machine's disk lost (the local checkpoint directory deleted), the
@@ -21,9 +22,9 @@ from typing import Any
 import pytest
 import s3fs
 
-from loader_resume.audit_check import audit_directory
-from loader_resume.checkpoint import MANIFEST, seal, verify
-from loader_resume.remote_copy import RemoteCopy, RemoteCopyError
+from loader_resume.audit.check import audit_directory
+from loader_resume.job.checkpoint import MANIFEST, seal, verify
+from loader_resume.job.remote_copy import RemoteCopy, RemoteCopyError
 from support import forked
 from support.launch import TESTS, command, logs, progress_of, run, trained, weights
 from support.s3 import ONE_ATTEMPT, Cuttable, bucket, objects, s3_server

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from loader_resume.checkpoint_dir import CheckpointDirectoryError, DirectoryLock
-from loader_resume.remote_lease import RemoteLease
+from loader_resume.job.checkpoint_dir import CheckpointDirectoryError, DirectoryLock
+from loader_resume.job.remote_lease import RemoteLease
 from support import forked
 from support.reference import child_run
 from support.s3 import ONE_ATTEMPT, Cuttable, bucket, objects, s3_server
@@ -221,7 +221,7 @@ def test_a_killed_jobs_lease_ends_with_its_term_and_the_rerun_takes_the_director
 
 HOLDER = """
 import pathlib, sys, time
-from loader_resume.remote_lease import RemoteLease
+from loader_resume.job.remote_lease import RemoteLease
 lease = RemoteLease.acquire(sys.argv[1])
 out = pathlib.Path(sys.argv[2])
 (out / "held").write_text(str(lease.number))
@@ -358,7 +358,7 @@ def test_a_preemption_checkpoint_and_a_last_ckpt_of_the_same_second_are_told_apa
     import torch
 
     from lightning_resume.remote import newer
-    from loader_resume.storage import remote_filesystem
+    from loader_resume.job.storage import remote_filesystem
 
     bucket("run-tie")
     ours, last = "s3://run-tie/job/preempted.ckpt", "s3://run-tie/job/last.ckpt"

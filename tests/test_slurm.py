@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from loader_resume.slurm import slurm_job_id
+from loader_resume.job.slurm import slurm_job_id
 from support import forked
 
 CHILD = Path(__file__).with_name("lightning_child.py")
@@ -118,10 +118,10 @@ def test_a_requeue_asked_for_outside_slurm_is_a_warning_and_nothing_else(monkeyp
                                                                           caplog: pytest.LogCaptureFixture) -> None:
     import signal
 
-    from loader_resume.slurm import Requeue
+    from loader_resume.job.slurm import Requeue
 
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    with caplog.at_level("WARNING", logger="loader_resume.slurm"):
+    with caplog.at_level("WARNING", logger="loader_resume.job.slurm"):
         requeue = Requeue(True)
     assert "outside a SLURM job (no SLURM_JOB_ID): no requeue" in caplog.text
     requeue.decide(signal.SIGUSR1, lambda flag: pytest.fail("no agreement when there is nothing to requeue"))

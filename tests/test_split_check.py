@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from loader_resume.torch_internals import default_store
+from loader_resume.workers.torch_internals import default_store
 
 
 def test_the_default_store_is_the_process_groups_and_answers_without_waiting(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from loader_resume.checkpoint import (
+from loader_resume.job.checkpoint import (
     CHECKPOINT_FORMAT,
     MANIFEST,
     complete_checkpoints,
@@ -31,7 +31,7 @@ from loader_resume.checkpoint import (
     verify,
     write_sealed,
 )
-from loader_resume.checkpoint_dir import FAILED_SAVE_EXIT_CODE, CheckpointDirectoryError, DirectoryLock
+from loader_resume.job.checkpoint_dir import FAILED_SAVE_EXIT_CODE, CheckpointDirectoryError, DirectoryLock
 from support import forked
 from support.batch import Done, run_batch
 from support.launch import command, forked_ranks, logs, progress_of, run, trained, weights
@@ -240,7 +240,7 @@ def test_a_write_failing_on_one_of_two_real_ranks_is_agreed_and_a_bug_is_raised_
 _RACER = """
 import sys
 from pathlib import Path
-from loader_resume.checkpoint import write_sealed
+from loader_resume.job.checkpoint import write_sealed
 root, me = Path(sys.argv[1]), sys.argv[2]
 def write(directory):
     for name in ("a", "b", "c", "d"):
@@ -273,7 +273,7 @@ def test_the_lock_dies_with_its_process_and_is_not_inherited_by_a_fork(tmp_path:
     holder = forked.popen([sys.executable, "-c", (
         "import os, sys, time\n"
         "from pathlib import Path\n"
-        "from loader_resume.checkpoint_dir import LOCK_FILE, DirectoryLock\n"
+        "from loader_resume.job.checkpoint_dir import LOCK_FILE, DirectoryLock\n"
         "DirectoryLock.acquire(Path(sys.argv[1]))\n"
         "Path(sys.argv[1], LOCK_FILE).read_text()\n"  # opened and closed by other code of the holder
         "if os.fork() == 0:\n"

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from loader_resume.checkpoint import CHECKPOINT_FORMAT
-from loader_resume.checkpoint_dir import FAILED_SAVE_EXIT_CODE
+from loader_resume.job.checkpoint import CHECKPOINT_FORMAT
+from loader_resume.job.checkpoint_dir import FAILED_SAVE_EXIT_CODE
 from support import forked
 from support.batch import Done, run_batch
 from support.launch import forked_ranks, logs, weights

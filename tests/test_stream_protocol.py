@@ -391,7 +391,7 @@ def test_a_worker_stream_is_one_per_loader_and_process_wherever_it_travels() -> 
     the batches they give alone, and their states resume each exactly."""
     import pickle
 
-    from loader_resume.stream_worker import WorkerStream
+    from loader_resume.streams.stream_worker import WorkerStream
 
     first, second = WorkerStream(), WorkerStream()
     assert pickle.loads(pickle.dumps(first)) is first and pickle.loads(pickle.dumps(second)) is second

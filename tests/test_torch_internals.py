@@ -14,9 +14,9 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data._utils.fetch import _MapDatasetFetcher
 from torch.utils.data._utils.worker import WorkerInfo
 
-import loader_resume.torch_internals as torch_internals
+import loader_resume.workers.torch_internals as torch_internals
 from loader_resume import ResumableDataLoader
-from loader_resume.torch_internals import fetch_items, next_batch, next_numbered
+from loader_resume.workers.torch_internals import fetch_items, next_batch, next_numbered
 from support.data import Augmented
 
 
@@ -195,7 +195,7 @@ def test_random_sampler_num_samples_is_none_unless_given() -> None:
     answers the length either way, the private field says whether it was given."""
     from torch.utils.data import RandomSampler
 
-    from loader_resume.torch_internals import random_sampler_num_samples
+    from loader_resume.workers.torch_internals import random_sampler_num_samples
 
     data = list(range(10))
     assert random_sampler_num_samples(RandomSampler(data)) is None and RandomSampler(data).num_samples == 10

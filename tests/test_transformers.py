@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from loader_resume.checkpoint import MANIFEST
+from loader_resume.job.checkpoint import MANIFEST
 from support import forked
 from support.audit import audited
 from support.batch import Done, run_batch
@@ -324,7 +324,7 @@ def test_two_processes_resume_on_one_with_the_rest_of_the_epoch_exactly_once(
 
 def test_a_position_between_steps_at_the_new_world_size_is_refused() -> None:
     """One process crashed after step 9 (GA 1, batch 4): epoch 1 at sample 4, half a step of two processes."""
-    from loader_resume.checkpoint import CheckpointError
+    from loader_resume.job.checkpoint import CheckpointError
     from transformers_resume.checkpoint_files import step_at
 
     state = {"epoch": 1, "position": 4}

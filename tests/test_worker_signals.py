@@ -24,7 +24,7 @@ import sys, time
 from torch.utils.data import DataLoader
 from loader_resume import ResumableDataLoader
 from loader_resume.convert import sharded_resumable
-from loader_resume.preemption import Preemption, workers_ignore_signals
+from loader_resume.job.preemption import Preemption, workers_ignore_signals
 from support.data import NoisyStream
 
 class Evaluation(DataLoader):  # a framework's own DataLoader class (Accelerate's DataLoaderShard, say)
@@ -90,7 +90,7 @@ def test_evaluation_loaders_made_safe_start_their_workers_under_every_start_meth
     """Spawn and forkserver pickle the process: the process that holds the signals while it starts must pickle."""
     from torch.utils.data import DataLoader
 
-    from loader_resume.preemption import IgnoreSignalsInWorker, workers_ignore_signals
+    from loader_resume.job.preemption import IgnoreSignalsInWorker, workers_ignore_signals
 
     loader = DataLoader(list(range(8)), batch_size=2, num_workers=2, multiprocessing_context=context)
     assert workers_ignore_signals(loader, (signal.SIGTERM,)) is loader

@@ -1,5 +1,6 @@
 """A worker that never starts is reported and killed, never waited for forever; no worker pool is forked while a
-queue feeder thread of an earlier pool is still stopping (the CPython fork hazard, ``loader_resume.worker_start``).
+queue feeder thread of an earlier pool is still stopping (the CPython fork hazard,
+``loader_resume.workers.worker_start``).
 
 The stuck worker is a stand-in: CPython's own after-fork lock wait cannot be caused on purpose, so an after-fork
 hook that never returns holds the first worker at the same place (before any of the worker's code runs).
@@ -19,7 +20,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from loader_resume import ResumableDataLoader
-from loader_resume.torch_internals import closing_feeder_threads, kill_workers, starts_workers, worker_processes
+from loader_resume.workers.torch_internals import closing_feeder_threads, kill_workers, starts_workers, worker_processes
 
 CHILD = Path(__file__).with_name("worker_start_child.py")
 

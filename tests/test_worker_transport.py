@@ -14,7 +14,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from loader_resume import ResumableDataLoader
-from loader_resume.worker_transport import BY_VALUE_BYTES, send_small_tensors_by_value
+from loader_resume.workers.worker_transport import BY_VALUE_BYTES, send_small_tensors_by_value
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.int8, torch.uint8,
           torch.int16, torch.int32, torch.int64, torch.bool)

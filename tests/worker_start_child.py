@@ -17,7 +17,7 @@ import time
 from torch.utils.data import DataLoader
 
 from loader_resume import ResumableDataLoader
-from loader_resume.torch_internals import closing_feeder_threads
+from loader_resume.workers.torch_internals import closing_feeder_threads
 
 DATA = list(range(64))
 

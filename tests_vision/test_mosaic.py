@@ -2,7 +2,7 @@
 
 Mosaic keeps its epoch and its position itself and takes them back only through its own
 ``state_dict(num_samples, from_beginning)`` / ``load_state_dict``; the loader feeds that protocol with what
-it counts, at every pass (``loader_resume.library_protocols``). Each scenario runs in a process of its own
+it counts, at every pass (``loader_resume.streams.library_protocols``). Each scenario runs in a process of its own
 (see ``mosaic_child.py``: Mosaic's shared memory limits the datasets one process can hold).
 """
 

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from loader_resume.checkpoint import CheckpointError
-from loader_resume.checkpoint_entry import checked_entry
-from loader_resume.torch_file import verify_safetensors, verify_torch_file
+from loader_resume.job.checkpoint import CheckpointError
+from loader_resume.job.checkpoint_entry import checked_entry
+from loader_resume.job.torch_file import verify_safetensors, verify_torch_file
 
 __all__ = ["LOADER_STATE_FILE", "RNG_STATE_FILE", "TRAINER_STATE", "agreed_checkpoint", "load_state_file",
            "missing_file", "newest_complete", "newest_resumable", "read_states", "step_at", "verify_named"]

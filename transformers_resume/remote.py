@@ -3,7 +3,7 @@
 Trainer writes local directories only. With a remote URL (``s3://bucket/run``, ``gs://...``: an fsspec URL), each
 complete ``checkpoint-N`` — every rank's files and ``trainer_state.json`` written, agreed by the ranks — gets a
 manifest (its files' sizes and SHA-256 sums), and the main process uploads it to ``URL/checkpoint-N/``, the manifest
-last (``loader_resume.remote_copy``: a remote directory without one is incomplete and skipped, named). A failed
+last (``loader_resume.job.remote_copy``: a remote directory without one is incomplete and skipped, named). A failed
 upload fails the save on every rank, as a failed local write does: ``CheckpointError``, or exit 74 at a preemption;
 the local checkpoint stays. ``train(resume_from_checkpoint=True)`` first downloads the complete remote checkpoints
 newer than the newest local one, so the same command on a new machine continues from the bucket. The job holds the
@@ -19,9 +19,9 @@ from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from loader_resume.checkpoint import describe_failure, write_manifest
 from loader_resume.distributed import any_rank
-from loader_resume.remote_copy import RemoteCopy, fetch_newer, start_remote_copy
+from loader_resume.job.checkpoint import describe_failure, write_manifest
+from loader_resume.job.remote_copy import RemoteCopy, fetch_newer, start_remote_copy
 
 from .saving import SaveFailed, end_processes
 

@@ -22,10 +22,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from loader_resume.checkpoint import describe_failure, storage_failure
-from loader_resume.checkpoint_dir import DirectoryLock, claim
 from loader_resume.distributed import any_rank
-from loader_resume.remote_lease import RemoteLease
+from loader_resume.job.checkpoint import describe_failure, storage_failure
+from loader_resume.job.checkpoint_dir import DirectoryLock, claim
+from loader_resume.job.remote_lease import RemoteLease
 
 __all__ = ["AgreedWrite", "SaveFailed", "end_processes", "hold_output_dir"]
 

@@ -15,7 +15,7 @@ Here, with public Trainer APIs where they exist:
   ``train(resume_from_checkpoint=True)`` resumes from the newest complete checkpoint that verifies (one that
   lacks a file or fails a check is skipped with a warning naming it; ``checkpoint_files``), and starts from the
   beginning where there is none, so one command starts a job and continues it (saying so where an earlier job left
-  traces: ``loader_resume.fresh_start``); an explicit path that lacks a file or fails a check is refused, naming
+  traces: ``loader_resume.job.fresh_start``); an explicit path that lacks a file or fails a check is refused, naming
   the file. A write that fails on any rank is agreed by all
   (``saving``): nothing partial stays, and training stops with ``CheckpointError`` (a preemption save: exit 74).
   ``output_dir`` is locked while ``train`` runs (one job per directory).
@@ -54,15 +54,15 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from accelerate_resume import AcceleratedResumableDataLoader
 from accelerate_resume.loader import placed
 from loader_resume import GENERATORS
-from loader_resume.audit import audit_from_environment
-from loader_resume.checkpoint import CHECKPOINT_FORMAT, CheckpointError, temporary_name, writer_token
-from loader_resume.checkpoint_dir import preemption_exit_code
+from loader_resume.audit.log import audit_from_environment
 from loader_resume.convert import sharded_resumable
 from loader_resume.distributed import any_rank, load_rank_state
-from loader_resume.fresh_start import resuming_nothing
-from loader_resume.preemption import Preemption, workers_ignore_signals
-from loader_resume.remote_copy import RemoteCopy
-from loader_resume.slurm import Requeue
+from loader_resume.job.checkpoint import CHECKPOINT_FORMAT, CheckpointError, temporary_name, writer_token
+from loader_resume.job.checkpoint_dir import preemption_exit_code
+from loader_resume.job.fresh_start import resuming_nothing
+from loader_resume.job.preemption import Preemption, workers_ignore_signals
+from loader_resume.job.remote_copy import RemoteCopy
+from loader_resume.job.slurm import Requeue
 
 from .checkpoint_files import LOADER_STATE_FILE, newest_complete, newest_resumable, read_states, step_at, verify_named
 from .remote import copy_checkpoint, fetch_remote, start_remote
@@ -84,7 +84,7 @@ class ResumeTrainerMixin:
     ``keyed_generators`` (see ``ResumableDataLoader``); ``signals`` that request a preemption checkpoint
     (``()``: none), ``check_every_n_steps`` (how often the ranks agree on them), ``exit_code`` (after a
     preemption checkpoint) and ``slurm_requeue`` (inside a SLURM job, ``scontrol requeue`` after a checkpoint
-    requested by SIGUSR1: ``loader_resume.slurm``); ``remote``, an fsspec URL each checkpoint is copied to and
+    requested by SIGUSR1: ``loader_resume.job.slurm``); ``remote``, an fsspec URL each checkpoint is copied to and
     resumed from (else ``$LOADER_RESUME_REMOTE``; ``transformers_resume.remote``); ``audit``, a directory or URL
     where each rank logs the batches its training loader hands over, for ``loader-resume audit DIR`` (else
     ``$LOADER_RESUME_AUDIT``, if set).

@@ -8,13 +8,13 @@ and ``random``'s) for a checkpoint of your own. ``LoaderResumeError`` is the bas
 purpose.
 """
 
-from .checkpoint import global_rng_state, set_global_rng_state
-from .errors import LoaderResumeError
-from .keyed_rng import GENERATORS
-from .loader import ResumableDataLoader
-from .mixture import Mixture
-from .sampler import ShardedSampler
-from .state import STATE_VERSION, StateError
+from loader_resume.errors import LoaderResumeError
+from loader_resume.job.checkpoint import global_rng_state, set_global_rng_state
+from loader_resume.keyed.keyed_rng import GENERATORS
+from loader_resume.loader import ResumableDataLoader
+from loader_resume.order.mixture import Mixture
+from loader_resume.order.sampler import ShardedSampler
+from loader_resume.state import STATE_VERSION, StateError
 
 __all__ = [
     "GENERATORS", "STATE_VERSION", "LoaderResumeError", "Mixture", "ResumableDataLoader", "ShardedSampler",

@@ -20,12 +20,12 @@ from torch.utils.data import (
     IterableDataset,
 )
 
-from .distributed import check_same_dataset
-from .keyed_rng import GENERATORS
-from .loader import ResumableDataLoader
-from .preemption import IgnoreSignalsInWorker
-from .sampler import ShardedSampler, torch_order
-from .worker_transport import BY_VALUE_BYTES
+from loader_resume.distributed import check_same_dataset
+from loader_resume.job.preemption import IgnoreSignalsInWorker
+from loader_resume.keyed.keyed_rng import GENERATORS
+from loader_resume.loader import ResumableDataLoader
+from loader_resume.order.sampler import ShardedSampler, torch_order
+from loader_resume.workers.worker_transport import BY_VALUE_BYTES
 
 __all__ = ["resumable", "sharded_resumable"]
 

@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset
 
-from .checkpoint import global_rng_state
-from .split_check import describe_difference
-from .state import StateError
-from .thirdparty import content_identity
+from loader_resume.job.checkpoint import global_rng_state
+from loader_resume.order.split_check import describe_difference
+from loader_resume.state import StateError
+from loader_resume.thirdparty import content_identity
 
 __all__ = [
     "DCPLoaderState", "any_rank", "check_same_dataset", "collective_device", "gather_rng_states", "gather_states",

@@ -41,7 +41,7 @@ class RemoteCopyError(LoaderResumeError, OSError):
 
 
 class WorkerStartError(LoaderResumeError, RuntimeError):
-    """A DataLoader worker was forked but never started (see ``loader_resume.worker_start``)."""
+    """A DataLoader worker was forked but never started (see ``loader_resume.workers.worker_start``)."""
 
 
 class AuditFormatError(LoaderResumeError, ValueError):

@@ -7,9 +7,9 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from .mixture import Mixture
-from .position import Position
-from .state import STATE_VERSION, check_state
+from loader_resume.order.mixture import Mixture
+from loader_resume.position import Position
+from loader_resume.state import STATE_VERSION, check_state
 
 __all__ = ["ENDED_PASS", "StateIdentity"]
 

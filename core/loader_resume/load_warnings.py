@@ -8,7 +8,7 @@ import logging
 import weakref
 from typing import Any
 
-from .thirdparty import irreproducible
+from loader_resume.thirdparty import irreproducible
 
 __all__ = ["LoadWarnings", "warn_sampler_left"]
 

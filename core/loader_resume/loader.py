@@ -20,24 +20,30 @@ from typing import Any, TypeVar
 import torch
 from torch.utils.data import Dataset, default_collate, default_convert
 
-from .audit import record_state, state_digest
-from .distributed import rank_and_world
-from .identity import ENDED_PASS, StateIdentity
-from .keyed_fetch import KeyedFetch
-from .keyed_rng import GENERATORS, CallerRng, DrawnGenerators, derive_key
-from .load_warnings import LoadWarnings
-from .map_position import MapPosition
-from .pass_notes import PassNotes
-from .position import PassIterator
-from .preemption import held_while_forking
-from .sampler import default_seed
-from .settings import positioned, settings
-from .state import check_state
-from .stream_position import StreamPosition
-from .thirdparty import refuse_stock_accelerate, warn_at_construction
-from .torch_internals import IndexHooks, forget_persistent_iterator, is_map_style, set_past_guard, wrap_fetcher
-from .worker_start import WorkerStart
-from .worker_transport import BY_VALUE_BYTES, by_value_init
+from loader_resume.audit.log import record_state, state_digest
+from loader_resume.distributed import rank_and_world
+from loader_resume.identity import ENDED_PASS, StateIdentity
+from loader_resume.job.preemption import held_while_forking
+from loader_resume.keyed.keyed_fetch import KeyedFetch
+from loader_resume.keyed.keyed_rng import GENERATORS, CallerRng, DrawnGenerators, derive_key
+from loader_resume.load_warnings import LoadWarnings
+from loader_resume.order.map_position import MapPosition
+from loader_resume.order.sampler import default_seed
+from loader_resume.pass_notes import PassNotes
+from loader_resume.position import PassIterator
+from loader_resume.settings import positioned, settings
+from loader_resume.state import check_state
+from loader_resume.streams.stream_position import StreamPosition
+from loader_resume.thirdparty import refuse_stock_accelerate, warn_at_construction
+from loader_resume.workers.torch_internals import (
+    IndexHooks,
+    forget_persistent_iterator,
+    is_map_style,
+    set_past_guard,
+    wrap_fetcher,
+)
+from loader_resume.workers.worker_start import WorkerStart
+from loader_resume.workers.worker_transport import BY_VALUE_BYTES, by_value_init
 
 __all__ = ["ResumableDataLoader"]
 

@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .position import Position
+from loader_resume.position import Position
 
 __all__ = ["PassNotes"]
 

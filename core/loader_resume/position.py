@@ -2,9 +2,9 @@
 
 ``ResumableDataLoader`` keeps torch's hooks; what a batch handed over means is a ``Position``'s:
 
-- ``loader_resume.map_position.MapPosition``: map-style data, a count of global samples delivered
+- ``loader_resume.order.map_position.MapPosition``: map-style data, a count of global samples delivered
   in one global order (the same on every rank);
-- ``loader_resume.stream_position.StreamPosition``: iterable datasets (*streams*), each worker's
+- ``loader_resume.streams.stream_position.StreamPosition``: iterable datasets (*streams*), each worker's
   progress and the round-robin's next worker, on this rank.
 
 A position is what torch's iterator draws its index lists from (``iter(position)``), so it holds nothing
@@ -18,11 +18,11 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Generic, Protocol, TypeVar
 
-from .distributed import rank_and_world
-from .keyed_rng import CallerRng
-from .sampler import Shard
-from .torch_internals import next_batch, next_numbered
-from .worker_transport import BY_VALUE_BYTES
+from loader_resume.distributed import rank_and_world
+from loader_resume.keyed.keyed_rng import CallerRng
+from loader_resume.order.sampler import Shard
+from loader_resume.workers.torch_internals import next_batch, next_numbered
+from loader_resume.workers.worker_transport import BY_VALUE_BYTES
 
 __all__ = ["SKIP", "PassStart", "Position", "Setup", "PassIterator", "tell_epoch"]
 
@@ -43,7 +43,7 @@ class Setup:
     generators: tuple[str, ...]
     """The keyed generators' names (``keyed_generators``)."""
     mask: int
-    """The same as a mask (``loader_resume.keyed_rng.generator_mask``)."""
+    """The same as a mask (``loader_resume.keyed.keyed_rng.generator_mask``)."""
     batch_size: int | None
     unbatched: bool
     """``batch_size=None`` without a batch sampler: items are handed over one by one, not collated."""
@@ -58,9 +58,9 @@ class Setup:
     in_order: bool = True
     """``DataLoader(in_order=...)``: ``False`` lets workers' batches arrive in any order."""
     by_value_bytes: int = BY_VALUE_BYTES
-    """Tensors up to this size come back from workers by value (``loader_resume.worker_transport``)."""
+    """Tensors up to this size come back from workers by value (``loader_resume.workers.worker_transport``)."""
     audit: Any = None
-    """The loader's ``loader_resume.audit.AuditLog`` (``audit=DIR``), else None: nothing is recorded."""
+    """The loader's ``loader_resume.audit.log.AuditLog`` (``audit=DIR``), else None: nothing is recorded."""
 
     def audit_log(self) -> Any:
         """The audit log, opened for this rank (None when the loader keeps none)."""

@@ -10,15 +10,15 @@ from typing import Any
 import torch
 from torch.utils.data import DistributedSampler
 
-from .audit import audit_log
-from .distributed import rank_and_world
-from .keyed_rng import KEYING_MODES, generator_mask
-from .map_position import MapPosition
-from .position import Position, Setup
-from .sampler import Order, ShardedSampler, classify_order
-from .stream_position import StreamPosition
-from .torch_internals import caps_worker_tasks
-from .worker_transport import MAX_BY_VALUE_BYTES
+from loader_resume.audit.log import audit_log
+from loader_resume.distributed import rank_and_world
+from loader_resume.keyed.keyed_rng import KEYING_MODES, generator_mask
+from loader_resume.order.map_position import MapPosition
+from loader_resume.order.sampler import Order, ShardedSampler, classify_order
+from loader_resume.position import Position, Setup
+from loader_resume.streams.stream_position import StreamPosition
+from loader_resume.workers.torch_internals import caps_worker_tasks
+from loader_resume.workers.worker_transport import MAX_BY_VALUE_BYTES
 
 __all__ = ["positioned", "settings"]
 

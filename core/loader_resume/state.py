@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
-from .errors import StateError
+from loader_resume.errors import StateError
 
 __all__ = ["STATE_KEYS", "STATE_VERSION", "StateError", "check_state"]
 

@@ -24,7 +24,7 @@ from typing import Any, Final, Protocol
 import numpy as np
 import torch
 
-from .round_trips import load_through_dcp, through
+from loader_resume.round_trips import load_through_dcp, through
 
 __all__ = [
     "ROUND_TRIPS", "ResumeReport", "StatefulLoader", "assert_delivers_rest_exactly_once", "assert_resumes_exactly",

@@ -23,7 +23,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from .library_protocols import library_protocol, required_parameters
+from loader_resume.streams.library_protocols import library_protocol, required_parameters
 
 __all__ = [
     "accelerator_mode", "mark_accelerator", "refuse_stock_accelerate",

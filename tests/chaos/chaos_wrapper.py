@@ -25,7 +25,7 @@ from typing import Any
 
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-import loader_resume.checkpoint as checkpoint
+import loader_resume.job.checkpoint as checkpoint
 
 RANK = int(os.environ.get("RANK", 0))
 PLAN, DIR = json.loads(os.environ.get("CHAOS_PLAN", "[]")), Path(os.environ.get("CHAOS_DIR", "."))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from loader_resume.checkpoint import MANIFEST, CheckpointError, complete_checkpoints, seal, temporary_name, verify
+from loader_resume.job.checkpoint import MANIFEST, CheckpointError, complete_checkpoints, seal, temporary_name, verify
 from support.launch import logs, run, trained, weights
 from support.reference import accelerate_run
 
@@ -100,7 +100,7 @@ def test_a_save_killed_at_any_byte_leaves_the_previous_checkpoint_whole(tmp_path
     full = (second / "model.bin").read_bytes()
     for cut in range(0, len(full) + 1, 97):  # the second save stopped after `cut` bytes of its largest file
         (second / "model.bin").write_bytes(full[:cut])
-        with caplog.at_level(logging.WARNING, logger="loader_resume.checkpoint"):
+        with caplog.at_level(logging.WARNING, logger="loader_resume.job.checkpoint"):
             assert complete_checkpoints(tmp_path) == [first]
         assert "an incomplete checkpoint (a save interrupted, or in progress)" in caplog.text
         verify(first)  # still loadable, byte for byte

@@ -130,7 +130,7 @@ def lightning(out: Path) -> list[str]:
 
 
 # name: (command, file with the final weights, whether its checkpoints are ours to cut mid-write)
-# NOTE: Lightning's own ModelCheckpoint writes its files (not through loader_resume.checkpoint), so
+# NOTE: Lightning's own ModelCheckpoint writes its files (not through loader_resume.job.checkpoint), so
 # the Lightning job is killed between steps only.
 JOBS: dict[str, tuple[Callable[[Path], list[str]], str, bool]] = {
     "plain": (plain, "stdout.txt", True),

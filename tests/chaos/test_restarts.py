@@ -5,7 +5,7 @@ that was signalled ends with the agreed checkpoint (exit 143); the finished job'
 are the uninterrupted run's.
 
 A hang on a restart was seen once in 11 Fabric runs: a new DataLoader worker stuck inside CPython's after-fork
-re-initialisation (``loader_resume.worker_start``). The default run makes 1 restart per job; ``pytest -m chaos``
+re-initialisation (``loader_resume.workers.worker_start``). The default run makes 1 restart per job; ``pytest -m chaos``
 makes 30.
 """
 

@@ -13,9 +13,9 @@ import time
 import numpy as np
 import pytest
 
-from loader_resume.keyed_rng import derive_key
-from loader_resume.permutation import KeyedPermutation
-from loader_resume.sampler import Shard, permutation_steps
+from loader_resume.keyed.keyed_rng import derive_key
+from loader_resume.order.permutation import KeyedPermutation
+from loader_resume.order.sampler import Shard, permutation_steps
 
 WORLDS = (1024, 768, 1536)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from loader_resume.audit_check import audit_directory
+from loader_resume.audit.check import audit_directory
 from loader_resume.tools.cli import main as cli
 from support import forked
 

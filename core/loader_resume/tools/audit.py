@@ -1,5 +1,5 @@
 """``loader-resume audit DIR``: the report of a job's ``audit=DIR`` logs; exit 0 only if every sample was seen
-exactly once across its restarts and the logs show the whole job (``loader_resume.audit_check``)."""
+exactly once across its restarts and the logs show the whole job (``loader_resume.audit.check``)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import textwrap
 from dataclasses import asdict
 from typing import Any
 
-from ..audit_check import Finding, LoaderReport, audit_directory
-from ..audit_read import AuditFormatError
+from loader_resume.audit.check import Finding, LoaderReport, audit_directory
+from loader_resume.audit.read import AuditFormatError
 
 __all__ = ["INCOMPLETE_EXIT_CODE", "add_arguments", "main", "render"]
 

@@ -24,10 +24,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ..checkpoint import global_rng_state, set_global_rng_state
-from ..loader import ResumableDataLoader
-from ..preemption import Preemption
-from ..testing import fingerprint
+from loader_resume.job.checkpoint import global_rng_state, set_global_rng_state
+from loader_resume.job.preemption import Preemption
+from loader_resume.loader import ResumableDataLoader
+from loader_resume.testing import fingerprint
 
 __all__ = ["NoisyDigits", "add_arguments", "main"]
 
