@@ -105,3 +105,26 @@ def mixture_schedule_by_own_count(loader: ResumableDataLoader[Any], delivered: i
     """The same schedule by a count of its own calls, which a resumed process starts again from 0."""
     _CALLS[0] += 1
     mixture_schedule(loader, _CALLS[0])
+
+
+class CountsSinceLoad(IterableDataset[int]):
+    """A stream whose state is right once and wrong after that: a loaded state sets where it starts, but what it
+    reports counts from that start (the offset is dropped), so a state taken after a resume is behind."""
+
+    def __init__(self) -> None:
+        self.start, self.done = 0, 0
+
+    def __iter__(self) -> Any:
+        for item in range(self.start + self.done, 20):
+            self.done += 1
+            yield item
+
+    def state_dict(self) -> dict[str, int]:
+        return {"done": self.done}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.start, self.done = state["done"], 0
+
+
+def counts_since_load() -> DataLoader[Any]:
+    return DataLoader(CountsSinceLoad(), batch_size=2)

@@ -20,9 +20,11 @@ def test_a_deterministic_pipeline_resumes_exactly_in_every_scenario() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     # 5 batches an epoch: cuts 1, 2, 4 (the epoch's last), 5 (boundary), 6; resumed with 2 and 0 workers,
-    # and over 2 ranks (judged on the samples: the batches are composed differently)
-    assert lines[-1] == "15 exact, 0 diverging"
+    # cut again one batch after the resume with 2, and over 2 ranks (judged on the samples: the batches are
+    # composed differently)
+    assert lines[-1] == "20 exact, 0 diverging"
     assert "cut after    4 batches, num_workers 2 -> 0: exact" in lines
+    assert "cut after    5 batches, num_workers 2 -> 2, cut again after 6: exact" in lines
     assert "cut after    2 batches, world size 1 -> 2: the rest of the epoch exactly once" in lines
     assert "scenarios" in done.stderr  # the progress bar
 
@@ -69,7 +71,7 @@ def test_a_scenario_refused_by_design_is_reported_as_refused_not_a_traceback() -
     refused = [line for line in lines if "num_workers 2 -> 0" in line]
     assert refused and refused[0].startswith("cut after    2 batches, num_workers 2 -> 0: refused: loader state "
                                              "field 'num_workers': saved 2, expected 0")
-    assert lines[-1] == "1 exact, 0 diverging, 1 refused by design" and "Traceback" not in done.stderr
+    assert lines[-1] == "2 exact, 0 diverging, 1 refused by design" and "Traceback" not in done.stderr
 
 
 def test_a_mixture_with_a_weight_schedule_resumes_exactly_in_every_scenario() -> None:
@@ -81,7 +83,7 @@ def test_a_mixture_with_a_weight_schedule_resumes_exactly_in_every_scenario() ->
                  "--after-batch", "check_pipelines:mixture_schedule")
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
-    assert lines[-1] == "12 exact, 0 diverging"
+    assert lines[-1] == "18 exact, 0 diverging"
     assert "cut after    3 batches, num_workers 2 -> 2: exact" in lines  # between the changes
     assert "cut after   10 batches, world size 1 -> 2: the rest of the epoch exactly once" in lines
 
@@ -94,3 +96,14 @@ def test_a_schedule_that_does_not_follow_the_step_is_caught() -> None:
     assert done.returncode == 1, done.stdout + done.stderr
     (scenario,) = json.loads(done.stdout)
     assert scenario["exact"] is False and scenario["diverged_at"] == 8 and scenario["fields"]
+
+
+def test_a_state_right_once_and_wrong_after_a_resume_is_caught_by_the_second_cut() -> None:
+    """A stream whose loaded state sets its start but whose state after that counts from it: the resume is exact,
+    the job cut again after that resume repeats batches (a job preempted twice)."""
+    done = check("check_pipelines:counts_since_load", "--epochs", "1", "--cuts", "2", "--workers", "0")
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "cut after    2 batches, num_workers 0 -> 0: exact"
+    assert lines[1].startswith("cut after    2 batches, num_workers 0 -> 0, cut again after 3: DIVERGES at batch 3 "
+                               "(epoch 0)")

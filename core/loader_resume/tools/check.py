@@ -2,8 +2,10 @@
 
 FACTORY is a callable returning a DataLoader (plain ones are converted with ``loader_resume.convert``).
 The uninterrupted sequence runs in one process; each scenario saves a state after ``cut`` batches in a
-second process and resumes it in a third, possibly with another ``num_workers``. Batches are compared
-by fingerprint, field by field, so a divergence report names the batch, its epoch and the field.
+second process and resumes it in a third, possibly with another ``num_workers``; at each cut, a job cut
+twice too: the resumed run is cut again one batch later, and that state resumed in a fourth process.
+Batches are compared by fingerprint, field by field, so a divergence report names the batch, its epoch
+and the field.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class Scenario:
     """The loader refuses this resume by design (e.g. an iterable dataset at another num_workers): why."""
     warned: tuple[str, ...] = ()
     """What the resume itself warned (loader_resume's log), e.g. that the continuation will not be bit-identical."""
+    again: int | None = None
+    """A job cut twice: the resumed run was cut again after this many batches in all, and resumed from there."""
 
     def describe(self) -> str:
         warned = "".join(f"; the resume warned: {message}" for message in self.warned)
@@ -56,7 +60,7 @@ class Scenario:
 
 
 def _fields(batch: Any) -> dict[str, str]:
-    from ..testing import fingerprint
+    from loader_resume.testing import fingerprint
 
     if isinstance(batch, Mapping):
         return {repr(key): fingerprint(value) for key, value in batch.items()}
@@ -74,18 +78,19 @@ def _named(spec: str, what: str) -> Any:
 
 def _build(spec: str, workers: int | None, rank: int | None = None, world: int | None = None) -> Any:
     factory: Callable[[], Any] = _named(spec, "FACTORY")
-    from ..convert import resumable
+    from loader_resume.convert import resumable
 
     return resumable(factory(), num_workers=workers, rank=rank, world_size=world)
 
 
 def _run(spec: str, epochs: int, workers: int | None, cut: int | None, load: str | None, save: str | None,
-         after_batch: str | None = None) -> None:
+         after_batch: str | None = None, again: int | None = None) -> None:
     """Runner (a separate process): print one JSON line per batch: [epoch, {field: fingerprint}]. ``cut``: the
-    batches to deliver before saving to ``save``, or those delivered before the state in ``load``."""
+    batches to deliver before saving to ``save``, or those delivered before the state in ``load``; with both,
+    ``again``: the batches delivered in all when the resumed run saves to ``save``."""
     import torch
 
-    from ..state import StateError
+    from loader_resume.state import StateError
 
     loader = _build(spec, workers)
     warned = _Warnings()
@@ -105,7 +110,7 @@ def _run(spec: str, epochs: int, workers: int | None, cut: int | None, load: str
             delivered += 1
             if call is not None:
                 call(loader, delivered)
-            if save and delivered == cut:
+            if save and delivered == (again if load else cut):
                 torch.save(loader.state_dict(), save)
                 return
     if load:
@@ -224,6 +229,8 @@ def run_check(spec: str, *, epochs: int = 2, cuts: list[int] | None = None, work
                     warned = tuple(resumed.pop()["warned"]) if resumed and isinstance(resumed[-1], dict) else ()
                     exact, at, epoch, fields = _compare(reference, resumed, cut)
                     scenarios.append(Scenario(cut, own_workers, resume_with, exact, at, epoch, fields, warned=warned))
+                    if resume_with == own_workers and exact and cut < len(reference):
+                        scenarios.append(_again(spec, epochs, state, cut, own_workers, reference, calls, tmp))
             else:
                 (found,) = _spawn(["_run", spec, "--load", state, "--world", str(world)])
                 exact, problem = _judge_rescale(found, world)
@@ -231,6 +238,18 @@ def run_check(spec: str, *, epochs: int = 2, cuts: list[int] | None = None, work
             if progress is not None:
                 progress(done + 1, len(plan))
     return scenarios
+
+
+def _again(spec: str, epochs: int, state: str, cut: int, workers: int, reference: list[list[Any]],
+           calls: list[str], tmp: str) -> Scenario:
+    """A job cut twice: resumed from ``state`` (after ``cut`` batches), cut again one batch later, resumed again."""
+    again, second = cut + 1, str(Path(tmp) / f"state-{cut}-again.pt")
+    same = ["--epochs", str(epochs), "--workers", str(workers), *calls]
+    _spawn(["_run", spec, *same, "--load", state, "--cut", str(cut), "--again", str(again), "--save", second])
+    resumed = _spawn(["_run", spec, *same, "--load", second, "--cut", str(again)])
+    warned = tuple(resumed.pop()["warned"]) if resumed and isinstance(resumed[-1], dict) else ()
+    exact, at, epoch, fields = _compare(reference, resumed, again)
+    return Scenario(cut, workers, workers, exact, at, epoch, fields, warned=warned, again=again)
 
 
 def _bar(done: int, total: int) -> None:
@@ -266,7 +285,9 @@ def main(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps([asdict(s) for s in scenarios], indent=2) + "\n")
     else:
         rows = [f"cut after {s.cut:>4} batches, " + (f"world size 1 -> {s.world}" if s.world is not None else
-                f"num_workers {s.save_workers} -> {s.resume_workers}") + f": {s.describe()}" for s in scenarios]
+                f"num_workers {s.save_workers} -> {s.resume_workers}") + (
+                f", cut again after {s.again}" if s.again is not None else "") + f": {s.describe()}"
+                for s in scenarios]
         sys.stdout.write("\n".join(rows) + "\n")
         refused = sum(bool(s.refused) for s in scenarios)
         bad = sum(not s.exact and not s.refused for s in scenarios)
@@ -286,12 +307,13 @@ def _runner_main(argv: list[str]) -> None:
     parser.add_argument("--save")
     parser.add_argument("--world", type=int)
     parser.add_argument("--after-batch")
+    parser.add_argument("--again", type=int)
     args = parser.parse_args(argv)
     sys.path.insert(0, ".")
     if args.world:
         _rescale(args.spec, args.load, args.world)
         return
-    _run(args.spec, args.epochs, args.workers, args.cut, args.load, args.save, args.after_batch)
+    _run(args.spec, args.epochs, args.workers, args.cut, args.load, args.save, args.after_batch, args.again)
 
 
 if __name__ == "__main__":
