@@ -176,3 +176,93 @@ def test_every_module_of_the_core_is_in_a_room_or_is_the_loader_itself() -> None
     top = {path.stem for path in core.glob("*.py")}
     assert top == {"__init__", "errors", "state", "loader", "settings", "position", "identity", "load_warnings",
                    "pass_notes", "thirdparty", "convert", "distributed", "testing", "round_trips"}
+
+
+CORE = ROOT / "core" / "loader_resume"
+# What each room of the core may import from the core (besides itself): the rooms below it. A test module's
+# ``import`` at the top of a module counts; the tools' lazy imports inside functions count too.
+MAY_IMPORT = {
+    "workers": {"errors"},
+    "keyed": {"workers"},
+    "audit": {"errors", "job.storage"},
+    "tools": {"*"},
+}
+
+
+def _core_imports() -> dict[str, set[str]]:
+    """Each core module (dotted) -> the core modules it imports, anywhere in it."""
+    found: dict[str, set[str]] = {}
+    for path in sorted(CORE.rglob("*.py")):
+        parts = list(path.relative_to(CORE).with_suffix("").parts)
+        name = ".".join(["loader_resume", *[part for part in parts if part != "__init__"]])
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("loader_resume"):
+                imported.add(node.module)
+            elif isinstance(node, ast.ImportFrom) and node.level:  # the tools' own relative imports
+                base = name.rsplit(".", node.level)[0]
+                imported.add(f"{base}.{node.module}" if node.module else base)
+        found[name] = imported
+    return found
+
+
+def _room(module: str) -> str:
+    return module.split(".")[1] if "." in module else ""
+
+
+def _upward(imports: dict[str, set[str]]) -> list[str]:
+    """The imports a lower room may not make (``MAY_IMPORT``), and any of the tools or test helpers from outside."""
+    wrong = []
+    for module, imported in imports.items():
+        room = _room(module)
+        for target in sorted(imported - {module}):
+            inside = _room(target)
+            allowed = MAY_IMPORT.get(room)
+            if allowed is not None and inside != room and "*" not in allowed and not any(
+                    target == f"loader_resume.{name}" or target.startswith(f"loader_resume.{name}.")
+                    for name in allowed):
+                wrong.append(f"{module} imports {target}")
+            if inside in {"tools", "testing", "round_trips"} and room not in {"tools", "testing"}:
+                wrong.append(f"{module} imports {target}")
+    return wrong
+
+
+def _circle(imports: dict[str, set[str]]) -> list[str]:
+    """An import circle between the modules (the first found), else []."""
+    state: dict[str, int] = {}
+
+    def visit(module: str, path: list[str]) -> list[str]:
+        state[module] = 1
+        for target in sorted(imports.get(module, set()) & set(imports) - {module}):
+            if state.get(target) == 1:
+                return [*path, module, target]
+            if not state.get(target) and (found := visit(target, [*path, module])):
+                return found
+        state[module] = 2
+        return []
+
+    for module in sorted(imports):
+        if not state.get(module) and (found := visit(module, [])):
+            return found
+    return []
+
+
+def test_the_core_imports_downward_and_in_no_circle() -> None:
+    """No import circle between the core's modules, and the lower rooms import only the rooms below them:
+    torch's internals and the workers need nothing of the loader; keyed randomness needs only the workers; the
+    audit reads and writes through the storage helpers alone; nothing imports the tools or the test helpers."""
+    imports = _core_imports()
+    assert "loader_resume.job.storage" in imports["loader_resume.audit.read"], "the check reads real imports"
+    wrong = _upward(imports)
+    assert not wrong, "imports upward (move the shared part down, or the module up):\n" + "\n".join(wrong)
+    lazy_tools = {module: imported for module, imported in imports.items() if _room(module) != "tools"}
+    assert not (circle := _circle(lazy_tools)), "import circle: " + " -> ".join(circle)
+
+
+def test_the_import_check_sees_an_upward_import_and_a_circle() -> None:
+    imports = {"loader_resume.keyed.keyed_rng": {"loader_resume.loader"},
+               "loader_resume.loader": {"loader_resume.audit.log"},
+               "loader_resume.audit.log": {"loader_resume.loader", "loader_resume.job.storage"}}
+    assert _upward(imports) == ["loader_resume.keyed.keyed_rng imports loader_resume.loader",
+                                "loader_resume.audit.log imports loader_resume.loader"]
+    assert _circle(imports) == ["loader_resume.audit.log", "loader_resume.loader", "loader_resume.audit.log"]
