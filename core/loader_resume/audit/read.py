@@ -237,6 +237,8 @@ def _joins(log: RankLog, attempt: Attempt) -> bool:
     if log.start > attempt.end + SAME_ATTEMPT_SECONDS:
         return False
     mine = first_load(log)
+    if mine is not None and log.start > attempt.end and not any(map(first_load, attempt.logs)):
+        return False  # NOTE: it resumed after every process of an attempt that started afresh was gone: a restart
     loads = [load for load in map(first_load, attempt.logs) if load is not None]
     if mine is not None and "pos" in mine and any((load.get("e"), load.get("pos")) == (mine["e"], mine["pos"])
                                                   for load in loads):
