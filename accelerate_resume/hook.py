@@ -21,7 +21,7 @@ import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from accelerate import Accelerator
@@ -29,31 +29,18 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
 from loader_resume.convert import sharded_resumable
-from loader_resume.distributed import any_rank, gather_rng_states, gather_states
-from loader_resume.job.checkpoint import (
-    CHECKPOINT_FORMAT,
-    complete_checkpoints,
-    verify,
-)
-from loader_resume.job.checkpoint_dir import (
-    claim,
-    local_directory,
-    newest_complete,
-    preemption_exit_code,
-)
-from loader_resume.job.checkpoint_entry import PendingEntry
-from loader_resume.job.fresh_start import newest_or_start
-from loader_resume.job.preemption import Preemption
-from loader_resume.job.remote_copy import fetch_newer, start_remote_copy
-from loader_resume.job.slurm import Requeue
-from loader_resume.job.step_boundary import ReportingDataLoader, StepBoundaries
+from loader_resume.distributed import any_rank
+from loader_resume.job.checkpoint import verify
+from loader_resume.job.checkpoint_dir import local_directory
+from loader_resume.job.loop_session import LoopHandle, LoopSession, SaveEvery
+from loader_resume.job.step_boundary import ReportingDataLoader
 from loader_resume.order.sampler import loader_seed
 from loader_resume.thirdparty import accelerator_mode, mark_accelerator
 
 from .config import ResumeConfig, load_config
 from .fsdp import filling_load_state
 from .loader import AcceleratedResumableDataLoader, placed
-from .saving import STATE_FILE, read_state, write_checkpoint
+from .saving import STATE_FILE, read_state, save_state_to
 
 __all__ = ["STATE_FILE", "Resume", "enable_resume"]
 
@@ -77,7 +64,7 @@ def enable_resume(accelerator: Accelerator,
     return Resume(accelerator, load_config(config, overrides))
 
 
-class Resume:
+class Resume(LoopHandle):
     """The handle ``enable_resume`` returns: ``epochs()``, ``step``, ``epoch``, ``restore()``, ``save()``,
     ``checkpoints()``, ``close()``."""
 
@@ -89,18 +76,12 @@ class Resume:
                              "batch sizes (the default)")
         self.accelerator, self.config = accelerator, config
         root = config.checkpoint_dir or os.path.join(accelerator.project_dir or os.getcwd(), "resume_checkpoints")
-        self.checkpoint_dir = local_directory(root)  # NOTE: Accelerate's save_state writes local directories
-        self._boundaries = StepBoundaries()
-        self.epoch = 0
-        """The epoch ``epochs()`` is in (restored on resume)."""
-        self.preemption = Preemption(config.signals)
-        self._requeue = Requeue(config.slurm_requeue)
-        self.loaded_from: Path | None = None
-        self.failed_saves = 0
-        """Checkpoints that could not be written (each logged as an error)."""
-        self._collected: dict[str, Any] | None = None  # gathered before our own save_state (see save)
-        self._loaders: list[AcceleratedResumableDataLoader] = []
-        self._entry = PendingEntry()  # a loaded checkpoint's generators and loader states, until they can go in
+        every = SaveEvery("enable_resume", save_every_n_steps=config.save_every_n_steps,
+                          check_every_n_steps=config.check_every_n_steps, keep=config.keep,
+                          exit_code=config.exit_code, verify_checksums=config.verify_checksums)
+        # NOTE: Accelerate's save_state writes local directories
+        self.session = LoopSession(_AccelerateWays(accelerator), local_directory(root), every,
+                                   signals=config.signals, slurm_requeue=config.slurm_requeue, remote=config.remote)
         self._started = False
         self._prepare = accelerator.prepare
         if not config.enabled:
@@ -115,32 +96,19 @@ class Resume:
         self._handles = [accelerator.register_save_state_pre_hook(self._on_save_state),
                          accelerator.register_load_state_pre_hook(self._on_load_state)]
         mark_accelerator(accelerator, "resume")
-        self._lock, self._remote = None, None
         try:
-            self._lock = claim(self.checkpoint_dir, main=accelerator.is_main_process, agree=any_rank)
-            self._remote = start_remote_copy(config.remote, self.checkpoint_dir, keep=config.keep,
-                                             main=accelerator.is_main_process, agree=any_rank)
+            self.session.hold()
         except Exception:
             self.close()
             accelerator.end_training()  # NOTE: every process is here; gloo aborts a process leaving a live group
             raise
-        self.preemption.install()
+        self.session.preemption.install()
 
     # --- the user's API ----------------------------------------------------------------------------
-    @property
-    def step(self) -> int:
-        """Optimizer steps completed, every ``optimizer.step()`` that stepped (a loop that steps twice per batch
-        counts two; a step skipped inside ``accumulate`` none); restored on resume. Checkpoints are named after
-        it (``step_N``) and ``save_every_n_steps`` counts it."""
-        return self._boundaries.step
-
     def epochs(self, num_epochs: int) -> Iterator[int]:
         """``range(num_epochs)``, starting at the resumed epoch (resuming first, if configured)."""
         self.restore()
-        while self.epoch < num_epochs:
-            yield self.epoch
-            self.epoch += 1
-            self._boundaries.epoch_ended()
+        return self.session.epochs(num_epochs)
 
     def close(self) -> None:
         """Undo ``enable_resume``: signal handlers, ``prepare``, hooks, directory lock (prepared loaders stay)."""
@@ -148,21 +116,13 @@ class Resume:
             if accelerator_mode(self.accelerator) == "stock":  # not one another enable_resume has made since
                 mark_accelerator(self.accelerator, None)
             return
-        self.preemption.uninstall()
-        for held in (self._lock, self._remote):
-            if held is not None:
-                held.release()
-        self._lock = self._remote = None
+        self.session.close()
         for handle in self._handles:
             handle.remove()
         accelerator = self.accelerator
         del accelerator.prepare
         del accelerator.load_state
         mark_accelerator(accelerator, None)
-
-    def checkpoints(self) -> list[Path]:
-        """Complete checkpoints in ``checkpoint_dir``, oldest first."""
-        return complete_checkpoints(self.checkpoint_dir)
 
     def save(self) -> Path | None:
         """Checkpoint now (all processes call it): ``save_state`` into a temporary directory, seal it
@@ -176,26 +136,14 @@ class Resume:
         if not self.config.enabled:
             logger.warning("Resume.save(): loader-resume is switched off (enabled=False); nothing written")
             return None
-        final = self.checkpoint_dir / f"step_{self.step:09d}"
-        self._collected = self._collect()  # every collective before any write: a failed write cannot unpair them
-        try:
-            written = write_checkpoint(self.accelerator, final, step=self.step, checksums=self.config.verify_checksums,
-                                       keep=self.config.keep, copy=self._remote.upload if self._remote else None)
-        finally:
-            self._collected = None
-        if not written:
-            self.failed_saves += 1
-            return None
-        logger.info("checkpoint written at step %d: %s", self.step, final)
-        return final
+        return self.session.save()
 
     def load(self, directory: str | os.PathLike[str]) -> None:
         """``accelerator.load_state(directory)`` after verifying its manifest (all processes call it)."""
         verify(Path(directory))
         self.accelerator.load_state(os.fspath(directory))
-        self.loaded_from = Path(directory)
+        self.session.loaded_from = Path(directory)
 
-    # --- prepare ----------------------------------------------------------------------------------
     def _prepare_hooked(self, *args: Any, device_placement: list[bool | None] | None = None) -> Any:
         placements = device_placement or [None] * len(args)
         results: list[Any] = list(args)
@@ -211,54 +159,33 @@ class Resume:
             for i, obj in zip(others, prepared if len(others) > 1 else (prepared,), strict=True):
                 results[i] = obj
                 if isinstance(obj, torch.optim.Optimizer):
-                    self._boundaries.hook(obj)
+                    self.session.boundaries.hook(obj)
         return results[0] if len(results) == 1 else tuple(results)
 
     def _convert(self, loader: DataLoader[Any], placement: bool | None) -> AcceleratedResumableDataLoader:
-        config, accelerator = self.config, self.accelerator
+        config, accelerator, session = self.config, self.accelerator, self.session
         ours = sharded_resumable(loader, rank=accelerator.process_index, world_size=accelerator.num_processes,
                                  loader_class=AcceleratedResumableDataLoader, keying=config.keying, audit=config.audit,
-                                 seed=loader_seed(config.seed, len(self._loaders)),  # each loader its own values
-                                 keyed_generators=config.keyed_generators, ignore_signals=self.preemption.signals)
+                                 seed=loader_seed(config.seed, len(session.loaders)),  # each loader its own values
+                                 keyed_generators=config.keyed_generators, ignore_signals=session.preemption.signals)
         ours.attach_accelerate(self, *placed(self.accelerator, placement))
-        self._loaders.append(ours)
-        self._entry.apply(self._loaders)
+        session.add(ours)
         return ours
 
     # --- step boundaries (the loaders report here) ---------------------------------------------------
     def delivered(self, loader: ReportingDataLoader) -> None:
         """A loader handed a batch to the loop."""
-        self._boundaries.delivered(loader)
+        self.session.delivered(loader)
 
     def ran_out(self, loader: ReportingDataLoader) -> None:
         """A loader's pass ran out (a shorter loader under ``zip`` ends the loop's pass of the others)."""
-        self._boundaries.ran_out(loader)
+        self.session.ran_out(loader)
 
     def before_batch(self, loader: ReportingDataLoader) -> None:
         """A loader is asked for a batch: automatic resume, the RNG of a loaded checkpoint and step boundaries
         happen here."""
         self.restore()
-        self._entry.restore_rng()  # right before the first step after a load
-        if self._boundaries.crossed(loader):
-            self._boundary()
-
-    def _boundary(self) -> None:
-        config = self.config
-        periodic = self._boundaries.reached(config.save_every_n_steps)
-        preempted = self._boundaries.reached(config.check_every_n_steps) and self.preemption.agreed()
-        written = self.save() if periodic or preempted else None  # NOTE: a failed periodic save: training goes on
-        if preempted:
-            self._requeue.decide(self.preemption.received, any_rank)
-            code = preemption_exit_code(written, self.step, config.exit_code, newest_complete(self.checkpoint_dir))
-            if written is not None:
-                self._requeue.after_checkpoint(self.accelerator.is_main_process)
-            self.preemption.uninstall()
-            # NOTE: every process is here. Tear the process group down before the interpreter does: gloo
-            # aborts a process (SIGABRT) whose worker threads still hold collectives' tensors at exit.
-            self.accelerator.wait_for_everyone()
-            gc.collect()
-            self.accelerator.end_training()
-            raise SystemExit(code)
+        self.session.before_batch(loader)
 
     def restore(self) -> Path | None:
         """Load the newest complete checkpoint that verifies now, if ``auto_resume`` (all processes call it; only
@@ -266,35 +193,56 @@ class Resume:
         if not self._started:
             self._started = True
             if self.config.auto_resume:
-                fetch_newer(self._remote, main=self.accelerator.is_main_process, agree=any_rank)
-            found = newest_or_start(self.checkpoints(), self._lock, any_rank) if self.config.auto_resume else None
-            if found is not None:  # NOTE: verified above
-                logger.info("resuming from %s", found)
-                self.accelerator.load_state(os.fspath(found))
-                self.loaded_from = found
-        return self.loaded_from
+                self.session.resume()
+        return self.session.loaded_from
 
     # --- save_state / load_state ------------------------------------------------------------------
-    def _collect(self) -> dict[str, Any]:
-        """What goes into ``loader_resume.pt``; gathers from every process (a collective)."""
-        return {"format": CHECKPOINT_FORMAT, "step": self.step, "epoch": self.epoch,
-                "accelerator_step": self.accelerator.step, "world_size": self.accelerator.num_processes,
-                "loaders": [gather_states(loader, loader.resume_state(pass_ended=self._boundaries.left(loader)))
-                            for loader in self._loaders],
-                "rng": gather_rng_states()}
-
     def _on_save_state(self, models: Any, weights: Any, output_dir: str) -> None:
-        # NOTE: every process runs this; the gather: here for the user's own save_state, before it for ours (see save)
-        state = self._collected if self._collected is not None else self._collect()
+        # NOTE: every process runs this (the entry is a collective), ours and the user's own save_state alike
+        entry = self.session.entry(accelerator_step=self.accelerator.step)
         if self.accelerator.is_main_process:
-            torch.save(state, os.path.join(output_dir, STATE_FILE))
+            torch.save(entry, os.path.join(output_dir, STATE_FILE))
 
     def _on_load_state(self, models: Any, input_dir: str) -> None:
         path = os.path.join(input_dir, STATE_FILE)
         if (state := read_state(path)) is None:
             return
-        state = self._entry.read(state, path, self.accelerator.process_index)
-        self._boundaries.reset(state["step"])
-        self.epoch = state["epoch"]
+        state = self.session.take(state, path)
         self.accelerator.step = state["accelerator_step"]
-        self._entry.apply(self._loaders)
+
+
+class _AccelerateWays:
+    """Accelerate's own ways for the loop's session: ``torch.distributed`` collectives, ``save_state`` /
+    ``load_state`` of a checkpoint directory, ``end_training`` before the exit."""
+
+    def __init__(self, accelerator: Accelerator) -> None:
+        self.accelerator = accelerator
+
+    @property
+    def is_main(self) -> bool:
+        return bool(self.accelerator.is_main_process)
+
+    @property
+    def rank(self) -> int:
+        return int(self.accelerator.process_index)
+
+    @property
+    def world_size(self) -> int:
+        return int(self.accelerator.num_processes)
+
+    def any_rank(self, flag: bool) -> bool:
+        return any_rank(flag)
+
+    def write(self, directory: Path) -> None:
+        save_state_to(self.accelerator, directory)
+
+    def load(self, directory: Path) -> None:
+        self.accelerator.load_state(os.fspath(directory))
+
+    def leave(self, code: int) -> NoReturn:
+        # NOTE: every process is here. Tear the process group down before the interpreter does: gloo
+        # aborts a process (SIGABRT) whose worker threads still hold collectives' tensors at exit.
+        self.accelerator.wait_for_everyone()
+        gc.collect()
+        self.accelerator.end_training()
+        raise SystemExit(code)

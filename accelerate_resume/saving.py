@@ -1,21 +1,19 @@
-"""Writing one checkpoint through Accelerate's ``save_state``: atomically, and agreed by every process."""
+"""Accelerate's ``save_state`` into a given directory, and our file in a checkpoint directory read back."""
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
 
-from loader_resume.distributed import any_rank
-from loader_resume.job.checkpoint import CheckpointError, write_sealed
+from loader_resume.job.checkpoint import CheckpointError
 from loader_resume.job.checkpoint_entry import checked_entry
 
-__all__ = ["STATE_FILE", "read_state", "write_checkpoint"]
+__all__ = ["STATE_FILE", "read_state", "save_state_to"]
 
 logger = logging.getLogger(__name__)
 
@@ -23,19 +21,7 @@ STATE_FILE = "loader_resume.pt"
 """Our file inside an Accelerate checkpoint directory (loaded with ``weights_only=True``)."""
 
 
-def write_checkpoint(accelerator: Accelerator, final: Path, *, step: int, checksums: bool, keep: int,
-                     copy: Callable[[Path], object] | None = None) -> bool:
-    """``accelerator.save_state`` into a temporary directory beside ``final``, sealed with a manifest and
-    renamed to ``final`` (then ``copy(final)``: the remote copy's upload); checkpoints beyond the newest ``keep`` are
-    deleted. Every process calls it (``loader_resume.job.checkpoint.write_sealed``: a failed write is agreed by all and
-    returns ``False``).
-    """
-    return write_sealed(final, lambda directory: _save_state_to(accelerator, directory),
-                        main=accelerator.is_main_process, agree=any_rank, step=step, checksums=checksums, keep=keep,
-                        copy=copy)
-
-
-def _save_state_to(accelerator: Accelerator, directory: Path) -> None:
+def save_state_to(accelerator: Accelerator, directory: Path) -> None:
     """``save_state`` into ``directory`` exactly (Accelerate's automatic naming would ignore it)."""
     project = accelerator.project_configuration
     naming, iteration = project.automatic_checkpoint_naming, project.iteration

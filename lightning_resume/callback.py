@@ -24,9 +24,8 @@ from loader_resume import GENERATORS, ResumableDataLoader
 from loader_resume.audit.log import audit_from_environment
 from loader_resume.convert import resumable
 from loader_resume.distributed import gather_rng_states, gather_states
-from loader_resume.job.checkpoint import CHECKPOINT_FORMAT
 from loader_resume.job.checkpoint_dir import FAILED_SAVE_EXIT_CODE, DirectoryLock, preemption_exit_code
-from loader_resume.job.checkpoint_entry import checked_entry
+from loader_resume.job.checkpoint_entry import checked_entry, new_entry
 from loader_resume.job.fresh_start import resuming_nothing
 from loader_resume.job.preemption import Preemption
 from loader_resume.job.remote_lease import RemoteLease
@@ -247,12 +246,11 @@ class ResumeCallback(OnExceptionCheckpoint):
 
     @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        checkpoint[CHECKPOINT_KEY] = {
-            "format": CHECKPOINT_FORMAT,
-            "loaders": [gather_states(loader, self._training.state_at_trainer_step(trainer, loader))
-                        for loader in self._training.loaders],
-            "rng": gather_rng_states(),
-        }
+        checkpoint[CHECKPOINT_KEY] = new_entry(
+            loaders=[gather_states(loader, self._training.state_at_trainer_step(trainer, loader))
+                     for loader in self._training.loaders],
+            rng=gather_rng_states(),
+        )
         drop_lightning_loader_states(checkpoint)
 
     @override

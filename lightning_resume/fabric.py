@@ -13,7 +13,7 @@ import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -22,22 +22,8 @@ from torch.utils.data import DataLoader
 
 from loader_resume import GENERATORS
 from loader_resume.audit.log import audit_from_environment
-from loader_resume.distributed import gather_rng_states, gather_states
-from loader_resume.job.checkpoint import CHECKPOINT_FORMAT, complete_checkpoints, write_sealed
-from loader_resume.job.checkpoint_dir import (
-    DirectoryLock,
-    claim,
-    local_directory,
-    newest_complete,
-    preemption_exit_code,
-)
-from loader_resume.job.checkpoint_entry import PendingEntry
-from loader_resume.job.fresh_start import newest_or_start
-from loader_resume.job.preemption import Preemption
-from loader_resume.job.remote_copy import RemoteCopy, fetch_newer
-from loader_resume.job.remote_lease import RemoteLease
-from loader_resume.job.slurm import Requeue
-from loader_resume.job.step_boundary import ReportingDataLoader, StepBoundaries
+from loader_resume.job.checkpoint_dir import local_directory
+from loader_resume.job.loop_session import LoopHandle, LoopSession, SaveEvery
 from loader_resume.order.sampler import loader_seed
 
 from .callback import CHECKPOINT_KEY
@@ -52,7 +38,7 @@ CHECKPOINT_FILE = "checkpoint.ckpt"
 """The file ``fabric.save`` writes inside a checkpoint directory of ``FabricResume``."""
 
 
-class FabricResume:
+class FabricResume(LoopHandle):
     """Exact mid-epoch resume for a Lightning Fabric loop; see the module docstring for the whole picture.
 
     Args:
@@ -93,50 +79,29 @@ class FabricResume:
         remote: str | None = None,
         audit: str | os.PathLike[str] | None = None,
     ) -> None:
-        for name, value, least in (("save_every_n_steps", save_every_n_steps, 0),
-                                   ("check_every_n_steps", check_every_n_steps, 1), ("keep", keep, 1),
-                                   ("exit_code", exit_code, 0)):
-            if type(value) is not int or value < least:
-                raise ValueError(f"FabricResume({name}={value!r}): expected an int >= {least}")
+        every = SaveEvery("FabricResume", save_every_n_steps=save_every_n_steps,
+                          check_every_n_steps=check_every_n_steps, keep=keep, exit_code=exit_code,
+                          verify_checksums=verify_checksums)
         if isinstance(getattr(fabric, "loader_resume", None), FabricResume):
             raise ValueError("FabricResume(fabric): this Fabric already has one; expected one per Fabric")
         self.fabric = fabric
         self.seed, self.keying, self.keyed_generators = seed, keying, tuple(keyed_generators)
         self.audit = audit_from_environment(audit)
-        self.checkpoint_dir = local_directory(checkpoint_dir if checkpoint_dir is not None else "resume_checkpoints")
-        self.save_every_n_steps, self.check_every_n_steps = save_every_n_steps, check_every_n_steps
-        self.keep, self.exit_code, self.verify_checksums = keep, exit_code, verify_checksums
-        self.preemption, self._requeue = Preemption(signals), Requeue(slurm_requeue)
-        self.epoch = 0
-        """The epoch [`epochs`][lightning_resume.FabricResume.epochs] is in (restored on resume)."""
-        self.loaded_from: Path | None = None
-        """The checkpoint directory [`restore`][lightning_resume.FabricResume.restore] loaded, if any."""
-        self.loaders: list[FabricResumableDataLoader] = []
-        """The loaders set up so far, in the order their states are saved."""
-        self.preempted_at: int | None = None
-        """The step of the preemption checkpoint, once taken."""
-        self._boundaries, self._claimed, self._hooked = StepBoundaries(), False, set[int]()  # _claimed: see restore
-        self._state: dict[str, Any] | None = None
-        self._lock: DirectoryLock | RemoteLease | None = None
-        self._remote = None if remote is None else RemoteCopy(remote, self.checkpoint_dir, keep=keep)
-        self._entry = PendingEntry()  # a loaded checkpoint's generators and loader states, until they can go in
+        self._ways = _FabricWays(fabric)
+        self.session = LoopSession(self._ways, local_directory(checkpoint_dir if checkpoint_dir is not None
+                                                                else "resume_checkpoints"),
+                                   every, signals=signals, slurm_requeue=slurm_requeue, remote=remote)
+        self.session.saving = False  # NOTE: until restore(state) gives the state to save
+        self._hooked = set[int]()
         self._fabric_save, self._fabric_load = fabric.save, fabric.load
         fabric.setup_dataloaders = self.setup_dataloaders  # type: ignore[method-assign]
         fabric.save, fabric.load = self.save_to, self.load_from  # type: ignore[method-assign]
         fabric.loader_resume = self  # type: ignore[attr-defined]
 
     # --- the user's API ----------------------------------------------------------------------------
-    @property
-    def step(self) -> int:
-        """Optimizer steps completed, each ``optimizer.step()`` (two per batch count two); restored on resume."""
-        return self._boundaries.step
-
     def epochs(self, num_epochs: int) -> Iterator[int]:
         """``range(num_epochs)``, starting at the resumed epoch."""
-        while self.epoch < num_epochs:
-            yield self.epoch
-            self.epoch += 1
-            self._boundaries.epoch_ended()
+        return self.session.epochs(num_epochs)
 
     def setup_dataloaders(self, *dataloaders: DataLoader[Any], use_distributed_sampler: bool = True,
                           move_to_device: bool = True) -> Any:
@@ -165,52 +130,24 @@ class FabricResume:
             inner = getattr(optimizer, "optimizer", optimizer)
             if id(inner) not in self._hooked:
                 self._hooked.add(id(inner))
-                self._boundaries.hook(inner)
-        self._state = state
-        if not self._claimed:  # NOTE: one job per directory, writable, from the first restore on (every rank)
-            self._lock = claim(self.checkpoint_dir, main=self.fabric.is_global_zero, agree=self._any_rank)
-            if self._remote is not None:
-                self._remote.hold(main=self.fabric.is_global_zero, agree=self._any_rank)
-            self._claimed = True
-        self.preemption.install()
-        fetch_newer(self._remote, main=self.fabric.is_global_zero, agree=self._any_rank)
-        found = newest_or_start(self.checkpoints(), self._lock, self._any_rank)
-        if found is not None:
-            logger.info("resuming from %s", found)
-            self.fabric.load(found / CHECKPOINT_FILE, state)
-            self.loaded_from = found
-        return self.loaded_from
-
-    def checkpoints(self) -> list[Path]:
-        """Complete checkpoints in ``checkpoint_dir``, oldest first."""
-        return complete_checkpoints(self.checkpoint_dir)
+                self.session.boundaries.hook(inner)
+        self._ways.state = state
+        self.session.saving = True
+        self.session.hold()  # NOTE: one job per directory, writable, from the first restore on (every rank)
+        self.session.preemption.install()
+        return self.session.resume()
 
     def save(self) -> Path | None:
         """Checkpoint now (every rank calls it): the state given to [`restore`][lightning_resume.FabricResume.restore],
         by ``fabric.save`` into ``checkpoint_dir/step_<step>/``, atomically; checkpoints beyond ``keep`` are deleted.
         A failed write on any rank is agreed by all: logged, the previous checkpoints stay, ``None`` is returned."""
-        if self._state is None:
+        if self._ways.state is None:
             raise RuntimeError("FabricResume.save(): no state to save; call resume.restore(state) first")
-        state, fabric = self._state, self.fabric
-        final = self.checkpoint_dir / f"step_{self.step:09d}"
-
-        def write_into(directory: Path) -> None:
-            save_whole(fabric, directory / CHECKPOINT_FILE, state)  # NOTE: a failed write: agreed by write_sealed
-
-        if not write_sealed(final, write_into, main=fabric.is_global_zero, agree=self._any_rank, step=self.step,
-                            checksums=self.verify_checksums, keep=self.keep,
-                            copy=self._remote.upload if self._remote else None):
-            return None
-        logger.info("checkpoint written at step %d: %s", self.step, final)
-        return final
+        return self.session.save()
 
     def close(self) -> None:
         """Undo ``FabricResume``: signal handlers, Fabric's methods, the directory lock (set-up loaders stay)."""
-        self.preemption.uninstall()
-        for held in (self._lock, self._remote):
-            if held is not None:
-                held.release()
-        self._lock, self._claimed = None, False
+        self.session.close()
         for name in ("setup_dataloaders", "save", "load", "loader_resume"):
             self.fabric.__dict__.pop(name, None)
 
@@ -221,12 +158,7 @@ class FabricResume:
         if CHECKPOINT_KEY in state:
             raise ValueError(f"fabric.save(path, state): state has a key {CHECKPOINT_KEY!r}, which loader-resume "
                              "writes; expected another name")
-        entry = {
-            "format": CHECKPOINT_FORMAT, "step": self.step, "epoch": self.epoch, "world_size": self.fabric.world_size,
-            "loaders": [gather_states(loader, loader.resume_state(pass_ended=self._boundaries.left(loader)))
-                        for loader in self.loaders],
-            "rng": gather_rng_states(),
-        }
+        entry = self.session.entry()
         self._fabric_save(path, {**referenced(state, self.loaders), CHECKPOINT_KEY: entry}, filter=filter)
 
     def load_from(self, path: str | Path, state: dict[str, Any] | None = None, strict: bool = True,
@@ -245,52 +177,48 @@ class FabricResume:
             logger.warning("%s has no %s entry (saved without FabricResume?): loaders restart their epoch and the "
                            "RNG is not restored", path, CHECKPOINT_KEY)
         else:
-            self._apply(saved, path)
+            self.session.take(saved, path)
         return remainder
 
-    def _apply(self, saved: Any, path: str | Path) -> None:
-        saved = self._entry.read(saved, path, self.fabric.global_rank)
-        self._boundaries.reset(saved["step"])
-        self.epoch = saved["epoch"]
-        self._entry.apply(self.loaders)
-
-    # --- loaders and step boundaries ----------------------------------------------------------------
     def _convert(self, loader: DataLoader[Any], move_to_device: bool) -> FabricResumableDataLoader:
         ours = convert(loader, self.fabric, seed=loader_seed(self.seed, len(self.loaders)), keying=self.keying,
                        keyed_generators=self.keyed_generators, signals=self.preemption.signals, audit=self.audit)
-        ours.attach(self, self.fabric.to_device if move_to_device else None)
-        self.loaders.append(ours)
-        self._entry.apply(self.loaders)
+        ours.attach(self.session, self.fabric.to_device if move_to_device else None)
+        self.session.add(ours)
         return ours
 
-    def _any_rank(self, flag: bool) -> bool:
+
+class _FabricWays:
+    """Fabric's own ways for the loop's session: its collectives, ``fabric.save``/``fabric.load`` of the state
+    given to ``FabricResume.restore``, and its launched processes' exit."""
+
+    def __init__(self, fabric: Fabric) -> None:
+        self.fabric = fabric
+        self.state: dict[str, Any] | None = None  # what checkpoints save (FabricResume.restore's state)
+
+    @property
+    def is_main(self) -> bool:
+        return bool(self.fabric.is_global_zero)
+
+    @property
+    def rank(self) -> int:
+        return int(self.fabric.global_rank)
+
+    @property
+    def world_size(self) -> int:
+        return int(self.fabric.world_size)
+
+    def any_rank(self, flag: bool) -> bool:
         return bool(self.fabric.strategy.reduce_boolean_decision(flag, all=False))
 
-    def before_batch(self, loader: ReportingDataLoader) -> None:
-        """A loader is asked for a batch: the RNG of a loaded checkpoint goes back here; a step boundary is here."""
-        self._entry.restore_rng()  # right before the first step after a load
-        if self._boundaries.crossed(loader):
-            self._boundary()
+    def write(self, directory: Path) -> None:
+        assert self.state is not None  # NOTE: the session saves only once restore(state) was called
+        save_whole(self.fabric, directory / CHECKPOINT_FILE, self.state)  # NOTE: a failed write: agreed by the session
 
-    def delivered(self, loader: ReportingDataLoader) -> None:
-        """A loader handed a batch to the loop."""
-        self._boundaries.delivered(loader)
+    def load(self, directory: Path) -> None:
+        assert self.state is not None
+        self.fabric.load(directory / CHECKPOINT_FILE, self.state)
 
-    def ran_out(self, loader: ReportingDataLoader) -> None:
-        """A loader's pass ran out (a shorter loader under ``zip`` ends the loop's pass of the others)."""
-        self._boundaries.ran_out(loader)
-
-    def _boundary(self) -> None:
-        if self._state is None:
-            return  # restore(state) was not called: nothing to save
-        signalled = self.preemption.received is not None
-        preempted = self._boundaries.reached(self.check_every_n_steps) and self._any_rank(signalled)
-        written = self.save() if preempted or self._boundaries.reached(self.save_every_n_steps) else None
-        if preempted:
-            self.preempted_at = self.step
-            self._requeue.decide(self.preemption.received, self._any_rank)
-            code = preemption_exit_code(written, self.step, self.exit_code, newest_complete(self.checkpoint_dir))
-            if written is not None:
-                self._requeue.after_checkpoint(self.fabric.is_global_zero)
-            self.preemption.uninstall()
-            leave_launched_process(self.fabric, code)
+    def leave(self, code: int) -> NoReturn:
+        leave_launched_process(self.fabric, code)
+        raise AssertionError("leave_launched_process returned")  # NOTE: it raises SystemExit

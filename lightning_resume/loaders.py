@@ -60,7 +60,7 @@ class TrainingLoaders:
         if trainer.state.fn == "fit" and (trainer.is_last_batch or progress.ready == trainer.num_training_batches):
             return loader.state_dict(pass_ended=True)
         if loader.pass_finished:  # NOTE: done before the epoch (CombinedLoader max_size): empty for the epoch's rest
-            return {**loader.state_dict(pass_ended=False), "ending": True}
+            return loader.state_dict(pass_ended=False, ending=True)
         # NOTE: mid-epoch (a periodic checkpoint, validation, max_steps, a signal): the pass continues
         if len(self.loaders) != 1 or not isinstance(loader.dataset, torch.utils.data.IterableDataset):
             return loader.state_dict(pass_ended=False)

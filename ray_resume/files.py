@@ -15,13 +15,15 @@ from typing import Any
 import torch
 
 from loader_resume.job.checkpoint import CheckpointError
+from loader_resume.job.checkpoint_entry import checked_entry
 
-__all__ = ["RANK_FILE", "FORMAT", "read_ranks", "rank_file", "unwrapped"]
+__all__ = ["RANK_FILE", "read_ranks", "rank_file", "unwrapped"]
 
 RANK_FILE = "loader_resume_rank_{rank}.pt"
 """Each worker's file inside a checkpoint reported to Ray: its loader states and generators, by rank."""
-FORMAT = 1
-"""The layout of a rank file (``"format"`` in it); another is refused naming both."""
+
+NEEDS = ("rank", "world_size", "step", "epoch", "loaders", "rng")
+"""The keys of a rank file (beside ``"format"``)."""
 
 
 def rank_file(directory: Path, rank: int) -> Path:
@@ -36,19 +38,20 @@ def read_ranks(directory: Path) -> list[dict[str, Any]]:
     if not found:
         raise CheckpointError(f"{directory}: no {RANK_FILE.format(rank='R')} in this checkpoint; expected one per "
                               "rank (a checkpoint reported by RayResume.report)")
-    first = torch.load(rank_file(directory, found[0]), weights_only=True)
-    world = first.get("world_size")
+    first = checked_entry(torch.load(rank_file(directory, found[0]), weights_only=True), rank_file(directory, found[0]),
+                          needs=NEEDS)
+    world = first["world_size"]
     missing = [rank_file(directory, rank).name for rank in range(world) if rank not in found]
     if missing:
         raise CheckpointError(f"{directory}: {', '.join(missing)} missing; the run that wrote it had {world} "
                               "ranks and every rank reports its own file (was a rank's upload lost?)")
     ranks = [first if rank == found[0] else torch.load(rank_file(directory, rank), weights_only=True)
              for rank in range(world)]
-    for rank, state in enumerate(ranks):
-        if state.get("format") != FORMAT or state.get("rank") != rank or state.get("world_size") != world:
-            raise CheckpointError(f"{rank_file(directory, rank)}: format {state.get('format')!r}, rank "
-                                  f"{state.get('rank')!r} of {state.get('world_size')!r}; expected format {FORMAT}, "
-                                  f"rank {rank} of {world}")
+    for rank, state in enumerate(ranks):  # NOTE: the entry's format first (checked_entry), then its place
+        checked_entry(state, rank_file(directory, rank), needs=NEEDS)
+        if state["rank"] != rank or state["world_size"] != world:
+            raise CheckpointError(f"{rank_file(directory, rank)}: rank {state['rank']!r} of {state['world_size']!r}; "
+                                  f"expected rank {rank} of {world}")
     return ranks
 
 

@@ -27,9 +27,10 @@ from torch.distributed.tensor import DTensor
 from loader_resume import ResumableDataLoader
 from loader_resume.distributed import load_rank_state
 from loader_resume.job.checkpoint import CheckpointError
+from loader_resume.job.checkpoint_entry import new_entry
 from loader_resume.job.generators import global_rng_state, set_global_rng_state
 
-from .files import FORMAT, rank_file, read_ranks, unwrapped
+from .files import rank_file, read_ranks, unwrapped
 
 __all__ = ["RayResume", "to_device"]
 
@@ -200,10 +201,9 @@ class RayResume:
         context = ray.train.get_context()
         rank, world = context.get_world_rank(), context.get_world_size()
         ahead = bool(self.loaders) and self.loaders[0].epoch > self.epoch  # the epoch's last batch is out
-        state = {"format": FORMAT, "rank": rank, "world_size": world, "step": self.step,
-                 "epoch": self.epoch + ahead,
-                 "loaders": [loader.state_dict(pass_ended=False) for loader in self.loaders],
-                 "rng": own_generators()}
+        state = new_entry(rank=rank, world_size=world, step=self.step, epoch=self.epoch + ahead,
+                          loaders=[loader.state_dict(pass_ended=False) for loader in self.loaders],
+                          rng=own_generators())
         with tempfile.TemporaryDirectory() as temporary:
             directory = Path(temporary)
             torch.save(state, rank_file(directory, rank))

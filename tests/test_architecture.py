@@ -184,7 +184,7 @@ CORE = ROOT / "core" / "loader_resume"
 MAY_IMPORT = {
     "workers": {"errors"},
     "keyed": {"workers"},
-    "audit": {"errors", "job.storage"},
+    "audit": {"errors", "job.storage", "state"},
     "tools": {"*"},
 }
 

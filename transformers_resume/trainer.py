@@ -57,8 +57,9 @@ from loader_resume import GENERATORS
 from loader_resume.audit.log import audit_from_environment
 from loader_resume.convert import sharded_resumable
 from loader_resume.distributed import any_rank, load_rank_state
-from loader_resume.job.checkpoint import CHECKPOINT_FORMAT, CheckpointError, temporary_name, writer_token
+from loader_resume.job.checkpoint import CheckpointError, temporary_name, writer_token
 from loader_resume.job.checkpoint_dir import preemption_exit_code
+from loader_resume.job.checkpoint_entry import new_entry
 from loader_resume.job.fresh_start import resuming_nothing
 from loader_resume.job.preemption import Preemption, workers_ignore_signals
 from loader_resume.job.remote_copy import RemoteCopy
@@ -221,11 +222,10 @@ class ResumeTrainerMixin:
         def write() -> None:
             directory.mkdir(parents=True, exist_ok=True)
             rank = self.args.process_index
-            position = loader.resume_state()
-            position.pop("ending", None)  # NOTE: Trainer resumes an epoch's last step with the next epoch's iter()
-            state = {"format": CHECKPOINT_FORMAT, "world_size": self.args.world_size, "rank": rank,
-                     "global_step": self.state.global_step, "rng_files": not self.args.save_only_model,
-                     "loader": position}
+            # NOTE: Trainer resumes an epoch's last step with the next epoch's iter()
+            position = loader.resume_state(loop_ends_pass=False)
+            state = new_entry(world_size=self.args.world_size, rank=rank, global_step=self.state.global_step,
+                              rng_files=not self.args.save_only_model, loader=position)
             final = directory / LOADER_STATE_FILE.format(rank=rank)
             temporary = temporary_name(final, writer_token(lambda token: token))  # NOTE: this rank's name
             torch.save(state, temporary)

@@ -32,7 +32,7 @@ from loader_resume.order.sampler import default_seed
 from loader_resume.pass_notes import PassNotes
 from loader_resume.position import PassIterator
 from loader_resume.settings import positioned, settings
-from loader_resume.state import check_state
+from loader_resume.state import ENDING, check_state
 from loader_resume.streams.stream_position import StreamPosition
 from loader_resume.thirdparty import refuse_stock_accelerate, warn_at_construction
 from loader_resume.workers.torch_internals import (
@@ -135,7 +135,7 @@ class ResumableDataLoader(IndexHooks[T]):
 
     worker_start_timeout: float | None = 120.0  # seconds a new worker may take to start (``worker_start``); None: wait
     _torch_building = False  # True while torch's iterator is built (see _building)
-    _rest_empty = False  # a loaded state was taken between a pass's last batch and its end (its "ending" key)
+    _rest_empty = False  # a loaded state was taken with ending=True: the first iter() is empty
 
     def _fetches_lists(self) -> bool:
         # NOTE: torch's iterator, built inside `_building`, always fetches through a list of indices (batch_size=None:
@@ -244,17 +244,21 @@ class ResumableDataLoader(IndexHooks[T]):
         """The epoch a state taken now continues: the pass in flight's (after a ``break`` too), else the next one's."""
         return self._position.epoch
 
-    def state_dict(self, *, batches_ago: int = 0, pass_ended: bool | None = None) -> dict[str, Any]:
+    def state_dict(self, *, batches_ago: int = 0, pass_ended: bool | None = None,
+                   ending: bool = False) -> dict[str, Any]:
         """The position after the last batch handed to the caller: plain, versioned, < 1 KB. A pass in flight, left
         (``break``, an exception) or not, continues with its very next batch. ``pass_ended=True``: the next pass's
         start instead (a loop that leaves passes on purpose); ``False``: continues, said; unsaid, the first state of
-        a pass in flight logs which (once per loader). ``batches_ago`` (streams): that many deliveries ago."""
+        a pass in flight logs which (once per loader). ``batches_ago`` (streams): that many deliveries ago.
+        ``ending=True``: the pass's last batch is out and the loop will still end that pass itself (a hand-written
+        loop's front door, at a step boundary inside its last step): after a load, the first ``iter()`` is that
+        pass's empty rest (the ``"ending"`` key), the next one the next pass."""
         ended = bool(pass_ended)
         state = self._identity.for_state(ended)
         self._position.fill_state(state, batches_ago, ended)
         record_state(self._position.setup, "state", state, ended=ended)
-        if self._rest_empty:  # a loaded "ending" no iter() has taken up: still the same (no pass in flight to end)
-            state["ending"] = True
+        if ending or self._rest_empty:  # NOTE: a loaded "ending" no iter() has taken up: still the same
+            state[ENDING] = True
         elif pass_ended is None:  # NOTE: per call only a reference kept; the note looks once (see pass_notes)
             self._notes.taken = state
             if not self._notes.said:
@@ -283,7 +287,7 @@ class ResumableDataLoader(IndexHooks[T]):
         Map-style: world size, batch size, ``num_workers`` and ``drop_last`` may differ from the saving run (logged);
         what the order depends on (dataset length, seed, shuffle, keying) may not. Iterable: ``num_workers`` and the
         world size must match, unless the dataset can re-shard (``load_resharded``). Earlier versions' states load.
-        After a state with ``"ending": True`` (``ReportingDataLoader.resume_state``) the first ``iter()`` is empty.
+        After a state taken with ``ending=True`` the first ``iter()`` is empty.
         A state that would be ignored is warned of once per loader and case: loaded while an iterator of this
         loader is mid-epoch (it goes on), or over an earlier state that no ``iter()`` took up."""
         state = self._identity.checked(state_dict)
@@ -292,7 +296,7 @@ class ResumableDataLoader(IndexHooks[T]):
         self._notes.taken = None
         self._identity.forget_pass()
         self._position.reset(state)
-        self._rest_empty = bool(state.get("ending"))
+        self._rest_empty = bool(state.get(ENDING))
 
     def load_resharded(self, ranks: list[dict[str, Any]]) -> None:
         """Resume a stream saved at another world size from every old rank's state (``reshard_states``)."""
@@ -303,4 +307,4 @@ class ResumableDataLoader(IndexHooks[T]):
         self._loads.loading()
         self._identity.forget_pass()
         self._position.reset_resharded(states)
-        self._rest_empty = any(state.get("ending") for state in states)
+        self._rest_empty = any(state.get(ENDING) for state in states)

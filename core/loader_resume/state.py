@@ -69,9 +69,13 @@ _TYPES: Final[dict[str, tuple[str, Callable[[Any], bool]]]] = {
     "dataset_state": ("any value", lambda v: True),
     "stream": ("a dict or None", lambda v: v is None or isinstance(v, dict)),
 }
+ENDING: Final = "ending"
+"""The key of a state taken between a pass's last batch and its iterator's end, for a loop that will end that pass
+itself after a load: the first ``iter()`` after loading it is empty (``ResumableDataLoader.state_dict(ending=True)``
+writes it; nothing else does)."""
 OPTIONAL: Final[dict[str, tuple[str, Callable[[Any], bool]]]] = {
     "ahead": ("a list of ints > 0", lambda v: type(v) is list and all(_is_int(x) and x > 0 for x in v)),
-    "ending": ("True", lambda v: v is True),
+    ENDING: ("True", lambda v: v is True),
 }
 """Keys only some loaders' states have (``ahead``: ``in_order=False``; ``ending``: taken between a pass's last
 batch and its iterator's end, by a loader of a hand-written loop, ``step_boundary.ReportingDataLoader``)."""

@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from loader_resume.job.storage import is_remote, join, local_path, remote_filesystem
+from loader_resume.state import ENDING
 
 __all__ = ["AUDIT_FORMAT", "AUDIT_VARIABLE", "AuditLog", "audit_from_environment", "audit_log", "record_state",
            "state_digest", "warn_unaudited"]
@@ -76,7 +77,7 @@ def warn_unaudited(setup: Any) -> None:
 def state_digest(state: Mapping[str, Any]) -> str:
     """A short digest of a loader state's content (what a later attempt's load is matched by); its ``"ending"`` mark,
     which front doors add after the state is taken, is left out."""
-    plain = {key: value for key, value in state.items() if key != "ending"}
+    plain = {key: value for key, value in state.items() if key != ENDING}
     try:
         text = json.dumps(plain, sort_keys=True, default=repr, separators=(",", ":"))
     except (TypeError, ValueError):  # NOTE: keys json cannot sort (a user's state with tuple or mixed keys)

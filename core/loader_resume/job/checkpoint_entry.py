@@ -1,10 +1,10 @@
-"""A front door's checkpoint entry loaded back (``FabricResume``, Accelerate's ``enable_resume``).
+"""A front door's checkpoint entry: written by ``new_entry``, read back by ``checked_entry`` (every front door).
 
-The entry (``{"format", "step", "epoch", "world_size", "rng": [each rank's], "loaders": [each loader's gathered
-states], ...}``) is read before the loaders exist, or after: ``PendingEntry`` checks its format, keeps this
-rank's generators until right before the next batch is fetched, and loads the loaders' states as soon as as
-many loaders exist as it holds states (each through ``load_rank_state``, so another
-world size resumes as it does there).
+The entry of a hand-written loop's session (``{"format", "step", "epoch", "world_size", "rng": [each rank's],
+"loaders": [each loader's gathered states], ...}``) is read before the loaders exist, or after: ``PendingEntry``
+checks its format, keeps this rank's generators until right before the next batch is fetched, and loads the
+loaders' states as soon as as many loaders exist as it holds states (each through ``load_rank_state``, so
+another world size resumes as it does there).
 """
 
 from __future__ import annotations
@@ -17,9 +17,15 @@ from typing import Any
 from loader_resume.distributed import load_rank_state
 from loader_resume.job.checkpoint import CHECKPOINT_FORMAT, CheckpointError, set_global_rng_state
 
-__all__ = ["PendingEntry", "checked_entry"]
+__all__ = ["PendingEntry", "checked_entry", "new_entry"]
 
 logger = logging.getLogger(__name__)
+
+
+def new_entry(**fields: Any) -> dict[str, Any]:
+    """A front door's checkpoint entry holding ``fields`` (its loaders' states, its generators, its step ...), in the
+    format this release writes and ``checked_entry`` reads. Every front door writes its entry through this."""
+    return {"format": CHECKPOINT_FORMAT, **fields}
 
 
 def checked_entry(saved: Any, where: str | os.PathLike[str], *, needs: tuple[str, ...] = ()) -> dict[str, Any]:

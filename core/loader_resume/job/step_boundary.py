@@ -107,10 +107,12 @@ class ReportingDataLoader(ResumableDataLoader[Any]):
         finally:
             self.pass_ends()
 
-    def resume_state(self, *, pass_ended: bool = False) -> dict[str, Any]:
+    def resume_state(self, *, pass_ended: bool = False, loop_ends_pass: bool = True) -> dict[str, Any]:
         """The state at the last batch handed to the training loop (not at a batch fetched ahead); a pass the loop
         left continues there, unless ``pass_ended`` (the front door knows its loop moved on: an epoch of its own
         ended) or the state is taken at the first request of this loader's next pass (the loop began it).
+        ``loop_ends_pass=False``: the resumed loop starts the next pass with a new ``iter()`` even where the last
+        batch is out (the transformers Trainer); else that pass's rest is empty after a load (below).
 
         NOTE: a step boundary is never taken on the request that ends a pass, but on the next pass's
         first request: by then the loop has run its end-of-epoch code and moved to the next epoch,
@@ -120,10 +122,7 @@ class ReportingDataLoader(ResumableDataLoader[Any]):
         """
         if pass_ended or self._requesting:
             return self.state_dict(pass_ended=True)
-        state = self.state_dict(batches_ago=self._held, pass_ended=False)
-        if self._open_at_end:
-            state["ending"] = True
-        return state
+        return self.state_dict(batches_ago=self._held, pass_ended=False, ending=loop_ends_pass and self._open_at_end)
 
     def pass_begins(self) -> None:
         """A pass begins (after ``iter()``): for subclasses."""
