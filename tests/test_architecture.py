@@ -266,3 +266,50 @@ def test_the_import_check_sees_an_upward_import_and_a_circle() -> None:
     assert _upward(imports) == ["loader_resume.keyed.keyed_rng imports loader_resume.loader",
                                 "loader_resume.audit.log imports loader_resume.loader"]
     assert _circle(imports) == ["loader_resume.audit.log", "loader_resume.loader", "loader_resume.audit.log"]
+
+
+def _written_keys(tree: ast.Module, keys: set[str]) -> list[int]:
+    """Lines where ``tree`` writes one of ``keys`` itself: a dict literal's key, ``x[key] = ...``, or ``x.pop(key)``."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict):
+            lines += [key.lineno for key in node.keys if isinstance(key, ast.Constant) and key.value in keys]
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            if isinstance(node.slice, ast.Constant) and node.slice.value in keys:
+                lines.append(node.lineno)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "pop"
+              and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value in keys):
+            lines.append(node.lineno)
+    return lines
+
+
+# Who alone writes a key of what is saved: a front door's checkpoint entry (its format) and a loader's state's
+# "ending" mark. The manifest of a sealed directory has a "format" of its own (its module's).
+WRITERS = {"format": {"loader_resume.job.checkpoint_entry", "loader_resume.job.checkpoint"},
+           "ending": {"loader_resume.loader"}}
+
+
+def _dotted(path: Path) -> str:
+    parts = path.relative_to(ROOT / "core" if path.is_relative_to(ROOT / "core") else ROOT).with_suffix("").parts
+    return ".".join(parts)
+
+
+def _writers(modules: dict[Path, ast.Module]) -> list[str]:
+    wrong = []
+    for path, tree in modules.items():
+        for key, allowed in WRITERS.items():
+            if _dotted(path) not in allowed:
+                wrong += [f"{_dotted(path)}:{line} writes {key!r}" for line in _written_keys(tree, {key})]
+    return wrong
+
+
+def test_one_writer_for_the_checkpoint_entry_and_for_the_ending_mark() -> None:
+    """Every front door writes its entry through ``new_entry`` and asks the loader for its ``"ending"`` mark."""
+    assert _writers(_modules()) == []
+
+
+def test_the_writer_rule_sees_a_front_door_writing_the_format_or_popping_ending() -> None:
+    made = {ROOT / "ray_resume" / "made.py": ast.parse('state = {"format": 1}\nposition.pop("ending", None)\n'),
+            ROOT / "lightning_resume" / "made.py": ast.parse('state["ending"] = True\n')}
+    assert _writers(made) == ["ray_resume.made:1 writes 'format'", "ray_resume.made:2 writes 'ending'",
+                              "lightning_resume.made:1 writes 'ending'"]

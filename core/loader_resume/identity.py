@@ -3,10 +3,10 @@ the world size — as distinct from the position the loader's ``Position`` fills
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
+from loader_resume.distributed import rank_and_world
 from loader_resume.order.mixture import Mixture
 from loader_resume.position import Position
 from loader_resume.state import STATE_VERSION, check_state
@@ -27,13 +27,14 @@ class StateIdentity:
     the fields fixed at construction; while a pass is mid-epoch, those computed at its ``iter()`` (the length and
     world size it was planned with), unless ``num_workers`` changed since."""
 
-    __slots__ = ("at_pass", "loader", "order", "position", "shuffle", "template")
+    __slots__ = ("at_pass", "batch_size", "drop_last", "order", "position", "shuffle", "template")
 
-    def __init__(self, loader: Any, position: Position, order: str, shuffle: bool) -> None:
-        # NOTE: a weak reference: the loader holds this object, and a loader must be freed without the cycle
-        # collector (its workers end with it)
-        self.loader = weakref.proxy(loader)
+    def __init__(self, position: Position, order: str, shuffle: bool, *, batch_size: int | None,
+                 drop_last: bool) -> None:
+        # NOTE: the loader's values, handed over (its batch_size and drop_last are fixed once it is built): no
+        # reference back to the loader, which holds this object
         self.position, self.order, self.shuffle = position, order, shuffle
+        self.batch_size, self.drop_last = batch_size, drop_last
         """``order``: what orders the data (the state's ``"source"`` field: ``"permutation"``, ``"iterable"``, or the
         user's sampler's class)."""
         self.template: dict[str, Any] | None = None
@@ -42,26 +43,27 @@ class StateIdentity:
 
     def fields(self) -> dict[str, Any]:
         """The identity fields as they are now (the position's fields zeroed)."""
-        loader = self.loader
+        setup = self.position.setup
         if self.template is None:
             self.template = {
                 "version": STATE_VERSION, "kind": self.position.kind, "source": self.order, "dataset_len": None,
-                "seed": None, "shuffle": self.shuffle, "keying": loader.keying, "keyed_generators": None, "epoch": 0,
-                "position": None, "world_size": None, "batch_size": loader.batch_size, "num_workers": None,
-                "drop_last": loader.drop_last, "sampler_state": None, "dataset_state": None, "stream": None,
+                "seed": None, "shuffle": self.shuffle, "keying": setup.keying, "keyed_generators": None, "epoch": 0,
+                "position": None, "world_size": None, "batch_size": self.batch_size, "num_workers": None,
+                "drop_last": self.drop_last, "sampler_state": None, "dataset_state": None, "stream": None,
             }
-            if not loader.in_order:
+            if not setup.in_order:
                 self.template["ahead"] = []
         state = self.template.copy()
-        state["dataset_len"], state["seed"] = self.position.dataset_len(), loader.seed
-        state["keyed_generators"], state["world_size"] = list(loader.keyed_generators), loader.world_size
-        state["num_workers"] = loader.num_workers
+        state["dataset_len"], state["seed"] = self.position.dataset_len(), setup.seed
+        state["keyed_generators"] = list(setup.generators)
+        state["world_size"] = rank_and_world(setup.rank, setup.world_size)[1]
+        state["num_workers"] = setup.num_workers
         return state
 
     def checked(self, state: Any) -> dict[str, Any]:
         """``state`` checked against these fields (``check_state``); a ``Mixture``
         dataset first checks its own part, which names a source of another length."""
-        dataset = self.loader.dataset
+        dataset = self.position.setup.dataset
         if isinstance(dataset, Mixture) and isinstance(state, Mapping) and isinstance(state.get("dataset_state"),
                                                                                        Mapping):
             dataset.check_state(state["dataset_state"])
@@ -78,7 +80,7 @@ class StateIdentity:
     def for_state(self, next_pass: bool = False) -> dict[str, Any]:
         """A fresh dict of the fields for ``state_dict()`` (``next_pass``: for where the next pass starts)."""
         at_pass = self.at_pass
-        workers = self.position.setup.num_workers  # NOTE: the loader keeps it equal to its own (no proxy: cheaper)
+        workers = self.position.setup.num_workers  # NOTE: the loader keeps it equal to its own
         if not next_pass and at_pass is not None and not at_pass[0].done and at_pass[1] == workers:
             state = at_pass[2].copy()
             state["keyed_generators"] = list(self.position.setup.generators)

@@ -18,9 +18,10 @@ logger = logging.getLogger(__name__)
 class LoadWarnings:
     """The warnings of one loader about the states loaded into it (see ``ResumableDataLoader.load_state_dict``)."""
 
-    def __init__(self, loader: Any) -> None:
-        self.loader = weakref.proxy(loader)  # NOTE: weak: the loader holds this object (see identity.py)
-        self.kind = type(loader).__name__
+    def __init__(self, name: str, dataset: Any, *, seed: int, keying: str) -> None:
+        self.name, self.dataset, self.seed, self.keying = name, dataset, seed, keying
+        """The loader's values (fixed once it is built): ``name`` as the log names it, what it reads, its seed and
+        keying."""
         self.live: weakref.ref[Any] | None = None
         """The last iterator handed out."""
         self.unused = False
@@ -30,31 +31,20 @@ class LoadWarnings:
     def iterating(self, iterator: Any) -> None:
         """``iter(loader)`` handed out ``iterator`` (whose ``mid_epoch`` says whether it is still in its pass)."""
         self.live = weakref.ref(iterator)
-        loader = self.loader
-        if loader.keying != "off":
+        if self.keying != "off":
             for other in list(_ITERATING):
-                if other is not self and other.mid_pass() and other.seed() == loader.seed:
-                    self.warn("shared seed", f"another loader with the same seed ({loader.seed}) is mid-pass: loaders "
+                if other is not self and other.mid_pass() and other.seed == self.seed:
+                    self.warn("shared seed", f"another loader with the same seed ({self.seed}) is mid-pass: loaders "
                               "iterated together with one seed draw the same random values at the same positions "
                               "(the same augmentation in both). Give each its own seed= (the front doors do: "
                               "loader_seed)")
                     break
             _ITERATING.add(self)
 
-    def seed(self) -> int | None:
-        """The loader's seed (None once the loader is gone)."""
-        try:
-            return int(self.loader.seed)
-        except ReferenceError:
-            return None
-
     def mid_pass(self) -> bool:
         """Whether this loader's last iterator is alive and still in its pass."""
-        try:
-            live = self.live() if self.live is not None else None
-            return live is not None and bool(live.mid_epoch)
-        except ReferenceError:  # the loader is gone
-            return False
+        live = self.live() if self.live is not None else None
+        return live is not None and bool(live.mid_epoch)
 
     def taken_up(self) -> None:
         """An ``iter()`` took up the loaded state, if any."""
@@ -72,7 +62,7 @@ class LoadWarnings:
             self.warn("unused", "load_state_dict() was called twice with no iter() in between: the state loaded "
                       "first was never used and is replaced by this one")
         self.unused = True
-        dataset = self.loader.dataset
+        dataset = self.dataset
         reason = irreproducible(dataset)
         if reason is not None:
             logger.warning("resuming %s: the continuation will NOT be bit-identical to the uninterrupted run: %s",
@@ -81,7 +71,7 @@ class LoadWarnings:
     def warn(self, case: str, message: str) -> None:
         if case not in self.warned:
             self.warned.add(case)
-            logger.warning("%s over %s: %s", self.kind, type(self.loader.dataset).__name__, message)
+            logger.warning("%s: %s", self.name, message)
 
 
 _ITERATING: weakref.WeakSet[LoadWarnings] = weakref.WeakSet()

@@ -128,8 +128,11 @@ class ResumableDataLoader(IndexHooks[T]):
             by_value_bytes=by_value_bytes,
         )
         order, self._position = positioned(setup, is_map_style(self), sampler, batch_sampler, shuffle, audit)
-        self._identity = StateIdentity(self, self._position, order.name, order.shuffle)
-        self._loads, self._notes = LoadWarnings(self), PassNotes(self, self._position)
+        self._identity = StateIdentity(self._position, order.name, order.shuffle, batch_size=self.batch_size,
+                                       drop_last=self.drop_last)
+        name = f"{type(self).__name__} over {type(self.dataset).__name__}"  # NOTE: how the logs name this loader
+        self._loads = LoadWarnings(name, self.dataset, seed=setup.seed, keying=setup.keying)
+        self._notes = PassNotes(name, self._position)
         self._drawn = DrawnGenerators()  # the generators this dataset draws from in this process (num_workers=0)
         warn_at_construction(dataset, batch_read=self._position.kind == "map" and keying == "sample")
 

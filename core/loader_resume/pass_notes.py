@@ -13,7 +13,6 @@ doors say it for theirs. Where the loop said neither, the loader says which it d
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -30,11 +29,11 @@ _HOW = ("a loop that leaves passes on purpose (an epoch limit of its own) takes 
 class PassNotes:
     """One loader's notes about states of its passes in flight (see the module docstring)."""
 
-    __slots__ = ("kind", "loader", "position", "said", "taken", "warned")
+    __slots__ = ("name", "position", "said", "taken", "warned")
 
-    def __init__(self, loader: Any, position: Position) -> None:
-        self.loader = weakref.proxy(loader)  # NOTE: weak: the loader holds this object (see identity.py)
-        self.kind, self.position = type(loader).__name__, position
+    def __init__(self, name: str, position: Position) -> None:
+        self.name, self.position = name, position
+        """``name``: the loader as the log names it (``ResumableDataLoader over MyDataset``)."""
         self.said = self.warned = False
         self.taken: dict[str, Any] | None = None
         """The last state taken without ``pass_ended`` since the last ``iter()`` or load (the loader sets it)."""
@@ -47,7 +46,7 @@ class PassNotes:
         self.said = True
         done, total = self.position.progress()
         logger.info("%s: state_dict() continues the pass of epoch %d at batch %d of %s when loaded (whether or not "
-                    "the loop left it: a stopped job loses no sample); %s", self._name(), state["epoch"], done + 1,
+                    "the loop left it: a stopped job loses no sample); %s", self.name, state["epoch"], done + 1,
                     "?" if total is None else total, _HOW)
 
     def leaving(self, at_pass: Any, now: Callable[[], dict[str, Any]]) -> None:
@@ -62,8 +61,5 @@ class PassNotes:
             done, total = self.position.progress()
             logger.warning("%s: the loop left the pass of epoch %d after batch %d of %s, where a state was taken; "
                            "this iter() starts epoch %d, but that state, loaded, continues epoch %d with batch %d "
-                           "(what a job stopped there needs); %s", self._name(), state["epoch"], done,
+                           "(what a job stopped there needs); %s", self.name, state["epoch"], done,
                            "?" if total is None else total, state["epoch"] + 1, state["epoch"], done + 1, _HOW)
-
-    def _name(self) -> str:
-        return f"{self.kind} over {type(self.loader.dataset).__name__}"
