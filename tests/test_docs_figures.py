@@ -53,9 +53,8 @@ def test_every_figure_is_shown_with_alt_text(figures: ModuleType) -> None:
     ("examples/plain_digits.py", '"rng": gather_rng_states()'),
     ("lightning_resume/integrity.py", 'f".{name}.tmp-{writer_token(strategy.broadcast)}"'),
     ("examples/plain_digits.py", 'f"step_{step:09d}"'),
-    ("lightning_resume/fabric.py", 'f"step_{self.step:09d}"'),
+    ("core/loader_resume/job/loop_session.py", 'f"step_{self.step:09d}"'),  # Fabric's and Accelerate's
     ("lightning_resume/fabric.py", '"resume_checkpoints"'),
-    ("accelerate_resume/hook.py", 'f"step_{self.step:09d}"'),
     ("accelerate_resume/hook.py", '"resume_checkpoints"'),
     ("ray_resume/resume.py", 'checkpoint_dir_name=f"step_{self.step:09d}"'),
     ("ray_resume/resume.py", '{"model": model, "optimizer": optimizer, "scheduler": scheduler}'),
