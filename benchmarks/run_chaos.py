@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def main() -> None:
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "pytest", "-m", "chaos", "-s", "-q", "-p", "no:cacheprovider",
-                           "tests/chaos"], cwd=ROOT, capture_output=True, text=True)
+                           "tests/faults/chaos"], cwd=ROOT, capture_output=True, text=True)
     minutes = (time.perf_counter() - start) / 60
     output = done.stdout
     print(output[-4000:])

@@ -4,7 +4,7 @@
 
 Every file name, key, signal and exit code the figures show that the code defines is imported from it here (the
 Accelerate, transformers and Lightning names from those libraries), so a figure changes when the code does;
-tests/test_docs_figures.py redraws them and compares the files byte for byte. The few names no module exports
+tests/docs/test_docs_figures.py redraws them and compares the files byte for byte. The few names no module exports
 (Lightning's own checkpoint keys, the plain example's file, the step directories' pattern) are spelled out here,
 and that test finds each in the code. Output is deterministic: SVG with text as text (DejaVu, the font Matplotlib
 ships, with common fallbacks), no date, a fixed hash salt. Each figure checks its own layout before it is

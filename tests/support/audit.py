@@ -1,6 +1,6 @@
-"""The audit's tests: attempts of ``tests/audit_child.py`` as real processes, and ``loader-resume audit`` over what
-they wrote; and the front-door tests' check of a job's ``audit=DIR`` logs (``LOADER_RESUME_AUDIT``): every loader's
-report holds, and the training loader's says where each rerun resumed."""
+"""The audit's tests: attempts of ``tests/children/audit_child.py`` as real processes, and ``loader-resume audit``
+over what they wrote; and the front-door tests' check of a job's ``audit=DIR`` logs (``LOADER_RESUME_AUDIT``): every
+loader's report holds, and the training loader's says where each rerun resumed."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from loader_resume.audit.check import audit_directory
 from loader_resume.tools.cli import main as cli
 from support import forked
 
-CHILD = Path(__file__).resolve().parent.parent / "audit_child.py"
+CHILD = Path(__file__).resolve().parent.parent / "children" / "audit_child.py"
 N = 100
 """The child's samples, unless ``--n``."""
 

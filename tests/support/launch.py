@@ -14,7 +14,9 @@ from support import forked
 
 TESTS = Path(__file__).resolve().parent.parent
 ROOT = TESTS.parent
-ACCELERATE_CHILD = TESTS / "accelerate_child.py"
+CHILDREN = TESTS / "children"
+"""The scripts the tests run as real processes (``python CHILD ...``)."""
+ACCELERATE_CHILD = CHILDREN / "accelerate_child.py"
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 BATCH_KEYS = ("step", "epoch", "ids", "batch")
 """The fields of a batch-log row that an audit compares (``--batch-log`` of the examples and child scripts)."""

@@ -1,4 +1,4 @@
-"""Loaders of tests/test_break_then_save.py and its child script: one config, built alike in both processes."""
+"""Loaders of tests/loader/test_break_then_save.py and its child script: one config, built alike in both processes."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ import pytest
 
 from support import forked
 
-from .launch import TESTS, run
+from .launch import CHILDREN, run
 
 __all__ = ["accelerate_run", "child_run", "shared_run"]
 
@@ -58,7 +58,7 @@ def _name(*parts: str) -> str:
 def child_run(factory: pytest.TempPathFactory, child: str, *args: str) -> Path:
     """``python tests/CHILD OUT *args`` (it must exit 0), made once per session."""
     def make(out: Path) -> None:
-        done = forked.run([sys.executable, str(TESTS / child), str(out), *args], capture_output=True, text=True,
+        done = forked.run([sys.executable, str(CHILDREN / child), str(out), *args], capture_output=True, text=True,
                           timeout=300)
         assert done.returncode == 0, f"{child} {args}: exit {done.returncode}\n{done.stderr[-3000:]}"
 
@@ -66,6 +66,6 @@ def child_run(factory: pytest.TempPathFactory, child: str, *args: str) -> Path:
 
 
 def accelerate_run(factory: pytest.TempPathFactory, processes: int, *args: str) -> Path:
-    """tests/accelerate_child.py on ``processes`` processes (``accelerate launch`` for more than one), made once per
-    session."""
+    """tests/children/accelerate_child.py on ``processes`` processes (``accelerate launch`` for more than one), made
+    once per session."""
     return shared_run(factory, _name("accelerate", str(processes), *args), lambda out: run(out, processes, *args))

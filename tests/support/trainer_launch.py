@@ -1,4 +1,4 @@
-"""Launching ``tests/transformers_child.py`` (the transformers Trainer child): one process, ``torchrun`` or
+"""Launching ``tests/children/transformers_child.py`` (the transformers Trainer child): one process, ``torchrun`` or
 ``accelerate launch``."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 from support import forked
-from support.launch import TESTS, TORCHRUN, free_port
+from support.launch import CHILDREN, TORCHRUN, free_port
 
-CHILD = TESTS / "transformers_child.py"
+CHILD = CHILDREN / "transformers_child.py"
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 ITEMS = 30
 

@@ -1,8 +1,8 @@
 """Every place where the package relies on torch's private names, each behind a name here and pinned by a
-test (``tests/test_torch_internals.py``); ``tests/test_architecture.py`` keeps every other module off them.
+test (``tests/workers/test_torch_internals.py``); ``tests/test_architecture.py`` keeps every other module off them.
 The one other reliance on torch beyond its public API names nothing private: ``loader_resume.keyed.rng_memory``
 copies the CPU generator's state as memory where a probe at import finds the layout it expects (and falls
-back to ``get_state``/``set_state`` where it does not: ``tests/test_lazy_keying.py`` pins both).
+back to ``get_state``/``set_state`` where it does not: ``tests/keyed/test_lazy_keying.py`` pins both).
 
 ``IndexHooks``: torch's DataLoader asks the loader object for ``_index_sampler`` (what its iterators draw
 index lists from) and ``_auto_collation`` (whether items are fetched as lists and collated); a subclass of it

@@ -1,0 +1,41 @@
+"""The README is the front door: short, its links resolve, and its two commands are one line each."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+
+
+def _section(title: str) -> str:
+    start = README.index(f"\n## {title}\n")
+    end = README.find("\n## ", start + 1)
+    return README[start:end]
+
+
+def test_the_readme_stays_a_front_door() -> None:
+    assert len(README.splitlines()) <= 300
+
+
+def test_every_relative_link_of_the_readme_resolves() -> None:
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README)
+    assert links, "the README links to the docs"
+    missing = [link for link in links if "://" not in link and not (ROOT / link).exists()]
+    assert not missing, missing
+
+
+def test_the_two_commands_are_one_line_each() -> None:
+    # One command each, to copy whole; a long one is wrapped with a backslash (code lines stay <= 88 characters).
+    blocks = [block.replace("\\\n", " ") for block in re.findall(r"```bash\n(.*?)```", _section("Two commands"), re.S)]
+    assert [block.count("\n") for block in blocks] == [1, 1], blocks
+    main_job, tests = (block.strip() for block in blocks)
+    assert main_job.endswith("python examples/digits_resume.py") and "torch==2.13.0" in main_job
+    assert tests == "bash .ci/run"
+
+
+def test_every_docs_page_is_in_the_site_navigation() -> None:
+    navigation = (ROOT / "mkdocs.yml").read_text()
+    pages = sorted(page.name for page in (ROOT / "docs").glob("*.md"))
+    assert [page for page in pages if f": {page}" not in navigation] == []
