@@ -77,11 +77,11 @@ class StateIdentity:
         """A state was loaded: its position is reported with the identity as it is now."""
         self.at_pass = None
 
-    def for_state(self, next_pass: bool = False) -> dict[str, Any]:
-        """A fresh dict of the fields for ``state_dict()`` (``next_pass``: for where the next pass starts)."""
+    def for_state(self, pass_ended: bool = False) -> dict[str, Any]:
+        """A fresh dict of the fields for ``state_dict()`` (``pass_ended``: for where the next pass starts)."""
         at_pass = self.at_pass
         workers = self.position.setup.num_workers  # NOTE: the loader keeps it equal to its own
-        if not next_pass and at_pass is not None and not at_pass[0].done and at_pass[1] == workers:
+        if not pass_ended and at_pass is not None and not at_pass[0].done and at_pass[1] == workers:
             state = at_pass[2].copy()
             state["keyed_generators"] = list(self.position.setup.generators)
             return state

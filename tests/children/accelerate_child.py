@@ -182,7 +182,11 @@ def main(argv: list[str] | None = None) -> None:
     weights = fingerprint([p.detach() for p in model.parameters()])
     (logs / f"weights-{rank}.txt").write_text(weights)
     accelerator.wait_for_everyone()
-    gc.collect()  # NOTE: as enable_resume does before its own teardown (gloo aborts on tensors held at exit)
+    # NOTE: the DDP wrapper freed before the group is torn down, as enable_resume does before its own teardown:
+    # gloo aborts a rank whose threads still hold a collective's tensors at exit ("terminate called ...", -6)
+    del model, optimizer
+    accelerator.free_memory()
+    gc.collect()
     accelerator.end_training()
 
 

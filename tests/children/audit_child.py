@@ -102,7 +102,7 @@ def main() -> int:
         from loader_resume.order.map_position import MapPosition
 
         fill = MapPosition.fill_state
-        MapPosition.fill_state = lambda self, state, ago=0, next_pass=False: fill(self, state, ago, True)  # type: ignore[method-assign]
+        MapPosition.fill_state = lambda self, state, ago=0, pass_ended=False: fill(self, state, ago, True)  # type: ignore[method-assign]
     dataset = Lines() if args.stream else Ids(args.n)
     loader = ResumableDataLoader(dataset, batch_size=8, shuffle=not args.stream, seed=11, rank=args.rank,
                                  world_size=args.world, num_workers=args.workers, drop_last=args.drop_last,

@@ -39,3 +39,23 @@ def test_every_docs_page_is_in_the_site_navigation() -> None:
     navigation = (ROOT / "mkdocs.yml").read_text()
     pages = sorted(page.name for page in (ROOT / "docs").glob("*.md"))
     assert [page for page in pages if f": {page}" not in navigation] == []
+
+
+def _named_test_paths() -> dict[str, list[str]]:
+    """Each ``tests/...`` file or folder the README, the docs, the changelog's unreleased part and ``.ci`` name."""
+    sources = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / ".ci").glob("*"))]
+    named: dict[str, list[str]] = {}
+    for source in sources:
+        if source.is_file() and source.suffix in {".md", ""}:
+            for path in re.findall(r"\btests/[\w/*.-]*\w", source.read_text()):
+                named.setdefault(path, []).append(source.name)
+    return named
+
+
+def test_every_test_file_the_docs_name_exists() -> None:
+    """The pages say which test shows what (``tests/frontdoors/test_lightning.py``): each path named is there."""
+    named = _named_test_paths()
+    assert len(named) > 40, sorted(named)
+    missing = {path: where for path, where in named.items()
+               if not (list(ROOT.glob(path)) if "*" in path else (ROOT / path).exists())}
+    assert not missing, missing

@@ -160,13 +160,13 @@ class MapPosition:
         known = self.sampler is None or hasattr(self.sampler, "__len__")  # NOTE: a user's sampler may have none
         return -(-self._samples // unit), self.batches_per_epoch() if known else None
 
-    def fill_state(self, state: dict[str, Any], batches_ago: int = 0, next_pass: bool = False) -> None:
+    def fill_state(self, state: dict[str, Any], batches_ago: int = 0, pass_ended: bool = False) -> None:
         if batches_ago:
             raise ValueError(f"batches_ago={batches_ago}: map-style states are exact at the last delivered "
                              "batch; frameworks do not fetch ahead of sized loaders")
         pass_ = self._pass
         live = pass_ is not None and not pass_.done
-        if next_pass and live:  # NOTE: where the next iter() starts (a loop that leaves this pass on purpose)
+        if pass_ended and live:  # NOTE: where the next iter() starts (a loop that leaves this pass on purpose)
             start = self._next
             state["epoch"], state["position"] = start.epoch, start.position
             if not self.setup.in_order:
@@ -178,7 +178,7 @@ class MapPosition:
                 state["ahead"] = pass_.out_of_order.ahead(self._samples) if in_flight else sorted(self._next.ahead)  # type: ignore[union-attr]
         sampler_stateful, dataset_stateful = self._stateful or self._stateful_flags()
         if sampler_stateful:
-            if next_pass and live:
+            if pass_ended and live:
                 self._warn_sampler_left()
                 state["sampler_state"] = self.sampler.state_dict()
             else:

@@ -153,11 +153,11 @@ class StreamPosition:
     def progress(self) -> tuple[int, int | None]:
         return self._current().delivered, None
 
-    def fill_state(self, state: dict[str, Any], batches_ago: int = 0, next_pass: bool = False) -> None:
-        if next_pass and batches_ago:
+    def fill_state(self, state: dict[str, Any], batches_ago: int = 0, pass_ended: bool = False) -> None:
+        if pass_ended and batches_ago:
             raise ValueError(f"batches_ago={batches_ago} with pass_ended=True: a pass that ended has no batches "
                              "to go back over")
-        current = self._current(next_pass)
+        current = self._current(pass_ended)
         current = current.rewound(batches_ago) if batches_ago else current
         state["epoch"], state["stream"] = current.epoch, stream_to_dict(self.setup.shard().rank, current)
 
@@ -211,10 +211,10 @@ class StreamPosition:
         # count key it, as in the uninterrupted run.
         return ([replace(p, library=handed) for p in progress] if restored else progress), offset
 
-    def _current(self, next_pass: bool = False) -> StreamPass:
-        """The pass a state taken now describes (see the loader's semantics); ``next_pass``: the next one."""
+    def _current(self, pass_ended: bool = False) -> StreamPass:
+        """The pass a state taken now describes (see the loader's semantics); ``pass_ended``: the next one."""
         live = self._pass is not None and not self._pass.done
-        if live and not next_pass:
+        if live and not pass_ended:
             return self._pass  # type: ignore[return-value]
         start = _after(self._pass) if live else self._next  # type: ignore[arg-type]
         if start.restore is not None:
