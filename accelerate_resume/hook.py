@@ -33,6 +33,7 @@ from loader_resume.distributed import any_rank
 from loader_resume.job.checkpoint import verify
 from loader_resume.job.checkpoint_dir import local_directory
 from loader_resume.job.loop_session import LoopHandle, LoopSession, SaveEvery
+from loader_resume.job.remote_copy import RemoteCopy
 from loader_resume.job.step_boundary import ReportingDataLoader
 from loader_resume.order.sampler import loader_seed
 from loader_resume.thirdparty import accelerator_mode, mark_accelerator
@@ -76,12 +77,12 @@ class Resume(LoopHandle):
                              "batch sizes (the default)")
         self.accelerator, self.config = accelerator, config
         root = config.checkpoint_dir or os.path.join(accelerator.project_dir or os.getcwd(), "resume_checkpoints")
-        every = SaveEvery("enable_resume", save_every_n_steps=config.save_every_n_steps,
+        every = SaveEvery(None, save_every_n_steps=config.save_every_n_steps,
                           check_every_n_steps=config.check_every_n_steps, keep=config.keep,
                           exit_code=config.exit_code, verify_checksums=config.verify_checksums)
-        # NOTE: Accelerate's save_state writes local directories
+        # NOTE: the settings are checked by ResumeConfig; Accelerate's save_state writes local directories
         self.session = LoopSession(_AccelerateWays(accelerator), local_directory(root), every,
-                                   signals=config.signals, slurm_requeue=config.slurm_requeue, remote=config.remote)
+                                   signals=config.signals, slurm_requeue=config.slurm_requeue)
         self._started = False
         self._prepare = accelerator.prepare
         if not config.enabled:
@@ -97,6 +98,8 @@ class Resume(LoopHandle):
                          accelerator.register_load_state_pre_hook(self._on_load_state)]
         mark_accelerator(accelerator, "resume")
         try:
+            if config.remote is not None:
+                self.session.remote = RemoteCopy(config.remote, self.session.checkpoint_dir, keep=config.keep)
             self.session.hold()
         except Exception:
             self.close()
@@ -107,8 +110,8 @@ class Resume(LoopHandle):
     # --- the user's API ----------------------------------------------------------------------------
     def epochs(self, num_epochs: int) -> Iterator[int]:
         """``range(num_epochs)``, starting at the resumed epoch (resuming first, if configured)."""
-        self.restore()
-        return self.session.epochs(num_epochs)
+        self.restore()  # NOTE: at the first next(), as a generator: after prepare() has registered the model
+        yield from self.session.epochs(num_epochs)
 
     def close(self) -> None:
         """Undo ``enable_resume``: signal handlers, ``prepare``, hooks, directory lock (prepared loaders stay)."""
@@ -117,6 +120,7 @@ class Resume(LoopHandle):
                 mark_accelerator(self.accelerator, None)
             return
         self.session.close()
+        self.session.remote = None  # NOTE: saves after close() stay local (its lease is let go)
         for handle in self._handles:
             handle.remove()
         accelerator = self.accelerator

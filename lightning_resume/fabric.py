@@ -24,6 +24,7 @@ from loader_resume import GENERATORS
 from loader_resume.audit.log import audit_from_environment
 from loader_resume.job.checkpoint_dir import local_directory
 from loader_resume.job.loop_session import LoopHandle, LoopSession, SaveEvery
+from loader_resume.job.remote_copy import RemoteCopy
 from loader_resume.order.sampler import loader_seed
 
 from .callback import CHECKPOINT_KEY
@@ -90,7 +91,8 @@ class FabricResume(LoopHandle):
         self._ways = _FabricWays(fabric)
         self.session = LoopSession(self._ways, local_directory(checkpoint_dir if checkpoint_dir is not None
                                                                 else "resume_checkpoints"),
-                                   every, signals=signals, slurm_requeue=slurm_requeue, remote=remote)
+                                   every, signals=signals, slurm_requeue=slurm_requeue)
+        self.session.remote = None if remote is None else RemoteCopy(remote, self.checkpoint_dir, keep=keep)
         self.session.saving = False  # NOTE: until restore(state) gives the state to save
         self._hooked = set[int]()
         self._fabric_save, self._fabric_load = fabric.save, fabric.load

@@ -450,6 +450,36 @@ def test_switched_off_from_the_environment_accelerate_is_left_stock(
     assert not (tmp_path / "resume_checkpoints").exists()
 
 
+def test_switched_off_a_remote_copy_is_not_set_up_and_switched_on_a_bad_one_is_refused(accelerator: Any) -> None:
+    """Switched off (``LOADER_RESUME_ENABLED=0`` over a configuration naming a remote copy) nothing of ours is set
+    up; switched on, a remote copy that is not a URL is refused naming it, and nothing of ours stays installed."""
+    off = enable_resume(accelerator, {"enabled": False, "remote": "/not/a/url"})
+    off.close()
+    with pytest.raises(ValueError, match="/not/a/url"):
+        enable_resume(accelerator, {"remote": "/not/a/url"})
+    enable_resume(accelerator).close()  # the refused one left nothing behind
+
+
+def test_epochs_resumes_at_its_first_epoch_not_when_it_is_called(accelerator: Any, tmp_path: Path) -> None:
+    """``resume.epochs(n)`` may be built before ``prepare`` registers the model: the resume happens at its first
+    epoch, so the checkpoint is loaded into what was prepared by then."""
+    model = torch.nn.Linear(2, 2)
+    first = enable_resume(accelerator, {"checkpoint_dir": str(tmp_path / "c")})
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with torch.no_grad():
+        model.weight.fill_(3.0)
+    saved = first.save()
+    first.close()
+    second = enable_resume(accelerator, {"checkpoint_dir": str(tmp_path / "c")})
+    with torch.no_grad():
+        model.weight.fill_(0.0)
+    epochs = second.epochs(1)
+    assert second.loaded_from is None
+    assert next(epochs) == 0 and second.loaded_from == saved
+    assert bool((model.weight == 3.0).all())
+    second.close()
+
+
 def test_closing_a_switched_off_resume_leaves_a_later_one_in_place(accelerator: Any) -> None:
     from loader_resume.thirdparty import accelerator_mode
 

@@ -72,14 +72,15 @@ class Framework(Protocol):
 class SaveEvery:
     """When a ``LoopSession`` saves and stops: ``save_every_n_steps`` (0: only on preemption), agreeing on
     signals every ``check_every_n_steps``, keeping ``keep`` checkpoints, exiting with ``exit_code`` after a
-    preemption checkpoint; each checked here, naming ``owner`` (the front door's call) in the error."""
+    preemption checkpoint; each checked here, naming ``owner`` (the front door's call) in the error (``None``: checked
+    by the front door's own configuration)."""
 
-    def __init__(self, owner: str, *, save_every_n_steps: int = 0, check_every_n_steps: int = 1, keep: int = 2,
+    def __init__(self, owner: str | None, *, save_every_n_steps: int = 0, check_every_n_steps: int = 1, keep: int = 2,
                  exit_code: int = 143, verify_checksums: bool = True) -> None:
         for name, value, least in (("save_every_n_steps", save_every_n_steps, 0),
                                    ("check_every_n_steps", check_every_n_steps, 1), ("keep", keep, 1),
                                    ("exit_code", exit_code, 0)):
-            if type(value) is not int or value < least:
+            if owner is not None and (type(value) is not int or value < least):
                 raise ValueError(f"{owner}({name}={value!r}): expected an int >= {least}")
         self.save_every_n_steps = save_every_n_steps
         self.check_every_n_steps = check_every_n_steps
@@ -97,11 +98,12 @@ class LoopSession:
         every: when to save, what to keep, how to exit.
         signals: the signals that request a preemption checkpoint (installed by ``preemption.install()``).
         slurm_requeue: after a checkpoint that SIGUSR1 requested inside a SLURM job, ``scontrol requeue``.
-        remote: an fsspec URL each sealed checkpoint is copied to (``None``: no copy).
+        remote: the remote copy each sealed checkpoint is uploaded to (``None``: none); ``remote`` may be set
+            later, before ``hold``.
     """
 
     def __init__(self, framework: Framework, checkpoint_dir: Path, every: SaveEvery, *,
-                 signals: Sequence[str | int], slurm_requeue: bool = False, remote: str | None = None) -> None:
+                 signals: Sequence[str | int], slurm_requeue: bool = False, remote: RemoteCopy | None = None) -> None:
         self.framework = framework
         self.checkpoint_dir = checkpoint_dir
         self.every = every
@@ -124,7 +126,7 @@ class LoopSession:
         self._lock: DirectoryLock | RemoteLease | None = None
         self._held = False
         self._saving: dict[str, Any] | None = None  # what save() gathered before its write
-        self._remote = None if remote is None else RemoteCopy(remote, checkpoint_dir, keep=every.keep)
+        self.remote = remote
 
     @property
     def step(self) -> int:
@@ -145,15 +147,15 @@ class LoopSession:
             return
         framework = self.framework
         self._lock = claim(self.checkpoint_dir, main=framework.is_main, agree=framework.any_rank)
+        if self.remote is not None:
+            self.remote.hold(main=framework.is_main, agree=framework.any_rank)
         self._held = True
-        if self._remote is not None:
-            self._remote.hold(main=framework.is_main, agree=framework.any_rank)
 
     def resume(self) -> Path | None:
         """Load the newest complete checkpoint that verifies (the remote copy's newer ones downloaded first) through
         ``Framework.load``; or, with none, say what an earlier job left (``newest_or_start``). Every rank."""
         framework = self.framework
-        fetch_newer(self._remote, main=framework.is_main, agree=framework.any_rank)
+        fetch_newer(self.remote, main=framework.is_main, agree=framework.any_rank)
         found = newest_or_start(self.checkpoints(), self._lock, framework.any_rank)
         if found is not None:  # NOTE: verified by newest_or_start
             logger.info("resuming from %s", found)
@@ -175,7 +177,7 @@ class LoopSession:
         try:
             written = write_sealed(final, framework.write, main=framework.is_main, agree=framework.any_rank,
                                    step=self.step, checksums=every.verify_checksums, keep=every.keep,
-                                   copy=self._remote.upload if self._remote else None)
+                                   copy=self.remote.upload if self.remote else None)
         finally:
             self._saving = None
         if not written:
@@ -187,7 +189,7 @@ class LoopSession:
     def close(self) -> None:
         """Signal handlers uninstalled, the directory and the remote copy let go (``hold`` takes them again)."""
         self.preemption.uninstall()
-        for held in (self._lock, self._remote):
+        for held in (self._lock, self.remote):
             if held is not None:
                 held.release()
         self._lock, self._held = None, False
