@@ -465,7 +465,7 @@ def test_epochs_resumes_at_its_first_epoch_not_when_it_is_called(accelerator: An
     epoch, so the checkpoint is loaded into what was prepared by then."""
     model = torch.nn.Linear(2, 2)
     first = enable_resume(accelerator, {"checkpoint_dir": str(tmp_path / "c")})
-    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model, _optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     with torch.no_grad():
         model.weight.fill_(3.0)
     saved = first.save()
