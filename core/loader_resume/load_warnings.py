@@ -18,10 +18,12 @@ logger = logging.getLogger(__name__)
 class LoadWarnings:
     """The warnings of one loader about the states loaded into it (see ``ResumableDataLoader.load_state_dict``)."""
 
-    def __init__(self, name: str, dataset: Any, *, seed: int, keying: str) -> None:
+    def __init__(self, name: str, dataset: Any, *, seed: int, keying: str, owner: weakref.ref[Any]) -> None:
         self.name, self.dataset, self.seed, self.keying = name, dataset, seed, keying
         """The loader's values (fixed once it is built): ``name`` as the log names it, what it reads, its seed and
         keying."""
+        self.owner = owner
+        """The loader, weakly: whether it still exists (a pass of a loader that is gone is nobody's to iterate)."""
         self.live: weakref.ref[Any] | None = None
         """The last iterator handed out."""
         self.unused = False
@@ -42,7 +44,9 @@ class LoadWarnings:
             _ITERATING.add(self)
 
     def mid_pass(self) -> bool:
-        """Whether this loader's last iterator is alive and still in its pass."""
+        """Whether this loader and its last iterator are alive, and the iterator still in its pass."""
+        if self.owner() is None:
+            return False
         live = self.live() if self.live is not None else None
         return live is not None and bool(live.mid_epoch)
 

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import sys
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -131,7 +132,7 @@ class ResumableDataLoader(IndexHooks[T]):
         self._identity = StateIdentity(self._position, order.name, order.shuffle, batch_size=self.batch_size,
                                        drop_last=self.drop_last)
         name = f"{type(self).__name__} over {type(self.dataset).__name__}"  # NOTE: how the logs name this loader
-        self._loads = LoadWarnings(name, self.dataset, seed=setup.seed, keying=setup.keying)
+        self._loads = LoadWarnings(name, self.dataset, seed=setup.seed, keying=setup.keying, owner=weakref.ref(self))
         self._notes = PassNotes(name, self._position)
         self._drawn = DrawnGenerators()  # the generators this dataset draws from in this process (num_workers=0)
         warn_at_construction(dataset, batch_read=self._position.kind == "map" and keying == "sample")
