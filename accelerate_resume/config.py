@@ -1,14 +1,15 @@
-"""``enable_resume``'s settings: our own YAML and ``LOADER_RESUME_*`` environment variables, read with
-omegaconf against a typed schema.
+"""``enable_resume``'s settings: our own YAML and ``LOADER_RESUME_*`` environment variables, read
+with omegaconf against a typed schema.
 
 Accelerate's config file cannot carry them: it rejects top-level keys it does not know, and its
 dict-valued sections drop unknown keys silently. What ``accelerate launch`` hands every rank is the
-environment, so, as Accelerate reads its own ``ACCELERATE_*`` variables, ours are read on every rank.
-Layers, each over the one before: the schema's defaults; a YAML file (the ``config`` path, else
-``$LOADER_RESUME_CONFIG``); ``LOADER_RESUME_<FIELD>`` variables (``LOADER_RESUME_SAVE_EVERY_N_STEPS=100``);
-``config`` given as a mapping; the ``overrides`` dotlist. The schema below *is* the defaults;
-``configs/accelerate_resume.yaml`` ships the same values with comments (a test keeps the two equal).
-Unknown or mistyped keys and variables fail at ``enable_resume`` naming them and the closest valid one.
+environment, so, as Accelerate reads its own ``ACCELERATE_*`` variables, ours are read on every
+rank. Layers, each over the one before: the schema's defaults; a YAML file (the ``config`` path,
+else ``$LOADER_RESUME_CONFIG``); ``LOADER_RESUME_<FIELD>`` variables
+(``LOADER_RESUME_SAVE_EVERY_N_STEPS=100``); ``config`` given as a mapping; the ``overrides``
+dotlist. The schema below *is* the defaults; ``configs/accelerate_resume.yaml`` ships the same
+values with comments (a test keeps the two equal). Unknown or mistyped keys and variables fail at
+``enable_resume`` naming them and the closest valid one.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from loader_resume.keyed.keyed_rng import KEYING_MODES, generator_mask
 __all__ = ["CONFIG_VARIABLE", "ENV_PREFIX", "ResumeConfig", "load_config"]
 
 ENV_PREFIX: Final = "LOADER_RESUME_"
-"""Environment variables ``LOADER_RESUME_<FIELD>`` (the field's name in capitals) set a field on every rank."""
+"""Environment variables ``LOADER_RESUME_<FIELD>`` (the field's name in capitals) set a field on
+every rank."""
 CONFIG_VARIABLE: Final = "LOADER_RESUME_CONFIG"
 """A YAML file of ``ResumeConfig`` keys, read when ``enable_resume`` is given no path."""
 
@@ -38,18 +40,21 @@ CONFIG_VARIABLE: Final = "LOADER_RESUME_CONFIG"
 
 @dataclass
 class ResumeConfig:
-    """What ``enable_resume`` does. Every field has a default: a bare ``enable_resume(accelerator)`` is armed."""
+    """What ``enable_resume`` does. Every field has a default: a bare ``enable_resume(accelerator)``
+    is armed."""
 
     checkpoint_dir: Optional[str] = None  # noqa: UP045 (omegaconf reads the annotation at runtime)
-    """Where checkpoints go (``step_000000042/`` each); ``None``: ``<project_dir>/resume_checkpoints``
-    (``project_dir``: the Accelerator's, else the working directory)."""
+    """Where checkpoints go (``step_000000042/`` each); ``None``:
+    ``<project_dir>/resume_checkpoints`` (``project_dir``: the Accelerator's, else the working
+    directory)."""
     remote: Optional[str] = None  # noqa: UP045
-    """An fsspec URL (``s3://bucket/run``, ``gs://...``) each sealed checkpoint is copied to, its manifest last; at an
-    automatic resume the complete remote checkpoints newer than the local ones are downloaded first (a new machine's
-    rerun resumes from them). One job at a time holds it (a lease). ``None``: local checkpoints only."""
+    """An fsspec URL (``s3://bucket/run``, ``gs://...``) each sealed checkpoint is copied to, its
+    manifest last; at an automatic resume the complete remote checkpoints newer than the local ones
+    are downloaded first (a new machine's rerun resumes from them). One job at a time holds it (a
+    lease). ``None``: local checkpoints only."""
     audit: Optional[str] = None  # noqa: UP045
-    """A directory or fsspec URL where each rank logs the batches its loaders hand over, for ``loader-resume audit
-    DIR`` (``ResumableDataLoader(audit=...)``); ``None``: no log."""
+    """A directory or fsspec URL where each rank logs the batches its loaders hand over, for
+    ``loader-resume audit DIR`` (``ResumableDataLoader(audit=...)``); ``None``: no log."""
     save_every_n_steps: int = 0
     """Also checkpoint every N optimizer steps (0: only on preemption)."""
     keep: int = 2
@@ -57,7 +62,8 @@ class ResumeConfig:
     signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
     """Signals that request a checkpoint at the next step boundary and an exit ([] for none)."""
     exit_code: int = 143
-    """The process's exit code after a preemption checkpoint (143 = 128 + SIGTERM: schedulers requeue)."""
+    """The process's exit code after a preemption checkpoint (143 = 128 + SIGTERM: schedulers
+    requeue)."""
     check_every_n_steps: int = 1
     """Agree on signals every N optimizer steps (one tiny all_reduce each time when distributed)."""
     seed: int = 0
@@ -71,12 +77,13 @@ class ResumeConfig:
     verify_checksums: bool = True
     """Seal each checkpoint with SHA-256 sums and verify them on load (else sizes only)."""
     slurm_requeue: bool = False
-    """Inside a SLURM job, after a checkpoint requested by SIGUSR1 (``sbatch --signal=USR1@90``) the main process
-    runs ``scontrol requeue`` (``loader_resume.job.slurm``); other signals stop without one."""
+    """Inside a SLURM job, after a checkpoint requested by SIGUSR1 (``sbatch --signal=USR1@90``) the
+    main process runs ``scontrol requeue`` (``loader_resume.job.slurm``); other signals stop without
+    one."""
     enabled: bool = True
-    """``False`` (e.g. ``LOADER_RESUME_ENABLED=0``, no code edited): ``enable_resume`` leaves the Accelerator
-    stock — Accelerate's own loaders, no preemption handling, no checkpoints of ours, no automatic
-    resume — and says so in a warning."""
+    """``False`` (e.g. ``LOADER_RESUME_ENABLED=0``, no code edited): ``enable_resume`` leaves the
+    Accelerator stock — Accelerate's own loaders, no preemption handling, no checkpoints of ours, no
+    automatic resume — and says so in a warning."""
 
     def __post_init__(self) -> None:
         for name in ("save_every_n_steps", "keep", "check_every_n_steps"):
@@ -84,7 +91,8 @@ class ResumeConfig:
             if value < least:
                 raise ValueError(f"resume config: {name}={value}; expected an integer >= {least}")
         if self.keying in ("False", "false"):
-            # NOTE: YAML reads an unquoted `off` as the boolean false (and omegaconf then as "False").
+            # NOTE: YAML reads an unquoted `off` as the boolean false (and omegaconf then as
+            # "False").
             self.keying = "off"
         if self.keying not in KEYING_MODES:
             raise ValueError(f"resume config: keying={self.keying!r}; expected one of {list(KEYING_MODES)}")
@@ -95,10 +103,11 @@ class ResumeConfig:
 def load_config(config: str | os.PathLike[str] | Mapping[str, Any] | DictConfig | None = None,
                 overrides: Sequence[str] = (), environ: Mapping[str, str] | None = None) -> ResumeConfig:
     """The schema's defaults, merged with a YAML file (``config`` if it is a path, else the one
-    ``$LOADER_RESUME_CONFIG`` names), then ``LOADER_RESUME_<FIELD>`` variables of ``environ`` (default:
-    ``os.environ``), then ``config`` if it is a dict or DictConfig, then ``overrides`` (an omegaconf dotlist
-    such as ``["save_every_n_steps=50", "keying=off"]``). A dict or dotlist argument thus wins over a
-    variable, a variable over the YAML file (a path argument too), the file over the defaults."""
+    ``$LOADER_RESUME_CONFIG`` names), then ``LOADER_RESUME_<FIELD>`` variables of ``environ``
+    (default: ``os.environ``), then ``config`` if it is a dict or DictConfig, then ``overrides`` (an
+    omegaconf dotlist such as ``["save_every_n_steps=50", "keying=off"]``). A dict or dotlist
+    argument thus wins over a variable, a variable over the YAML file (a path argument too), the
+    file over the defaults."""
     environ = os.environ if environ is None else environ
     schema = OmegaConf.structured(ResumeConfig)
     layers: list[tuple[str, Any]] = []  # (where it comes from, the layer)
@@ -134,9 +143,11 @@ def load_config(config: str | os.PathLike[str] | Mapping[str, Any] | DictConfig 
 
 
 def _variables(environ: Mapping[str, str]) -> dict[str, str]:
-    """``{field: value}`` of the ``LOADER_RESUME_<FIELD>`` variables; an unknown one fails, naming the closest."""
+    """``{field: value}`` of the ``LOADER_RESUME_<FIELD>`` variables; an unknown one fails, naming
+    the closest."""
     valid = {ENV_PREFIX + f.name.upper(): f.name for f in fields(ResumeConfig)}
-    other = [CONFIG_VARIABLE, LEASE_VARIABLE, NO_CHECKPOINT_VARIABLE]  # NOTE: ours, not fields (loader_resume's)
+    # NOTE: ours, not fields (loader_resume's)
+    other = [CONFIG_VARIABLE, LEASE_VARIABLE, NO_CHECKPOINT_VARIABLE]
     found = {}
     for name, value in environ.items():
         if not name.startswith(ENV_PREFIX) or name in other:

@@ -1,4 +1,5 @@
-"""``enable_resume(accelerator)``: exact mid-epoch resume, automatic resume and preemption checkpoints.
+"""``enable_resume(accelerator)``: exact mid-epoch resume, automatic resume and preemption
+checkpoints.
 
 How it hooks in, with public Accelerate APIs only:
 - ``accelerator.prepare`` is wrapped (on this instance): DataLoaders become
@@ -9,9 +10,11 @@ How it hooks in, with public Accelerate APIs only:
   delivered a batch before that step: an evaluation loader iterated after the step is no boundary,
   and gradient accumulation is never split. Without an optimizer passed to ``prepare`` there are no
   boundaries (nothing is saved by itself; ``Resume.save()`` still works).
-- ``accelerator.load_state`` is wrapped too: see ``accelerate_resume.fsdp`` (torch's first FSDP, sharded).
+- ``accelerator.load_state`` is wrapped too: see ``accelerate_resume.fsdp`` (torch's first FSDP,
+  sharded).
 - ``save_state``/``load_state`` pre-hooks put every rank's loader state and RNG states in
-  ``loader_resume.pt`` of the checkpoint directory, so the user's own ``save_state`` calls carry them too.
+  ``loader_resume.pt`` of the checkpoint directory, so the user's own ``save_state`` calls carry
+  them too.
 """
 
 from __future__ import annotations
@@ -54,20 +57,22 @@ def enable_resume(accelerator: Accelerator,
     """Arm ``accelerator`` for exact resume; call it before ``accelerator.prepare``.
 
     Args:
-        config: a YAML file, dict or DictConfig of [`ResumeConfig`][accelerate_resume.ResumeConfig] keys; ``None``: the
-            defaults (``configs/accelerate_resume.yaml``): SIGTERM and SIGUSR1 handled, checkpoints under
-            ``project_dir``, automatic resume on. Either way ``$LOADER_RESUME_CONFIG`` (a YAML file, when
-            ``config`` is no path) and ``LOADER_RESUME_<FIELD>`` variables are read on every process
-            (see [`load_config`][accelerate_resume.load_config]: argument > variable > YAML > default);
-            ``LOADER_RESUME_ENABLED=0`` switches it all off without a code change.
+        config: a YAML file, dict or DictConfig of [`ResumeConfig`][accelerate_resume.ResumeConfig]
+            keys; ``None``: the
+            defaults (``configs/accelerate_resume.yaml``): SIGTERM and SIGUSR1 handled, checkpoints
+                under
+            ``project_dir``, automatic resume on. Either way ``$LOADER_RESUME_CONFIG`` (a YAML file,
+            when ``config`` is no path) and ``LOADER_RESUME_<FIELD>`` variables are read on every
+            process (see [`load_config`][accelerate_resume.load_config]: argument > variable > YAML
+            > default); ``LOADER_RESUME_ENABLED=0`` switches it all off without a code change.
         overrides: an omegaconf dotlist applied last, e.g. the ``key=value`` words of ``sys.argv``.
     """
     return Resume(accelerator, load_config(config, overrides))
 
 
 class Resume(LoopHandle):
-    """The handle ``enable_resume`` returns: ``epochs()``, ``step``, ``epoch``, ``restore()``, ``save()``,
-    ``checkpoints()``, ``close()``."""
+    """The handle ``enable_resume`` returns: ``epochs()``, ``step``, ``epoch``, ``restore()``,
+    ``save()``, ``checkpoints()``, ``close()``."""
 
     def __init__(self, accelerator: Accelerator, config: ResumeConfig) -> None:
         if accelerator_mode(accelerator) == "resume":
@@ -80,7 +85,8 @@ class Resume(LoopHandle):
         every = SaveEvery(None, save_every_n_steps=config.save_every_n_steps,
                           check_every_n_steps=config.check_every_n_steps, keep=config.keep,
                           exit_code=config.exit_code, verify_checksums=config.verify_checksums)
-        # NOTE: the settings are checked by ResumeConfig; Accelerate's save_state writes local directories
+        # NOTE: the settings are checked by ResumeConfig; Accelerate's save_state writes local
+        # directories
         self.session = LoopSession(_AccelerateWays(accelerator), local_directory(root), every,
                                    signals=config.signals, slurm_requeue=config.slurm_requeue)
         self._started = False
@@ -103,20 +109,25 @@ class Resume(LoopHandle):
             self.session.hold()
         except Exception:
             self.close()
-            accelerator.end_training()  # NOTE: every process is here; gloo aborts a process leaving a live group
+            # NOTE: every process is here; gloo aborts a process leaving a live group
+            accelerator.end_training()
             raise
         self.session.preemption.install()
 
-    # --- the user's API ----------------------------------------------------------------------------
+    # --- the user's API
+    # ----------------------------------------------------------------------------
     def epochs(self, num_epochs: int) -> Iterator[int]:
         """``range(num_epochs)``, starting at the resumed epoch (resuming first, if configured)."""
-        self.restore()  # NOTE: at the first next(), as a generator: after prepare() has registered the model
+        # NOTE: at the first next(), as a generator: after prepare() has registered the model
+        self.restore()
         yield from self.session.epochs(num_epochs)
 
     def close(self) -> None:
-        """Undo ``enable_resume``: signal handlers, ``prepare``, hooks, directory lock (prepared loaders stay)."""
+        """Undo ``enable_resume``: signal handlers, ``prepare``, hooks, directory lock (prepared
+        loaders stay)."""
         if not self.config.enabled:
-            if accelerator_mode(self.accelerator) == "stock":  # not one another enable_resume has made since
+            # not one another enable_resume has made since
+            if accelerator_mode(self.accelerator) == "stock":
                 mark_accelerator(self.accelerator, None)
             return
         self.session.close()
@@ -129,13 +140,13 @@ class Resume(LoopHandle):
         mark_accelerator(accelerator, None)
 
     def save(self) -> Path | None:
-        """Checkpoint now (all processes call it): ``save_state`` into a temporary directory, seal it
-        with a manifest, rename it to ``step_<step>``, delete checkpoints beyond ``keep``.
+        """Checkpoint now (all processes call it): ``save_state`` into a temporary directory, seal
+        it with a manifest, rename it to ``step_<step>``, delete checkpoints beyond ``keep``.
 
         A failed write (a full disk, a lost mount) on any process is agreed by all: the partial
-        directory is removed, the error is logged naming the path and the cause, the previous checkpoints
-        stay and ``None`` is returned (a periodic save: training goes on; at preemption: exit 74). Switched
-        off (``enabled=False``): nothing is written, ``None``.
+        directory is removed, the error is logged naming the path and the cause, the previous
+        checkpoints stay and ``None`` is returned (a periodic save: training goes on; at preemption:
+        exit 74). Switched off (``enabled=False``): nothing is written, ``None``.
         """
         if not self.config.enabled:
             logger.warning("Resume.save(): loader-resume is switched off (enabled=False); nothing written")
@@ -143,7 +154,8 @@ class Resume(LoopHandle):
         return self.session.save()
 
     def load(self, directory: str | os.PathLike[str]) -> None:
-        """``accelerator.load_state(directory)`` after verifying its manifest (all processes call it)."""
+        """``accelerator.load_state(directory)`` after verifying its manifest (all processes call
+        it)."""
         verify(Path(directory))
         self.accelerator.load_state(os.fspath(directory))
         self.session.loaded_from = Path(directory)
@@ -170,30 +182,34 @@ class Resume(LoopHandle):
         config, accelerator, session = self.config, self.accelerator, self.session
         ours = sharded_resumable(loader, rank=accelerator.process_index, world_size=accelerator.num_processes,
                                  loader_class=AcceleratedResumableDataLoader, keying=config.keying, audit=config.audit,
-                                 seed=loader_seed(config.seed, len(session.loaders)),  # each loader its own values
+                                 # each loader its own values
+                                 seed=loader_seed(config.seed, len(session.loaders)),
                                  keyed_generators=config.keyed_generators, ignore_signals=session.preemption.signals)
         ours.attach_accelerate(self, *placed(self.accelerator, placement))
         session.add(ours)
         return ours
 
-    # --- step boundaries (the loaders report here) ---------------------------------------------------
+    # --- step boundaries (the loaders report here)
+    # ---------------------------------------------------
     def delivered(self, loader: ReportingDataLoader) -> None:
         """A loader handed a batch to the loop."""
         self.session.delivered(loader)
 
     def ran_out(self, loader: ReportingDataLoader) -> None:
-        """A loader's pass ran out (a shorter loader under ``zip`` ends the loop's pass of the others)."""
+        """A loader's pass ran out (a shorter loader under ``zip`` ends the loop's pass of the
+        others)."""
         self.session.ran_out(loader)
 
     def before_batch(self, loader: ReportingDataLoader) -> None:
-        """A loader is asked for a batch: automatic resume, the RNG of a loaded checkpoint and step boundaries
-        happen here."""
+        """A loader is asked for a batch: automatic resume, the RNG of a loaded checkpoint and step
+        boundaries happen here."""
         self.restore()
         self.session.before_batch(loader)
 
     def restore(self) -> Path | None:
-        """Load the newest complete checkpoint that verifies now, if ``auto_resume`` (all processes call it; only
-        the first call acts; else at the first ``epochs()`` or batch). Returns the checkpoint loaded, if any."""
+        """Load the newest complete checkpoint that verifies now, if ``auto_resume`` (all processes
+        call it; only the first call acts; else at the first ``epochs()`` or batch). Returns the
+        checkpoint loaded, if any."""
         if not self._started:
             self._started = True
             if self.config.auto_resume:
@@ -202,7 +218,8 @@ class Resume(LoopHandle):
 
     # --- save_state / load_state ------------------------------------------------------------------
     def _on_save_state(self, models: Any, weights: Any, output_dir: str) -> None:
-        # NOTE: every process runs this (the entry is a collective), ours and the user's own save_state alike
+        # NOTE: every process runs this (the entry is a collective), ours and the user's own
+        # save_state alike
         entry = self.session.entry(accelerator_step=self.accelerator.step)
         if self.accelerator.is_main_process:
             torch.save(entry, os.path.join(output_dir, STATE_FILE))
@@ -216,8 +233,8 @@ class Resume(LoopHandle):
 
 
 class _AccelerateWays:
-    """Accelerate's own ways for the loop's session: ``torch.distributed`` collectives, ``save_state`` /
-    ``load_state`` of a checkpoint directory, ``end_training`` before the exit."""
+    """Accelerate's own ways for the loop's session: ``torch.distributed`` collectives,
+    ``save_state`` / ``load_state`` of a checkpoint directory, ``end_training`` before the exit."""
 
     def __init__(self, accelerator: Accelerator) -> None:
         self.accelerator = accelerator

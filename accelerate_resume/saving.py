@@ -1,4 +1,5 @@
-"""Accelerate's ``save_state`` into a given directory, and our file in a checkpoint directory read back."""
+"""Accelerate's ``save_state`` into a given directory, and our file in a checkpoint directory read
+back."""
 
 from __future__ import annotations
 

@@ -1,13 +1,13 @@
-"""Accelerate: overhead of enable_resume, and process start to first batch when resuming at 90 % of an epoch.
+"""Accelerate: enable_resume's overhead, and start to first batch resuming at 90 % of an epoch.
 
     python benchmarks/bench_accelerate.py            # ~3 min; prints the tables, updates its table in docs/
     python benchmarks/bench_accelerate.py --quick    # fewer rounds, docs untouched
 
-1. Steps/s of a tiny model, 1 process, ``num_workers=2``: Accelerate's own prepared loader against the
-   same script after ``enable_resume``. Rounds alternate (order reversed every other round); ratios are
-   taken per round, and an A/A row (Accelerate against itself) shows the noise.
-2. A fresh process resumes a 10^6-sample shuffled epoch at 90 % (batch 32, ``num_workers=0``): wall time
-   from starting Python to holding the first batch, for ``enable_resume``'s automatic resume,
+1. Steps/s of a tiny model, 1 process, ``num_workers=2``: Accelerate's own prepared loader against
+   the same script after ``enable_resume``. Rounds alternate (order reversed every other round);
+   ratios are taken per round, and an A/A row (Accelerate against itself) shows the noise.
+2. A fresh process resumes a 10^6-sample shuffled epoch at 90 % (batch 32, ``num_workers=0``): wall
+   time from starting Python to holding the first batch, for ``enable_resume``'s automatic resume,
    Accelerate's ``load_state`` + ``skip_first_batches``, and ``use_stateful_dataloader=True`` +
    ``load_state``; the same start without any resume is the baseline (imports, model, loader).
 """
@@ -69,7 +69,8 @@ def steps_per_second(with_resume: bool) -> float:
 
 
 def _shutdown_workers(loader: Any) -> None:
-    """Stop a persistent worker pool now: pools left to the garbage collector across rounds hang the exit."""
+    """Stop a persistent worker pool now: pools left to the garbage collector across rounds hang the
+    exit."""
     for owner in (loader, getattr(loader, "base_dataloader", None)):
         iterator = getattr(owner, "_iterator", None)
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):

@@ -1,12 +1,14 @@
-"""The cost of ``audit=DIR``: whole epochs of tiny items, ``num_workers=0`` and 2, audit off and on (a local
-directory), with plain ``DataLoader`` and torchdata's ``StatefulDataLoader`` in the same rounds.
+"""The cost of ``audit=DIR``: whole epochs of tiny items, ``num_workers=0`` and 2, audit off and on
+(a local directory), with plain ``DataLoader`` and torchdata's ``StatefulDataLoader`` in the same
+rounds.
 
     python benchmarks/bench_audit.py            # ~3 min on 2 cores; prints the table, updates its table in docs/
     python benchmarks/bench_audit.py --quick    # fewer rounds, docs untouched
 
-Tiny items (a 4-float tensor, no work per item) are the worst case for a per-batch cost: every other cost of a
-step is as small as it gets. Loaders take turns epoch by epoch (``interleaved_epochs``); ratios are medians of
-each round's ratio to ``DataLoader``. The audit's own cost is the ratio of "ours" to "ours, audit on".
+Tiny items (a 4-float tensor, no work per item) are the worst case for a per-batch cost: every other
+cost of a step is as small as it gets. Loaders take turns epoch by epoch (``interleaved_epochs``);
+ratios are medians of each round's ratio to ``DataLoader``. The audit's own cost is the ratio of
+"ours" to "ours, audit on".
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def main() -> None:
     args = parser.parse_args()
     rounds = 3 if args.quick else 9
     rows: list[list[str]] = []
-    directory = Path(tempfile.mkdtemp(prefix="bench-audit-"))  # NOTE: left for the logs' last writes at exit
+    # NOTE: left for the logs' last writes at exit
+    directory = Path(tempfile.mkdtemp(prefix="bench-audit-"))
     for workers in (0, 2):
         ratios, micros = interleaved_epochs(loaders(workers, directory / str(workers)), rounds)
         ours = ratios["ours"] / ratios["ours, audit on"]

@@ -1,4 +1,4 @@
-"""Core benchmark: ResumableDataLoader vs DataLoader vs torchdata's StatefulDataLoader, same process.
+"""Core benchmark: ResumableDataLoader vs DataLoader vs torchdata's StatefulDataLoader.
 
     python benchmarks/bench_core.py            # ~15 min on 2 cores; prints the table, updates its table in docs/
     python benchmarks/bench_core.py --quick    # fewer rounds, docs untouched
@@ -48,7 +48,8 @@ from loader_resume.keyed.worker_fetch import KeySpec, keyed_indices
 BATCH = 64
 
 
-ROWS = (  # (label, dataset): whole epochs of ~80 to ~800 batches, lengths that are not powers of two
+# (label, dataset): whole epochs of ~80 to ~800 batches, lengths that are not powers of two
+ROWS = (
     ("Python ints, n = 50,000", lambda: Ints(50_000)),
     ("tiny tensors (`Tiny`), n = 50,000", lambda: Tiny(50_000)),
     ("tiny tensors drawing torch + numpy + `random` per item, n = 5,000", lambda: Drawing(5_000)),
@@ -57,11 +58,13 @@ ROWS = (  # (label, dataset): whole epochs of ~80 to ~800 batches, lengths that 
 COLUMNS = ("DataLoader again (A/A)", "StatefulDataLoader", "ours, keying off", "ours, default keying",
            "ours, keying torch only")
 SHARED = "ours, default keying, `by_value_bytes=0`"
-"""At 2 workers: every tensor back through shared memory, as DataLoader sends it (keying's cost on its transport)."""
+"""At 2 workers: every tensor back through shared memory, as DataLoader sends it (keying's cost on
+its transport)."""
 
 
 def throughput(dataset: Any, workers: int, rounds: int) -> tuple[dict[str, float], dict[str, list[float]]]:
-    """Whole epochs of each loader over ``dataset`` (shuffled, batch 64), interleaved; see ``interleaved_epochs``."""
+    """Whole epochs of each loader over ``dataset`` (shuffled, batch 64), interleaved; see
+    ``interleaved_epochs``."""
     common = {"batch_size": BATCH, "shuffle": True, "num_workers": workers, "persistent_workers": workers > 0}
     loaders: dict[str, Any] = dict(zip(("DataLoader", *COLUMNS), (
         DataLoader(dataset, **common), DataLoader(dataset, **common), StatefulDataLoader(dataset, **common),
@@ -69,10 +72,11 @@ def throughput(dataset: Any, workers: int, rounds: int) -> tuple[dict[str, float
         ResumableDataLoader(dataset, keyed_generators=("torch",), **common)), strict=True))
     if workers:
         loaders[SHARED] = ResumableDataLoader(dataset, by_value_bytes=0, **common)
-    # NOTE: CPU time, which leaves out what a shared VM's other tenants take (wall time moved rows by ±10 %
-    # between rounds here, and an A/A pair by as much): at num_workers=0 this process's, where all the work
-    # is; at 2 workers that of this process and of the loader's worker processes, all their threads (the
-    # pipeline fills both cores of this machine, so its CPU time is what an epoch costs).
+    # NOTE: CPU time, which leaves out what a shared VM's other tenants take (wall time moved rows
+    # by ±10 % between rounds here, and an A/A pair by as much): at num_workers=0 this process's,
+    # where all the work is; at 2 workers that of this process and of the loader's worker processes,
+    # all their threads (the pipeline fills both cores of this machine, so its CPU time is what an
+    # epoch costs).
     if workers == 0:
         return interleaved_epochs(loaders, rounds, time.process_time)
     return interleaved_epochs(loaders, rounds, lambda loader: pipeline_cpu_clock(loader, workers), per_loader=True)
@@ -91,7 +95,8 @@ def state_dict_micros(workers: int, calls: int = 400) -> float:
 
 
 def stream_throughput(workers: int, batches: int, rounds: int) -> dict[str, float]:
-    """An iterable dataset whose state is a few ints: the cost of shipping worker state with batches."""
+    """An iterable dataset whose state is a few ints: the cost of shipping worker state with
+    batches."""
     dataset = TinyStream(1 << 22)
     common = {"batch_size": BATCH, "num_workers": workers}
     loaders = {
@@ -108,8 +113,9 @@ def stream_throughput(workers: int, batches: int, rounds: int) -> dict[str, floa
 
 
 def transport_rows(rounds: int) -> list[list[str]]:
-    """Batches of one tensor of 4 KiB to 4 MiB at 2 workers: DataLoader's shared memory against ours by value up
-    to the default limit, and by value whatever the size (where the default's limit comes from)."""
+    """Batches of one tensor of 4 KiB to 4 MiB at 2 workers: DataLoader's shared memory against ours
+    by value up to the default limit, and by value whatever the size (where the default's limit
+    comes from)."""
     rows = []
     for kib in (4, 64, 256, 1024, 4096):
         dataset = Blob(BATCH * 40, kib * 1024 // 4 // BATCH)
@@ -131,14 +137,16 @@ def keying_costs() -> dict[str, float]:
     per_sample = keyed_indices(list(range(BATCH)), KeySpec(key, derive_key(3, 4), mask))
     guard = CallerRng(mask)
 
-    def main_process_batch() -> None:  # num_workers=0, a dataset that draws from all three generators
+    # num_workers=0, a dataset that draws from all three generators
+    def main_process_batch() -> None:
         guard.save()
         seed_generators(key, mask)
         guard.restore()
 
     states = generator_states()
 
-    def draws_nothing() -> None:  # num_workers=0, a dataset that draws nothing: a copy before, a comparison after
+    # num_workers=0, a dataset that draws nothing: a copy before, a comparison after
+    def draws_nothing() -> None:
         states.changed(states.take(), mask)
 
     def profiler_range() -> None:
@@ -167,7 +175,8 @@ def keying_costs() -> dict[str, float]:
 
 
 def _probe(script: str, what: str, **fields: Any) -> str:
-    """Run ``script`` (formatted with ``fields`` and this folder as ``bench``) in a fresh interpreter; its stdout."""
+    """Run ``script`` (formatted with ``fields`` and this folder as ``bench``) in a fresh
+    interpreter; its stdout."""
     code = script.format(bench=os.path.dirname(os.path.abspath(__file__)), **fields)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if done.returncode or not done.stdout.strip():
@@ -199,8 +208,8 @@ for _ in range(2001):
 
 
 def in_loader_seed_micros(dataset: str) -> float:
-    """Median µs of a worker's seeding a batch while the pipeline runs (caches are cold there): the generators
-    the dataset (a class of ``common``) draws from, and torch's."""
+    """Median µs of a worker's seeding a batch while the pipeline runs (caches are cold there): the
+    generators the dataset (a class of ``common``) draws from, and torch's."""
     return statistics.median(float(line) for line in _probe(_IN_LOADER, "in-loader keying probe",
                                                             dataset=dataset).split())
 
@@ -225,8 +234,8 @@ print(json.dumps(interleaved(dict((name, lambda loader=loader: batches_per_secon
 
 
 def helper_wake_control(rounds: int) -> dict[str, float]:
-    """Tiny items, nw=2, with every seeding stubbed out: what the seed-ahead helper's wake alone does (every loader
-    sending tensors through shared memory)."""
+    """Tiny items, nw=2, with every seeding stubbed out: what the seed-ahead helper's wake alone
+    does (every loader sending tensors through shared memory)."""
     result: dict[str, float] = json.loads(_probe(_WAKE_CONTROL, "helper wake control", rounds=rounds).splitlines()[-1])
     return result
 
@@ -311,7 +320,8 @@ def peak_memory_mib(n: int) -> tuple[float, float]:
 
 def report(args: argparse.Namespace) -> str:
     rounds = 3 if args.quick else 21
-    # NOTE: num_workers=0 epochs are cheap and its rows' ratios lie within 0.3 % of 1 (50 µs items): more rounds
+    # NOTE: num_workers=0 epochs are cheap and its rows' ratios lie within 0.3 % of 1 (50 µs items):
+    # more rounds
     main_rounds = 3 if args.quick else 61
     sections = []
     rows = []

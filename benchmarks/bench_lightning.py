@@ -1,4 +1,4 @@
-"""Lightning overhead: steps/s of a tiny model with and without ResumeCallback (1 device, num_workers=2).
+"""Lightning overhead: steps/s with and without ResumeCallback (a small model, 1 device, 2 workers).
 
     python benchmarks/bench_lightning.py            # ~2 min; prints the table, updates its table in docs/
     python benchmarks/bench_lightning.py --quick    # fewer rounds, docs untouched

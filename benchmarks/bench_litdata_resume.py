@@ -1,16 +1,17 @@
-"""Time to the first batch after a resume at 90 % of a litdata epoch: litdata's protocol vs replay vs litdata's loader.
+"""First batch after a resume at 90 % of a litdata epoch: litdata's protocol, replay, litdata.
 
     python benchmarks/bench_litdata_resume.py               # n = 1e5 items: ~1 min on 2 cores
     python benchmarks/bench_litdata_resume.py --n 20000     # quicker
 
-``litdata.optimize`` writes ``n`` small items (``{"id": i, "x": 8 float32}``, ~40 chunks) into a temp dir. Each
-loader (``batch_size=64``, litdata's ``shuffle=True``) is iterated to 90 % of the epoch's batches and its
-``state_dict()`` taken; the next batch of that same run is the expected one. Timed: build a fresh dataset and
-loader, ``load_state_dict(state)``, ``next(iter(loader))`` (worker start-up included). Median over ``--repeats``
-restores of the same state, loaders taking turns (order reversed every other round). "replay" is the
-loader's fallback (its behaviour before it fed litdata's protocol): a subclass hiding ``state_dict`` from it.
-For scale: one whole epoch of a plain ``torch.utils.data.DataLoader`` over the same data (median, same repeats).
-A wrong first batch (or a missing / unexpected "replaying" warning) fails ResumableDataLoader's rows.
+``litdata.optimize`` writes ``n`` small items (``{"id": i, "x": 8 float32}``, ~40 chunks) into a
+temp dir. Each loader (``batch_size=64``, litdata's ``shuffle=True``) is iterated to 90 % of the
+epoch's batches and its ``state_dict()`` taken; the next batch of that same run is the expected one.
+Timed: build a fresh dataset and loader, ``load_state_dict(state)``, ``next(iter(loader))`` (worker
+start-up included). Median over ``--repeats`` restores of the same state, loaders taking turns
+(order reversed every other round). "replay" is the loader's fallback (its behaviour before it fed
+litdata's protocol): a subclass hiding ``state_dict`` from it. For scale: one whole epoch of a plain
+``torch.utils.data.DataLoader`` over the same data (median, same repeats). A wrong first batch (or a
+missing / unexpected "replaying" warning) fails ResumableDataLoader's rows.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def item(i: int) -> dict[str, Any]:
 
 
 class Hidden(litdata.StreamingDataset):  # type: ignore[misc]
-    """litdata's dataset without its resume protocol, as the loader saw it before: it restores by replay."""
+    """litdata's dataset without its resume protocol, as the loader saw it before: it restores by
+    replay."""
 
     state_dict = None  # litdata's dataset never calls it itself (only StreamingDataLoader does)
 

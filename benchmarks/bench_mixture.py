@@ -4,13 +4,14 @@
     python benchmarks/bench_mixture.py            # ~2 min on 2 cores; prints the table, updates its table in docs/
     python benchmarks/bench_mixture.py --quick    # fewer rounds, docs untouched
 
-Three sources of Python ints (500,000, 300,000 and 200,000 items; ``__getitem__`` returns the index), weights
-5:3:2, batches of 64, ``num_workers=0``, an epoch of 10^6 samples. Throughput: whole epochs, the loaders taking
-turns (order reversed every other round), each ratio taken to the plain DataLoader of the same round, median
-over the rounds (``keying="off"``: the same without keyed random streams, where the rest of the
-difference lies). State: the bytes of its JSON (torch.save for torchdata's, whose state holds no JSON). Resume:
-the wall time from a state taken after 90 % of the epoch to the first batch after it (the plain DataLoader has
-no state: it reads and drops the first 90 % of its batches, as a stock resume does).
+Three sources of Python ints (500,000, 300,000 and 200,000 items; ``__getitem__`` returns the
+index), weights 5:3:2, batches of 64, ``num_workers=0``, an epoch of 10^6 samples. Throughput: whole
+epochs, the loaders taking turns (order reversed every other round), each ratio taken to the plain
+DataLoader of the same round, median over the rounds (``keying="off"``: the same without keyed
+random streams, where the rest of the difference lies). State: the bytes of its JSON (torch.save for
+torchdata's, whose state holds no JSON). Resume: the wall time from a state taken after 90 % of the
+epoch to the first batch after it (the plain DataLoader has no state: it reads and drops the first
+90 % of its batches, as a stock resume does).
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ def state_bytes(state: Any) -> int:
 
 
 def resume_seconds(make: Callable[[], Any]) -> tuple[float, int]:
-    """(seconds from a fresh loader to its first batch after 90 % of the epoch, the state's bytes)."""
+    """(seconds from a fresh loader to its first batch after 90 % of the epoch, the state's
+    bytes)."""
     cut = BATCHES * 9 // 10
     if make is plain:
         start = time.perf_counter()

@@ -1,13 +1,14 @@
-"""``in_order=False`` against ``in_order=True`` when one item in 64 is slow, ours and a plain ``DataLoader``.
+"""``in_order=False`` against ``in_order=True`` when one item in 64 is slow, ours and a plain
+``DataLoader``.
 
     python benchmarks/bench_out_of_order.py            # ~1 min on 2 cores; prints the table, updates its table in docs/
     python benchmarks/bench_out_of_order.py --quick    # fewer rounds, docs untouched
 
-1,024 items of ~0.5 ms of CPU each, except every 64th, which sleeps 40 ms (a slow decode, a remote read);
-batches of 8, ``num_workers=2``, ``prefetch_factor=2``. Whole epochs, the four loaders taking turns (order
-reversed every other round), each ratio to the plain in-order DataLoader of the same round, median over the
-rounds. With ``in_order=True`` a batch waiting for its slow item holds back every batch after it; with
-``in_order=False`` the other worker's batches go on.
+1,024 items of ~0.5 ms of CPU each, except every 64th, which sleeps 40 ms (a slow decode, a remote
+read); batches of 8, ``num_workers=2``, ``prefetch_factor=2``. Whole epochs, the four loaders taking
+turns (order reversed every other round), each ratio to the plain in-order DataLoader of the same
+round, median over the rounds. With ``in_order=True`` a batch waiting for its slow item holds back
+every batch after it; with ``in_order=False`` the other worker's batches go on.
 """
 
 from __future__ import annotations

@@ -1,17 +1,19 @@
-"""How long a preemption takes: from the signal to a process that exits with its checkpoint on storage.
+"""How long a preemption takes: from the signal to an exit with the checkpoint on storage.
 
     python benchmarks/bench_preemption.py            # ~3 min; prints the table, updates its table in docs/
     python benchmarks/bench_preemption.py --quick    # 100 MB only, one run each, docs untouched
 
-A Lightning ``Trainer`` with ``ResumeCallback`` trains one linear layer whose weights are the model state
-(about 100 MB or 1 GB of float32, SGD without momentum: the checkpoint is the weights and little else), in a
-process of its own. After step 3 a callback records the time and sends the process SIGTERM; the callback's
-agreed checkpoint follows at that step's boundary, and an ``atexit`` handler records when the process is about
-to exit (``preempted.ckpt`` renamed in place, verified). Writers: Lightning's ``TorchCheckpointIO`` (synchronous),
-``AsyncCheckpointIO`` over it, and ``AsyncCheckpointIO`` with a periodic ``ModelCheckpoint`` write of the same
-size started at the same step (so it is in flight when the preemption save begins: the save waits for it). The
-checkpoint directory is on the machine's disk; the times are what the process waits for (the page cache takes
-the bytes; neither Lightning nor the callback calls ``fsync`` on a Lightning checkpoint). Medians over 3 runs.
+A Lightning ``Trainer`` with ``ResumeCallback`` trains one linear layer whose weights are the model
+state (about 100 MB or 1 GB of float32, SGD without momentum: the checkpoint is the weights and
+little else), in a process of its own. After step 3 a callback records the time and sends the
+process SIGTERM; the callback's agreed checkpoint follows at that step's boundary, and an ``atexit``
+handler records when the process is about to exit (``preempted.ckpt`` renamed in place, verified).
+Writers: Lightning's ``TorchCheckpointIO`` (synchronous), ``AsyncCheckpointIO`` over it, and
+``AsyncCheckpointIO`` with a periodic ``ModelCheckpoint`` write of the same size started at the same
+step (so it is in flight when the preemption save begins: the save waits for it). The checkpoint
+directory is on the machine's disk; the times are what the process waits for (the page cache takes
+the bytes; neither Lightning nor the callback calls ``fsync`` on a Lightning checkpoint). Medians
+over 3 runs.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ SIGNAL_AFTER = 3
 
 
 def child(out: Path, size: int, writer: str) -> None:
-    """One job: train, SIGTERM itself after step ``SIGNAL_AFTER``, record the times in ``out/times.json``."""
+    """One job: train, SIGTERM itself after step ``SIGNAL_AFTER``, record the times in
+    ``out/times.json``."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.plugins import AsyncCheckpointIO
@@ -88,7 +91,8 @@ def child(out: Path, size: int, writer: str) -> None:
 
 
 def measure(size: int, writer: str) -> dict[str, float]:
-    """One job in a fresh process: the seconds from the signal to the exit, the checkpoint's size, a step's time."""
+    """One job in a fresh process: the seconds from the signal to the exit, the checkpoint's size, a
+    step's time."""
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as root:
         out = Path(root)
         done = subprocess.run([sys.executable, __file__, "--child", str(out), str(size), writer],

@@ -1,10 +1,11 @@
-"""Time to the first batch after resuming at a position in the epoch: ours, StatefulDataLoader, Accelerate.
+"""Time to the first batch after resuming at a position in the epoch: ours, StatefulDataLoader,
+Accelerate.
 
     python benchmarks/bench_resume_plot.py      # ~1 min; writes docs/img/resume_latency.png and its table in docs/
 
 Each loader is brought to the position for real (states are taken by iterating, nw=0), then a fresh
-loader resumes and we time load + first batch. Accelerate's documented way is ``skip_first_batches``,
-which re-reads the skipped batches.
+loader resumes and we time load + first batch. Accelerate's documented way is
+``skip_first_batches``, which re-reads the skipped batches.
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ class Tiny(Dataset[torch.Tensor]):
 
 
 class Busy(Tiny):
-    """Items that cost ~``micros`` µs of CPU each (a busy loop), like light decoding/augmentation."""
+    """Items that cost ~``micros`` µs of CPU each (a busy loop), like light
+    decoding/augmentation."""
 
     def __init__(self, n: int, micros: float = 50.0) -> None:
         super().__init__(n)
@@ -48,7 +49,8 @@ class Busy(Tiny):
 
 
 class Ints(Dataset[int]):
-    """Python ints (``__getitem__`` returns the index): the cheapest item a map-style dataset can have."""
+    """Python ints (``__getitem__`` returns the index): the cheapest item a map-style dataset can
+    have."""
 
     def __init__(self, n: int) -> None:
         self.n = n
@@ -61,7 +63,8 @@ class Ints(Dataset[int]):
 
 
 class Drawing(Tiny):
-    """Tiny items with an augmentation that draws from torch, numpy and ``random`` for every item."""
+    """Tiny items with an augmentation that draws from torch, numpy and ``random`` for every
+    item."""
 
     def __getitem__(self, index: int) -> torch.Tensor:
         row = self.rows[index % len(self.rows)]
@@ -82,7 +85,8 @@ class Blob(Dataset[torch.Tensor]):
 
 
 class TinyStream(IterableDataset[torch.Tensor]):
-    """A stream of tiny items, split across workers, whose state is a few ints (like a file offset)."""
+    """A stream of tiny items, split across workers, whose state is a few ints (like a file
+    offset)."""
 
     def __init__(self, n: int) -> None:
         self.n, self.i = n, 0
@@ -114,7 +118,8 @@ def batches_per_second(loader: Iterable[Any], batches: int) -> float:
 
 
 def epoch_micros(loader: Iterable[Any], clock: Callable[[], float] = time.perf_counter) -> float:
-    """µs a batch over one whole epoch, from ``iter()`` to its end (every per-epoch cost included)."""
+    """µs a batch over one whole epoch, from ``iter()`` to its end (every per-epoch cost
+    included)."""
     start, batches = clock(), 0
     for _ in loader:
         batches += 1
@@ -125,10 +130,11 @@ def interleaved_epochs(
     loaders: dict[str, Iterable[Any]], rounds: int,
     clock: Callable[[], float] | Callable[[Any], Callable[[], float]] = time.perf_counter, *, per_loader: bool = False,
 ) -> tuple[dict[str, float], dict[str, list[float]]]:
-    """Whole epochs, loaders taking turns (order reversed every other round) after one untimed warm-up epoch
-    each: (each loader's median ratio of throughput to the first loader's in the same round, µs a batch in
-    each round). ``clock``: wall time, or ``time.process_time`` where all the work is in this process; with
-    ``per_loader``, a function of the loader that gives its clock (:func:`pipeline_cpu_clock`)."""
+    """Whole epochs, loaders taking turns (order reversed every other round) after one untimed
+    warm-up epoch each: (each loader's median ratio of throughput to the first loader's in the same
+    round, µs a batch in each round). ``clock``: wall time, or ``time.process_time`` where all the
+    work is in this process; with ``per_loader``, a function of the loader that gives its clock
+    (:func:`pipeline_cpu_clock`)."""
     clocks = {name: clock(loader) if per_loader else clock for name, loader in loaders.items()}  # type: ignore[call-arg]
     for name, loader in loaders.items():
         epoch_micros(loader, clocks[name])  # type: ignore[arg-type]
@@ -156,11 +162,13 @@ def _threads_cpu_seconds(pid: int) -> float:
 
 
 def pipeline_cpu_clock(loader: Any, workers: int) -> Callable[[], float]:
-    """A clock of the CPU time of this process (all its threads) and of ``loader``'s persistent worker
-    processes (all theirs): on a machine whose cores the pipeline fills, the work an epoch costs, without
-    the time other tenants take (Linux; reads ``/proc``). Fails if the loader's workers cannot be found."""
+    """A clock of the CPU time of this process (all its threads) and of ``loader``'s persistent
+    worker processes (all theirs): on a machine whose cores the pipeline fills, the work an epoch
+    costs, without the time other tenants take (Linux; reads ``/proc``). Fails if the loader's
+    workers cannot be found."""
     def clock() -> float:
-        iterator = getattr(loader, "_iterator", None)  # NOTE: torch's; persistent workers live there
+        # NOTE: torch's; persistent workers live there
+        iterator = getattr(loader, "_iterator", None)
         pids = [worker.pid for worker in getattr(iterator, "_workers", ())]
         if iterator is not None and len(pids) != workers:
             raise RuntimeError(f"{type(loader).__name__}: found {len(pids)} worker processes, expected {workers}")
@@ -200,8 +208,8 @@ def markdown(header: list[str], rows: list[list[str]]) -> str:
 
 
 def write_docs_section(name: str, text: str) -> None:
-    """Replace the text between ``<!-- bench:NAME:start -->`` and ``<!-- bench:NAME:end -->`` in the one page
-    of the docs (``docs/*.md``) or the README that holds those markers."""
+    """Replace the text between ``<!-- bench:NAME:start -->`` and ``<!-- bench:NAME:end -->`` in the
+    one page of the docs (``docs/*.md``) or the README that holds those markers."""
     start, end = f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
     pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
     pages = [page for page in [README, *sorted(DOCS.glob("*.md"))] if pattern.search(page.read_text())]

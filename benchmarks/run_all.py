@@ -1,4 +1,5 @@
-"""Every benchmark of the project, each in its own process, tables printed and written into the docs.
+"""Every benchmark of the project, each in its own process, tables printed and written into the
+docs.
 
     python benchmarks/run_all.py        # ~7 min on 2 cores
 """

@@ -2,8 +2,8 @@
 
     python benchmarks/run_chaos.py        # ~10 min on 2 cores
 
-Figures: SIGKILLs survived under torchrun per job (with an exact audit), fuzzing cases passed, and the
-scale simulation's time per rank.
+Figures: SIGKILLs survived under torchrun per job (with an exact audit), fuzzing cases passed, and
+the scale simulation's time per rank.
 """
 
 from __future__ import annotations

@@ -1,17 +1,18 @@
-"""Run torchdata's own StatefulDataLoader test suites against ResumableDataLoader, beside StatefulDataLoader.
+"""Run torchdata's StatefulDataLoader test suites against ResumableDataLoader, beside it.
 
     python benchmarks/torchdata_suites.py --repo PATH             # prints the table; docs untouched
     python benchmarks/torchdata_suites.py --repo PATH --readme    # also writes the table to docs/comparison.md
 
-``PATH`` is a local copy of github.com/pytorch/data: a checkout, or a bare git directory (its ``HEAD`` is
-read with ``git show``). Nothing is fetched. Without ``--repo``, ``$TORCHDATA_REPO`` is used. ~15 min on
-2 cores (each file runs twice: once unmodified, once with the loader swapped).
+``PATH`` is a local copy of github.com/pytorch/data: a checkout, or a bare git directory (its
+``HEAD`` is read with ``git show``). Nothing is fetched. Without ``--repo``, ``$TORCHDATA_REPO`` is
+used. ~15 min on 2 cores (each file runs twice: once unmodified, once with the loader swapped).
 
-The files under ``test/stateful_dataloader/`` are copied to a temporary directory, twice: as they are, and
-with their import of ``StatefulDataLoader`` replaced by ``loader_resume.ResumableDataLoader`` (nothing else
-changes; nothing of theirs is copied into this repository). Every failure of ours must be one of the
-deliberate differences in :data:`DELIBERATE` (each also stated in the docs and shown by a test of ours);
-any other failure makes the script exit 1.
+The files under ``test/stateful_dataloader/`` are copied to a temporary directory, twice: as they
+are, and with their import of ``StatefulDataLoader`` replaced by
+``loader_resume.ResumableDataLoader`` (nothing else changes; nothing of theirs is copied into this
+repository). Every failure of ours must be one of the deliberate differences in :data:`DELIBERATE`
+(each also stated in the docs and shown by a test of ours); any other failure makes the script exit
+1.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ DELIBERATE: dict[str, str] = {
         "a worker_init_fn error is raised at the first next(), as DataLoader, not at iter()",
     r"test_dataloader\.py::.*::test_worker_init_fn": "keyed torch: a worker_init_fn's torch.manual_seed is overridden",
     r"test_dataloader\.py::.*::test_shuffler_iterdatapipe": "the order follows the loader's seed, not the global RNG",
-    # Not ours: torch 2.13's WorkerInfo is a frozen dataclass; the test expects a RuntimeError on assignment.
+    # Not ours: torch 2.13's WorkerInfo is a frozen dataclass; the test expects a RuntimeError on
+    # assignment.
     r"test_dataloader\.py::.*::test_get_worker_info": "fails for StatefulDataLoader too (torch 2.13 WorkerInfo)",
 }
 
@@ -91,7 +93,8 @@ def ours(text: str, name: str) -> str:
 
 
 def run(folder: Path, name: str) -> tuple[dict[str, int], list[str], set[str]]:
-    """pytest on one file: its counts, the ids of the tests that failed and those of the tests that passed."""
+    """pytest on one file: its counts, the ids of the tests that failed and those of the tests that
+    passed."""
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-p", "no:warnings",
          "-o", "addopts=", "--timeout", "300", name],
@@ -107,7 +110,8 @@ def run(folder: Path, name: str) -> tuple[dict[str, int], list[str], set[str]]:
 
 
 def outcome(test: str, passed: set[str], failed: list[str]) -> str:
-    """``passed``, ``failed`` or ``not run`` for a test id of one run (ids there carry the file's prefix)."""
+    """``passed``, ``failed`` or ``not run`` for a test id of one run (ids there carry the file's
+    prefix)."""
     if test in passed:
         return "passed"
     return "failed" if any(f == test or f.startswith(test + "[") for f in failed) else "not run"

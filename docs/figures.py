@@ -2,13 +2,14 @@
 
     python docs/figures.py      # writes docs/img/checkpoint_contents.svg and docs/img/preemption_timeline.svg
 
-Every file name, key, signal and exit code the figures show that the code defines is imported from it here (the
-Accelerate, transformers and Lightning names from those libraries), so a figure changes when the code does;
-tests/docs/test_docs_figures.py redraws them and compares the files byte for byte. The few names no module exports
-(Lightning's own checkpoint keys, the plain example's file, the step directories' pattern) are spelled out here,
-and that test finds each in the code. Output is deterministic: SVG with text as text (DejaVu, the font Matplotlib
-ships, with common fallbacks), no date, a fixed hash salt. Each figure checks its own layout before it is
-written: no text overlaps another or leaves its box.
+Every file name, key, signal and exit code the figures show that the code defines is imported from
+it here (the Accelerate, transformers and Lightning names from those libraries), so a figure changes
+when the code does; tests/docs/test_docs_figures.py redraws them and compares the files byte for
+byte. The few names no module exports (Lightning's own checkpoint keys, the plain example's file,
+the step directories' pattern) are spelled out here, and that test finds each in the code. Output is
+deterministic: SVG with text as text (DejaVu, the font Matplotlib ships, with common fallbacks), no
+date, a fixed hash salt. Each figure checks its own layout before it is written: no text overlaps
+another or leaves its box.
 """
 
 from __future__ import annotations
@@ -48,30 +49,38 @@ ROOT = Path(__file__).resolve().parent.parent
 IMG = ROOT / "docs" / "img"
 FIGURES = ("checkpoint_contents.svg", "preemption_timeline.svg")
 
-# Lightning's own keys in its checkpoints (lightning.pytorch's checkpoint connector writes them; not importable)
+# Lightning's own keys in its checkpoints (lightning.pytorch's checkpoint connector writes them; not
+# importable)
 LIGHTNING_KEYS = ("state_dict", "optimizer_states", "lr_schedulers", "loops", "callbacks", "epoch", "global_step")
 PLAIN_FILE = "state.pt"  # what examples/plain_digits.py names its file
 WORLD = 2  # the job the figures show: 2 processes, stopped after step 42
 STEP = 42
-SEALED = f"step_{STEP:09d}"  # a sealed checkpoint's directory (Fabric, Accelerate, the plain example, Ray)
+# a sealed checkpoint's directory (Fabric, Accelerate, the plain example, Ray)
+SEALED = f"step_{STEP:09d}"
 
 WIDTH = 340.0  # points: a phone shows it about 358 px wide, 10-point text as 10.5 px
 SLACK = 1.04  # a browser's text, in a font of its own, may be a little wider than Matplotlib's
-RC = {  # text stays text; DejaVu is Matplotlib's own font (so the layout is the same everywhere), the others fallbacks
+# text stays text; DejaVu is Matplotlib's own font (so the layout is the same everywhere), the
+# others fallbacks
+RC = {
     "svg.fonttype": "none", "svg.hashsalt": "loader-resume", "font.family": "sans-serif",
     "font.sans-serif": ["DejaVu Sans", "Helvetica", "Arial"],
     "font.monospace": ["DejaVu Sans Mono", "Menlo", "Consolas"],
 }
 INK, SOFT, LINE = "#1c1f24", "#414b55", "#9fa8da"
-KINDS = {  # fill, edge: the framework's own (or yours), what loader-resume adds, the file written last that seals it
+# fill, edge: the framework's own (or yours), what loader-resume adds, the file written last that
+# seals it
+KINDS = {
     "theirs": ("#eceff1", "#90a4ae"), "ours": ("#dce4ff", "#3949ab"), "seal": ("#ffefc7", "#d08f00"),
 }
 
 
-# --- the facts, from the code ----------------------------------------------------------------------------------
+# --- the facts, from the code
+# ----------------------------------------------------------------------------------
 @functools.cache
 def _ray_files() -> ModuleType:
-    """``ray_resume/files.py`` alone: the package's ``__init__`` imports Ray, which the docs' environment lacks."""
+    """``ray_resume/files.py`` alone: the package's ``__init__`` imports Ray, which the docs'
+    environment lacks."""
     spec = importlib.util.spec_from_file_location("ray_resume_files", ROOT / "ray_resume" / "files.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -84,7 +93,8 @@ def _default(function: Any, name: str) -> Any:
 
 
 def exit_code() -> int:
-    """The exit code after a preemption checkpoint: every front door's default, which must be one number."""
+    """The exit code after a preemption checkpoint: every front door's default, which must be one
+    number."""
     config = {f.name: f.default for f in dataclasses.fields(ResumeConfig)}["exit_code"]
     defaults = {config, _default(ResumeCallback, "exit_code"), _default(FabricResume, "exit_code"),
                 _default(ResumableTrainer, "exit_code")}
@@ -102,14 +112,16 @@ def lightning_file() -> str:
 
 
 def accelerate_files(world: int) -> list[str]:
-    """What ``accelerator.save_state`` writes for one model, optimizer and scheduler (Accelerate's names)."""
+    """What ``accelerator.save_state`` writes for one model, optimizer and scheduler (Accelerate's
+    names)."""
     return [SAFE_WEIGHTS_NAME, f"{OPTIMIZER_NAME}.bin", f"{SCHEDULER_NAME}.bin",
             *(f"{RNG_STATE_NAME}_{rank}.pkl" for rank in range(world))]
 
 
 @dataclass(frozen=True)
 class Item:
-    """A file (or a key inside one), by who writes it; ``inside``: the keys of a file that holds ours."""
+    """A file (or a key inside one), by who writes it; ``inside``: the keys of a file that holds
+    ours."""
 
     name: str
     kind: str
@@ -125,7 +137,8 @@ class Door:
 
 
 def doors(world: int = WORLD) -> list[Door]:
-    """What a checkpoint holds, per front door, for a job of ``world`` processes stopped after ``STEP``."""
+    """What a checkpoint holds, per front door, for a job of ``world`` processes stopped after
+    ``STEP``."""
     ranks = range(world)
     rank_file, lightning = _ray_files().RANK_FILE, lightning_file()
     ours = Item(f'"{CHECKPOINT_KEY}"', "ours")
@@ -162,7 +175,8 @@ def doors(world: int = WORLD) -> list[Door]:
     ]
 
 
-# --- drawing ------------------------------------------------------------------------------------------------------
+# --- drawing
+# ------------------------------------------------------------------------------------------------------
 FONTS = {
     "title": dict(family="sans-serif", size=13, weight="bold"),
     "head": dict(family="sans-serif", size=11.5, weight="bold"),
@@ -175,11 +189,13 @@ FONTS = {
 
 @dataclass
 class Sheet:
-    """Boxes, texts and marks placed top-down in points (y grows downwards); drawn once the height is known."""
+    """Boxes, texts and marks placed top-down in points (y grows downwards); drawn once the height
+    is known."""
 
     width: float = WIDTH
     boxes: list[tuple[float, float, float, float, str, str, float]] = field(default_factory=list)
-    texts: list[tuple[float, float, str, str, str, int | None]] = field(default_factory=list)  # box: its index
+    # box: its index
+    texts: list[tuple[float, float, str, str, str, int | None]] = field(default_factory=list)
     marks: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
     _renderer: RendererAgg = field(default_factory=lambda: RendererAgg(10, 10, 72))
 
@@ -189,7 +205,8 @@ class Sheet:
         return float(width) * SLACK
 
     def inset(self, font: str, height: float) -> float:
-        """How far below a box's top a line of ``font`` starts, to sit in the middle of ``height``."""
+        """How far below a box's top a line of ``font`` starts, to sit in the middle of
+        ``height``."""
         _, tall, _ = self._renderer.get_text_width_height_descent("Ag_", FontProperties(**FONTS[font]), ismath=False)
         return (height - float(tall)) / 2
 
@@ -238,8 +255,8 @@ class Sheet:
 
 def _check_layout(figure: Figure, axes: Any, drawn: Sequence[tuple[Any, int | None]],
                   boxes: Sequence[tuple[float, ...]]) -> None:
-    """No text overlaps another or comes within 3 points of it on its line, leaves the figure, or (placed in a box)
-    leaves its box."""
+    """No text overlaps another or comes within 3 points of it on its line, leaves the figure, or
+    (placed in a box) leaves its box."""
     renderer = figure.canvas.get_renderer()  # type: ignore[attr-defined]
     page = figure.bbox
     extents = [(text.get_window_extent(renderer), text.get_text(), box) for text, box in drawn]
@@ -257,13 +274,14 @@ def _check_layout(figure: Figure, axes: Any, drawn: Sequence[tuple[Any, int | No
             assert min(overlap) <= 0.5, f"{words!r} overlaps {words_other!r}"
 
 
-# --- figure 1: what a checkpoint holds ----------------------------------------------------------------------------
+# --- figure 1: what a checkpoint holds
+# ----------------------------------------------------------------------------
 MARGIN, CARD_PAD, CHIP_X, CHIP_Y, GAP = 8.0, 7.0, 4.0, 3.5, 4.0
 
 
 def _chips(sheet: Sheet, items: Sequence[Item], x0: float, y0: float, width: float) -> float:
-    """``items`` as chips flowing from (``x0``, ``y0``) over ``width``; a file holding keys spans the width, its
-    keys flowing inside it. The height they take."""
+    """``items`` as chips flowing from (``x0``, ``y0``) over ``width``; a file holding keys spans
+    the width, its keys flowing inside it. The height they take."""
     x, y, row = x0, y0, 0.0
     chip = sheet.line("name") + 2 * CHIP_Y - 3
     for item in items:
@@ -324,7 +342,8 @@ def checkpoint_contents(path: Path) -> None:
     sheet.draw(y - 8 + MARGIN, path)
 
 
-# --- figure 2: from a signal to the rerun's first batch ---------------------------------------------------------------
+# --- figure 2: from a signal to the rerun's first batch
+# ---------------------------------------------------------------
 LANES = (26.0, 68.0)  # rank 0, rank 1
 TEXT_X = 92.0
 

@@ -2,10 +2,10 @@
 
     python examples/digits_resume.py            # ~15 s on 2 CPU cores; the same as `loader-resume demo`
 
-The plain-PyTorch loop lives in loader_resume/tools/demo.py (core/loader_resume/tools/demo.py): a training loop with
-ResumableDataLoader, torch.save/torch.load checkpoints written atomically (temporary file + rename),
-the model's RNG saved, and preemption handled at step boundaries. Exit code 0 only if the resumed run's
-batches and final weights equal the uninterrupted run's.
+The plain-PyTorch loop lives in loader_resume/tools/demo.py (core/loader_resume/tools/demo.py): a
+training loop with ResumableDataLoader, torch.save/torch.load checkpoints written atomically
+(temporary file + rename), the model's RNG saved, and preemption handled at step boundaries. Exit
+code 0 only if the resumed run's batches and final weights equal the uninterrupted run's.
 """
 
 from __future__ import annotations

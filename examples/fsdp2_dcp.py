@@ -1,22 +1,24 @@
-"""A plain FSDP2 loop (``fully_shard``) checkpointing with ``torch.distributed.checkpoint``, loader state inside.
+"""A plain FSDP2 loop (``fully_shard``) saving with ``torch.distributed.checkpoint``, loader inside.
 
     torchrun --nproc_per_node 2 examples/fsdp2_dcp.py --out runs/dcp        # two processes, gloo, CPU
 
-The model is sharded with FSDP2 over every process; each checkpoint is a distributed-checkpoint directory that
-holds the sharded model and optimizer, every rank's loader state (``DCPLoaderState``: all ranks' states as one
-value, so another number of processes resumes too) and every rank's generators (``gather_rng_states``: CPU,
-every CUDA device, numpy, random). Every ``--every`` steps, and at the step after SIGTERM/SIGUSR1 (all ranks
-agree), the ranks write ``OUT/checkpoints/.step_N.tmp-TOKEN``; rank 0 then seals it (a manifest of every file)
-and renames it to ``step_N``, so a kill during a save leaves the previous checkpoint the newest. On start the
-newest sealed checkpoint is loaded: rerunning the command continues with the very next batch. The last line
-printed is a digest of the final weights, the same for an interrupted-and-resumed job as for an uninterrupted
-one.
+The model is sharded with FSDP2 over every process; each checkpoint is a distributed-checkpoint
+directory that holds the sharded model and optimizer, every rank's loader state (``DCPLoaderState``:
+all ranks' states as one value, so another number of processes resumes too) and every rank's
+generators (``gather_rng_states``: CPU, every CUDA device, numpy, random). Every ``--every`` steps,
+and at the step after SIGTERM/SIGUSR1 (all ranks agree), the ranks write
+``OUT/checkpoints/.step_N.tmp-TOKEN``; rank 0 then seals it (a manifest of every file) and renames
+it to ``step_N``, so a kill during a save leaves the previous checkpoint the newest. On start the
+newest sealed checkpoint is loaded: rerunning the command continues with the very next batch. The
+last line printed is a digest of the final weights, the same for an interrupted-and-resumed job as
+for an uninterrupted one.
 
-With ``--async-save`` each checkpoint is written by ``dcp.async_save``: the call takes the state of this step
-(the model and optimizer copied to CPU memory, the step, the generators and the loader's position, all in the one
-dict it is given) and a thread writes it while training goes on, over a process group of its own. It is sealed
-once written, before the next checkpoint starts; at a preemption the write in flight is finished and sealed, then
-the preemption checkpoint is written and sealed, and only then does the process exit.
+With ``--async-save`` each checkpoint is written by ``dcp.async_save``: the call takes the state of
+this step (the model and optimizer copied to CPU memory, the step, the generators and the loader's
+position, all in the one dict it is given) and a thread writes it while training goes on, over a
+process group of its own. It is sealed once written, before the next checkpoint starts; at a
+preemption the write in flight is finished and sealed, then the preemption checkpoint is written and
+sealed, and only then does the process exit.
 """
 
 from __future__ import annotations
@@ -54,8 +56,8 @@ from loader_resume.tools.demo import NoisyDigits
 
 
 class Training(Stateful):
-    """The model, the optimizer, the step and every rank's generators, as ``torch.distributed.checkpoint`` asks
-    for them (on every rank)."""
+    """The model, the optimizer, the step and every rank's generators, as
+    ``torch.distributed.checkpoint`` asks for them (on every rank)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
@@ -64,7 +66,8 @@ class Training(Stateful):
     def state_dict(self) -> dict[str, Any]:
         model, optimizer = get_state_dict(self.model, self.optimizer)
         rng = io.BytesIO()
-        torch.save(gather_rng_states(), rng)  # NOTE: the same value on every rank (a collective): written once
+        # NOTE: the same value on every rank (a collective): written once
+        torch.save(gather_rng_states(), rng)
         return {"model": model, "optimizer": optimizer, "step": self.step, "epoch": self.epoch,
                 "rng": rng.getvalue()}
 
@@ -73,26 +76,32 @@ class Training(Stateful):
                        optim_state_dict=state["optimizer"])
         self.step, self.epoch = state["step"], state["epoch"]
         rng = torch.load(io.BytesIO(state["rng"]), weights_only=True)
-        if dist.get_rank() < len(rng):  # NOTE: a rank the saving run did not have keeps its fresh generators
+        # NOTE: a rank the saving run did not have keeps its fresh generators
+        if dist.get_rank() < len(rng):
             set_global_rng_state(rng[dist.get_rank()])
 
 
 class Checkpoints:
-    """Every rank: each checkpoint written under a temporary name, then sealed and renamed by rank 0 (and uploaded to
-    ``copy``'s URL, its manifest last); with ``asynchronous``, written by ``dcp.async_save``'s thread meanwhile."""
+    """Every rank: each checkpoint written under a temporary name, then sealed and renamed by rank 0
+    (and uploaded to ``copy``'s URL, its manifest last); with ``asynchronous``, written by
+    ``dcp.async_save``'s thread meanwhile."""
 
     def __init__(self, root: Path, copy: RemoteCopy | None, asynchronous: bool) -> None:
         self.root, self.copy = root, copy
-        # NOTE: the writing thread's collectives on a group of their own, never interleaved with the loop's
+        # NOTE: the writing thread's collectives on a group of their own, never interleaved with the
+        # loop's
         self.group = dist.new_group(backend="gloo") if asynchronous else None
         self.pending: tuple[Future[Any], Path, Path] | None = None
 
     def save(self, training: Training, loader: ResumableDataLoader[Any], *, whole: bool = False) -> None:
-        """A checkpoint of this step; ``whole``: sealed before this returns (else, asynchronously, at the next)."""
+        """A checkpoint of this step; ``whole``: sealed before this returns (else, asynchronously,
+        at the next)."""
         self.finish()
         final = self.root / f"step_{training.step:09d}"
-        temporary = temporary_name(final, writer_token())  # NOTE: the same name on every rank (rank 0's, broadcast)
-        # NOTE: one dict: the loader's position is taken in the call, with the model of the same step
+        # NOTE: the same name on every rank (rank 0's, broadcast)
+        temporary = temporary_name(final, writer_token())
+        # NOTE: one dict: the loader's position is taken in the call, with the model of the same
+        # step
         state = {"training": training, "loader": DCPLoaderState(loader)}
         if self.group is None:
             dcp.save(state, checkpoint_id=temporary)
@@ -108,7 +117,8 @@ class Checkpoints:
         if self.pending is not None:
             future, temporary, final = self.pending
             self.pending = None
-            future.result()  # NOTE: on rank 0, once every rank's files are written (DCP's last step gathers them)
+            # NOTE: on rank 0, once every rank's files are written (DCP's last step gathers them)
+            future.result()
             self._seal(temporary, final)
 
     def _seal(self, temporary: Path, final: Path) -> None:
@@ -140,19 +150,23 @@ def main() -> None:
     parser.add_argument("--remote", help="an fsspec URL (s3://bucket/run) each checkpoint is copied to, and resumed "
                         "from on a machine without them")
     args = parser.parse_args()
-    init_process_group("gloo")  # under torchrun (one process: WORLD_SIZE=1 RANK=0 ... or torchrun --nproc 1)
+    # under torchrun (one process: WORLD_SIZE=1 RANK=0 ... or torchrun --nproc 1)
+    init_process_group("gloo")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 10))
     fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     loader = ResumableDataLoader(NoisyDigits(), batch_size=64, shuffle=True, num_workers=args.workers,
-                                 seed=0)  # each rank its shard (rank and world size from torch.distributed)
+                                 # each rank its shard (rank and world size from torch.distributed)
+                                 seed=0)
     training = Training(model, optimizer)
     root = Path(args.out) / "checkpoints"
     preemption = Preemption(("SIGTERM", "SIGUSR1"))
     preemption.install()
-    workers_ignore_signals(loader, preemption.signals)  # a signal to the process group: the main process decides
-    main = dist.get_rank() == 0  # a copy off the machine (one job per URL): the newer complete ones come first
+    # a signal to the process group: the main process decides
+    workers_ignore_signals(loader, preemption.signals)
+    # a copy off the machine (one job per URL): the newer complete ones come first
+    main = dist.get_rank() == 0
     copy = start_remote_copy(args.remote, root, keep=2, main=main, agree=any_rank)
     fetch_newer(copy, main=main, agree=any_rank)
     restore(root, training, loader)
@@ -172,13 +186,16 @@ def main() -> None:
                 log.flush()
             stop = preemption.agreed()  # every rank, every step: one tiny all_reduce
             if stop or training.step % args.every == 0:
-                training.epoch = epoch + (loader.epoch > epoch)  # after an epoch's last batch: the next epoch
-                checkpoints.save(training, loader, whole=stop)  # NOTE: a preemption's: on storage before the exit
+                # after an epoch's last batch: the next epoch
+                training.epoch = epoch + (loader.epoch > epoch)
+                # NOTE: a preemption's: on storage before the exit
+                checkpoints.save(training, loader, whole=stop)
             if stop:
                 print(f"preempted: checkpoint at step {training.step}; exiting with 143", flush=True)
                 raise SystemExit(143)
     checkpoints.finish()
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # a collective
+    # a collective
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     if rank == 0:
         print(f"final weights digest: {fingerprint([full[name] for name in sorted(full)])}", flush=True)
     dist.barrier()

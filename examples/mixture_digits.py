@@ -1,15 +1,16 @@
-"""A data mixture whose weights follow a schedule, under Accelerate: interrupt it, run it again, it continues.
+"""A data mixture whose weights follow a schedule, under Accelerate: interrupt it, run it again, it
+continues.
 
     python examples/mixture_digits.py                        # Ctrl-C or `kill -TERM <pid>`...
     python examples/mixture_digits.py                        # ...and the same command continues
     python examples/mixture_digits.py epochs=4 workers=0     # this script's settings, as key=value
 
-Three sources (scikit-learn's digits 0-3, 4-6 and 7-9, each item augmented with random noise) are drawn by a
-``Mixture`` whose weights move from the first group to the last as training goes on: a curriculum, set at
-each step from a schedule of the step. On SIGTERM the run checkpoints at the next optimizer step (the
-mixture's weights and changes inside the loader's state) and exits with 143; the next run resumes from the
-newest complete checkpoint, makes the same calls at the same steps, and ends with the same final weights
-(the last line, a digest) as an uninterrupted run.
+Three sources (scikit-learn's digits 0-3, 4-6 and 7-9, each item augmented with random noise) are
+drawn by a ``Mixture`` whose weights move from the first group to the last as training goes on: a
+curriculum, set at each step from a schedule of the step. On SIGTERM the run checkpoints at the next
+optimizer step (the mixture's weights and changes inside the loader's state) and exits with 143; the
+next run resumes from the newest complete checkpoint, makes the same calls at the same steps, and
+ends with the same final weights (the last line, a digest) as an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def main(argv: list[str]) -> None:
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     mixture = Mixture(sources(), weights_at(0), samples_per_epoch=1600)
-    train = DataLoader(mixture, batch_size=int(settings["batch_size"]), shuffle=False,  # the mixture orders itself
+    # the mixture orders itself
+    train = DataLoader(mixture, batch_size=int(settings["batch_size"]), shuffle=False,
                        num_workers=int(settings["workers"]))
     model, optimizer, train = accelerator.prepare(model, optimizer, train)
     if resume.restore() is not None:
@@ -69,7 +71,8 @@ def main(argv: list[str]) -> None:
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
-            mixture.set_weights(weights_at(resume.step))  # the same call at the same step in every run
+            # the same call at the same step in every run
+            mixture.set_weights(weights_at(resume.step))
             if resume.step % 20 == 0:
                 accelerator.print(f"epoch {epoch} step {resume.step} loss {loss.item():.3f} "
                                   f"weights {mixture.weights}", flush=True)

@@ -1,9 +1,10 @@
 """``ResumeCallback``: add it to a ``lightning.Trainer`` and mid-epoch resume becomes exact.
 
 The user's module or datamodule keeps returning plain ``torch.utils.data.DataLoader``s. The callback
-converts the training loaders to ``loader_resume.ResumableDataLoader`` (same dataset, batch size, collate,
-workers, pin-memory, drop-last and shuffle choice), which shard themselves across DDP ranks; every checkpoint gets
-each rank's loader state and RNG states under one key, and a resumed ``fit`` continues with the very next batch.
+converts the training loaders to ``loader_resume.ResumableDataLoader`` (same dataset, batch size,
+collate, workers, pin-memory, drop-last and shuffle choice), which shard themselves across DDP
+ranks; every checkpoint gets each rank's loader state and RNG states under one key, and a resumed
+``fit`` continues with the very next batch.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ __all__ = ["CHECKPOINT_KEY", "ResumeCallback"]
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "loader_resume"
-"""Where the callback's state lives in a Lightning checkpoint (beside ``state_dict``, ``loops``...)."""
+"""Where the callback's state lives in a Lightning checkpoint (beside ``state_dict``,
+``loops``...)."""
 
 
 class ResumeCallback(OnExceptionCheckpoint):
@@ -55,26 +57,29 @@ class ResumeCallback(OnExceptionCheckpoint):
         seed: the data order and keyed augmentation seed (see ``ResumableDataLoader``).
         keying: ``"batch"``, ``"sample"`` or ``"off"`` (see ``ResumableDataLoader``).
         keyed_generators: which global generators are keyed inside data loading.
-        signals: signals that request a preemption checkpoint (``()`` for none). The handler only sets
-            a flag; at the next optimizer-step boundary all ranks agree (one ``all_reduce``), the
-            checkpoint is written atomically and the trainer stops.
+        signals: signals that request a preemption checkpoint (``()`` for none). The handler only
+            sets a flag; at the next optimizer-step boundary all ranks agree (one ``all_reduce``),
+            the checkpoint is written atomically and the trainer stops.
         dirpath: where the preemption checkpoint goes; ``None``: the trainer's ``default_root_dir``
             (``Trainer(default_root_dir=...)``, or LightningCLI's ``trainer.default_root_dir``). A
             restarted ``fit()`` (no ``ckpt_path``) resumes from the newest of it and your
             ``ModelCheckpoint``'s ``last`` file.
         filename: the preemption checkpoint's name, without ``.ckpt``.
-        check_every_n_steps: agree on signals every N optimizer steps (one tiny collective each time).
-        exit_code: after a preemption checkpoint, end the process with this code (143 = 128 + SIGTERM,
-            so a scheduler sees a failure and requeues); ``None``: return from ``fit()`` normally
-            (``callback.preempted_at`` tells the step).
-        audit: a directory or URL each rank logs its loaders' batches to, for ``loader-resume audit DIR`` (``None``:
-            ``$LOADER_RESUME_AUDIT``, if set; see ``ResumableDataLoader(audit=...)``).
+        check_every_n_steps: agree on signals every N optimizer steps (one tiny collective each
+            time).
+        exit_code: after a preemption checkpoint, end the process with this code (143 = 128 +
+            SIGTERM, so a scheduler sees a failure and requeues); ``None``: return from ``fit()``
+            normally (``callback.preempted_at`` tells the step).
+        audit: a directory or URL each rank logs its loaders' batches to, for ``loader-resume audit
+            DIR`` (``None``: ``$LOADER_RESUME_AUDIT``, if set; see
+            ``ResumableDataLoader(audit=...)``).
 
     One per ``Trainer``: a second one is refused at ``setup``. The training loaders' state and every
-    rank's torch/numpy/random RNG states are written under ``checkpoint["loader_resume"]``; Lightning's
-    own copy of loader states (rank 0's only) is dropped from the checkpoint in favour of it. It is an
-    ``OnExceptionCheckpoint`` only so that a restart finds its checkpoint: it never saves on an
-    exception (that would be mid-step), and a finished fit removes its stale preemption checkpoint.
+    rank's torch/numpy/random RNG states are written under ``checkpoint["loader_resume"]``;
+    Lightning's own copy of loader states (rank 0's only) is dropped from the checkpoint in favour
+    of it. It is an ``OnExceptionCheckpoint`` only so that a restart finds its checkpoint: it never
+    saves on an exception (that would be mid-step), and a finished fit removes its stale preemption
+    checkpoint.
     """
 
     def __init__(
@@ -90,7 +95,8 @@ class ResumeCallback(OnExceptionCheckpoint):
         exit_code: int | None = 143,
         audit: str | os.PathLike[str] | None = None,
     ) -> None:
-        super().__init__(local_path(dirpath) if dirpath is not None else os.getcwd(), filename)  # NOTE: file: URLs
+        # NOTE: file: URLs
+        super().__init__(local_path(dirpath) if dirpath is not None else os.getcwd(), filename)
         if type(check_every_n_steps) is not int or check_every_n_steps < 1:
             raise ValueError(f"ResumeCallback(check_every_n_steps={check_every_n_steps!r}): expected an int >= 1")
         self.seed, self.keying, self.keyed_generators = seed, keying, tuple(keyed_generators)
@@ -99,13 +105,15 @@ class ResumeCallback(OnExceptionCheckpoint):
         self.check_every_n_steps, self.exit_code = check_every_n_steps, exit_code
         self.preempted_at: int | None = None
         self._dirpath_known = dirpath is not None  # else: learnt from the trainer (see ckpt_path)
-        self._asked_unknown = False  # Lightning asked for ckpt_path before we could learn the trainer's dir
+        # Lightning asked for ckpt_path before we could learn the trainer's dir
+        self._asked_unknown = False
         self._training = TrainingLoaders(self._resumable)
         self._generators = FitGenerators()
         self._lock: DirectoryLock | RemoteLease | None = None
         self._claimed = False  # on every rank (the lock: the main one's)
         self._choosing = True  # Lightning may be choosing the checkpoint of a fit (see ckpt_path)
-        self._skipped: str | None = None  # our preemption checkpoint, passed over as it does not verify
+        # our preemption checkpoint, passed over as it does not verify
+        self._skipped: str | None = None
         self._exit_with = 0
         self._requeue = Requeue(asked=False)  # see setup
         quiet_fresh_fit(True)
@@ -116,10 +124,11 @@ class ResumeCallback(OnExceptionCheckpoint):
         """The preemption checkpoint: ``dirpath/filename.ckpt``.
 
         NOTE: a restarted ``fit()`` (no ``ckpt_path``) picks its checkpoint before any callback hook
-        runs: Lightning 2.6 reads this property from inside ``Trainer.fit`` (resolving "last" across the
-        checkpoint callbacks). Without a ``dirpath`` we learn the directory there, from the ``Trainer``
-        running ``fit`` with this callback (found on the call stack), so ``Trainer(default_root_dir=d)``
-        resumes from ``d`` by itself. Should that ever fail, ``setup`` refuses to start over silently.
+        runs: Lightning 2.6 reads this property from inside ``Trainer.fit`` (resolving "last" across
+        the checkpoint callbacks). Without a ``dirpath`` we learn the directory there, from the
+        ``Trainer`` running ``fit`` with this callback (found on the call stack), so
+        ``Trainer(default_root_dir=d)`` resumes from ``d`` by itself. Should that ever fail,
+        ``setup`` refuses to start over silently.
         """
         if not self._dirpath_known:
             trainer = trainer_calling(self)
@@ -131,15 +140,18 @@ class ResumeCallback(OnExceptionCheckpoint):
         if not self._choosing:
             return path
         if exists(path) and not usable(path):
-            self._skipped, path = path, path + ".skipped"  # NOTE: no such file: Lightning looks for another one
-        if is_remote(path):  # NOTE: Lightning's own search finds no remote last.ckpt: the newer of it and ours
+            # NOTE: no such file: Lightning looks for another one
+            self._skipped, path = path, path + ".skipped"
+        # NOTE: Lightning's own search finds no remote last.ckpt: the newer of it and ours
+        if is_remote(path):
             return newer(path if exists(path) else None, newest_last(trainer_calling(self))) or path
         return path
 
     # --- hooks ---------------------------------------------------------------------------------
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        quiet_fresh_fit(False)  # Lightning has chosen its checkpoint: warnings about any later choice are shown
+        # Lightning has chosen its checkpoint: warnings about any later choice are shown
+        quiet_fresh_fit(False)
         self._choosing = False
         verify_loads(trainer.strategy)
         if sum(isinstance(c, ResumeCallback) for c in trainer.callbacks) > 1:  # type: ignore[attr-defined]
@@ -154,15 +166,16 @@ class ResumeCallback(OnExceptionCheckpoint):
                     f"Pass ResumeCallback(dirpath={self.dirpath!r}) (or fit(ckpt_path={self.ckpt_path!r})) to resume")
         callbacks = trainer.callbacks  # type: ignore[attr-defined]
         if any(isinstance(c, ModelCheckpoint) for c in callbacks[callbacks.index(self) + 1:]):
-            # NOTE: Lightning (ckpt_path="best", its launchers and loggers) reads ModelCheckpoint attributes from
-            # trainer.checkpoint_callback, the first Checkpoint in the list: move after the user's. A new list,
-            # as the hook loop running now iterates the old one.
+            # NOTE: Lightning (ckpt_path="best", its launchers and loggers) reads ModelCheckpoint
+            # attributes from trainer.checkpoint_callback, the first Checkpoint in the list: move
+            # after the user's. A new list, as the hook loop running now iterates the old one.
             trainer.callbacks = [c for c in callbacks if c is not self] + [self]  # type: ignore[attr-defined]
         if stage == "fit":
             agree = functools.partial(trainer.strategy.reduce_boolean_decision, all=False)
             if not self._claimed:  # NOTE: every rank
                 self._lock, self._claimed = claim_directory(str(self.dirpath), trainer.is_global_zero, agree), True
-            self._requeue = slurm_requeue(trainer, self.preemption)  # NOTE: before the workers learn the signals
+            # NOTE: before the workers learn the signals
+            self._requeue = slurm_requeue(trainer, self.preemption)
             self._training.intercept(trainer)
             evaluation_workers_ignore(trainer, self.preemption.signals)
 
@@ -172,22 +185,25 @@ class ResumeCallback(OnExceptionCheckpoint):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        skipped, self._skipped = self._skipped, None  # NOTE: after the restore, whenever the strategy does it
+        # NOTE: after the restore, whenever the strategy does it
+        skipped, self._skipped = self._skipped, None
         if skipped is not None and trainer.ckpt_path is None:
             raise nothing_else_to_resume(skipped)
         if trainer.ckpt_path is None and is_remote(self.dirpath):
             refuse_a_silent_start(checkpoints_in(str(self.dirpath), trainer))
-        if trainer.ckpt_path is None:  # NOTE: an earlier job's traces and nothing to resume: said (or refused)
+        # NOTE: an earlier job's traces and nothing to resume: said (or refused)
+        if trainer.ckpt_path is None:
             resuming_nothing(self._lock, functools.partial(trainer.strategy.reduce_boolean_decision, all=False))
         self._training.check_iterated(trainer)
         self._install(trainer)
 
     def _install(self, trainer: Trainer) -> None:
-        # NOTE: installed once Lightning registered its own SIGTERM handler (it composes with ours and, on a
-        # signal, kills the launcher's processes, broadcasts inside the handler and then aborts fit with
-        # SIGTERMException: no checkpoint, exit 0, and under DDP a hang). Replacing it for our signals leaves
-        # one flag, read at the next step boundary by every rank together. One that reached Lightning's
-        # handler before (it is registered right before the sanity check) becomes ours.
+        # NOTE: installed once Lightning registered its own SIGTERM handler (it composes with ours
+        # and, on a signal, kills the launcher's processes, broadcasts inside the handler and then
+        # aborts fit with SIGTERMException: no checkpoint, exit 0, and under DDP a hang). Replacing
+        # it for our signals leaves one flag, read at the next step boundary by every rank together.
+        # One that reached Lightning's handler before (it is registered right before the sanity
+        # check) becomes ours.
         self.preemption.install()
         adopt_lightnings_sigterm(trainer, self.preemption)
 
@@ -201,7 +217,8 @@ class ResumeCallback(OnExceptionCheckpoint):
             return
         agree = functools.partial(trainer.strategy.reduce_boolean_decision, all=False)
         if agree(self.preemption.received is not None):
-            written = save_atomically(trainer, self.ckpt_path)  # NOTE: a kill mid-save leaves the previous whole
+            # NOTE: a kill mid-save leaves the previous whole
+            written = save_atomically(trainer, self.ckpt_path)
             self.preempted_at = trainer.global_step
             self._exit_with = preemption_exit_code(None if written is None else Path(written), trainer.global_step,
                                                    self.exit_code or 0, "the newest checkpoint Lightning finds")
@@ -210,13 +227,15 @@ class ResumeCallback(OnExceptionCheckpoint):
 
     @override
     def on_exception(self, trainer: Trainer, *args: Any, **kwargs: Any) -> None:
-        """No save (an exception arrives mid-step; we save at step boundaries); the directory is let go."""
+        """No save (an exception arrives mid-step; we save at step boundaries); the directory is let
+        go."""
         self._let_go()
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.preempted_at is None:
-            trainer.strategy.remove_checkpoint(self.ckpt_path)  # finished: nothing left to resume from
+            # finished: nothing left to resume from
+            trainer.strategy.remove_checkpoint(self.ckpt_path)
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -227,8 +246,9 @@ class ResumeCallback(OnExceptionCheckpoint):
         self._let_go()
         written = self.preempted_at is not None and self._exit_with != FAILED_SAVE_EXIT_CODE
         if written and trainer.is_global_zero and not is_remote(self.dirpath) and os.path.exists(self.ckpt_path):
-            # NOTE: a restart resumes from the newest of this file and ModelCheckpoint's last file (by mtime);
-            # ModelCheckpoint may still write last.ckpt while the stopping fit winds down, within the same tick
+            # NOTE: a restart resumes from the newest of this file and ModelCheckpoint's last file
+            # (by mtime); ModelCheckpoint may still write last.ckpt while the stopping fit winds
+            # down, within the same tick
             make_newest(self.ckpt_path, trainer)
         if written:
             self._requeue.after_checkpoint(trainer.is_global_zero)
@@ -285,9 +305,10 @@ class ResumeCallback(OnExceptionCheckpoint):
     # --- loaders -------------------------------------------------------------------------------
     def _resumable(self, loader: DataLoader[Any], rank: int, world_size: int, distributed: bool,
                    index: int) -> ResumableDataLoader[Any]:
-        """The same loader, made resumable (``loader_resume.convert``) and sharded; the ``index``-th training loader
-        gets its own seed (``loader_seed``). NOTE: under a parallel strategy Lightning rebuilds any training loader
-        whose sampler is not a ``DistributedSampler``: ours carry one (or a ``ShardedSampler``), so it keeps them.
+        """The same loader, made resumable (``loader_resume.convert``) and sharded; the ``index``-th
+        training loader gets its own seed (``loader_seed``). NOTE: under a parallel strategy
+        Lightning rebuilds any training loader whose sampler is not a ``DistributedSampler``: ours
+        carry one (or a ``ShardedSampler``), so it keeps them.
         """
         return resumable(
             loader, seed=loader_seed(self.seed, index), keying=self.keying, keyed_generators=self.keyed_generators,

@@ -1,10 +1,12 @@
 """``FabricResume``: exact mid-epoch resume for Lightning Fabric loops, with preemption checkpoints.
 
-On one ``Fabric``, public APIs only: ``fabric.setup_dataloaders`` returns loaders sharded by us (``fabric_loader``);
-``fabric.save``/``fabric.load`` carry every rank's loader and RNG state under ``checkpoint["loader_resume"]`` (one
-copy, from rank 0; each rank takes its own part, at another world size too); a preemption signal leads, at the next
-step boundary (``loader_resume.job.step_boundary``) the ranks agree on, to a sealed checkpoint directory and an exit
-with ``exit_code``; ``FabricResume.restore`` loads the newest complete one. The docs' Fabric page has the loop.
+On one ``Fabric``, public APIs only: ``fabric.setup_dataloaders`` returns loaders sharded by us
+(``fabric_loader``); ``fabric.save``/``fabric.load`` carry every rank's loader and RNG state under
+``checkpoint["loader_resume"]`` (one copy, from rank 0; each rank takes its own part, at another
+world size too); a preemption signal leads, at the next step boundary
+(``loader_resume.job.step_boundary``) the ranks agree on, to a sealed checkpoint directory and an
+exit with ``exit_code``; ``FabricResume.restore`` loads the newest complete one. The docs' Fabric
+page has the loop.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ CHECKPOINT_FILE = "checkpoint.ckpt"
 
 
 class FabricResume(LoopHandle):
-    """Exact mid-epoch resume for a Lightning Fabric loop; see the module docstring for the whole picture.
+    """Exact mid-epoch resume for a Lightning Fabric loop; see the module docstring for the whole
+    picture.
 
     Args:
         fabric: the launched ``Fabric`` (one ``FabricResume`` per instance).
@@ -49,17 +52,23 @@ class FabricResume(LoopHandle):
         keyed_generators: which global generators are keyed inside data loading.
         signals: signals that request a preemption checkpoint (``()`` for none); handled once
             [`restore`][lightning_resume.FabricResume.restore] has the state to save.
-        checkpoint_dir: where checkpoints go, a local path (a URL is refused); ``None``: ``./resume_checkpoints``.
-        remote: an fsspec URL (``s3://bucket/run``) each sealed checkpoint is copied to, its manifest last; at
-            ``restore`` the complete ones there newer than the local ones are downloaded first (one job holds it).
+        checkpoint_dir: where checkpoints go, a local path (a URL is refused); ``None``:
+            ``./resume_checkpoints``.
+        remote: an fsspec URL (``s3://bucket/run``) each sealed checkpoint is copied to, its
+            manifest last; at ``restore`` the complete ones there newer than the local ones are
+            downloaded first (one job holds it).
         save_every_n_steps: also checkpoint every N optimizer steps (0: only on preemption).
-        check_every_n_steps: agree on signals every N optimizer steps (one tiny collective each time).
+        check_every_n_steps: agree on signals every N optimizer steps (one tiny collective each
+            time).
         keep: how many complete checkpoints to keep.
-        exit_code: the exit status after a preemption checkpoint (143 = 128 + SIGTERM: a scheduler requeues).
+        exit_code: the exit status after a preemption checkpoint (143 = 128 + SIGTERM: a scheduler
+            requeues).
         verify_checksums: seal checkpoints with SHA-256 checksums (else sizes only).
-        slurm_requeue: inside a SLURM job, after a checkpoint requested by SIGUSR1 (``sbatch --signal=USR1@90``)
-            the main process runs ``scontrol requeue`` (``loader_resume.job.slurm``); other signals stop without one.
-        audit: a directory or URL each rank logs its batches to, for `loader-resume audit` (else $LOADER_RESUME_AUDIT).
+        slurm_requeue: inside a SLURM job, after a checkpoint requested by SIGUSR1 (``sbatch
+            --signal=USR1@90``) the main process runs ``scontrol requeue``
+            (``loader_resume.job.slurm``); other signals stop without one.
+        audit: a directory or URL each rank logs its batches to, for `loader-resume audit` (else
+            $LOADER_RESUME_AUDIT).
     """
 
     def __init__(
@@ -100,16 +109,18 @@ class FabricResume(LoopHandle):
         fabric.save, fabric.load = self.save_to, self.load_from  # type: ignore[method-assign]
         fabric.loader_resume = self  # type: ignore[attr-defined]
 
-    # --- the user's API ----------------------------------------------------------------------------
+    # --- the user's API
+    # ----------------------------------------------------------------------------
     def epochs(self, num_epochs: int) -> Iterator[int]:
         """``range(num_epochs)``, starting at the resumed epoch."""
         return self.session.epochs(num_epochs)
 
     def setup_dataloaders(self, *dataloaders: DataLoader[Any], use_distributed_sampler: bool = True,
                           move_to_device: bool = True) -> Any:
-        """``fabric.setup_dataloaders``: each loader as a ``FabricResumableDataLoader`` sharded for this
-        rank (``use_distributed_sampler`` is ignored: the loader shards itself); one loader or a list, as
-        Fabric returns them. Every rank must call it (the ranks' datasets are compared)."""
+        """``fabric.setup_dataloaders``: each loader as a ``FabricResumableDataLoader`` sharded for
+        this rank (``use_distributed_sampler`` is ignored: the loader shards itself); one loader or
+        a list, as Fabric returns them. Every rank must call it (the ranks' datasets are
+        compared)."""
         if not dataloaders:
             raise ValueError("setup_dataloaders(): expected at least one DataLoader")
         if self.fabric.world_size > 1 and not (dist.is_available() and dist.is_initialized()):
@@ -119,9 +130,10 @@ class FabricResume(LoopHandle):
         return converted[0] if len(converted) == 1 else converted
 
     def restore(self, state: dict[str, Any]) -> Path | None:
-        """Start resuming (every rank calls it): ``state`` (the dict you pass to ``fabric.save``, with the model and
-        optimizer(s) set up by Fabric) is what checkpoints save; the newest complete checkpoint in ``checkpoint_dir``
-        that verifies is loaded into it. Holds the directory, installs the signal handlers. Returns what it loaded."""
+        """Start resuming (every rank calls it): ``state`` (the dict you pass to ``fabric.save``,
+        with the model and optimizer(s) set up by Fabric) is what checkpoints save; the newest
+        complete checkpoint in ``checkpoint_dir`` that verifies is loaded into it. Holds the
+        directory, installs the signal handlers. Returns what it loaded."""
         optimizers = [value for value in state.values() if isinstance(getattr(value, "optimizer", value),
                                                                           torch.optim.Optimizer)]
         if not optimizers:
@@ -135,28 +147,33 @@ class FabricResume(LoopHandle):
                 self.session.boundaries.hook(inner)
         self._ways.state = state
         self.session.saving = True
-        self.session.hold()  # NOTE: one job per directory, writable, from the first restore on (every rank)
+        # NOTE: one job per directory, writable, from the first restore on (every rank)
+        self.session.hold()
         self.session.preemption.install()
         return self.session.resume()
 
     def save(self) -> Path | None:
-        """Checkpoint now (every rank calls it): the state given to [`restore`][lightning_resume.FabricResume.restore],
-        by ``fabric.save`` into ``checkpoint_dir/step_<step>/``, atomically; checkpoints beyond ``keep`` are deleted.
-        A failed write on any rank is agreed by all: logged, the previous checkpoints stay, ``None`` is returned."""
+        """Checkpoint now (every rank calls it): the state given to
+        [`restore`][lightning_resume.FabricResume.restore], by ``fabric.save`` into
+        ``checkpoint_dir/step_<step>/``, atomically; checkpoints beyond ``keep`` are deleted. A
+        failed write on any rank is agreed by all: logged, the previous checkpoints stay, ``None``
+        is returned."""
         if self._ways.state is None:
             raise RuntimeError("FabricResume.save(): no state to save; call resume.restore(state) first")
         return self.session.save()
 
     def close(self) -> None:
-        """Undo ``FabricResume``: signal handlers, Fabric's methods, the directory lock (set-up loaders stay)."""
+        """Undo ``FabricResume``: signal handlers, Fabric's methods, the directory lock (set-up
+        loaders stay)."""
         self.session.close()
         for name in ("setup_dataloaders", "save", "load", "loader_resume"):
             self.fabric.__dict__.pop(name, None)
 
     def save_to(self, path: str | Path, state: dict[str, Any],
                 filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
-        """``fabric.save``, with every rank's loader and RNG states under ``checkpoint["loader_resume"]``
-        (a collective: every rank calls ``fabric.save``, as Fabric requires)."""
+        """``fabric.save``, with every rank's loader and RNG states under
+        ``checkpoint["loader_resume"]`` (a collective: every rank calls ``fabric.save``, as Fabric
+        requires)."""
         if CHECKPOINT_KEY in state:
             raise ValueError(f"fabric.save(path, state): state has a key {CHECKPOINT_KEY!r}, which loader-resume "
                              "writes; expected another name")
@@ -165,9 +182,10 @@ class FabricResume(LoopHandle):
 
     def load_from(self, path: str | Path, state: dict[str, Any] | None = None, strict: bool = True,
                   *, weights_only: bool | None = None) -> dict[str, Any]:
-        """``fabric.load``; a checkpoint's ``loader_resume`` entry goes into the loaders and this rank's RNG
-        (restored right before the next batch is fetched)."""
-        # NOTE: Fabric.load has weights_only from lightning 2.6.1: passed on only when given (as a stock call would)
+        """``fabric.load``; a checkpoint's ``loader_resume`` entry goes into the loaders and this
+        rank's RNG (restored right before the next batch is fetched)."""
+        # NOTE: Fabric.load has weights_only from lightning 2.6.1: passed on only when given (as a
+        # stock call would)
         options = {} if weights_only is None else {"weights_only": weights_only}
         if not state:
             return self._fabric_load(path, state, strict, **options)  # type: ignore[no-any-return, unused-ignore]
@@ -191,12 +209,13 @@ class FabricResume(LoopHandle):
 
 
 class _FabricWays:
-    """Fabric's own ways for the loop's session: its collectives, ``fabric.save``/``fabric.load`` of the state
-    given to ``FabricResume.restore``, and its launched processes' exit."""
+    """Fabric's own ways for the loop's session: its collectives, ``fabric.save``/``fabric.load`` of
+    the state given to ``FabricResume.restore``, and its launched processes' exit."""
 
     def __init__(self, fabric: Fabric) -> None:
         self.fabric = fabric
-        self.state: dict[str, Any] | None = None  # what checkpoints save (FabricResume.restore's state)
+        # what checkpoints save (FabricResume.restore's state)
+        self.state: dict[str, Any] | None = None
 
     @property
     def is_main(self) -> bool:
@@ -215,7 +234,8 @@ class _FabricWays:
 
     def write(self, directory: Path) -> None:
         assert self.state is not None  # NOTE: the session saves only once restore(state) was called
-        save_whole(self.fabric, directory / CHECKPOINT_FILE, self.state)  # NOTE: a failed write: agreed by the session
+        # NOTE: a failed write: agreed by the session
+        save_whole(self.fabric, directory / CHECKPOINT_FILE, self.state)
 
     def load(self, directory: Path) -> None:
         assert self.state is not None

@@ -1,15 +1,17 @@
-"""``ResumeCallback``'s checkpoint files under storage faults: written atomically under a name of their own,
-verified before Lightning loads them, and a corrupted preemption checkpoint passed over at an automatic resume.
+"""``ResumeCallback``'s checkpoint files under storage faults: written atomically under a name of
+their own, verified before Lightning loads them, and a corrupted preemption checkpoint passed over
+at an automatic resume.
 
-- ``save_atomically``: ``trainer.save_checkpoint`` into ``.NAME.tmp-TOKEN`` (a name of this write alone), then
-  the writer waited for (``finish_writes``: Lightning's ``AsyncCheckpointIO`` writes in a thread after
-  ``save_checkpoint`` returned), the file verified (a URL: found), and only then renamed (to an fsspec URL: one
-  upload, visible only once complete); a failed write on any rank (a full disk, a read-only mount, a write that
-  failed in the background, any exception) is agreed by all ranks, the temporary file is removed, the previous
-  checkpoint stays, and ``None`` is returned.
-- ``usable``: whether a checkpoint file verifies (``loader_resume.job.torch_file.verify_torch_file``), with
-  a warning naming it and why not; ``verify_loads``: every file the strategy loads is verified first, so a
-  changed or truncated checkpoint is refused naming the file (``fit(ckpt_path=...)`` included).
+- ``save_atomically``: ``trainer.save_checkpoint`` into ``.NAME.tmp-TOKEN`` (a name of this write
+  alone), then the writer waited for (``finish_writes``: Lightning's ``AsyncCheckpointIO`` writes in
+  a thread after ``save_checkpoint`` returned), the file verified (a URL: found), and only then
+  renamed (to an fsspec URL: one upload, visible only once complete); a failed write on any rank (a
+  full disk, a read-only mount, a write that failed in the background, any exception) is agreed by
+  all ranks, the temporary file is removed, the previous checkpoint stays, and ``None`` is returned.
+- ``usable``: whether a checkpoint file verifies
+  (``loader_resume.job.torch_file.verify_torch_file``), with a warning naming it and why not;
+  ``verify_loads``: every file the strategy loads is verified first, so a changed or truncated
+  checkpoint is refused naming the file (``fit(ckpt_path=...)`` included).
 """
 
 from __future__ import annotations
@@ -35,11 +37,12 @@ logger = logging.getLogger(__name__)
 
 
 def save_atomically(trainer: Trainer, final: str) -> str | None:
-    """``trainer.save_checkpoint`` to ``final`` through a temporary file (every rank calls it): ``final`` once the
-    file is whole on storage and verifies, or ``None`` when the write failed on any rank (logged with the path and
-    the cause)."""
+    """``trainer.save_checkpoint`` to ``final`` through a temporary file (every rank calls it):
+    ``final`` once the file is whole on storage and verifies, or ``None`` when the write failed on
+    any rank (logged with the path and the cause)."""
     strategy = trainer.strategy
-    remote = is_remote(final)  # NOTE: no rename on an object store: Lightning writes one upload, visible once complete
+    # NOTE: no rename on an object store: Lightning writes one upload, visible once complete
+    remote = is_remote(final)
     folder, name = os.path.split(final)
     target = final if remote else os.path.join(folder, f".{name}.tmp-{writer_token(strategy.broadcast)}")
     failure = _write(trainer, target)
@@ -60,12 +63,14 @@ def save_atomically(trainer: Trainer, final: str) -> str | None:
 
 
 def _write(trainer: Trainer, target: str) -> Exception | None:
-    """``trainer.save_checkpoint(target)`` on this rank, the writer waited for and (on the rank that writes) the file
-    verified: ``None``, or what failed. To a URL Lightning's checkpoint IO writes the whole file into one upload inside
-    an fsspec transaction (``_atomic_save``): a reader sees the previous object or the new one, never a part."""
+    """``trainer.save_checkpoint(target)`` on this rank, the writer waited for and (on the rank that
+    writes) the file verified: ``None``, or what failed. To a URL Lightning's checkpoint IO writes
+    the whole file into one upload inside an fsspec transaction (``_atomic_save``): a reader sees
+    the previous object or the new one, never a part."""
     try:
         trainer.save_checkpoint(target)
-    except Exception as error:  # NOTE: the barrier save_checkpoint ends with, which the other ranks are in
+    # NOTE: the barrier save_checkpoint ends with, which the other ranks are in
+    except Exception as error:
         trainer.strategy.barrier("Trainer.save_checkpoint")
         # NOTE: a store fails in its client's terms too (no credentials, a network error)
         return error if is_remote(target) else storage_failure(error)
@@ -73,17 +78,21 @@ def _write(trainer: Trainer, target: str) -> Exception | None:
         finish_writes(trainer.strategy)
         if trainer.is_global_zero and is_remote(target) and not exists(target):
             raise FileNotFoundError(f"{target}: not on the store once the checkpoint IO returned")
-        if trainer.is_global_zero and not is_remote(target) and not os.path.isdir(target):  # NOTE: a sharded save
-            verify_torch_file(target)  # NOTE: an upload is whole once visible: not read back over the network
-    except Exception as error:  # NOTE: a write that failed in the writer's thread, or a file that is not whole
+        # NOTE: a sharded save
+        if trainer.is_global_zero and not is_remote(target) and not os.path.isdir(target):
+            # NOTE: an upload is whole once visible: not read back over the network
+            verify_torch_file(target)
+    # NOTE: a write that failed in the writer's thread, or a file that is not whole
+    except Exception as error:
         return error
     return None
 
 
 def save_whole(fabric: Any, path: Path, state: dict[str, Any]) -> None:
-    """``fabric.save(path, state)`` (every rank calls it), returning once the file is on storage (``finish_writes``:
-    a Fabric may write through ``AsyncCheckpointIO`` too), or raising what failed (after the barrier ``fabric.save``
-    ends with, where the failure was in it: the other ranks are there)."""
+    """``fabric.save(path, state)`` (every rank calls it), returning once the file is on storage
+    (``finish_writes``: a Fabric may write through ``AsyncCheckpointIO`` too), or raising what
+    failed (after the barrier ``fabric.save`` ends with, where the failure was in it: the other
+    ranks are there)."""
     try:
         fabric.save(path, state)
     except Exception:
@@ -97,20 +106,23 @@ def save_whole(fabric: Any, path: Path, state: dict[str, Any]) -> None:
 
 
 def finish_writes(strategy: Any) -> None:
-    """Return once every file the ``strategy``'s checkpoint IO was asked to write is written, or raise why one was not.
+    """Return once every file the ``strategy``'s checkpoint IO was asked to write is written, or
+    raise why one was not.
 
-    A checkpoint IO may write after its ``save_checkpoint`` returned: Lightning's ``AsyncCheckpointIO`` writes in a
-    thread (so may a user's own). ``teardown()`` is the one moment Lightning's contract gives a checkpoint IO to
-    finish its work (a strategy calls it as ``fit`` ends; ``AsyncCheckpointIO`` waits for its thread there, raises
-    the error of any write that failed in it, and starts a new thread at its next save), so each layer's
-    ``teardown()`` runs, outermost first. A failure raised here is this save's failure, reported by the caller:
-    ``AsyncCheckpointIO`` forgets it (it would raise it again at its next save and as ``fit`` ends, ending the
-    process with a traceback instead of the agreed exit).
+    A checkpoint IO may write after its ``save_checkpoint`` returned: Lightning's
+    ``AsyncCheckpointIO`` writes in a thread (so may a user's own). ``teardown()`` is the one moment
+    Lightning's contract gives a checkpoint IO to finish its work (a strategy calls it as ``fit``
+    ends; ``AsyncCheckpointIO`` waits for its thread there, raises the error of any write that
+    failed in it, and starts a new thread at its next save), so each layer's ``teardown()`` runs,
+    outermost first. A failure raised here is this save's failure, reported by the caller:
+    ``AsyncCheckpointIO`` forgets it (it would raise it again at its next save and as ``fit`` ends,
+    ending the process with a traceback instead of the agreed exit).
     """
     failure: BaseException | None = None
     try:
         layer = strategy.checkpoint_io
-    except NotImplementedError:  # NOTE: FSDP's and ModelParallelStrategy's own writes (DCP), done when save returns
+    # NOTE: FSDP's and ModelParallelStrategy's own writes (DCP), done when save returns
+    except NotImplementedError:
         return
     while layer is not None:
         try:
@@ -118,20 +130,24 @@ def finish_writes(strategy: Any) -> None:
         except Exception as error:
             failure = failure or error
             if isinstance(layer, AsyncCheckpointIO):
-                layer._error = None  # NOTE: Lightning 2.6's record of the failed write; no public way to clear it
-        layer = getattr(layer, "checkpoint_io", None)  # NOTE: Lightning's wrappers name the IO they wrap so
+                # NOTE: Lightning 2.6's record of the failed write; no public way to clear it
+                layer._error = None
+        # NOTE: Lightning's wrappers name the IO they wrap so
+        layer = getattr(layer, "checkpoint_io", None)
     if failure is not None:
         raise failure
 
 
 def exists(path: str) -> bool:
-    """Whether the checkpoint file ``path`` (a local path or a URL) exists; a URL that cannot be reached (no
-    credentials, no network, no such bucket) raises ``CheckpointError`` naming it and the cause."""
+    """Whether the checkpoint file ``path`` (a local path or a URL) exists; a URL that cannot be
+    reached (no credentials, no network, no such bucket) raises ``CheckpointError`` naming it and
+    the cause."""
     if not is_remote(path):
         return os.path.isfile(path)
     fs, inner = remote_filesystem(path)
     try:
-        return bool(fs.info(inner)["type"] == "file")  # NOTE: not fs.isfile, which turns any error into False
+        # NOTE: not fs.isfile, which turns any error into False
+        return bool(fs.info(inner)["type"] == "file")
     except FileNotFoundError:
         return False
     except Exception as error:
@@ -140,12 +156,13 @@ def exists(path: str) -> bool:
 
 
 def usable(path: str) -> bool:
-    """Whether the checkpoint file at ``path`` (a local path or a URL) verifies; a warning names it and why not (once
-    per version of it: Lightning asks for it more than once)."""
+    """Whether the checkpoint file at ``path`` (a local path or a URL) verifies; a warning names it
+    and why not (once per version of it: Lightning asks for it more than once)."""
     if is_remote(path):
         fs, inner = remote_filesystem(path)
         info = fs.info(inner)
-        version = info.get("ETag") or info.get("mtime") or fs.modified(inner)  # NOTE: whatever the store gives
+        # NOTE: whatever the store gives
+        version = info.get("ETag") or info.get("mtime") or fs.modified(inner)
         return _usable(path, int(info.get("size") or 0), str(version))
     stat = os.stat(path)
     return _usable(path, stat.st_size, stat.st_mtime_ns)
@@ -162,8 +179,8 @@ def _usable(path: str, size: int, version: Any) -> bool:
 
 
 def verify_loads(strategy: Any) -> None:
-    """Every checkpoint file ``strategy.load_checkpoint`` reads from now on is verified first, a local path or a URL
-    (a directory, as a sharded strategy saves, is left to the strategy)."""
+    """Every checkpoint file ``strategy.load_checkpoint`` reads from now on is verified first, a
+    local path or a URL (a directory, as a sharded strategy saves, is left to the strategy)."""
     load = strategy.load_checkpoint
     if getattr(load, "verifies", False):
         return
@@ -179,7 +196,8 @@ def verify_loads(strategy: Any) -> None:
 
 
 def nothing_else_to_resume(skipped: str) -> CheckpointError:
-    """The error when the preemption checkpoint ``skipped`` does not verify and Lightning found no other."""
+    """The error when the preemption checkpoint ``skipped`` does not verify and Lightning found no
+    other."""
     return CheckpointError(f"{skipped}: the preemption checkpoint does not verify (the warning above says why) and "
                            "there is no other checkpoint to resume from; expected an intact one: move it away to "
                            "start over")

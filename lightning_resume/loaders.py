@@ -1,4 +1,5 @@
-"""The training loaders Lightning holds, made resumable wherever they sit in what the module returned."""
+"""The training loaders Lightning holds, made resumable wherever they sit in what the module
+returned."""
 
 from __future__ import annotations
 
@@ -20,28 +21,31 @@ __all__ = ["TrainingLoaders", "drop_lightning_loader_states", "evaluation_worker
 
 
 class TrainingLoaders:
-    """One fit's training loaders: made resumable where Lightning holds them (or once the module returns
-    them), sharded for the trainer's rank, and given a checkpoint's states as soon as they exist.
+    """One fit's training loaders: made resumable where Lightning holds them (or once the module
+    returns them), sharded for the trainer's rank, and given a checkpoint's states as soon as they
+    exist.
 
-    ``make_resumable(loader, rank, world_size, distributed, index)`` converts one loader, the ``index``-th found
-    (``distributed``: under a parallel strategy, where Lightning would put a ``DistributedSampler`` on it).
+    ``make_resumable(loader, rank, world_size, distributed, index)`` converts one loader, the
+    ``index``-th found (``distributed``: under a parallel strategy, where Lightning would put a
+    ``DistributedSampler`` on it).
     """
 
     def __init__(self, make_resumable: Callable[[DataLoader[Any], int, int, bool, int], ResumableDataLoader[Any]]
                  ) -> None:
         self.loaders: list[ResumableDataLoader[Any]] = []
-        """The converted loaders of this fit, in the order their states are saved (empty until converted)."""
+        """The converted loaders of this fit, in the order their states are saved (empty until
+        converted)."""
         self._to_load: list[Any] | None = None
         self._make = make_resumable
         self._shard = (0, 1, False)
 
     def load(self, saved: list[Any]) -> None:
-        """Each loader's gathered states from a checkpoint (``gather_states``): loaded now if the loaders exist,
-        else as they are converted.
+        """Each loader's gathered states from a checkpoint (``gather_states``): loaded now if the
+        loaders exist, else as they are converted.
 
-        NOTE: Lightning restores callbacks' checkpoint state after ``setup``. Loaders handed to ``fit()``
-        directly are converted at ``setup``, so they exist by then; a module's or datamodule's
-        ``train_dataloader()`` is called later, and its loaders are converted then.
+        NOTE: Lightning restores callbacks' checkpoint state after ``setup``. Loaders handed to
+        ``fit()`` directly are converted at ``setup``, so they exist by then; a module's or
+        datamodule's ``train_dataloader()`` is called later, and its loaders are converted then.
         """
         self._to_load = saved
         if self.loaders:
@@ -51,17 +55,20 @@ class TrainingLoaders:
         """The loader's state at the batch the trainer has taken, not the one it prefetched.
 
         NOTE: Lightning fetches one batch ahead from a training loader without ``__len__`` (to know
-        when the epoch ends), so such a loader has delivered one more batch than the trainer used. At the
-        epoch's last batch every training loader's pass ends, even one left mid-way (``limit_train_batches``,
-        ``CombinedLoader`` ``min_size``, or ``max_size_cycle``'s restarted shorter loader): a resumed fit
-        starts the next epoch with one ``iter()`` each, so the state is where that pass starts.
+        when the epoch ends), so such a loader has delivered one more batch than the trainer used.
+        At the epoch's last batch every training loader's pass ends, even one left mid-way
+        (``limit_train_batches``, ``CombinedLoader`` ``min_size``, or ``max_size_cycle``'s restarted
+        shorter loader): a resumed fit starts the next epoch with one ``iter()`` each, so the state
+        is where that pass starts.
         """
         progress = trainer.fit_loop.epoch_loop.batch_progress.current
         if trainer.state.fn == "fit" and (trainer.is_last_batch or progress.ready == trainer.num_training_batches):
             return loader.state_dict(pass_ended=True)
-        if loader.pass_finished:  # NOTE: done before the epoch (CombinedLoader max_size): empty for the epoch's rest
+        # NOTE: done before the epoch (CombinedLoader max_size): empty for the epoch's rest
+        if loader.pass_finished:
             return loader.state_dict(pass_ended=False, ending=True)
-        # NOTE: mid-epoch (a periodic checkpoint, validation, max_steps, a signal): the pass continues
+        # NOTE: mid-epoch (a periodic checkpoint, validation, max_steps, a signal): the pass
+        # continues
         if len(self.loaders) != 1 or not isinstance(loader.dataset, torch.utils.data.IterableDataset):
             return loader.state_dict(pass_ended=False)
         taken = trainer.fit_loop.epoch_loop.batch_progress.current.ready
@@ -70,9 +77,10 @@ class TrainingLoaders:
     def intercept(self, trainer: Trainer) -> None:
         """Convert the trainer's training loaders now, or wrap the hook that will return them.
 
-        NOTE: sharded as Lightning shards (``distributed_sampler_kwargs``): under a parallel strategy every loader
-        gets a ``DistributedSampler``, for one process too (FSDP on one GPU), or Lightning would rebuild it with
-        one of its own and iterate a copy whose state we never see.
+        NOTE: sharded as Lightning shards (``distributed_sampler_kwargs``): under a parallel
+        strategy every loader gets a ``DistributedSampler``, for one process too (FSDP on one GPU),
+        or Lightning would rebuild it with one of its own and iterate a copy whose state we never
+        see.
         """
         kwargs = trainer.distributed_sampler_kwargs
         if kwargs is None:
@@ -87,8 +95,9 @@ class TrainingLoaders:
         intercept(trainer.fit_loop._data_source, self.convert)
 
     def check_iterated(self, trainer: Trainer) -> None:
-        """Raise unless the loaders the fit iterates are the ones whose states are saved (a loader that Lightning,
-        or another callback, replaced after we converted it would be resumed from a state nobody advanced)."""
+        """Raise unless the loaders the fit iterates are the ones whose states are saved (a loader
+        that Lightning, or another callback, replaced after we converted it would be resumed from a
+        state nobody advanced)."""
         combined = trainer.fit_loop._combined_loader
         iterated = [] if combined is None else combined.flattened
         strays = [loader for loader in self.loaders if not any(loader is other for other in iterated)]
@@ -99,10 +108,11 @@ class TrainingLoaders:
                                "states are the ones saved")
 
     def convert(self, loaders: Any) -> Any:
-        """``loaders`` (what a module's ``train_dataloader()`` returns) with every DataLoader made resumable;
-        a checkpoint's states waiting in ``load`` go into them."""
+        """``loaders`` (what a module's ``train_dataloader()`` returns) with every DataLoader made
+        resumable; a checkpoint's states waiting in ``load`` go into them."""
         converted, self.loaders = resumable_tree(loaders, lambda loader, index: self._make(loader, *self._shard, index))
-        for loader in self.loaders:  # Lightning asks for the training loaders on every rank: a collective is safe
+        # Lightning asks for the training loaders on every rank: a collective is safe
+        for loader in self.loaders:
             check_same_dataset(loader)
         self._apply()
         return converted
@@ -119,15 +129,17 @@ class TrainingLoaders:
 
 
 def intercept(source: Any, transform: Callable[[Any], Any]) -> None:
-    """What Lightning's data ``source`` (a loop's ``_DataConnectorSource``) hands its loop, through ``transform``:
-    now if it holds the loaders, else each time its hook (``train_dataloader()``...) is called."""
+    """What Lightning's data ``source`` (a loop's ``_DataConnectorSource``) hands its loop, through
+    ``transform``: now if it holds the loaders, else each time its hook (``train_dataloader()``...)
+    is called."""
     instance = source.instance
     if isinstance(instance, (DataLoader, CombinedLoader, list, tuple, dict)):
         source.instance = transform(instance)
         return
     hook = getattr(instance, source.name, None)
     if hook is None or getattr(hook, "_loader_resume", False) or not source.is_defined():
-        return  # NOTE: a hook the module does not define stays undefined (Lightning then skips that loop)
+        # NOTE: a hook the module does not define stays undefined (Lightning then skips that loop)
+        return
 
     @functools.wraps(hook)  # NOTE: Lightning's is_overridden follows __wrapped__
     def transformed() -> Any:
@@ -138,8 +150,9 @@ def intercept(source: Any, transform: Callable[[Any], Any]) -> None:
 
 
 def evaluation_workers_ignore(trainer: Trainer, signals: tuple[int, ...]) -> None:
-    """The validation loaders of ``fit`` (its sanity check, mid-epoch and end-of-epoch validations): their workers
-    ignore ``signals``, as the training loaders' do (``workers_ignore_signals``); the loaders stay Lightning's."""
+    """The validation loaders of ``fit`` (its sanity check, mid-epoch and end-of-epoch validations):
+    their workers ignore ``signals``, as the training loaders' do (``workers_ignore_signals``); the
+    loaders stay Lightning's."""
     def guard(loaders: Any) -> Any:
         return resumable_tree(loaders, lambda loader, _: workers_ignore_signals(loader, signals), every=True)[0]
 
@@ -149,10 +162,10 @@ def evaluation_workers_ignore(trainer: Trainer, signals: tuple[int, ...]) -> Non
 def resumable_tree(
     obj: Any, convert: Callable[[DataLoader[Any], int], Any], every: bool = False,
 ) -> tuple[Any, list[ResumableDataLoader[Any]]]:
-    """``obj`` with every ``DataLoader`` in it made resumable by ``convert(loader, index)`` (``index``: how many
-    were found before it; one already resumable is kept unless ``every``),
-    through ``CombinedLoader``s, dicts, lists and tuples; and those loaders, in the order found (the order
-    their states are saved in)."""
+    """``obj`` with every ``DataLoader`` in it made resumable by ``convert(loader, index)``
+    (``index``: how many were found before it; one already resumable is kept unless ``every``),
+    through ``CombinedLoader``s, dicts, lists and tuples; and those loaders, in the order found (the
+    order their states are saved in)."""
     found: list[ResumableDataLoader[Any]] = []
 
     def walk(value: Any) -> Any:
@@ -173,7 +186,8 @@ def resumable_tree(
 
 
 def drop_lightning_loader_states(checkpoint: dict[str, Any]) -> None:
-    """Lightning also saves stateful loaders' states, from rank 0 only; ours (every rank's) replaces it."""
+    """Lightning also saves stateful loaders' states, from rank 0 only; ours (every rank's) replaces
+    it."""
     fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
     if isinstance(fit_loop.get("state_dict"), dict):
         fit_loop["state_dict"]["combined_loader"] = []

@@ -1,6 +1,6 @@
-"""How a preempted job stops: for ``ResumeCallback``, Lightning's own SIGTERM bookkeeping, the validation it runs
-at the step that stops ``fit`` and SLURM's requeue; for it and ``FabricResume``, the process's exit
-(``leave_process``)."""
+"""How a preempted job stops: for ``ResumeCallback``, Lightning's own SIGTERM bookkeeping, the
+validation it runs at the step that stops ``fit`` and SLURM's requeue; for it and ``FabricResume``,
+the process's exit (``leave_process``)."""
 
 from __future__ import annotations
 
@@ -22,18 +22,20 @@ __all__ = ["adopt_lightnings_sigterm", "leave_process", "slurm_requeue", "stop_v
 
 
 def adopt_lightnings_sigterm(trainer: Trainer, preemption: Preemption) -> None:
-    """A SIGTERM that reached Lightning's handler before ours was installed (Lightning registers it right before
-    the sanity check) becomes ours: else Lightning raises ``SIGTERMException`` at its next step or validation
-    batch, and ``fit`` ends with exit 0 and no checkpoint."""
+    """A SIGTERM that reached Lightning's handler before ours was installed (Lightning registers it
+    right before the sanity check) becomes ours: else Lightning raises ``SIGTERMException`` at its
+    next step or validation batch, and ``fit`` ends with exit 0 and no checkpoint."""
     if trainer.received_sigterm and signal.SIGTERM in preemption.signals:
-        trainer._signal_connector.received_sigterm = False  # NOTE: Lightning 2.6 has no public setter
+        # NOTE: Lightning 2.6 has no public setter
+        trainer._signal_connector.received_sigterm = False
         preemption.received = signal.SIGTERM
 
 
 def stop_validating_as_planned(trainer: Trainer) -> None:
-    """``trainer.should_stop``, at a step whose checkpoint is written: the validation due at this step runs (after
-    the save), and no other. NOTE: Lightning validates after any step that stops ``fit``
-    (``_should_check_val_fx``), and a resumed fit takes the validation due at its checkpoint's step as done."""
+    """``trainer.should_stop``, at a step whose checkpoint is written: the validation due at this
+    step runs (after the save), and no other. NOTE: Lightning validates after any step that stops
+    ``fit`` (``_should_check_val_fx``), and a resumed fit takes the validation due at its
+    checkpoint's step as done."""
     epoch_loop, fetcher = trainer.fit_loop.epoch_loop, trainer.fit_loop._data_fetcher
     due = fetcher is not None and epoch_loop._should_check_val_fx(fetcher)
     trainer.should_stop = True
@@ -41,11 +43,13 @@ def stop_validating_as_planned(trainer: Trainer) -> None:
 
 
 def slurm_requeue(trainer: Trainer, preemption: Preemption) -> Requeue:
-    """SLURM's requeue kept: under Lightning's ``SLURMEnvironment`` with ``auto_requeue`` on (Lightning's default in
-    a SLURM job), its ``requeue_signal`` (SIGUSR1) requests a preemption checkpoint too, and once the checkpoint that
-    signal led to is written the global-zero rank runs ``scontrol requeue`` (``loader_resume.job.slurm.Requeue``), as
-    Lightning's own handler does. Other signals (SIGTERM: ``scancel``, the time limit) stop without a requeue."""
-    environment = trainer._accelerator_connector.cluster_environment  # NOTE: as Lightning's signal connector
+    """SLURM's requeue kept: under Lightning's ``SLURMEnvironment`` with ``auto_requeue`` on
+    (Lightning's default in a SLURM job), its ``requeue_signal`` (SIGUSR1) requests a preemption
+    checkpoint too, and once the checkpoint that signal led to is written the global-zero rank runs
+    ``scontrol requeue`` (``loader_resume.job.slurm.Requeue``), as Lightning's own handler does.
+    Other signals (SIGTERM: ``scancel``, the time limit) stop without a requeue."""
+    # NOTE: as Lightning's signal connector
+    environment = trainer._accelerator_connector.cluster_environment
     on = isinstance(environment, SLURMEnvironment) and environment.auto_requeue
     requeue = Requeue(on, environment.requeue_signal if on else signal.SIGUSR1)  # type: ignore[attr-defined]
     if requeue.signal is not None and requeue.signal not in preemption.signals:
@@ -54,12 +58,13 @@ def slurm_requeue(trainer: Trainer, preemption: Preemption) -> Requeue:
 
 
 def leave_process(barrier: Callable[[], None] | None, rank: int, exit_code: int) -> None:
-    """End this process with ``exit_code`` after ``barrier()`` (every rank calls it): the process group is torn
-    down first (gloo aborts, SIGABRT, a process that exits with its group alive), and a rank that Lightning's or
-    Fabric's launcher started waits for rank 0 to leave."""
+    """End this process with ``exit_code`` after ``barrier()`` (every rank calls it): the process
+    group is torn down first (gloo aborts, SIGABRT, a process that exits with its group alive), and
+    a rank that Lightning's or Fabric's launcher started waits for rank 0 to leave."""
     if barrier is not None:
         barrier()
-    gc.collect()  # NOTE: gloo aborts a process whose worker threads still hold collectives' tensors at exit
+    # NOTE: gloo aborts a process whose worker threads still hold collectives' tensors at exit
+    gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     if rank != 0:
@@ -68,12 +73,13 @@ def leave_process(barrier: Callable[[], None] | None, rank: int, exit_code: int)
 
 
 def _outlive_launching_rank(timeout: float = 60.0) -> None:
-    """Wait for the process that launched this one to end, if it is rank 0 running this same command.
+    """Wait for the process that launched this one to end, if it is rank 0 running this same
+    command.
 
-    NOTE: Fabric's own launcher runs rank 0 as the main process and the other ranks as its children, and
-    a thread of rank 0 SIGKILLs everything once a child ends with a non-zero status: a child leaving first
-    with ``exit_code`` could get rank 0 killed before it leaves with its own. Under torchrun (a parent that
-    is not this command) there is nothing to wait for.
+    NOTE: Fabric's own launcher runs rank 0 as the main process and the other ranks as its children,
+    and a thread of rank 0 SIGKILLs everything once a child ends with a non-zero status: a child
+    leaving first with ``exit_code`` could get rank 0 killed before it leaves with its own. Under
+    torchrun (a parent that is not this command) there is nothing to wait for.
     """
     parent = os.getppid()
     try:
@@ -81,8 +87,8 @@ def _outlive_launching_rank(timeout: float = 60.0) -> None:
         mine = Path("/proc/self/cmdline").read_bytes().split(b"\0")
     except OSError:
         return
-    # NOTE: Fabric starts the other ranks as [sys.executable, abspath(script), *args]: compare the script's name
-    # and the arguments, not the paths
+    # NOTE: Fabric starts the other ranks as [sys.executable, abspath(script), *args]: compare the
+    # script's name and the arguments, not the paths
     same = len(theirs) == len(mine) > 1 and theirs[2:] == mine[2:] and \
         os.path.basename(theirs[1]) == os.path.basename(mine[1])
     deadline = time.monotonic() + timeout

@@ -1,11 +1,12 @@
 """``RayResume``: exact mid-epoch resume inside a Ray Train ``train_loop_per_worker``.
 
-Ray Train restarts a failed run from the last checkpoint reported to it (``FailureConfig(max_failures=...)``), and
-a new run under the same ``RunConfig(name, storage_path)`` starts from it too; ``ray.train.get_checkpoint()`` hands
-it to every worker. ``RayResume`` puts into each checkpoint what decides the next batches — every rank's loader
-states and generators, the step and the epoch — beside rank 0's model, optimizer and scheduler, and restores all of
-it, so training continues with the very next batch: at the same worker count exactly, at another one (map-style
-data) with the rest of the epoch exactly once.
+Ray Train restarts a failed run from the last checkpoint reported to it
+(``FailureConfig(max_failures=...)``), and a new run under the same ``RunConfig(name,
+storage_path)`` starts from it too; ``ray.train.get_checkpoint()`` hands it to every worker.
+``RayResume`` puts into each checkpoint what decides the next batches — every rank's loader states
+and generators, the step and the epoch — beside rank 0's model, optimizer and scheduler, and
+restores all of it, so training continues with the very next batch: at the same worker count
+exactly, at another one (map-style data) with the rest of the epoch exactly once.
 """
 
 from __future__ import annotations
@@ -40,33 +41,40 @@ class RayResume:
     """Checkpoints and restores a Ray Train worker's data position with its model.
 
     Args:
-        loaders: the training loaders, [`loader_resume.ResumableDataLoader`][loader_resume.ResumableDataLoader] (they
-            shard themselves across Ray's workers, through the process group Ray set up). Not
+        loaders: the training loaders,
+            [`loader_resume.ResumableDataLoader`][loader_resume.ResumableDataLoader] (they shard
+            themselves across Ray's workers, through the process group Ray set up). Not
             ``ray.train.torch.prepare_data_loader``'s
-            result: by default it builds another loader with a ``DistributedSampler`` (another order, a state
-            nobody saves), and its wrapper reads a batch ahead (a resume would skip one) — refused; move batches
-            with [`to_device`][ray_resume.to_device].
-        model: saved by rank 0 and loaded by every rank (``prepare_model``'s DDP wrapper is looked through; a
-            sharded FSDP model is refused: rank 0 cannot save it alone).
+            result: by default it builds another loader with a ``DistributedSampler`` (another
+                order, a state
+            nobody saves), and its wrapper reads a batch ahead (a resume would skip one) — refused;
+            move batches with [`to_device`][ray_resume.to_device].
+        model: saved by rank 0 and loaded by every rank (``prepare_model``'s DDP wrapper is looked
+            through; a sharded FSDP model is refused: rank 0 cannot save it alone).
         optimizer: saved by rank 0 and loaded by every rank, as ``model``.
         scheduler: saved by rank 0 and loaded by every rank, as ``model``.
-        every_n_steps: report a checkpoint every N steps ([`step_end`][ray_resume.RayResume.step_end]); 0: only when
+        every_n_steps: report a checkpoint every N steps
+            ([`step_end`][ray_resume.RayResume.step_end]); 0: only when
             [`report`][ray_resume.RayResume.report] is called, or at Ray's preemption notice.
-        preemption_notice: ask ``ray.train.get_preemption_info()`` every ``check_every_n_steps`` steps (a barrier
-            across workers, as the steps are: rank 0's answer goes to every worker, so all see the notice at the
-            same step); at the first notice every worker reports a checkpoint at that step boundary.
+        preemption_notice: ask ``ray.train.get_preemption_info()`` every ``check_every_n_steps``
+            steps (a barrier across workers, as the steps are: rank 0's answer goes to every worker,
+            so all see the notice at the same step); at the first notice every worker reports a
+            checkpoint at that step boundary.
         check_every_n_steps: how often the preemption notice is asked for.
-        stop_on_preemption: after the notice's checkpoint (step N), the workers finish step N (the code after
-            [`step_end`][ray_resume.RayResume.step_end] runs) and then wait for Ray to restart the run, at the node's
-            deadline: the next [`step_end`][ray_resume.RayResume.step_end] (step N + 1's work is done again after the
-            restart, its code after ``step_end`` runs once) or the next pass of [`epochs`][ray_resume.RayResume.epochs]
-            does not return, unless the run is over. The restart continues with step N + 1. ``False``: training goes on,
-            as Ray's own example does, and the restart replays the steps after the newest registered checkpoint.
+        stop_on_preemption: after the notice's checkpoint (step N), the workers finish step N (the
+            code after [`step_end`][ray_resume.RayResume.step_end] runs) and then wait for Ray to
+            restart the run, at the node's
+            deadline: the next [`step_end`][ray_resume.RayResume.step_end] (step N + 1's work is
+                done again after the
+            restart, its code after ``step_end`` runs once) or the next pass of
+            [`epochs`][ray_resume.RayResume.epochs] does not return, unless the run is over. The
+            restart continues with step N + 1. ``False``: training goes on, as Ray's own example
+            does, and the restart replays the steps after the newest registered checkpoint.
 
-    Every worker calls [`step_end`][ray_resume.RayResume.step_end] once per step, with the same settings: Ray pairs its
-    barriers by order. A checkpoint due at an epoch's last step is reported once the epoch's own code after its loop (a
-    scheduler's step, an evaluation) has run: at the next pass of [`epochs`][ray_resume.RayResume.epochs], or at the
-    next step.
+    Every worker calls [`step_end`][ray_resume.RayResume.step_end] once per step, with the same
+    settings: Ray pairs its barriers by order. A checkpoint due at an epoch's last step is reported
+    once the epoch's own code after its loop (a scheduler's step, an evaluation) has run: at the
+    next pass of [`epochs`][ray_resume.RayResume.epochs], or at the next step.
     """
 
     def __init__(self, *loaders: ResumableDataLoader[Any], model: Any = None, optimizer: Any = None,
@@ -93,18 +101,19 @@ class RayResume:
         self.every_n_steps, self.check_every_n_steps = every_n_steps, check_every_n_steps
         self.preemption_notice, self.stop_on_preemption = preemption_notice, stop_on_preemption
         self.step = 0
-        """Optimizer steps taken (counted by [`step_end`][ray_resume.RayResume.step_end]), restored from a
-        checkpoint."""
+        """Optimizer steps taken (counted by [`step_end`][ray_resume.RayResume.step_end]), restored
+        from a checkpoint."""
         self.epoch = 0
         self._restored = self._resumed = False
         self._noticed = self._stopping = False
         self._reported_at: int | None = None
         self._unmoved: list[dict[str, Any]] | None = None
-        self._pending: dict[str, Any] | None = None  # a report due at an epoch's last step, after its epoch's code
+        # a report due at an epoch's last step, after its epoch's code
+        self._pending: dict[str, Any] | None = None
 
     def restore(self) -> bool:
-        """Load ``ray.train.get_checkpoint()`` if Ray has one (a retry, or a rerun of the same run); whether it
-        did. Called by [`epochs`][ray_resume.RayResume.epochs] if not before; once."""
+        """Load ``ray.train.get_checkpoint()`` if Ray has one (a retry, or a rerun of the same run);
+        whether it did. Called by [`epochs`][ray_resume.RayResume.epochs] if not before; once."""
         if not self._restored:
             self._restored = True
             checkpoint = ray.train.get_checkpoint()
@@ -148,15 +157,18 @@ class RayResume:
         while self.epoch < count:
             yield self.epoch
             self.epoch += 1
-            if self._pending is not None:  # the epoch's own code (a scheduler's step, an evaluation) has run
+            # the epoch's own code (a scheduler's step, an evaluation) has run
+            if self._pending is not None:
                 self.report(self._pending)
-            if self._stopping and self.epoch < count:  # the run is not over: nothing of the next epoch runs
+            # the run is not over: nothing of the next epoch runs
+            if self._stopping and self.epoch < count:
                 wait_for_the_restart()
 
     def step_end(self, metrics: Mapping[str, Any] | None = None) -> None:
-        """Call on every worker after each optimizer step (once the step's work is done): counts the step, and
-        reports a checkpoint with ``metrics`` when one is due (``every_n_steps``, Ray's preemption notice).
-        After a preemption notice's checkpoint it does not return (``stop_on_preemption``)."""
+        """Call on every worker after each optimizer step (once the step's work is done): counts the
+        step, and reports a checkpoint with ``metrics`` when one is due (``every_n_steps``, Ray's
+        preemption notice). After a preemption notice's checkpoint it does not return
+        (``stop_on_preemption``)."""
         if self._stopping:
             wait_for_the_restart()
         self.step += 1
@@ -170,7 +182,8 @@ class RayResume:
             logger.warning("Ray's preemption notice: a checkpoint at step %d; %s", self.step,
                            "waiting for Ray to restart the run" if self._stopping else "training goes on")
         if notice or self._pending is not None or (self.every_n_steps and self.step % self.every_n_steps == 0):
-            if self.loaders and self.loaders[0].epoch > self.epoch:  # an epoch's last step: after its own code
+            # an epoch's last step: after its own code
+            if self.loaders and self.loaders[0].epoch > self.epoch:
                 self._pending = dict(metrics or {})
             else:
                 self.report(dict(metrics or {}))
@@ -189,8 +202,9 @@ class RayResume:
                                "move batches with ray_resume.to_device")
 
     def report(self, metrics: Mapping[str, Any] | None = None) -> None:
-        """Report a checkpoint to Ray now, with ``metrics`` (every worker, at a step boundary: Ray's report is a
-        barrier). Once per step: a second call at the same step reports the metrics only."""
+        """Report a checkpoint to Ray now, with ``metrics`` (every worker, at a step boundary: Ray's
+        report is a barrier). Once per step: a second call at the same step reports the metrics
+        only."""
         self._pending = None
         if self._reported_at == self.step:
             ray.train.report(dict(metrics or {}))
@@ -200,7 +214,8 @@ class RayResume:
     def _report_checkpoint(self, metrics: dict[str, Any]) -> None:
         context = ray.train.get_context()
         rank, world = context.get_world_rank(), context.get_world_size()
-        ahead = bool(self.loaders) and self.loaders[0].epoch > self.epoch  # the epoch's last batch is out
+        # the epoch's last batch is out
+        ahead = bool(self.loaders) and self.loaders[0].epoch > self.epoch
         state = new_entry(rank=rank, world_size=world, step=self.step, epoch=self.epoch + ahead,
                           loaders=[loader.state_dict(pass_ended=False) for loader in self.loaders],
                           rng=own_generators())
@@ -216,17 +231,18 @@ class RayResume:
 
 
 def wait_for_the_restart() -> None:
-    """Take no further step: Ray's controller, told of the preemption, tears this worker down at the node's
-    deadline (120 s after it saw the notice when the node has none) and restarts the run from the checkpoint just
-    reported. Returning instead would end the run as finished, and raising would count as a failure."""
+    """Take no further step: Ray's controller, told of the preemption, tears this worker down at the
+    node's deadline (120 s after it saw the notice when the node has none) and restarts the run from
+    the checkpoint just reported. Returning instead would end the run as finished, and raising would
+    count as a failure."""
     while True:
         time.sleep(60)
         logger.info("waiting for Ray to restart the run after the preemption notice")
 
 
 def own_generators() -> dict[str, Any]:
-    """This worker's generators: the CPU's, numpy's, random's, and its own CUDA device's only (Ray may show a
-    worker every GPU of its node; after a restart it may use another one)."""
+    """This worker's generators: the CPU's, numpy's, random's, and its own CUDA device's only (Ray
+    may show a worker every GPU of its node; after a restart it may use another one)."""
     generators = global_rng_state()
     generators.pop("cuda", None)
     device = ray.train.torch.get_device()
@@ -236,8 +252,9 @@ def own_generators() -> dict[str, Any]:
 
 
 def read_ahead_by_ray(loader: ResumableDataLoader[Any]) -> bool:
-    """Whether ``prepare_data_loader(loader, add_dist_sampler=False)``'s wrapper holds ``loader``: it copies the
-    loader's attributes into its own and keeps the loader as ``_dataloader``, which it reads one batch ahead."""
+    """Whether ``prepare_data_loader(loader, add_dist_sampler=False)``'s wrapper holds ``loader``:
+    it copies the loader's attributes into its own and keeps the loader as ``_dataloader``, which it
+    reads one batch ahead."""
     for holder in gc.get_referrers(loader):
         fields = holder if isinstance(holder, dict) else getattr(holder, "__dict__", {})
         if fields.get("_dataloader") is loader and "next_batch" in fields:
@@ -246,8 +263,9 @@ def read_ahead_by_ray(loader: ResumableDataLoader[Any]) -> bool:
 
 
 def to_device(batch: Any, device: torch.device | None = None) -> Any:
-    """``batch`` (tensors in tuples, lists and dicts) on ``device`` (default: ``ray.train.torch.get_device()``),
-    copied without blocking; nothing is read ahead, unlike ``prepare_data_loader``'s wrapper."""
+    """``batch`` (tensors in tuples, lists and dicts) on ``device`` (default:
+    ``ray.train.torch.get_device()``), copied without blocking; nothing is read ahead, unlike
+    ``prepare_data_loader``'s wrapper."""
     if device is None:
         device = ray.train.torch.get_device()
     if isinstance(batch, torch.Tensor):

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 
-# NOTE: one torch (OpenMP) thread in this process and every process a test starts (they inherit the environment):
-# the suite runs two test processes, each starting training processes and their DataLoader workers, on 2 CPUs,
-# where two compute threads per process only fight over them (a step of the tests' small models: 20 ms at 2
-# threads, 0.6 ms at 1). Every comparison is between runs made the same way, so each still holds.
+# NOTE: one torch (OpenMP) thread in this process and every process a test starts (they inherit the
+# environment): the suite runs two test processes, each starting training processes and their
+# DataLoader workers, on 2 CPUs, where two compute threads per process only fight over them (a step
+# of the tests' small models: 20 ms at 2 threads, 0.6 ms at 1). Every comparison is between runs
+# made the same way, so each still holds.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest

@@ -1,4 +1,5 @@
-"""The codebase's own rules, kept by a test: no module of ours reaches into another module's private names."""
+"""The codebase's own rules, kept by a test: no module of ours reaches into another module's private
+names."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def _private(name: str) -> bool:
 
 
 def _defined(tree: ast.Module) -> set[str]:
-    """Private names a module defines: functions, classes, assignments, and attributes it sets (``x._a = ...``)."""
+    """Private names a module defines: functions, classes, assignments, and attributes it sets
+    (``x._a = ...``)."""
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -40,7 +42,8 @@ def _defined(tree: ast.Module) -> set[str]:
 
 
 def _by_name(node: ast.AST, *functions: str) -> str | None:
-    """The attribute name of a ``getattr``/``setattr``/``hasattr`` call with a literal name, else None."""
+    """The attribute name of a ``getattr``/``setattr``/``hasattr`` call with a literal name, else
+    None."""
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in functions \
             and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
         return node.args[1].value
@@ -66,7 +69,8 @@ def test_no_module_reads_or_writes_another_modules_private_names() -> None:
 
 
 def test_the_rule_finds_a_reach_in() -> None:
-    """The scan itself: a module reading a private attribute that only another module defines is reported."""
+    """The scan itself: a module reading a private attribute that only another module defines is
+    reported."""
     owner = ast.parse("class A:\n    def __init__(self):\n        self._secret = 1\n")
     reader = ast.parse("def peek(a):\n    return a._secret\n")
     assert "_secret" in _defined(owner) and "_secret" not in _defined(reader)
@@ -74,11 +78,13 @@ def test_the_rule_finds_a_reach_in() -> None:
     assert reads == ["_secret"]
     by_string = ast.parse("def peek(a):\n    return getattr(a, '_secret', None)\n")
     assert [_by_name(n, "getattr") for n in ast.walk(by_string) if _by_name(n, "getattr")] == ["_secret"]
-    assert "_secret" not in _defined(by_string)  # a string is not a definition (unless in __slots__ or setattr)
+    # a string is not a definition (unless in __slots__ or setattr)
+    assert "_secret" not in _defined(by_string)
 
 
 def test_no_test_module_imports_another() -> None:
-    """Shared datasets and launchers live in tests/support; test modules, conftest and child scripts are leaves."""
+    """Shared datasets and launchers live in tests/support; test modules, conftest and child scripts
+    are leaves."""
     tests = ROOT / "tests"
     leaves = {path.stem for path in tests.rglob("*.py") if not path.is_relative_to(tests / "support")}
     found = []
@@ -96,8 +102,8 @@ def test_no_test_module_imports_another() -> None:
 
 
 def _torch_private_names() -> set[str]:
-    """The private names of torch's DataLoader, its iterators, samplers, datasets and ``WorkerInfo``: class
-    attributes and the attributes a built loader and iterator carry."""
+    """The private names of torch's DataLoader, its iterators, samplers, datasets and
+    ``WorkerInfo``: class attributes and the attributes a built loader and iterator carry."""
     from torch.utils.data import (
         BatchSampler,
         DataLoader,
@@ -121,7 +127,8 @@ def _torch_private_names() -> set[str]:
     names = {name for kind in classes for name in dir(kind)} | set(vars(loader)) | set(vars(iter(loader)))
     names |= set(vars(workers)) | set(vars(RandomSampler(range(4)))) | set(vars(SequentialSampler(range(4))))
     names |= set(vars(DistributedSampler(range(4), num_replicas=1, rank=0)))
-    names |= set(dir(distributed_c10d)) | set(dir(torch_dataloader))  # their module-level private functions
+    # their module-level private functions
+    names |= set(dir(distributed_c10d)) | set(dir(torch_dataloader))
     del workers  # its worker process ends
     return {name for name in names if _private(name)}
 
@@ -158,7 +165,8 @@ def test_the_torch_rule_finds_each_kind_of_reach_in() -> None:
 
 
 def test_no_module_is_longer_than_500_lines() -> None:
-    """A module ends where its idea ends; one this long holds more than one (split it where an idea ends)."""
+    """A module ends where its idea ends; one this long holds more than one (split it where an idea
+    ends)."""
     long = {str(path.relative_to(ROOT)): length for path in _modules()
             if (length := len(path.read_text().splitlines())) > 500}
     assert not long, f"modules over 500 lines (split them by what they do): {long}"
@@ -168,8 +176,9 @@ ROOMS = {"order", "streams", "keyed", "workers", "job", "audit", "tools"}
 
 
 def test_every_module_of_the_core_is_in_a_room_or_is_the_loader_itself() -> None:
-    """The core's folders are its ideas (docs/architecture.md); the top holds the loader and its state, the errors,
-    the public helpers, and nothing else: a new module goes into the room of its idea."""
+    """The core's folders are its ideas (docs/architecture.md); the top holds the loader and its
+    state, the errors, the public helpers, and nothing else: a new module goes into the room of its
+    idea."""
     core = ROOT / "core" / "loader_resume"
     rooms = {path.name for path in core.iterdir() if path.is_dir() and (path / "__init__.py").exists()}
     assert rooms == ROOMS
@@ -179,8 +188,9 @@ def test_every_module_of_the_core_is_in_a_room_or_is_the_loader_itself() -> None
 
 
 CORE = ROOT / "core" / "loader_resume"
-# What each room of the core may import from the core (besides itself): the rooms below it. A test module's
-# ``import`` at the top of a module counts; the tools' lazy imports inside functions count too.
+# What each room of the core may import from the core (besides itself): the rooms below it. A test
+# module's ``import`` at the top of a module counts; the tools' lazy imports inside functions count
+# too.
 MAY_IMPORT = {
     "workers": {"errors"},
     "keyed": {"workers"},
@@ -211,7 +221,8 @@ def _room(module: str) -> str:
 
 
 def _upward(imports: dict[str, set[str]]) -> list[str]:
-    """The imports a lower room may not make (``MAY_IMPORT``), and any of the tools or test helpers from outside."""
+    """The imports a lower room may not make (``MAY_IMPORT``), and any of the tools or test helpers
+    from outside."""
     wrong = []
     for module, imported in imports.items():
         room = _room(module)
@@ -248,9 +259,10 @@ def _circle(imports: dict[str, set[str]]) -> list[str]:
 
 
 def test_the_core_imports_downward_and_in_no_circle() -> None:
-    """No import circle between the core's modules, and the lower rooms import only the rooms below them:
-    torch's internals and the workers need nothing of the loader; keyed randomness needs only the workers; the
-    audit reads and writes through the storage helpers alone; nothing imports the tools or the test helpers."""
+    """No import circle between the core's modules, and the lower rooms import only the rooms below
+    them: torch's internals and the workers need nothing of the loader; keyed randomness needs only
+    the workers; the audit reads and writes through the storage helpers alone; nothing imports the
+    tools or the test helpers."""
     imports = _core_imports()
     assert "loader_resume.job.storage" in imports["loader_resume.audit.read"], "the check reads real imports"
     wrong = _upward(imports)
@@ -269,7 +281,8 @@ def test_the_import_check_sees_an_upward_import_and_a_circle() -> None:
 
 
 def _written_keys(tree: ast.Module, keys: set[str]) -> list[int]:
-    """Lines where ``tree`` writes one of ``keys`` itself: a dict literal's key, ``x[key] = ...``, or ``x.pop(key)``."""
+    """Lines where ``tree`` writes one of ``keys`` itself: a dict literal's key, ``x[key] = ...``,
+    or ``x.pop(key)``."""
     lines = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Dict):
@@ -283,8 +296,9 @@ def _written_keys(tree: ast.Module, keys: set[str]) -> list[int]:
     return lines
 
 
-# Who alone writes a key of what is saved: a front door's checkpoint entry (its format) and a loader's state's
-# "ending" mark. The manifest of a sealed directory has a "format" of its own (its module's).
+# Who alone writes a key of what is saved: a front door's checkpoint entry (its format) and a
+# loader's state's "ending" mark. The manifest of a sealed directory has a "format" of its own (its
+# module's).
 WRITERS = {"format": {"loader_resume.job.checkpoint_entry", "loader_resume.job.checkpoint"},
            "ending": {"loader_resume.loader"}}
 
@@ -304,7 +318,8 @@ def _writers(modules: dict[Path, ast.Module]) -> list[str]:
 
 
 def test_one_writer_for_the_checkpoint_entry_and_for_the_ending_mark() -> None:
-    """Every front door writes its entry through ``new_entry`` and asks the loader for its ``"ending"`` mark."""
+    """Every front door writes its entry through ``new_entry`` and asks the loader for its
+    ``"ending"`` mark."""
     assert _writers(_modules()) == []
 
 

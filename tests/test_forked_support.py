@@ -1,6 +1,7 @@
-"""The tests' forked processes (tests/support/forked.py) behave as ``python SCRIPT`` does: each case runs the same
-script both ways and compares what a test can see — standard streams, exit status, a signal's death, the
-working directory, the environment, the process group, atexit handlers, the RNGs' seeds."""
+"""The tests' forked processes (tests/support/forked.py) behave as ``python SCRIPT`` does: each case
+runs the same script both ways and compares what a test can see — standard streams, exit status, a
+signal's death, the working directory, the environment, the process group, atexit handlers, the
+RNGs' seeds."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def both(script: Path, *args: str, **kwargs: object) -> tuple[subprocess.Complet
     real = subprocess.run(command, capture_output=True, text=True, timeout=120, **kwargs)  # type: ignore[call-overload]
     fork = forked.run(command, capture_output=True, text=True, timeout=120, **kwargs)
     process = forked.popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kwargs)
-    assert isinstance(process, forked.Forked) and process.wait(timeout=120) == real.returncode  # really forked
+    # really forked
+    assert isinstance(process, forked.Forked) and process.wait(timeout=120) == real.returncode
     return real, fork
 
 
@@ -57,7 +59,8 @@ def test_streams_exit_status_environment_and_atexit_are_a_fresh_interpreters(tmp
     assert fork.stdout == real.stdout and "FOO bar" in real.stdout and "own group True" in real.stdout
     assert [line for line in fork.stderr.splitlines() if not line.startswith("seeds")] == [
         line for line in real.stderr.splitlines() if not line.startswith("seeds")]
-    assert seeds(fork.stderr) != seeds(both(script, *args)[1].stderr)  # each process seeds from the OS
+    # each process seeds from the OS
+    assert seeds(fork.stderr) != seeds(both(script, *args)[1].stderr)
 
 
 def test_a_signal_to_the_group_ends_it_as_it_ends_a_fresh_interpreter(tmp_path: Path) -> None:

@@ -1,16 +1,19 @@
-"""``RayResume`` in real Ray Train jobs: ``TorchTrainer`` with 2 CPU workers (gloo) on a local Ray cluster that
-the tests share (Ray's start-up is slow).
+"""``RayResume`` in real Ray Train jobs: ``TorchTrainer`` with 2 CPU workers (gloo) on a local Ray
+cluster that the tests share (Ray's start-up is slow).
 
-- A worker killed mid-epoch (``os._exit(1)``) and restarted by Ray (``FailureConfig(max_failures=...)``) from the
-  last checkpoint Ray registered: every step's batch (ids, and values with augmentations drawn from torch, numpy
-  and random) equals the uninterrupted run's — a step replayed after the restart (Ray registers a checkpoint
-  reported just before a crash late, or never) is the same batch again — and so are the final weights; with
-  ``num_workers`` 0 and 2 inside each Ray worker.
+- A worker killed mid-epoch (``os._exit(1)``) and restarted by Ray
+  (``FailureConfig(max_failures=...)``) from the last checkpoint Ray registered: every step's batch
+  (ids, and values with augmentations drawn from torch, numpy and random) equals the uninterrupted
+  run's — a step replayed after the restart (Ray registers a checkpoint reported just before a crash
+  late, or never) is the same batch again — and so are the final weights; with ``num_workers`` 0 and
+  2 inside each Ray worker.
 - A loop that leaves its passes early, cut at the step it leaves one: the restart leaves it too.
-- A job that failed, run again under the same ``RunConfig(name)`` on 1 worker: the rest of the epoch exactly once.
+- A job that failed, run again under the same ``RunConfig(name)`` on 1 worker: the rest of the epoch
+  exactly once.
 - ``storage_path`` on a disk that fills up: the job fails naming it; the rerun continues exactly.
 - A checkpoint missing a rank's file: refused, naming it.
-- ``prepare_data_loader`` (its default, and ``add_dist_sampler=False``): refused, never silently wrong.
+- ``prepare_data_loader`` (its default, and ``add_dist_sampler=False``): refused, never silently
+  wrong.
 """
 
 from __future__ import annotations
@@ -22,12 +25,14 @@ from typing import Any
 import pytest
 import ray
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the main suite's storage faults
+# the main suite's storage faults
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from train_loop import ITEMS, fit, rows, steps, when
 
 from support.mounts import fill, tmpfs
 
-pytestmark = pytest.mark.timeout(900)  # a Ray job takes tens of seconds on 2 cores; the fixtures run several
+# a Ray job takes tens of seconds on 2 cores; the fixtures run several
+pytestmark = pytest.mark.timeout(900)
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
@@ -54,8 +59,9 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
 def test_a_worker_killed_mid_epoch_and_restarted_by_ray_continues_with_the_uninterrupted_runs_batches(
     uninterrupted: dict[int, Path], tmp_path: Path, workers: int, every: int
 ) -> None:
-    """Rank 1 ends its process 3 s after step 7 (of 10; mid second epoch), time for Ray to register the last
-    checkpoint: step 6, or (every 5) step 5, the first epoch's last, reported after the epoch's scheduler step."""
+    """Rank 1 ends its process 3 s after step 7 (of 10; mid second epoch), time for Ray to register
+    the last checkpoint: step 6, or (every 5) step 5, the first epoch's last, reported after the
+    epoch's scheduler step."""
     assert fit(tmp_path / "logs", tmp_path / "storage", workers=workers, every=every, max_failures=2,
                crash_at=(1, 7), crash_delay=3.0) is None
     assert (tmp_path / "logs" / "crashed").read_text() == "7"
@@ -69,8 +75,9 @@ def test_a_worker_killed_mid_epoch_and_restarted_by_ray_continues_with_the_unint
 
 
 def test_a_loop_that_leaves_its_passes_early_resumes_from_a_checkpoint_at_the_pass_it_left(tmp_path: Path) -> None:
-    """Each epoch leaves its pass after 4 of its 5 steps; rank 1 ends its process 3 s after step 4, the first
-    pass's last step and a checkpoint: the restart leaves that pass too, and the next epoch starts afresh."""
+    """Each epoch leaves its pass after 4 of its 5 steps; rank 1 ends its process 3 s after step 4,
+    the first pass's last step and a checkpoint: the restart leaves that pass too, and the next
+    epoch starts afresh."""
     reference, cut = tmp_path / "reference", tmp_path / "cut"
     assert fit(reference / "logs", reference / "storage", limit=4) is None
     assert fit(cut / "logs", cut / "storage", limit=4, max_failures=1, crash_at=(1, 4), crash_delay=3.0) is None
@@ -83,8 +90,9 @@ def test_a_loop_that_leaves_its_passes_early_resumes_from_a_checkpoint_at_the_pa
 
 
 def test_a_failed_job_run_again_on_one_worker_delivers_the_rest_of_the_epoch_exactly_once(tmp_path: Path) -> None:
-    """2 workers, the job fails after step 7 (no retries); the same RunConfig on 1 worker resumes from the last
-    registered checkpoint (step 6: one step into epoch 2) and delivers the rest of epoch 2, every sample once."""
+    """2 workers, the job fails after step 7 (no retries); the same RunConfig on 1 worker resumes
+    from the last registered checkpoint (step 6: one step into epoch 2) and delivers the rest of
+    epoch 2, every sample once."""
     assert "Training failed due to worker errors" in (fit(tmp_path / "logs2", tmp_path / "storage",
                                                            crash_at=(1, 7), crash_delay=1.5) or "")
     assert fit(tmp_path / "logs1", tmp_path / "storage", num_workers=1) is None
@@ -100,8 +108,9 @@ def test_a_failed_job_run_again_on_one_worker_delivers_the_rest_of_the_epoch_exa
 def test_a_full_disk_under_storage_path_fails_the_job_and_the_rerun_continues_exactly(
     uninterrupted: dict[int, Path], tmp_path: Path
 ) -> None:
-    """``storage_path`` on a small tmpfs that fills after step 5: the report of step 6's checkpoint fails (the job
-    with it, no retries). Space freed, the same run again continues from a complete registered checkpoint."""
+    """``storage_path`` on a small tmpfs that fills after step 5: the report of step 6's checkpoint
+    fails (the job with it, no retries). Space freed, the same run again continues from a complete
+    registered checkpoint."""
     storage, logs = tmp_path / "storage", tmp_path / "logs"
     with tmpfs(storage, "16m"):
         filled = tmp_path / "filled"  # the workers wait after step 5 until the disk is full
@@ -140,7 +149,8 @@ def test_a_checkpoint_missing_a_ranks_file_is_refused_naming_it(tmp_path: Path) 
 def test_a_loader_through_prepare_data_loader_is_refused_never_resumed_wrongly(
     tmp_path: Path, prepare: str, give_prepared: bool, expected: str
 ) -> None:
-    """By default Ray builds another loader with a DistributedSampler (another order, a position nobody saves);
-    with ``add_dist_sampler=False`` its wrapper reads a batch ahead (a resume would skip one)."""
+    """By default Ray builds another loader with a DistributedSampler (another order, a position
+    nobody saves); with ``add_dist_sampler=False`` its wrapper reads a batch ahead (a resume would
+    skip one)."""
     error = fit(tmp_path / "logs", tmp_path / "storage", epochs=1, prepare=prepare, give_prepared=give_prepared)
     assert expected in (error or "")

@@ -1,14 +1,15 @@
-"""``RayResume`` when nodes go: real Ray Train jobs on a ``ray.cluster_utils.Cluster`` (a head without CPUs) and
-worker nodes started by the tests, each a real raylet process.
+"""``RayResume`` when nodes go: real Ray Train jobs on a ``ray.cluster_utils.Cluster`` (a head
+without CPUs) and worker nodes started by the tests, each a real raylet process.
 
-- A node drained with Ray's preemption reason and a deadline (``ray drain-node``, what a cloud's reclaim comes
-  as), removed at the deadline; and
-- SIGTERM to a node's process (``ray start --block``, as Kubernetes sends when it deletes the pod): Ray drains
-  the node with its preemption reason and a deadline; at the next step boundary every worker reports a checkpoint
-  and takes no further step; at the deadline the node goes, Ray restarts the run on another node, and it
-  continues with the very next batch: each step taken once, the uninterrupted run's batches and weights.
-- A node lost under ``ScalingConfig(num_workers=(1, 2))``: Ray restarts on the node left, with 1 worker, from the
-  last registered checkpoint; every sample of each epoch is delivered exactly once.
+- A node drained with Ray's preemption reason and a deadline (``ray drain-node``, what a cloud's
+  reclaim comes as), removed at the deadline; and
+- SIGTERM to a node's process (``ray start --block``, as Kubernetes sends when it deletes the pod):
+  Ray drains the node with its preemption reason and a deadline; at the next step boundary every
+  worker reports a checkpoint and takes no further step; at the deadline the node goes, Ray restarts
+  the run on another node, and it continues with the very next batch: each step taken once, the
+  uninterrupted run's batches and weights.
+- A node lost under ``ScalingConfig(num_workers=(1, 2))``: Ray restarts on the node left, with 1
+  worker, from the last registered checkpoint; every sample of each epoch is delivered exactly once.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ EPOCHS = 3  # 5 steps an epoch on 2 workers
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     saved = os.environ.get("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S")
-    os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = "0.2"  # Ray's controller asks the GCS for drains (5 s)
+    # Ray's controller asks the GCS for drains (5 s)
+    os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = "0.2"
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     ray.init(address=cluster.address, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": f"{ROOT / 'core'}:{ROOT}:{HERE}"}})
@@ -52,7 +54,8 @@ def cluster() -> Iterator[Cluster]:
 
 @pytest.fixture
 def nodes(cluster: Cluster) -> Iterator[Callable[[int], list[Any]]]:
-    """Adds worker nodes (from the main thread: a node's start installs a signal handler); removes what is left."""
+    """Adds worker nodes (from the main thread: a node's start installs a signal handler); removes
+    what is left."""
     added: list[Any] = []
 
     def add(count: int, cpus: int) -> list[Any]:
@@ -85,8 +88,9 @@ def reference(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Ite
 def assert_the_notice_stopped_every_worker_and_the_restart_took_the_next_batch(
     logs: Path, storage: Path, reference: Path, preempted: list[str]
 ) -> None:
-    """At the notice (step 4) every worker reported the only checkpoint and took no further step; the restart, on
-    another node, began with step 5: each step once, the uninterrupted run's batches and weights."""
+    """At the notice (step 4) every worker reported the only checkpoint and took no further step;
+    the restart, on another node, began with step 5: each step once, the uninterrupted run's batches
+    and weights."""
     for rank in range(2):
         first, restarted = rows(logs, rank)
         assert first[-1]["step"] == 4 and restarted[0]["step"] == 5, "the notice's step, then the very next"
@@ -100,9 +104,10 @@ def assert_the_notice_stopped_every_worker_and_the_restart_took_the_next_batch(
 def test_a_node_drained_for_preemption_checkpoints_every_worker_at_one_step_and_the_restart_takes_the_next_batch(
     cluster: Cluster, nodes: Callable[..., list[Any]], reference: Path, tmp_path: Path
 ) -> None:
-    """Two nodes of 2 CPUs; both workers on one. After step 3 that node is drained with Ray's preemption reason
-    and a 12 s deadline (``ray drain-node``, what a cloud's reclaim comes as); at the deadline it is removed. The
-    workers wait after step 3 for the notice, so that it comes at step 4 however slowly Ray passes it on."""
+    """Two nodes of 2 CPUs; both workers on one. After step 3 that node is drained with Ray's
+    preemption reason and a 12 s deadline (``ray drain-node``, what a cloud's reclaim comes as); at
+    the deadline it is removed. The workers wait after step 3 for the notice, so that it comes at
+    step 4 however slowly Ray passes it on."""
     nodes(2, 2)
     logs, drained = tmp_path / "logs", []
 
@@ -123,8 +128,9 @@ def test_a_node_drained_for_preemption_checkpoints_every_worker_at_one_step_and_
 
 
 def start_node(cluster: Cluster, cpus: int) -> tuple[subprocess.Popen[bytes], str]:
-    """A worker node as users start one (``ray start --block``, the process Kubernetes signals when it deletes
-    the pod), with a 12 s drain on SIGTERM (Ray's default: 30 s); the node's process and its node id."""
+    """A worker node as users start one (``ray start --block``, the process Kubernetes signals when
+    it deletes the pod), with a 12 s drain on SIGTERM (Ray's default: 30 s); the node's process and
+    its node id."""
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
@@ -145,9 +151,10 @@ def start_node(cluster: Cluster, cpus: int) -> tuple[subprocess.Popen[bytes], st
 def test_sigterm_to_a_node_checkpoints_every_worker_at_one_step_and_the_restart_takes_the_next_batch(
     cluster: Cluster, reference: Path, tmp_path: Path
 ) -> None:
-    """Two nodes of 2 CPUs started with ``ray start --block``; both workers on one. After step 3 that node's
-    process gets SIGTERM: Ray drains the node itself (the preemption reason, a 12 s deadline), then stops it. Ray
-    2.60 counts that stop as a failure (``max_failures``), not a preemption."""
+    """Two nodes of 2 CPUs started with ``ray start --block``; both workers on one. After step 3
+    that node's process gets SIGTERM: Ray drains the node itself (the preemption reason, a 12 s
+    deadline), then stops it. Ray 2.60 counts that stop as a failure (``max_failures``), not a
+    preemption."""
     nodes = dict(start_node(cluster, 2)[::-1] for _ in range(2))
     try:
         logs, signalled = tmp_path / "logs", []
@@ -163,7 +170,8 @@ def test_sigterm_to_a_node_checkpoints_every_worker_at_one_step_and_the_restart_
         assert not watcher.is_alive(), "the watched step never came"
         assert_the_notice_stopped_every_worker_and_the_restart_took_the_next_batch(
             logs, tmp_path / "storage", reference, signalled)
-        nodes[signalled[0]].wait(timeout=60)  # the signalled node's process ends once it has drained
+        # the signalled node's process ends once it has drained
+        nodes[signalled[0]].wait(timeout=60)
     finally:
         for process in nodes.values():
             if process.poll() is None:
@@ -178,8 +186,9 @@ def test_sigterm_to_a_node_checkpoints_every_worker_at_one_step_and_the_restart_
 def test_a_node_lost_under_elastic_scaling_restarts_on_one_worker_and_delivers_each_sample_once(
     cluster: Cluster, nodes: Callable[..., list[Any]], tmp_path: Path
 ) -> None:
-    """Two nodes of 1 CPU, a worker on each (``num_workers=(1, 2)``). Rank 1's node is removed after its step 7
-    (of 10); Ray restarts on the node left with 1 worker, from the last registered checkpoint (every 2 steps)."""
+    """Two nodes of 1 CPU, a worker on each (``num_workers=(1, 2)``). Rank 1's node is removed after
+    its step 7 (of 10); Ray restarts on the node left with 1 worker, from the last registered
+    checkpoint (every 2 steps)."""
     nodes(2, 1)
     logs, lost = tmp_path / "logs", []
 

@@ -1,5 +1,6 @@
-"""``examples/ray_digits.py`` as a user runs it: interrupted with Ctrl-C (SIGINT) mid-run, then the same command
-again; it ends with the uninterrupted run's digest, and every step's batch is the uninterrupted run's."""
+"""``examples/ray_digits.py`` as a user runs it: interrupted with Ctrl-C (SIGINT) mid-run, then the
+same command again; it ends with the uninterrupted run's digest, and every step's batch is the
+uninterrupted run's."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def batches(out: Path) -> dict[tuple[int, int], Any]:
     for rank in range(2):
         for line in (out / f"log-{rank}.jsonl").read_text().splitlines():
             row = json.loads(line)
-            rows[rank, row["step"]] = [row["epoch"], row["ids"], row["batch"]]  # a replayed step: the last
+            # a replayed step: the last
+            rows[rank, row["step"]] = [row["epoch"], row["ids"], row["batch"]]
     return rows
 
 
@@ -41,7 +43,8 @@ def test_interrupted_with_ctrl_c_and_run_again_it_ends_with_the_uninterrupted_di
     first = subprocess.Popen(command(tmp_path / "cut"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              text=True, env=ENV)
     deadline = time.monotonic() + 300
-    while not log.exists() or log.read_text().count("\n") < 14:  # mid second epoch (15 steps an epoch)
+    # mid second epoch (15 steps an epoch)
+    while not log.exists() or log.read_text().count("\n") < 14:
         assert time.monotonic() < deadline and first.poll() is None, "training never reached step 14"
         time.sleep(0.05)
     first.send_signal(signal.SIGINT)
@@ -52,7 +55,8 @@ def test_interrupted_with_ctrl_c_and_run_again_it_ends_with_the_uninterrupted_di
     assert again.stdout.splitlines()[-1] == full.stdout.splitlines()[-1]
     assert full.stdout.splitlines()[-1].startswith("final weights digest: ")
     assert batches(tmp_path / "cut") == batches(tmp_path / "full")
-    # the job's own audit (ResumableDataLoader(audit=...)) agrees: every sample once per epoch, one resume
+    # the job's own audit (ResumableDataLoader(audit=...)) agrees: every sample once per epoch, one
+    # resume
     for out, attempts in (("full", 1), ("cut", 2)):
         done = subprocess.run([sys.executable, "-c", "import sys; from loader_resume.tools.cli import main; "
                                "sys.exit(main(sys.argv[1:]))", "audit", str(tmp_path / out / "audit"), "--json"],

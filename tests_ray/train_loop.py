@@ -1,13 +1,15 @@
-"""A real Ray Train job for the Ray suite: ``TorchTrainer`` over 2 CPU workers (gloo) with ``RayResume``.
+"""A real Ray Train job for the Ray suite: ``TorchTrainer`` over 2 CPU workers (gloo) with
+``RayResume``.
 
-Every worker appends one JSON line per optimizer step to ``LOGS/log-RANK-ATTEMPT.jsonl`` (step, epoch, sample ids,
-a fingerprint of the batch with its augmentation values drawn from torch, numpy and random) and rank 0 writes
-``LOGS/weights.txt`` at the end. A scheduler steps after each epoch's loop (its learning rate is in the log).
-``crash_at``: the given rank ends its process (``os._exit(1)``) right after that
-step, once per job (a marker file), and Ray restarts the workers from the last registered checkpoint.
-``limit``: each epoch leaves its pass after that many steps. Each line also names the node the worker ran on.
-``gate`` (step, file): after that step every worker waits for the file (the test writes it once it has acted on
-the cluster); ``notice_at`` (step): after it every worker waits for Ray's preemption notice.
+Every worker appends one JSON line per optimizer step to ``LOGS/log-RANK-ATTEMPT.jsonl`` (step,
+epoch, sample ids, a fingerprint of the batch with its augmentation values drawn from torch, numpy
+and random) and rank 0 writes ``LOGS/weights.txt`` at the end. A scheduler steps after each epoch's
+loop (its learning rate is in the log). ``crash_at``: the given rank ends its process
+(``os._exit(1)``) right after that step, once per job (a marker file), and Ray restarts the workers
+from the last registered checkpoint. ``limit``: each epoch leaves its pass after that many steps.
+Each line also names the node the worker ran on. ``gate`` (step, file): after that step every worker
+waits for the file (the test writes it once it has acted on the cluster); ``notice_at`` (step):
+after it every worker waits for Ray's preemption notice.
 """
 
 from __future__ import annotations
@@ -57,11 +59,13 @@ def train_func(config: dict[str, Any]) -> None:
     model = ray.train.torch.prepare_model(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3),
                                                         nn.Linear(16, 2)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)  # stepped after each epoch
+    # stepped after each epoch
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     loader = ResumableDataLoader(Augmented(), batch_size=4, shuffle=True, seed=7, num_workers=config["workers"])
     assert loader.world_size == context.get_world_size()
     iterated = loader
-    if config.get("prepare") is not None:  # the user's loader through Ray's prepare_data_loader: never exact
+    # the user's loader through Ray's prepare_data_loader: never exact
+    if config.get("prepare") is not None:
         iterated = ray.train.torch.prepare_data_loader(loader, add_dist_sampler=config["prepare"] == "default")
     given = iterated if config.get("give_prepared") else loader
     resume = RayResume(given, model=model, optimizer=optimizer, scheduler=scheduler, every_n_steps=config["every"],
@@ -71,7 +75,9 @@ def train_func(config: dict[str, Any]) -> None:
     for epoch in resume.epochs(config["epochs"]):
         for x, y, ids in iterated:
             if config.get("limit") and resume.step >= (epoch + 1) * config["limit"]:
-                break  # a loop that leaves its passes early counts from the restored step, never from enumerate
+                # a loop that leaves its passes early counts from the restored step, never from
+                # enumerate
+                break
             x, y = to_device((x, y))
             loss = nn.functional.cross_entropy(model(x), y)
             optimizer.zero_grad()
@@ -89,14 +95,17 @@ def train_func(config: dict[str, Any]) -> None:
                     marker.write_text(str(resume.step))
                     time.sleep(config.get("crash_delay", 0.0))
                     os._exit(1)
-            if resume.step == config.get("gate", [None])[0]:  # the test acts on the cluster meanwhile
+            # the test acts on the cluster meanwhile
+            if resume.step == config.get("gate", [None])[0]:
                 while not Path(config["gate"][1]).exists():
                     time.sleep(0.05)
-            if resume.step == config.get("notice_at"):  # every worker asks as often: rank 0's answer is theirs
+            # every worker asks as often: rank 0's answer is theirs
+            if resume.step == config.get("notice_at"):
                 while ray.train.get_preemption_info() is None:
                     time.sleep(0.2)
             time.sleep(config.get("sleep", 0.0))
-        scheduler.step()  # the epoch's own code, after its loop: a checkpoint due at its last step comes after it
+        # the epoch's own code, after its loop: a checkpoint due at its last step comes after it
+        scheduler.step()
     if rank == 0:
         weights = [p.detach() for p in (model.module if hasattr(model, "module") else model).parameters()]
         (logs / "weights.txt").write_text(fingerprint(weights))
@@ -104,8 +113,8 @@ def train_func(config: dict[str, Any]) -> None:
 
 def fit(logs: Path, storage: Path, *, workers: int = 0, num_workers: Any = 2, epochs: int = 2, every: int = 2,
         max_failures: int = 0, name: str = "run", **extra: Any) -> str | None:
-    """One ``TorchTrainer.fit()`` in this process's Ray cluster: ``None``, or the text of the error it failed
-    with."""
+    """One ``TorchTrainer.fit()`` in this process's Ray cluster: ``None``, or the text of the error
+    it failed with."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchTrainer
 
@@ -123,8 +132,8 @@ def fit(logs: Path, storage: Path, *, workers: int = 0, num_workers: Any = 2, ep
 
 
 def steps(logs: Path, rank: int) -> dict[int, list[Any]]:
-    """Each step's batch on ``rank``, over every attempt; a step replayed after a restart must be the same
-    batch as the first time (else ``AssertionError``)."""
+    """Each step's batch on ``rank``, over every attempt; a step replayed after a restart must be
+    the same batch as the first time (else ``AssertionError``)."""
     seen: dict[int, list[Any]] = {}
     for path in sorted(logs.glob(f"log-{rank}-*.jsonl")):
         for line in path.read_text().splitlines():
@@ -135,14 +144,15 @@ def steps(logs: Path, rank: int) -> dict[int, list[Any]]:
 
 
 def rows(logs: Path, rank: int) -> list[list[dict[str, Any]]]:
-    """Each attempt's log lines on ``rank``, oldest attempt first (a file per attempt, named by its start); a
-    line still being written is left out."""
+    """Each attempt's log lines on ``rank``, oldest attempt first (a file per attempt, named by its
+    start); a line still being written is left out."""
     return [[json.loads(line) for line in path.read_text().split("\n")[:-1]]
             for path in sorted(logs.glob(f"log-{rank}-*.jsonl"))]
 
 
 def when(logs: Path, rank: int, step: int, then: Callable[[str], None]) -> threading.Thread:
-    """A thread that waits until ``rank`` logged ``step``, then calls ``then`` with the node it ran on."""
+    """A thread that waits until ``rank`` logged ``step``, then calls ``then`` with the node it ran
+    on."""
     def watch() -> None:
         while True:
             seen = [row for attempt in rows(logs, rank) for row in attempt if row["step"] >= step]

@@ -1,5 +1,6 @@
-"""The vision suite runs in its own venv (torchvision, Mosaic Streaming; no Lightning: torchvision's presence
-breaks ``import lightning`` on CPU torch). torchvision is made importable on CPU torch first."""
+"""The vision suite runs in its own venv (torchvision, Mosaic Streaming; no Lightning: torchvision's
+presence breaks ``import lightning`` on CPU torch). torchvision is made importable on CPU torch
+first."""
 
 from __future__ import annotations
 

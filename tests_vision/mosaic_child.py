@@ -1,8 +1,9 @@
 """One Mosaic Streaming scenario in a process of its own (run by ``test_mosaic.py``).
 
-NOTE: a process cannot hold many Mosaic datasets: each registers shared memory under a new prefix, and each
-new dataset opens every earlier prefix's without closing it (16 descriptors a dataset, quadratically more
-as they accumulate: measured on mosaicml-streaming 0.13), so one scenario's ~20 datasets is a process's share.
+NOTE: a process cannot hold many Mosaic datasets: each registers shared memory under a new prefix,
+and each new dataset opens every earlier prefix's without closing it (16 descriptors a dataset,
+quadratically more as they accumulate: measured on mosaicml-streaming 0.13), so one scenario's ~20
+datasets is a process's share.
 
     python mosaic_child.py DATA_DIR MODE WORKERS SHUFFLE PERSISTENT
 """
@@ -28,7 +29,8 @@ BATCH = 4
 
 
 class Noisy(StreamingDataset):  # type: ignore[misc]
-    """Mosaic's dataset drawing augmentations from torch, numpy and random, as a user subclasses it."""
+    """Mosaic's dataset drawing augmentations from torch, numpy and random, as a user subclasses
+    it."""
 
     reads = 0
 
@@ -46,18 +48,22 @@ def make(folder: str, workers: int, shuffle: bool, persistent: bool) -> Resumabl
 
 def main() -> None:
     folder, mode, workers, shuffle, persistent = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
-    if mode == "cuts":  # every cut over 3 epochs, each resumed in a fresh loader over a fresh dataset
+    # every cut over 3 epochs, each resumed in a fresh loader over a fresh dataset
+    if mode == "cuts":
         loader = make(folder, workers, bool(shuffle), bool(persistent))
         orders = [[int(i) for b in loader for i in b["id"]] for _ in range(2)]
         assert all(sorted(o) == list(range(24)) for o in orders), orders
-        assert (orders[0] != orders[1]) == bool(shuffle), orders  # Mosaic reshuffles per epoch it is told
+        # Mosaic reshuffles per epoch it is told
+        assert (orders[0] != orders[1]) == bool(shuffle), orders
         del loader
         report = assert_resumes_exactly(lambda: make(folder, workers, bool(shuffle), bool(persistent)), epochs=3)
         print("cuts", report)
-    elif mode == "first-batch":  # O(1): the first batch after a resume at 5/6 of the epoch reads 4 items
+    # O(1): the first batch after a resume at 5/6 of the epoch reads 4 items
+    elif mode == "first-batch":
         loader = make(folder, 0, True, False)
         iterator = iter(loader)
-        for _ in range(3 * 6 + 5):  # into the 4th epoch: Mosaic's own counter would say epoch 0 in a new process
+        # into the 4th epoch: Mosaic's own counter would say epoch 0 in a new process
+        for _ in range(3 * 6 + 5):
             try:
                 next(iterator)
             except StopIteration:
@@ -70,7 +76,8 @@ def main() -> None:
         Noisy.reads = 0
         got = [fingerprint(b) for b in resumed]
         assert Noisy.reads == BATCH * len(rest) and got == rest, (Noisy.reads, got, rest)
-    elif mode == "other-workers":  # refused, naming the field, never a silently different continuation
+    # refused, naming the field, never a silently different continuation
+    elif mode == "other-workers":
         loader = make(folder, 2, True, False)
         iterator = iter(loader)
         next(iterator)
@@ -82,7 +89,8 @@ def main() -> None:
             assert "num_workers" in str(error), error
         else:
             raise AssertionError("a num_workers=2 state loaded into a num_workers=0 loader")
-    elif mode == "batch-size":  # Mosaic's own batch_size must be the loader's: said at the first iter()
+    # Mosaic's own batch_size must be the loader's: said at the first iter()
+    elif mode == "batch-size":
         loader = ResumableDataLoader(Noisy(local=folder, shuffle=True, batch_size=2), batch_size=BATCH)
         try:
             next(iter(loader))

@@ -1,9 +1,10 @@
 """Mosaic Streaming for real: ``MDSWriter`` shards in a tmp dir, a subclass drawing augmentations.
 
 Mosaic keeps its epoch and its position itself and takes them back only through its own
-``state_dict(num_samples, from_beginning)`` / ``load_state_dict``; the loader feeds that protocol with what
-it counts, at every pass (``loader_resume.streams.library_protocols``). Each scenario runs in a process of its own
-(see ``mosaic_child.py``: Mosaic's shared memory limits the datasets one process can hold).
+``state_dict(num_samples, from_beginning)`` / ``load_state_dict``; the loader feeds that protocol
+with what it counts, at every pass (``loader_resume.streams.library_protocols``). Each scenario runs
+in a process of its own (see ``mosaic_child.py``: Mosaic's shared memory limits the datasets one
+process can hold).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def _run(folder: str, mode: str, workers: int = 0, shuffle: bool = True, persist
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_mosaic_resumes_exactly_at_every_cut_over_three_epochs(
         mds_dir: str, workers: int, persistent: bool, shuffle: bool) -> None:
-    """Ids and augmentation values after each cut equal the uninterrupted run's, in a fresh dataset."""
+    """Ids and augmentation values after each cut equal the uninterrupted run's, in a fresh
+    dataset."""
     _run(mds_dir, "cuts", workers, shuffle, persistent)
 
 
@@ -51,5 +53,6 @@ def test_mosaic_state_from_another_worker_count_is_refused(mds_dir: str) -> None
 
 
 def test_a_mosaic_batch_size_other_than_the_loaders_is_refused(mds_dir: str) -> None:
-    """Mosaic partitions an epoch in batches of its own batch_size: another one would not be Mosaic's order."""
+    """Mosaic partitions an epoch in batches of its own batch_size: another one would not be
+    Mosaic's order."""
     _run(mds_dir, "batch-size")

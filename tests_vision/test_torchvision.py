@@ -1,6 +1,7 @@
-"""torchvision for real: transforms v2 drawing from torch's generator inside a map-style dataset, and
-``torchvision.datasets.FakeData`` (which draws its images from a generator of its own, seeded per index)
-with a random transform. Exact at every cut at ``num_workers`` 0 and 2, the same values at either count."""
+"""torchvision for real: transforms v2 drawing from torch's generator inside a map-style dataset,
+and ``torchvision.datasets.FakeData`` (which draws its images from a generator of its own, seeded
+per index) with a random transform. Exact at every cut at ``num_workers`` 0 and 2, the same values
+at either count."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def test_random_transforms_are_the_same_at_any_worker_count(make: Any) -> None:
     in_process = run_epochs(make(0), 2)
     assert run_epochs(make(2), 2) == in_process
     images = [b["image"] if isinstance(b, dict) else b[0] for b in make(0)]
-    assert len({bytes(image.numpy()) for image in images}) == len(images)  # the augmentation is not a no-op
+    # the augmentation is not a no-op
+    assert len({bytes(image.numpy()) for image in images}) == len(images)
 
 
 @pytest.mark.parametrize("make", [_images, _fake], ids=["transforms_v2", "FakeData"])
@@ -59,7 +61,8 @@ def test_random_transforms_resume_exactly_at_every_cut(make: Any, workers: int) 
 
 
 def test_the_transforms_draw_from_the_keyed_generator() -> None:
-    """Two epochs of the same images differ (the keys change with the epoch): the values are keyed, not fixed."""
+    """Two epochs of the same images differ (the keys change with the epoch): the values are keyed,
+    not fixed."""
     loader = _images(0)
     first, second = ([b["image"][0] for b in loader] for _ in range(2))
     assert not torch.equal(torch.stack(first), torch.stack(second))

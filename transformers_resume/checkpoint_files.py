@@ -1,10 +1,11 @@
-"""The files ``ResumableTrainer`` adds to a Trainer ``checkpoint-N``, what they say about Trainer's step, and how a
-checkpoint is verified before it is resumed.
+"""The files ``ResumableTrainer`` adds to a Trainer ``checkpoint-N``, what they say about Trainer's
+step, and how a checkpoint is verified before it is resumed.
 
-``verify_checkpoint``: complete (every file ``missing_file`` asks for) and intact, as far as its files allow:
-each file ``torch.save`` wrote (``*.pt``, ``*.pth``, ``*.bin``) against the CRC-32 stored for each of its records,
-each safetensors file's structure (it stores no checksum: a flipped bit inside a tensor is not seen), each JSON file
-parsed. On several ranks each rank reads its share of the files, so the job reads each file once.
+``verify_checkpoint``: complete (every file ``missing_file`` asks for) and intact, as far as its
+files allow: each file ``torch.save`` wrote (``*.pt``, ``*.pth``, ``*.bin``) against the CRC-32
+stored for each of its records, each safetensors file's structure (it stores no checksum: a flipped
+bit inside a tensor is not seen), each JSON file parsed. On several ranks each rank reads its share
+of the files, so the job reads each file once.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ __all__ = ["LOADER_STATE_FILE", "RNG_STATE_FILE", "TRAINER_STATE", "agreed_check
 logger = logging.getLogger(__name__)
 
 LOADER_STATE_FILE = "loader_resume_{rank}.pt"
-"""Each rank's training-loader state inside a Trainer ``checkpoint-N`` (beside ``rng_state_<rank>.pth``)."""
+"""Each rank's training-loader state inside a Trainer ``checkpoint-N`` (beside
+``rng_state_<rank>.pth``)."""
 TRAINER_STATE = "trainer_state.json"
 RNG_STATE_FILE = "rng_state_{rank}.pth"
 """Trainer's own RNG state of each rank (``rng_state.pth`` on one process)."""
@@ -39,9 +41,10 @@ RNG_STATE_FILE = "rng_state_{rank}.pth"
 
 def step_at(state: dict[str, Any], *, world_size: int, batch_size: int, accumulation: int, steps_per_epoch: int,
             checkpoint: Path) -> int:
-    """Trainer's ``global_step`` at ``world_size`` for the position of the map-style loader ``state``: completed
-    epochs * ``steps_per_epoch`` + the optimizer steps (``world_size`` * ``batch_size`` * ``accumulation``
-    samples each) into the epoch. A position between two of those steps is refused."""
+    """Trainer's ``global_step`` at ``world_size`` for the position of the map-style loader
+    ``state``: completed epochs * ``steps_per_epoch`` + the optimizer steps (``world_size`` *
+    ``batch_size`` * ``accumulation`` samples each) into the epoch. A position between two of those
+    steps is refused."""
     epoch, position = state["epoch"], state["position"]
     per_step = world_size * batch_size * accumulation
     if position % per_step:
@@ -53,16 +56,17 @@ def step_at(state: dict[str, Any], *, world_size: int, batch_size: int, accumula
 
 
 def missing_file(checkpoint: Path) -> Path | None:
-    """The first file a complete checkpoint must have and ``checkpoint`` lacks (``None``: complete): every rank's
-    loader state, every rank's RNG state as Trainer names it (unless saved with ``save_only_model``), and
-    ``trainer_state.json``."""
+    """The first file a complete checkpoint must have and ``checkpoint`` lacks (``None``: complete):
+    every rank's loader state, every rank's RNG state as Trainer names it (unless saved with
+    ``save_only_model``), and ``trainer_state.json``."""
     first = checkpoint / LOADER_STATE_FILE.format(rank=0)
     if not first.is_file():
         return first
     saved = load_state_file(first)
     world = saved["world_size"]
     needed = [checkpoint / LOADER_STATE_FILE.format(rank=r) for r in range(1, world)]
-    if saved.get("rng_files", True):  # NOTE: absent in files written before it was recorded (Trainer's default)
+    # NOTE: absent in files written before it was recorded (Trainer's default)
+    if saved.get("rng_files", True):
         needed += [checkpoint / RNG_STATE_FILE.format(rank=r) for r in range(world)] if world > 1 else \
             [checkpoint / "rng_state.pth"]
     for path in [*needed, checkpoint / TRAINER_STATE]:
@@ -82,9 +86,10 @@ def load_state_file(path: Path) -> dict[str, Any]:
 
 
 def agreed_checkpoint(found: str | None) -> str | None:
-    """``found`` (this rank's newest complete checkpoint, or None), checked to be every rank's choice under
-    ``torch.distributed`` (a collective): ranks that see different checkpoints (no shared ``output_dir``, a
-    lagging network file system) would resume different steps, or one from the beginning, and drift apart."""
+    """``found`` (this rank's newest complete checkpoint, or None), checked to be every rank's
+    choice under ``torch.distributed`` (a collective): ranks that see different checkpoints (no
+    shared ``output_dir``, a lagging network file system) would resume different steps, or one from
+    the beginning, and drift apart."""
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         return found
     every: list[Any] = [None] * dist.get_world_size()
@@ -104,7 +109,8 @@ def _checkpoints_in(root: Path) -> list[Path]:
 
 
 def _complete(root: Path, warn: bool) -> list[Path]:
-    """The complete checkpoints in ``root`` (``missing_file``), newest first; others skipped (named)."""
+    """The complete checkpoints in ``root`` (``missing_file``), newest first; others skipped
+    (named)."""
     complete = []
     for path in _checkpoints_in(root):
         try:
@@ -128,11 +134,11 @@ def newest_complete(root: Path) -> Path | None:
 
 def newest_resumable(root: Path, *, rank: int = 0, world_size: int = 1,
                      agree: Callable[[bool], bool] | None = None) -> Path | None:
-    """The newest complete checkpoint in ``root`` whose files verify (each rank its share; ``agree``: whether a flag
-    holds on any rank, a collective), or ``None`` if there is none. A newer one that fails is skipped with a warning
-    naming the file and why; ``CheckpointError`` if none verifies (never a silent
-    start from scratch). With ``agree``, each candidate is checked to be every rank's (``agreed_checkpoint``);
-    without it, this process alone decides."""
+    """The newest complete checkpoint in ``root`` whose files verify (each rank its share;
+    ``agree``: whether a flag holds on any rank, a collective), or ``None`` if there is none. A
+    newer one that fails is skipped with a warning naming the file and why; ``CheckpointError`` if
+    none verifies (never a silent start from scratch). With ``agree``, each candidate is checked to
+    be every rank's (``agreed_checkpoint``); without it, this process alone decides."""
     complete, skipped = _complete(root, warn=True), None
     for index in range(len(complete) + 1):
         candidate = os.fspath(complete[index]) if index < len(complete) else None
@@ -158,8 +164,8 @@ def newest_resumable(root: Path, *, rank: int = 0, world_size: int = 1,
 
 
 def verify_named(checkpoint: Path, *, rank: int, world_size: int, agree: Callable[[bool], bool]) -> None:
-    """Raise ``CheckpointError`` on every rank unless ``checkpoint`` (named by the
-    user) is complete and its files verify (each rank its share; ``agree`` as for ``newest_resumable``)."""
+    """Raise ``CheckpointError`` on every rank unless ``checkpoint`` (named by the user) is complete
+    and its files verify (each rank its share; ``agree`` as for ``newest_resumable``)."""
     failure = None
     try:
         missing = missing_file(checkpoint)
@@ -175,8 +181,8 @@ def verify_named(checkpoint: Path, *, rank: int, world_size: int, agree: Callabl
 
 
 def _verify_files(checkpoint: Path, rank: int, world_size: int) -> None:
-    """This rank's share of ``checkpoint``'s files (every ``world_size``-th, from ``rank``), verified (see the
-    module's description)."""
+    """This rank's share of ``checkpoint``'s files (every ``world_size``-th, from ``rank``),
+    verified (see the module's description)."""
     files = sorted(path for path in checkpoint.rglob("*") if path.is_file())
     for path in files[rank::world_size]:
         if path.suffix in (".pt", ".pth", ".bin"):
@@ -193,10 +199,10 @@ def _verify_files(checkpoint: Path, rank: int, world_size: int) -> None:
 
 def read_states(checkpoint: Path, world_size: int, *, can_move: bool
                 ) -> tuple[dict[str, Any], tuple[Path, int, dict[str, Any]] | None]:
-    """Every saved rank's loader state, as ``gather_states`` returns them, and, when the checkpoint was written on
-    another number of processes than ``world_size``, the change (the checkpoint, its world size, rank 0's state)
-    for ``ResumableTrainer`` to move Trainer's step (refused for an iterable dataset's state, and unless
-    ``can_move``: this Trainer can move its step)."""
+    """Every saved rank's loader state, as ``gather_states`` returns them, and, when the checkpoint
+    was written on another number of processes than ``world_size``, the change (the checkpoint, its
+    world size, rank 0's state) for ``ResumableTrainer`` to move Trainer's step (refused for an
+    iterable dataset's state, and unless ``can_move``: this Trainer can move its step)."""
     first = load_state_file(checkpoint / LOADER_STATE_FILE.format(rank=0))
     world = first["world_size"]
     ranks = [first] + [load_state_file(checkpoint / LOADER_STATE_FILE.format(rank=r)) for r in range(1, world)]

@@ -1,4 +1,5 @@
-"""The ranks' agreement on a preemption signal, at the end of each optimizer step of ``ResumableTrainer``."""
+"""The ranks' agreement on a preemption signal, at the end of each optimizer step of
+``ResumableTrainer``."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ __all__ = ["AgreeOnSignals"]
 
 
 class AgreeOnSignals(TrainerCallback):
-    """At the end of each optimizer step (every ``check_every_n_steps``), the ranks agree on a preemption signal;
-    if any rank got one, Trainer saves a checkpoint now and stops."""
+    """At the end of each optimizer step (every ``check_every_n_steps``), the ranks agree on a
+    preemption signal; if any rank got one, Trainer saves a checkpoint now and stops."""
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer

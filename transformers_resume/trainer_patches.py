@@ -1,5 +1,6 @@
-"""Where ``ResumableTrainer`` stands in for a step of Trainer's own: its loader handed to ``accelerator.prepare``
-comes back as it is, and its ``skip_first_batches`` leaves our loader alone (it stands at the next batch)."""
+"""Where ``ResumableTrainer`` stands in for a step of Trainer's own: its loader handed to
+``accelerator.prepare`` comes back as it is, and its ``skip_first_batches`` leaves our loader alone
+(it stands at the next batch)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ __all__ = ["no_skipping", "unprepared"]
 
 
 def unprepared(accelerator: Any, build: Callable[[], DataLoader[Any]]) -> DataLoader[Any]:
-    """What ``build()`` returns, with ``accelerator.prepare`` answering a lone DataLoader with itself (Trainer
-    builds its loader and hands it straight to ``prepare``)."""
+    """What ``build()`` returns, with ``accelerator.prepare`` answering a lone DataLoader with
+    itself (Trainer builds its loader and hands it straight to ``prepare``)."""
     had = "prepare" in vars(accelerator)
     prepare = accelerator.prepare
 
@@ -38,8 +39,8 @@ def unprepared(accelerator: Any, build: Callable[[], DataLoader[Any]]) -> DataLo
 
 @contextmanager
 def no_skipping() -> Iterator[None]:
-    """While Trainer trains: its ``skip_first_batches`` hands our loader back as it is (it stands at the next
-    batch already); any other loader is skipped as Trainer does."""
+    """While Trainer trains: its ``skip_first_batches`` hands our loader back as it is (it stands at
+    the next batch already); any other loader is skipped as Trainer does."""
     skip = trainer_module.skip_first_batches
 
     def skip_unless_ours(dataloader: Any, num_batches: int = 0) -> Any:

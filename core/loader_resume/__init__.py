@@ -1,11 +1,11 @@
 """loader-resume: exact, elastic mid-epoch resume for PyTorch data loading.
 
-``ResumableDataLoader`` is a drop-in ``DataLoader`` whose ``state_dict()`` resumes the batch sequence
-bit-identically — sample ids and the random numbers drawn while loading them — with another
-``num_workers``, batch size or world size if need be. ``global_rng_state`` and ``set_global_rng_state``
-save and restore every generator a training step draws from (torch's CPU generator, each CUDA device's, numpy's
-and ``random``'s) for a checkpoint of your own. ``LoaderResumeError`` is the base of every error it raises on
-purpose.
+``ResumableDataLoader`` is a drop-in ``DataLoader`` whose ``state_dict()`` resumes the batch
+sequence bit-identically — sample ids and the random numbers drawn while loading them — with another
+``num_workers``, batch size or world size if need be. ``global_rng_state`` and
+``set_global_rng_state`` save and restore every generator a training step draws from (torch's CPU
+generator, each CUDA device's, numpy's and ``random``'s) for a checkpoint of your own.
+``LoaderResumeError`` is the base of every error it raises on purpose.
 """
 
 from loader_resume.errors import LoaderResumeError

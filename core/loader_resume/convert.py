@@ -1,11 +1,10 @@
 """Turn a plain ``torch.utils.data.DataLoader`` into an equivalent ``ResumableDataLoader``.
 
-Used by the framework integrations (which receive the user's plain loaders) and by
-``loader-resume check``. Every DataLoader setting is kept, and so is the sampler's shuffle choice; a
-custom sampler or batch sampler is kept as it is. Under DDP the sampler is expressed as a
-``DistributedSampler`` (DataLoader's own samplers) or a ``ShardedSampler`` (custom ones), which the
-loader turns into its own sharding — and which tells frameworks that inject samplers that the loader is
-already sharded.
+Used by the framework integrations (which receive the user's plain loaders) and by ``loader-resume
+check``. Every DataLoader setting is kept, and so is the sampler's shuffle choice; a custom sampler
+or batch sampler is kept as it is. Under DDP the sampler is expressed as a ``DistributedSampler``
+(DataLoader's own samplers) or a ``ShardedSampler`` (custom ones), which the loader turns into its
+own sharding — and which tells frameworks that inject samplers that the loader is already sharded.
 """
 
 from __future__ import annotations
@@ -46,18 +45,21 @@ def resumable(
     distributed: bool = False,
     audit: str | None = None,
 ) -> L:
-    """``loader`` as a ResumableDataLoader (one of ``loader_class`` is returned as it is, unless another
-    ``num_workers``, rank or world size is asked for: then it is rebuilt with them).
+    """``loader`` as a ResumableDataLoader (one of ``loader_class`` is returned as it is, unless
+    another ``num_workers``, rank or world size is asked for: then it is rebuilt with them).
 
     Args:
         num_workers: override the loader's worker count (``loader-resume check`` varies it).
         rank, world_size: shard for this rank (``world_size > 1``); default: no sharding of our own.
-        ignore_signals: signals its DataLoader workers ignore (the main process alone decides when to stop;
-            the integrations' preemption signals), set before the loader's own ``worker_init_fn`` runs.
+        ignore_signals: signals its DataLoader workers ignore (the main process alone decides when
+            to stop; the integrations' preemption signals), set before the loader's own
+            ``worker_init_fn`` runs.
         loader_class: build this ``ResumableDataLoader`` subclass; a ResumableDataLoader of another
-            class is rebuilt as one, keeping its seed, keying, keyed generators and ``by_value_bytes``.
-        distributed: express the sharding as a ``DistributedSampler`` for one rank too (a framework that puts
-            one on any loader without it, as Lightning does under a parallel strategy of one process).
+            class is rebuilt as one, keeping its seed, keying, keyed generators and
+            ``by_value_bytes``.
+        distributed: express the sharding as a ``DistributedSampler`` for one rank too (a framework
+            that puts one on any loader without it, as Lightning does under a parallel strategy of
+            one process).
         audit: the ``audit=`` of the loader built (given, a ResumableDataLoader is rebuilt with it).
     """
     same_build = (num_workers is None or num_workers == loader.num_workers) and world_size is None
@@ -100,8 +102,8 @@ def _sharded(loader: DataLoader[Any], sampler: Any, seed: int, rank: int, world_
 def sharded_resumable(loader: DataLoader[Any], *, rank: int, world_size: int, loader_class: type[L], seed: int,
                       keying: str, keyed_generators: Sequence[str], ignore_signals: Sequence[int],
                       audit: str | None = None) -> L:
-    """``resumable`` for a framework's process ``rank`` of ``world_size``, the ranks' datasets compared
-    (``distributed.check_same_dataset``: a collective, every rank calls it)."""
+    """``resumable`` for a framework's process ``rank`` of ``world_size``, the ranks' datasets
+    compared (``distributed.check_same_dataset``: a collective, every rank calls it)."""
     ours = resumable(loader, seed=seed, keying=keying, keyed_generators=keyed_generators, rank=rank,
                      world_size=world_size, ignore_signals=ignore_signals, loader_class=loader_class, audit=audit)
     check_same_dataset(ours)

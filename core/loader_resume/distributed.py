@@ -69,8 +69,8 @@ def gather_states(loader: _RankedLoader, state: dict[str, Any] | None = None) ->
 
 
 def load_rank_state(loader: _RankedLoader, gathered: Mapping[str, Any]) -> None:
-    """Load this rank's part of ``gathered`` (from [`gather_states`][loader_resume.distributed.gather_states]) into
-    ``loader``.
+    """Load this rank's part of ``gathered`` (from
+    [`gather_states`][loader_resume.distributed.gather_states]) into ``loader``.
 
     A map-style state may be resumed with another world size (the rest of the epoch is then spread
     over the new ranks); an iterable-dataset state only if its dataset defines ``reshard_states``
@@ -96,21 +96,24 @@ def load_rank_state(loader: _RankedLoader, gathered: Mapping[str, Any]) -> None:
 
 
 class DCPLoaderState:
-    """A loader as a ``torch.distributed.checkpoint`` ``Stateful``: every rank's state, in one value.
+    """A loader as a ``torch.distributed.checkpoint`` ``Stateful``: every rank's state, in one
+    value.
 
-    ``dcp.load`` reads into the object's own ``state_dict()`` as a template, key by key, and keeps one copy
-    of a non-tensor value that every rank saves under the same key. A loader's own state fits neither: a
-    stream's states are per rank, and its shape changes as it runs (a worker's ``None`` becomes the
-    dataset's state dict, which DCP then refuses: "Missing key in checkpoint"). This holds what
-    [`gather_states`][loader_resume.distributed.gather_states] returns — the same on every rank — as ``torch.save``
-    bytes under one key, and loads it through [`load_rank_state`][loader_resume.distributed.load_rank_state], so another
-    world size resumes as it does there::
+    ``dcp.load`` reads into the object's own ``state_dict()`` as a template, key by key, and keeps
+    one copy of a non-tensor value that every rank saves under the same key. A loader's own state
+    fits neither: a stream's states are per rank, and its shape changes as it runs (a worker's
+    ``None`` becomes the dataset's state dict, which DCP then refuses: "Missing key in checkpoint").
+    This holds what [`gather_states`][loader_resume.distributed.gather_states] returns — the same on
+    every rank — as ``torch.save`` bytes under one key, and loads it through
+    [`load_rank_state`][loader_resume.distributed.load_rank_state], so another world size resumes as
+    it does there::
 
         dcp.save({"loader": DCPLoaderState(loader), ...}, checkpoint_id=path)   # every rank
         dcp.load({"loader": DCPLoaderState(loader), ...}, checkpoint_id=path)   # every rank
 
-    ``state_dict()`` is a collective under ``torch.distributed`` (DCP calls it on every rank, when saving
-    and, for the template, when loading). A map-style loader also works as a ``Stateful`` by itself.
+    ``state_dict()`` is a collective under ``torch.distributed`` (DCP calls it on every rank, when
+    saving and, for the template, when loading). A map-style loader also works as a ``Stateful`` by
+    itself.
     """
 
     KEY = "loader_resume"
@@ -131,14 +134,16 @@ class DCPLoaderState:
 
 
 def check_same_dataset(loader: _RankedLoader) -> None:
-    """Raise ValueError unless every rank's loader reads the same map-style dataset (a collective: call it on
-    every rank, once, after building the loader; the Lightning callback and the Accelerate hook do).
+    """Raise ValueError unless every rank's loader reads the same map-style dataset (a collective:
+    call it on every rank, once, after building the loader; the Lightning callback and the
+    Accelerate hook do).
 
     The loader shards one whole dataset across ranks itself. A dataset already split per rank (HF
-    ``split_dataset_by_node``, a per-rank ``Subset``) would be sharded a second time: each rank would see
-    half of its half, silently. Compared: the dataset's type and length, and where the library keeps one,
-    a content identity (HF ``datasets``' fingerprint). Two same-length splits of a dataset with no such
-    identity cannot be told apart. Streams shard themselves and are not compared.
+    ``split_dataset_by_node``, a per-rank ``Subset``) would be sharded a second time: each rank
+    would see half of its half, silently. Compared: the dataset's type and length, and where the
+    library keeps one, a content identity (HF ``datasets``' fingerprint). Two same-length splits of
+    a dataset with no such identity cannot be told apart. Streams shard themselves and are not
+    compared.
     """
     dataset = getattr(loader, "dataset", None)
     initialised = dist.is_available() and dist.is_initialized()
@@ -154,8 +159,8 @@ def check_same_dataset(loader: _RankedLoader) -> None:
 
 
 def gather_rng_states() -> list[dict[str, Any]]:
-    """Every rank's [`global_rng_state`][loader_resume.global_rng_state], in rank order (a collective
-    under ``torch.distributed``)."""
+    """Every rank's [`global_rng_state`][loader_resume.global_rng_state], in rank order (a
+    collective under ``torch.distributed``)."""
     state = global_rng_state()
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [state]
@@ -165,7 +170,8 @@ def gather_rng_states() -> list[dict[str, Any]]:
 
 
 def any_rank(flag: bool) -> bool:
-    """Whether ``flag`` is true on any rank: one ``all_reduce`` under ``torch.distributed`` (call on all ranks)."""
+    """Whether ``flag`` is true on any rank: one ``all_reduce`` under ``torch.distributed`` (call on
+    all ranks)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return flag
     tensor = torch.tensor([int(flag)], dtype=torch.int32, device=collective_device())
@@ -174,27 +180,29 @@ def any_rank(flag: bool) -> bool:
 
 
 def collective_device() -> torch.device | None:
-    """Where a tensor for a collective must live: the current CUDA device on an NCCL group, else the CPU.
+    """Where a tensor for a collective must live: the current CUDA device on an NCCL group, else the
+    CPU.
 
-    ``all_gather_object`` picks the same device by itself (torch's rule), so each rank must have called
-    ``torch.cuda.set_device`` (Lightning, Accelerate and
+    ``all_gather_object`` picks the same device by itself (torch's rule), so each rank must have
+    called ``torch.cuda.set_device`` (Lightning, Accelerate and
     [`init_process_group`][loader_resume.distributed.init_process_group] do).
     """
     return torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend()) else None
 
 
 def init_process_group(backend: str = "gloo", timeout: timedelta = timedelta(minutes=30)) -> None:
-    """``torch.distributed.init_process_group`` from torchrun's environment, safe across its restarts.
+    """``torch.distributed.init_process_group`` from torchrun's environment, safe across its
+    restarts.
 
     NOTE: torchrun (torch 2.13, static and c10d rendezvous) hands every restarted attempt the same
     store, whose keys hold the previous attempt's addresses; gloo then sometimes connects to a dead
-    worker ("connectFullMesh failed ... Connection refused") and the attempt fails, or hangs. So each
-    rendezvous round gets keys of its own: its rank 0 draws a fresh *generation* from the store and
-    every rank learns it (``_agree_on_generation``). ``TORCHELASTIC_RESTART_COUNT`` cannot serve:
-    each agent counts only its own workers' failures, so after one node's worker crashes the two
-    nodes' ranks would wait under different keys until the timeout. Outside torchrun (no
-    ``TORCHELASTIC_RESTART_COUNT``) this is the plain ``env://`` initialisation. On an NCCL backend the
-    CUDA device is set to ``LOCAL_RANK`` first (collectives use the current device).
+    worker ("connectFullMesh failed ... Connection refused") and the attempt fails, or hangs. So
+    each rendezvous round gets keys of its own: its rank 0 draws a fresh *generation* from the store
+    and every rank learns it (``_agree_on_generation``). ``TORCHELASTIC_RESTART_COUNT`` cannot
+    serve: each agent counts only its own workers' failures, so after one node's worker crashes the
+    two nodes' ranks would wait under different keys until the timeout. Outside torchrun (no
+    ``TORCHELASTIC_RESTART_COUNT``) this is the plain ``env://`` initialisation. On an NCCL backend
+    the CUDA device is set to ``LOCAL_RANK`` first (collectives use the current device).
     """
     if "nccl" in backend and torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -218,11 +226,11 @@ def _agree_on_generation(store: Any, rank: int, world: int, timeout: timedelta) 
     """A number every rank of this rendezvous round agrees on and no earlier round used.
 
     The store outlives rounds and holds their keys, and the ranks share no round number (each
-    torchrun agent counts its own restarts). Every rank of an earlier round is dead before a new round
-    starts, so: rank 0 takes the next value of a counter (fresh); every other rank posts a nonce of its
-    own and waits for the answer addressed to that nonce (an answer to an earlier round's nonce cannot
-    be mistaken for it); rank 0 answers each nonce it sees until every rank has acknowledged under the
-    new generation (a key no earlier round could have written).
+    torchrun agent counts its own restarts). Every rank of an earlier round is dead before a new
+    round starts, so: rank 0 takes the next value of a counter (fresh); every other rank posts a
+    nonce of its own and waits for the answer addressed to that nonce (an answer to an earlier
+    round's nonce cannot be mistaken for it); rank 0 answers each nonce it sees until every rank has
+    acknowledged under the new generation (a key no earlier round could have written).
     """
     if rank != 0:
         nonce = uuid.uuid4().hex
@@ -240,7 +248,8 @@ def _agree_on_generation(store: Any, rank: int, world: int, timeout: timedelta) 
                 waiting.discard(other)
             elif store.check([f"{_GENERATION}/hello/{other}"]):
                 nonce = store.get(f"{_GENERATION}/hello/{other}")
-                if answered.get(other) != nonce:  # a stale nonce gets an answer nobody reads: harmless
+                # a stale nonce gets an answer nobody reads: harmless
+                if answered.get(other) != nonce:
                     store.set(f"{_GENERATION}/welcome/{nonce.decode()}", str(generation))
                     answered[other] = nonce
         if waiting:

@@ -1,5 +1,5 @@
-"""The fields of a loader's state that say what it reads and how — the dataset's length, the seed, the order,
-the world size — as distinct from the position the loader's ``Position`` fills in."""
+"""The fields of a loader's state that say what it reads and how — the dataset's length, the seed,
+the order, the world size — as distinct from the position the loader's ``Position`` fills in."""
 
 from __future__ import annotations
 
@@ -23,20 +23,21 @@ ENDED_PASS = _Ended()
 
 
 class StateIdentity:
-    """A loader's identity fields: a fresh dict per call (``state_dict()`` runs between steps), from a template of
-    the fields fixed at construction; while a pass is mid-epoch, those computed at its ``iter()`` (the length and
-    world size it was planned with), unless ``num_workers`` changed since."""
+    """A loader's identity fields: a fresh dict per call (``state_dict()`` runs between steps), from
+    a template of the fields fixed at construction; while a pass is mid-epoch, those computed at its
+    ``iter()`` (the length and world size it was planned with), unless ``num_workers`` changed
+    since."""
 
     __slots__ = ("at_pass", "batch_size", "drop_last", "order", "position", "shuffle", "template")
 
     def __init__(self, position: Position, order: str, shuffle: bool, *, batch_size: int | None,
                  drop_last: bool) -> None:
-        # NOTE: the loader's values, handed over (its batch_size and drop_last are fixed once it is built): no
-        # reference back to the loader, which holds this object
+        # NOTE: the loader's values, handed over (its batch_size and drop_last are fixed once it is
+        # built): no reference back to the loader, which holds this object
         self.position, self.order, self.shuffle = position, order, shuffle
         self.batch_size, self.drop_last = batch_size, drop_last
-        """``order``: what orders the data (the state's ``"source"`` field: ``"permutation"``, ``"iterable"``, or the
-        user's sampler's class)."""
+        """``order``: what orders the data (the state's ``"source"`` field: ``"permutation"``,
+        ``"iterable"``, or the user's sampler's class)."""
         self.template: dict[str, Any] | None = None
         self.at_pass: tuple[Any, int, dict[str, Any]] | None = None
         """(the pass, its ``num_workers``, the fields) of the last ``iter()``."""
@@ -78,7 +79,8 @@ class StateIdentity:
         self.at_pass = None
 
     def for_state(self, pass_ended: bool = False) -> dict[str, Any]:
-        """A fresh dict of the fields for ``state_dict()`` (``pass_ended``: for where the next pass starts)."""
+        """A fresh dict of the fields for ``state_dict()`` (``pass_ended``: for where the next pass
+        starts)."""
         at_pass = self.at_pass
         workers = self.position.setup.num_workers  # NOTE: the loader keeps it equal to its own
         if not pass_ended and at_pass is not None and not at_pass[0].done and at_pass[1] == workers:

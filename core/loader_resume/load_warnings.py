@@ -1,6 +1,7 @@
-"""What a loader says, once per loader and case, about a loaded state: that it would be ignored, or that the
-continuation will not be bit-identical (a third-party object that cannot be restored exactly); and that it is
-iterated together with another loader of the same seed (both then draw the same random values)."""
+"""What a loader says, once per loader and case, about a loaded state: that it would be ignored, or
+that the continuation will not be bit-identical (a third-party object that cannot be restored
+exactly); and that it is iterated together with another loader of the same seed (both then draw the
+same random values)."""
 
 from __future__ import annotations
 
@@ -16,14 +17,16 @@ logger = logging.getLogger(__name__)
 
 
 class LoadWarnings:
-    """The warnings of one loader about the states loaded into it (see ``ResumableDataLoader.load_state_dict``)."""
+    """The warnings of one loader about the states loaded into it (see
+    ``ResumableDataLoader.load_state_dict``)."""
 
     def __init__(self, name: str, dataset: Any, *, seed: int, keying: str, owner: weakref.ref[Any]) -> None:
         self.name, self.dataset, self.seed, self.keying = name, dataset, seed, keying
-        """The loader's values (fixed once it is built): ``name`` as the log names it, what it reads, its seed and
-        keying."""
+        """The loader's values (fixed once it is built): ``name`` as the log names it, what it
+        reads, its seed and keying."""
         self.owner = owner
-        """The loader, weakly: whether it still exists (a pass of a loader that is gone is nobody's to iterate)."""
+        """The loader, weakly: whether it still exists (a pass of a loader that is gone is nobody's
+        to iterate)."""
         self.live: weakref.ref[Any] | None = None
         """The last iterator handed out."""
         self.unused = False
@@ -31,7 +34,8 @@ class LoadWarnings:
         self.warned: set[str] = set()
 
     def iterating(self, iterator: Any) -> None:
-        """``iter(loader)`` handed out ``iterator`` (whose ``mid_epoch`` says whether it is still in its pass)."""
+        """``iter(loader)`` handed out ``iterator`` (whose ``mid_epoch`` says whether it is still in
+        its pass)."""
         self.live = weakref.ref(iterator)
         if self.keying != "off":
             for other in list(_ITERATING):
@@ -44,7 +48,8 @@ class LoadWarnings:
             _ITERATING.add(self)
 
     def mid_pass(self) -> bool:
-        """Whether this loader and its last iterator are alive, and the iterator still in its pass."""
+        """Whether this loader and its last iterator are alive, and the iterator still in its
+        pass."""
         if self.owner() is None:
             return False
         live = self.live() if self.live is not None else None
@@ -55,7 +60,8 @@ class LoadWarnings:
         self.unused = False
 
     def loading(self) -> None:
-        """A state is being loaded: warn where it would be ignored, or where the continuation cannot be exact."""
+        """A state is being loaded: warn where it would be ignored, or where the continuation cannot
+        be exact."""
         live = self.live() if self.live is not None else None
         if live is not None and live.mid_epoch:
             self.warn("mid-epoch", "load_state_dict() was called while an iterator of this loader is still "

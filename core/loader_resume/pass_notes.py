@@ -1,13 +1,15 @@
-"""What a loader says about states of a pass in flight when the loop has not said what it means by leaving it.
+"""What a loader says about states of a pass in flight when the loop has not said what it means by
+leaving it.
 
-A state describes where the pass in flight continues, whether or not its iterator still exists: a loop that
-``break``s (or fails) and then saves is most often a job that stops, and continuing the pass loses nothing. A loop
-that leaves passes on purpose (an epoch limit of its own) says so with ``state_dict(pass_ended=True)``; the front
-doors say it for theirs. Where the loop said neither, the loader says which it did, once per loader:
+A state describes where the pass in flight continues, whether or not its iterator still exists: a
+loop that ``break``s (or fails) and then saves is most often a job that stops, and continuing the
+pass loses nothing. A loop that leaves passes on purpose (an epoch limit of its own) says so with
+``state_dict(pass_ended=True)``; the front doors say it for theirs. Where the loop said neither, the
+loader says which it did, once per loader:
 
 1. at the first such state: that loading it continues the pass, and how to choose the other;
-2. at an ``iter()`` that leaves a pass at the very batch a state was taken there (the loop left the pass on
-   purpose, in this process): that the state continues the pass this process just left.
+2. at an ``iter()`` that leaves a pass at the very batch a state was taken there (the loop left the
+   pass on purpose, in this process): that the state continues the pass this process just left.
 """
 
 from __future__ import annotations
@@ -36,11 +38,13 @@ class PassNotes:
         """``name``: the loader as the log names it (``ResumableDataLoader over MyDataset``)."""
         self.said = self.warned = False
         self.taken: dict[str, Any] | None = None
-        """The last state taken without ``pass_ended`` since the last ``iter()`` or load (the loader sets it)."""
+        """The last state taken without ``pass_ended`` since the last ``iter()`` or load (the loader
+        sets it)."""
 
     def first(self, at_pass: Any, state: dict[str, Any]) -> None:
-        """The first states without ``pass_ended``, until one is of a pass in flight (``at_pass``: the loader's
-        last ``iter()``, see ``StateIdentity``): that one says once what loading it does."""
+        """The first states without ``pass_ended``, until one is of a pass in flight (``at_pass``:
+        the loader's last ``iter()``, see ``StateIdentity``): that one says once what loading it
+        does."""
         if at_pass is None or at_pass[0].done:
             return
         self.said = True
@@ -50,12 +54,15 @@ class PassNotes:
                     "?" if total is None else total, _HOW)
 
     def leaving(self, at_pass: Any, now: Callable[[], dict[str, Any]]) -> None:
-        """``iter()`` begins a new pass; ``at_pass``: the loader's last, ``now()``: its state as it stands."""
+        """``iter()`` begins a new pass; ``at_pass``: the loader's last, ``now()``: its state as it
+        stands."""
         taken, self.taken = self.taken, None
         if self.warned or taken is None or at_pass is None or at_pass[0].done:
             return
-        state = now()  # NOTE: one pass's states differ in position: equal ones were taken where it is left
-        fields = ("epoch", "position", "stream")  # NOTE: .get: the state was handed to the caller, who may edit it
+        # NOTE: one pass's states differ in position: equal ones were taken where it is left
+        state = now()
+        # NOTE: .get: the state was handed to the caller, who may edit it
+        fields = ("epoch", "position", "stream")
         if tuple(taken.get(name) for name in fields) == tuple(state[name] for name in fields):
             self.warned = True
             done, total = self.position.progress()

@@ -1,6 +1,7 @@
-"""Where ``loader_resume.testing.assert_resumes_exactly`` sends a state before a fresh loader loads it: a deep copy,
-JSON, ``torch.save`` read back with ``weights_only=True``, or ``torch.distributed.checkpoint`` in this process (the
-``"process"`` round trip is the helper's own: a spawned process)."""
+"""Where ``loader_resume.testing.assert_resumes_exactly`` sends a state before a fresh loader loads
+it: a deep copy, JSON, ``torch.save`` read back with ``weights_only=True``, or
+``torch.distributed.checkpoint`` in this process (the ``"process"`` round trip is the helper's own:
+a spawned process)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ __all__ = ["load_through_dcp", "through"]
 
 
 def through(state: dict[str, Any], round_trip: str) -> dict[str, Any]:
-    """``state`` as it reads back after ``round_trip`` (``"json"``, ``"torch"``; anything else: a deep copy)."""
+    """``state`` as it reads back after ``round_trip`` (``"json"``, ``"torch"``; anything else: a
+    deep copy)."""
     if round_trip == "json":
         return json.loads(json.dumps(state))  # type: ignore[no-any-return]
     if round_trip == "torch":
@@ -30,8 +32,8 @@ def through(state: dict[str, Any], round_trip: str) -> dict[str, Any]:
 
 
 def load_through_dcp(loader: Any, state: dict[str, Any]) -> None:
-    """``torch.distributed.checkpoint.save`` of ``state``, then ``load`` into ``loader`` as a ``Stateful`` (DCP reads
-    into the loader's own ``state_dict()`` as its template)."""
+    """``torch.distributed.checkpoint.save`` of ``state``, then ``load`` into ``loader`` as a
+    ``Stateful`` (DCP reads into the loader's own ``state_dict()`` as its template)."""
     from torch.distributed.checkpoint.state_dict_loader import load
     from torch.distributed.checkpoint.state_dict_saver import save
 
@@ -42,8 +44,9 @@ def load_through_dcp(loader: Any, state: dict[str, Any]) -> None:
 
 
 def _single_process(save: Callable[..., Any]) -> dict[str, Any]:
-    """The keyword that keeps a DCP round trip in this process: ``no_dist=True`` (torch >= 2.7). Older torch has
-    no such keyword and saves in one process by itself unless a process group is initialised (refused then)."""
+    """The keyword that keeps a DCP round trip in this process: ``no_dist=True`` (torch >= 2.7).
+    Older torch has no such keyword and saves in one process by itself unless a process group is
+    initialised (refused then)."""
     if "no_dist" in inspect.signature(save).parameters:
         return {"no_dist": True}
     if torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -36,7 +36,8 @@ def settings(dataset: Any, *, seed: int, keying: str, keyed_generators: Sequence
                          f"memory, as DataLoader) to {MAX_BY_VALUE_BYTES}")
     if keying not in KEYING_MODES:
         raise ValueError(f"keying={keying!r}: expected one of {list(KEYING_MODES)}")
-    if not in_order and not caps_worker_tasks():  # NOTE: torch 2.6 has in_order=False, without the cap it needs
+    # NOTE: torch 2.6 has in_order=False, without the cap it needs
+    if not in_order and not caps_worker_tasks():
         raise ValueError(f"in_order=False needs torch >= 2.7: torch {torch.__version__}'s DataLoader hands index lists "
                          "to its workers in turn however many each holds, so the batches after a slow one pile up "
                          "behind it and wait (upgrade torch, or build the loader with in_order=True)")
@@ -59,8 +60,9 @@ def settings(dataset: Any, *, seed: int, keying: str, keyed_generators: Sequence
 
 def positioned(setup: Setup, map_style: bool, sampler: Any, batch_sampler: Any, shuffle: bool | None,
                audit: str | os.PathLike[str] | None) -> tuple[Order, Position]:
-    """What orders a loader's data and where it stands: a ``MapPosition`` (``map_style``) or a ``StreamPosition``,
-    with the ``AuditLog`` of ``audit=DIR`` in its setup (the log only records: nothing delivered depends on it)."""
+    """What orders a loader's data and where it stands: a ``MapPosition`` (``map_style``) or a
+    ``StreamPosition``, with the ``AuditLog`` of ``audit=DIR`` in its setup (the log only records:
+    nothing delivered depends on it)."""
     if map_style:
         order = classify_order(setup.dataset, sampler, batch_sampler, shuffle)
         position: Position = MapPosition(setup, order)

@@ -3,15 +3,17 @@
 Version history:
   1 — first release: map-style datasets (permutation, custom sampler or batch sampler sources) and
       iterable datasets (per-worker progress under ``"stream"``, ``None`` for map-style).
-  2 — each stream worker also records its iterator's state (torchdata's Stateful protocol) and whether
+  2 — each stream worker also records its iterator's state (torchdata's Stateful protocol) and
+  whether
       it ran dry in the epoch. Version-1 states still load (the new fields read as None and False).
   3 — ``position`` means one thing: global samples delivered of map-style data (None for iterable
       datasets, whose delivered-batch count moved to ``stream["delivered"]``). Version-1 and -2 states
       still load: ``check_state`` returns them in this layout. A loader built with ``in_order=False``
       adds ``ahead``: the ends (global sample counts) of the steps delivered past ``position``.
 
-Every key is always present (constant shape), values are ints, strings, bools, None or lists of those,
-plus whatever a user's stateful sampler or dataset returns under ``sampler_state``/``dataset_state``.
+Every key is always present (constant shape), values are ints, strings, bools, None or lists of
+those, plus whatever a user's stateful sampler or dataset returns under
+``sampler_state``/``dataset_state``.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ __all__ = ["STATE_KEYS", "STATE_VERSION", "StateError", "check_state"]
 logger = logging.getLogger(__name__)
 
 STATE_VERSION: Final = 3
-"""The layout ``state_dict()`` writes (``"version"`` in it). States of versions 1 to 3 load (an older one is
-read in this layout); any other is refused with a ``StateError`` naming ``version``."""
+"""The layout ``state_dict()`` writes (``"version"`` in it). States of versions 1 to 3 load (an
+older one is read in this layout); any other is refused with a ``StateError`` naming ``version``."""
 READABLE_VERSIONS: Final = (1, 2, 3)
 
 # Fields the position depends on: a saved value must equal the current one, or the order differs.
@@ -70,23 +72,24 @@ _TYPES: Final[dict[str, tuple[str, Callable[[Any], bool]]]] = {
     "stream": ("a dict or None", lambda v: v is None or isinstance(v, dict)),
 }
 ENDING: Final = "ending"
-"""The key of a state taken between a pass's last batch and its iterator's end, for a loop that will end that pass
-itself after a load: the first ``iter()`` after loading it is empty (``ResumableDataLoader.state_dict(ending=True)``
-writes it; nothing else does)."""
+"""The key of a state taken between a pass's last batch and its iterator's end, for a loop that will
+end that pass itself after a load: the first ``iter()`` after loading it is empty
+(``ResumableDataLoader.state_dict(ending=True)`` writes it; nothing else does)."""
 OPTIONAL: Final[dict[str, tuple[str, Callable[[Any], bool]]]] = {
     "ahead": ("a list of ints > 0", lambda v: type(v) is list and all(_is_int(x) and x > 0 for x in v)),
     ENDING: ("True", lambda v: v is True),
 }
-"""Keys only some loaders' states have (``ahead``: ``in_order=False``; ``ending``: taken between a pass's last
-batch and its iterator's end, by a loader of a hand-written loop, ``step_boundary.ReportingDataLoader``)."""
+"""Keys only some loaders' states have (``ahead``: ``in_order=False``; ``ending``: taken between a
+pass's last batch and its iterator's end, by a loader of a hand-written loop,
+``step_boundary.ReportingDataLoader``)."""
 
 
 def check_state(saved: Any, current: Mapping[str, Any]) -> dict[str, Any]:
-    """``saved`` in this version's layout; raises ``StateError`` unless it can resume a loader whose own
-    state is ``current``.
+    """``saved`` in this version's layout; raises ``StateError`` unless it can resume a loader whose
+    own state is ``current``.
 
-    ``current`` is the loader's state as it would be saved now. Nothing is modified (an older version's
-    state is returned as a new dict), so a loader that refuses a state stays usable.
+    ``current`` is the loader's state as it would be saved now. Nothing is modified (an older
+    version's state is returned as a new dict), so a loader that refuses a state stays usable.
     """
     if not isinstance(saved, Mapping):
         hint = "Pass the dict that state_dict() returned."
@@ -126,7 +129,8 @@ def _is_map(state: Mapping[str, Any]) -> bool:
 
 
 def _upgraded(saved: Mapping[str, Any]) -> dict[str, Any]:
-    """``saved`` in the current layout: before version 3, an iterable's ``position`` was its delivered count."""
+    """``saved`` in the current layout: before version 3, an iterable's ``position`` was its
+    delivered count."""
     state = dict(saved)
     stream = state["stream"]
     if state["version"] < 3 and isinstance(stream, Mapping) and "delivered" not in stream:

@@ -1,13 +1,13 @@
 """Prove a pipeline resumes exactly: ``assert_resumes_exactly(make_loader)``.
 
-Runs the uninterrupted sequence, takes the state before the first batch and after every batch (so
-an epoch's last batch and the epoch boundary are included), restores each into a fresh loader and
+Runs the uninterrupted sequence, takes the state before the first batch and after every batch (so an
+epoch's last batch and the epoch boundary are included), restores each into a fresh loader and
 checks that the rest of the run is bit-identical. It also checks that a loaded state reads back
-unchanged, that get/set/get is idempotent, that the state keeps one shape throughout, and that the states
-the resumed run takes resume exactly too (a job cut twice). With
-``round_trip``, each state first goes where checkpoints go (JSON, ``torch.save`` loaded with
-``weights_only=True``, ``torch.distributed.checkpoint``, another process). Use it on your own
-pipelines; our test suite uses it everywhere.
+unchanged, that get/set/get is idempotent, that the state keeps one shape throughout, and that the
+states the resumed run takes resume exactly too (a job cut twice). With ``round_trip``, each state
+first goes where checkpoints go (JSON, ``torch.save`` loaded with ``weights_only=True``,
+``torch.distributed.checkpoint``, another process). Use it on your own pipelines; our test suite
+uses it everywhere.
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ ROUND_TRIPS: Final = ("copy", "json", "torch", "dcp", "process")
 - ``"copy"``: a deep copy (the default);
 - ``"json"``: ``json.dumps`` and back (the state is plain data);
 - ``"torch"``: ``torch.save`` and ``torch.load(weights_only=True)`` (what framework checkpoints do);
-- ``"dcp"``: ``torch.distributed.checkpoint.save`` of the state, then ``load`` into the resumed loader as a
-  ``Stateful`` (DCP reads into the fresh loader's own ``state_dict()`` as its template, so a state whose
-  user parts change shape between a fresh loader and a running one fails here: wrap such a loader in
-  ``loader_resume.distributed.DCPLoaderState``);
-- ``"process"``: ``torch.save`` bytes resumed in another, spawned process (``make_loader`` must then be
-  picklable: a module-level function or a ``functools.partial`` of one)."""
+- ``"dcp"``: ``torch.distributed.checkpoint.save`` of the state, then ``load`` into the resumed
+  loader as a ``Stateful`` (DCP reads into the fresh loader's own ``state_dict()`` as its template,
+  so a state whose user parts change shape between a fresh loader and a running one fails here: wrap
+  such a loader in ``loader_resume.distributed.DCPLoaderState``);
+- ``"process"``: ``torch.save`` bytes resumed in another, spawned process (``make_loader`` must then
+  be picklable: a module-level function or a ``functools.partial`` of one)."""
 
 
 class StatefulLoader(Protocol):
@@ -52,7 +52,8 @@ class StatefulLoader(Protocol):
 
 
 def fingerprint(batch: Any) -> str:
-    """A stable hex digest of every tensor, array, number and string in ``batch`` (dtype and shape too)."""
+    """A stable hex digest of every tensor, array, number and string in ``batch`` (dtype and shape
+    too)."""
     digest = hashlib.blake2b(digest_size=16)
     _feed(digest, batch)
     return digest.hexdigest()
@@ -113,10 +114,10 @@ def assert_resumes_exactly(
             ``num_workers`` or batch size here to prove the state is portable.
         round_trip: where each state goes before it is loaded, one of
             [`ROUND_TRIPS`][loader_resume.testing.ROUND_TRIPS].
-        after_batch: called after each batch with the loader and the batches delivered so far (over all
-            epochs), in the reference run and in every resumed one (counting on from the cut), before any
-            state is taken: a run's per-step calls, such as ``Mixture.set_weights`` (picklable with
-            ``round_trip="process"``).
+        after_batch: called after each batch with the loader and the batches delivered so far (over
+            all epochs), in the reference run and in every resumed one (counting on from the cut),
+            before any state is taken: a run's per-step calls, such as ``Mixture.set_weights``
+            (picklable with ``round_trip="process"``).
     """
     if round_trip not in ROUND_TRIPS:
         raise ValueError(f"round_trip={round_trip!r}: expected one of {list(ROUND_TRIPS)}")
@@ -132,8 +133,9 @@ def assert_resumes_exactly(
             states.append(copy.deepcopy(reference.state_dict()))
         ended = copy.deepcopy(reference.state_dict())
         if fingerprint(ended) != fingerprint(states[-1]):
-            # NOTE: a stream only learns it is spent when asked for more, so its state after the last
-            # batch ("maybe more in this epoch") and after the epoch ended differ; both must resume.
+            # NOTE: a stream only learns it is spent when asked for more, so its state after the
+            # last batch ("maybe more in this epoch") and after the epoch ended differ; both must
+            # resume.
             epoch_ends.append((len(records), ended))
     chosen = tuple(range(len(records) + 1)) if cuts is None else tuple(cuts)
     checks = [(cut, states[cut]) for cut in chosen]
@@ -163,8 +165,9 @@ def assert_resumes_exactly(
 
 
 _Outcome = tuple[dict[str, Any], dict[str, Any], dict[str, Any], list[tuple[int, str]], list[dict[str, Any]]]
-"""(the state as loaded, after its round trip; the state read back after the load; the state a second loader
-loaded from that reads back; the rest of the run; the state after each of its batches)."""
+"""(the state as loaded, after its round trip; the state read back after the load; the state a
+second loader loaded from that reads back; the rest of the run; the state after each of its
+batches)."""
 
 
 _Calls = tuple[Callable[[Any, int], None] | None, int]
@@ -173,7 +176,8 @@ _Calls = tuple[Callable[[Any, int], None] | None, int]
 
 def _resume_from_bytes(make: Callable[[], StatefulLoader], saved: bytes, epochs: int, fallback: int,
                        calls: _Calls) -> _Outcome:
-    """In another process: the state as ``torch.load(weights_only=True)`` reads it there, resumed."""
+    """In another process: the state as ``torch.load(weights_only=True)`` reads it there,
+    resumed."""
     return _resume(make, torch.load(io.BytesIO(saved), weights_only=True), epochs, fallback, dcp=False, calls=calls)
 
 
@@ -197,7 +201,8 @@ def _resume(make: Callable[[], StatefulLoader], state: dict[str, Any], epochs: i
             rest.append((epoch, fingerprint(batch)))
             if after_batch is not None:
                 after_batch(resumed, delivered + len(rest))
-            later.append(copy.deepcopy(resumed.state_dict()))  # NOTE: what a resume of this resumed run loads
+            # NOTE: what a resume of this resumed run loads
+            later.append(copy.deepcopy(resumed.state_dict()))
     return state, read_back, again.state_dict(), rest, later
 
 
@@ -216,8 +221,9 @@ def _check_cut(outcome: _Outcome, records: list[tuple[int, str]], cut: int, same
 
 def _check_later(make: Callable[[], StatefulLoader], later: list[dict[str, Any]], states: list[dict[str, Any]],
                  records: list[tuple[int, str]], cut: int, epochs: int, after_batch: Any) -> None:
-    """The states the resumed run took are the uninterrupted run's; at the first that is not (a library's own state
-    may record its read-ahead otherwise), a second resume, from it, must continue the run exactly."""
+    """The states the resumed run took are the uninterrupted run's; at the first that is not (a
+    library's own state may record its read-ahead otherwise), a second resume, from it, must
+    continue the run exactly."""
     for at, state in enumerate(later, cut + 1):
         if fingerprint(state) != fingerprint(states[at]):
             fallback = records[at][0] if at < len(records) else epochs
@@ -240,13 +246,15 @@ def _shape(value: Any) -> Any:
 
 
 def assert_delivers_rest_exactly_once(before: Iterable[int], after: Iterable[int], n: int, *, padding: int = 0) -> None:
-    """The samples delivered before a cut and after the resume (any ranks, any world size, in any order)
-    make up one epoch of ``range(n)``: none lost, none twice — up to ``padding`` repeats allowed (the padding
-    of an epoch's last step without ``drop_last``). Raises AssertionError naming what was lost or repeated.
+    """The samples delivered before a cut and after the resume (any ranks, any world size, in any
+    order) make up one epoch of ``range(n)``: none lost, none twice — up to ``padding`` repeats
+    allowed (the padding of an epoch's last step without ``drop_last``). Raises AssertionError
+    naming what was lost or repeated.
 
-    For resumes whose batches are composed differently from the uninterrupted run's (another world size,
-    batch size or worker count), where [`assert_resumes_exactly`][loader_resume.testing.assert_resumes_exactly] cannot
-    compare batch by batch.
+    For resumes whose batches are composed differently from the uninterrupted run's (another world
+    size, batch size or worker count), where
+    [`assert_resumes_exactly`][loader_resume.testing.assert_resumes_exactly] cannot compare batch by
+    batch.
     """
     delivered = [*before, *after]
     counts: dict[int, int] = {}

@@ -6,7 +6,8 @@ Questions asked of the user's dataset (or sampler):
 - ``is_stateful``: does it implement the Stateful protocol the loader calls (``state_dict()`` and
   ``load_state_dict(state)``)? ``foreign_state_dict`` names another library's protocol instead;
 - ``unrestorable``: its ``state_dict()`` exists but cannot restore it exactly, so the loader does
-  not call it and resumes by replay instead (exact, at the cost of re-reading the epoch's delivered items).
+  not call it and resumes by replay instead (exact, at the cost of re-reading the epoch's delivered
+  items).
 - ``irreproducible``: it draws from a random generator no keying reaches, so a resumed continuation
   will *not* be bit-identical; the loader says so when a state is loaded.
 - ``content_identity``: what identifies its content beyond its length, so ranks can compare theirs
@@ -38,8 +39,9 @@ _ACCELERATORS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
 def mark_accelerator(accelerator: Any, mode: str | None) -> None:
-    """Record what ``enable_resume`` made of ``accelerator``: ``"resume"`` (its loaders are converted),
-    ``"stock"`` (switched off on purpose: Accelerate's own loaders), or ``None`` (undone)."""
+    """Record what ``enable_resume`` made of ``accelerator``: ``"resume"`` (its loaders are
+    converted), ``"stock"`` (switched off on purpose: Accelerate's own loaders), or ``None``
+    (undone)."""
     if mode is None:
         _ACCELERATORS.pop(accelerator, None)
     else:
@@ -47,7 +49,8 @@ def mark_accelerator(accelerator: Any, mode: str | None) -> None:
 
 
 def accelerator_mode(accelerator: Any) -> str | None:
-    """What ``mark_accelerator`` recorded for ``accelerator`` (``None``: nothing, or not an Accelerator)."""
+    """What ``mark_accelerator`` recorded for ``accelerator`` (``None``: nothing, or not an
+    Accelerator)."""
     try:
         return _ACCELERATORS.get(accelerator)
     except TypeError:  # not weakly referenceable or not hashable: no Accelerator
@@ -55,10 +58,11 @@ def accelerator_mode(accelerator: Any) -> str | None:
 
 
 def refuse_stock_accelerate(reader: str | None, accelerator: Any) -> None:
-    """Raise when ``reader`` (the module that asked a ``ResumableDataLoader`` whether it is prepared) is
-    Accelerate's: its ``prepare_data_loader`` asks right before rebuilding a loader into its own. Not when
-    ``accelerator`` (the Accelerator asking) was switched off on purpose (``enable_resume`` with
-    ``enabled=False`` marks it ``"stock"``): the user asked for Accelerate's own loaders."""
+    """Raise when ``reader`` (the module that asked a ``ResumableDataLoader`` whether it is
+    prepared) is Accelerate's: its ``prepare_data_loader`` asks right before rebuilding a loader
+    into its own. Not when ``accelerator`` (the Accelerator asking) was switched off on purpose
+    (``enable_resume`` with ``enabled=False`` marks it ``"stock"``): the user asked for Accelerate's
+    own loaders."""
     mode = accelerator_mode(accelerator)
     if reader is None or reader.split(".")[0] != "accelerate" or mode == "stock":
         return
@@ -76,12 +80,14 @@ def refuse_stock_accelerate(reader: str | None, accelerator: Any) -> None:
 
 
 def is_stateful(owner: Any) -> bool:
-    """Whether ``owner`` implements the Stateful protocol: ``state_dict()`` and ``load_state_dict(state)``.
+    """Whether ``owner`` implements the Stateful protocol: ``state_dict()`` and
+    ``load_state_dict(state)``.
 
-    A ``state_dict`` that requires arguments (litdata's ``StreamingDataset.state_dict(num_samples_yielded,
-    num_workers, batch_size)``, Mosaic's ``state_dict(num_samples, from_beginning)``) is another library's
-    protocol, not this one: such an object is treated as stateless (see ``foreign_state_dict``), and so
-    is one whose state is known not to restore it exactly (``loader_resume.thirdparty.unrestorable``).
+    A ``state_dict`` that requires arguments (litdata's
+    ``StreamingDataset.state_dict(num_samples_yielded, num_workers, batch_size)``, Mosaic's
+    ``state_dict(num_samples, from_beginning)``) is another library's protocol, not this one: such
+    an object is treated as stateless (see ``foreign_state_dict``), and so is one whose state is
+    known not to restore it exactly (``loader_resume.thirdparty.unrestorable``).
     """
     state_dict, load = getattr(owner, "state_dict", None), getattr(owner, "load_state_dict", None)
     if not (callable(state_dict) and callable(load)):
@@ -90,7 +96,8 @@ def is_stateful(owner: Any) -> bool:
 
 
 def foreign_state_dict(owner: Any) -> str | None:
-    """The signature of ``owner.state_dict`` when it requires arguments (another library's protocol), else None."""
+    """The signature of ``owner.state_dict`` when it requires arguments (another library's
+    protocol), else None."""
     required = required_parameters(getattr(owner, "state_dict", None))
     return f"state_dict({', '.join(required)})" if required else None
 
@@ -100,7 +107,8 @@ def unrestorable(dataset: Any) -> str | None:
     if _hf_iterable(dataset) and any(type(e).__name__ == "BufferShuffledExamplesIterable"
                                      for e in _hf_chain(dataset._ex_iterable)):
         # NOTE: measured on datasets 5.2: its state omits the buffer's content (it warns), and with
-        # num_workers=2 its load_state_dict raises IndexError (StatefulDataLoader fails identically).
+        # num_workers=2 its load_state_dict raises IndexError (StatefulDataLoader fails
+        # identically).
         return ("HF datasets' .shuffle(buffer_size=...) state omits the buffer's content, so its own "
                 "load_state_dict cannot continue exactly")
     return None
@@ -121,10 +129,12 @@ def irreproducible(dataset: Any) -> str | None:
 
 
 def content_identity(dataset: Any) -> str | None:
-    """A string equal for equal content and different for a per-rank split, where the library keeps one, else None.
+    """A string equal for equal content and different for a per-rank split, where the library keeps
+    one, else None.
 
-    HF ``datasets.Dataset``: its fingerprint, a hash of its origin and every transform applied, arguments
-    included (deterministic across processes; ``split_dataset_by_node`` gives each rank a different one).
+    HF ``datasets.Dataset``: its fingerprint, a hash of its origin and every transform applied,
+    arguments included (deterministic across processes; ``split_dataset_by_node`` gives each rank a
+    different one).
     """
     if type(dataset).__module__.startswith("datasets.") and isinstance(getattr(dataset, "_fingerprint", None), str):
         return f"fingerprint {dataset._fingerprint}"
@@ -141,7 +151,8 @@ def _warn_once(what: str, dataset: Any, message: str, *args: Any) -> None:
 
 
 def warn_at_construction(dataset: Any, *, batch_read: bool) -> None:
-    """What this loader cannot do for ``dataset`` as its author may expect: said when the loader is built."""
+    """What this loader cannot do for ``dataset`` as its author may expect: said when the loader is
+    built."""
     name = type(dataset).__name__
     if batch_read and hasattr(dataset, "__getitems__"):
         _warn_once("batch read", dataset,
@@ -159,13 +170,15 @@ def warn_at_construction(dataset: Any, *, batch_read: bool) -> None:
                    "set_epoch(). For O(1) resume use that library's own loader.", name, foreign,
                    _defining_library(dataset, "state_dict"))
     reason = unrestorable(dataset)
-    if reason is not None:  # NOTE: per loader, not per class: whether it holds depends on the instance
+    # NOTE: per loader, not per class: whether it holds depends on the instance
+    if reason is not None:
         logger.warning("%s: %s; this loader resumes it by replaying the epoch's delivered items instead "
                        "(exact; costs reading them again at each resume)", name, reason)
 
 
 def _defining_library(obj: Any, method: str) -> str:
-    """The top-level package whose class defines ``obj.method`` (a user's subclass names the library it extends)."""
+    """The top-level package whose class defines ``obj.method`` (a user's subclass names the library
+    it extends)."""
     owner = next((cls for cls in type(obj).__mro__ if method in vars(cls)), type(obj))
     return owner.__module__.split(".")[0]
 
@@ -180,7 +193,8 @@ def warn_replay(dataset: Any, items: int) -> None:
 
 
 def warn_self_kept(dataset: Any, names: list[str]) -> None:
-    """At a resume: the dataset keeps its own epoch or position in ``names``, which nothing restores."""
+    """At a resume: the dataset keeps its own epoch or position in ``names``, which nothing
+    restores."""
     name = type(dataset).__name__
     logger.warning("resuming %s: the continuation will NOT be bit-identical to the uninterrupted run: its own "
                    "iter() changes %s (it keeps its own epoch or position), and its copy lived on across epochs in "
@@ -194,7 +208,8 @@ def _hf_iterable(dataset: Any) -> bool:
 
 
 def _hf_chain(node: Any, depth: int = 0) -> Iterator[Any]:
-    """An HF iterable's examples-iterable and the ones it wraps (``ex_iterable``, ``ex_iterables``)."""
+    """An HF iterable's examples-iterable and the ones it wraps (``ex_iterable``,
+    ``ex_iterables``)."""
     if node is None or depth > 64:
         return
     yield node

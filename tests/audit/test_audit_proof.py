@@ -1,9 +1,10 @@
-"""``loader-resume audit`` says "exactly once" only about what it can prove, and names what it finds where it is:
-a job whose logs are not all there is incomplete (exit 3), never "OK"; processes that read as one rank at the same time
-are named, with the samples both delivered; ``drop_last`` reads as dropped; a kill's lost records make "rolled back" a
-lower bound, said so; one repeated batch is one finding with a count; a plain loop under ``LOADER_RESUME_AUDIT`` that
-records nothing says so. Every attempt is a real process (``tests/children/audit_child.py``, torchrun for one launch),
-whose own record of what it was handed is the truth the report is held to."""
+"""``loader-resume audit`` says "exactly once" only about what it can prove, and names what it finds
+where it is: a job whose logs are not all there is incomplete (exit 3), never "OK"; processes that
+read as one rank at the same time are named, with the samples both delivered; ``drop_last`` reads as
+dropped; a kill's lost records make "rolled back" a lower bound, said so; one repeated batch is one
+finding with a count; a plain loop under ``LOADER_RESUME_AUDIT`` that records nothing says so. Every
+attempt is a real process (``tests/children/audit_child.py``, torchrun for one launch), whose own
+record of what it was handed is the truth the report is held to."""
 
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ from support.launch import TORCHRUN, free_port
 
 
 def three_attempts(out: Path) -> list[list[int]]:
-    """A job of 3 attempts: A takes a state after step 4 (position 32) and crashes after 6; B resumes from it, takes
-    one 3 steps later (position 56) and crashes after 5; C resumes from that and finishes 2 epochs. Each attempt's
-    own record, as ids."""
+    """A job of 3 attempts: A takes a state after step 4 (position 32) and crashes after 6; B
+    resumes from it, takes one 3 steps later (position 56) and crashes after 5; C resumes from that
+    and finishes 2 epochs. Each attempt's own record, as ids."""
     a = attempt(out, "a", "--save-at", "4", str(out / "s1.pt"), "--steps", "6", expect=3)
     b = attempt(out, "b", "--load", str(out / "s1.pt"), "--save-at", "3", str(out / "s2.pt"), "--steps", "5", expect=3)
     c = attempt(out, "c", "--load", str(out / "s2.pt"))
@@ -43,10 +44,11 @@ def logs_of(out: Path) -> list[Path]:
 def test_a_job_whose_logs_are_not_all_there_is_incomplete_never_ok(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The whole job passes. Its first attempt's log deleted: the first attempt left resumed from a state no log took,
-    exit 3 naming it (as for a job whose audit was turned on late); ``--began-before-audit`` checks it from that
-    state on and passes, saying so. The middle attempt's log deleted: the last one loaded a state no log took, and
-    the 8 samples before it that no log shows are named: exit 3."""
+    """The whole job passes. Its first attempt's log deleted: the first attempt left resumed from a
+    state no log took, exit 3 naming it (as for a job whose audit was turned on late);
+    ``--began-before-audit`` checks it from that state on and passes, saying so. The middle
+    attempt's log deleted: the last one loaded a state no log took, and the 8 samples before it that
+    no log shows are named: exit 3."""
     whole = tmp_path / "whole"
     three_attempts(whole)
     code, report, text = audit(whole, capsys)
@@ -73,7 +75,8 @@ def test_a_job_whose_logs_are_not_all_there_is_incomplete_never_ok(
     assert code == 3 and not report["findings"], text
     ((where, count, gap),) = [((g["attempt"], g["epoch"], g["position"]), g["count"], g["message"])
                               for g in report["gaps"]]
-    assert where == (2, 0, 56) and count == 8  # A delivered up to 48 (6 steps), B's state stood at 56
+    # A delivered up to 48 (6 steps), B's state stood at 56
+    assert where == (2, 0, 56) and count == 8
     assert "the log of the attempt that took it is missing" in gap
     assert "8 samples before it, from epoch 0 position 48, are in no log" in gap
 
@@ -81,8 +84,9 @@ def test_a_job_whose_logs_are_not_all_there_is_incomplete_never_ok(
 def test_a_rank_with_no_log_is_a_gap_not_a_sample_never_delivered(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A world of 2, cut after 7 steps (its state from step 4), resumed by a world of 2. Rank 1's log of the first
-    attempt deleted: its share of steps 1-4 is not known (32 samples), named as such; exit 3."""
+    """A world of 2, cut after 7 steps (its state from step 4), resumed by a world of 2. Rank 1's
+    log of the first attempt deleted: its share of steps 1-4 is not known (32 samples), named as
+    such; exit 3."""
     side_by_side(tmp_path, "first", "--save-at", "4", str(tmp_path / "state-RANK.pt"), "--steps", "7", expect=3)
     side_by_side(tmp_path, "second", "--load", str(tmp_path / "state-RANK.pt"))
     code, report, text = audit(tmp_path, capsys)
@@ -97,8 +101,9 @@ def test_a_rank_with_no_log_is_a_gap_not_a_sample_never_delivered(
 
 
 def torchrun(out: Path, name: str, *args: str) -> int:
-    """One launch of ``torchrun --nproc_per_node 2 audit_child.py ... --as-one``: both processes build their loader
-    as rank 0 of 1; a step takes 150 ms (training takes time: the two run side by side). Its exit code."""
+    """One launch of ``torchrun --nproc_per_node 2 audit_child.py ... --as-one``: both processes
+    build their loader as rank 0 of 1; a step takes 150 ms (training takes time: the two run side by
+    side). Its exit code."""
     done = forked.run([TORCHRUN, "--rdzv-backend", "static", "--master-addr", "127.0.0.1", "--master-port",
                        str(free_port()), "--nproc_per_node", "2", str(CHILD), str(out / "audit"),
                        str(out / f"{name}-RANK.json"), "--as-one", "--sleep", "0.15", *args],
@@ -109,13 +114,14 @@ def torchrun(out: Path, name: str, *args: str) -> int:
 def test_two_processes_reading_as_one_rank_under_one_launch_are_named_with_the_samples_both_read(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Under one torchrun launch both processes build ``rank=0, world_size=1``: each reads all 100 samples of both
-    epochs. The audit names the two processes and the 200 samples both delivered; with checkpoints and a rerun (each
-    process its own state), both launches are named."""
+    """Under one torchrun launch both processes build ``rank=0, world_size=1``: each reads all 100
+    samples of both epochs. The audit names the two processes and the 200 samples both delivered;
+    with checkpoints and a rerun (each process its own state), both launches are named."""
     plain = tmp_path / "plain"
     assert torchrun(plain, "run") == 0
     seen = [by_epoch(json.loads((plain / f"run-{rank}.json").read_text())) for rank in (0, 1)]
-    assert seen[0] == seen[1] and sorted(seen[0][0]) == list(range(100))  # the truth: every sample read twice
+    # the truth: every sample read twice
+    assert seen[0] == seen[1] and sorted(seen[0][0]) == list(range(100))
     code, report, text = audit(plain, capsys)
     assert code == 1, text
     (finding,) = report["findings"]
@@ -128,7 +134,8 @@ def test_two_processes_reading_as_one_rank_under_one_launch_are_named_with_the_s
     assert torchrun(saved, "second", "--load", str(saved / "state-RANK.pt")) == 0
     code, report, text = audit(saved, capsys)
     assert code == 1, text
-    assert [(f["attempt"], f["count"]) for f in report["findings"]] == [(2, 56), (4, 168)]  # 7 steps; 21 steps
+    # 7 steps; 21 steps
+    assert [(f["attempt"], f["count"]) for f in report["findings"]] == [(2, 56), (4, 168)]
     assert all("in two processes at the same time" in f["message"] for f in report["findings"])
 
 
@@ -136,9 +143,10 @@ def test_two_processes_reading_as_one_rank_under_one_launch_are_named_with_the_s
 def test_drop_last_reads_as_dropped_and_the_epochs_as_ok(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], world: int, workers: int
 ) -> None:
-    """250 samples, batches of 8, ``drop_last=True``: one process drops 2 a pass (248 delivered), two drop 10 (each
-    rank's 125 make 15 batches). Cut after 20 steps (a state after 12), resumed: every epoch "ok", the dropped ones
-    counted from where they begin, the last epoch not "partial"."""
+    """250 samples, batches of 8, ``drop_last=True``: one process drops 2 a pass (248 delivered),
+    two drop 10 (each rank's 125 make 15 batches). Cut after 20 steps (a state after 12), resumed:
+    every epoch "ok", the dropped ones counted from where they begin, the last epoch not
+    "partial"."""
     job = ["--n", "250", "--drop-last", "--workers", str(workers)]
     cut = ["--save-at", "12", str(tmp_path / "state-RANK.pt"), "--steps", "20"]
     if world == 1:
@@ -162,9 +170,10 @@ def test_drop_last_reads_as_dropped_and_the_epochs_as_ok(
 def test_rolled_back_after_a_kill_is_said_to_be_a_lower_bound(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A state after step 3, then the process SIGKILLs itself after step 6: the records of steps 4-6 die with it (they
-    are written at the next state), so the audit counts fewer steps rolled back than were redone, and says so. The
-    same job crashing with an exception writes them at exit: 3, exact."""
+    """A state after step 3, then the process SIGKILLs itself after step 6: the records of steps 4-6
+    die with it (they are written at the next state), so the audit counts fewer steps rolled back
+    than were redone, and says so. The same job crashing with an exception writes them at exit: 3,
+    exact."""
     for case, end in (("killed", "--kill-at"), ("crashed", "--steps")):
         out = tmp_path / case
         first = attempt(out, "first", "--save-at", "3", str(out / "state.pt"), end, "6", expect=-9 if
@@ -184,8 +193,8 @@ def test_rolled_back_after_a_kill_is_said_to_be_a_lower_bound(
 def test_one_batch_recorded_twice_is_one_finding_with_its_count(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A log with one batch record repeated (8 samples): one finding, where it is, how many, one FAIL line; two
-    batches repeated, apart: two."""
+    """A log with one batch record repeated (8 samples): one finding, where it is, how many, one
+    FAIL line; two batches repeated, apart: two."""
     attempt(tmp_path, "only")
     (log,) = logs_of(tmp_path)
     lines = log.read_text().splitlines(keepends=True)
@@ -208,8 +217,9 @@ def test_one_batch_recorded_twice_is_one_finding_with_its_count(
 def test_a_plain_loop_under_the_audit_variable_says_once_that_it_records_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """``LOADER_RESUME_AUDIT`` turns the audit on for the front doors' loaders; one the user's code builds without
-    ``audit=`` records nothing, and says so once a process, naming the variable and the fix."""
+    """``LOADER_RESUME_AUDIT`` turns the audit on for the front doors' loaders; one the user's code
+    builds without ``audit=`` records nothing, and says so once a process, naming the variable and
+    the fix."""
     monkeypatch.setenv("LOADER_RESUME_AUDIT", str(tmp_path / "audit"))
     monkeypatch.setattr(audit_module, "_SAID_UNAUDITED", False)
     with caplog.at_level(logging.WARNING, logger="loader_resume.audit.log"):
@@ -229,10 +239,11 @@ def test_a_plain_loop_under_the_audit_variable_says_once_that_it_records_nothing
 def test_a_stream_whose_logs_are_not_all_there_is_incomplete_and_a_batch_that_skips_items_fails(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A stream of two ranks, two workers each: cut after 5 steps (a state after 2), resumed. Rank 1's first log
-    deleted: a gap naming it. The first attempt's logs deleted: a gap; with ``--began-before-audit``, each worker
-    is checked from the batch its state stood at. A batch record that moves the stream on by more than a batch
-    holds (8 items skipped) fails, naming the worker, the batch and how many."""
+    """A stream of two ranks, two workers each: cut after 5 steps (a state after 2), resumed. Rank
+    1's first log deleted: a gap naming it. The first attempt's logs deleted: a gap; with
+    ``--began-before-audit``, each worker is checked from the batch its state stood at. A batch
+    record that moves the stream on by more than a batch holds (8 items skipped) fails, naming the
+    worker, the batch and how many."""
     stream = ["--stream", "--workers", "2", "--epochs", "1"]
     side_by_side(tmp_path, "first", *stream, "--save-at", "2", str(tmp_path / "state-RANK.pt"), "--steps", "5",
                  expect=3)
@@ -247,7 +258,8 @@ def test_a_stream_whose_logs_are_not_all_there_is_incomplete_and_a_batch_that_sk
         lost = {"rank": first[1:], "early": first[1:], "attempt": first, "skip": []}[name]
         for path in lost:
             (copy / path.relative_to(tmp_path)).unlink()
-    # the rerun's rank 1 began before its rank 0 (the order ranks start in is the launcher's): still a restart
+    # the rerun's rank 1 began before its rank 0 (the order ranks start in is the launcher's): still
+    # a restart
     rerun = {json.loads(path.read_text().splitlines()[0])["rank"]: path for path in logs_of(cases["early"])
              if '"t":"load"' in path.read_text()}
     lines = rerun[1].read_text().splitlines(keepends=True)
@@ -266,7 +278,8 @@ def test_a_stream_whose_logs_are_not_all_there_is_incomplete_and_a_batch_that_sk
     log = next(path for path in logs_of(cases["skip"]) if '"w":1,"b":3,' in path.read_text())
     lines = log.read_text().splitlines(keepends=True)
     at = next(i for i, line in enumerate(lines) if '"w":1,"b":3,' in line)
-    for i in range(at, len(lines)):  # worker 1's batch 3 and after: 8 items further on than they were
+    # worker 1's batch 3 and after: 8 items further on than they were
+    for i in range(at, len(lines)):
         record = json.loads(lines[i])
         if record.get("w") == 1:
             lines[i] = json.dumps(dict(record, i=record["i"] + 8), separators=(",", ":")) + "\n"

@@ -6,8 +6,9 @@
 
 Trains a small MLP with dropout on generated data whose items draw augmentation noise from torch,
 numpy and random, with ``enable_resume``. Each process appends one JSON line per micro-batch to
-OUT/log-RANK.jsonl (epoch, optimizer steps done, sample ids, fingerprint of the batch) — so a restarted
-job's log continues the first run's — and writes OUT/weights-RANK.txt (fingerprint of the final weights).
+OUT/log-RANK.jsonl (epoch, optimizer steps done, sample ids, fingerprint of the batch) — so a
+restarted job's log continues the first run's — and writes OUT/weights-RANK.txt (fingerprint of the
+final weights).
 """
 
 from __future__ import annotations
@@ -79,11 +80,13 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     torch.manual_seed(123)
-    if "TORCHELASTIC_RESTART_COUNT" in os.environ and args.device == "cpu":  # torchrun / accelerate launch: safe
+    # torchrun / accelerate launch: safe
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ and args.device == "cpu":
         init_process_group("gloo")  # across restarts
-    # NOTE: use_orig_params=True, as configs/accelerate_fsdp.yaml: the optimizer is made before prepare (as the
-    # examples do), and torch's first FSDP without it keeps only flattened parameters, so Accelerate's save_state
-    # cannot name the optimizer's (a KeyError in FSDP.optim_state_dict, stock Accelerate's own behaviour).
+    # NOTE: use_orig_params=True, as configs/accelerate_fsdp.yaml: the optimizer is made before
+    # prepare (as the examples do), and torch's first FSDP without it keeps only flattened
+    # parameters, so Accelerate's save_state cannot name the optimizer's (a KeyError in
+    # FSDP.optim_state_dict, stock Accelerate's own behaviour).
     fsdp = None if args.fsdp is None else FullyShardedDataParallelPlugin(
         state_dict_type=f"{args.fsdp.upper()}_STATE_DICT", use_orig_params=True)
     accelerator = Accelerator(cpu=args.device == "cpu", project_dir=str(out), fsdp_plugin=fsdp,
@@ -132,7 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     logs = out / args.log_dir
     logs.mkdir(parents=True, exist_ok=True)
     log = (logs / f"log-{rank}.jsonl").open("a")
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # torchrun's restarts (chaos tests)
+    # torchrun's restarts (chaos tests)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     (out / f"pid-{rank}").write_text(str(os.getpid()))
     micro = 0
     for epoch in resume.epochs(args.epochs):
@@ -143,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
                 accelerator.backward(loss)
                 optimizer.step()
                 optimizer.zero_grad()
-            if args.mixture and accelerator.sync_gradients and resume.step in (3, 9):  # a schedule by step
+            # a schedule by step
+            if args.mixture and accelerator.sync_gradients and resume.step in (3, 9):
                 data.set_weights({"a": 1, "b": 2} if resume.step == 3 else {"a": 1, "b": 0})
             micro += 1
             row = {"attempt": attempt, "epoch": epoch, "step": resume.step, "sync": accelerator.sync_gradients,
@@ -160,11 +165,13 @@ def main(argv: list[str] | None = None) -> None:
             if args.save_at == resume.step and accelerator.sync_gradients:
                 accelerator.save_state(str(out / "explicit"))
                 accelerator.wait_for_everyone()
-                accelerator.end_training()  # NOTE: gloo aborts a process whose peer vanished mid-connection
+                # NOTE: gloo aborts a process whose peer vanished mid-connection
+                accelerator.end_training()
                 os._exit(0)  # a crash right after the save: nothing else is written
             if args.break_at == resume.step and accelerator.sync_gradients:
                 break
-        if args.break_at is not None and args.break_at == resume.step:  # NOTE: the save after the loop it left
+        # NOTE: the save after the loop it left
+        if args.break_at is not None and args.break_at == resume.step:
             accelerator.save_state(str(out / "explicit"))
             accelerator.wait_for_everyone()
             accelerator.end_training()
@@ -182,8 +189,9 @@ def main(argv: list[str] | None = None) -> None:
     weights = fingerprint([p.detach() for p in model.parameters()])
     (logs / f"weights-{rank}.txt").write_text(weights)
     accelerator.wait_for_everyone()
-    # NOTE: the DDP wrapper freed before the group is torn down, as enable_resume does before its own teardown:
-    # gloo aborts a rank whose threads still hold a collective's tensors at exit ("terminate called ...", -6)
+    # NOTE: the DDP wrapper freed before the group is torn down, as enable_resume does before its
+    # own teardown: gloo aborts a rank whose threads still hold a collective's tensors at exit
+    # ("terminate called ...", -6)
     del model, optimizer
     accelerator.free_memory()
     gc.collect()
@@ -191,7 +199,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--batch":  # NOTE: not for --disk-full-at, which replaces torch.save for the process
+    # NOTE: not for --disk-full-at, which replaces torch.save for the process
+    if sys.argv[1] == "--batch":
         run_each(main, sys.argv[2], fresh_accelerate)
     else:
         main()

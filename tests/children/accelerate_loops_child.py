@@ -1,14 +1,16 @@
-"""A real Accelerate loop over two prepared loaders of unequal length, for test_loop_edges_frameworks.py.
+"""A real Accelerate loop over two prepared loaders of unequal length, for
+test_loop_edges_frameworks.py.
 
     python accelerate_loops_child.py OUT --shape zip|alternate [--workers W] [--signal-at N[,N...]]
     python accelerate_loops_child.py --batch PLAN      # several runs, one after another (support/batch.py)
 
 ``zip``: ``for xa, xb in zip(a, b)``, a (6 batches) longer than b (4), one optimizer step per pair.
-``alternate``: the batches of ``zip(b, a)`` one after another, the optimizer stepped twice per batch.
-OUT/log.json gathers every run's rows (optimizer steps done, and per loader the ids and a fingerprint of the noise
-its items drew) and the final weights. ``--signal-at N``: SIGTERM to itself once the job's N-th row is logged
-(counting the rows of the runs before); the checkpoint follows at the next step boundary (exit 143); the same
-command again continues, and is signalled again at the next N of the list.
+``alternate``: the batches of ``zip(b, a)`` one after another, the optimizer stepped twice per
+batch. OUT/log.json gathers every run's rows (optimizer steps done, and per loader the ids and a
+fingerprint of the noise its items drew) and the final weights. ``--signal-at N``: SIGTERM to itself
+once the job's N-th row is logged (counting the rows of the runs before); the checkpoint follows at
+the next step boundary (exit 143); the same command again continues, and is signalled again at the
+next N of the list.
 """
 
 from __future__ import annotations

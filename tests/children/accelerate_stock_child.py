@@ -1,10 +1,12 @@
-"""A ResumableDataLoader handed to a stock Accelerator (no ``enable_resume``), for test_accelerate.py.
+"""A ResumableDataLoader handed to a stock Accelerator (no ``enable_resume``), for
+test_accelerate.py.
 
     accelerate launch --multi_gpu --num_processes 2 accelerate_stock_child.py OUT [--stateful]
 
-Each rank writes OUT/refused-RANK.txt (the error ``accelerator.prepare`` raised) or OUT/replaced-RANK.txt
-(the type Accelerate made of the loader); then, with ``enable_resume``, OUT/kept-RANK.txt: whether a
-loader converted by it is kept as it is by Accelerate's own ``prepare_data_loader``.
+Each rank writes OUT/refused-RANK.txt (the error ``accelerator.prepare`` raised) or
+OUT/replaced-RANK.txt (the type Accelerate made of the loader); then, with ``enable_resume``,
+OUT/kept-RANK.txt: whether a loader converted by it is kept as it is by Accelerate's own
+``prepare_data_loader``.
 """
 
 from __future__ import annotations

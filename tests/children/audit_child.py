@@ -1,16 +1,18 @@
-"""One attempt of a small job with ``audit=DIR``, as a real process: the tests of ``loader-resume audit`` run two or
-three in a row (a rank each, side by side, for a world of 2), with a crash, a ``break`` or a state of their choosing.
+"""One attempt of a small job with ``audit=DIR``, as a real process: the tests of ``loader-resume
+audit`` run two or three in a row (a rank each, side by side, for a world of 2), with a crash, a
+``break`` or a state of their choosing.
 
     python tests/children/audit_child.py AUDIT_DIR OUT.json [--rank R --world W] [--load STATE] [--save-at K STATE]
         [--steps S] [--kill-at S] [--epochs E] [--break-at B STATE [--pass-ended]] [--limit K] [--regression]
         [--stream --workers N] [--free-after K PATH] [--n N] [--drop-last] [--as-one] [--sleep SECONDS]
 
-Each batch holds the samples' ids (and a keyed random draw); every delivered ``(epoch, ids)`` is written to
-OUT.json, the test's own record of what the attempt saw. ``--steps S``: the attempt stops (exit 3, a crash) after S
-batches; ``--kill-at S``: it SIGKILLs itself after S batches (its buffered records are lost). ``--free-after K
-PATH``: after K batches, PATH is removed (room made on a full disk). ``--as-one``: under ``torchrun``, the process
-group is set up, and then every process builds its loader as ``rank=0, world_size=1`` (a mistake: each reads
-everything); RANK in OUT and STATE paths is replaced by the process's rank.
+Each batch holds the samples' ids (and a keyed random draw); every delivered ``(epoch, ids)`` is
+written to OUT.json, the test's own record of what the attempt saw. ``--steps S``: the attempt stops
+(exit 3, a crash) after S batches; ``--kill-at S``: it SIGKILLs itself after S batches (its buffered
+records are lost). ``--free-after K PATH``: after K batches, PATH is removed (room made on a full
+disk). ``--as-one``: under ``torchrun``, the process group is set up, and then every process builds
+its loader as ``rank=0, world_size=1`` (a mistake: each reads everything); RANK in OUT and STATE
+paths is replaced by the process's rank.
 """
 
 from __future__ import annotations
@@ -98,7 +100,8 @@ def main() -> int:
         args.out = args.out.replace("RANK", mine)
         args.save_at = [[step, path.replace("RANK", mine)] for step, path in args.save_at]
         args.load = args.load.replace("RANK", mine) if args.load else None
-    if args.regression:  # NOTE: a wrong library on purpose: every state describes the next pass's start
+    # NOTE: a wrong library on purpose: every state describes the next pass's start
+    if args.regression:
         from loader_resume.order.map_position import MapPosition
 
         fill = MapPosition.fill_state
@@ -132,7 +135,8 @@ def main() -> int:
                     break
                 if args.limit is not None and step % args.limit == 0:
                     break
-            if args.break_at is not None and step == int(args.break_at[0]):  # a loop that leaves the pass, then saves
+            # a loop that leaves the pass, then saves
+            if args.break_at is not None and step == int(args.break_at[0]):
                 torch.save(loader.state_dict(pass_ended=args.pass_ended or None), args.break_at[1])
                 return 0
         return 0

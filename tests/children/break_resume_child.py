@@ -2,9 +2,9 @@
 
     python break_resume_child.py CASES OUT
 
-CASES: a ``torch.save`` file of ``[(config, state), ...]``; each config builds a loader (``support.passes.build``),
-the state is loaded into it and the loader iterated until its last epoch is done. OUT: JSON, one list of records
-(``support.passes.record``) per case.
+CASES: a ``torch.save`` file of ``[(config, state), ...]``; each config builds a loader
+(``support.passes.build``), the state is loaded into it and the loader iterated until its last epoch
+is done. OUT: JSON, one list of records (``support.passes.record``) per case.
 """
 
 from __future__ import annotations

@@ -60,7 +60,8 @@ def unstable_order() -> DataLoader[Any]:
 
 
 class WhereItRuns(Dataset[dict[str, Any]]):
-    """Its values depend on the worker count (as a per-worker RNG or cache would): exact only at its own."""
+    """Its values depend on the worker count (as a per-worker RNG or cache would): exact only at its
+    own."""
 
     def __len__(self) -> int:
         return 12
@@ -91,7 +92,8 @@ def counts_own_epochs() -> DataLoader[Any]:
 
 
 def mixture() -> ResumableDataLoader[Any]:
-    """Two sources (14 and 5 items, drawing augmentations), 2 workers, 20 batches an epoch of 60 samples."""
+    """Two sources (14 and 5 items, drawing augmentations), 2 workers, 20 batches an epoch of 60
+    samples."""
     return ResumableDataLoader(Mixture({"big": Augmented(14), "small": Augmented(5)}, {"big": 3, "small": 1},
                                        block_size=4, samples_per_epoch=60), batch_size=3, num_workers=2, seed=3)
 
@@ -106,14 +108,16 @@ _CALLS = [0]
 
 
 def mixture_schedule_by_own_count(loader: ResumableDataLoader[Any], delivered: int) -> None:
-    """The same schedule by a count of its own calls, which a resumed process starts again from 0."""
+    """The same schedule by a count of its own calls, which a resumed process starts again from
+    0."""
     _CALLS[0] += 1
     mixture_schedule(loader, _CALLS[0])
 
 
 class CountsSinceLoad(IterableDataset[int]):
-    """A stream whose state is right once and wrong after that: a loaded state sets where it starts, but what it
-    reports counts from that start (the offset is dropped), so a state taken after a resume is behind."""
+    """A stream whose state is right once and wrong after that: a loaded state sets where it starts,
+    but what it reports counts from that start (the offset is dropped), so a state taken after a
+    resume is behind."""
 
     def __init__(self) -> None:
         self.start, self.done = 0, 0

@@ -1,4 +1,5 @@
-"""Run by test_elastic.py as a real 2-process gloo job: `python ddp_child.py MODE OUTDIR` with RANK etc. set.
+"""Run by test_elastic.py as a real 2-process gloo job: `python ddp_child.py MODE OUTDIR` with RANK
+etc. set.
 
 MODE full: 2 uninterrupted epochs -> OUTDIR/full-RANK.json
 MODE save: stop after 3 batches of epoch 1, rank 0 writes the state -> OUTDIR/state.pt
@@ -37,7 +38,8 @@ def main() -> None:
             pass
         for i, _ in enumerate(loader):
             if i == 2:
-                state = loader.state_dict()  # a job killed here: inside the pass (after `break` it is over)
+                # a job killed here: inside the pass (after `break` it is over)
+                state = loader.state_dict()
                 break
         states: list[object] = [None, None]
         dist.all_gather_object(states, state)

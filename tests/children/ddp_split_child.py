@@ -1,13 +1,14 @@
-"""Run by test_elastic.py as a real 2-process gloo job: ``python ddp_split_child.py MODE OUTDIR`` with RANK etc. set.
+"""Run by test_elastic.py as a real 2-process gloo job: ``python ddp_split_child.py MODE OUTDIR``
+with RANK etc. set.
 
 An HF map-style dataset, either whole on every rank (MODE whole) or pre-split per rank with HF's
 ``split_dataset_by_node`` (MODE split, then the escape hatch rank=0, world_size=1). Writes what
 ``check_same_dataset`` said and the ids each rank's loader delivered -> OUTDIR/MODE-RANK.json.
 
-MODE plain-split: a plain loop, no check called: the loader over the split is iterated for two epochs, and
-the error each rank's ``iter()`` raised is recorded with the epoch it came at. MODE plain-partial: rank 0
-alone builds and iterates a validation loader (another dataset), both iterate the whole training set:
-nothing may hang or be refused.
+MODE plain-split: a plain loop, no check called: the loader over the split is iterated for two
+epochs, and the error each rank's ``iter()`` raised is recorded with the epoch it came at. MODE
+plain-partial: rank 0 alone builds and iterates a validation loader (another dataset), both iterate
+the whole training set: nothing may hang or be refused.
 """
 
 from __future__ import annotations

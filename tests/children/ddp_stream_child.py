@@ -1,9 +1,10 @@
-"""Run by test_iterable_ddp.py as a real 2-process gloo job: `python ddp_stream_child.py MODE OUTDIR [VIA]`.
+"""Run by test_iterable_ddp.py as a real 2-process gloo job: `python ddp_stream_child.py MODE OUTDIR
+[VIA]`.
 
 Each rank streams its own shard (split by rank, then by worker); MODE full | save | resume as in
-ddp_child.py, but the checkpoint holds every rank's state (gather_states) and each rank loads its part.
-VIA ``torch`` (default): rank 0 writes the gathered states with torch.save; ``dcp``: every rank calls
-torch.distributed.checkpoint with a DCPLoaderState.
+ddp_child.py, but the checkpoint holds every rank's state (gather_states) and each rank loads its
+part. VIA ``torch`` (default): rank 0 writes the gathered states with torch.save; ``dcp``: every
+rank calls torch.distributed.checkpoint with a DCPLoaderState.
 """
 
 from __future__ import annotations

@@ -3,15 +3,16 @@
     python eval_preemption_child.py OUT --front FRONT [--eval-workers W] [--signal-in-eval K]
     python eval_preemption_child.py --batch PLAN      # several runs, one after another (support/batch.py)
 
-FRONT: ``lightning`` (Trainer, ``val_check_interval=2``, a sanity check of 1 batch), ``fabric``, ``accelerate``
-or ``transformers`` (an evaluation every 2 optimizer steps). 24 training items in batches of 4 (6 steps an
-epoch, 2 epochs, ``num_workers=2``; transformers: ``--eval-workers``, Trainer's one count), 40 evaluation items
-in batches of 4 (``--eval-workers``), a model with dropout. OUT/log.json gathers every run's training rows
-(optimizer steps done, ids, a fingerprint of the batch), its evaluations (the step after which each ran, its
-losses) and the final weights. ``--signal-in-eval K``: the first run sends SIGTERM to its whole process group
-(itself and every DataLoader worker) during its K-th evaluation (K = 0: Lightning's sanity check);
-``--signal-in-step S``: in training step S (an evaluation due after it: the checkpoint comes first). The same
-command again continues.
+FRONT: ``lightning`` (Trainer, ``val_check_interval=2``, a sanity check of 1 batch), ``fabric``,
+``accelerate`` or ``transformers`` (an evaluation every 2 optimizer steps). 24 training items in
+batches of 4 (6 steps an epoch, 2 epochs, ``num_workers=2``; transformers: ``--eval-workers``,
+Trainer's one count), 40 evaluation items in batches of 4 (``--eval-workers``), a model with
+dropout. OUT/log.json gathers every run's training rows (optimizer steps done, ids, a fingerprint of
+the batch), its evaluations (the step after which each ran, its losses) and the final weights.
+``--signal-in-eval K``: the first run sends SIGTERM to its whole process group (itself and every
+DataLoader worker) during its K-th evaluation (K = 0: Lightning's sanity check); ``--signal-in-step
+S``: in training step S (an evaluation due after it: the checkpoint comes first). The same command
+again continues.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class Job:
             os.killpg(os.getpgid(0), signal.SIGTERM)
 
     def evaluating(self, loss: torch.Tensor) -> None:
-        """One evaluation batch: slow enough to be signalled in; the signal at the first batch of the K-th."""
+        """One evaluation batch: slow enough to be signalled in; the signal at the first batch of
+        the K-th."""
         if not self.losses and self.first_run and self.evaluations == self.args.signal_in_eval:
             os.killpg(os.getpgid(0), signal.SIGTERM)
         self.losses.append(round(float(loss), 6))
@@ -103,7 +105,8 @@ def evaluate(job: Job, model: nn.Module, loader: Any, step: int) -> None:
 
 
 def hand_written(job: Job, front: str) -> None:
-    """Fabric and Accelerate: the loop written by hand, its evaluation loader set up by the front door."""
+    """Fabric and Accelerate: the loop written by hand, its evaluation loader set up by the front
+    door."""
     model, optimizer = model_and_optimizer()
     if front == "fabric":
         from lightning.fabric import Fabric
@@ -214,7 +217,8 @@ def transformers(job: Job) -> None:
         output_dir=str(job.out / "run"), use_cpu=True, report_to=[], seed=7, per_device_train_batch_size=4,
         per_device_eval_batch_size=4, num_train_epochs=EPOCHS, learning_rate=0.1, save_strategy="steps",
         save_steps=100, logging_strategy="no", eval_strategy="steps", eval_steps=EVERY, disable_tqdm=True,
-        dataloader_num_workers=job.args.eval_workers)  # NOTE: Trainer's one count, for training and evaluation
+        # NOTE: Trainer's one count, for training and evaluation
+        dataloader_num_workers=job.args.eval_workers)
     trainer = ResumableTrainer(model=model, args=training, train_dataset=Items(24), eval_dataset=Items(40),
                                callbacks=[Log()])
     trainer.train(resume_from_checkpoint=True)
@@ -229,7 +233,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--signal-in-eval", type=int, default=-1)
     parser.add_argument("--signal-in-step", type=int, default=-1, help="SIGTERM to the group in this training step")
     args = parser.parse_args(argv)
-    np.random.seed(0)  # NOTE: as seed_everything: an evaluation loader without workers draws from these
+    # NOTE: as seed_everything: an evaluation loader without workers draws from these
+    np.random.seed(0)
     random.seed(0)
     job = Job(args)
     if args.front in ("fabric", "accelerate"):
@@ -241,8 +246,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def fresh() -> None:
-    """Before each run of a batch: Accelerate's shared state forgotten, and torch's deterministic mode (a Lightning
-    run's ``deterministic=True`` sets it for the process) off, as in a fresh process."""
+    """Before each run of a batch: Accelerate's shared state forgotten, and torch's deterministic
+    mode (a Lightning run's ``deterministic=True`` sets it for the process) off, as in a fresh
+    process."""
     fresh_accelerate()
     torch.use_deterministic_algorithms(False)
 

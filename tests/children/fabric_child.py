@@ -2,10 +2,11 @@
 
     python fabric_child.py OUT --devices 2    # Fabric's own launcher starts rank 1 (gloo, CPU)
 
-Trains a small MLP with dropout and a step LR schedule on generated data whose items draw augmentation
-noise from torch, numpy and random, under ``FabricResume``. Each rank appends one JSON line per
-micro-batch to OUT/log-RANK.jsonl (epoch, optimizer steps done, sample ids, fingerprint of the batch), so a
-rerun's log continues the first run's, and writes OUT/weights-RANK.txt (fingerprint of the final weights).
+Trains a small MLP with dropout and a step LR schedule on generated data whose items draw
+augmentation noise from torch, numpy and random, under ``FabricResume``. Each rank appends one JSON
+line per micro-batch to OUT/log-RANK.jsonl (epoch, optimizer steps done, sample ids, fingerprint of
+the batch), so a rerun's log continues the first run's, and writes OUT/weights-RANK.txt (fingerprint
+of the final weights).
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ class SlowIO(TorchCheckpointIO):
 
 
 class CPUFSDPStrategy(FSDPStrategy):
-    """Fabric's ``FSDPStrategy``, its FSDP (torch's first) placed on the CPU: Fabric passes FSDP no device there,
-    which torch refuses, and refuses the strategy with ``accelerator="cpu"`` (a subclass is let through)."""
+    """Fabric's ``FSDPStrategy``, its FSDP (torch's first) placed on the CPU: Fabric passes FSDP no
+    device there, which torch refuses, and refuses the strategy with ``accelerator="cpu"`` (a
+    subclass is let through)."""
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import FullyShardedDataParallel
@@ -73,9 +75,11 @@ def shard_fsdp2(model: nn.Module, mesh: Any) -> nn.Module:
 
 
 def strategy_of(args: argparse.Namespace) -> Any:
-    if args.strategy and args.strategy.startswith("fsdp-") and args.device == "cuda":  # Fabric's own strategy
+    # Fabric's own strategy
+    if args.strategy and args.strategy.startswith("fsdp-") and args.device == "cuda":
         return FSDPStrategy(state_dict_type=args.strategy[len("fsdp-"):])
-    if args.strategy and args.strategy.startswith("fsdp-"):  # NOTE: "full" on the CPU: FSDP1 crashes there
+    # NOTE: "full" on the CPU: FSDP1 crashes there
+    if args.strategy and args.strategy.startswith("fsdp-"):
         return CPUFSDPStrategy(state_dict_type=args.strategy[len("fsdp-"):], process_group_backend="gloo")
     if args.strategy == "model-parallel":
         return ModelParallelStrategy(parallelize_fn=shard_fsdp2, data_parallel_size=args.devices,
@@ -124,7 +128,8 @@ def main() -> None:
                           save_every_n_steps=args.save_every, keep=args.keep, remote=args.remote)
     torch.manual_seed(123)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2))
-    if args.strategy:  # NOTE: a sharded model first, then its optimizer (with state to shard) over its parameters
+    # NOTE: a sharded model first, then its optimizer (with state to shard) over its parameters
+    if args.strategy:
         model = fabric.setup_module(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.7)
@@ -179,8 +184,9 @@ def main() -> None:
     weights = fingerprint([(p.full_tensor() if isinstance(p, DTensor) else p).detach() for p in model.parameters()])
     (out / f"weights-{rank}.txt").write_text(weights)
     fabric.barrier()
-    # NOTE: gloo aborts a process (SIGABRT, "terminate called without an active exception") whose process group is
-    # left to the interpreter's teardown; the DDP wrapper holds the group, so it goes first
+    # NOTE: gloo aborts a process (SIGABRT, "terminate called without an active exception") whose
+    # process group is left to the interpreter's teardown; the DDP wrapper holds the group, so it
+    # goes first
     del model, optimizer
     gc.collect()
     if torch.distributed.is_initialized():

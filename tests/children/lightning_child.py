@@ -1,5 +1,6 @@
-"""A real Lightning run for test_lightning.py: `python lightning_child.py OUT [--resume CKPT] [options]`
-(`python lightning_child.py --batch PLAN`: several one-device runs in one process, tests/support/batch.py).
+"""A real Lightning run for test_lightning.py: `python lightning_child.py OUT [--resume CKPT]
+[options]` (`python lightning_child.py --batch PLAN`: several one-device runs in one process,
+tests/support/batch.py).
 
 Trains a small MLP with dropout on generated data whose items draw augmentation noise, with
 ResumeCallback and ModelCheckpoint(every_n_train_steps=K, save_top_k=-1). Each rank writes
@@ -45,7 +46,8 @@ from support.mounts import fill
 
 
 class NoisyStream(IterableDataset[tuple[torch.Tensor, torch.Tensor, int]]):
-    """The same data as a stream without __len__, sharded over workers, with its position as state."""
+    """The same data as a stream without __len__, sharded over workers, with its position as
+    state."""
 
     def __init__(self, n: int) -> None:
         self.data, self.i = Noisy(n), 0
@@ -83,9 +85,10 @@ class EpochOrder(torch.utils.data.Sampler[int]):
 
 
 class CPUFSDPStrategy(FSDPStrategy):
-    """Lightning's ``FSDPStrategy``, its FSDP (torch's first) placed on the CPU: Lightning passes FSDP no device
-    there, which torch refuses ("FSDP needs a non-CPU accelerator device"), and refuses ``strategy="fsdp"`` with
-    ``accelerator="cpu"`` (a subclass is let through). Everything else, saving and loading included, is Lightning's."""
+    """Lightning's ``FSDPStrategy``, its FSDP (torch's first) placed on the CPU: Lightning passes
+    FSDP no device there, which torch refuses ("FSDP needs a non-CPU accelerator device"), and
+    refuses ``strategy="fsdp"`` with ``accelerator="cpu"`` (a subclass is let through). Everything
+    else, saving and loading included, is Lightning's."""
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import FullyShardedDataParallel
@@ -120,7 +123,8 @@ class Model(L.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y, ids = batch
         self.log_rows.append([self.global_step, ids.tolist(), fingerprint([x, y])])
-        if self.args.batch_log:  # one line per step, as it happens (the chaos tests kill the process)
+        # one line per step, as it happens (the chaos tests kill the process)
+        if self.args.batch_log:
             row = {"attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), "step": self.global_step + 1,
                    "epoch": self.current_epoch, "ids": ids.tolist(), "batch": fingerprint([x, y])}
             with (Path(self.args.batch_log) / f"log-{self.global_rank}.jsonl").open("a") as log:
@@ -131,13 +135,15 @@ class Model(L.LightningModule):
         return nn.functional.cross_entropy(self.net(x), y)
 
     def configure_model(self) -> None:
-        if self.args.strategy in ("model-parallel", "model-parallel-auto"):  # FSDP2 over the data-parallel mesh
+        # FSDP2 over the data-parallel mesh
+        if self.args.strategy in ("model-parallel", "model-parallel-auto"):
             from torch.distributed.fsdp import fully_shard
 
             fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
 
     def configure_optimizers(self) -> Any:
-        # NOTE: with --strategy, an optimizer with state to shard (Lightning's FSDP loading fails on an empty one)
+        # NOTE: with --strategy, an optimizer with state to shard (Lightning's FSDP loading fails on
+        # an empty one)
         optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9 if self.args.strategy else 0.0)
         if not self.args.onecycle:
             return optimizer
@@ -154,7 +160,8 @@ class Model(L.LightningModule):
         return DataLoader(Noisy(12), batch_size=4, shuffle=True, num_workers=self.args.workers)
 
     def train_dataloader(self) -> DataLoader[Any]:
-        if self.args.split_per_rank:  # HF's own per-rank split: the callback must refuse it, not split it again
+        # HF's own per-rank split: the callback must refuse it, not split it again
+        if self.args.split_per_rank:
             from datasets import Dataset as HFDataset
             from datasets.distributed import split_dataset_by_node
 
@@ -162,7 +169,8 @@ class Model(L.LightningModule):
             return DataLoader(split_dataset_by_node(whole, self.global_rank, self.trainer.world_size), batch_size=4)
         if self.args.stream:
             return DataLoader(NoisyStream(self.args.items), batch_size=4, num_workers=self.args.workers)
-        if self.args.mixture:  # two sources, weights changed by MixtureSchedule; the mixture orders itself
+        # two sources, weights changed by MixtureSchedule; the mixture orders itself
+        if self.args.mixture:
             self.mixture = Mixture({"a": Noisy(self.args.items), "b": Noisy(9)}, {"a": 2, "b": 1}, block_size=6)
             return DataLoader(self.mixture, batch_size=4, shuffle=False, num_workers=self.args.workers)
         if self.args.custom_sampler:
@@ -174,7 +182,8 @@ class Model(L.LightningModule):
     def on_train_end(self) -> None:
         out = Path(self.args.out)
         name = f"log-{self.global_rank}.json"
-        if self.args.append and (out / name).exists():  # a restarted job: keep the log of the first run
+        # a restarted job: keep the log of the first run
+        if self.args.append and (out / name).exists():
             self.log_rows = json.loads((out / name).read_text()) + self.log_rows
         (out / name).write_text(json.dumps(self.log_rows))
         weights = fingerprint([(p.full_tensor() if isinstance(p, DTensor) else p).detach() for p in self.parameters()])
@@ -190,8 +199,9 @@ class MixtureSchedule(L.Callback):
 
 
 class Faults(L.Callback):
-    """After the step ``--fill-disk-at``, rank 0 fills the file system of the callback's directory; after the step
-    ``--signal-at`` it sends itself ``--signal-name``; after the step ``--wait-at`` it waits for the test."""
+    """After the step ``--fill-disk-at``, rank 0 fills the file system of the callback's directory;
+    after the step ``--signal-at`` it sends itself ``--signal-name``; after the step ``--wait-at``
+    it waits for the test."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -203,15 +213,17 @@ class Faults(L.Callback):
             fill(Path(self.args.resume_dir) / "filler")
         if trainer.global_step == self.args.signal_at:
             os.kill(os.getpid(), signal.Signals[self.args.signal_name])
-        if trainer.global_step == self.args.wait_at:  # NOTE: the test changes the world meanwhile (cuts a link)
+        # NOTE: the test changes the world meanwhile (cuts a link)
+        if trainer.global_step == self.args.wait_at:
             (Path(self.args.out) / "waiting").write_text(str(trainer.global_step))
             while not (Path(self.args.out) / "go").exists():
                 time.sleep(0.01)
 
 
 class SlowIO(TorchCheckpointIO):
-    """Lightning's own checkpoint IO, ``seconds`` slower per file, as a large checkpoint on slow storage: it writes
-    OUT/writing (the file's name) first, so a test can kill the job while a write is in flight."""
+    """Lightning's own checkpoint IO, ``seconds`` slower per file, as a large checkpoint on slow
+    storage: it writes OUT/writing (the file's name) first, so a test can kill the job while a write
+    is in flight."""
 
     def __init__(self, out: str, seconds: float) -> None:
         super().__init__()
@@ -224,8 +236,8 @@ class SlowIO(TorchCheckpointIO):
 
 
 class OwnThreadIO(SlowIO):
-    """A user's own checkpoint IO that writes each file from a thread of its own (a copy of the checkpoint taken
-    first) and waits for them in ``teardown()``: no Lightning class involved."""
+    """A user's own checkpoint IO that writes each file from a thread of its own (a copy of the
+    checkpoint taken first) and waits for them in ``teardown()``: no Lightning class involved."""
 
     def __init__(self, out: str, seconds: float) -> None:
         super().__init__(out, seconds)
@@ -242,8 +254,8 @@ class OwnThreadIO(SlowIO):
 
 
 def plugins(args: argparse.Namespace) -> list[Any]:
-    """``--async-io SECONDS``: Lightning's ``AsyncCheckpointIO`` over a writer that takes that long per file;
-    ``--own-async-io SECONDS``: a user's own writer in threads (``OwnThreadIO``)."""
+    """``--async-io SECONDS``: Lightning's ``AsyncCheckpointIO`` over a writer that takes that long
+    per file; ``--own-async-io SECONDS``: a user's own writer in threads (``OwnThreadIO``)."""
     if args.own_async_io is not None:
         return [OwnThreadIO(args.out, args.own_async_io)]
     return [] if args.async_io is None else [AsyncCheckpointIO(SlowIO(args.out, args.async_io))]
@@ -252,7 +264,8 @@ def plugins(args: argparse.Namespace) -> list[Any]:
 def resume_callbacks(args: argparse.Namespace) -> list[ResumeCallback]:
     if args.no_callback:
         return []
-    dirpath = None if args.no_dirpath or args.root else args.resume_dir or args.out  # None: default_root_dir
+    # None: default_root_dir
+    dirpath = None if args.no_dirpath or args.root else args.resume_dir or args.out
     callback = ResumeCallback(seed=7, dirpath=dirpath, check_every_n_steps=args.check_every)
     return [callback] * (2 if args.two_callbacks else 1)
 
@@ -299,7 +312,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.resume and args.n_resume:
         args.items = args.n_resume
     torch.manual_seed(123)
-    if "TORCHELASTIC_RESTART_COUNT" in os.environ and args.device == "cpu":  # under torchrun: safe across restarts
+    # under torchrun: safe across restarts
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ and args.device == "cpu":
         init_process_group("gloo")
     trainer = L.Trainer(
         accelerator=args.device, devices=args.devices, strategy=strategy_of(args),
@@ -309,7 +323,8 @@ def main(argv: list[str] | None = None) -> None:
         num_sanity_val_steps=0, default_root_dir=args.root or args.out, deterministic=True, plugins=plugins(args),
         limit_val_batches=1.0 if args.val_every else 0, val_check_interval=args.val_every or None,
         callbacks=[*resume_callbacks(args), *([MixtureSchedule()] if args.mixture else []), Faults(args),
-                   # NOTE: Lightning's ModelCheckpoint takes a file: URL's text for a relative local path
+                   # NOTE: Lightning's ModelCheckpoint takes a file: URL's text for a relative local
+                   # path
                    ModelCheckpoint(dirpath=f"{local_path(args.root)}/ckpt" if args.root else Path(args.out) / "ckpt",
                                    every_n_train_steps=args.every, save_top_k=-1, save_last=not args.no_save_last,
                                    filename="{step}")],
@@ -317,10 +332,11 @@ def main(argv: list[str] | None = None) -> None:
     assert trainer.world_size == args.devices
     trainer.fit(Model(args), ckpt_path=args.resume)
     if torch.distributed.is_initialized():
-        # NOTE: a gloo group left to the interpreter's teardown aborts the process now and then ("terminate called
-        # without an active exception", SIGABRT: a gloo thread frees the last collective's tensors while the
-        # interpreter finalizes). Destroyed here, once nothing holds it (fit unwrapped the DDP model; the
-        # collector frees the wrapper), its threads are joined first (docs/troubleshooting.md#abort-at-exit).
+        # NOTE: a gloo group left to the interpreter's teardown aborts the process now and then
+        # ("terminate called without an active exception", SIGABRT: a gloo thread frees the last
+        # collective's tensors while the interpreter finalizes). Destroyed here, once nothing holds
+        # it (fit unwrapped the DDP model; the collector frees the wrapper), its threads are joined
+        # first (docs/troubleshooting.md#abort-at-exit).
         trainer.strategy.barrier()
         del trainer
         gc.collect()

@@ -1,8 +1,9 @@
-"""A real LightningCLI program for test_lightning.py: ``python lightning_cli_child.py fit --config CFG [...]``.
+"""A real LightningCLI program for test_lightning.py: ``python lightning_cli_child.py fit --config
+CFG [...]``.
 
-The callbacks come from the config or the command line (``trainer.callbacks``), as LightningCLI users
-write them. Each training step appends one JSON line to ``OUT/log.jsonl`` (step, sample ids, batch
-fingerprint); the end of fit writes ``OUT/weights.txt``.
+The callbacks come from the config or the command line (``trainer.callbacks``), as LightningCLI
+users write them. Each training step appends one JSON line to ``OUT/log.jsonl`` (step, sample ids,
+batch fingerprint); the end of fit writes ``OUT/weights.txt``.
 """
 
 from __future__ import annotations

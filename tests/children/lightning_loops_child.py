@@ -2,14 +2,15 @@
 
     python lightning_loops_child.py OUT --shape SHAPE [--workers W] [--signal-at STEP]
 
-SHAPE: ``limit-0.5`` / ``limit-3`` (``limit_train_batches``), or ``min_size`` / ``max_size_cycle`` / ``max_size``
-(a dict of two training loaders of 6 and 10 batches in a ``CombinedLoader``). Without ``--signal-at``: an
-uninterrupted fit with ``ModelCheckpoint(every_n_train_steps=1)``, then a fresh fit from each checkpoint
-(``fit(ckpt_path=...)``), each writing OUT/<name>.json: one row per step (step, and per loader the ids and a
-fingerprint of the noise its items drew) and the final weights. Then a resumed run (from step 7, or the last
-but one) checkpoints at every step in turn, and OUT/again.json resumes from its next step's file.
-``--signal-at``: SIGTERM to the whole process group at that step of a first run; rerunning the same command
-continues (OUT/job.json gathers both runs).
+SHAPE: ``limit-0.5`` / ``limit-3`` (``limit_train_batches``), or ``min_size`` / ``max_size_cycle`` /
+``max_size`` (a dict of two training loaders of 6 and 10 batches in a ``CombinedLoader``). Without
+``--signal-at``: an uninterrupted fit with ``ModelCheckpoint(every_n_train_steps=1)``, then a fresh
+fit from each checkpoint (``fit(ckpt_path=...)``), each writing OUT/<name>.json: one row per step
+(step, and per loader the ids and a fingerprint of the noise its items drew) and the final weights.
+Then a resumed run (from step 7, or the last but one) checkpoints at every step in turn, and
+OUT/again.json resumes from its next step's file. ``--signal-at``: SIGTERM to the whole process
+group at that step of a first run; rerunning the same command continues (OUT/job.json gathers both
+runs).
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ class Model(L.LightningModule):
             os.killpg(os.getpgid(0), signal.SIGTERM)
         return loss
 
-    def on_train_end(self) -> None:  # NOTE: before ResumeCallback's teardown, which exits a preempted run
+    # NOTE: before ResumeCallback's teardown, which exits a preempted run
+    def on_train_end(self) -> None:
         path = Path(self.args.out) / f"{self.args.name}.json"
         before = json.loads(path.read_text())["rows"] if path.exists() else []
         weights = fingerprint([p.detach() for p in self.parameters()])
@@ -111,7 +113,8 @@ def main() -> None:
     checkpoints = sorted((Path(args.out) / "ckpt").glob("step=*.ckpt"))
     for ckpt in checkpoints:
         fit(args, f"from-{ckpt.stem.split('=')[1]}", str(ckpt))
-    # a resumed run checkpointing again, resumed in turn (max_size: a loader done mid-epoch stays done)
+    # a resumed run checkpointing again, resumed in turn (max_size: a loader done mid-epoch stays
+    # done)
     first = min(7, len(checkpoints) - 2)
     fit(args, "resumed", str(Path(args.out) / "ckpt" / f"step={first}.ckpt"), every="ckpt2")
     fit(args, "again", str(Path(args.out) / "ckpt2" / f"step={first + 1}.ckpt"))

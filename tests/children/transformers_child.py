@@ -4,12 +4,13 @@
     torchrun --nproc_per_node 2 transformers_child.py OUT --processes 2      # two (gloo, CPU)
     python transformers_child.py --batch PLAN      # several one-process runs, one after another (support/batch.py)
 
-A tiny model (dropout, returns ``{"loss": ...}``) on generated data whose items draw augmentation noise
-from torch, numpy and random, and whose collator draws from numpy, trained by ``ResumableTrainer``
-(``--stock``: ``Trainer``), checkpointing every step. Each process appends one JSON line per training
-micro-batch to OUT/log-RANK.jsonl (the sample ids and a fingerprint of the batch's values) and one per
-optimizer step to OUT/lr-RANK.jsonl (its learning rate), so a resumed run's logs continue the first run's, and
-writes OUT/weights-RANK.txt (a fingerprint of the final weights).
+A tiny model (dropout, returns ``{"loss": ...}``) on generated data whose items draw augmentation
+noise from torch, numpy and random, and whose collator draws from numpy, trained by
+``ResumableTrainer`` (``--stock``: ``Trainer``), checkpointing every step. Each process appends one
+JSON line per training micro-batch to OUT/log-RANK.jsonl (the sample ids and a fingerprint of the
+batch's values) and one per optimizer step to OUT/lr-RANK.jsonl (its learning rate), so a resumed
+run's logs continue the first run's, and writes OUT/weights-RANK.txt (a fingerprint of the final
+weights).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ from transformers_resume import ResumableTrainer
 
 
 class Items(NoisyEverywhere):
-    """The shared data as dicts, the form Trainer's default collator stacks; counts its reads (in DataLoader
-    workers too: they are forked and share the counter)."""
+    """The shared data as dicts, the form Trainer's default collator stacks; counts its reads (in
+    DataLoader workers too: they are forked and share the counter)."""
 
     reads = multiprocessing.Value("i", 0)
 
@@ -54,7 +55,8 @@ class Items(NoisyEverywhere):
 
 
 class ItemsStream(NoisyStream):
-    """The same data as a stream with its position as state (an iterable dataset: Trainer needs max_steps)."""
+    """The same data as a stream with its position as state (an iterable dataset: Trainer needs
+    max_steps)."""
 
     def __iter__(self) -> Any:
         for x, y, i in super().__iter__():
@@ -85,7 +87,8 @@ class Tiny(nn.Module):
 
 
 class CrashAfterSave(TrainerCallback):
-    """Ends the process right after the checkpoint of ``step`` is written: a crash, nothing else is saved."""
+    """Ends the process right after the checkpoint of ``step`` is written: a crash, nothing else is
+    saved."""
 
     def __init__(self, step: int) -> None:
         self.step = step
@@ -110,8 +113,8 @@ class LogLearningRate(TrainerCallback):
 
 
 class SignalAt(TrainerCallback):
-    """Rank 0 sends itself ``signal_name`` at the end of optimizer step ``step`` (before the ranks agree on
-    signals), as a scheduler signalling one task of a job would."""
+    """Rank 0 sends itself ``signal_name`` at the end of optimizer step ``step`` (before the ranks
+    agree on signals), as a scheduler signalling one task of a job would."""
 
     def __init__(self, step: int, signal_name: str) -> None:
         self.step, self.signal = step, signal.Signals[signal_name]
@@ -122,7 +125,8 @@ class SignalAt(TrainerCallback):
 
 
 class FillDiskAt(TrainerCallback):
-    """Rank 0 fills the file system of ``directory`` at the end of optimizer step ``step`` (before its save)."""
+    """Rank 0 fills the file system of ``directory`` at the end of optimizer step ``step`` (before
+    its save)."""
 
     def __init__(self, step: int, directory: Path) -> None:
         self.step, self.directory = step, directory
@@ -198,8 +202,8 @@ def main(argv: list[str] | None = None) -> None:
     (out / f"weights-{rank}.txt").write_text(fingerprint([p.detach() for p in model.parameters()]))
     (out / f"reads-{rank}.txt").write_text(str(Items.reads.value))
     trainer.accelerator.wait_for_everyone()
-    # NOTE: gloo aborts a process (SIGABRT) whose process group is left to the interpreter's teardown; the DDP
-    # wrapper holds the group (past destroy_process_group), so it goes first
+    # NOTE: gloo aborts a process (SIGABRT) whose process group is left to the interpreter's
+    # teardown; the DDP wrapper holds the group (past destroy_process_group), so it goes first
     del trainer, model
     gc.collect()
     if torch.distributed.is_initialized():

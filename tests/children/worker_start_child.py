@@ -1,11 +1,12 @@
-"""A process that starts DataLoader worker pools under a fork hazard (``tests/workers/test_worker_start.py``).
+"""A process that starts DataLoader worker pools under a fork hazard
+(``tests/workers/test_worker_start.py``).
 
 ``stuck LOADER``: the first worker forked stays stuck right after the fork, before any code of the
-worker runs (an after-fork hook that never returns: the place where CPython waits for a lock an exiting
-thread of the parent held at the fork). ``LOADER`` is ``ours`` or ``plain``.
+worker runs (an after-fork hook that never returns: the place where CPython waits for a lock an
+exiting thread of the parent held at the fork). ``LOADER`` is ``ours`` or ``plain``.
 
-``feeders LOADER``: many passes in a row, each left after one batch (its pool shut down, its queue feeder
-threads told to stop); prints how many forks happened while such a thread was still stopping.
+``feeders LOADER``: many passes in a row, each left after one batch (its pool shut down, its queue
+feeder threads told to stop); prints how many forks happened while such a thread was still stopping.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The README is the front door: short, its links resolve, and its two commands are one line each."""
+"""The README is the front door: short, its links resolve, and its two commands are one line
+each."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def test_every_relative_link_of_the_readme_resolves() -> None:
 
 
 def test_the_two_commands_are_one_line_each() -> None:
-    # One command each, to copy whole; a long one is wrapped with a backslash (code lines stay <= 88 characters).
+    # One command each, to copy whole; a long one is wrapped with a backslash (code lines stay <= 88
+    # characters).
     blocks = [block.replace("\\\n", " ") for block in re.findall(r"```bash\n(.*?)```", _section("Two commands"), re.S)]
     assert [block.count("\n") for block in blocks] == [1, 1], blocks
     main_job, tests = (block.strip() for block in blocks)
@@ -42,7 +44,8 @@ def test_every_docs_page_is_in_the_site_navigation() -> None:
 
 
 def _named_test_paths() -> dict[str, list[str]]:
-    """Each ``tests/...`` file or folder the README, the docs, the changelog's unreleased part and ``.ci`` name."""
+    """Each ``tests/...`` file or folder the README, the docs, the changelog's unreleased part and
+    ``.ci`` name."""
     sources = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / ".ci").glob("*"))]
     named: dict[str, list[str]] = {}
     for source in sources:
@@ -53,7 +56,8 @@ def _named_test_paths() -> dict[str, list[str]]:
 
 
 def test_every_test_file_the_docs_name_exists() -> None:
-    """The pages say which test shows what (``tests/frontdoors/test_lightning.py``): each path named is there."""
+    """The pages say which test shows what (``tests/frontdoors/test_lightning.py``): each path named
+    is there."""
     named = _named_test_paths()
     assert len(named) > 40, sorted(named)
     missing = {path: where for path, where in named.items()

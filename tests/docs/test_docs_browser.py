@@ -1,11 +1,11 @@
-"""The built documentation as a reader sees it: its pages opened in a real headless Chromium at 1280 px and at a
-phone's 390 px.
+"""The built documentation as a reader sees it: its pages opened in a real headless Chromium at 1280
+px and at a phone's 390 px.
 
-The code is highlighted (a keyword's colour is not the plain text's), no code block scrolls sideways at 1280 px
-(at 390 px a code block scrolls inside its box), no page itself does at either width, nothing is requested from
-another host, and the search finds a page without a server.
-Marked `browser` (the default run deselects it); CI runs it with Debian's chromium-headless-shell, driven by
-Playwright (`python -m pytest -m browser`).
+The code is highlighted (a keyword's colour is not the plain text's), no code block scrolls sideways
+at 1280 px (at 390 px a code block scrolls inside its box), no page itself does at either width,
+nothing is requested from another host, and the search finds a page without a server. Marked
+`browser` (the default run deselects it); CI runs it with Debian's chromium-headless-shell, driven
+by Playwright (`python -m pytest -m browser`).
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ class QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-# Run in the page: every code block's overflow, the page's, and a highlighted keyword's colour against the
-# plain text of its block.
+# Run in the page: every code block's overflow, the page's, and a highlighted keyword's colour
+# against the plain text of its block.
 MEASURE = """() => {
   const blocks = [...document.querySelectorAll('.md-content pre > code')];
   const overflowing = blocks
@@ -106,7 +106,8 @@ def browser() -> Iterator[object]:
 
 
 def opened(browser: object, url: str, width: int) -> tuple[dict[str, object], list[str]]:
-    """What MEASURE sees on the page at ``url`` in a window ``width`` px wide, and every URL the page requested."""
+    """What MEASURE sees on the page at ``url`` in a window ``width`` px wide, and every URL the
+    page requested."""
     context = browser.new_context(viewport={"width": width, "height": 900})  # type: ignore[attr-defined]
     page = context.new_page()
     requested: list[str] = []
@@ -149,7 +150,8 @@ def test_search_finds_a_page_in_the_browser(browser: object, site_url: str) -> N
     page = context.new_page()
     page.goto(site_url, wait_until="networkidle")
     page.focus("input.md-search__input")
-    page.keyboard.type("requeue", delay=20)  # keystrokes: the search listens to them, not to a filled value
+    # keystrokes: the search listens to them, not to a filled value
+    page.keyboard.type("requeue", delay=20)
     page.wait_for_selector(".md-search-result__item", timeout=15_000)
     found = page.eval_on_selector_all(".md-search-result__item a", "links => links.map(a => a.href)")
     context.close()

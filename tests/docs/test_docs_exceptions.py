@@ -1,6 +1,6 @@
-"""Every exception the docs name imports from where they say: each ``### `XError` `` entry of the troubleshooting
-page is on the API page as ``::: module.XError``, and every dotted ``module.XError`` any page or the README
-writes, imported from that module, is that very class."""
+"""Every exception the docs name imports from where they say: each ``### `XError` `` entry of the
+troubleshooting page is on the API page as ``::: module.XError``, and every dotted ``module.XError``
+any page or the README writes, imported from that module, is that very class."""
 
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ def test_every_dotted_exception_the_docs_write_imports_from_there() -> None:
         for module in sorted(modules):
             try:
                 found = getattr(importlib.import_module(module), name, None)
-            except ImportError as error:  # a module of a framework not installed here is not a wrong name
+            # a module of a framework not installed here is not a wrong name
+            except ImportError as error:
                 assert "loader_resume" not in module, f"{module}: {error}"
                 continue
             if not (isinstance(found, type) and issubclass(found, Exception)):

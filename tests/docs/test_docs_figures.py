@@ -1,6 +1,6 @@
-"""The documentation's figures (docs/figures.py): the committed SVGs are what the script draws today, byte for
-byte, so a figure cannot drift from the names the code defines (the script imports them); the few names it spells
-out are checked against the code and a real checkpoint here."""
+"""The documentation's figures (docs/figures.py): the committed SVGs are what the script draws
+today, byte for byte, so a figure cannot drift from the names the code defines (the script imports
+them); the few names it spells out are checked against the code and a real checkpoint here."""
 
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ def test_every_figure_is_shown_with_alt_text(figures: ModuleType) -> None:
     ("examples/plain_digits.py", '"rng": gather_rng_states()'),
     ("lightning_resume/integrity.py", 'f".{name}.tmp-{writer_token(strategy.broadcast)}"'),
     ("examples/plain_digits.py", 'f"step_{step:09d}"'),
-    ("core/loader_resume/job/loop_session.py", 'f"step_{self.step:09d}"'),  # Fabric's and Accelerate's
+    # Fabric's and Accelerate's
+    ("core/loader_resume/job/loop_session.py", 'f"step_{self.step:09d}"'),
     ("lightning_resume/fabric.py", '"resume_checkpoints"'),
     ("accelerate_resume/hook.py", '"resume_checkpoints"'),
     ("ray_resume/resume.py", 'checkpoint_dir_name=f"step_{self.step:09d}"'),

@@ -1,5 +1,6 @@
-"""The API reference (docs/api.md) lists every public name, and the docstrings it renders are Markdown that
-mkdocstrings reads: no Sphinx role (``:class:`X```) shown as raw text. Read from the sources, nothing imported."""
+"""The API reference (docs/api.md) lists every public name, and the docstrings it renders are
+Markdown that mkdocstrings reads: no Sphinx role (``:class:`X```) shown as raw text. Read from the
+sources, nothing imported."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def test_every_name_of_each_public_module_is_on_the_api_page() -> None:
 
 
 def _imported_names() -> set[tuple[str, str]]:
-    """``(module, name)`` of every ``from <our package...> import name`` in the pages, the README and the examples."""
+    """``(module, name)`` of every ``from <our package...> import name`` in the pages, the README
+    and the examples."""
     texts = [path.read_text() for path in [ROOT / "README.md", *(ROOT / "docs").glob("*.md"),
                                            *(ROOT / "examples").glob("*.py")]]
     ours = re.compile(r"^\s*from ((?:" + "|".join(PACKAGES) + r")[\w.]*) import ([^\n#]+)", re.M)
@@ -57,7 +59,8 @@ def _imported_names() -> set[tuple[str, str]]:
 
 
 def _is_module(dotted: str) -> bool:
-    """``loader_resume.tools.demo`` (the demo program behind ``loader-resume demo``, imported whole by an example)."""
+    """``loader_resume.tools.demo`` (the demo program behind ``loader-resume demo``, imported whole
+    by an example)."""
     top, *rest = dotted.split(".")
     path = PACKAGES[top].joinpath(*rest)
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
@@ -67,7 +70,8 @@ def test_every_name_the_pages_and_examples_import_is_on_the_api_page() -> None:
     documented = _directives()
     imported = _imported_names()
     assert ("loader_resume.distributed", "DCPLoaderState") in imported, "the import scan sees the pages"
-    # A name may be documented where it is defined or where it is re-exported (loader_resume.set_global_rng_state).
+    # A name may be documented where it is defined or where it is re-exported
+    # (loader_resume.set_global_rng_state).
     missing = sorted(f"{module}.{name}" for module, name in imported
                      if not any(d.split(".")[0] == module.split(".")[0] and d.endswith(f".{name}") for d in documented))
     assert not missing, f"imported in the docs or examples but not on the API page: {missing}"
@@ -82,7 +86,8 @@ def test_the_api_page_names_only_what_exists() -> None:
 
 
 def _docstrings(tree: ast.AST) -> list[ast.Constant]:
-    """Every string statement: module, class and function docstrings, and the attribute docstrings below a name."""
+    """Every string statement: module, class and function docstrings, and the attribute docstrings
+    below a name."""
     return [node.value for node in ast.walk(tree) if isinstance(node, ast.Expr)
             and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)]
 

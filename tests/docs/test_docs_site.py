@@ -1,5 +1,6 @@
-"""The documentation site: built strictly, offline when read (nothing fetched from another host), code
-highlighted at build time, search without a server, and no code line wider than the page's code box."""
+"""The documentation site: built strictly, offline when read (nothing fetched from another host),
+code highlighted at build time, search without a server, and no code line wider than the page's code
+box."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-MAX_CODE_LINE = 88  # characters: a code box at 1280 px holds this many without a horizontal scroll bar
+# characters: a code box at 1280 px holds this many without a horizontal scroll bar
+MAX_CODE_LINE = 88
 
-# Material's JavaScript bundle names a few URLs it loads only in a situation this site never creates; each is
-# allowed here with that situation, and the test checks the situation is absent.
+# Material's JavaScript bundle names a few URLs it loads only in a situation this site never
+# creates; each is allowed here with that situation, and the test checks the situation is absent.
 BUNDLE_URLS = {
     "https://unpkg.com/mermaid": "only on a page with a Mermaid diagram",
     "https://unpkg.com/resize-observer-polyfill": "only in a browser without ResizeObserver",
@@ -33,8 +35,8 @@ SNIPPET = re.compile(r'^\s*--8<-- "([^":]+)(?::([\w-]+))?"\s*$')
 
 
 def _included(line: str) -> list[str] | None:
-    """The lines a ``--8<-- "path"`` or ``--8<-- "path:section"`` line includes (section markers left out),
-    or None for any other line."""
+    """The lines a ``--8<-- "path"`` or ``--8<-- "path:section"`` line includes (section markers
+    left out), or None for any other line."""
     match = SNIPPET.match(line)
     if match is None:
         return None
@@ -46,8 +48,8 @@ def _included(line: str) -> list[str] | None:
 
 
 def _code_lines(path: Path) -> list[tuple[int, str]]:
-    """Every line inside a fenced code block of a Markdown file, with its line number; a snippet line
-    stands for the lines it includes (each with the snippet line's number)."""
+    """Every line inside a fenced code block of a Markdown file, with its line number; a snippet
+    line stands for the lines it includes (each with the snippet line's number)."""
     lines, fence = [], None
     for number, line in enumerate(path.read_text().splitlines(), 1):
         match = re.match(r"\s*(`{3,}|~{3,})", line)
@@ -135,8 +137,8 @@ def test_scripts_fetch_nothing_from_another_host(site: Path) -> None:
         }
     )
     assert not unexpected, unexpected
-    # The situations in which the bundle's URLs would be used never arise here.
-    # repo_url is set, but the link to it is plain (overrides/partials/source.html): no source component to fetch for.
+    # The situations in which the bundle's URLs would be used never arise here. repo_url is set, but
+    # the link to it is plain (overrides/partials/source.html): no source component to fetch for.
     assert not any('data-md-component="source"' in page.read_text() for page in _files(site, ".html"))
     assert REPO_URL in (site / "index.html").read_text()
     assert not any('class="mermaid"' in page.read_text() for page in _files(site, ".html"))
@@ -145,7 +147,8 @@ def test_scripts_fetch_nothing_from_another_host(site: Path) -> None:
 def test_code_is_highlighted_at_build_time(site: Path) -> None:
     home = (site / "index.html").read_text()
     assert 'class="highlight"' in home
-    # Pygments' token classes: a keyword and a name, in the page itself (no highlighter runs in the browser).
+    # Pygments' token classes: a keyword and a name, in the page itself (no highlighter runs in the
+    # browser).
     assert re.search(r'<span class="k">def</span>', home), "Python code carries Pygments' token spans"
     assert "highlight.js" not in home and "hljs" not in home
     assert not _urls("".join(re.findall(r'<link\b[^>]*rel="stylesheet"[^>]*>', home)))

@@ -1,6 +1,6 @@
-"""docs/troubleshooting.md has an anchored entry for every exception class the packages define, each exit code,
-and every warning or error line they log: a new one fails here until the page explains it. Read from the
-sources, nothing imported."""
+"""docs/troubleshooting.md has an anchored entry for every exception class the packages define, each
+exit code, and every warning or error line they log: a new one fails here until the page explains
+it. Read from the sources, nothing imported."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ PACKAGES = [ROOT / "core" / "loader_resume", *(ROOT / name for name in
                                                 "ray_resume"))]
 LOG_CALLS = {"warning", "error", "critical", "exception", "warn", "_warn_once"}
 
-# A distinctive phrase of each logged line -> the page's entry for it. Every line the packages log at warning or
-# error level must hold phrases of exactly one entry; every phrase must still be logged somewhere.
+# A distinctive phrase of each logged line -> the page's entry for it. Every line the packages log
+# at warning or error level must hold phrases of exactly one entry; every phrase must still be
+# logged somewhere.
 ENTRIES = {
     "cannot be locked": "not-locked",
     "is not locked": "not-locked",
@@ -99,8 +100,9 @@ def _text(node: ast.expr) -> str:
 
 
 def _logged() -> list[tuple[str, str]]:
-    """``(where, message)`` of each warning or error logged; a call that only passes a message on (``"%s"``,
-    ``logger.warning(message, *args)``) is left out: its callers carry the text and are counted instead."""
+    """``(where, message)`` of each warning or error logged; a call that only passes a message on
+    (``"%s"``, ``logger.warning(message, *args)``) is left out: its callers carry the text and are
+    counted instead."""
     found = []
     for path, tree in _trees():
         for node in ast.walk(tree):

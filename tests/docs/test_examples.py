@@ -31,16 +31,16 @@ def _digest(output: str) -> str:
 
 
 ONE_EPOCH = {"lightning": ["trainer.max_epochs=1"], "accelerate": ["epochs=1"], "fabric": ["epochs=1"]}
-"""One epoch of 57 steps (not the default three) for the SIGTERM-and-rerun tests: the signal at step 20 is still
-mid-epoch and the rerun still finishes the epoch from the checkpoint; resuming into a later epoch is the mixture
-example's test (and each front door's own tests')."""
+"""One epoch of 57 steps (not the default three) for the SIGTERM-and-rerun tests: the signal at step
+20 is still mid-epoch and the rerun still finishes the epoch from the checkpoint; resuming into a
+later epoch is the mixture example's test (and each front door's own tests')."""
 
 
 def interrupted_and_rerun(script: str, directory: str, tmp_path: Path, *settings: str,
                           stopped: Callable[[], None] = lambda: None) -> tuple[str, str]:
-    """(uninterrupted stdout, rerun stdout): a run of ``script`` (with ``settings``) SIGTERMed at its "epoch 0
-    step 20" line (mid-epoch 0) must exit 143 without finishing (then ``stopped()`` checks what it left); the same
-    command again must finish."""
+    """(uninterrupted stdout, rerun stdout): a run of ``script`` (with ``settings``) SIGTERMed at
+    its "epoch 0 step 20" line (mid-epoch 0) must exit 143 without finishing (then ``stopped()``
+    checks what it left); the same command again must finish."""
     uninterrupted = forked.run([sys.executable, script, *settings, f"{directory}={tmp_path / 'a'}"],
                                capture_output=True, text=True, timeout=300)
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
@@ -111,7 +111,8 @@ def test_accelerate_example_runs_on_two_processes(tmp_path: Path) -> None:
 
 
 def test_fabric_example_interrupted_by_sigterm_and_rerun_ends_with_the_same_weights(tmp_path: Path) -> None:
-    def stopped() -> None:  # one sealed checkpoint, at a step boundary after the signal (step 20 or a later one)
+    # one sealed checkpoint, at a step boundary after the signal (step 20 or a later one)
+    def stopped() -> None:
         (written,) = (tmp_path / "b").iterdir()
         assert written.name.startswith("step_") and int(written.name[5:]) >= 20
         assert (written / "loader_resume_manifest.json").is_file()
@@ -129,8 +130,9 @@ def test_fabric_example_typo_fails_clearly() -> None:
 
 
 def test_transformers_example_interrupted_by_sigterm_and_rerun_ends_with_the_same_weights(tmp_path: Path) -> None:
-    """SIGTERM at step 20 of 60, mid-epoch 0 (no checkpoint due before step 50): the job checkpoints at the next
-    optimizer step and exits 143; the same command again continues from there, not from the beginning."""
+    """SIGTERM at step 20 of 60, mid-epoch 0 (no checkpoint due before step 50): the job checkpoints
+    at the next optimizer step and exits 143; the same command again continues from there, not from
+    the beginning."""
     def stopped() -> None:
         names = [p.name for p in (tmp_path / "b").iterdir()]
         assert len(names) == 1 and names[0].startswith("checkpoint-") and 20 <= int(names[0][11:]) < 50, names
@@ -142,9 +144,9 @@ def test_transformers_example_interrupted_by_sigterm_and_rerun_ends_with_the_sam
 
 
 def test_mixture_example_interrupted_by_sigterm_and_rerun_ends_with_the_same_weights(tmp_path: Path) -> None:
-    """SIGTERM at step 20: after the schedule's change of step 15 (in the checkpoint), before that of step 90
-    (made again by the rerun, at the same step). Two epochs of 50 steps (not the default three): the rerun goes on
-    into epoch 1 and past step 90 to its end at step 100."""
+    """SIGTERM at step 20: after the schedule's change of step 15 (in the checkpoint), before that
+    of step 90 (made again by the rerun, at the same step). Two epochs of 50 steps (not the default
+    three): the rerun goes on into epoch 1 and past step 90 to its end at step 100."""
     uninterrupted, rerun = interrupted_and_rerun(str(EXAMPLES / "mixture_digits.py"), "project_dir", tmp_path,
                                                  "epochs=2")
     assert "resumed from" in rerun and "epoch 0 step 20 " not in rerun

@@ -1,9 +1,11 @@
-"""Checkpoints under real storage faults (issue: a full disk, a read-only mount, a double launch, flipped bits).
+"""Checkpoints under real storage faults (issue: a full disk, a read-only mount, a double launch,
+flipped bits).
 
-Accelerate jobs (``tests/children/accelerate_child.py``, one process or two under ``accelerate launch``) whose
-checkpoint directory is a small tmpfs that fills up, or turns read-only under a bind mount; a second real job on the
-same directory; bytes flipped on disk. The core's atomic write under the same faults: ``torch.save``, safetensors
-and plain writes into a full tmpfs, and two real processes writing the same checkpoint names at once.
+Accelerate jobs (``tests/children/accelerate_child.py``, one process or two under ``accelerate
+launch``) whose checkpoint directory is a small tmpfs that fills up, or turns read-only under a bind
+mount; a second real job on the same directory; bytes flipped on disk. The core's atomic write under
+the same faults: ``torch.save``, safetensors and plain writes into a full tmpfs, and two real
+processes writing the same checkpoint names at once.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from support.reference import accelerate_run, child_run
 
 @pytest.fixture(scope="module")
 def full(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    """Uninterrupted runs on 1 and 2 processes (made once per session: other modules compare with them too)."""
+    """Uninterrupted runs on 1 and 2 processes (made once per session: other modules compare with
+    them too)."""
     return {processes: accelerate_run(tmp_path_factory, processes) for processes in (1, 2)}
 
 
@@ -60,8 +63,9 @@ def after(rows: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
 def test_a_preemption_save_on_a_full_disk_exits_74_on_every_rank_and_the_rerun_continues_exactly(
     full: dict[int, Path], tmp_path: Path
 ) -> None:
-    """The disk fills after step 7's batch; the agreed save at the signal fails: never reported as written, no
-    exit 143, nothing partial left. The rerun continues from the newest complete checkpoint (step 6)."""
+    """The disk fills after step 7's batch; the agreed save at the signal fails: never reported as
+    written, no exit 143, nothing partial left. The rerun continues from the newest complete
+    checkpoint (step 6)."""
     with tmpfs(tmp_path / "resume_checkpoints", "2m"):
         stderr = run(tmp_path, 2, "--fill-disk-at", "7", "--signal-at", "7", "save_every_n_steps=3",
                      expect=FAILED_SAVE_EXIT_CODE)
@@ -104,7 +108,8 @@ def test_a_checkpoint_directory_that_cannot_be_written_is_refused_at_start_namin
 
 
 def test_a_directory_turned_read_only_mid_run_makes_the_preemption_save_fail_loudly(tmp_path: Path) -> None:
-    """The issue's case: periodic saves fail on a read-only mount, then SIGTERM: exit 74, never 143."""
+    """The issue's case: periodic saves fail on a read-only mount, then SIGTERM: exit 74, never
+    143."""
     job = forked.popen(command(tmp_path, 1, "--sleep", "0.1", "save_every_n_steps=2"), stderr=subprocess.PIPE,
                        stdout=subprocess.DEVNULL, text=True, start_new_session=True)
     deadline = time.monotonic() + 120
@@ -118,7 +123,8 @@ def test_a_directory_turned_read_only_mid_run_makes_the_preemption_save_fail_lou
     assert job.returncode == FAILED_SAVE_EXIT_CODE, stderr[-3000:]
     assert "NOT written" in stderr and "Read-only file system" in stderr and "could NOT be written" in stderr
     assert "exiting with 143" not in stderr
-    assert leftovers(tmp_path) == [] and checkpoints(tmp_path)  # the saves before the mount are whole
+    # the saves before the mount are whole
+    assert leftovers(tmp_path) == [] and checkpoints(tmp_path)
 
 
 def test_a_second_job_on_a_directory_in_use_is_refused_naming_the_first_and_a_killed_one_blocks_nothing(
@@ -164,7 +170,8 @@ def test_an_automatic_resume_skips_a_corrupted_newest_checkpoint_for_the_one_bef
     assert weights(tmp_path / "rerun") == weights(full[1])
 
 
-# --- the core's atomic write --------------------------------------------------------------------------
+# --- the core's atomic write
+# --------------------------------------------------------------------------
 def _save_safetensors(path: Path) -> None:
     from safetensors.torch import save_file
 
@@ -183,8 +190,8 @@ def _save_plain(path: Path) -> None:
 def test_any_write_failure_on_a_full_disk_leaves_no_temporary_and_the_previous_checkpoint(
     tmp_path: Path, writer: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """torch.save fails with RuntimeError on a full disk, safetensors with its own error, plain writes with
-    OSError: each is a failed save, agreed, logged with the cause."""
+    """torch.save fails with RuntimeError on a full disk, safetensors with its own error, plain
+    writes with OSError: each is a failed save, agreed, logged with the cause."""
     root = tmp_path / "checkpoints"
     with tmpfs(root, "2m"):
         assert write_sealed(root / "step_000000001", lambda d: (d / "small.txt").write_text("x"), main=True,
@@ -227,9 +234,10 @@ def _sealed_on_rank(rank: int, out: str, fails: str) -> None:
 def test_a_write_failing_on_one_of_two_real_ranks_is_agreed_and_a_bug_is_raised_after_the_agreement(
     tmp_path: Path, fails: str, expected: list[str]
 ) -> None:
-    """Two gloo processes, the second fails inside its part (a full disk, or a bug): the first learns it at the
-    next agreement instead of waiting forever, the partial directory is removed; a bug stops both (raised as
-    itself on its process, named on the other), where a full disk is a failed save both return."""
+    """Two gloo processes, the second fails inside its part (a full disk, or a bug): the first
+    learns it at the next agreement instead of waiting forever, the partial directory is removed; a
+    bug stops both (raised as itself on its process, named on the other), where a full disk is a
+    failed save both return."""
     forked_ranks(_sealed_on_rank, str(tmp_path), fails)
     outcomes = [(tmp_path / f"outcome-{rank}").read_text() for rank in range(2)]
     assert outcomes == [text.format(out=tmp_path) for text in expected]
@@ -251,8 +259,8 @@ for attempt in range(30):
 
 
 def test_two_real_writers_of_the_same_names_never_seal_a_mixed_checkpoint(tmp_path: Path) -> None:
-    """Without the directory lock (the core's write alone): each write has a directory of its own, so a sealed
-    checkpoint holds one writer's four files, never a mix or a part."""
+    """Without the directory lock (the core's write alone): each write has a directory of its own,
+    so a sealed checkpoint holds one writer's four files, never a mix or a part."""
     writers = [forked.popen([sys.executable, "-c", _RACER, str(tmp_path), me], stderr=subprocess.PIPE, text=True)
                for me in "XY"]
     for writer in writers:
@@ -268,14 +276,16 @@ def test_two_real_writers_of_the_same_names_never_seal_a_mixed_checkpoint(tmp_pa
 
 
 def test_the_lock_dies_with_its_process_and_is_not_inherited_by_a_fork(tmp_path: Path) -> None:
-    """A DataLoader worker forked while the job holds its directory does not keep the lock past the job; other
-    code of the holder reading the lock file (an upload of the directory) does not let it go."""
+    """A DataLoader worker forked while the job holds its directory does not keep the lock past the
+    job; other code of the holder reading the lock file (an upload of the directory) does not let it
+    go."""
     holder = forked.popen([sys.executable, "-c", (
         "import os, sys, time\n"
         "from pathlib import Path\n"
         "from loader_resume.job.checkpoint_dir import LOCK_FILE, DirectoryLock\n"
         "DirectoryLock.acquire(Path(sys.argv[1]))\n"
-        "Path(sys.argv[1], LOCK_FILE).read_text()\n"  # opened and closed by other code of the holder
+        # opened and closed by other code of the holder
+        "Path(sys.argv[1], LOCK_FILE).read_text()\n"
         "if os.fork() == 0:\n"
         "    time.sleep(60); os._exit(0)\n"  # a child that outlives its parent
         "print('held', flush=True); time.sleep(60)\n"), str(tmp_path)], stdout=subprocess.PIPE, text=True,
@@ -292,7 +302,8 @@ def test_the_lock_dies_with_its_process_and_is_not_inherited_by_a_fork(tmp_path:
         os.killpg(holder.pid, signal.SIGKILL)
 
 
-# --- Lightning: ResumeCallback's preemption checkpoint and every checkpoint file Lightning loads ---------------
+# --- Lightning: ResumeCallback's preemption checkpoint and every checkpoint file Lightning loads
+# ---------------
 LIGHTNING_CHILD = CHILDREN / "lightning_child.py"
 
 
@@ -308,7 +319,8 @@ def lightning_weights(out: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def lightning_full(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The uninterrupted DDP fit (test_lightning.py's too; its checkpoints every 2 steps change nothing here)."""
+    """The uninterrupted DDP fit (test_lightning.py's too; its checkpoints every 2 steps change
+    nothing here)."""
     return child_run(tmp_path_factory, "lightning_child.py", "--devices", "2", "--every", "2")
 
 
@@ -320,15 +332,17 @@ def lightning_single(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_lightning_a_failed_preemption_save_exits_74_on_both_ranks_and_leaves_nothing(lightning_full: Path,
                                                                                      tmp_path: Path) -> None:
-    """DDP on two ranks; the callback's directory is a tmpfs that fills after step 5, then SIGTERM: no
-    preempted.ckpt, no temporary file, exit 74; the rerun resumes from ModelCheckpoint's last.ckpt exactly."""
+    """DDP on two ranks; the callback's directory is a tmpfs that fills after step 5, then SIGTERM:
+    no preempted.ckpt, no temporary file, exit 74; the rerun resumes from ModelCheckpoint's
+    last.ckpt exactly."""
     out, directory = tmp_path / "job", tmp_path / "resume"
     args = ["--devices", "2", "--resume-dir", str(directory)]
     with tmpfs(directory, "1m"):
         done = lightning(out, *args, "--fill-disk-at", "5", "--signal-at", "5")
         assert done.returncode == FAILED_SAVE_EXIT_CODE, done.stderr[-3000:]
         assert done.stderr.count("could NOT be written") == 2 and "no space left on device" in done.stderr
-        assert sorted(path.name for path in directory.iterdir()) == ["filler"]  # no preempted.ckpt, no temporary
+        # no preempted.ckpt, no temporary
+        assert sorted(path.name for path in directory.iterdir()) == ["filler"]
         (directory / "filler").unlink()
         rerun = lightning(out, *args)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
@@ -341,8 +355,8 @@ LIGHTNING_DAMAGES = ["flip", "truncate", "format"]
 
 @pytest.fixture(scope="module")
 def lightning_damaged(lightning_single: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Done]]:
-    """A resume from a copy of the fit's step=6.ckpt, one bit flipped or its second half cut, each: one process
-    for both (tests/support/batch.py)."""
+    """A resume from a copy of the fit's step=6.ckpt, one bit flipped or its second half cut, each:
+    one process for both (tests/support/batch.py)."""
     root = tmp_path_factory.mktemp("lightning_damaged")
     runs = []
     for damage in LIGHTNING_DAMAGES:
@@ -388,7 +402,8 @@ def test_lightning_an_automatic_resume_passes_over_a_corrupted_preemption_checkp
     assert f"skipping checkpoint {preempted} at the automatic resume" in rerun.stderr
     assert f"Restoring states from the checkpoint path at {out / 'ckpt' / 'last.ckpt'}" in rerun.stderr
     assert lightning_weights(out) == lightning_weights(lightning_single)
-    again = tmp_path / "alone"  # the same, with no other checkpoint to fall back on: refused, not started over
+    # the same, with no other checkpoint to fall back on: refused, not started over
+    again = tmp_path / "alone"
     assert lightning(again, "--signal-at", "7").returncode == 143
     shutil.rmtree(again / "ckpt")
     data = bytearray((again / "preempted.ckpt").read_bytes())
@@ -398,7 +413,8 @@ def test_lightning_an_automatic_resume_passes_over_a_corrupted_preemption_checkp
     assert refused.returncode != 0 and "there is no other checkpoint to resume from" in refused.stderr
 
 
-# --- Fabric: FabricResume's checkpoints (the same core write, through fabric.save) -------------------------------
+# --- Fabric: FabricResume's checkpoints (the same core write, through fabric.save)
+# -------------------------------
 FABRIC_CHILD = CHILDREN / "fabric_child.py"
 
 

@@ -1,9 +1,9 @@
-"""``ResumableTrainer`` (the transformers Trainer) under real storage faults: its ``output_dir`` on a small tmpfs
-that fills up, or read-only under a bind mount; a second real job on the same ``output_dir``; a checkpoint whose
-bytes were changed or cut on disk.
+"""``ResumableTrainer`` (the transformers Trainer) under real storage faults: its ``output_dir`` on
+a small tmpfs that fills up, or read-only under a bind mount; a second real job on the same
+``output_dir``; a checkpoint whose bytes were changed or cut on disk.
 
-The child (``tests/children/transformers_child.py``) checkpoints every step and keeps two; one optimizer step is one
-micro-batch per rank here, so a rank's batch log has one line per step.
+The child (``tests/children/transformers_child.py``) checkpoints every step and keeps two; one
+optimizer step is one micro-batch per rank here, so a rank's batch log has one line per step.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ def checkpoints(out: Path) -> list[str]:
 
 
 def keep_steps(out: Path, steps: int) -> None:
-    """Cut each rank's batch log back to its first ``steps`` steps (what a resume from ``checkpoint-<steps>`` does
-    again)."""
+    """Cut each rank's batch log back to its first ``steps`` steps (what a resume from
+    ``checkpoint-<steps>`` does again)."""
     for log in out.glob("log-*.jsonl"):
         log.write_text("".join(line + "\n" for line in log.read_text().splitlines()[:steps]))
 
@@ -53,9 +53,10 @@ def keep_steps(out: Path, steps: int) -> None:
 def test_a_preemption_save_on_a_full_disk_exits_74_on_every_rank_and_the_rerun_continues_exactly(
     full: dict[int, Path], tmp_path: Path
 ) -> None:
-    """The disk fills at the end of step 5, when rank 0 also gets SIGTERM: the agreed checkpoint-5 cannot be written.
-    Every rank says so and exits 74 (never 143, "written, resumable"); no partial checkpoint-5 stays; the same
-    command continues from checkpoint-4 with the uninterrupted run's batches and weights."""
+    """The disk fills at the end of step 5, when rank 0 also gets SIGTERM: the agreed checkpoint-5
+    cannot be written. Every rank says so and exits 74 (never 143, "written, resumable"); no partial
+    checkpoint-5 stays; the same command continues from checkpoint-4 with the uninterrupted run's
+    batches and weights."""
     same = ["--resume", "true"]
     with tmpfs(tmp_path / "run", "2m"):
         stderr = run(tmp_path, 2, *same, "--fill-disk-at", "5", "--signal-at", "5", expect=FAILED_SAVE_EXIT_CODE)
@@ -72,8 +73,8 @@ def test_a_preemption_save_on_a_full_disk_exits_74_on_every_rank_and_the_rerun_c
 def test_a_periodic_save_on_a_full_disk_stops_every_rank_naming_the_cause_and_leaves_the_one_before(
     tmp_path: Path
 ) -> None:
-    """As Trainer fails on a save that fails, but agreed: every rank stops with the path and the cause, nothing
-    partial stays, the checkpoints before are whole."""
+    """As Trainer fails on a save that fails, but agreed: every rank stops with the path and the
+    cause, nothing partial stays, the checkpoints before are whole."""
     with tmpfs(tmp_path / "run", "2m"):
         stderr = run(tmp_path, 2, "--fill-disk-at", "5", expect=1)
         assert stderr.count("checkpoint at step 5 NOT written to") == 2, stderr[-4000:]
@@ -88,7 +89,8 @@ def test_an_output_dir_that_cannot_be_written_is_refused_at_start_naming_it(tmp_
         stderr = run(tmp_path, 2, expect=1)
     assert f"checkpoint directory {directory} cannot be written" in stderr, stderr[-4000:]
     assert "Read-only file system" in stderr
-    assert all(not log.read_text() for log in tmp_path.glob("log-*.jsonl"))  # refused before training
+    # refused before training
+    assert all(not log.read_text() for log in tmp_path.glob("log-*.jsonl"))
 
 
 def test_a_second_job_on_an_output_dir_in_use_is_refused_naming_the_first_and_a_killed_one_blocks_nothing(
@@ -133,8 +135,9 @@ DAMAGES = [("optimizer.pt", "flip", "does not match the CRC-32 stored"),
 
 
 def damage(path: Path, how: str) -> None:
-    """``flip``: one bit in the middle of the largest record of a ``torch.save`` zip file (its data, not the
-    padding between records); ``cut``: the file's second half gone; ``format``: rewritten as another release's."""
+    """``flip``: one bit in the middle of the largest record of a ``torch.save`` zip file (its data,
+    not the padding between records); ``cut``: the file's second half gone; ``format``: rewritten as
+    another release's."""
     if how == "format":  # a whole file another release wrote
         state = torch.load(path, weights_only=True)
         torch.save(dict(state, format=99), path)
@@ -152,9 +155,10 @@ def damage(path: Path, how: str) -> None:
 
 @pytest.fixture(scope="module")
 def damaged(crashed: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Done, Done]]:
-    """For each damage, a copy of the crashed run with that file of its newest checkpoint (checkpoint-10) damaged:
-    a resume naming that checkpoint, then an automatic resume (its batch log cut back to step 9, which it does
-    again). Every one of these runs in one fresh process (tests/support/batch.py), in this order."""
+    """For each damage, a copy of the crashed run with that file of its newest checkpoint
+    (checkpoint-10) damaged: a resume naming that checkpoint, then an automatic resume (its batch
+    log cut back to step 9, which it does again). Every one of these runs in one fresh process
+    (tests/support/batch.py), in this order."""
     root = tmp_path_factory.mktemp("damaged")
     runs = []
     for file, how, _ in DAMAGES:
@@ -184,8 +188,9 @@ def test_a_damaged_newest_checkpoint_is_passed_over_at_an_automatic_resume_and_r
 
 
 def _write_on_rank(rank: int, store: str, failures: dict[int, tuple[int, str]], out: str) -> None:
-    """One rank's write of three parts with a point after each of the first two (as ResumableTrainer's: the model,
-    the last per-rank file); ``failures[rank]``: before which part this rank fails, and how."""
+    """One rank's write of three parts with a point after each of the first two (as
+    ResumableTrainer's: the model, the last per-rank file); ``failures[rank]``: before which part
+    this rank fails, and how."""
     import errno
 
     import torch.distributed as dist
@@ -233,8 +238,9 @@ def _write_on_rank(rank: int, store: str, failures: dict[int, tuple[int, str]], 
 def test_ranks_failing_at_different_points_of_a_write_all_stop_there_and_nothing_hangs(
     tmp_path: Path, failures: dict[int, tuple[int, str]], expected: list[str]
 ) -> None:
-    """Two real gloo processes; a rank fails before one part of the write (a full disk, or a bug), the other goes
-    on to the next point: both learn it there, the partial directory is gone, a bug is raised as itself."""
+    """Two real gloo processes; a rank fails before one part of the write (a full disk, or a bug),
+    the other goes on to the next point: both learn it there, the partial directory is gone, a bug
+    is raised as itself."""
     import transformers_resume.saving  # noqa: F401 (imported once, before the ranks are forked)
 
     forked_ranks(_write_on_rank, str(tmp_path / "store"), failures, str(tmp_path))

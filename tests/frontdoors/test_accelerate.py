@@ -1,9 +1,11 @@
 """Accelerate: `enable_resume` in real processes — one (`python`), two (`accelerate launch
---multi_gpu --num_processes 2` with `Accelerator(cpu=True)`, gloo; the child asserts the world size).
+--multi_gpu --num_processes 2` with `Accelerator(cpu=True)`, gloo; the child asserts the world
+size).
 
-Each case is a failure measured with Accelerate's own resume support (see the issue): wrong samples after
-`load_state`, the epoch counter lost under two processes, prefetch before `load_state` with workers,
-augmentations that never match, a changed worker count, a changed process count, SIGTERM saving nothing.
+Each case is a failure measured with Accelerate's own resume support (see the issue): wrong samples
+after `load_state`, the epoch counter lost under two processes, prefetch before `load_state` with
+workers, augmentations that never match, a changed worker count, a changed process count, SIGTERM
+saving nothing.
 """
 
 from __future__ import annotations
@@ -45,15 +47,16 @@ ONE_PROCESS = {  # the uninterrupted one-process runs
     "accumulate": ["--accumulate", "2", "--items", "26", "--workers", "2"],
     "periodic": ["save_every_n_steps=5", "keep=2"],
 }
-SAVE_LOAD = [(1, 0, 10), (1, 2, 10), (2, 0, 6), (2, 2, 6)]  # processes, workers, the step of save_state
+# processes, workers, the step of save_state
+SAVE_LOAD = [(1, 0, 10), (1, 2, 10), (2, 0, 6), (2, 2, 6)]
 DAMAGES = ["flip", "truncate", "edit"]
 
 
 @pytest.fixture(scope="module")
 def full(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, Path]:
-    """Uninterrupted runs: with an evaluation after each epoch on 1 process (0 and 2 workers) and on 2; a stream
-    at 2 workers; accumulation 2 over 7 batches an epoch; periodic checkpoints. The one-process runs run in one
-    process (tests/support/batch.py)."""
+    """Uninterrupted runs: with an evaluation after each epoch on 1 process (0 and 2 workers) and on
+    2; a stream at 2 workers; accumulation 2 over 7 batches an epoch; periodic checkpoints. The
+    one-process runs run in one process (tests/support/batch.py)."""
     root = tmp_path_factory.mktemp("full")
     done = run_batch(ACCELERATE_CHILD, [[str(root / name), *args] for name, args in ONE_PROCESS.items()],
                      root / "batch")
@@ -67,8 +70,9 @@ def full(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, Path]:
 
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """One-process jobs stopped by their own hand, each a process of its own (they end with os._exit or a
-    signal): save_state then a crash, a loop's break then save_state, a SIGTERM (copied before any rerun)."""
+    """One-process jobs stopped by their own hand, each a process of its own (they end with os._exit
+    or a signal): save_state then a crash, a loop's break then save_state, a SIGTERM (copied before
+    any rerun)."""
     root = tmp_path_factory.mktemp("stopped")
     runs = {}
     for processes, workers, at in SAVE_LOAD:
@@ -89,9 +93,9 @@ def stopped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def resumed(stopped: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Done]]:
-    """Every one-process continuation of a stopped job (load_state, the automatic resume, the same command
-    again) and the refusals, in one fresh process (tests/support/batch.py), each in a copy of the job it
-    continues, changed as its test says."""
+    """Every one-process continuation of a stopped job (load_state, the automatic resume, the same
+    command again) and the refusals, in one fresh process (tests/support/batch.py), each in a copy
+    of the job it continues, changed as its test says."""
     root = tmp_path_factory.mktemp("resumed")
 
     def copy(name: str, of: str) -> Path:
@@ -112,7 +116,8 @@ def resumed(stopped: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) 
     out = copy("skip", "preempted1")
     checkpoints = out / "resume_checkpoints"
     (sealed,) = checkpoints.iterdir()
-    shutil.copytree(sealed, checkpoints / ".step_000000099.tmp")  # killed before it was sealed and renamed
+    # killed before it was sealed and renamed
+    shutil.copytree(sealed, checkpoints / ".step_000000099.tmp")
     shutil.copytree(sealed, checkpoints / "step_000000098")
     (checkpoints / "step_000000098" / MANIFEST).unlink()
     runs.append((out, EVAL))
@@ -122,7 +127,8 @@ def resumed(stopped: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) 
         spoil(sealed / ("model.safetensors" if damage == "flip" else "loader_resume.pt"), damage)
         runs.append((out, EVAL))
     runs.append((copy("another-dataset", "preempted1"), ["--items", "20"]))
-    runs.append((copy("accumulate", "accumulate"), ONE_PROCESS["accumulate"]))  # the same command again
+    # the same command again
+    runs.append((copy("accumulate", "accumulate"), ONE_PROCESS["accumulate"]))
     runs.append((copy("stream", "stream"), ["--stream", "--workers", "2"]))
     done = run_batch(ACCELERATE_CHILD, [[str(out), *args] for out, args in runs], root / "batch")
     return {out.name: (out, each) for (out, _), each in zip(runs, done, strict=True)}
@@ -157,7 +163,8 @@ def test_two_processes_shard_every_epoch_disjointly_and_gather_for_metrics_drops
         seen = [[i for row in trained(rows) if row["epoch"] == epoch for i in row["ids"]] for rows in ranks]
         assert len(seen[0]) == len(seen[1]) == N // 2 and sorted(seen[0] + seen[1]) == list(range(N))
     evaluations = [row["eval"] for row in ranks[0] if "eval" in row]
-    assert evaluations == [list(range(13))] * EPOCHS  # 13 items over 2 ranks x 4: the padded item is dropped
+    # 13 items over 2 ranks x 4: the padded item is dropped
+    assert evaluations == [list(range(13))] * EPOCHS
 
 
 def test_batches_do_not_depend_on_num_workers(full: dict[Any, Path]) -> None:
@@ -169,7 +176,8 @@ def test_save_state_then_load_state_in_a_fresh_process_is_exact(
     full: dict[Any, Path], stopped: dict[str, Path], resumed: dict[str, tuple[Path, Done]], tmp_path: Path,
     processes: int, workers: int, at: int
 ) -> None:
-    """The user's own save_state / load_state, in the second epoch (the epoch counter must survive)."""
+    """The user's own save_state / load_state, in the second epoch (the epoch counter must
+    survive)."""
     assert trained(logs(stopped[f"save-{processes}-{workers}"])[0])[-1]["epoch"] == 1
     if processes == 1:
         out, _ = finished(resumed, f"load-1-{workers}")
@@ -185,9 +193,10 @@ def test_save_state_then_load_state_in_a_fresh_process_is_exact(
 def test_a_loop_that_breaks_then_save_state_continues_its_pass_in_a_fresh_process(
     full: dict[Any, Path], stopped: dict[str, Path], resumed: dict[str, tuple[Path, Done]], stream: bool
 ) -> None:
-    """A stop flag's ``break`` at step 5 (mid-epoch), then ``accelerator.save_state`` after the loop: the loop left
-    the pass, its generator is closed, nothing ran out. ``load_state`` in a fresh process continues with the very
-    next batch; a stream's batch fetched ahead of the loop is not lost."""
+    """A stop flag's ``break`` at step 5 (mid-epoch), then ``accelerator.save_state`` after the
+    loop: the loop left the pass, its generator is closed, nothing ran out. ``load_state`` in a
+    fresh process continues with the very next batch; a stream's batch fetched ahead of the loop is
+    not lost."""
     name = "break-stream" if stream else "break-map"
     assert trained(logs(stopped[name])[0])[-1]["step"] == 5
     out, _ = finished(resumed, name)
@@ -210,7 +219,8 @@ def preempt(out: Path, processes: int, whole_group: bool, *args: str) -> None:
         os.kill(int((out / "pid-0").read_text()), signal.SIGTERM)
     _, stderr = first.communicate(timeout=120)  # a hang between the ranks would fail here
     assert first.returncode == 143 if processes == 1 else first.returncode != 0, stderr[-3000:]
-    if processes > 1 and not whole_group:  # signalled itself, the launcher lets its ranks finish and reports
+    # signalled itself, the launcher lets its ranks finish and reports
+    if processes > 1 and not whole_group:
         assert "exitcode  : 143" in stderr, stderr[-3000:]
 
 
@@ -218,7 +228,8 @@ def preempt(out: Path, processes: int, whole_group: bool, *args: str) -> None:
 def test_sigterm_mid_epoch_checkpoints_at_a_step_boundary_and_the_same_command_continues(
     full: dict[Any, Path], tmp_path: Path, whole_group: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("LOADER_RESUME_AUDIT", str(tmp_path / "audit"))  # the job's own audit agrees, last
+    # the job's own audit agrees, last
+    monkeypatch.setenv("LOADER_RESUME_AUDIT", str(tmp_path / "audit"))
     preempt(tmp_path, 2, whole_group, *EVAL, "--workers", "2")
     checkpoints = sorted(p.name for p in (tmp_path / "resume_checkpoints").iterdir())
     stopped = trained(logs(tmp_path)[0])
@@ -276,10 +287,11 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(resumed: dict[str, tupl
 def test_gradient_accumulation_is_never_split_and_resume_is_exact(
     full: dict[Any, Path], stopped: dict[str, Path], resumed: dict[str, tuple[Path, Done]]
 ) -> None:
-    """26 items, 4 a batch: 7 batches an epoch, so the last accumulation is cut short by the epoch's end; the
-    signal comes after micro-batch 8, which does not sync."""
+    """26 items, 4 a batch: 7 batches an epoch, so the last accumulation is cut short by the epoch's
+    end; the signal comes after micro-batch 8, which does not sync."""
     stopped_rows = logs(stopped["accumulate"])[0]
-    assert not stopped_rows[7]["sync"] and len(stopped_rows) == 9 and stopped_rows[-1]["sync"]  # waited for the step
+    # waited for the step
+    assert not stopped_rows[7]["sync"] and len(stopped_rows) == 9 and stopped_rows[-1]["sync"]
     out, _ = finished(resumed, "accumulate")
     assert logs(out) == logs(full["accumulate"])
     assert weights(out) == weights(full["accumulate"])
@@ -303,9 +315,9 @@ def test_periodic_checkpoints_keep_the_newest(full: dict[Any, Path]) -> None:
 def test_accelerate_launch_hands_loader_resume_variables_to_every_rank(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """``LOADER_RESUME_SAVE_EVERY_N_STEPS=5 accelerate launch ...`` on 2 processes: 12 steps, checkpoints at 5
-    and 10 (every rank must take part in each save), the same batches as without them; a misspelt variable
-    stops the launch at once, naming it."""
+    """``LOADER_RESUME_SAVE_EVERY_N_STEPS=5 accelerate launch ...`` on 2 processes: 12 steps,
+    checkpoints at 5 and 10 (every rank must take part in each save), the same batches as without
+    them; a misspelt variable stops the launch at once, naming it."""
     run(tmp_path / "job", 2, env={"LOADER_RESUME_SAVE_EVERY_N_STEPS": "5", "LOADER_RESUME_KEEP": "2"})
     assert sorted(p.name for p in (tmp_path / "job" / "resume_checkpoints").iterdir()) == ["step_000000005",
                                                                                            "step_000000010"]
@@ -323,9 +335,10 @@ def test_checkpoint_of_another_dataset_fails_clearly(resumed: dict[str, tuple[Pa
 @pytest.mark.parametrize("stateful", [False, True], ids=["DataLoaderShard", "use_stateful_dataloader"])
 def test_a_resumable_loader_given_to_a_stock_accelerator_is_refused_on_every_rank(tmp_path: Path,
                                                                                   stateful: bool) -> None:
-    """Without enable_resume, Accelerate would rebuild the loader into its own (measured: a DataLoaderShard over
-    a plain DataLoader, or over a StatefulDataLoader): prepare() refuses it on both ranks, naming the call to
-    make; a loader enable_resume converted is kept as it is by Accelerate's own prepare_data_loader."""
+    """Without enable_resume, Accelerate would rebuild the loader into its own (measured: a
+    DataLoaderShard over a plain DataLoader, or over a StatefulDataLoader): prepare() refuses it on
+    both ranks, naming the call to make; a loader enable_resume converted is kept as it is by
+    Accelerate's own prepare_data_loader."""
     accelerate = Path(sys.executable).with_name("accelerate")
     done = forked.run([str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
@@ -367,7 +380,8 @@ def test_bare_enable_resume_is_fully_armed(accelerator: Any, tmp_path: Path) -> 
 
 
 def test_split_batches_is_refused_naming_what_is_expected(tmp_path: Path) -> None:
-    """Per-process batch sizes are what the loaders shard; an Accelerator that splits each batch is refused."""
+    """Per-process batch sizes are what the loaders shard; an Accelerator that splits each batch is
+    refused."""
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     try:
@@ -396,7 +410,8 @@ def test_a_config_typo_fails_at_enable_resume_naming_the_key(accelerator: Any, t
 
 
 def test_environment_variables_set_fields_between_the_yaml_file_and_the_argument(tmp_path: Path) -> None:
-    """argument > LOADER_RESUME_<FIELD> > the YAML file ($LOADER_RESUME_CONFIG, or a path argument) > default."""
+    """argument > LOADER_RESUME_<FIELD> > the YAML file ($LOADER_RESUME_CONFIG, or a path argument)
+    > default."""
     path, other = tmp_path / "resume.yaml", tmp_path / "other.yaml"
     path.write_text("save_every_n_steps: 50\nkeep: 5\nkeying: sample\n")
     other.write_text("exit_code: 99\n")
@@ -406,13 +421,14 @@ def test_environment_variables_set_fields_between_the_yaml_file_and_the_argument
     assert (config.save_every_n_steps, config.keep, config.keying, config.signals, config.seed) == \
         (7, 4, "sample", ["SIGUSR1"], 0)
     assert load_config(None, ["keep=9"], environ=environ).keep == 9
-    from_path = load_config(other, environ=environ)  # a path argument replaces $LOADER_RESUME_CONFIG
+    # a path argument replaces $LOADER_RESUME_CONFIG
+    from_path = load_config(other, environ=environ)
     assert (from_path.exit_code, from_path.keying, from_path.save_every_n_steps) == (99, "batch", 7)
 
 
 def test_the_lease_term_variable_is_ours_and_not_a_field_and_its_typo_is_named() -> None:
-    """LOADER_RESUME_LEASE_SECONDS (the term of a lease on S3, read by loader_resume) is accepted beside the
-    fields; a misspelt one fails naming it."""
+    """LOADER_RESUME_LEASE_SECONDS (the term of a lease on S3, read by loader_resume) is accepted
+    beside the fields; a misspelt one fails naming it."""
     config = load_config(None, environ={"LOADER_RESUME_LEASE_SECONDS": "30", "LOADER_RESUME_KEEP": "3"})
     assert config.keep == 3 and not hasattr(config, "lease_seconds")
     with pytest.raises(ValueError, match=r"LOADER_RESUME_LEASE_SECOND: unknown \(did you mean LOADER_RESUME_LEASE_"):
@@ -444,15 +460,17 @@ def test_switched_off_from_the_environment_accelerate_is_left_stock(
     loader = accelerator.prepare(DataLoader(list(range(10)), batch_size=2))
     assert not isinstance(loader, AcceleratedResumableDataLoader)
     assert type(loader).__module__.startswith("accelerate.")  # Accelerate's own DataLoaderShard
-    ours = accelerator.prepare(ResumableDataLoader(list(range(10)), batch_size=2))  # switched off: stock, no error
+    # switched off: stock, no error
+    ours = accelerator.prepare(ResumableDataLoader(list(range(10)), batch_size=2))
     assert type(ours).__module__.startswith("accelerate.")
     assert list(resume.epochs(2)) == [0, 1] and resume.save() is None
     assert not (tmp_path / "resume_checkpoints").exists()
 
 
 def test_switched_off_a_remote_copy_is_not_set_up_and_switched_on_a_bad_one_is_refused(accelerator: Any) -> None:
-    """Switched off (``LOADER_RESUME_ENABLED=0`` over a configuration naming a remote copy) nothing of ours is set
-    up; switched on, a remote copy that is not a URL is refused naming it, and nothing of ours stays installed."""
+    """Switched off (``LOADER_RESUME_ENABLED=0`` over a configuration naming a remote copy) nothing
+    of ours is set up; switched on, a remote copy that is not a URL is refused naming it, and
+    nothing of ours stays installed."""
     off = enable_resume(accelerator, {"enabled": False, "remote": "/not/a/url"})
     off.close()
     with pytest.raises(ValueError, match="/not/a/url"):
@@ -461,8 +479,8 @@ def test_switched_off_a_remote_copy_is_not_set_up_and_switched_on_a_bad_one_is_r
 
 
 def test_epochs_resumes_at_its_first_epoch_not_when_it_is_called(accelerator: Any, tmp_path: Path) -> None:
-    """``resume.epochs(n)`` may be built before ``prepare`` registers the model: the resume happens at its first
-    epoch, so the checkpoint is loaded into what was prepared by then."""
+    """``resume.epochs(n)`` may be built before ``prepare`` registers the model: the resume happens
+    at its first epoch, so the checkpoint is loaded into what was prepared by then."""
     model = torch.nn.Linear(2, 2)
     first = enable_resume(accelerator, {"checkpoint_dir": str(tmp_path / "c")})
     model, _optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -522,12 +540,15 @@ def test_prepare_converts_loaders_and_prepares_models_and_optimizers_as_accelera
     assert type(prepared_model) is type(model) and isinstance(prepared_optimizer, AcceleratedOptimizer)
     assert isinstance(prepared_loader, AcceleratedResumableDataLoader)
     assert (prepared_loader.seed, prepared_loader.drop_last, prepared_loader.collate_fn) == (3, True, _collate)
-    assert prepared_loader.dataset is loader.dataset and accelerator._dataloaders == []  # not Accelerate's shard
+    # not Accelerate's shard
+    assert prepared_loader.dataset is loader.dataset and accelerator._dataloaders == []
     batches = list(prepared_loader)
     assert len(batches) == 2 and all(b["torch"].device == accelerator.device for b in batches)
-    prepared_loader.attach_accelerate(resume, torch.device("meta"), False)  # no GPU: another device shows placement
+    # no GPU: another device shows placement
+    prepared_loader.attach_accelerate(resume, torch.device("meta"), False)
     assert all(b["torch"].device.type == "meta" for b in prepared_loader)
-    assert accelerator.prepare(loader).world_size == 1  # a single object comes back alone, as with Accelerate
+    # a single object comes back alone, as with Accelerate
+    assert accelerator.prepare(loader).world_size == 1
     assert resume.step == 0
 
 
@@ -536,8 +557,9 @@ def _collate(items: list[Any]) -> Any:
 
 
 def test_a_mixture_whose_weights_change_resumes_exactly_on_two_processes(tmp_path: Path) -> None:
-    """Weights set after optimizer steps 3 and 9 by the loop itself, on both ranks; SIGTERM on rank 0 after
-    its 6th batch: the checkpoint holds the first change, the rerun makes the second at the same step."""
+    """Weights set after optimizer steps 3 and 9 by the loop itself, on both ranks; SIGTERM on rank
+    0 after its 6th batch: the checkpoint holds the first change, the rerun makes the second at the
+    same step."""
     run(tmp_path / "full", 2, "--mixture", "--workers", "2")
     run(tmp_path / "cut", 2, "--mixture", "--workers", "2", "--signal-at", "6", expect=143)
     cut = [trained(rows) for rows in logs(tmp_path / "cut")]

@@ -1,10 +1,11 @@
-"""Accelerate's sharded optimizer load under torch's first FSDP (``accelerate_resume.fsdp``), on the CPU.
+"""Accelerate's sharded optimizer load under torch's first FSDP (``accelerate_resume.fsdp``), on the
+CPU.
 
-Accelerate reads a sharded optimizer checkpoint through ``torch.distributed.checkpoint`` into a template made from
-the optimizer's current state. These tests show, with that same load, that a template made before the first step
-reads nothing back, and that one made after ``make_state`` reads every entry. The whole path (Accelerate's FSDP on a
-GPU, SIGTERM, the same command again) is the GPU tier's (``tests/frontdoors/test_gpu.py``); Accelerate ignores FSDP
-on the CPU.
+Accelerate reads a sharded optimizer checkpoint through ``torch.distributed.checkpoint`` into a
+template made from the optimizer's current state. These tests show, with that same load, that a
+template made before the first step reads nothing back, and that one made after ``make_state`` reads
+every entry. The whole path (Accelerate's FSDP on a GPU, SIGTERM, the same command again) is the GPU
+tier's (``tests/frontdoors/test_gpu.py``); Accelerate ignores FSDP on the CPU.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def test_a_sharded_load_reads_the_optimizer_state_only_into_a_made_state(tmp_pat
     before = [p.detach().clone() for p in fresh_model.parameters()]
     rate = fresh.param_groups[0]["lr"]
     make_state(fresh)
-    assert all(torch.equal(a, b) for a, b in zip(before, fresh_model.parameters(), strict=True))  # unchanged
+    # unchanged
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh_model.parameters(), strict=True))
     assert fresh.param_groups[0]["lr"] is rate and all(p.grad is None for p in fresh_model.parameters())
     template = by_name(fresh_model, fresh)
     dcp.load(template, checkpoint_id=tmp_path / "optimizer_0", no_dist=True)

@@ -1,10 +1,11 @@
-"""Evaluation loaders under preemption: a SIGTERM to the whole process group (the job and every DataLoader worker,
-as ``kill -TERM -PGID`` or a scheduler sends it) during an evaluation, in each front door, with evaluation loaders at
-``num_workers`` 0 and 2 (tests/children/eval_preemption_child.py). The evaluation finishes, the agreed checkpoint
-follows at the next step boundary, the job exits 143, and the same command again ends with the uninterrupted run's
-training batches, evaluation points (and their losses) and final weights. The first runs are processes of their own; the
-uninterrupted runs, and the second runs (resumes from a checkpoint another process wrote), run in batch processes
-(tests/support/batch.py)."""
+"""Evaluation loaders under preemption: a SIGTERM to the whole process group (the job and every
+DataLoader worker, as ``kill -TERM -PGID`` or a scheduler sends it) during an evaluation, in each
+front door, with evaluation loaders at ``num_workers`` 0 and 2
+(tests/children/eval_preemption_child.py). The evaluation finishes, the agreed checkpoint follows at
+the next step boundary, the job exits 143, and the same command again ends with the uninterrupted
+run's training batches, evaluation points (and their losses) and final weights. The first runs are
+processes of their own; the uninterrupted runs, and the second runs (resumes from a checkpoint
+another process wrote), run in batch processes (tests/support/batch.py)."""
 
 from __future__ import annotations
 
@@ -49,8 +50,8 @@ def name(front: str, workers: int, when: str = "", at: int = 0) -> str:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], dict[str, Any]]:
-    """Every front door at 0 and 2 evaluation workers, uninterrupted, in one process (tests/support/batch.py),
-    once per session."""
+    """Every front door at 0 and 2 evaluation workers, uninterrupted, in one process
+    (tests/support/batch.py), once per session."""
     runs = [(front, workers) for front in FRONTS for workers in (0, 2)]
 
     def make(root: Path) -> None:
@@ -64,9 +65,10 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, i
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int, str, int], tuple[Any, ...]]:
-    """Every case's first run, a process of its own in a session of its own (the SIGTERM goes to its group), then
-    every case's same command again, in one fresh process (tests/support/batch.py): per case, the first run's exit
-    status, standard error and log, and the second's exit status and standard error."""
+    """Every case's first run, a process of its own in a session of its own (the SIGTERM goes to its
+    group), then every case's same command again, in one fresh process (tests/support/batch.py): per
+    case, the first run's exit status, standard error and log, and the second's exit status and
+    standard error."""
     root = tmp_path_factory.mktemp("jobs")
     first = {}
     for case in CASES:
@@ -82,11 +84,11 @@ def test_a_sigterm_to_the_group_during_an_evaluation_checkpoints_and_the_same_co
     uninterrupted: dict[tuple[str, int], dict[str, Any]], jobs: dict[tuple[str, int, str, int], tuple[Any, ...]],
     front: str, workers: int, when: str, at: int
 ) -> None:
-    """``--signal-in-eval K``: during the K-th evaluation (Lightning: 0 is the sanity check, 3 the validation at the
-    epoch's end); ``--signal-in-step 4``: in the training step after which an evaluation is due. Evaluation workers
-    0 and 2 in every front door at the second evaluation: without workers the evaluation draws in the job's own
-    process (its random state must come back with the checkpoint), with them the SIGTERM reaches the evaluation's
-    workers too."""
+    """``--signal-in-eval K``: during the K-th evaluation (Lightning: 0 is the sanity check, 3 the
+    validation at the epoch's end); ``--signal-in-step 4``: in the training step after which an
+    evaluation is due. Evaluation workers 0 and 2 in every front door at the second evaluation:
+    without workers the evaluation draws in the job's own process (its random state must come back
+    with the checkpoint), with them the SIGTERM reaches the evaluation's workers too."""
     full = uninterrupted[front, workers]
     assert len(full["rows"]) == 12 and [e["after"] for e in full["evals"]] == [2, 4, 6, 8, 10, 12]
     code, stderr, stopped, code_again, stderr_again, out = jobs[front, workers, when, at]

@@ -1,5 +1,5 @@
-"""Lightning Fabric under ``FabricResume``, with real processes: Fabric's own launcher on 2 CPU ranks (gloo)
-and 1 device, real SIGTERMs, reruns of the same command.
+"""Lightning Fabric under ``FabricResume``, with real processes: Fabric's own launcher on 2 CPU
+ranks (gloo) and 1 device, real SIGTERMs, reruns of the same command.
 
 Every test compares with an uninterrupted run of the same command: the batch log (sample ids and a
 fingerprint of each batch's values, the LR, the step) and the final weights must be identical.
@@ -33,7 +33,8 @@ N, EPOCHS = 30, 3
 
 
 def run(out: Path, devices: int, *args: str, expect: int = 0) -> str:
-    """The Fabric child on ``devices`` processes (Fabric launches the other ranks itself); its stderr."""
+    """The Fabric child on ``devices`` processes (Fabric launches the other ranks itself); its
+    stderr."""
     done = forked.run([sys.executable, str(CHILD), str(out), "--devices", str(devices), *args],
                       capture_output=True, text=True, timeout=300)
     assert done.returncode == expect, done.stderr[-3000:]
@@ -43,12 +44,14 @@ def run(out: Path, devices: int, *args: str, expect: int = 0) -> str:
 @pytest.fixture(scope="module")
 def full(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Uninterrupted runs: 2 ranks (map-style and a stream), 1 device."""
-    runs = {"2": child_run(tmp_path_factory, "fabric_child.py", "--devices", "2")}  # test_storage_faults.py's too
+    # test_storage_faults.py's too
+    runs = {"2": child_run(tmp_path_factory, "fabric_child.py", "--devices", "2")}
     for name, devices, args in (("2-stream", 2, ("--stream",)), ("1", 1, ())):
         out = tmp_path_factory.mktemp(f"full{name}")
         run(out, devices, *args)
         runs[name] = out
-    assert len(trained(logs(runs["2"])[0])) == EPOCHS * 4  # 30 items, 2 ranks, batches of 4: 4 a rank and epoch
+    # 30 items, 2 ranks, batches of 4: 4 a rank and epoch
+    assert len(trained(logs(runs["2"])[0])) == EPOCHS * 4
     return runs
 
 
@@ -60,10 +63,10 @@ def checkpoints(out: Path) -> list[str]:
 def test_sigterm_mid_epoch_then_the_same_command_continues_exactly(
     full: dict[str, Path], tmp_path: Path, workers: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A real SIGTERM from outside to the whole process group (ranks and DataLoader workers), as a scheduler
-    sends it: one checkpoint at the next step boundary, exit 143, and the rerun's batches and weights are
-    the uninterrupted run's. Batches do not depend on num_workers, so both compare with the same run. The job's own
-    audit (``LOADER_RESUME_AUDIT``) agrees."""
+    """A real SIGTERM from outside to the whole process group (ranks and DataLoader workers), as a
+    scheduler sends it: one checkpoint at the next step boundary, exit 143, and the rerun's batches
+    and weights are the uninterrupted run's. Batches do not depend on num_workers, so both compare
+    with the same run. The job's own audit (``LOADER_RESUME_AUDIT``) agrees."""
     monkeypatch.setenv("LOADER_RESUME_AUDIT", str(tmp_path / "audit"))
     first = forked.popen([sys.executable, str(CHILD), str(tmp_path), "--devices", "2", "--workers", str(workers),
                           "--sleep", "0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -93,8 +96,8 @@ def test_an_iterable_dataset_resumes_exactly_on_every_rank(full: dict[str, Path]
 
 def test_fabric_save_and_load_of_the_users_own_carry_every_ranks_loader_state(full: dict[str, Path],
                                                                              tmp_path: Path) -> None:
-    """``fabric.save(path, {..., "loader": loader})`` on a stream: Fabric writes rank 0's copy only, and
-    rank 1's loader still gets its own state back from ``fabric.load``."""
+    """``fabric.save(path, {..., "loader": loader})`` on a stream: Fabric writes rank 0's copy only,
+    and rank 1's loader still gets its own state back from ``fabric.load``."""
     run(tmp_path, 2, "--stream", "--save-at", "5")
     assert not (tmp_path / "resume_checkpoints").exists() or not checkpoints(tmp_path)
     run(tmp_path, 2, "--stream", "--load", str(tmp_path / "explicit.ckpt"))
@@ -109,8 +112,8 @@ def test_one_device_resumes_exactly(full: dict[str, Path], tmp_path: Path) -> No
 
 
 def test_a_mixture_whose_weights_change_resumes_exactly(tmp_path: Path) -> None:
-    """Weights set after optimizer steps 3 and 9 (the loop's own calls); SIGTERM after batch 6: the checkpoint
-    holds the first change, the rerun makes the second at the same step."""
+    """Weights set after optimizer steps 3 and 9 (the loop's own calls); SIGTERM after batch 6: the
+    checkpoint holds the first change, the rerun makes the second at the same step."""
     run(tmp_path / "full", 1, "--mixture")
     run(tmp_path / "cut", 1, "--mixture", "--signal-at", "6", expect=143)
     run(tmp_path / "cut", 1, "--mixture")
@@ -162,7 +165,8 @@ def test_bad_use_is_refused_naming_what_was_expected(fabric_resume: tuple[Fabric
     with pytest.raises(ValueError, match="state has a key 'loader_resume'"):
         fabric.save(tmp_path / "x.ckpt", {"model": model, "loader_resume": 1})
     fabric.save(tmp_path / "plain.ckpt", {"model": model, "loader": 3})
-    with pytest.raises(Exception, match="expected a reference to checkpoint"):  # a plain value where the loader goes
+    # a plain value where the loader goes
+    with pytest.raises(Exception, match="expected a reference to checkpoint"):
         fabric.load(tmp_path / "plain.ckpt", {"model": model, "loader": loader})
 
 

@@ -1,9 +1,10 @@
-"""``FabricResume`` with Fabric's sharding strategies on two CPU processes (gloo; Fabric launches rank 1):
-``FSDPStrategy`` with sharded checkpoints (torch's first FSDP, placed on the CPU by the child's
-``CPUFSDPStrategy``: Fabric passes it no device there, which torch refuses) and ``ModelParallelStrategy`` (FSDP2
-``fully_shard``). Rank 0 sends itself SIGTERM after micro-batch 6 (mid second epoch): the agreed checkpoint is a
-sharded one, every rank exits 143, and the same command continues with the uninterrupted run's batches (ids and
-values, learning rates) and final weights on every rank."""
+"""``FabricResume`` with Fabric's sharding strategies on two CPU processes (gloo; Fabric launches
+rank 1): ``FSDPStrategy`` with sharded checkpoints (torch's first FSDP, placed on the CPU by the
+child's ``CPUFSDPStrategy``: Fabric passes it no device there, which torch refuses) and
+``ModelParallelStrategy`` (FSDP2 ``fully_shard``). Rank 0 sends itself SIGTERM after micro-batch 6
+(mid second epoch): the agreed checkpoint is a sharded one, every rank exits 143, and the same
+command continues with the uninterrupted run's batches (ids and values, learning rates) and final
+weights on every rank."""
 
 from __future__ import annotations
 

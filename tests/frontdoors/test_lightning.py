@@ -1,4 +1,5 @@
-"""Lightning: a real `lightning.Trainer`, each resume in a fresh process (tests/children/lightning_child.py)."""
+"""Lightning: a real `lightning.Trainer`, each resume in a fresh process
+(tests/children/lightning_child.py)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def ok(out: Path, *args: str, cwd: Path | None = None) -> dict[str, Any]:
 
 
 def assert_continues(full: dict[str, Any], resumed: dict[str, Any], at: int) -> None:
-    """Every rank's steps after the resume equal the uninterrupted run's, and so do the final weights."""
+    """Every rank's steps after the resume equal the uninterrupted run's, and so do the final
+    weights."""
     for log, resumed_log in zip(full["logs"], resumed["logs"], strict=True):
         assert resumed_log[0][0] == at
         assert resumed_log == log[at:]
@@ -65,8 +67,9 @@ def outcome(out: Path, done: Done) -> dict[str, Any]:
     return finished(out, done.stderr)
 
 
-# The one-device runs that are neither signalled nor the subject of a process start run in two processes
-# (tests/support/batch.py): the uninterrupted runs, then every resume from their checkpoints and the refusals.
+# The one-device runs that are neither signalled nor the subject of a process start run in two
+# processes (tests/support/batch.py): the uninterrupted runs, then every resume from their
+# checkpoints and the refusals.
 VALIDATION = ["--val-every", "3", "--every", "3", "--onecycle", "--workers", "2"]
 REFERENCES = {
     "single": ["--every", "2"],
@@ -87,7 +90,8 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path
 
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
-    """The uninterrupted DDP fit (made once per session: test_storage_faults.py compares with it too)."""
+    """The uninterrupted DDP fit (made once per session: test_storage_faults.py compares with it
+    too)."""
     out = child_run(tmp_path_factory, "lightning_child.py", "--devices", "2", "--every", "2")
     return out, finished(out)
 
@@ -95,13 +99,15 @@ def ddp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]
 @pytest.fixture(scope="module")
 def resumed(references: dict[str, tuple[Path, dict[str, Any]]], ddp: tuple[Path, dict[str, Any]],
             tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Done]]:
-    """Each one-device resume (and refusal) of the tests below, in one fresh process, in this order."""
+    """Each one-device resume (and refusal) of the tests below, in one fresh process, in this
+    order."""
     root = tmp_path_factory.mktemp("resumed")
 
     def at(name: str, checkpoint: str) -> str:
         return str(references[name][0] / "ckpt" / f"{checkpoint}.ckpt")
 
-    (root / "last" / "ckpt").mkdir(parents=True)  # a job killed after step 11: its last.ckpt is step 10's save
+    # a job killed after step 11: its last.ckpt is step 10's save
+    (root / "last" / "ckpt").mkdir(parents=True)
     shutil.copy(at("single", "step=10"), root / "last" / "ckpt" / "last.ckpt")
     runs = {
         **{checkpoint: ["--every", "2", "--resume", at("single", checkpoint)]
@@ -130,13 +136,15 @@ def test_resume_from_mid_epoch_and_epoch_end_checkpoints_is_exact(
     references: dict[str, tuple[Path, dict[str, Any]]], resumed: dict[str, tuple[Path, Done]], checkpoint: str,
     at: int
 ) -> None:
-    """8 batches an epoch: step 6 is mid-epoch, step 8 the epoch's last batch (no empty epoch), 10 in epoch 1."""
+    """8 batches an epoch: step 6 is mid-epoch, step 8 the epoch's last batch (no empty epoch), 10
+    in epoch 1."""
     assert_continues(references["single"][1], resume(resumed, checkpoint), at)
 
 
 def test_resume_from_last_is_exact(references: dict[str, tuple[Path, dict[str, Any]]],
                                    resumed: dict[str, tuple[Path, Done]]) -> None:
-    """A job killed after step 11: its last.ckpt is the periodic save of step 10 (save_last=True)."""
+    """A job killed after step 11: its last.ckpt is the periodic save of step 10
+    (save_last=True)."""
     assert_continues(references["single"][1], resume(resumed, "last"), 10)
 
 
@@ -148,8 +156,8 @@ def test_resume_with_workers_is_exact(references: dict[str, tuple[Path, dict[str
 def test_a_mixture_whose_weights_a_callback_changes_resumes_exactly(
     references: dict[str, tuple[Path, dict[str, Any]]], resumed: dict[str, tuple[Path, Done]]
 ) -> None:
-    """A user's callback sets the weights after steps 3 and 9; resumed from the checkpoint of step 6 (the first
-    change inside it), the same callback makes the second change at the same step."""
+    """A user's callback sets the weights after steps 3 and 9; resumed from the checkpoint of step 6
+    (the first change inside it), the same callback makes the second change at the same step."""
     assert_continues(references["mixture"][1], resume(resumed, "mixture"), 6)
 
 
@@ -191,7 +199,8 @@ def test_single_device_checkpoint_resumes_on_two_devices_delivering_the_rest_exa
 
 
 def test_checkpoint_without_our_state_warns_that_the_order_restarts(resumed: dict[str, tuple[Path, Done]]) -> None:
-    stderr = resume(resumed, "plain")["stderr"]  # resumed from a checkpoint of a fit without ResumeCallback
+    # resumed from a checkpoint of a fit without ResumeCallback
+    stderr = resume(resumed, "plain")["stderr"]
     assert "no loader_resume state" in stderr and "restarts from the start of the epoch" in stderr
 
 
@@ -212,7 +221,8 @@ def test_a_dataset_split_per_rank_is_refused_under_ddp(tmp_path: Path) -> None:
     assert "the ranks' datasets differ" in done.stderr and "split_dataset_by_node" in done.stderr
 
 
-# --- conversion (in process) ------------------------------------------------------------------------
+# --- conversion (in process)
+# ------------------------------------------------------------------------
 def _collate(items: list[Any]) -> list[Any]:
     return items
 
@@ -247,8 +257,9 @@ def test_combined_loader_and_custom_sampler_are_converted() -> None:
 def preempted_then_rerun(out: Path, devices: int, whole_group: bool, natural: bool = False) -> dict[str, Any]:
     """SIGTERM mid-epoch (from the test, via os.kill / os.killpg), then rerun the same command.
 
-    ``natural``: ``ResumeCallback()`` with no dirpath, ``Trainer(default_root_dir=out)``, run from another
-    working directory: the restart must find the checkpoint in ``default_root_dir`` by itself."""
+    ``natural``: ``ResumeCallback()`` with no dirpath, ``Trainer(default_root_dir=out)``, run from
+    another working directory: the restart must find the checkpoint in ``default_root_dir`` by
+    itself."""
     command = [sys.executable, str(CHILD), str(out), "--sleep", "0.15", "--append", "--workers", "2",
                "--devices", str(devices), *(["--no-dirpath"] if natural else [])]
     out.mkdir(parents=True)
@@ -266,7 +277,8 @@ def preempted_then_rerun(out: Path, devices: int, whole_group: bool, natural: bo
     assert first.returncode == 143, stderr[-3000:]
     assert (out / "preempted.ckpt").exists() and not (out / "preempted.ckpt.tmp").exists()
     stopped_at = [len(json.loads((out / f"log-{r}.json").read_text())) for r in range(devices)]
-    assert all(4 <= n < 12 * (3 - devices + 1) for n in stopped_at), stopped_at  # stopped mid-training
+    # stopped mid-training
+    assert all(4 <= n < 12 * (3 - devices + 1) for n in stopped_at), stopped_at
     assert not list(cwd.iterdir())  # nothing went to the working directory
     return ok(out, *command[3:], cwd=cwd)
 
@@ -277,18 +289,20 @@ def test_sigterm_checkpoints_at_a_step_boundary_and_a_rerun_continues_exactly(
     references: dict[str, tuple[Path, dict[str, Any]]], ddp: tuple[Path, dict[str, Any]], tmp_path: Path,
     devices: int, whole_group: bool, natural: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``natural``: what users pick first, ``Trainer(default_root_dir=d, callbacks=[ResumeCallback()])``. On two
-    devices the signal to the whole group and the natural setup are one case (they are independent: the signal's
-    path to the ranks, where the checkpoint is found). The jobs run with 2 workers; batches do not depend on
-    num_workers (the augmentation is keyed), so the 2-device job compares with the uninterrupted DDP run. The job's
-    own audit (``LOADER_RESUME_AUDIT``) agrees."""
+    """``natural``: what users pick first, ``Trainer(default_root_dir=d,
+    callbacks=[ResumeCallback()])``. On two devices the signal to the whole group and the natural
+    setup are one case (they are independent: the signal's path to the ranks, where the checkpoint
+    is found). The jobs run with 2 workers; batches do not depend on num_workers (the augmentation
+    is keyed), so the 2-device job compares with the uninterrupted DDP run. The job's own audit
+    (``LOADER_RESUME_AUDIT``) agrees."""
     monkeypatch.setenv("LOADER_RESUME_AUDIT", str(tmp_path / "audit"))
     resumed = preempted_then_rerun(tmp_path / "job", devices, whole_group, natural)
     audited(tmp_path / "audit", [devices, devices])
     full = references["workers"][1] if devices == 1 else ddp[1]
     assert resumed["logs"] == full["logs"]  # the restarted job's log appends to the first run's
     assert resumed["weights"] == full["weights"]
-    assert not (tmp_path / "job" / "preempted.ckpt").exists()  # a finished fit leaves nothing to resume
+    # a finished fit leaves nothing to resume
+    assert not (tmp_path / "job" / "preempted.ckpt").exists()
 
 
 def test_unknown_signal_name_is_refused() -> None:
@@ -311,7 +325,8 @@ def test_validation_mid_epoch_and_estimated_stepping_batches_keep_resume_exact(
 def test_iterable_dataset_without_len_loses_no_batch_to_lightnings_prefetch(
     references: dict[str, tuple[Path, dict[str, Any]]], resumed: dict[str, tuple[Path, Done]], workers: int
 ) -> None:
-    """Lightning fetches one batch ahead from a loader without __len__; the saved state must not skip it."""
+    """Lightning fetches one batch ahead from a loader without __len__; the saved state must not
+    skip it."""
     assert_continues(references[f"stream{workers}"][1], resume(resumed, f"stream{workers}"), 6)
 
 
@@ -328,10 +343,10 @@ def test_ddp_keeps_a_custom_sampler_sharded_by_our_rules_and_resumes_exactly(tmp
 def test_under_slurm_sigusr1_saves_at_a_step_boundary_not_in_lightnings_handler(
     references: dict[str, tuple[Path, dict[str, Any]]], tmp_path: Path
 ) -> None:
-    """A simulated SLURM job (Lightning detects SLURMEnvironment and arms its auto-requeue handler, which
-    would save hpc_ckpt_*.ckpt inside the signal handler, mid-step, and call scontrol). Ours saves at the step
-    boundary and requeues once it is written. The fake scontrol records any call: the only thing that cannot
-    exist here."""
+    """A simulated SLURM job (Lightning detects SLURMEnvironment and arms its auto-requeue handler,
+    which would save hpc_ckpt_*.ckpt inside the signal handler, mid-step, and call scontrol). Ours
+    saves at the step boundary and requeues once it is written. The fake scontrol records any call:
+    the only thing that cannot exist here."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "scontrol-calls"
@@ -361,15 +376,17 @@ def test_under_slurm_sigusr1_saves_at_a_step_boundary_not_in_lightnings_handler(
     assert (out / "weights-0.txt").read_text() == full["weights"][0]
 
 
-# --- LightningCLI: the callback configured in YAML or on the command line --------------------------
+# --- LightningCLI: the callback configured in YAML or on the command line
+# --------------------------
 CLI_CHILD = CHILDREN / "lightning_cli_child.py"
 
 
 def cli_command(out: Path, how: str) -> list[str]:
     """``fit`` with a config file holding the trainer; ``how``: where ResumeCallback is configured.
 
-    ``"yaml"``: in the config's ``trainer.callbacks``, with no dirpath (only ``trainer.default_root_dir`` says
-    where things go); ``"argument"``: ``--trainer.callbacks+=lightning_resume.ResumeCallback`` with a dirpath."""
+    ``"yaml"``: in the config's ``trainer.callbacks``, with no dirpath (only
+    ``trainer.default_root_dir`` says where things go); ``"argument"``:
+    ``--trainer.callbacks+=lightning_resume.ResumeCallback`` with a dirpath."""
     out.mkdir(parents=True, exist_ok=True)
     callback = {"class_path": "lightning_resume.ResumeCallback", "init_args": {"seed": 7}}
     config = {
@@ -418,21 +435,24 @@ def test_lightning_cli_sigterm_and_the_same_command_again_continues_exactly(
     assert 4 <= len(cli_rows(out)) < len(cli_full[0])
     again = forked.run(command, capture_output=True, text=True, timeout=300, cwd=elsewhere)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert cli_rows(out) == cli_full[0]  # the rerun's steps continue the first run's: together, the full run
+    # the rerun's steps continue the first run's: together, the full run
+    assert cli_rows(out) == cli_full[0]
     assert (out / "weights.txt").read_text() == cli_full[1]
     assert not (where / "preempted.ckpt").exists()
 
 
 def test_resume_callback_alone_means_preemption_checkpoints_only() -> None:
-    """What users mean by enable_checkpointing=False (which Lightning refuses with any checkpoint callback, ours
-    included, before our code runs): with ResumeCallback and no ModelCheckpoint, Lightning adds no periodic one."""
+    """What users mean by enable_checkpointing=False (which Lightning refuses with any checkpoint
+    callback, ours included, before our code runs): with ResumeCallback and no ModelCheckpoint,
+    Lightning adds no periodic one."""
     import lightning as L
 
     callback = ResumeCallback()
     trainer = L.Trainer(accelerator="cpu", callbacks=[callback], logger=False)
     assert trainer.checkpoint_callbacks == [callback]
     plain = L.Trainer(accelerator="cpu", logger=False)
-    assert [type(c).__name__ for c in plain.checkpoint_callbacks] == ["ModelCheckpoint"]  # the default we replace
+    # the default we replace
+    assert [type(c).__name__ for c in plain.checkpoint_callbacks] == ["ModelCheckpoint"]
 
 
 class _Tiny(L.LightningModule):
@@ -472,7 +492,8 @@ def _quiet_trainer(root: Path, callbacks: list[Any]) -> L.Trainer:
 
 
 def test_loaders_handed_to_fit_resume_mid_epoch_too(tmp_path: Path) -> None:
-    """fit(model, train_dataloaders=...): those loaders exist before Lightning restores the checkpoint's state."""
+    """fit(model, train_dataloaders=...): those loaders exist before Lightning restores the
+    checkpoint's state."""
     full = _Tiny()
     periodic = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=3, save_top_k=-1)
     _quiet_trainer(tmp_path, [ResumeCallback(), periodic]).fit(full, train_dataloaders=_ids_loader())
@@ -483,8 +504,9 @@ def test_loaders_handed_to_fit_resume_mid_epoch_too(tmp_path: Path) -> None:
 
 
 def test_a_model_checkpoint_listed_after_ours_stays_lightnings_checkpoint_callback(tmp_path: Path) -> None:
-    """Lightning (ckpt_path="best", its launchers, its loggers) reads ModelCheckpoint attributes from the first
-    checkpoint callback in the list; listing ResumeCallback first must not make it that one."""
+    """Lightning (ckpt_path="best", its launchers, its loggers) reads ModelCheckpoint attributes
+    from the first checkpoint callback in the list; listing ResumeCallback first must not make it
+    that one."""
     best = ModelCheckpoint(dirpath=tmp_path / "best", monitor="loss", save_top_k=1)
     trainer = _quiet_trainer(tmp_path, [ResumeCallback(dirpath=str(tmp_path)), best])
     trainer.fit(_Tiny())
@@ -494,8 +516,9 @@ def test_a_model_checkpoint_listed_after_ours_stays_lightnings_checkpoint_callba
 
 
 def test_a_fresh_fit_warns_nothing_about_ckpt_path(tmp_path: Path) -> None:
-    """Lightning warns on every fit() without ckpt_path when an OnExceptionCheckpoint is present (it then looks for
-    the "last" checkpoint, which is how a restart finds ours); on a fresh fit there is nothing to act on."""
+    """Lightning warns on every fit() without ckpt_path when an OnExceptionCheckpoint is present (it
+    then looks for the "last" checkpoint, which is how a restart finds ours); on a fresh fit there
+    is nothing to act on."""
     import warnings
 
     last = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)
@@ -507,8 +530,9 @@ def test_a_fresh_fit_warns_nothing_about_ckpt_path(tmp_path: Path) -> None:
 
 
 def test_fit_leaves_the_signal_handlers_as_it_found_them(tmp_path: Path) -> None:
-    """Lightning puts its predecessors back at the end of fit(), before our teardown: ours must not then put
-    Lightning's own handler back (a later SIGTERM would only be recorded, and the process would not end)."""
+    """Lightning puts its predecessors back at the end of fit(), before our teardown: ours must not
+    then put Lightning's own handler back (a later SIGTERM would only be recorded, and the process
+    would not end)."""
     import signal
 
     before = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGUSR1)}
@@ -517,8 +541,9 @@ def test_fit_leaves_the_signal_handlers_as_it_found_them(tmp_path: Path) -> None
 
 
 def test_a_module_with_validation_step_but_no_validation_loader_still_fits(tmp_path: Path) -> None:
-    """The validation loaders' workers are made to ignore our signals only where the module defines some: an
-    undefined val_dataloader stays undefined, and Lightning skips the validation loop as without us."""
+    """The validation loaders' workers are made to ignore our signals only where the module defines
+    some: an undefined val_dataloader stays undefined, and Lightning skips the validation loop as
+    without us."""
 
     class NoValLoader(_Tiny):
         def validation_step(self, batch: Any, index: int) -> None:
@@ -533,8 +558,9 @@ def test_a_module_with_validation_step_but_no_validation_loader_still_fits(tmp_p
 def test_a_fit_stopped_by_max_steps_saved_and_extended_continues_with_the_very_next_batch(
     tmp_path: Path, workers: int
 ) -> None:
-    """fit(max_steps=7), trainer.save_checkpoint(...), then fit(ckpt_path=...) with a higher max_steps (extending a
-    run): steps 8..12 are the uninterrupted fit's, mid-epoch (8 steps an epoch), whatever became of the iterator."""
+    """fit(max_steps=7), trainer.save_checkpoint(...), then fit(ckpt_path=...) with a higher
+    max_steps (extending a run): steps 8..12 are the uninterrupted fit's, mid-epoch (8 steps an
+    epoch), whatever became of the iterator."""
 
     def loader() -> DataLoader[Any]:
         return DataLoader(TensorDataset(torch.arange(16.0).unsqueeze(1)), batch_size=2, shuffle=True,

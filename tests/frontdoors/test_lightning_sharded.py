@@ -1,16 +1,17 @@
-"""Lightning's parallel strategies with ``ResumeCallback`` (``tests/children/lightning_child.py --strategy``): DDP, FSDP
-with full and sharded state dicts, and ``ModelParallelStrategy`` (FSDP2 ``fully_shard`` + distributed checkpoint
-directories), on one CPU process and on two (gloo).
+"""Lightning's parallel strategies with ``ResumeCallback`` (``tests/children/lightning_child.py
+--strategy``): DDP, FSDP with full and sharded state dicts, and ``ModelParallelStrategy`` (FSDP2
+``fully_shard`` + distributed checkpoint directories), on one CPU process and on two (gloo).
 
-FSDP (torch's first, which Lightning's ``FSDPStrategy`` wraps) refuses the CPU unless told its device: the child's
-``CPUFSDPStrategy`` is Lightning's strategy with that one argument given; saving and loading are Lightning's.
-A parallel strategy puts a ``DistributedSampler`` on any training loader without one — on one process too — by
-rebuilding the loader: the callback must shard the way Lightning does, or the fit iterates a copy whose state is
-never saved (a resume then starts the epoch over: other batches, other weights, no error).
+FSDP (torch's first, which Lightning's ``FSDPStrategy`` wraps) refuses the CPU unless told its
+device: the child's ``CPUFSDPStrategy`` is Lightning's strategy with that one argument given; saving
+and loading are Lightning's. A parallel strategy puts a ``DistributedSampler`` on any training
+loader without one — on one process too — by rebuilding the loader: the callback must shard the way
+Lightning does, or the fit iterates a copy whose state is never saved (a resume then starts the
+epoch over: other batches, other weights, no error).
 
 Each case: an uninterrupted fit; the same fit SIGTERMed after step 7 (mid-epoch; it exits 143 with
-``preempted.ckpt``) and run again (the automatic resume). The rerun's batches (ids and values, one log line per
-step as it happens) and final weights equal the uninterrupted fit's.
+``preempted.ckpt``) and run again (the automatic resume). The rerun's batches (ids and values, one
+log line per step as it happens) and final weights equal the uninterrupted fit's.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ def test_sigterm_mid_epoch_and_the_same_command_continue_with_the_uninterrupted_
 def test_fit_from_a_sharded_checkpoint_directory_continues_exactly(
     uninterrupted: dict[tuple[str, int], Path], tmp_path: Path, strategy: str, devices: int
 ) -> None:
-    """``fit(ckpt_path=<ModelCheckpoint's step=9.ckpt>)``, a directory of shards (step 9: one step into epoch 2)."""
+    """``fit(ckpt_path=<ModelCheckpoint's step=9.ckpt>)``, a directory of shards (step 9: one step
+    into epoch 2)."""
     reference = uninterrupted[strategy, devices]
     checkpoint = reference / "ckpt" / "step=9.ckpt"
     assert checkpoint.is_dir()
@@ -79,8 +81,9 @@ def test_fit_from_a_sharded_checkpoint_directory_continues_exactly(
 
 
 def test_tensor_parallel_ranks_sharing_one_data_shard_are_refused_not_fed_apart(tmp_path: Path) -> None:
-    """``ModelParallelStrategy()`` on 2 devices of one node is tensor parallel (one data-parallel rank): both
-    processes must see the same batches, which per-process sharding would not give. Refused at setup, named."""
+    """``ModelParallelStrategy()`` on 2 devices of one node is tensor parallel (one data-parallel
+    rank): both processes must see the same batches, which per-process sharding would not give.
+    Refused at setup, named."""
     out = tmp_path / "tp"
     out.mkdir()
     done = forked.run([sys.executable, str(CHILD), str(out), "--strategy", "model-parallel-auto", "--devices",

@@ -1,6 +1,6 @@
-"""The transformers ``Trainer`` under ``ResumableTrainer``, with real processes: one process, ``torchrun
---nproc_per_node 2`` and ``accelerate launch --multi_gpu --num_processes 2`` (gloo, CPU), a crash right
-after a checkpoint, then ``train(resume_from_checkpoint=True)``.
+"""The transformers ``Trainer`` under ``ResumableTrainer``, with real processes: one process,
+``torchrun --nproc_per_node 2`` and ``accelerate launch --multi_gpu --num_processes 2`` (gloo, CPU),
+a crash right after a checkpoint, then ``train(resume_from_checkpoint=True)``.
 
 Each test compares with an uninterrupted run: the batch log (sample ids and a fingerprint of each
 micro-batch's values, augmentations drawn from torch, numpy and random in the dataset) and the final
@@ -34,7 +34,8 @@ def reads(out: Path) -> list[int]:
 
 ONE_PROCESS = {"1": [], "1-acc3": ["--accumulate", "3"], "1-stream": ["--stream"], "stock": ["--stock"]}
 """The uninterrupted one-process runs: accumulation 1 and 3, a stream, a stock Trainer."""
-ONE_PROCESS_CASES = [(1, 0, 10), (3, 2, 4), (1, 0, 8), (3, 2, 6)]  # accumulation, workers, crash after the save of
+# accumulation, workers, crash after the save of
+ONE_PROCESS_CASES = [(1, 0, 10), (3, 2, 4), (1, 0, 8), (3, 2, 6)]
 CRASHES = {**{f"{a}-{w}-{c}": ["--accumulate", str(a), "--workers", str(w), "--crash-at", str(c)]
               for a, w, c in ONE_PROCESS_CASES},
            "stream": ["--stream", "--crash-at", "10"], "stock": ["--stock", "--crash-at", "10"]}
@@ -43,8 +44,8 @@ CRASHES = {**{f"{a}-{w}-{c}": ["--accumulate", str(a), "--workers", str(w), "--c
 
 @pytest.fixture(scope="module")
 def full(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The uninterrupted one-process runs (one batch process, tests/support/batch.py), and two processes
-    (accumulation 3, torchrun)."""
+    """The uninterrupted one-process runs (one batch process, tests/support/batch.py), and two
+    processes (accumulation 3, torchrun)."""
     root = tmp_path_factory.mktemp("full")
     done = run_batch(CHILD, [[str(root / name), "--processes", "1", *args] for name, args in ONE_PROCESS.items()],
                      root / "batch")
@@ -73,8 +74,8 @@ def crashed(crashes: dict[str, Path]) -> Path:
 
 @pytest.fixture(scope="module")
 def crashed_on_two(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Two processes, accumulation 3, crashed right after the checkpoint of step 3, by each launcher; rank 1
-    writes its last file of each checkpoint late (a slow disk)."""
+    """Two processes, accumulation 3, crashed right after the checkpoint of step 3, by each
+    launcher; rank 1 writes its last file of each checkpoint late (a slow disk)."""
     runs = {}
     for launcher in ("torchrun", "accelerate"):
         out = tmp_path_factory.mktemp(f"crashed2-{launcher}")
@@ -89,8 +90,9 @@ MISSING = ["loader_resume_0.pt", "trainer_state.json", "rng_state.pth"]
 @pytest.fixture(scope="module")
 def resumed(crashes: dict[str, Path], crashed_on_two: dict[str, Path],
             tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Done]]:
-    """Every one-process resume and refusal of the tests below, in one fresh process (tests/support/batch.py),
-    each in a copy of the crashed run it continues, changed as its test says."""
+    """Every one-process resume and refusal of the tests below, in one fresh process
+    (tests/support/batch.py), each in a copy of the crashed run it continues, changed as its test
+    says."""
     root = tmp_path_factory.mktemp("resumed")
 
     def copy(name: str, crash: Path) -> str:
@@ -101,10 +103,12 @@ def resumed(crashes: dict[str, Path], crashed_on_two: dict[str, Path],
              "--resume", "true"] for a, w, c in ONE_PROCESS_CASES]
     runs.append([copy("stream", crashes["stream"]), "--stream", "--resume", "true"])
     runs.append([copy("stock", crashes["stock"]), "--stock", "--resume", "true"])
-    incomplete = Path(copy("incomplete", crashes["1-0-10"]))  # killed between our file and trainer_state.json
+    # killed between our file and trainer_state.json
+    incomplete = Path(copy("incomplete", crashes["1-0-10"]))
     (incomplete / "run" / "checkpoint-10" / "trainer_state.json").unlink()
     log = incomplete / "log-0.jsonl"
-    log.write_text("".join(line + "\n" for line in log.read_text().splitlines()[:9]))  # step 10 is done again
+    # step 10 is done again
+    log.write_text("".join(line + "\n" for line in log.read_text().splitlines()[:9]))
     runs.append([str(incomplete), "--resume", "true"])
     for file in MISSING:
         checkpoint = Path(copy(f"missing-{file}", crashes["1-0-10"])) / "run" / "checkpoint-10"
@@ -134,9 +138,10 @@ def refused(resumed: dict[str, tuple[Path, Done]], name: str) -> tuple[Path, str
 def test_one_process_resumes_with_the_uninterrupted_runs_batches(full: dict[str, Path], crashes: dict[str, Path],
                                                                  resumed: dict[str, tuple[Path, Done]],
                                                                  accumulate: int, workers: int, crash: int) -> None:
-    """8 batches an epoch; with accumulation 3 an epoch is 3 optimizer steps (3 + 3 + 2 micro-batches) and
-    step 4 is in the second epoch. Steps 8 and 6 end an epoch (Trainer resumes them with the next epoch's
-    first batch). Batches do not depend on num_workers: both compare with one run."""
+    """8 batches an epoch; with accumulation 3 an epoch is 3 optimizer steps (3 + 3 + 2
+    micro-batches) and step 4 is in the second epoch. Steps 8 and 6 end an epoch (Trainer resumes
+    them with the next epoch's first batch). Batches do not depend on num_workers: both compare with
+    one run."""
     name = f"{accumulate}-{workers}-{crash}"
     cut = len(logs(crashes[name])[0])
     out, _ = finished(resumed, name)
@@ -148,10 +153,10 @@ def test_one_process_resumes_with_the_uninterrupted_runs_batches(full: dict[str,
 
 def test_a_stream_resumes_with_the_uninterrupted_runs_batches_reading_none_to_skip(
         full: dict[str, Path], crashes: dict[str, Path], resumed: dict[str, tuple[Path, Done]]) -> None:
-    """An iterable dataset (max_steps=20; 8 batches a pass): crashed after step 10, mid second pass. Trainer's
-    own skipping would read the 10 batches again (an iterable dataset cannot skip without reading); here the
-    resumed run reads what it trains, plus the one batch Trainer's loop reads past its last step (as the
-    uninterrupted run does)."""
+    """An iterable dataset (max_steps=20; 8 batches a pass): crashed after step 10, mid second pass.
+    Trainer's own skipping would read the 10 batches again (an iterable dataset cannot skip without
+    reading); here the resumed run reads what it trains, plus the one batch Trainer's loop reads
+    past its last step (as the uninterrupted run does)."""
     cut = len(logs(crashes["stream"])[0])
     out, _ = finished(resumed, "stream")
     assert logs(out) == logs(full["1-stream"]) and weights(out) == weights(full["1-stream"])
@@ -162,8 +167,9 @@ def test_a_stream_resumes_with_the_uninterrupted_runs_batches_reading_none_to_sk
 
 def test_every_ranks_files_are_written_before_trainers_state_marks_a_checkpoint_complete(
         crashed_on_two: dict[str, Path]) -> None:
-    """trainer_state.json (rank 0's last write, after which Trainer deletes older checkpoints) comes after every
-    rank's loader state and Trainer's RNG state, rank 1's written 0.5 s late included."""
+    """trainer_state.json (rank 0's last write, after which Trainer deletes older checkpoints) comes
+    after every rank's loader state and Trainer's RNG state, rank 1's written 0.5 s late
+    included."""
     for checkpoint in sorted((crashed_on_two["torchrun"] / "run").glob("checkpoint-*")):
         per_rank = [checkpoint / f"{name}_{rank}.{ext}" for rank in range(2)
                     for name, ext in (("loader_resume", "pt"), ("rng_state", "pth"))]
@@ -175,7 +181,8 @@ def test_every_ranks_files_are_written_before_trainers_state_marks_a_checkpoint_
 def test_two_processes_resume_with_the_uninterrupted_runs_batches(full: dict[str, Path],
                                                                   crashed_on_two: dict[str, Path], tmp_path: Path,
                                                                   launcher: str) -> None:
-    """4 batches a rank and epoch, accumulation 3 (3 + 1 micro-batches a step); step 3 is in the second epoch."""
+    """4 batches a rank and epoch, accumulation 3 (3 + 1 micro-batches a step); step 3 is in the
+    second epoch."""
     shutil.copytree(crashed_on_two[launcher], tmp_path, dirs_exist_ok=True)
     run(tmp_path, 2, "--accumulate", "3", "--resume", "true", launcher=launcher)
     assert logs(tmp_path) == logs(full["2-acc3"]) and weights(tmp_path) == weights(full["2-acc3"])
@@ -185,26 +192,29 @@ def test_two_processes_resume_with_the_uninterrupted_runs_batches(full: dict[str
 
 def test_sigusr1_on_one_rank_checkpoints_at_the_step_both_agree_and_the_same_command_continues(
         full: dict[str, Path], tmp_path: Path) -> None:
-    """Rank 0 alone gets SIGUSR1 (as a scheduler signals one task) at the end of step 3, no checkpoint being due
-    (save_steps=100); both ranks agree there, Trainer writes checkpoint-3 with both ranks' loader states, both
-    exit 143; the same command again (resume_from_checkpoint=True) continues exactly."""
+    """Rank 0 alone gets SIGUSR1 (as a scheduler signals one task) at the end of step 3, no
+    checkpoint being due (save_steps=100); both ranks agree there, Trainer writes checkpoint-3 with
+    both ranks' loader states, both exit 143; the same command again (resume_from_checkpoint=True)
+    continues exactly."""
     same = ["--accumulate", "3", "--save-steps", "100", "--signal-name", "SIGUSR1", "--signal-at", "3",
             "--resume", "true"]
     stderr = run(tmp_path, 2, *same, expect=143)
     # NOTE: both ranks say so; torchrun reports the first to exit (it then stops the other)
     assert stderr.count(f"checkpoint written at step 3 ({tmp_path / 'run' / 'checkpoint-3'}); exiting with 143") == 2
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-3"]
-    assert "no complete checkpoint in" in stderr  # the first run of the command started from the beginning
+    # the first run of the command started from the beginning
+    assert "no complete checkpoint in" in stderr
     run(tmp_path, 2, *same)
     assert logs(tmp_path) == logs(full["2-acc3"]) and weights(tmp_path) == weights(full["2-acc3"])
 
 
 def test_sigterm_on_one_process_checkpoints_at_the_next_step_and_the_same_command_continues(
         full: dict[str, Path], tmp_path: Path) -> None:
-    """One process (where the support matrix's oldest transformers, 4.57 to 5.17, can resume on the CPU: with
-    several CPU processes those load the optimizer onto ``cpu:0``): SIGTERM at the end of step 4, in the second epoch,
-    no checkpoint being due; checkpoint-4 is written, exit 143; the same command again continues exactly, and the
-    job's own audit (``LOADER_RESUME_AUDIT``) agrees."""
+    """One process (where the support matrix's oldest transformers, 4.57 to 5.17, can resume on the
+    CPU: with several CPU processes those load the optimizer onto ``cpu:0``): SIGTERM at the end of
+    step 4, in the second epoch, no checkpoint being due; checkpoint-4 is written, exit 143; the
+    same command again continues exactly, and the job's own audit (``LOADER_RESUME_AUDIT``)
+    agrees."""
     env = {"LOADER_RESUME_AUDIT": str(tmp_path / "audit")}
     same = ["--save-steps", "100", "--signal-at", "4", "--resume", "true"]
     said = run(tmp_path, 1, *same, expect=143, env=env)
@@ -217,10 +227,11 @@ def test_sigterm_on_one_process_checkpoints_at_the_next_step_and_the_same_comman
 
 def test_sigterm_with_a_remote_copy_uploads_the_checkpoint_and_a_rerun_on_a_new_disk_continues_exactly(
         full: dict[str, Path], tmp_path: Path) -> None:
-    """``ResumableTrainer(remote="s3://...")`` against a real S3 API server on loopback: SIGTERM at the end of step 4
-    writes checkpoint-4 locally, then uploads it, its manifest last (and no lease is left behind); with the local
-    output directory gone (a new machine), the same command downloads it and continues exactly. A bucket that does not
-    exist stops ``train`` before its first step, naming the URL."""
+    """``ResumableTrainer(remote="s3://...")`` against a real S3 API server on loopback: SIGTERM at
+    the end of step 4 writes checkpoint-4 locally, then uploads it, its manifest last (and no lease
+    is left behind); with the local output directory gone (a new machine), the same command
+    downloads it and continues exactly. A bucket that does not exist stops ``train`` before its
+    first step, naming the URL."""
     same = ["--save-steps", "100", "--signal-at", "4", "--resume", "true", "--remote", "s3://copy-t/job"]
     with s3_server() as env:
         bucket("copy-t")
@@ -232,16 +243,17 @@ def test_sigterm_with_a_remote_copy_uploads_the_checkpoint_and_a_rerun_on_a_new_
         shutil.rmtree(tmp_path / "run")
         run(tmp_path, 1, *same, env=env)
         refused = run(tmp_path / "other", 1, "--remote", "s3://no-such-bucket-t/job", expect=1, env=env)
-    assert "s3://no-such-bucket-t/job" in refused and (tmp_path / "other" / "log-0.jsonl").read_text() == ""  # no step
+    # no step
+    assert "s3://no-such-bucket-t/job" in refused and (tmp_path / "other" / "log-0.jsonl").read_text() == ""
     assert logs(tmp_path) == logs(full["1"]) and weights(tmp_path) == weights(full["1"])
 
 
 def test_sigterm_to_the_whole_launch_mid_epoch_checkpoints_and_the_same_command_continues(
         full: dict[str, Path], tmp_path: Path) -> None:
-    """SIGTERM to ``accelerate launch``'s process group in the second epoch: its agent passes it on to each rank's
-    own process group (the rank and its DataLoader workers, which ignore it); the ranks agree at the next step,
-    write one checkpoint and exit 143 within the agent's grace period; the same command again continues
-    exactly."""
+    """SIGTERM to ``accelerate launch``'s process group in the second epoch: its agent passes it on
+    to each rank's own process group (the rank and its DataLoader workers, which ignore it); the
+    ranks agree at the next step, write one checkpoint and exit 143 within the agent's grace period;
+    the same command again continues exactly."""
     same = ["--accumulate", "3", "--workers", "2", "--save-steps", "100", "--sleep", "0.1", "--resume", "true"]
     first = forked.popen(command(tmp_path, 2, *same, launcher="accelerate"), stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, text=True, start_new_session=True, env=ENV)
@@ -265,8 +277,8 @@ def test_transformers_own_jit_checkpoint_is_refused_naming_ours(resumed: dict[st
 
 def test_a_checkpoint_without_trainers_state_is_skipped_for_the_one_before(
         full: dict[str, Path], resumed: dict[str, tuple[Path, Done]]) -> None:
-    """Killed between our file and Trainer's trainer_state.json: checkpoint-10 is incomplete. Resuming with
-    True warns naming the file and resumes from checkpoint-9, exactly."""
+    """Killed between our file and Trainer's trainer_state.json: checkpoint-10 is incomplete.
+    Resuming with True warns naming the file and resumes from checkpoint-9, exactly."""
     out, stderr = finished(resumed, "incomplete")
     assert "checkpoint-10: trainer_state.json is missing" in stderr
     assert logs(out) == logs(full["1"]) and weights(out) == weights(full["1"])
@@ -303,17 +315,19 @@ def learning_rates(out: Path) -> dict[int, float]:
 
 def test_two_processes_resume_on_one_with_the_rest_of_the_epoch_exactly_once(
         full: dict[str, Path], crashed_on_two: dict[str, Path], resumed: dict[str, tuple[Path, Done]]) -> None:
-    """Crashed after step 3 on 2 processes (accumulation 3): epoch 1 has delivered 3 batches a rank, samples
-    0-23 of its order. On one process that is step 5 (8 batches an epoch: steps of 3 + 3 + 2; 6 batches in):
-    the resumed run trains the 6 samples left of epoch 1, then epoch 2, exactly as the uninterrupted
-    one-process run does from its step 5 (same batches and values, same learning rates, same last step)."""
+    """Crashed after step 3 on 2 processes (accumulation 3): epoch 1 has delivered 3 batches a rank,
+    samples 0-23 of its order. On one process that is step 5 (8 batches an epoch: steps of 3 + 3 +
+    2; 6 batches in): the resumed run trains the 6 samples left of epoch 1, then epoch 2, exactly as
+    the uninterrupted one-process run does from its step 5 (same batches and values, same learning
+    rates, same last step)."""
     before = [logs(crashed_on_two["torchrun"])[rank] for rank in range(2)]
     tmp_path, stderr = finished(resumed, "two-on-one")
     assert "written by 2 process(es), resumed on 1: step 3 is step 5 here" in stderr
     after = logs(tmp_path)[0][len(before[0]):]
     one = logs(full["1-acc3"])[0]
     assert len(after) == 2 + 8 and after == one[-len(after):]
-    epoch_one = [i for rank in range(2) for row in before[rank][4:] for i in row["ids"]]  # 4 batches a rank in epoch 0
+    # 4 batches a rank in epoch 0
+    epoch_one = [i for rank in range(2) for row in before[rank][4:] for i in row["ids"]]
     epoch_one += [i for row in after[:2] for i in row["ids"]]
     assert sorted(epoch_one) == list(range(ITEMS))
     resumed, uninterrupted = learning_rates(tmp_path), learning_rates(full["1-acc3"])
@@ -323,7 +337,8 @@ def test_two_processes_resume_on_one_with_the_rest_of_the_epoch_exactly_once(
 
 
 def test_a_position_between_steps_at_the_new_world_size_is_refused() -> None:
-    """One process crashed after step 9 (GA 1, batch 4): epoch 1 at sample 4, half a step of two processes."""
+    """One process crashed after step 9 (GA 1, batch 4): epoch 1 at sample 4, half a step of two
+    processes."""
     from loader_resume.job.checkpoint import CheckpointError
     from transformers_resume.checkpoint_files import step_at
 
@@ -336,9 +351,10 @@ def test_a_position_between_steps_at_the_new_world_size_is_refused() -> None:
 
 def test_stock_trainer_continues_differently(full: dict[str, Path], crashes: dict[str, Path],
                                              resumed: dict[str, tuple[Path, Done]]) -> None:
-    """What ResumableTrainer fixes, measured on the same job with a stock Trainer: its batches after the resume
-    are not its uninterrupted run's (its sampler skips the index lists without reading them, on a map-style
-    dataset, but the order and the augmentation values drawn after the resume differ)."""
+    """What ResumableTrainer fixes, measured on the same job with a stock Trainer: its batches after
+    the resume are not its uninterrupted run's (its sampler skips the index lists without reading
+    them, on a map-style dataset, but the order and the augmentation values drawn after the resume
+    differ)."""
     cut = len(logs(crashes["stock"])[0])
     out, _ = finished(resumed, "stock")
     uninterrupted, resumed_log = logs(full["stock"])[0], logs(out)[0]
@@ -369,9 +385,10 @@ def _choose(rank: int, store: str, found: str | None, out: str) -> None:
 
 
 def test_ranks_that_find_different_checkpoints_are_refused_not_resumed_apart(tmp_path: Path) -> None:
-    """resume_from_checkpoint=True: every rank looks in output_dir itself; ranks that do not see the same newest
-    complete checkpoint (no shared directory, a lagging network file system) would resume different steps, or
-    one from the beginning. Refused on every rank, naming what each found; the same one goes through."""
+    """resume_from_checkpoint=True: every rank looks in output_dir itself; ranks that do not see the
+    same newest complete checkpoint (no shared directory, a lagging network file system) would
+    resume different steps, or one from the beginning. Refused on every rank, naming what each
+    found; the same one goes through."""
     import multiprocessing
 
     import transformers_resume.checkpoint_files  # noqa: F401 (imported once, before the ranks are forked)

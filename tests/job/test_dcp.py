@@ -1,6 +1,7 @@
-"""A plain FSDP2 + ``torch.distributed.checkpoint`` loop (``examples/fsdp2_dcp.py``) under ``torchrun``, two CPU
-processes (gloo): SIGTERM to the whole launch mid-epoch, the same command again, and the uninterrupted run's
-batches on every rank (ids and values, one log line per step) and its final weights."""
+"""A plain FSDP2 + ``torch.distributed.checkpoint`` loop (``examples/fsdp2_dcp.py``) under
+``torchrun``, two CPU processes (gloo): SIGTERM to the whole launch mid-epoch, the same command
+again, and the uninterrupted run's batches on every rank (ids and values, one log line per step) and
+its final weights."""
 
 from __future__ import annotations
 
@@ -48,8 +49,8 @@ def full(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 
 
 def stopped(out: Path, *args: str, kept: int = 1) -> Path:
-    """The command SIGTERMed (the whole launch) after step 5, mid-epoch 0: every rank exits 143; the newest of the
-    ``kept`` sealed checkpoints it leaves (the preemption's)."""
+    """The command SIGTERMed (the whole launch) after step 5, mid-epoch 0: every rank exits 143; the
+    newest of the ``kept`` sealed checkpoints it leaves (the preemption's)."""
     out.mkdir()
     first = forked.popen(command(out, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)
@@ -61,7 +62,8 @@ def stopped(out: Path, *args: str, kept: int = 1) -> Path:
     stdout, stderr = first.communicate(timeout=120)
     assert stdout.count("exiting with 143") == 2 and "final weights digest" not in stdout, stderr[-3000:]
     sealed = complete_checkpoints(out / "checkpoints")
-    assert len(sealed) == kept and 5 <= int(sealed[-1].name[5:]) < 15, sealed  # mid-epoch 0 (15 steps an epoch)
+    # mid-epoch 0 (15 steps an epoch)
+    assert len(sealed) == kept and 5 <= int(sealed[-1].name[5:]) < 15, sealed
     assert f"checkpoint at step {int(sealed[-1].name[5:])}; exiting with 143" in stdout
     return sealed[-1]
 
@@ -79,10 +81,11 @@ def test_sigterm_to_the_launch_and_the_same_command_continue_with_the_uninterrup
 def test_async_save_a_sigterm_while_a_save_is_in_flight_and_each_checkpoint_holds_one_steps_model_and_data(
     full: tuple[Path, str], tmp_path: Path
 ) -> None:
-    """``--async-save --every 1``: every step starts a write that runs while the next step trains, so the SIGTERM
-    always finds one in flight. The job finishes and seals it, writes the preemption checkpoint whole, and only then
-    exits 143: both are sealed. The same command continues exactly from the newest; from the one before it (written
-    in the background while a step trained on: its loader position must be its model's step) it does too."""
+    """``--async-save --every 1``: every step starts a write that runs while the next step trains,
+    so the SIGTERM always finds one in flight. The job finishes and seals it, writes the preemption
+    checkpoint whole, and only then exits 143: both are sealed. The same command continues exactly
+    from the newest; from the one before it (written in the background while a step trained on: its
+    loader position must be its model's step) it does too."""
     out, before = tmp_path / "cut", tmp_path / "before"
     newest = stopped(out, "--async-save", "--every", "1", kept=2)
     shutil.copytree(out, before)
@@ -92,16 +95,17 @@ def test_async_save_a_sigterm_while_a_save_is_in_flight_and_each_checkpoint_hold
         assert rerun.returncode == 0, rerun.stderr[-3000:]
         assert digest(rerun.stdout) == full[1]
     assert rows(out) == rows(full[0])  # the rerun's log appends to the first run's
-    step = int(newest.name[5:])  # the first run's last step; the older checkpoint's rerun trains it again
+    # the first run's last step; the older checkpoint's rerun trains it again
+    step = int(newest.name[5:])
     assert rows(before) == [ranks[:step] + ranks[step - 1:] for ranks in rows(full[0])]
 
 
 def test_with_a_remote_copy_a_rerun_on_a_new_disk_continues_from_the_bucket(
     full: tuple[Path, str], tmp_path: Path
 ) -> None:
-    """``--remote s3://...`` against a real S3 API server on loopback: the sealed DCP directory is uploaded, its
-    manifest last; with the local checkpoints deleted (a new machine), the same command downloads it and continues
-    with the uninterrupted run's batches and weights."""
+    """``--remote s3://...`` against a real S3 API server on loopback: the sealed DCP directory is
+    uploaded, its manifest last; with the local checkpoints deleted (a new machine), the same
+    command downloads it and continues with the uninterrupted run's batches and weights."""
     out = tmp_path / "cut"
     with s3_server() as env:
         bucket("dcp")

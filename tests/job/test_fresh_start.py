@@ -1,8 +1,10 @@
-"""Never a silent start from step 0: a job that finds no checkpoint where an earlier job left traces says so in one
-warning (``LOADER_RESUME_NO_CHECKPOINT=refuse``: refuses), in the core and through the front doors.
+"""Never a silent start from step 0: a job that finds no checkpoint where an earlier job left traces
+says so in one warning (``LOADER_RESUME_NO_CHECKPOINT=refuse``: refuses), in the core and through
+the front doors.
 
-The earlier job here is a real process that took the directory and was SIGKILLed, as a scheduler kills a job
-whose grace period ran out: its lock file stays, naming it, and so does a checkpoint write it never finished.
+The earlier job here is a real process that took the directory and was SIGKILLed, as a scheduler
+kills a job whose grace period ran out: its lock file stays, naming it, and so does a checkpoint
+write it never finished.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ time.sleep(60)
 
 
 def killed_job(directory: Path, writing: bool) -> None:
-    """A real job that holds ``directory`` (and, if ``writing``, has a checkpoint write in flight), SIGKILLed."""
+    """A real job that holds ``directory`` (and, if ``writing``, has a checkpoint write in flight),
+    SIGKILLed."""
     job = forked.popen([sys.executable, "-c", KILLED_JOB, str(directory), "writing" if writing else "idle"],
                        stdout=subprocess.PIPE, text=True)
     assert job.stdout is not None and job.stdout.readline().strip() == "held"
@@ -80,7 +83,8 @@ def test_refuse_stops_the_job_naming_the_traces(tmp_path: Path, monkeypatch: pyt
     finally:
         lock.release()
     refused = lock.traces
-    monkeypatch.delenv(NO_CHECKPOINT_VARIABLE)  # the next start meets the same traces, and starts over saying so
+    # the next start meets the same traces, and starts over saying so
+    monkeypatch.delenv(NO_CHECKPOINT_VARIABLE)
     lock = DirectoryLock.acquire(tmp_path)
     assert lock.traces == refused and resuming_nothing(lock, no)
     lock.release()
@@ -89,8 +93,8 @@ def test_refuse_stops_the_job_naming_the_traces(tmp_path: Path, monkeypatch: pyt
 
 def test_a_checkpoint_to_resume_or_a_clean_directory_says_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
-    """A killed job that left a complete checkpoint is resumed (refuse or not); a directory a job let go of cleanly
-    (its lock file removed) and a first start hold no traces."""
+    """A killed job that left a complete checkpoint is resumed (refuse or not); a directory a job
+    let go of cleanly (its lock file removed) and a first start hold no traces."""
     monkeypatch.setenv(NO_CHECKPOINT_VARIABLE, "refuse")
     assert write_sealed(tmp_path / "step_000000003", lambda d: torch.save({"x": 1}, d / "model.pt"), main=True,
                         agree=no, step=3)
@@ -114,17 +118,18 @@ def test_a_misspelt_choice_is_refused_naming_the_variable_and_the_choices(tmp_pa
         newest_or_start([], None, no)
 
 
-# --- through a front door: a Lightning job killed while its first checkpoint was still being written ---------------
+# --- through a front door: a Lightning job killed while its first checkpoint was still being
+# written ---------------
 LIGHTNING_CHILD = CHILDREN / "lightning_child.py"
 
 
 def test_a_lightning_job_killed_before_its_first_checkpoint_was_whole_is_not_restarted_silently(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """``AsyncCheckpointIO`` 1 s per file; SIGKILL to the job's process group while step 3's file is being written:
-    nothing complete on storage. The same command with ``LOADER_RESUME_NO_CHECKPOINT=refuse`` stops before any step,
-    naming the killed job; without it, it says in one warning that it starts from step 0, and trains exactly the
-    uninterrupted run."""
+    """``AsyncCheckpointIO`` 1 s per file; SIGKILL to the job's process group while step 3's file is
+    being written: nothing complete on storage. The same command with
+    ``LOADER_RESUME_NO_CHECKPOINT=refuse`` stops before any step, naming the killed job; without it,
+    it says in one warning that it starts from step 0, and trains exactly the uninterrupted run."""
     out = tmp_path / "job"
     out.mkdir()
     job = [sys.executable, str(LIGHTNING_CHILD), str(out), "--async-io", "1", "--sleep", "0.1"]
@@ -152,7 +157,8 @@ def test_a_lightning_job_killed_before_its_first_checkpoint_was_whole_is_not_res
         assert (out / name).read_text() == (uninterrupted / name).read_text()
 
 
-# --- through the other front doors: a job SIGKILLed before its first checkpoint -----------------------------------
+# --- through the other front doors: a job SIGKILLed before its first checkpoint
+# -----------------------------------
 FRONT_DOORS = {  # the child, its options, where the front door keeps its checkpoints (under OUT)
     "fabric": ("fabric_child.py", [], "resume_checkpoints"),
     "accelerate": ("accelerate_child.py", [], "resume_checkpoints"),
@@ -188,8 +194,8 @@ def test_every_front_door_refuses_or_names_the_start_over_after_a_job_killed_bef
 
 
 def test_accelerates_configuration_takes_the_variable_as_ours_and_names_its_typo() -> None:
-    """Accelerate's ``LOADER_RESUME_*`` variables are checked against its configuration's fields: this one, read by
-    every front door, is accepted beside them; a misspelt one fails naming it."""
+    """Accelerate's ``LOADER_RESUME_*`` variables are checked against its configuration's fields:
+    this one, read by every front door, is accepted beside them; a misspelt one fails naming it."""
     from accelerate_resume.config import load_config
 
     assert load_config(None, environ={NO_CHECKPOINT_VARIABLE: "refuse", "LOADER_RESUME_KEEP": "3"}).keep == 3

@@ -1,8 +1,9 @@
-"""A remote copy of sealed checkpoints (``loader_resume.job.remote_copy``) for the front doors that write local
-directories, against a real S3 API server on loopback (moto's, tests/support/s3.py). Accelerate
-(tests/children/accelerate_child.py on 2 processes, ``accelerate launch``) with ``remote=s3://...`` and Fabric
-(tests/children/fabric_child.py, 2 devices) with ``FabricResume(remote=...)``: SIGTERM mid-epoch, the machine's disk
-lost (the local checkpoint directory deleted), the same command again: it downloads the copy and continues with the
+"""A remote copy of sealed checkpoints (``loader_resume.job.remote_copy``) for the front doors that
+write local directories, against a real S3 API server on loopback (moto's, tests/support/s3.py).
+Accelerate (tests/children/accelerate_child.py on 2 processes, ``accelerate launch``) with
+``remote=s3://...`` and Fabric (tests/children/fabric_child.py, 2 devices) with
+``FabricResume(remote=...)``: SIGTERM mid-epoch, the machine's disk lost (the local checkpoint
+directory deleted), the same command again: it downloads the copy and continues with the
 uninterrupted run's batches and weights."""
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ def full(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def preempted(out: Path, remote: str) -> list[str]:
-    """A 2-process job SIGTERMed after its 6th step with ``remote``; its local checkpoints, then deleted (the disk
-    went with the machine)."""
+    """A 2-process job SIGTERMed after its 6th step with ``remote``; its local checkpoints, then
+    deleted (the disk went with the machine)."""
     run(out, 2, "--signal-at", "6", f"remote={remote}", expect=143)
     local = sorted(p.name for p in (out / "resume_checkpoints").glob("step_*"))
     shutil.rmtree(out / "resume_checkpoints")
@@ -64,15 +65,16 @@ def test_accelerate_sigterm_copies_the_checkpoint_to_s3_and_a_rerun_on_a_new_dis
     run(tmp_path, 2, "remote=s3://copy-a/job")
     assert logs(tmp_path) == logs(full)  # the rerun's log appends to the first run's
     assert weights(tmp_path) == weights(full)
-    assert (tmp_path / "resume_checkpoints" / local[0] / MANIFEST).is_file()  # downloaded whole, then sealed
+    # downloaded whole, then sealed
+    assert (tmp_path / "resume_checkpoints" / local[0] / MANIFEST).is_file()
 
 
 def test_an_upload_killed_before_its_manifest_is_skipped_naming_it_and_the_rerun_resumes_from_the_one_before(
     s3: dict[str, str], full: Path, tmp_path: Path
 ) -> None:
-    """A newer remote directory without its manifest (what a kill during the upload leaves) is passed over with a
-    warning naming it; the rerun resumes exactly from the complete one before it. The variable
-    ``LOADER_RESUME_REMOTE`` is the config field's."""
+    """A newer remote directory without its manifest (what a kill during the upload leaves) is
+    passed over with a warning naming it; the rerun resumes exactly from the complete one before it.
+    The variable ``LOADER_RESUME_REMOTE`` is the config field's."""
     bucket("copy-b")
     (done,) = preempted(tmp_path, "s3://copy-b/job")
     fs = s3fs.S3FileSystem(skip_instance_cache=True)
@@ -88,24 +90,26 @@ def test_an_upload_killed_before_its_manifest_is_skipped_naming_it_and_the_rerun
 def test_a_job_killed_during_an_upload_leaves_a_copy_that_a_rerun_passes_over_for_the_one_before(
     s3: dict[str, str], full: Path, tmp_path: Path
 ) -> None:
-    """A real kill during an upload: the job copies a checkpoint every 3 steps; once one copy is complete, the link
-    stops answering the PUT of a manifest (every other file of that checkpoint is on the bucket by then, the
-    manifest going last), and the job's processes are SIGKILLed there. On a new machine (the local checkpoints
-    deleted), the same command passes that directory over, naming it, and resumes exactly from the complete copy
-    before it."""
+    """A real kill during an upload: the job copies a checkpoint every 3 steps; once one copy is
+    complete, the link stops answering the PUT of a manifest (every other file of that checkpoint is
+    on the bucket by then, the manifest going last), and the job's processes are SIGKILLed there. On
+    a new machine (the local checkpoints deleted), the same command passes that directory over,
+    naming it, and resumes exactly from the complete copy before it."""
     bucket("copy-k")
     link = Cuttable(s3["AWS_ENDPOINT_URL"])
     same = ["remote=s3://copy-k/job", "save_every_n_steps=3"]
     env = {**os.environ, "AWS_ENDPOINT_URL": link.url, "LOADER_RESUME_LEASE_SECONDS": "6"}
     job = forked.popen(command(tmp_path, 2, "--sleep", "0.2", *same), stdout=subprocess.DEVNULL,
                        stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
-    copy = RemoteCopy("s3://copy-k/job", tmp_path / "unused")  # looks at the bucket directly, not through the link
+    # looks at the bucket directly, not through the link
+    copy = RemoteCopy("s3://copy-k/job", tmp_path / "unused")
     deadline = time.monotonic() + 300
     try:
         while not copy.complete():
             assert time.monotonic() < deadline and job.poll() is None, "no complete copy was made"
             time.sleep(0.05)
-        link.stall = re.compile(rb"^PUT \S*/" + re.escape(MANIFEST.encode()) + rb"[ ?]")  # the next manifest's upload
+        # the next manifest's upload
+        link.stall = re.compile(rb"^PUT \S*/" + re.escape(MANIFEST.encode()) + rb"[ ?]")
         assert link.stalled.wait(timeout=120) and job.poll() is None, "no upload reached its manifest"
         os.killpg(job.pid, signal.SIGKILL)  # the launcher; each rank runs in a session of its own
         for rank in (0, 1):
@@ -129,10 +133,11 @@ def test_a_job_killed_during_an_upload_leaves_a_copy_that_a_rerun_passes_over_fo
 def test_an_upload_cut_at_the_preemption_save_exits_74_and_the_same_machines_rerun_resumes_from_its_disk(
     s3: dict[str, str], full: Path, tmp_path: Path
 ) -> None:
-    """The link to the store is cut mid-job (a relay that closes every connection), then rank 0 gets SIGTERM:
-    the checkpoint is sealed locally but its upload fails, so every process exits 74 (not 143: nothing that outlives
-    the machine was written) naming the URL, and no complete copy is on the bucket. On the same machine, with the
-    link back, the same command resumes exactly from the local checkpoint."""
+    """The link to the store is cut mid-job (a relay that closes every connection), then rank 0 gets
+    SIGTERM: the checkpoint is sealed locally but its upload fails, so every process exits 74 (not
+    143: nothing that outlives the machine was written) naming the URL, and no complete copy is on
+    the bucket. On the same machine, with the link back, the same command resumes exactly from the
+    local checkpoint."""
     bucket("copy-d")
     link = Cuttable(s3["AWS_ENDPOINT_URL"])
     env = {**os.environ, "AWS_ENDPOINT_URL": link.url, "LOADER_RESUME_LEASE_SECONDS": "6", **ONE_ATTEMPT}
@@ -143,14 +148,16 @@ def test_an_upload_cut_at_the_preemption_save_exits_74_and_the_same_machines_rer
         assert time.monotonic() < deadline and job.poll() is None, "training never reached step 3"
         time.sleep(0.02)
     link.cut()
-    os.kill(int((tmp_path / "pid-0").read_text()), signal.SIGTERM)  # the launcher reports its ranks' exit codes
+    # the launcher reports its ranks' exit codes
+    os.kill(int((tmp_path / "pid-0").read_text()), signal.SIGTERM)
     _, stderr = job.communicate(timeout=600)
     link.restore()
     assert job.returncode != 0 and "exitcode  : 74" in stderr, stderr[-3000:]
     assert "but NOT copied: RemoteCopyError: upload" in stderr and "to s3://copy-d/job/step_" in stderr
     assert not [url for url in objects("s3://copy-d/job") if url.endswith(MANIFEST)]
     (local,) = [p.name for p in (tmp_path / "resume_checkpoints").glob("step_*")]
-    assert int(local[5:]) == len(trained(logs(tmp_path)[0]))  # sealed at the step the job stopped after
+    # sealed at the step the job stopped after
+    assert int(local[5:]) == len(trained(logs(tmp_path)[0]))
     done = forked.run(command(tmp_path, 2, "remote=s3://copy-d/job"), capture_output=True, text=True,
                       timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -175,8 +182,9 @@ def sealed(directory: Path, files: dict[str, bytes]) -> Path:
 def test_the_copy_keeps_the_newest_and_downloads_only_what_is_newer_than_the_local_ones(
     s3: dict[str, str], tmp_path: Path
 ) -> None:
-    """Uploads keep the newest ``keep`` remote copies (nested files too); a download brings the complete remote
-    ones newer than the newest local one, byte for byte (they verify against their manifests)."""
+    """Uploads keep the newest ``keep`` remote copies (nested files too); a download brings the
+    complete remote ones newer than the newest local one, byte for byte (they verify against their
+    manifests)."""
     bucket("copy-c")
     local = tmp_path / "local"
     copy = RemoteCopy("s3://copy-c/job", local, keep=2)
@@ -189,7 +197,8 @@ def test_the_copy_keeps_the_newest_and_downloads_only_what_is_newer_than_the_loc
     for path in made:
         verify(path)
     assert (fresh / "step_000000003" / "sub" / "b.bin").read_bytes() == b"xxx"
-    assert RemoteCopy("s3://copy-c/job", fresh, keep=2).download_newer() == []  # nothing newer than step 3
+    # nothing newer than step 3
+    assert RemoteCopy("s3://copy-c/job", fresh, keep=2).download_newer() == []
 
 
 def test_a_local_path_is_not_a_remote_copy_and_an_unreachable_store_is_named(
@@ -227,9 +236,9 @@ def test_fabric_sigterm_copies_the_checkpoint_to_s3_and_a_rerun_on_a_new_disk_co
 def test_a_plain_loop_with_a_remote_copy_stopped_and_rerun_on_a_new_disk_continues_exactly(
     s3: dict[str, str], tmp_path: Path
 ) -> None:
-    """``examples/plain_digits.py --remote s3://...`` (``start_remote_copy``, ``fetch_newer``, ``RemoteCopy.upload``
-    after each seal): SIGTERM mid-epoch, the local checkpoints deleted, the same command: the uninterrupted run's
-    batches and final weights."""
+    """``examples/plain_digits.py --remote s3://...`` (``start_remote_copy``, ``fetch_newer``,
+    ``RemoteCopy.upload`` after each seal): SIGTERM mid-epoch, the local checkpoints deleted, the
+    same command: the uninterrupted run's batches and final weights."""
     bucket("copy-p")
 
     def command(out: Path, *args: str) -> list[str]:
@@ -237,7 +246,8 @@ def test_a_plain_loop_with_a_remote_copy_stopped_and_rerun_on_a_new_disk_continu
         return [sys.executable, str(ROOT / "examples" / "plain_digits.py"), "--out", str(out), "--epochs",
                 "1", "--batch-log", str(out), *args]
 
-    def steps(out: Path) -> dict[int, list[Any]]:  # the last write of each step wins (a rerun appends)
+    # the last write of each step wins (a rerun appends)
+    def steps(out: Path) -> dict[int, list[Any]]:
         rows = [json.loads(line) for line in (out / "log-0.jsonl").read_text().splitlines()]
         return {row["step"]: [row["epoch"], row["ids"], row["batch"]] for row in rows}
 
@@ -261,11 +271,13 @@ def test_a_plain_loop_with_a_remote_copy_stopped_and_rerun_on_a_new_disk_continu
     again = forked.run(command(job, *same), capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     resumed = json.loads((job / "log-0.jsonl").read_text().splitlines()[written])
-    assert resumed["step"] == int(local.removeprefix("step_")) + 1  # it continued from the bucket's copy
+    # it continued from the bucket's copy
+    assert resumed["step"] == int(local.removeprefix("step_")) + 1
     assert steps(job) == steps(tmp_path / "full")
     assert again.stdout.splitlines()[-1] == full.stdout.splitlines()[-1]
     assert full.stdout.splitlines()[-1].startswith("final weights digest: ")
-    # the loader's audit, kept in the bucket too (audit=s3://...): the rerun resumed at the bucket's checkpoint
+    # the loader's audit, kept in the bucket too (audit=s3://...): the rerun resumed at the bucket's
+    # checkpoint
     (report,) = audit_directory("s3://copy-p/audit")
     assert report.ok, report.findings
     assert [(a["world"], a["resumed"]) for a in report.attempts] == [

@@ -1,7 +1,8 @@
-"""Checkpoints on object storage, against a real S3 API server on loopback (moto's, tests/support/s3.py), and on
-``file://`` URLs. Lightning (tests/children/lightning_child.py ``--root URL``): ``Trainer(default_root_dir=URL)`` with
-``ResumeCallback()``, SIGTERM after step 5, then the same command: the rerun continues with the uninterrupted
-run's batches and weights, from the preemption checkpoint on the bucket, or from the newest ``last.ckpt`` there."""
+"""Checkpoints on object storage, against a real S3 API server on loopback (moto's,
+tests/support/s3.py), and on ``file://`` URLs. Lightning (tests/children/lightning_child.py ``--root
+URL``): ``Trainer(default_root_dir=URL)`` with ``ResumeCallback()``, SIGTERM after step 5, then the
+same command: the rerun continues with the uninterrupted run's batches and weights, from the
+preemption checkpoint on the bucket, or from the newest ``last.ckpt`` there."""
 
 from __future__ import annotations
 
@@ -46,9 +47,10 @@ def rows(out: Path) -> tuple[list[Any], str]:
 
 @pytest.fixture(scope="module")
 def full(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], str]:
-    """The uninterrupted fit on a local directory (checkpoints every 3 steps), made once per session:
-    test_storage_faults.py compares with it too. No loader workers there: the batches do not depend on
-    num_workers (the augmentation is keyed), so the 2-worker runs here must match it all the same."""
+    """The uninterrupted fit on a local directory (checkpoints every 3 steps), made once per
+    session: test_storage_faults.py compares with it too. No loader workers there: the batches do
+    not depend on num_workers (the augmentation is keyed), so the 2-worker runs here must match it
+    all the same."""
     return rows(child_run(tmp_path_factory, "lightning_child.py", "--every", "3"))
 
 
@@ -56,8 +58,8 @@ def full(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], str]:
 def test_lightning_on_s3_sigterm_writes_the_checkpoint_on_the_bucket_and_the_same_command_continues(
     s3: dict[str, str], full: tuple[list[Any], str], tmp_path: Path, writer: list[str]
 ) -> None:
-    """``--async-io 1``: Lightning's ``AsyncCheckpointIO`` uploads each file from a thread, a second late: the
-    preemption checkpoint is on the bucket before the exit all the same."""
+    """``--async-io 1``: Lightning's ``AsyncCheckpointIO`` uploads each file from a thread, a second
+    late: the preemption checkpoint is on the bucket before the exit all the same."""
     bucket(f"run-a{len(writer)}")
     command = ["--root", f"s3://run-a{len(writer)}/job", "--signal-at", "5", "--append", *writer]
     root = f"s3://run-a{len(writer)}/job"
@@ -73,9 +75,10 @@ def test_lightning_on_s3_sigterm_writes_the_checkpoint_on_the_bucket_and_the_sam
 def test_lightning_on_s3_passes_over_a_corrupted_preemption_checkpoint_to_the_newest_last_ckpt_there(
     s3: dict[str, str], full: tuple[list[Any], str], tmp_path: Path
 ) -> None:
-    """Bytes flipped in the bucket's ``preempted.ckpt``: its CRC-32s, read through fsspec, refuse it (named in a
-    warning); Lightning's own search drops the URL's protocol and finds no remote ``last.ckpt``: the callback
-    offers the newest one (step 6: every 3 steps), and the rerun continues from there."""
+    """Bytes flipped in the bucket's ``preempted.ckpt``: its CRC-32s, read through fsspec, refuse it
+    (named in a warning); Lightning's own search drops the URL's protocol and finds no remote
+    ``last.ckpt``: the callback offers the newest one (step 6: every 3 steps), and the rerun
+    continues from there."""
     import s3fs
 
     bucket("run-b")
@@ -94,7 +97,8 @@ def test_lightning_on_s3_passes_over_a_corrupted_preemption_checkpoint_to_the_ne
 def test_lightning_on_s3_refuses_to_start_over_when_the_bucket_holds_checkpoints_it_cannot_resume(
     s3: dict[str, str], tmp_path: Path
 ) -> None:
-    """No preemption checkpoint, no ``last.ckpt`` (``save_last=False``), but step checkpoints: never a silent step 0."""
+    """No preemption checkpoint, no ``last.ckpt`` (``save_last=False``), but step checkpoints: never
+    a silent step 0."""
     import s3fs
 
     bucket("run-c")
@@ -108,8 +112,8 @@ def test_lightning_on_s3_refuses_to_start_over_when_the_bucket_holds_checkpoints
 def test_lightning_on_a_file_url_is_the_local_path_locked_and_resumed(
     full: tuple[list[Any], str], tmp_path: Path
 ) -> None:
-    """``default_root_dir="file:///..."`` (Lightning makes it ``file:/...``): the local directory, with its lock;
-    nothing goes to a ``./file:`` directory."""
+    """``default_root_dir="file:///..."`` (Lightning makes it ``file:/...``): the local directory,
+    with its lock; nothing goes to a ``./file:`` directory."""
     root = tmp_path / "root"
     command = ["--root", f"file://{root}", "--signal-at", "5", "--append"]
     lightning(tmp_path / "out", *command, expect=143)
@@ -127,8 +131,8 @@ def test_lightning_on_a_file_url_is_the_local_path_locked_and_resumed(
 def test_lightning_on_s3_without_credentials_stops_before_the_first_step_naming_the_url_and_cause(
     s3: dict[str, str], tmp_path: Path
 ) -> None:
-    """No credentials: the fit stops where it looks for its checkpoint, before training, naming the URL and the
-    cause (never a run whose preemption save would fail, nor a silent start)."""
+    """No credentials: the fit stops where it looks for its checkpoint, before training, naming the
+    URL and the cause (never a run whose preemption save would fail, nor a silent start)."""
     bucket("run-d")
     env = {name: value for name, value in os.environ.items() if not name.startswith("AWS_") or name.endswith("URL")}
     env["AWS_SHARED_CREDENTIALS_FILE"] = env["AWS_CONFIG_FILE"] = str(tmp_path / "none")
@@ -142,10 +146,11 @@ def test_lightning_on_s3_without_credentials_stops_before_the_first_step_naming_
 def test_lightning_on_s3_a_network_error_at_the_preemption_save_exits_74_and_a_rerun_resumes_from_the_last_one(
     s3: dict[str, str], full: tuple[list[Any], str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The link to the S3 server is cut mid-job (a relay in between closes every connection and refuses new ones):
-    the preemption save fails, exit 74 naming the URL and the cause. With the link back, the same command resumes
-    exactly from what was written before it went: the newest ``last.ckpt`` (step 3), once the lease the cut job
-    could not remove has ended (its term: 6 s here)."""
+    """The link to the S3 server is cut mid-job (a relay in between closes every connection and
+    refuses new ones): the preemption save fails, exit 74 naming the URL and the cause. With the
+    link back, the same command resumes exactly from what was written before it went: the newest
+    ``last.ckpt`` (step 3), once the lease the cut job could not remove has ended (its term: 6 s
+    here)."""
     monkeypatch.setenv("LOADER_RESUME_LEASE_SECONDS", "6")
     bucket("run-e")
     link = Cuttable(s3["AWS_ENDPOINT_URL"])
@@ -173,9 +178,9 @@ def test_lightning_on_s3_a_network_error_at_the_preemption_save_exits_74_and_a_r
 def test_a_second_job_on_the_same_bucket_directory_is_refused_naming_the_first(
     s3: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The first job's lease (S3's conditional create) is held and renewed while it runs (a term of 6 s: renewed
-    every 2 s): a second job waits, then is refused at setup naming the holder, and writes nothing; the first one's
-    release frees the directory."""
+    """The first job's lease (S3's conditional create) is held and renewed while it runs (a term of
+    6 s: renewed every 2 s): a second job waits, then is refused at setup naming the holder, and
+    writes nothing; the first one's release frees the directory."""
     monkeypatch.setenv("LOADER_RESUME_LEASE_SECONDS", "6")
     bucket("run-f")
     first = RemoteLease.acquire("s3://run-f/job")
@@ -187,15 +192,17 @@ def test_a_second_job_on_the_same_bucket_directory_is_refused_naming_the_first(
     finally:
         first.release()
     assert objects("s3://run-f/job") == []
-    lightning(tmp_path / "third", "--root", "s3://run-f/job")  # free again: it runs, and lets go at its end
+    # free again: it runs, and lets go at its end
+    lightning(tmp_path / "third", "--root", "s3://run-f/job")
     assert not [url for url in objects("s3://run-f/job") if ".loader_resume.lease" in url]
 
 
 def test_a_killed_jobs_lease_ends_with_its_term_and_the_rerun_takes_the_directory_over_and_resumes(
     s3: dict[str, str], full: tuple[list[Any], str], tmp_path: Path
 ) -> None:
-    """SIGKILL (no chance to remove the lease) after step 4; the lease's term (LOADER_RESUME_LEASE_SECONDS=3)
-    passes, and the same command takes the directory over, saying so, and resumes from the newest last.ckpt."""
+    """SIGKILL (no chance to remove the lease) after step 4; the lease's term
+    (LOADER_RESUME_LEASE_SECONDS=3) passes, and the same command takes the directory over, saying
+    so, and resumes from the newest last.ckpt."""
     bucket("run-g")
     env = {**os.environ, "LOADER_RESUME_LEASE_SECONDS": "3"}
     (tmp_path / "out").mkdir()
@@ -234,8 +241,9 @@ lease.release()
 def test_a_lease_being_renewed_is_refused_and_two_jobs_taking_over_an_ended_one_never_both_hold_it(
     s3: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Term 3 s (renewed every second): a job meeting a renewed lease is refused naming its holder; a lease left by
-    a killed job (never renewed) is waited out, and of two jobs taking over at once exactly one holds it."""
+    """Term 3 s (renewed every second): a job meeting a renewed lease is refused naming its holder;
+    a lease left by a killed job (never renewed) is waited out, and of two jobs taking over at once
+    exactly one holds it."""
     import s3fs
 
     monkeypatch.setenv("LOADER_RESUME_LEASE_SECONDS", "3")
@@ -263,7 +271,8 @@ def test_a_lease_being_renewed_is_refused_and_two_jobs_taking_over_an_ended_one_
         racer.join(timeout=60)
     held = [lease for lease in outcomes.values() if isinstance(lease, RemoteLease)]
     assert len(held) == 1 and held[0].number == 2, outcomes
-    assert objects("s3://run-h/b") == ["s3://run-h/b/.loader_resume.lease.2"]  # the ended one removed
+    # the ended one removed
+    assert objects("s3://run-h/b") == ["s3://run-h/b/.loader_resume.lease.2"]
     held[0].release()
     assert objects("s3://run-h/b") == []
 
@@ -271,9 +280,9 @@ def test_a_lease_being_renewed_is_refused_and_two_jobs_taking_over_an_ended_one_
 def test_a_holder_stopped_past_its_term_loses_the_lease_loudly_and_never_removes_the_next_holders(
     s3: dict[str, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """A real process holds the lease (term 3 s) and is stopped (SIGSTOP) past its term: another job takes the
-    directory over; the first, continued (SIGCONT), finds a higher lease at its next renewal, says the lease was
-    lost, and on release removes only its own object."""
+    """A real process holds the lease (term 3 s) and is stopped (SIGSTOP) past its term: another job
+    takes the directory over; the first, continued (SIGCONT), finds a higher lease at its next
+    renewal, says the lease was lost, and on release removes only its own object."""
     monkeypatch.setenv("LOADER_RESUME_LEASE_SECONDS", "3")
     bucket("run-i")
     holder = forked.popen([sys.executable, "-c", HOLDER, "s3://run-i/job", str(tmp_path)],
@@ -284,7 +293,8 @@ def test_a_holder_stopped_past_its_term_loses_the_lease_loudly_and_never_removes
         time.sleep(0.05)
     os.kill(holder.pid, signal.SIGSTOP)
     try:
-        second = RemoteLease.acquire("s3://run-i/job", wait=2)  # waits the silent lease out (3 s), then takes it
+        # waits the silent lease out (3 s), then takes it
+        second = RemoteLease.acquire("s3://run-i/job", wait=2)
     finally:
         os.kill(holder.pid, signal.SIGCONT)
     assert second is not None and second.number == 2
@@ -293,15 +303,17 @@ def test_a_holder_stopped_past_its_term_loses_the_lease_loudly_and_never_removes
     _, stderr = holder.communicate(timeout=60)
     assert (tmp_path / "lost").read_text() == "True"
     assert "was taken by another job" in stderr
-    assert "s3://run-i/job/.loader_resume.lease.2" in objects("s3://run-i/job")  # the second's lease stands
+    # the second's lease stands
+    assert "s3://run-i/job/.loader_resume.lease.2" in objects("s3://run-i/job")
     second.release()
 
 
 def test_lightning_on_s3_a_rerun_after_a_crash_resumes_from_the_newer_last_ckpt_not_an_older_preemption_one(
     s3: dict[str, str], full: tuple[list[Any], str], tmp_path: Path
 ) -> None:
-    """Preempted at step 5 (preempted.ckpt); the rerun resumes, writes last.ckpt at steps 6 and 9 and is killed
-    after step 10, leaving the old preemption checkpoint; the next rerun resumes from step 9, the newer."""
+    """Preempted at step 5 (preempted.ckpt); the rerun resumes, writes last.ckpt at steps 6 and 9
+    and is killed after step 10, leaving the old preemption checkpoint; the next rerun resumes from
+    step 9, the newer."""
     bucket("run-j")
     lightning(tmp_path / "first", "--root", "s3://run-j/job", "--signal-at", "5", expect=143)
     (tmp_path / "second").mkdir()
@@ -316,7 +328,8 @@ def test_lightning_on_s3_a_rerun_after_a_crash_resumes_from_the_newer_last_ckpt_
     second.wait()
     assert "s3://run-j/job/preempted.ckpt" in objects("s3://run-j/job")
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("LOADER_RESUME_LEASE_SECONDS", "1")  # NOTE: the killed job's lease: ended by the time it looks
+        # NOTE: the killed job's lease: ended by the time it looks
+        env.setenv("LOADER_RESUME_LEASE_SECONDS", "1")
         time.sleep(1.5)
         lightning(tmp_path / "third", "--root", "s3://run-j/job")
     resumed, weights = rows(tmp_path / "third")
@@ -326,16 +339,16 @@ def test_lightning_on_s3_a_rerun_after_a_crash_resumes_from_the_newer_last_ckpt_
 def test_lightning_on_a_bucket_that_does_not_exist_is_refused_at_setup_naming_the_url_and_cause(
     s3: dict[str, str], tmp_path: Path
 ) -> None:
-    """ResumeCallback(dirpath="s3://no-such-bucket/job"): taking the directory's lease fails, naming the URL and
-    the store's answer, before any step (nothing trained, nothing written)."""
+    """ResumeCallback(dirpath="s3://no-such-bucket/job"): taking the directory's lease fails, naming
+    the URL and the store's answer, before any step (nothing trained, nothing written)."""
     stderr = lightning(tmp_path, "--resume-dir", "s3://no-such-bucket/job", expect=1)
     assert "checkpoint directory s3://no-such-bucket/job: cannot take its lease (FileNotFoundError" in stderr
     assert "bucket does not exist" in stderr and not (tmp_path / "log-0.json").exists()
 
 
 def test_a_front_door_that_writes_local_directories_refuses_a_url_for_them(tmp_path: Path) -> None:
-    """Accelerate's checkpoint_dir as an s3:// URL: refused at enable_resume, naming it (never a local ./s3:/
-    directory that only looks remote)."""
+    """Accelerate's checkpoint_dir as an s3:// URL: refused at enable_resume, naming it (never a
+    local ./s3:/ directory that only looks remote)."""
     from accelerate import Accelerator
 
     from accelerate_resume import enable_resume
@@ -349,9 +362,9 @@ def test_a_front_door_that_writes_local_directories_refuses_a_url_for_them(tmp_p
 def test_a_preemption_checkpoint_and_a_last_ckpt_of_the_same_second_are_told_apart_by_their_steps(
     s3: dict[str, str]
 ) -> None:
-    """S3 keeps whole seconds: a rerun that resumed from the preemption checkpoint can write ``last.ckpt`` within
-    the same second (seen in a full run). Of two written in one second, the later step is resumed from; at the same
-    step, the preemption checkpoint."""
+    """S3 keeps whole seconds: a rerun that resumed from the preemption checkpoint can write
+    ``last.ckpt`` within the same second (seen in a full run). Of two written in one second, the
+    later step is resumed from; at the same step, the preemption checkpoint."""
     import io
 
     import torch

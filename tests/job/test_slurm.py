@@ -1,13 +1,13 @@
-"""SLURM's requeue: real jobs of every front door in a process that sees SLURM's variables (one task, as ``sbatch``
-starts it), with a stand-in ``scontrol`` first on ``PATH`` (SLURM itself cannot run here) that records how it was
-called and exits with ``SCONTROL_EXIT``.
+"""SLURM's requeue: real jobs of every front door in a process that sees SLURM's variables (one
+task, as ``sbatch`` starts it), with a stand-in ``scontrol`` first on ``PATH`` (SLURM itself cannot
+run here) that records how it was called and exits with ``SCONTROL_EXIT``.
 
-Lightning's ``SLURMEnvironment`` (``auto_requeue`` on, its default under SLURM) answers SIGUSR1 by checkpointing and
-running ``scontrol requeue JOB``; with our callback the checkpoint is ours (agreed, at a step boundary) and the
-requeue still happens, after it is written (the requeued fit's exact continuation:
-``tests/frontdoors/test_lightning.py``, ``test_under_slurm_sigusr1...``). SIGTERM (``scancel``, the time limit)
-checkpoints without a requeue. Fabric, Accelerate and the transformers Trainer requeue the same way when asked
-(``slurm_requeue``).
+Lightning's ``SLURMEnvironment`` (``auto_requeue`` on, its default under SLURM) answers SIGUSR1 by
+checkpointing and running ``scontrol requeue JOB``; with our callback the checkpoint is ours
+(agreed, at a step boundary) and the requeue still happens, after it is written (the requeued fit's
+exact continuation: ``tests/frontdoors/test_lightning.py``, ``test_under_slurm_sigusr1...``).
+SIGTERM (``scancel``, the time limit) checkpoints without a requeue. Fabric, Accelerate and the
+transformers Trainer requeue the same way when asked (``slurm_requeue``).
 """
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ def test_slurm_job_ids() -> None:
         slurm_job_id({"SLURM_JOB_ID": "12; rm"})
 
 
-FRONT_DOORS = {  # (child, its options for a requeue on SIGUSR1 after micro-batch 5, options of every run)
+# (child, its options for a requeue on SIGUSR1 after micro-batch 5, options of every run)
+FRONT_DOORS = {
     "fabric": ("fabric_child.py", ["--slurm-requeue", "--signal-name", "SIGUSR1", "--signal-at", "5"], []),
     "accelerate": ("accelerate_child.py", ["--signal-name", "SIGUSR1", "--signal-at", "5"], ["slurm_requeue=true"]),
     "transformers": ("transformers_child.py", ["--slurm-requeue", "--signal-name", "SIGUSR1", "--signal-at", "5"],

@@ -23,7 +23,8 @@ def _draw(count: int) -> dict[str, torch.Tensor]:
 
 
 class IteratesThrice(Dataset[Any]):
-    """Like HF datasets' ``__getitems__``: ``max``, ``min`` and a conversion of the list before a batch transform."""
+    """Like HF datasets' ``__getitems__``: ``max``, ``min`` and a conversion of the list before a
+    batch transform."""
 
     def __len__(self) -> int:
         return 24
@@ -72,7 +73,8 @@ def _loader(cls: type[Dataset[Any]], workers: int, **options: Any) -> ResumableD
 def test_batch_values_are_keyed_whatever_the_dataset_does_with_the_list(cls: type[Dataset[Any]]) -> None:
     in_process = run_epochs(_loader(cls, 0), 2)
     assert run_epochs(_loader(cls, 2), 2) == in_process
-    assert run_epochs(_loader(cls, 0, seed=2), 2) != in_process  # the values are keyed, not constant
+    # the values are keyed, not constant
+    assert run_epochs(_loader(cls, 0, seed=2), 2) != in_process
 
 
 @pytest.mark.parametrize("cls", DATASETS)

@@ -1,4 +1,5 @@
-"""Keyed randomness: values are a function of (seed, epoch, position), never of workers or history."""
+"""Keyed randomness: values are a function of (seed, epoch, position), never of workers or
+history."""
 
 from __future__ import annotations
 
@@ -87,7 +88,8 @@ def test_unknown_generator_name_is_refused() -> None:
 
 @pytest.mark.parametrize("keying", ["batch", "sample"])
 def test_main_process_iteration_does_not_disturb_the_callers_stream(keying: str) -> None:
-    """With num_workers=0 the fetch runs in the caller's process: its own draws (dropout) must not move."""
+    """With num_workers=0 the fetch runs in the caller's process: its own draws (dropout) must not
+    move."""
 
     def draws(loader: Any) -> list[tuple[float, float, float]]:
         torch.manual_seed(5)
@@ -124,7 +126,8 @@ class _Draws(torch.utils.data.Dataset[tuple[float, float, float]]):
 
 
 def _fetch_in_a_worker(batches: list[KeyedIndices], between: Any = None) -> tuple[list[Any], list[int]]:
-    """Fetch ``batches`` as a DataLoader worker does: indices unpickled, fetched, collated (our wrapper).
+    """Fetch ``batches`` as a DataLoader worker does: indices unpickled, fetched, collated (our
+    wrapper).
 
     Returns the values drawn and ``torch.initial_seed()`` as each next batch's indices arrive.
     """
@@ -145,7 +148,8 @@ def _fetch_in_a_worker(batches: list[KeyedIndices], between: Any = None) -> tupl
 
 
 def test_seeding_ahead_gives_each_batch_its_own_keys_values() -> None:
-    """A worker seeds for its next batch in the background; right or wrong, the values are the batch's own."""
+    """A worker seeds for its next batch in the background; right or wrong, the values are the
+    batch's own."""
     mask = generator_mask(GENERATORS)
     keys = [derive_key(11, i) for i in range(4)]
     plain = [KeyedIndices([0, 1, 2], KeySpec(key, None, mask)) for key in keys]
@@ -154,14 +158,17 @@ def test_seeding_ahead_gives_each_batch_its_own_keys_values() -> None:
     guessed = [KeyedIndices([0, 1, 2], KeySpec(key, None, mask), ahead=after) for key, after in pairs]
     values, seeds = _fetch_in_a_worker(guessed)
     assert values == expected
-    assert seeds[1:] == [key & ((1 << 63) - 1) for key in keys[1:]]  # seeded (63 bits) before the indices arrived
+    # seeded (63 bits) before the indices arrived
+    assert seeds[1:] == [key & ((1 << 63) - 1) for key in keys[1:]]
     wrong = [KeyedIndices([0, 1, 2], KeySpec(key, None, mask), ahead=derive_key(99, i)) for i, key in enumerate(keys)]
     assert _fetch_in_a_worker(wrong)[0] == expected
-    assert len({v for batch in expected for item in batch for v in item}) == 4 * 3 * 3  # the keys differ
+    # the keys differ
+    assert len({v for batch in expected for item in batch for v in item}) == 4 * 3 * 3
 
 
 def test_seeding_ahead_survives_a_fork() -> None:
-    """A process forked after the helper thread started (a worker's own subprocess) starts its own helper."""
+    """A process forked after the helper thread started (a worker's own subprocess) starts its own
+    helper."""
     SEED_AHEAD.plan(derive_key(1, 2), generator_mask(["torch"]))
     SEED_AHEAD.start()
     assert SEED_AHEAD.take() == (derive_key(1, 2), generator_mask(["torch"]))
@@ -180,8 +187,9 @@ def _seed_ahead_in_child() -> None:
 
 
 def test_a_worker_fetch_left_unchecked_makes_the_worker_seed_every_generator(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A batch whose fetch ends before our collate check (the dataset raised) leaves its worker seeding every
-    keyed generator for every later batch: a generator first drawn then is keyed as in a worker that seeds all."""
+    """A batch whose fetch ends before our collate check (the dataset raised) leaves its worker
+    seeding every keyed generator for every later batch: a generator first drawn then is keyed as in
+    a worker that seeds all."""
     mask = generator_mask(GENERATORS)
     keys = [derive_key(21, i) for i in range(3)]
     fetcher = _MapDatasetFetcher(list(range(10)), True, SeedAheadCollate(lambda items: items), False)
@@ -194,7 +202,8 @@ def test_a_worker_fetch_left_unchecked_makes_the_worker_seed_every_generator(mon
                 if eager:
                     patch.setattr(WorkerFetch, "seeds_for", lambda self, mask: mask)
                 fetcher.fetch(pickle.loads(pickle.dumps(KeyedIndices([0, 1], KeySpec(keys[0], None, mask)))))
-                pickle.loads(pickle.dumps(KeyedIndices([2, 3], KeySpec(keys[1], None, mask))))  # its fetch raised
+                # its fetch raised
+                pickle.loads(pickle.dumps(KeyedIndices([2, 3], KeySpec(keys[1], None, mask))))
                 pickle.loads(pickle.dumps(KeyedIndices([4, 5], KeySpec(keys[2], None, mask))))
                 return [float(np.random.rand()), random.random()]  # the third batch's first draws
         finally:

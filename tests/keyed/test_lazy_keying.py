@@ -1,9 +1,9 @@
-"""Only the generators a dataset draws from are seeded (in the main process and in workers), and its values
-are still the keyed ones.
+"""Only the generators a dataset draws from are seeded (in the main process and in workers), and its
+values are still the keyed ones.
 
-The reference for "the keyed values" is a 2-worker loader whose workers seed every keyed generator before
-every batch (``WorkerFetch.seeds_for`` made to answer "all of them"): equal values mean lazy keying changed
-nothing a batch sees.
+The reference for "the keyed values" is a 2-worker loader whose workers seed every keyed generator
+before every batch (``WorkerFetch.seeds_for`` made to answer "all of them"): equal values mean lazy
+keying changed nothing a batch sees.
 """
 
 from __future__ import annotations
@@ -66,12 +66,14 @@ def _later(index: int, epoch: int) -> set[str]:
 
 
 def _one_numpy_item(index: int, epoch: int) -> set[str]:
-    """One item of the whole dataset draws one normal from numpy (the cached spare is the only move after)."""
+    """One item of the whole dataset draws one normal from numpy (the cached spare is the only move
+    after)."""
     return {"numpy"} if index == 7 else set()
 
 
 def _one_whole_refill(index: int, epoch: int) -> set[str]:
-    """From epoch 1, item 5 draws exactly 624 words from ``random`` (its position counter ends where it began)."""
+    """From epoch 1, item 5 draws exactly 624 words from ``random`` (its position counter ends where
+    it began)."""
     return {"refill"} if index == 5 and epoch >= 1 else set()
 
 
@@ -111,9 +113,10 @@ def test_lazy_workers_give_the_values_of_workers_that_seed_every_batch(which: An
 
 
 def test_a_worker_reads_a_batch_again_only_when_it_first_sees_a_generator_drawn() -> None:
-    """_one_numpy_item: item 7 draws numpy. Workers start fresh each epoch (the dataset has set_epoch); a
-    worker's first batch seeds every generator, so the batch holding item 7 is read twice only when it is
-    not its worker's first batch (torch hands batches to the 2 workers in turn: batches 0 and 1 are firsts)."""
+    """_one_numpy_item: item 7 draws numpy. Workers start fresh each epoch (the dataset has
+    set_epoch); a worker's first batch seeds every generator, so the batch holding item 7 is read
+    twice only when it is not its worker's first batch (torch hands batches to the 2 workers in
+    turn: batches 0 and 1 are firsts)."""
     reads = multiprocessing.get_context("fork").Value("i", 0)
     loader = _loader(_one_numpy_item, 2, shared_reads=reads, multiprocessing_context="fork")
     run_epochs(loader, 3)
@@ -149,15 +152,17 @@ def test_a_dataset_that_starts_drawing_later_resumes_exactly(which: Any) -> None
 
 
 def test_a_batch_is_read_again_only_when_a_generator_is_first_seen_drawn() -> None:
-    """_later draws nothing in epoch 0 (learned at the first batch: no generator), torch from epoch 1 and
-    random from epoch 2. torch's generator is seeded for every batch regardless (torch.initial_seed() must
-    report the batch's key), so only the first batch of epoch 2 is read twice."""
+    """_later draws nothing in epoch 0 (learned at the first batch: no generator), torch from epoch
+    1 and random from epoch 2. torch's generator is seeded for every batch regardless
+    (torch.initial_seed() must report the batch's key), so only the first batch of epoch 2 is read
+    twice."""
     loader = _loader(_later, 0)
     run_epochs(loader, 3)
     assert loader.dataset.reads == 3 * 30 + 4
     everything = _loader(_everything, 0)
     run_epochs(everything, 3)
-    assert everything.dataset.reads == 3 * 30  # learned at the first batch, which seeds every generator
+    # learned at the first batch, which seeds every generator
+    assert everything.dataset.reads == 3 * 30
 
 
 class _ReadsSeed(Dataset[int]):
@@ -171,8 +176,9 @@ class _ReadsSeed(Dataset[int]):
 
 
 def test_torch_reports_the_batch_key_while_reading_and_the_callers_seed_and_state_after() -> None:
-    """A dataset that only reads torch.initial_seed(): the batch's key inside the fetch (as in a worker); the
-    caller's seed and state are what they were, before each batch and after the last."""
+    """A dataset that only reads torch.initial_seed(): the batch's key inside the fetch (as in a
+    worker); the caller's seed and state are what they were, before each batch and after the
+    last."""
     torch.manual_seed(5)
     torch.rand(3)
     seed, state = torch.initial_seed(), torch.get_rng_state()
@@ -186,7 +192,8 @@ def test_torch_reports_the_batch_key_while_reading_and_the_callers_seed_and_stat
 
 
 class _ForkedDraws(Dataset[float]):
-    """Draws from torch inside torch.random.fork_rng(), which puts torch's state back as it found it."""
+    """Draws from torch inside torch.random.fork_rng(), which puts torch's state back as it found
+    it."""
 
     def __len__(self) -> int:
         return 12
@@ -198,9 +205,9 @@ class _ForkedDraws(Dataset[float]):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_draws_inside_fork_rng_are_keyed(workers: int) -> None:
-    """fork_rng leaves torch's generator as it found it, so such a dataset looks as if it drew nothing: its
-    values are keyed all the same (torch's generator is seeded for every batch), equal at 0 and 2 workers,
-    another seed gives others, and a resume reproduces them."""
+    """fork_rng leaves torch's generator as it found it, so such a dataset looks as if it drew
+    nothing: its values are keyed all the same (torch's generator is seeded for every batch), equal
+    at 0 and 2 workers, another seed gives others, and a resume reproduces them."""
     def make(seed: int = 7, nw: int = workers) -> ResumableDataLoader[Any]:
         return ResumableDataLoader(_ForkedDraws(), batch_size=3, shuffle=True, seed=seed, num_workers=nw)
 
@@ -225,8 +232,8 @@ def test_generator_states_round_trip_with_cached_normals() -> None:
 @pytest.mark.parametrize("bit,draw", [(1, lambda: torch.randn(1)), (2, np.random.normal),
                                       (4, lambda: random.gauss(0, 1))], ids=["torch", "numpy", "random"])
 def test_using_a_cached_normal_is_a_change(bit: int, draw: Any) -> None:
-    """The draw after a normal draw takes the cached spare and leaves MT19937 as it was: still seen as a move,
-    by the whole states and by the marks a fetch compares first."""
+    """The draw after a normal draw takes the cached spare and leaves MT19937 as it was: still seen
+    as a move, by the whole states and by the marks a fetch compares first."""
     seed_all(2)
     draw()
     states = generator_states()
@@ -240,7 +247,8 @@ def test_using_a_cached_normal_is_a_change(bit: int, draw: Any) -> None:
                                        (4, lambda: [random.getrandbits(32) for _ in range(624)])],
                          ids=["numpy", "random"])
 def test_a_whole_refill_of_the_state_is_a_change(bit: int, words: Any) -> None:
-    """Exactly 624 words drawn: the position counter ends where it began; the state words beside it do not."""
+    """Exactly 624 words drawn: the position counter ends where it began; the state words beside it
+    do not."""
     seed_all(4)
     np.random.bytes(40), random.getrandbits(32)  # mid-state, not at a refill
     states = generator_states()
@@ -251,7 +259,8 @@ def test_a_whole_refill_of_the_state_is_a_change(bit: int, words: Any) -> None:
 
 
 def test_the_public_api_fallback_gives_the_same_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the memory layout is not the probed one (another torch, numpy or Python), the public APIs serve."""
+    """Where the memory layout is not the probed one (another torch, numpy or Python), the public
+    APIs serve."""
     import loader_resume.keyed.rng_memory as rng_memory
 
     def reported_seeds() -> list[int]:
@@ -271,7 +280,8 @@ def test_the_public_api_fallback_gives_the_same_values(monkeypatch: pytest.Monke
 
 
 def test_a_replaced_numpy_bit_generator_is_followed() -> None:
-    """np.random.set_bit_generator swaps the legacy global state's generator: states follow the new one."""
+    """np.random.set_bit_generator swaps the legacy global state's generator: states follow the new
+    one."""
     original = np.random.get_bit_generator()
     try:
         np.random.set_bit_generator(np.random.PCG64(1))
@@ -289,8 +299,9 @@ def test_a_replaced_numpy_bit_generator_is_followed() -> None:
 
 
 class Picky(Dataset[dict[str, Any]]):
-    """From epoch 1 draws from numpy, then raises unless numpy's generator had just been seeded (as it is for
-    every batch when every generator is seeded): a dataset that fails on what an unkeyed generator gave it."""
+    """From epoch 1 draws from numpy, then raises unless numpy's generator had just been seeded (as
+    it is for every batch when every generator is seeded): a dataset that fails on what an unkeyed
+    generator gave it."""
 
     def __init__(self, n: int = 30) -> None:
         self.n, self.epoch = n, 0
@@ -312,8 +323,9 @@ class Picky(Dataset[dict[str, Any]]):
 
 
 def test_an_exception_from_an_unkeyed_draw_is_a_read_again_keyed() -> None:
-    """Main process: the batch that raised after drawing from a generator not seeded is read again with it
-    seeded, as a loader seeding every generator reads it; the caller's generators are left alone."""
+    """Main process: the batch that raised after drawing from a generator not seeded is read again
+    with it seeded, as a loader seeding every generator reads it; the caller's generators are left
+    alone."""
     with _eager_workers():
         eager = run_epochs(ResumableDataLoader(Picky(), batch_size=4, shuffle=True, seed=3, num_workers=2,
                                                multiprocessing_context="fork"), 3)
@@ -325,8 +337,8 @@ def test_an_exception_from_an_unkeyed_draw_is_a_read_again_keyed() -> None:
 
 
 class Keeps(Dataset[dict[str, Any]]):
-    """After its first batch (4 reads of this copy) each item draws one numpy number the first time it is read,
-    and keeps it."""
+    """After its first batch (4 reads of this copy) each item draws one numpy number the first time
+    it is read, and keeps it."""
 
     def __init__(self, n: int = 30) -> None:
         self.n, self.reads, self.kept = n, 0, {}

@@ -1,7 +1,8 @@
-"""The commonest way a plain job stops: a loop that ``break``s (a stop flag, a time limit, ``max_steps``) or fails,
-then saves. The state continues the pass in flight with its very next batch, whether or not the loop's iterator
-still exists; a loop that leaves passes on purpose says ``pass_ended=True``. Each cut is resumed in a fresh process
-and compared with the uninterrupted run: ids, and the values the items drew from torch, numpy and random."""
+"""The commonest way a plain job stops: a loop that ``break``s (a stop flag, a time limit,
+``max_steps``) or fails, then saves. The state continues the pass in flight with its very next
+batch, whether or not the loop's iterator still exists; a loop that leaves passes on purpose says
+``pass_ended=True``. Each cut is resumed in a fresh process and compared with the uninterrupted run:
+ids, and the values the items drew from torch, numpy and random."""
 
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ def uninterrupted(config: dict[str, Any]) -> list[list[Any]]:
 
 
 def cut(config: dict[str, Any], at: int, how: str) -> tuple[list[list[Any]], dict[str, Any]]:
-    """Batches 0..``at`` (counted over the whole run), then the loop leaves its pass by ``break`` or an exception
-    and saves; the rows it trained on and the state it saved."""
+    """Batches 0..``at`` (counted over the whole run), then the loop leaves its pass by ``break`` or
+    an exception and saves; the rows it trained on and the state it saved."""
     loader, rows = build(config), []
     while True:
         try:
@@ -48,7 +49,8 @@ def cut(config: dict[str, Any], at: int, how: str) -> tuple[list[list[Any]], dic
             else:
                 continue
         except Stop:
-            return rows, loader.state_dict()  # NOTE: inside `except`: the traceback still holds the iterator
+            # NOTE: inside `except`: the traceback still holds the iterator
+            return rows, loader.state_dict()
         return rows, loader.state_dict()
 
 
@@ -68,7 +70,8 @@ def test_a_loop_that_breaks_or_fails_then_saves_continues_its_pass_with_the_very
     full = uninterrupted(config)
     total = len(full)
     assert total >= 2 * STEPS - 2 and len({json.dumps(row) for row in full}) == total
-    # every batch of two epochs with no workers; with workers, the first, a middle one and each epoch's last two
+    # every batch of two epochs with no workers; with workers, the first, a middle one and each
+    # epoch's last two
     ats = range(total - 1) if config["workers"] == 0 else sorted({0, 4, STEPS - 2, STEPS - 1, total - 2})
     cases, befores = [], []
     for at in ats:
@@ -82,8 +85,8 @@ def test_a_loop_that_breaks_or_fails_then_saves_continues_its_pass_with_the_very
 
 @pytest.mark.parametrize("kind", ["map", "stream"])
 def test_the_state_is_the_same_whether_the_iterator_was_collected_or_kept_alive(kind: str) -> None:
-    """The loop's iterator, after a ``break``: dropped and collected, kept alive by a reference cycle with the
-    collector off, or still held: one state."""
+    """The loop's iterator, after a ``break``: dropped and collected, kept alive by a reference
+    cycle with the collector off, or still held: one state."""
     config = {"kind": kind, "workers": 0, "persistent": False}
     states = []
     for fate in ("collected", "kept alive", "held"):
@@ -118,7 +121,8 @@ def test_a_new_iter_in_the_same_process_still_starts_the_next_epoch(workers: int
     for k, _ in enumerate(loader):
         if k == 2:
             break
-    assert [record(batch) for batch in loader] == epochs[1]  # as DataLoader: the next iter() is a new pass
+    # as DataLoader: the next iter() is a new pass
+    assert [record(batch) for batch in loader] == epochs[1]
     assert (loader.state_dict()["epoch"], loader.state_dict()["position"]) == (2, 0)
 
 
@@ -130,7 +134,8 @@ def test_a_state_at_an_epochs_last_batch_starts_the_next_epoch(kind: str) -> Non
     iterator = iter(loader)
     for batch in iterator:
         rows.append(record(batch))
-        if kind == "map" and len(rows) == STEPS:  # the last batch is out; the iterator has not ended
+        # the last batch is out; the iterator has not ended
+        if kind == "map" and len(rows) == STEPS:
             break
     state = loader.state_dict()
     resumed = build(config)
@@ -141,7 +146,8 @@ def test_a_state_at_an_epochs_last_batch_starts_the_next_epoch(kind: str) -> Non
 @pytest.mark.parametrize("config", [{"kind": "map", "workers": 2, "persistent": False},
                                     {"kind": "stream", "workers": 0, "persistent": False}], ids=["map-w2", "stream-w0"])
 def test_pass_ended_after_a_break_starts_the_next_epoch_as_the_loops_next_iter_does(config: dict[str, Any]) -> None:
-    """A loop that leaves passes on purpose (an epoch limit of its own): the state it saves says so."""
+    """A loop that leaves passes on purpose (an epoch limit of its own): the state it saves says
+    so."""
     loader = build(config)
     for k, _ in enumerate(loader):
         if k == 2:
@@ -150,7 +156,8 @@ def test_pass_ended_after_a_break_starts_the_next_epoch_as_the_loops_next_iter_d
     assert state["epoch"] == 1 and loader.state_dict(pass_ended=True) == state
     resumed = build(config)
     resumed.load_state_dict(state)
-    assert [record(batch) for batch in resumed] == [record(batch) for batch in loader]  # both: epoch 1, whole
+    # both: epoch 1, whole
+    assert [record(batch) for batch in resumed] == [record(batch) for batch in loader]
 
 
 def test_which_continuation_was_chosen_is_logged_once_per_loader_and_a_pass_left_where_saved_is_warned(
@@ -167,7 +174,8 @@ def test_which_continuation_was_chosen_is_logged_once_per_loader_and_a_pass_left
     assert "continues the pass of epoch 0 at batch 2 of 10" in notes[0].getMessage()
     assert "state_dict(pass_ended=True)" in notes[0].getMessage()
     caplog.clear()
-    next(iter(loader))  # the loop left that pass on purpose: the state saved at its cut says otherwise
+    # the loop left that pass on purpose: the state saved at its cut says otherwise
+    next(iter(loader))
     (warning,) = [r for r in caplog.records if r.name == "loader_resume.pass_notes"]
     assert warning.levelno == logging.WARNING
     assert "left the pass of epoch 0 after batch 4 of 10" in warning.getMessage()
@@ -179,14 +187,15 @@ def test_which_continuation_was_chosen_is_logged_once_per_loader_and_a_pass_left
     said.state_dict(pass_ended=True)
     said.state_dict(pass_ended=False)
     list(said)
-    assert not [r for r in caplog.records if r.name == "loader_resume.pass_notes"]  # the loop said which
+    # the loop said which
+    assert not [r for r in caplog.records if r.name == "loader_resume.pass_notes"]
 
 
 def test_a_sampler_without_len_takes_states_and_says_batch_k_of_an_unknown_total(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The log line needs the epoch's batches, which a user's sampler without ``__len__`` cannot tell: it says "?"
-    (and the state is taken as before)."""
+    """The log line needs the epoch's batches, which a user's sampler without ``__len__`` cannot
+    tell: it says "?" (and the state is taken as before)."""
 
     class Endless(torch.utils.data.Sampler[int]):
         def __init__(self) -> None:

@@ -1,4 +1,5 @@
-"""Drop-in: DataLoader's arguments, defaults and errors; rebuilding from attributes; iterable pass-through."""
+"""Drop-in: DataLoader's arguments, defaults and errors; rebuilding from attributes; iterable
+pass-through."""
 
 from __future__ import annotations
 
@@ -62,8 +63,8 @@ def test_our_own_options_fail_clearly(kwargs: dict[str, Any], message: str) -> N
 @pytest.mark.parametrize(("name", "value"), [("seed", 5), ("keying", "off"), ("keyed_generators", ("torch",)),
                                            ("rank", 1), ("world_size", 2), ("in_order", False)])
 def test_our_settings_cannot_be_set_after_construction(name: str, value: Any) -> None:
-    """As DataLoader refuses ``batch_size``: the order, the keys and the state follow one value, the one the
-    loader was built with; a write is refused and changes nothing."""
+    """As DataLoader refuses ``batch_size``: the order, the keys and the state follow one value, the
+    one the loader was built with; a write is refused and changes nothing."""
     loader = make(10, shuffle=True, seed=0)
     before = (run_epochs(loader, 1), loader.state_dict())
     with pytest.raises(ValueError, match=rf"{name} attribute should not be set after ResumableDataLoader is "
@@ -83,8 +84,8 @@ def test_dataloaders_own_settings_are_refused_after_construction_as_dataloader_r
 
 
 def test_num_workers_written_after_construction_takes_effect_everywhere_from_the_next_pass() -> None:
-    """DataLoader lets ``num_workers`` change between passes: the state reports the new value and a stream
-    state saved with that many workers loads (the loader re-shards nothing)."""
+    """DataLoader lets ``num_workers`` change between passes: the state reports the new value and a
+    stream state saved with that many workers loads (the loader re-shards nothing)."""
     saving = ResumableDataLoader(StatefulShards(12), batch_size=2, num_workers=2)
     it = iter(saving)
     next(it), next(it), next(it)
@@ -103,7 +104,8 @@ _INIT = [name for name in inspect.signature(DataLoader.__init__).parameters if n
 
 @pytest.mark.parametrize("options", [{"shuffle": True}, {"batch_size": None}, {"drop_last": True, "num_workers": 2}])
 def test_rebuilding_from_attributes_gives_an_equivalent_loader(options: dict[str, Any]) -> None:
-    """Lightning and Accelerate rebuild loaders from their attributes; the copy must behave the same."""
+    """Lightning and Accelerate rebuild loaders from their attributes; the copy must behave the
+    same."""
     original = make(10, **options)
     rebuilt_kwargs = {name: getattr(original, name) for name in _INIT if hasattr(original, name)}
     if rebuilt_kwargs.get("batch_sampler") is not None:  # DataLoader's own; passing both is invalid
@@ -130,12 +132,14 @@ def test_seed_defaults_to_the_generator_that_would_have_shuffled() -> None:
 
 
 def test_torch_private_details_we_rely_on_still_hold() -> None:
-    """Pins each private torch detail the loader depends on, so a torch upgrade fails here, by name."""
+    """Pins each private torch detail the loader depends on, so a torch upgrade fails here, by
+    name."""
     # 1. torch's iterator draws index lists from `loader._index_sampler`, a property we override.
     assert isinstance(inspect.getattr_static(DataLoader, "_index_sampler"), property)
     assert isinstance(inspect.getattr_static(DataLoader, "_auto_collation"), property)
-    # 2. keys are applied at the fetch: the single-process iterator fetches right after drawing an index
-    #    list (where the main process seeds), and a worker fetches right after unpickling one (see 4).
+    # 2. keys are applied at the fetch: the single-process iterator fetches right after drawing an
+    #    index list (where the main process seeds), and a worker fetches right after unpickling one
+    #    (see 4).
     next_data = inspect.getsource(torch.utils.data.dataloader._SingleProcessDataLoaderIter._next_data)
     lines = [line.strip() for line in next_data.splitlines()[1:] if line.strip()]
     assert lines[:2] == ["index = self._next_index()  # may raise StopIteration",
@@ -164,12 +168,15 @@ def test_a_dataset_that_grows_between_epochs_is_read_whole_next_epoch() -> None:
 
 def test_the_iterator_reaches_torchs_like_dataloaders_does() -> None:
     iterator = iter(make(8, batch_size=2, num_workers=2))
-    assert len(iterator._workers) == 2  # torch's own attribute, as DataLoader code and tests read it
-    assert not make(8, batch_size=None)._auto_collation  # DataLoader's answer outside torch's iterator
+    # torch's own attribute, as DataLoader code and tests read it
+    assert len(iterator._workers) == 2
+    # DataLoader's answer outside torch's iterator
+    assert not make(8, batch_size=None)._auto_collation
 
 
 def test_a_datapipe_with_a_lambda_reaches_spawned_workers_through_torchs_dill_wrapper() -> None:
-    """DataLoader wraps a datapipe so that spawned workers unpickle it with dill; the wrapped one is what we send."""
+    """DataLoader wraps a datapipe so that spawned workers unpickle it with dill; the wrapped one is
+    what we send."""
     import dill  # noqa: F401  (HF datasets, a test dependency, requires it; torch uses it when present)
     from torch.utils.data.datapipes.iter import IterableWrapper
 

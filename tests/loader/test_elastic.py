@@ -1,4 +1,5 @@
-"""Changed resources (batch size, workers), DDP sharding with real gloo processes, elastic resume."""
+"""Changed resources (batch size, workers), DDP sharding with real gloo processes, elastic
+resume."""
 
 from __future__ import annotations
 
@@ -25,10 +26,12 @@ def test_state_from_two_workers_resumes_with_another_worker_count(workers_after:
 
 def test_num_workers_set_between_passes_takes_effect_as_with_dataloader() -> None:
     reference = run_epochs(make(10, batch_size=3, shuffle=True), 3)
-    loader = make(10, batch_size=3, shuffle=True, num_workers=2)  # from 0, torch itself lacks a prefetch_factor
+    # from 0, torch itself lacks a prefetch_factor
+    loader = make(10, batch_size=3, shuffle=True, num_workers=2)
     first = run_epochs(loader, 1)
     loader.num_workers = 0
-    assert first + run_epochs(loader, 3, 1) == reference  # keyed values do not depend on the worker count
+    # keyed values do not depend on the worker count
+    assert first + run_epochs(loader, 3, 1) == reference
 
 
 def test_a_stream_told_another_num_workers_after_its_load_says_to_set_it_before() -> None:
@@ -55,12 +58,13 @@ def test_changed_batch_size_resumes_at_the_same_sample_position() -> None:
 
 
 _HELD: list[Any] = []
-"""The iterators of the last `_lockstep` cut short: held, as a job killed there holds them (a dropped iterator's pass
-is over, and a state taken then starts the next epoch)."""
+"""The iterators of the last `_lockstep` cut short: held, as a job killed there holds them (a
+dropped iterator's pass is over, and a state taken then starts the next epoch)."""
 
 
 def _lockstep(loaders: list[Any], steps: int | None) -> list[list[int]]:
-    """Iterate ranks together for `steps` global steps (None: to the end); ids delivered per rank."""
+    """Iterate ranks together for `steps` global steps (None: to the end); ids delivered per
+    rank."""
     iterators = [iter(loader) for loader in loaders]
     _HELD[:] = iterators
     delivered: list[list[int]] = [[] for _ in loaders]
@@ -125,7 +129,8 @@ def test_two_gloo_processes_resume_each_rank_exactly(tmp_path: Path, workers: in
     for epoch in range(2):
         seen = [int(x) for r in range(2) for row in full[r][epoch * per_epoch : (epoch + 1) * per_epoch]
                 for x in row[0]]
-        assert set(seen) == set(range(21)) and len(seen) == 22  # one padded sample: 21 over 2 ranks x 2
+        # one padded sample: 21 over 2 ranks x 2
+        assert set(seen) == set(range(21)) and len(seen) == 22
 
 
 def test_a_distributed_sampler_becomes_our_sharding_not_a_second_one() -> None:
@@ -152,13 +157,15 @@ def test_sharded_sampler_splits_a_custom_stream_by_global_steps_and_resumes() ->
 
     delivered = _lockstep([shard(0), shard(1)], None)
     order = list(iter(PlainSampler(13)))
-    assert sorted(sum(delivered, [])) == sorted([*order, order[-1]])  # the last step is padded evenly
+    # the last step is padded evenly
+    assert sorted(sum(delivered, [])) == sorted([*order, order[-1]])
     assert delivered[0][:2] == order[:2] and delivered[1][:2] == order[2:4]
     assert_resumes_exactly(lambda: shard(1), epochs=2, cuts=[0, 1, 3, 4])
 
 
 def test_a_dataset_split_per_rank_beforehand_is_refused_not_split_again(tmp_path: Path) -> None:
-    """HF ``split_dataset_by_node`` on a map-style dataset leaves no marker; the ranks compare fingerprints."""
+    """HF ``split_dataset_by_node`` on a map-style dataset leaves no marker; the ranks compare
+    fingerprints."""
     for mode in ("whole", "split"):
         launch(CHILDREN / "ddp_split_child.py", mode, tmp_path)
     whole = [json.loads((tmp_path / f"whole-{r}.json").read_text()) for r in range(2)]
@@ -168,12 +175,13 @@ def test_a_dataset_split_per_rank_beforehand_is_refused_not_split_again(tmp_path
     for rank, result in enumerate(split):
         assert "the ranks' datasets differ" in result["error"] and "split_dataset_by_node" in result["error"]
         assert "rank=0, world_size=1" in result["error"]
-        assert sorted(result["ids"]) == list(range(rank * 12, rank * 12 + 12))  # its whole split, not a quarter
+        # its whole split, not a quarter
+        assert sorted(result["ids"]) == list(range(rank * 12, rank * 12 + 12))
 
 
 def test_a_plain_loader_refuses_a_dataset_split_per_rank_without_hanging(tmp_path: Path) -> None:
-    """No integration, no check called: a plain loop over a split is refused at the first ``iter()`` of at
-    least one rank (each rank publishes before it looks); the job stops there."""
+    """No integration, no check called: a plain loop over a split is refused at the first ``iter()``
+    of at least one rank (each rank publishes before it looks); the job stops there."""
     launch(CHILDREN / "ddp_split_child.py", "plain-split", tmp_path)
     results = [json.loads((tmp_path / f"plain-split-{r}.json").read_text()) for r in range(2)]
     refused = [r for r in results if r["error"]]

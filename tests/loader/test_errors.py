@@ -1,5 +1,6 @@
-"""One base for every error loader-resume raises on purpose, each still the built-in exception it was; and one
-reader of a front door's checkpoint entry, so the same condition raises the same error in every front door."""
+"""One base for every error loader-resume raises on purpose, each still the built-in exception it
+was; and one reader of a front door's checkpoint entry, so the same condition raises the same error
+in every front door."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def test_every_error_is_a_loader_resume_error_and_the_built_in_it_was() -> None:
     assert defined == {error.__name__ for error in BUILT_IN}, "a new error class: add it here, under the base"
     for error, built_in in BUILT_IN.items():
         assert issubclass(error, LoaderResumeError) and issubclass(error, built_in), error
-    with pytest.raises(ValueError, match="loader state field 'seed'"):  # code that caught the built-in still does
+    # code that caught the built-in still does
+    with pytest.raises(ValueError, match="loader state field 'seed'"):
         raise loader_resume.StateError("seed", 1, "0")
 
 

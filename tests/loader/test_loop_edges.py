@@ -1,7 +1,7 @@
-"""The edges of real loops in the core: a pass left before its end on purpose (a loop's own epoch limit, said
-with ``pass_ended=True``), a state taken between passes, and states from a hand-written loop's loader whose last
-batch is out but whose pass has not ended. Each cut is compared with the uninterrupted run's batches: ids and the
-values drawn from torch, numpy and random."""
+"""The edges of real loops in the core: a pass left before its end on purpose (a loop's own epoch
+limit, said with ``pass_ended=True``), a state taken between passes, and states from a hand-written
+loop's loader whose last batch is out but whose pass has not ended. Each cut is compared with the
+uninterrupted run's batches: ids and the values drawn from torch, numpy and random."""
 
 from __future__ import annotations
 
@@ -37,15 +37,17 @@ class Cut(Exception):
 
 def partial_passes(loader: ResumableDataLoader[Any], *, start_epoch: int = 0, taken: int = 0,
                    cut_at: int | None = None) -> Iterator[tuple[list[int], str]]:
-    """A loop with an epoch limit of its own: each epoch takes TAKEN batches, then leaves the pass (``break``).
-    Moments are numbered 0, 1, ...: after each batch, and between two passes (after the ``break``, before the
-    next ``iter()``); ``cut_at`` raises :class:`Cut` with the state at that moment."""
+    """A loop with an epoch limit of its own: each epoch takes TAKEN batches, then leaves the pass
+    (``break``). Moments are numbered 0, 1, ...: after each batch, and between two passes (after the
+    ``break``, before the next ``iter()``); ``cut_at`` raises :class:`Cut` with the state at that
+    moment."""
     moment = 0
     for epoch in range(start_epoch, EPOCHS):
         for batch in loader:
             taken += 1
             yield record(batch)
-            if moment == cut_at:  # NOTE: at the pass's last batch the loop knows it leaves (as Lightning does at
+            # NOTE: at the pass's last batch the loop knows it leaves (as Lightning does at
+            if moment == cut_at:
                 if taken == TAKEN:  # a limit on an epoch's batches): the state it saves says so
                     raise Cut(loader.state_dict(pass_ended=True), epoch + 1, 0)
                 raise Cut(loader.state_dict(), epoch, taken)
@@ -53,7 +55,8 @@ def partial_passes(loader: ResumableDataLoader[Any], *, start_epoch: int = 0, ta
             if taken == TAKEN:
                 break
         taken = 0
-        if moment == cut_at:  # NOTE: the loop left the pass on purpose, before the next iter(): it says so
+        # NOTE: the loop left the pass on purpose, before the next iter(): it says so
+        if moment == cut_at:
             raise Cut(loader.state_dict(pass_ended=True), epoch + 1, 0)
         moment += 1
 
@@ -80,8 +83,8 @@ def test_a_state_taken_at_any_moment_of_a_loop_that_leaves_its_passes_early_resu
 
 
 def test_the_issue_numbers_a_break_continues_the_pass_and_pass_ended_starts_the_next_epoch() -> None:
-    """48 items, batch 4, `break` after 6 batches: the state continues epoch 0 at batch 7 (a stopped job); said
-    ended, it starts epoch 1 where the loop's next iter() does."""
+    """48 items, batch 4, `break` after 6 batches: the state continues epoch 0 at batch 7 (a stopped
+    job); said ended, it starts epoch 1 where the loop's next iter() does."""
     loader = build(0)
     for i, _ in enumerate(loader):
         if i == TAKEN - 1:
@@ -122,11 +125,13 @@ def test_a_held_iterator_is_still_mid_epoch_and_a_second_iter_starts_the_next_ep
     del first, second
 
 
-# --- a hand-written loop's loaders (Accelerate, Fabric): the last batch is out, the pass has not ended --------
+# --- a hand-written loop's loaders (Accelerate, Fabric): the last batch is out, the pass has not
+# ended --------
 def hand_written(loader: ReportingDataLoader, other: ReportingDataLoader, *, start_epoch: int = 0,
                  cut_at: int | None = None, rest: int | None = None) -> Iterator[tuple[str, list[int], str]]:
-    """``zip(loader, other)`` each epoch, ``other`` the shorter; a checkpoint (``cut_at``) is taken in the loop's
-    body after a pair, as a user's own save would be. ``rest``: resumed, the first epoch is the saved one."""
+    """``zip(loader, other)`` each epoch, ``other`` the shorter; a checkpoint (``cut_at``) is taken
+    in the loop's body after a pair, as a user's own save would be. ``rest``: resumed, the first
+    epoch is the saved one."""
     moment = 0
     for epoch in range(start_epoch, 2):
         for a, b in zip(loader, other, strict=False):
@@ -139,9 +144,9 @@ def hand_written(loader: ReportingDataLoader, other: ReportingDataLoader, *, sta
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_zip_of_unequal_loaders_resumes_exactly_from_its_last_pair(workers: int) -> None:
-    """At the last pair the shorter loader's last batch is out and its pass not yet ended: after a load its
-    rest is empty, so the resumed zip ends where the uninterrupted one does (the longer loader hands one batch
-    more to it, as there) and the next epoch starts both loaders afresh."""
+    """At the last pair the shorter loader's last batch is out and its pass not yet ended: after a
+    load its rest is empty, so the resumed zip ends where the uninterrupted one does (the longer
+    loader hands one batch more to it, as there) and the next epoch starts both loaders afresh."""
 
     def pair() -> tuple[ReportingDataLoader, ReportingDataLoader]:
         a = ReportingDataLoader(Augmented(N), batch_size=BATCH, shuffle=True, num_workers=workers, seed=1)
@@ -167,8 +172,8 @@ def test_a_zip_of_unequal_loaders_resumes_exactly_from_its_last_pair(workers: in
 
 
 def test_a_loaded_ending_is_kept_until_its_empty_pass_and_that_pass_is_over() -> None:
-    """A state with "ending", saved again before or after its empty pass, keeps meaning the same (a job resumed
-    and checkpointed again in the same epoch)."""
+    """A state with "ending", saved again before or after its empty pass, keeps meaning the same (a
+    job resumed and checkpointed again in the same epoch)."""
     a = ReportingDataLoader(Augmented(8), batch_size=4, seed=1)
     iterator = iter(a)
     next(iterator)
@@ -177,22 +182,26 @@ def test_a_loaded_ending_is_kept_until_its_empty_pass_and_that_pass_is_over() ->
     assert saved["ending"] is True
     resumed = ReportingDataLoader(Augmented(8), batch_size=4, seed=1)
     resumed.load_state_dict(saved)
-    assert resumed.state_dict() == saved and not resumed.pass_finished  # saved again before the empty pass
+    # saved again before the empty pass
+    assert resumed.state_dict() == saved and not resumed.pass_finished
     assert list(resumed) == [] and resumed.pass_finished  # the rest of that pass: nothing, and over
     again = ReportingDataLoader(Augmented(8), batch_size=4, seed=1)
     again.load_state_dict(resumed.state_dict())
-    assert [b["id"].tolist() for b in again] == [b["id"].tolist() for b in resumed]  # both: the next epoch
+    # both: the next epoch
+    assert [b["id"].tolist() for b in again] == [b["id"].tolist() for b in resumed]
 
 
 def test_two_plain_loaders_of_one_seed_iterated_together_are_warned_of_and_own_seeds_are_not(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Plain loaders take seed= (default 0): two of one seed draw the same values at the same positions. Iterated
-    together (a zip), that is said; with their own seeds it is not, nor for one loader's successive passes."""
+    """Plain loaders take seed= (default 0): two of one seed draw the same values at the same
+    positions. Iterated together (a zip), that is said; with their own seeds it is not, nor for one
+    loader's successive passes."""
     caplog.set_level(logging.WARNING, logger="loader_resume")
     a, b = ResumableDataLoader(Augmented(8), batch_size=2), ResumableDataLoader(Augmented(12), batch_size=2)
     pairs = list(zip(a, b, strict=False))
-    assert all(x["torch"].tolist() == y["torch"].tolist() for x, y in pairs)  # what the warning is about
+    # what the warning is about
+    assert all(x["torch"].tolist() == y["torch"].tolist() for x, y in pairs)
     assert "another loader with the same seed (0) is mid-pass" in caplog.text
     caplog.clear()
     a, b = ResumableDataLoader(Augmented(8), batch_size=2, seed=1), ResumableDataLoader(Augmented(12), batch_size=2)
@@ -202,9 +211,11 @@ def test_two_plain_loaders_of_one_seed_iterated_together_are_warned_of_and_own_s
     assert "same seed" not in caplog.text
 
 
-# --- a hand-written loop under a front door (Accelerate, Fabric): StepBoundaries knows which passes the loop left --
+# --- a hand-written loop under a front door (Accelerate, Fabric): StepBoundaries knows which passes
+# the loop left --
 class Reports:
-    """What the Accelerate and Fabric front doors feed their StepBoundaries with (their BatchRequests)."""
+    """What the Accelerate and Fabric front doors feed their StepBoundaries with (their
+    BatchRequests)."""
 
     def __init__(self) -> None:
         self.boundaries = StepBoundaries()
@@ -221,9 +232,9 @@ class Reports:
 
 def front_door_loop(loaders: dict[str, ReportingDataLoader], order: str, *, start_epoch: int = 0,
                     save: str | None = None) -> Iterator[tuple[str, list[int], str]]:
-    """``zip`` of the loaders in ``order`` ("ls": long, then short), an optimizer step per pair. ``save``: the
-    loop saves, as the front doors take states (raising :class:`Cut`), after its first epoch (``"epoch"``) or
-    after a stop flag's ``break`` at its third pair (``"break"``)."""
+    """``zip`` of the loaders in ``order`` ("ls": long, then short), an optimizer step per pair.
+    ``save``: the loop saves, as the front doors take states (raising :class:`Cut`), after its first
+    epoch (``"epoch"``) or after a stop flag's ``break`` at its third pair (``"break"``)."""
     reports = Reports()
     weight = torch.nn.Parameter(torch.zeros(()))
     optimizer = torch.optim.SGD([weight], lr=0.1)
@@ -251,8 +262,9 @@ def front_door_loop(loaders: dict[str, ReportingDataLoader], order: str, *, star
 def test_a_front_doors_save_after_a_zip_ends_starts_the_next_epoch_and_after_a_break_continues(
     order: str, save: str
 ) -> None:
-    """A zip over loaders of unequal length ends when the shorter runs out: the longer's pass is left with the
-    epoch, whichever comes first in the zip. A stop flag's ``break`` runs nothing out: both passes continue."""
+    """A zip over loaders of unequal length ends when the shorter runs out: the longer's pass is
+    left with the epoch, whichever comes first in the zip. A stop flag's ``break`` runs nothing out:
+    both passes continue."""
 
     def loaders() -> dict[str, ReportingDataLoader]:
         return {"l": ReportingDataLoader(Augmented(N), batch_size=BATCH, shuffle=True, seed=1),
@@ -271,7 +283,8 @@ def test_a_front_doors_save_after_a_zip_ends_starts_the_next_epoch_and_after_a_b
 
 
 class Saving(Reports):
-    """Reports that also take every loader's state at each step boundary, as the front doors' checkpoints do."""
+    """Reports that also take every loader's state at each step boundary, as the front doors'
+    checkpoints do."""
 
     def __init__(self, loaders: dict[str, ReportingDataLoader]) -> None:
         super().__init__()
@@ -285,9 +298,10 @@ class Saving(Reports):
 
 def cycling_loop(loaders: dict[str, ReportingDataLoader], steps: int,
                  boundaries: list[dict[str, Any]] | None = None) -> list[tuple[list[int], list[int]]]:
-    """Each step: a batch of ``main`` (its passes in a ``for``, two epochs) and one of ``aux`` drawn by hand, with a
-    new ``iter()`` at its end (the short loader cycles four times an epoch); an optimizer step. Stops after
-    ``steps`` steps in all; ``boundaries``: the states taken at each step boundary go there."""
+    """Each step: a batch of ``main`` (its passes in a ``for``, two epochs) and one of ``aux`` drawn
+    by hand, with a new ``iter()`` at its end (the short loader cycles four times an epoch); an
+    optimizer step. Stops after ``steps`` steps in all; ``boundaries``: the states taken at each
+    step boundary go there."""
     reports = Saving(loaders)
     weight = torch.nn.Parameter(torch.zeros(()))
     optimizer = torch.optim.SGD([weight], lr=0.1)
@@ -314,8 +328,9 @@ def cycling_loop(loaders: dict[str, ReportingDataLoader], steps: int,
 
 
 def test_a_loader_cycled_by_hand_beside_the_main_one_leaves_no_pass_at_any_step_boundary() -> None:
-    """A short auxiliary loader drawn with next() and given a new iter() at its end runs out four times an epoch;
-    that ends no pass of the main loader: a checkpoint at every step boundary of two epochs resumes exactly."""
+    """A short auxiliary loader drawn with next() and given a new iter() at its end runs out four
+    times an epoch; that ends no pass of the main loader: a checkpoint at every step boundary of two
+    epochs resumes exactly."""
 
     def loaders() -> dict[str, ReportingDataLoader]:
         return {"main": ReportingDataLoader(Augmented(N), batch_size=BATCH, shuffle=True, seed=1),

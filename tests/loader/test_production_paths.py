@@ -1,5 +1,6 @@
-"""Production paths that CPU-only tests reach through narrow stand-ins or real stores: accelerator RNG states in
-checkpoints, the NCCL collective device, torchrun round agreement, and a loaded state that would be ignored."""
+"""Production paths that CPU-only tests reach through narrow stand-ins or real stores: accelerator
+RNG states in checkpoints, the NCCL collective device, torchrun round agreement, and a loaded state
+that would be ignored."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from support.data import ids, make
 
 
 class FakeCuda:
-    """Stands in for torch.cuda's generator API on a machine without a GPU: one generator per device."""
+    """Stands in for torch.cuda's generator API on a machine without a GPU: one generator per
+    device."""
 
     def __init__(self, devices: int) -> None:
         self.states = [torch.randint(0, 256, (16,), dtype=torch.uint8) for _ in range(devices)]
@@ -59,7 +61,8 @@ def test_cuda_states_for_another_device_count_are_not_restored_and_say_so(
     with caplog.at_level(logging.WARNING, logger="loader_resume"):
         set_global_rng_state(state)
     assert resuming.restored == {}
-    assert torch.equal(torch.get_rng_state(), state["torch"])  # the CPU generator is restored all the same
+    # the CPU generator is restored all the same
+    assert torch.equal(torch.get_rng_state(), state["torch"])
     warned = [r.getMessage() for r in caplog.records if "CUDA" in r.getMessage()]
     assert len(warned) == 1 and f"saved for 2 CUDA device(s), this process sees {devices_now}" in warned[0]
 
@@ -98,8 +101,9 @@ def _round(store_port: int, world: int, results: dict[int, int], errors: list[Ba
 
 
 def test_every_rank_of_a_round_agrees_on_a_generation_no_earlier_round_used() -> None:
-    """The torchrun situation: one store outlives the rounds and keeps their keys (a stale nonce of rank 1
-    included); ranks of one round share no restart count. Each round must agree on one fresh generation."""
+    """The torchrun situation: one store outlives the rounds and keeps their keys (a stale nonce of
+    rank 1 included); ranks of one round share no restart count. Each round must agree on one fresh
+    generation."""
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20))
     server.set("loader_resume/generation/hello/1", "stale-nonce-from-a-dead-round")
     seen: list[int] = []

@@ -41,8 +41,9 @@ def test_every_cut_point_resumes_exactly(
                     persistent_workers=persistent, collate_fn=collate)
 
     per_epoch = 10 // batch_size if drop_last else -(-10 // batch_size)
-    # With workers every resumed pass starts processes, so cut at the interesting points only: before the
-    # first batch, after it, at an epoch's last batch, at the boundary, just after it, and at the end.
+    # With workers every resumed pass starts processes, so cut at the interesting points only:
+    # before the first batch, after it, at an epoch's last batch, at the boundary, just after it,
+    # and at the end.
     cuts = None if workers == 0 else sorted({0, 1, per_epoch - 1, per_epoch, per_epoch + 1, 3 * per_epoch})
     report = assert_resumes_exactly(factory, epochs=3, cuts=cuts)
     assert report.batches == 3 * per_epoch
@@ -96,7 +97,8 @@ def _stateful_stream(workers: int = 2) -> ResumableDataLoader[Any]:
 
 @pytest.mark.parametrize("round_trip", ["json", "torch", "dcp"])
 def test_map_style_states_resume_exactly_after_each_round_trip(round_trip: str) -> None:
-    """Through JSON, a weights_only torch.load, or torch.distributed.checkpoint into the fresh loader (a Stateful)."""
+    """Through JSON, a weights_only torch.load, or torch.distributed.checkpoint into the fresh
+    loader (a Stateful)."""
     assert_resumes_exactly(_shuffled_in_workers, round_trip=round_trip)
 
 
@@ -108,7 +110,8 @@ def test_stream_states_resume_exactly_after_each_round_trip(round_trip: str, wor
 
 @pytest.mark.parametrize("build", [_shuffled_in_workers, _stateful_stream])
 def test_states_resume_exactly_in_a_fresh_process(build: Any) -> None:
-    """The state crosses a process boundary as torch.save bytes; a spawned process builds the loader and resumes."""
+    """The state crosses a process boundary as torch.save bytes; a spawned process builds the loader
+    and resumes."""
     report = assert_resumes_exactly(build, round_trip="process", cuts=[0, 5])
     assert report.cuts == (0, 5) and report.batches > 5
 
@@ -136,7 +139,8 @@ def test_run_epochs_helper_labels_epochs() -> None:
 
 @pytest.mark.parametrize("persistent", [False, True])
 def test_loader_and_its_workers_are_freed_without_the_cycle_collector(persistent: bool) -> None:
-    """A reference cycle through the persistent iterator makes every shutdown wait 5 s per worker."""
+    """A reference cycle through the persistent iterator makes every shutdown wait 5 s per
+    worker."""
     import gc
     import weakref
 
@@ -154,8 +158,9 @@ def test_loader_and_its_workers_are_freed_without_the_cycle_collector(persistent
 
 
 def test_a_state_that_would_be_ignored_is_named_in_a_warning_once_per_case(caplog: pytest.LogCaptureFixture) -> None:
-    """Loaded twice with no iter() between (the first is never used), or while an iterator is mid-epoch (it goes
-    on, ignoring the state): each warned once per loader; the state then takes effect at the next iter()."""
+    """Loaded twice with no iter() between (the first is never used), or while an iterator is
+    mid-epoch (it goes on, ignoring the state): each warned once per loader; the state then takes
+    effect at the next iter()."""
     loader = make(10, shuffle=True)
     reference = ids(list(loader))
     middle = make(10, shuffle=True)

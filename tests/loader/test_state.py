@@ -1,4 +1,5 @@
-"""The state: tiny, plain and versioned; strict on bad input, naming the field; older versions still load."""
+"""The state: tiny, plain and versioned; strict on bad input, naming the field; older versions still
+load."""
 
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def test_billion_sample_shuffle_starts_without_materialising_a_permutation() -> 
     assert len(set(torch.cat(first).tolist())) == 192 and deep_batch.shape == (64,)
 
 
-# --- bad input --------------------------------------------------------------------------------------
+# --- bad input
+# --------------------------------------------------------------------------------------
 def _saved() -> dict[str, Any]:
     loader = make(10, shuffle=True)
     iterator = iter(loader)
@@ -156,7 +158,8 @@ def test_random_dicts_are_refused_with_a_value_error(junk: dict[str, Any]) -> No
 @settings(max_examples=300, deadline=None)
 @given(field=st.sampled_from(sorted(_saved())), value=_values)
 def test_one_corrupted_field_is_refused_or_resumes_validly(field: str, value: Any) -> None:
-    """A single field set to a random value either is refused, or is a legal state (e.g. an elastic change)."""
+    """A single field set to a random value either is refused, or is a legal state (e.g. an elastic
+    change)."""
     state = copy.deepcopy(_saved())
     state[field] = value
     loader = make(10, shuffle=True)
@@ -188,8 +191,8 @@ def _reads_everything(loader: ResumableDataLoader[Any]) -> None:
 
 @pytest.mark.parametrize("kind", ["map", "stream"])
 def test_reading_a_loader_changes_nothing(kind: str) -> None:
-    """Its getters, asked any number of times before, during and between passes (one left mid-epoch), leave
-    the batches and states those of a loader never asked."""
+    """Its getters, asked any number of times before, during and between passes (one left
+    mid-epoch), leave the batches and states those of a loader never asked."""
 
     def run(ask: bool) -> list[Any]:
         loader = make(10, shuffle=True, batch_size=3) if kind == "map" else \
@@ -213,7 +216,8 @@ def test_planned_indices_name_the_next_pass_after_one_left_mid_epoch() -> None:
     loader = make(10, shuffle=True, batch_size=3)
     next(iter(loader))
     planned = loader.planned_indices()
-    assert [batch["id"].tolist() for batch in loader] == planned and loader.epoch == 2  # epoch 1 came whole
+    # epoch 1 came whole
+    assert [batch["id"].tolist() for batch in loader] == planned and loader.epoch == 2
 
 
 class _FailsToStartOnce:
@@ -237,8 +241,8 @@ class _StreamFailsOnce(_FailsToStartOnce, StatefulShards):
 
 @pytest.mark.parametrize("kind", ["map", "stream"])
 def test_an_iter_that_fails_as_it_begins_leaves_the_loaded_position(kind: str) -> None:
-    """A failed ``iter()`` (the dataset raised in ``set_epoch``) leaves the state and the next ``iter()`` where the
-    load put them: a save on that exception, or a retry, continues exactly."""
+    """A failed ``iter()`` (the dataset raised in ``set_epoch``) leaves the state and the next
+    ``iter()`` where the load put them: a save on that exception, or a retry, continues exactly."""
     def make(dataset: Any) -> ResumableDataLoader[Any]:
         return ResumableDataLoader(dataset, batch_size=2, **({"shuffle": True} if kind == "map" else {}))
 

@@ -1,8 +1,10 @@
-"""What torchdata's StatefulDataLoader suite checks by reading its own state layout, checked on ours.
+"""What torchdata's StatefulDataLoader suite checks by reading its own state layout, checked on
+ours.
 
-torchdata's ``test_state_dict.py`` (run against our class by ``benchmarks/torchdata_suites.py``) asserts some
-behaviours through ``_snapshot``/``_worker_snapshots``/``fetcher_state``, which our smaller state does not
-have. Each behaviour is asserted here on our layout, with datasets of our own written the way theirs are.
+torchdata's ``test_state_dict.py`` (run against our class by ``benchmarks/torchdata_suites.py``)
+asserts some behaviours through ``_snapshot``/``_worker_snapshots``/``fetcher_state``, which our
+smaller state does not have. Each behaviour is asserted here on our layout, with datasets of our own
+written the way theirs are.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ def _identity(items: list[Any]) -> list[Any]:
 
 
 class CountsItsEpochs(IterableDataset[tuple[int, int]]):
-    """Yields ``(item, its own epoch counter)``; the counter moves when the stream ends (TestMultiEpochState)."""
+    """Yields ``(item, its own epoch counter)``; the counter moves when the stream ends
+    (TestMultiEpochState)."""
 
     def __init__(self, n: int) -> None:
         self.n, self.i, self.epoch, self.resume = n, 0, 0, 0
@@ -51,8 +54,9 @@ class CountsItsEpochs(IterableDataset[tuple[int, int]]):
 
 @pytest.mark.parametrize(("workers", "persistent"), [(0, False), (2, True), (2, False)])
 def test_a_stream_counting_its_own_epochs_resumes_exactly_across_epochs(workers: int, persistent: bool) -> None:
-    """Where its copies live on (in process, persistent workers) the counter advances, and a state taken at an
-    epoch's end carries it; fresh workers start each epoch from the main process's copy, resumed or not."""
+    """Where its copies live on (in process, persistent workers) the counter advances, and a state
+    taken at an epoch's end carries it; fresh workers start each epoch from the main process's copy,
+    resumed or not."""
 
     def make() -> ResumableDataLoader[Any]:
         return ResumableDataLoader(CountsItsEpochs(10), batch_size=2, num_workers=workers,
@@ -65,7 +69,8 @@ def test_a_stream_counting_its_own_epochs_resumes_exactly_across_epochs(workers:
 
 
 class BuildsPositionInIter(IterableDataset[int]):
-    """Its own iterator; its position exists only once ``__iter__`` ran (TestStateInitializationDataset)."""
+    """Its own iterator; its position exists only once ``__iter__`` ran
+    (TestStateInitializationDataset)."""
 
     def __init__(self, n: int) -> None:
         self.n = n
@@ -84,7 +89,8 @@ class BuildsPositionInIter(IterableDataset[int]):
         return {"mine": self.mine, "at": self.at}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.mine, self.at = state["mine"], state["at"]  # fails on a fresh copy only if called before iter()
+        # fails on a fresh copy only if called before iter()
+        self.mine, self.at = state["mine"], state["at"]
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -97,7 +103,8 @@ def test_a_dataset_that_is_its_own_iterator_gets_its_state_after_iter_only(worke
     iterator = iter(loader)  # held: a dropped iterator's pass is over
     next(iterator)
     entry = loader.state_dict()["stream"]["workers"][0]
-    # stored once (TestDatasetIteratorStateDuplication): as the dataset's state, marked as its own iterator
+    # stored once (TestDatasetIteratorStateDuplication): as the dataset's state, marked as its own
+    # iterator
     assert entry["state"] == {"mine": _share_of(0, workers, 12), "at": 2}
     assert entry["iterator"] is None and entry["self_iterator"] is True
 
@@ -146,7 +153,8 @@ def test_iter_is_called_once_per_worker_per_pass_also_after_a_resume(workers: in
 
 
 class GrowingState(IterableDataset[int]):
-    """``state_dict()`` returns the live list it keeps appending to (TestDynamicStateIterableDataset)."""
+    """``state_dict()`` returns the live list it keeps appending to
+    (TestDynamicStateIterableDataset)."""
 
     def __init__(self, n: int) -> None:
         self.n, self.seen, self.resume = n, list[int](), list[int]()
@@ -192,7 +200,8 @@ class _Items(Dataset[int]):
 
 @pytest.mark.parametrize("persistent", [False, True])
 def test_a_state_taken_before_iterating_restarts_the_epoch(persistent: bool) -> None:
-    """TestInitialState: a state_dict() from before the first batch, loaded mid-pass, replays the whole epoch."""
+    """TestInitialState: a state_dict() from before the first batch, loaded mid-pass, replays the
+    whole epoch."""
 
     def make() -> ResumableDataLoader[Any]:
         return ResumableDataLoader(_Items(), batch_size=4, shuffle=True, num_workers=2, persistent_workers=persistent,
@@ -210,7 +219,8 @@ def test_a_state_taken_before_iterating_restarts_the_epoch(persistent: bool) -> 
 
 
 class _Toggles(IterableDataset[int]):
-    """A state that is a mutable dict toggled per item, like torchdata's PeriodicStateIterableDataset."""
+    """A state that is a mutable dict toggled per item, like torchdata's
+    PeriodicStateIterableDataset."""
 
     def __init__(self) -> None:
         self.flags, self.step = {0: 0, 1: 0, 2: 0}, 0
@@ -229,8 +239,8 @@ class _Toggles(IterableDataset[int]):
 
 
 def test_a_state_requested_right_after_a_load_resumes_exactly_and_counts_from_there() -> None:
-    """TestFastStateDictRequestRoundRobin: persistent workers, a state asked for before every worker delivered
-    again since the load."""
+    """TestFastStateDictRequestRoundRobin: persistent workers, a state asked for before every worker
+    delivered again since the load."""
 
     def make() -> ResumableDataLoader[Any]:
         return ResumableDataLoader(_Toggles(), batch_size=1, num_workers=2, persistent_workers=True,
@@ -255,7 +265,8 @@ def test_a_state_requested_right_after_a_load_resumes_exactly_and_counts_from_th
 
 
 class _Seeds(Dataset[tuple[int, int, int]]):
-    """Reports what torch says the seed is: at worker start, in the worker, and while reading an item."""
+    """Reports what torch says the seed is: at worker start, in the worker, and while reading an
+    item."""
 
     def __len__(self) -> int:
         return 8
@@ -273,9 +284,10 @@ def _remember_seed(worker_id: int) -> None:
 
 
 def test_initial_seed_is_torchs_in_worker_init_fn_and_the_batch_key_while_reading() -> None:
-    """The decision (docs: Compared with the built-ins): worker_init_fn sees torch's distinct per-worker
-    seed, to seed other libraries from; inside a keyed fetch torch.initial_seed() is the seed of the stream the
-    item draws from, the batch's key: the same at any num_workers, an int64, distinct per batch."""
+    """The decision (docs: Compared with the built-ins): worker_init_fn sees torch's distinct
+    per-worker seed, to seed other libraries from; inside a keyed fetch torch.initial_seed() is the
+    seed of the stream the item draws from, the batch's key: the same at any num_workers, an int64,
+    distinct per batch."""
 
     def seeds(workers: int) -> list[tuple[int, int, int]]:
         loader = ResumableDataLoader(_Seeds(), batch_size=2, shuffle=True, num_workers=workers,

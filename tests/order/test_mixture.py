@@ -1,6 +1,7 @@
-"""``Mixture``: exact proportions per block, each source walking its own keyed permutation, weight changes at a
-defined position, and a resume — at any cut, with another ``num_workers``, world size or batch size — that
-continues the uninterrupted run's global sequence, ids and augmentation values."""
+"""``Mixture``: exact proportions per block, each source walking its own keyed permutation, weight
+changes at a defined position, and a resume — at any cut, with another ``num_workers``, world size
+or batch size — that continues the uninterrupted run's global sequence, ids and augmentation
+values."""
 
 from __future__ import annotations
 
@@ -20,11 +21,13 @@ from loader_resume.workers.torch_internals import caps_worker_tasks
 
 LENGTHS = {"a": 50, "b": 20, "c": 7}
 BASES = {"a": 0, "b": 1000, "c": 5000}
-CHANGES = {3: {"a": 1, "b": 1, "c": 1}, 9: {"a": 0, "b": 1, "c": 3}}  # step -> weights, set after that step's batch
+# step -> weights, set after that step's batch
+CHANGES = {3: {"a": 1, "b": 1, "c": 1}, 9: {"a": 0, "b": 1, "c": 3}}
 
 
 class Noisy(Dataset[torch.Tensor]):
-    """Item ``i`` is ``[base + i, torch noise, numpy noise, random noise]``: an id and three augmentations."""
+    """Item ``i`` is ``[base + i, torch noise, numpy noise, random noise]``: an id and three
+    augmentations."""
 
     def __init__(self, base: int, length: int) -> None:
         self.base, self.length = base, length
@@ -45,9 +48,10 @@ def mixture(lengths: dict[str, int] = LENGTHS, block_size: int = 10) -> Mixture:
 def run(*, steps: int = 40, workers: int = 0, batch: int = 4, world: int = 1, stop: int | None = None,
         state: dict[str, Any] | None = None, start: int = 0, keying: str = "batch", in_order: bool = True,
         changes: dict[int, dict[str, float]] = CHANGES) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
-    """``steps`` global steps on ``world`` ranks (one loader and one mixture each, as on separate processes),
-    calling ``changes`` on every rank; each step's batches concatenated rank after rank. Stops after step ``stop``
-    and returns each rank's state; resumes from ``state`` (saved after step ``start``)."""
+    """``steps`` global steps on ``world`` ranks (one loader and one mixture each, as on separate
+    processes), calling ``changes`` on every rank; each step's batches concatenated rank after rank.
+    Stops after step ``stop`` and returns each rank's state; resumes from ``state`` (saved after
+    step ``start``)."""
     mixtures = [mixture() for _ in range(world)]
     loaders = [ResumableDataLoader(m, batch_size=batch, seed=1, num_workers=workers, rank=r, world_size=world,
                                    keying=keying, in_order=in_order)
@@ -73,10 +77,12 @@ def test_each_block_holds_the_exact_proportions_and_each_source_walks_its_own_pe
     m = mixture(block_size=10)
     m.requested(0, 30)
     m.set_weights({"a": 1, "b": 1, "c": 1})
-    m.requested(0, 55)  # not a block boundary of the segment that starts at 30: its third block is cut short
+    # not a block boundary of the segment that starts at 30: its third block is cut short
+    m.requested(0, 55)
     m.set_weights({"a": 0, "b": 1, "c": 3})
     keys = m.resolve(0, list(range(77))) + m.resolve(1, list(range(77)))
-    # largest remainders of 10 slots: 3.33 each -> the tie to the first source; 2.5 and 7.5 -> the tie to b
+    # largest remainders of 10 slots: 3.33 each -> the tie to the first source; 2.5 and 7.5 -> the
+    # tie to b
     segments = [(0, 30, [5, 3, 2]), (30, 55, [4, 3, 3]), (55, 154, [0, 3, 7])]
     full_blocks = 0
     for start, end, counts in segments:
@@ -87,15 +93,17 @@ def test_each_block_holds_the_exact_proportions_and_each_source_walks_its_own_pe
     assert full_blocks == 3 + 2 + 9
     for source, length in enumerate(LENGTHS.values()):
         draws = [item for s, item in keys if s == source]
-        assert len(draws) > (20 if source == 0 else 2 * length)  # b and c cycle through their own epochs
-        for first in range(0, len(draws), length):  # no item lost or repeated within a source's epoch
+        # b and c cycle through their own epochs
+        assert len(draws) > (20 if source == 0 else 2 * length)
+        # no item lost or repeated within a source's epoch
+        for first in range(0, len(draws), length):
             chunk = draws[first:first + length]
             assert len(set(chunk)) == len(chunk) and (len(chunk) < length or sorted(chunk) == list(range(length)))
 
 
 def test_the_order_is_a_function_of_the_state_alone() -> None:
-    """A mixture that loads another's state resolves every position as that one does; the state is JSON and
-    grows by one entry per change."""
+    """A mixture that loads another's state resolves every position as that one does; the state is
+    JSON and grows by one entry per change."""
     m = mixture()
     m.requested(0, 30)
     m.set_weights({"a": 1, "b": 1, "c": 1})
@@ -108,14 +116,15 @@ def test_the_order_is_a_function_of_the_state_alone() -> None:
     assert other.resolve(1, list(range(77))) == m.resolve(1, list(range(77)))
     assert other.resolve(3, [5, 70]) == m.resolve(3, [5, 70])
     whole = m.resolve(2, list(range(77)))
-    assert m.resolve(2, [70, 5, 6, 7, 76]) == [whole[70], whole[5], whole[6], whole[7], whole[76]]  # any order
+    # any order
+    assert m.resolve(2, [70, 5, 6, 7, 76]) == [whole[70], whole[5], whole[6], whole[7], whole[76]]
 
 
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("stop", [1, 4, 8, 12, 19, 25])
 def test_a_resume_continues_with_the_uninterrupted_runs_batches(workers: int, stop: int) -> None:
-    """Cuts before, between and after the two weight changes and across the epoch end (19.25 steps); the rerun
-    makes the same calls. Ids and the three augmentations are compared."""
+    """Cuts before, between and after the two weight changes and across the epoch end (19.25 steps);
+    the rerun makes the same calls. Ids and the three augmentations are compared."""
     full, _ = run(workers=workers)
     first, (state,) = run(workers=workers, stop=stop)
     rest, _ = run(workers=workers, state=state, start=stop)
@@ -125,7 +134,8 @@ def test_a_resume_continues_with_the_uninterrupted_runs_batches(workers: int, st
 
 @pytest.mark.parametrize("stop", [4, 12])
 def test_two_ranks_resume_on_two_ranks_with_the_uninterrupted_runs_batches(stop: int) -> None:
-    """Two ranks (num_workers 2) making the same changes on each, cut before and after the second change."""
+    """Two ranks (num_workers 2) making the same changes on each, cut before and after the second
+    change."""
     full, _ = run(workers=2, world=2, steps=20)
     first, states = run(workers=2, world=2, steps=20, stop=stop)
     assert states[0] == states[1]  # the position is global
@@ -135,8 +145,9 @@ def test_two_ranks_resume_on_two_ranks_with_the_uninterrupted_runs_batches(stop:
 
 @pytest.mark.skipif(not caps_worker_tasks(), reason=f"in_order=False needs torch >= 2.7 (torch {torch.__version__})")
 def test_out_of_order_delivery_resumes_a_mixture_each_batch_once() -> None:
-    """in_order=False (num_workers 2): batches arrive in any order, each the same as in order (keyed by its step);
-    cut after 5 deliveries, a resume delivers the rest of the epoch (20 batches) exactly once, values included."""
+    """in_order=False (num_workers 2): batches arrive in any order, each the same as in order (keyed
+    by its step); cut after 5 deliveries, a resume delivers the rest of the epoch (20 batches)
+    exactly once, values included."""
     in_order, _ = run(workers=2, steps=20, changes={})
     first, (state,) = run(workers=2, steps=20, stop=5, in_order=False, changes={})
     rest, _ = run(workers=2, steps=20, state=state, start=5, in_order=False, changes={})
@@ -148,15 +159,17 @@ def test_out_of_order_delivery_resumes_a_mixture_each_batch_once() -> None:
 
 @pytest.mark.parametrize("keying", ["batch", "sample"])
 def test_the_global_sequence_continues_on_another_world_size_batch_size_and_worker_count(keying: str) -> None:
-    """Saved after step 6 on one process (batch 4, num_workers 2: the change of step 3 applies after the
-    prefetched batches), resumed on two ranks of batch 2 with num_workers 0: each step holds the same 4 samples
-    as the uninterrupted run's until the epoch's last, uneven, step — and, keyed per sample, the same values
-    (keyed per batch, a value depends on its batch, which another batch size changes). A change made after the
-    resume would apply from another position: prefetching differs (see the next test)."""
+    """Saved after step 6 on one process (batch 4, num_workers 2: the change of step 3 applies after
+    the prefetched batches), resumed on two ranks of batch 2 with num_workers 0: each step holds the
+    same 4 samples as the uninterrupted run's until the epoch's last, uneven, step — and, keyed per
+    sample, the same values (keyed per batch, a value depends on its batch, which another batch size
+    changes). A change made after the resume would apply from another position: prefetching differs
+    (see the next test)."""
     first_change = {3: CHANGES[3]}
     full, _ = run(workers=2, steps=19, keying=keying, changes=first_change)
     _, (state,) = run(workers=2, stop=6, keying=keying, changes=first_change)
-    assert state["dataset_state"]["changes"][1][0] == 32  # requested: 4 delivered + 2 workers x prefetch 2, x 4
+    # requested: 4 delivered + 2 workers x prefetch 2, x 4
+    assert state["dataset_state"]["changes"][1][0] == 32
     rest, _ = run(world=2, batch=2, state=state, start=6, steps=19, keying=keying, changes=first_change)
     columns = slice(None) if keying == "sample" else slice(0, 1)
     for got, want in zip(rest, full[6:], strict=True):
@@ -165,10 +178,11 @@ def test_the_global_sequence_continues_on_another_world_size_batch_size_and_work
 
 @pytest.mark.parametrize("reused", [False, True])
 def test_a_change_made_after_a_load_before_the_first_batch_applies_from_the_loaded_position(reused: bool) -> None:
-    """The change due after step 3 made on a loader just resumed from a state taken after step 3's batch, before
-    that change (as a schedule applied at the top of the loop, or in a restore hook): nothing past the loaded
-    position has been requested, so it applies there, as in the uninterrupted run (num_workers=0). A reused
-    mixture, which had run further, makes no difference."""
+    """The change due after step 3 made on a loader just resumed from a state taken after step 3's
+    batch, before that change (as a schedule applied at the top of the loop, or in a restore hook):
+    nothing past the loaded position has been requested, so it applies there, as in the
+    uninterrupted run (num_workers=0). A reused mixture, which had run further, makes no
+    difference."""
     full, _ = run()
     _, (state,) = run(stop=4, changes={})
     m = mixture()
@@ -189,8 +203,9 @@ def test_a_change_made_after_a_load_before_the_first_batch_applies_from_the_load
 
 
 def test_a_second_loader_built_over_a_used_mixture_leaves_its_request_position() -> None:
-    """Building a loader (a framework rebuilding one, a validation loader) requests nothing: a change made after
-    applies where the running loader's requests have gone, never over samples already delivered."""
+    """Building a loader (a framework rebuilding one, a validation loader) requests nothing: a
+    change made after applies where the running loader's requests have gone, never over samples
+    already delivered."""
     m = mixture()
     it = iter(ResumableDataLoader(m, batch_size=4, seed=1))
     next(it), next(it)
@@ -228,8 +243,10 @@ def test_a_source_whose_length_changed_is_refused_naming_it() -> None:
         grown.load_state_dict(state)
     loader = ResumableDataLoader(mixture(lengths={"a": 50, "b": 21, "c": 7}), batch_size=4, seed=1)
     saved = ResumableDataLoader(mixture(), batch_size=4, seed=1).state_dict()
-    assert saved["dataset_len"] == 77 and len(loader.dataset) == 78  # the mixture's epoch is the sources' total
-    with pytest.raises(StateError, match="Source 'b' has 21 items"):  # named before the loader's own dataset_len
+    # the mixture's epoch is the sources' total
+    assert saved["dataset_len"] == 77 and len(loader.dataset) == 78
+    # named before the loader's own dataset_len
+    with pytest.raises(StateError, match="Source 'b' has 21 items"):
         loader.load_state_dict(saved)
     with pytest.raises(StateError, match=r"'dataset_state.block_size': saved 10, expected 20"):
         mixture(block_size=20).load_state_dict(state)
@@ -253,8 +270,9 @@ def change_weights(loader: ResumableDataLoader, delivered: int) -> None:
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_assert_resumes_exactly_covers_a_mixture_with_weight_changes(workers: int) -> None:
-    """Every cut of two epochs (40 batches), the weights changed after batches 4, 10 and 30; each state through
-    JSON. Without the calls in the resumed runs the check fails: the helper runs them too."""
+    """Every cut of two epochs (40 batches), the weights changed after batches 4, 10 and 30; each
+    state through JSON. Without the calls in the resumed runs the check fails: the helper runs them
+    too."""
     report = assert_resumes_exactly(lambda: ResumableDataLoader(mixture(), batch_size=4, seed=1, num_workers=workers),
                                     epochs=2, round_trip="json", after_batch=change_weights)
     assert report.batches == 40 and len(report.cuts) == 41
@@ -287,8 +305,8 @@ class Leveled(Noisy):
 
 
 def test_a_sources_own_state_is_saved_and_a_mismatch_refused_naming_it() -> None:
-    """Each source's own state goes into the mixture's (as a loader saves a dataset's); a reused mixture loads
-    another's state with that one's weights, whatever it resolved before."""
+    """Each source's own state goes into the mixture's (as a loader saves a dataset's); a reused
+    mixture loads another's state with that one's weights, whatever it resolved before."""
     saving = Mixture({"a": Leveled(0, 50), "b": Noisy(1000, 20)}, {"a": 1, "b": 1}, block_size=10)
     saving.sources["a"].level = 3
     saving.requested(0, 30)
@@ -305,9 +323,9 @@ def test_a_sources_own_state_is_saved_and_a_mismatch_refused_naming_it() -> None
 
 
 def test_a_resume_costs_the_same_at_any_position_and_the_state_keeps_its_size(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Sources of 10^9 and 10^6 items: a resume at 10 %, 50 % or 90 % of a 10^9-sample epoch evaluates the same
-    number of permutation values for its first batch (one block, one chunk per source), and the state is the
-    same size wherever it was taken."""
+    """Sources of 10^9 and 10^6 items: a resume at 10 %, 50 % or 90 % of a 10^9-sample epoch
+    evaluates the same number of permutation values for its first batch (one block, one chunk per
+    source), and the state is the same size wherever it was taken."""
     from loader_resume.order import permutation
 
     evaluated: list[int] = []
@@ -335,4 +353,5 @@ def test_a_resume_costs_the_same_at_any_position_and_the_state_keeps_its_size(mo
     costs = {fraction: resumed_at(fraction) for fraction in (0.1, 0.5, 0.9)}
     assert len(set(costs.values())) == 1, costs
     values, _ = costs[0.9]
-    assert values <= 1024 + 2 * 4096, values  # one block, and one chunk of each source's permutation
+    # one block, and one chunk of each source's permutation
+    assert values <= 1024 + 2 * 4096, values

@@ -1,6 +1,7 @@
-"""``in_order=False``: a slow batch does not stall the others; over map-style data each batch is the same whatever
-order it arrives in, and a state taken with batches delivered past a slow one resumes every remaining batch of
-the epoch exactly once; over an iterable dataset, every remaining item once."""
+"""``in_order=False``: a slow batch does not stall the others; over map-style data each batch is the
+same whatever order it arrives in, and a state taken with batches delivered past a slow one resumes
+every remaining batch of the epoch exactly once; over an iterable dataset, every remaining item
+once."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ N, BATCH = 40, 4
 
 
 class HeldAt(Dataset[dict[str, Any]]):
-    """Item ``held`` waits until the file ``release`` exists (in whichever worker reads it); every item draws
-    from torch, numpy and random."""
+    """Item ``held`` waits until the file ``release`` exists (in whichever worker reads it); every
+    item draws from torch, numpy and random."""
 
     def __init__(self, release: Path, held: int = 0) -> None:
         self.release, self.held = release, held
@@ -54,7 +55,8 @@ def by_first_id(batches: list[Any]) -> dict[int, str]:
 
 
 def cut_with_batches_ahead(release: Path, count: int) -> tuple[list[Any], dict[str, Any]]:
-    """``count`` batches delivered while the first batch of the epoch is held, the state, then the release."""
+    """``count`` batches delivered while the first batch of the epoch is held, the state, then the
+    release."""
     running = loader(release, held=int(loader(release).planned_indices()[0][0]))
     iterator = iter(running)
     delivered = [next(iterator) for _ in range(count)]
@@ -72,13 +74,15 @@ def test_a_held_batch_does_not_stall_the_others_and_each_batch_is_the_in_order_r
     assert all(batch["id"].tolist() != first for batch in delivered)  # the held batch came later
     assert state["position"] == 0 and len(state["ahead"]) == 5
     ours = by_first_id(delivered)
-    assert all(ours[key] == by_first_id(in_order)[key] for key in ours)  # keyed by step, not by arrival
+    # keyed by step, not by arrival
+    assert all(ours[key] == by_first_id(in_order)[key] for key in ours)
 
 
 @pytest.mark.parametrize("workers", [2, 0])
 def test_the_rest_of_the_epoch_comes_exactly_once_after_a_resume(tmp_path: Path, workers: int) -> None:
-    """Resumed with 2 workers out of order, or with none (in order): the held batch and every batch not yet
-    delivered, once each, with the values of the in-order run; then whole epochs as the in-order run's."""
+    """Resumed with 2 workers out of order, or with none (in order): the held batch and every batch
+    not yet delivered, once each, with the values of the in-order run; then whole epochs as the
+    in-order run's."""
     release = tmp_path / "release"
     in_order = loader(release / "x", in_order=True, held=-1)
     reference = [[batch for batch in in_order] for _ in range(2)]
@@ -94,7 +98,8 @@ def test_the_rest_of_the_epoch_comes_exactly_once_after_a_resume(tmp_path: Path,
 
 
 def test_a_state_with_batches_ahead_is_refused_at_another_batch_size_or_in_order(tmp_path: Path) -> None:
-    """(An in-order loader's own states have no ``ahead``: one taken before the skipped steps would lose them.)"""
+    """(An in-order loader's own states have no ``ahead``: one taken before the skipped steps would
+    lose them.)"""
     release = tmp_path / "release"
     _, state = cut_with_batches_ahead(release, 3)
     with pytest.raises(StateError, match=r"'ahead': saved \[.*\], expected \[\] to resume with world_size=1, "
@@ -113,8 +118,8 @@ def test_an_edited_ahead_is_refused(tmp_path: Path) -> None:
 
 
 class HeldStream(IterableDataset[int]):
-    """Items 0-19, worker w reading those ≡ w (mod 2), from its own position (its state); worker 1's first item
-    waits until ``release`` exists."""
+    """Items 0-19, worker w reading those ≡ w (mod 2), from its own position (its state); worker 1's
+    first item waits until ``release`` exists."""
 
     def __init__(self, release: Path) -> None:
         self.release, self.next = release, 0
@@ -139,9 +144,9 @@ class HeldStream(IterableDataset[int]):
 
 
 def test_an_iterable_dataset_out_of_order_resumes_each_remaining_item_once(tmp_path: Path) -> None:
-    """Each worker's progress is recorded with its own batches, whatever order they arrive in: worker 0's run
-    on while worker 1 waits, and a resume gives every item not yet delivered once (its order, like the
-    uninterrupted run's, depends on which worker finishes first)."""
+    """Each worker's progress is recorded with its own batches, whatever order they arrive in:
+    worker 0's run on while worker 1 waits, and a resume gives every item not yet delivered once
+    (its order, like the uninterrupted run's, depends on which worker finishes first)."""
     release = tmp_path / "release"
     running = ResumableDataLoader(HeldStream(release), batch_size=2, num_workers=2, in_order=False, seed=1)
     iterator = iter(running)
@@ -149,12 +154,14 @@ def test_an_iterable_dataset_out_of_order_resumes_each_remaining_item_once(tmp_p
     state = json.loads(json.dumps(running.state_dict()))
     release.touch()
     del iterator
-    assert all(i % 2 == 0 for batch in delivered for i in batch)  # worker 1 held: worker 0's batches came on
+    # worker 1 held: worker 0's batches came on
+    assert all(i % 2 == 0 for batch in delivered for i in batch)
     resumed = ResumableDataLoader(HeldStream(release), batch_size=2, num_workers=2, in_order=False, seed=1)
     resumed.load_state_dict(state)
     rest = [i for batch in resumed for i in batch.tolist()]
     assert sorted([i for batch in delivered for i in batch] + rest) == list(range(20))
-    assert "ahead" not in ResumableDataLoader(list(range(4))).state_dict()  # in order: the layout as before
+    # in order: the layout as before
+    assert "ahead" not in ResumableDataLoader(list(range(4))).state_dict()
 
 
 def test_a_converted_loader_keeps_in_order_false(tmp_path: Path) -> None:
@@ -167,8 +174,8 @@ def test_a_converted_loader_keeps_in_order_false(tmp_path: Path) -> None:
 
 
 def test_a_state_taken_after_a_resume_keeps_the_steps_still_ahead(tmp_path: Path) -> None:
-    """Resumed without workers, one batch delivered (the held one, first in the plan), then a second state: the
-    steps delivered before the first cut are still skipped by a second resume."""
+    """Resumed without workers, one batch delivered (the held one, first in the plan), then a second
+    state: the steps delivered before the first cut are still skipped by a second resume."""
     release = tmp_path / "release"
     delivered, state = cut_with_batches_ahead(release, 5)
     first = loader(release, 0)

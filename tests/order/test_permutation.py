@@ -50,8 +50,9 @@ def test_every_position_is_equally_likely_to_hold_every_index() -> None:
 
 
 def _reference(n: int, key: int, position: int) -> int:
-    """The permutation written out in plain integers, one position at a time (the definition the vectorised,
-    tabulated code must keep: checkpoints of every earlier version resume in this order)."""
+    """The permutation written out in plain integers, one position at a time (the definition the
+    vectorised, tabulated code must keep: checkpoints of every earlier version resume in this
+    order)."""
     import hashlib
 
     half = max(1, ((max(n, 2) - 1).bit_length() + 1) // 2)
@@ -73,16 +74,17 @@ def _reference(n: int, key: int, position: int) -> int:
 @given(n=st.one_of(st.integers(1, 5000), st.integers(1, 2**40)), key=st.integers(0, 2**64 - 1),
        seed=st.integers(0, 2**32 - 1))
 def test_values_are_those_of_the_plain_integer_definition(n: int, key: int, seed: int) -> None:
-    """Both code paths (lookup tables up to n = 2^32, 64-bit arithmetic above) against the definition."""
+    """Both code paths (lookup tables up to n = 2^32, 64-bit arithmetic above) against the
+    definition."""
     positions = np.random.default_rng(seed).integers(0, n, size=50)
     assert KeyedPermutation(n, key)[positions].tolist() == [_reference(n, key, int(p)) for p in positions]
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 255, 256, 257, 4_096, 4_097, 16_384, 16_385, 65_536, 65_537])
 def test_whole_and_walked_lookups_give_the_definitions_values_at_the_domain_edges(n: int) -> None:
-    """Up to a domain of 2^14 values the whole permutation is computed at the first lookup; above, position by
-    position: on both sides of that edge and of the domain's own edges, the values are the definition's,
-    in any order of lookup, and the whole range is a bijection."""
+    """Up to a domain of 2^14 values the whole permutation is computed at the first lookup; above,
+    position by position: on both sides of that edge and of the domain's own edges, the values are
+    the definition's, in any order of lookup, and the whole range is a bijection."""
     key = 0x5EED + n
     positions = np.random.default_rng(n).integers(0, max(n, 1), size=40 if n else 0)
     perm = KeyedPermutation(n, key)

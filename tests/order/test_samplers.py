@@ -14,7 +14,8 @@ from loader_resume.testing import assert_resumes_exactly
 from support.data import Augmented, PlainSampler, ids
 
 
-# --- ported from torchdata's "Stateful DataLoader Tutorial" (map-style part) ------------------------
+# --- ported from torchdata's "Stateful DataLoader Tutorial" (map-style part)
+# ------------------------
 class MySampler(torch.utils.data.Sampler[int]):
     def __init__(self, high: int, seed: int, limit: int) -> None:
         self.seed, self.high, self.limit = seed, high, limit
@@ -113,10 +114,10 @@ def test_stateful_sampler_state_is_taken_at_the_last_yielded_batch_not_the_prefe
 
 
 def test_pass_ended_over_a_stateful_sampler_holds_its_own_state_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
-    """A loop that left a pass on purpose (``pass_ended=True``) over a user's sampler that keeps its own position:
-    the state is the sampler's ``state_dict()`` as it is then — 4 indices delivered and the next batch's 2 already
-    read from it (a mid-pass state would hold 4: where the pass continues) — and a warning says that what the next
-    pass does with it is the sampler's."""
+    """A loop that left a pass on purpose (``pass_ended=True``) over a user's sampler that keeps its
+    own position: the state is the sampler's ``state_dict()`` as it is then — 4 indices delivered
+    and the next batch's 2 already read from it (a mid-pass state would hold 4: where the pass
+    continues) — and a warning says that what the next pass does with it is the sampler's."""
     loader = ResumableDataLoader(Augmented(20), sampler=CountingSampler(20), batch_size=2)
     for number, _ in enumerate(loader):
         if number == 1:

@@ -16,6 +16,7 @@ def test_the_default_store_is_the_process_groups_and_answers_without_waiting(tmp
         found = default_store()
         found.set("loader_resume/pinned", "1")
         assert found.get("loader_resume/pinned") == b"1" and found.check(["loader_resume/pinned"])
-        assert not found.check(["loader_resume/never-set"])  # check() does not wait for a missing key
+        # check() does not wait for a missing key
+        assert not found.check(["loader_resume/never-set"])
     finally:
         dist.destroy_process_group()

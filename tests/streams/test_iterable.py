@@ -17,7 +17,8 @@ from loader_resume.testing import assert_delivers_rest_exactly_once, assert_resu
 from support.data import Shards, StatefulShards
 
 
-# --- ported from torchdata's "Stateful DataLoader Tutorial" (iterable part) --------------------------
+# --- ported from torchdata's "Stateful DataLoader Tutorial" (iterable part)
+# --------------------------
 class MyIterableDataset(IterableDataset[torch.Tensor]):
     def __init__(self, high: int, seed: int) -> None:
         self.high, self.seed = high, seed
@@ -122,8 +123,9 @@ def test_dataset_without_state_replays_in_process_too() -> None:
 
 
 def test_a_replayed_stream_resumed_twice_continues_exactly() -> None:
-    """A stream with no state, resumed (6 items replayed), 1 more batch, resumed again: the second resume replays
-    the 8 items delivered, not 14 (the replay was counted twice, and items 8 to 13 were never delivered)."""
+    """A stream with no state, resumed (6 items replayed), 1 more batch, resumed again: the second
+    resume replays the 8 items delivered, not 14 (the replay was counted twice, and items 8 to 13
+    were never delivered)."""
     def build() -> ResumableDataLoader[Any]:
         return ResumableDataLoader(Shards(20), batch_size=2, seed=1)
 
@@ -141,7 +143,8 @@ def test_a_replayed_stream_resumed_twice_continues_exactly() -> None:
 
 
 class ResetByEpoch(IterableDataset[int]):
-    """A stream with a state whose ``set_epoch`` starts it over (as most that are told their epoch do)."""
+    """A stream with a state whose ``set_epoch`` starts it over (as most that are told their epoch
+    do)."""
 
     def __init__(self) -> None:
         self.done, self.epoch = 0, 0
@@ -163,10 +166,10 @@ class ResetByEpoch(IterableDataset[int]):
 
 @pytest.mark.parametrize(("workers", "persistent"), [(0, False), (1, True)])
 def test_a_state_taken_after_a_resume_between_epochs_resumes_exactly(workers: int, persistent: bool) -> None:
-    """Resumed from a state taken between epochs (its copy's state loaded before set_epoch), then cut again in the
-    next epoch: that state is of the epoch, loaded after set_epoch (it said "before the epoch" and the second resume
-    started the epoch over). ``assert_resumes_exactly`` resumes again from each resumed run's first state that is
-    not the uninterrupted run's."""
+    """Resumed from a state taken between epochs (its copy's state loaded before set_epoch), then
+    cut again in the next epoch: that state is of the epoch, loaded after set_epoch (it said "before
+    the epoch" and the second resume started the epoch over). ``assert_resumes_exactly`` resumes
+    again from each resumed run's first state that is not the uninterrupted run's."""
     assert_resumes_exactly(lambda: ResumableDataLoader(ResetByEpoch(), batch_size=3, num_workers=workers,
                                                        persistent_workers=persistent), epochs=3)
 
@@ -228,7 +231,8 @@ def test_worker_error_reaches_caller_and_last_good_state_resumes(workers: int) -
 
 
 def test_worker_renumbering_uses_torchs_worker_info() -> None:
-    """Pins the private detail iterable.report_worker_id relies on: a frozen WorkerInfo's id can be reset."""
+    """Pins the private detail iterable.report_worker_id relies on: a frozen WorkerInfo's id can be
+    reset."""
     from torch.utils.data._utils import worker as torch_worker
 
     from loader_resume.streams.stream_tasks import report_worker_id

@@ -17,7 +17,8 @@ from support.launch import CHILDREN, launch
 
 @pytest.mark.parametrize("via", ["torch", "dcp"])
 def test_each_rank_resumes_its_own_stream_from_one_gathered_checkpoint(tmp_path: Path, via: str) -> None:
-    """Through torch.save of gather_states on rank 0, or torch.distributed.checkpoint with a DCPLoaderState."""
+    """Through torch.save of gather_states on rank 0, or torch.distributed.checkpoint with a
+    DCPLoaderState."""
     script = CHILDREN / "ddp_stream_child.py"
     for mode in ("full", "save", "resume"):
         launch(script, mode, tmp_path, args=[via])
@@ -30,7 +31,8 @@ def test_each_rank_resumes_its_own_stream_from_one_gathered_checkpoint(tmp_path:
 
 
 def test_a_stream_state_goes_through_dcp_as_one_value_where_the_loader_itself_does_not_fit(tmp_path: Path) -> None:
-    """DCP loads into a fresh loader's state as a template; a stream's worker states change its shape."""
+    """DCP loads into a fresh loader's state as a template; a stream's worker states change its
+    shape."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 

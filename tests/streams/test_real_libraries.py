@@ -1,11 +1,11 @@
 """The data libraries users actually bring, for real, on data generated here.
 
-HF ``datasets`` (map-style with ``set_transform``/``with_transform``, and streams: ``to_iterable_dataset``,
-``.map``, ``.shuffle``), WebDataset (local tar shards) and litdata (``litdata.optimize`` into a tmp dir).
-Mosaic Streaming is not here: ``import streaming`` imports torchvision, whose only wheel for torch 2.13 is
-CUDA-linked and fails to import on the CPU build CI runs (docs: Works with). Every test asserts exact
-resume over 2+ epochs, at ``num_workers`` 0 and 2, and, where it applies, equal values across worker
-counts and an untouched caller RNG.
+HF ``datasets`` (map-style with ``set_transform``/``with_transform``, and streams:
+``to_iterable_dataset``, ``.map``, ``.shuffle``), WebDataset (local tar shards) and litdata
+(``litdata.optimize`` into a tmp dir). Mosaic Streaming is not here: ``import streaming`` imports
+torchvision, whose only wheel for torch 2.13 is CUDA-linked and fails to import on the CPU build CI
+runs (docs: Works with). Every test asserts exact resume over 2+ epochs, at ``num_workers`` 0 and 2,
+and, where it applies, equal values across worker counts and an untouched caller RNG.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from support.data import caller_draws, seed_all
 N = 24
 
 
-# --- HF datasets, map-style ------------------------------------------------------------------------------
+# --- HF datasets, map-style
+# ------------------------------------------------------------------------------
 def _augment(batch: dict[str, list[Any]]) -> dict[str, torch.Tensor]:
     count = len(batch["id"])
     return {"id": torch.tensor(batch["id"]), "torch": torch.rand(count),
@@ -66,7 +67,8 @@ def test_hf_map_style_resumes_across_worker_counts() -> None:
     assert_resumes_exactly(lambda: _hf_map(2), make_resumed=lambda: _hf_map(0), cuts=[1, 3, 6, 7, 9])
 
 
-# --- HF datasets, streams ----------------------------------------------------------------------------------
+# --- HF datasets, streams
+# ----------------------------------------------------------------------------------
 def _noise(example: dict[str, Any]) -> dict[str, Any]:
     return {"id": example["id"], "noise": torch.rand(()).item()}
 
@@ -80,9 +82,9 @@ def _hf_stream(workers: int, persistent: bool = False, shuffle: str = "") -> Res
     if shuffle == "shards":
         stream = stream.shuffle(seed=1, buffer_size=1)
     elif shuffle == "buffer":
-        # NOTE: random numbers drawn in an HF .map() upstream of a shuffle buffer are not reproducible even
-        # between two uninterrupted runs (measured on datasets 5.2; docs: Works with), so here the
-        # randomness is the collate's, keyed by the loader.
+        # NOTE: random numbers drawn in an HF .map() upstream of a shuffle buffer are not
+        # reproducible even between two uninterrupted runs (measured on datasets 5.2; docs: Works
+        # with), so here the randomness is the collate's, keyed by the loader.
         return ResumableDataLoader(stream.shuffle(seed=1, buffer_size=8), batch_size=4, num_workers=workers,
                                    persistent_workers=persistent, collate_fn=_mix)
     return ResumableDataLoader(stream.map(_noise), batch_size=4, num_workers=workers, persistent_workers=persistent)
@@ -93,14 +95,16 @@ STREAM_CASES = [(0, False), (2, False), (2, True)]
 
 @pytest.mark.parametrize(("workers", "persistent"), STREAM_CASES)
 def test_hf_stream_resumes_exactly_across_later_epochs(workers: int, persistent: bool) -> None:
-    """Once resumed, later epochs start at their beginning (HF re-applies a loaded state until told a new epoch)."""
+    """Once resumed, later epochs start at their beginning (HF re-applies a loaded state until told
+    a new epoch)."""
     assert_resumes_exactly(lambda: _hf_stream(workers, persistent), epochs=3)
 
 
 @pytest.mark.parametrize(("workers", "persistent"), STREAM_CASES)
 def test_hf_stream_shuffle_buffer_resumes_exactly_and_reshuffles_per_epoch(
         workers: int, persistent: bool, caplog: pytest.LogCaptureFixture) -> None:
-    """HF's own state omits the buffer (and fails to load with workers): we replay instead, exactly."""
+    """HF's own state omits the buffer (and fails to load with workers): we replay instead,
+    exactly."""
     with caplog.at_level(logging.WARNING, logger="loader_resume"):
         loader = _hf_stream(workers, persistent, shuffle="buffer")
     assert "omits the buffer's content" in caplog.text and "replaying" in caplog.text
@@ -116,7 +120,8 @@ def test_hf_stream_is_told_the_epoch_and_reshuffles_its_shards() -> None:
     assert_resumes_exactly(lambda: _hf_stream(0, shuffle="shards"), epochs=3)
 
 
-# --- WebDataset ---------------------------------------------------------------------------------------------
+# --- WebDataset
+# ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     folder = tmp_path_factory.mktemp("wds")
@@ -160,10 +165,12 @@ def test_webdataset_unseeded_shuffle_is_named_as_not_bit_identical(
     with caplog.at_level(logging.WARNING, logger="loader_resume"):
         resumed.load_state_dict(state)
     assert "will NOT be bit-identical" in caplog.text and "pass seed=" in caplog.text
-    assert [fingerprint(b) for b in resumed] != rest  # and indeed it is not: the warning is not a formality
+    # and indeed it is not: the warning is not a formality
+    assert [fingerprint(b) for b in resumed] != rest
 
 
-# --- litdata ------------------------------------------------------------------------------------------------
+# --- litdata
+# ------------------------------------------------------------------------------------------------
 def _lit_item(i: int) -> dict[str, Any]:
     return {"id": i, "x": np.full(3, i, dtype=np.float32)}
 
@@ -180,8 +187,9 @@ class _NoisyLit(litdata.StreamingDataset):  # type: ignore[misc]
 @pytest.fixture(scope="module")
 def lit_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     out = str(tmp_path_factory.mktemp("litdata") / "optimized")
-    # NOTE: litdata.optimize sets the process-wide multiprocessing start method (to "spawn" by default), which
-    # would make every later test's DataLoader workers spawn (slow; local classes unpicklable): put it back.
+    # NOTE: litdata.optimize sets the process-wide multiprocessing start method (to "spawn" by
+    # default), which would make every later test's DataLoader workers spawn (slow; local classes
+    # unpicklable): put it back.
     previous = multiprocessing.get_start_method(allow_none=True)
     try:
         litdata.optimize(fn=_lit_item, inputs=list(range(N)), output_dir=out, chunk_size=5, num_workers=1,
@@ -201,7 +209,8 @@ LIT_CASES = [(0, False), (0, True), (2, False), (2, True)]
 
 @pytest.mark.parametrize(("workers", "shuffle"), LIT_CASES)
 def test_litdata_resumes_exactly_through_its_own_state(lit_dir: str, workers: int, shuffle: bool) -> None:
-    """litdata's ``state_dict(num_samples_yielded, num_workers, batch_size)`` is fed with each worker's count."""
+    """litdata's ``state_dict(num_samples_yielded, num_workers, batch_size)`` is fed with each
+    worker's count."""
     loader = _lit(lit_dir, workers, shuffle)
     orders = [[int(i) for b in loader for i in b["id"]] for _ in range(2)]
     assert all(sorted(order) == list(range(N)) for order in orders)
@@ -211,7 +220,8 @@ def test_litdata_resumes_exactly_through_its_own_state(lit_dir: str, workers: in
 
 
 def test_litdata_with_persistent_workers_resumes_exactly_across_later_epochs(lit_dir: str) -> None:
-    """litdata counts its own epochs in each worker; the loader's set_epoch overrides them on every pass."""
+    """litdata counts its own epochs in each worker; the loader's set_epoch overrides them on every
+    pass."""
     assert_resumes_exactly(lambda: _lit(lit_dir, 2, True, persistent=True), epochs=3)
 
 
@@ -224,7 +234,8 @@ class _CountingLit(_NoisyLit):
 
 
 def test_litdata_resume_reads_nothing_to_skip(lit_dir: str, caplog: pytest.LogCaptureFixture) -> None:
-    """O(1): the first batch after a resume at 90 % of the epoch reads that batch's items and no other."""
+    """O(1): the first batch after a resume at 90 % of the epoch reads that batch's items and no
+    other."""
     loader = ResumableDataLoader(_CountingLit(input_dir=lit_dir, shuffle=True, seed=3), batch_size=4)
     iterator = iter(loader)
     for _ in range(5):

@@ -1,6 +1,7 @@
-"""A stream that keeps its own epoch or position, with no protocol the loader knows, is never silently wrong:
-where its copy lives on across epochs (``num_workers=0``, persistent workers) and nothing restores what its own
-``iter()`` changes, the resume says that the continuation will not be bit-identical, and why."""
+"""A stream that keeps its own epoch or position, with no protocol the loader knows, is never
+silently wrong: where its copy lives on across epochs (``num_workers=0``, persistent workers) and
+nothing restores what its own ``iter()`` changes, the resume says that the continuation will not be
+bit-identical, and why."""
 
 from __future__ import annotations
 
@@ -55,8 +56,8 @@ def test_a_stream_counting_its_own_epochs_is_named_at_resume(
 @pytest.mark.parametrize(("workers", "persistent", "epoch"), [(0, False, 0), (2, False, 1)])
 def test_where_a_new_copy_would_count_the_same_nothing_is_said_and_the_resume_is_exact(
         workers: int, persistent: bool, epoch: int, caplog: pytest.LogCaptureFixture) -> None:
-    """In the first epoch, or with workers started afresh each epoch, the uninterrupted run's copy counted from
-    scratch too: the replay is exact."""
+    """In the first epoch, or with workers started afresh each epoch, the uninterrupted run's copy
+    counted from scratch too: the replay is exact."""
     state, rest = _cut(workers, persistent, epoch=epoch, batches=1)
     with caplog.at_level(logging.WARNING, logger="loader_resume"):
         got = _resume(state, workers, persistent)

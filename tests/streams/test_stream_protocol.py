@@ -1,4 +1,5 @@
-"""Streams written for torchdata's StatefulDataLoader, set_epoch, dry workers, foreign state_dicts."""
+"""Streams written for torchdata's StatefulDataLoader, set_epoch, dry workers, foreign
+state_dicts."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def _my_share(n: int) -> list[int]:
 
 
 class ResetsInIter(IterableDataset[dict[str, Any]]):
-    """Written for StatefulDataLoader: ``__iter__`` (re)initialises the position and returns ``self``.
+    """Written for StatefulDataLoader: ``__iter__`` (re)initialises the position and returns
+    ``self``.
 
     StatefulDataLoader loads the state after ``iter()``; a loader that loads it only before would
     replay the worker's share from its start after every resume.
@@ -51,7 +53,8 @@ class ResetsInIter(IterableDataset[dict[str, Any]]):
 
 
 class _Cursor:
-    """A stateful iterator object, separate from its dataset (its state is reachable only through it)."""
+    """A stateful iterator object, separate from its dataset (its state is reachable only through
+    it)."""
 
     def __init__(self, ids: list[int]) -> None:
         self.ids, self.i = ids, 0
@@ -73,7 +76,8 @@ class _Cursor:
 
 
 class ReturnsCursor(IterableDataset[dict[str, Any]]):
-    """Written for StatefulDataLoader: the dataset has no state; the iterator ``__iter__`` returns has."""
+    """Written for StatefulDataLoader: the dataset has no state; the iterator ``__iter__`` returns
+    has."""
 
     def __init__(self, n: int) -> None:
         self.n = n
@@ -127,7 +131,8 @@ def test_a_cursor_state_is_saved_with_the_stream() -> None:
 
 @pytest.mark.parametrize(("workers", "persistent"), [(2, False), (3, False), (2, True), (3, True)])
 def test_a_worker_that_ran_dry_stays_dry_after_resume(workers: int, persistent: bool) -> None:
-    """The saved state of a dry worker is its dataset's state *after* its reset; it must not replay its shard."""
+    """The saved state of a dry worker is its dataset's state *after* its reset; it must not replay
+    its shard."""
 
     def make() -> ResumableDataLoader[Any]:
         return ResumableDataLoader(StatefulShardsResetAtEnd(21), batch_size=4, num_workers=workers,
@@ -139,9 +144,11 @@ def test_a_worker_that_ran_dry_stays_dry_after_resume(workers: int, persistent: 
     assert sorted(seen) == sorted([*range(21), *range(100, 105)])  # each id once per epoch
 
 
-# --- set_epoch ----------------------------------------------------------------------------------------
+# --- set_epoch
+# ----------------------------------------------------------------------------------------
 class EpochShuffledStream(IterableDataset[dict[str, Any]]):
-    """Shuffles its shard by the epoch it is told (as HF streams and Mosaic do), and reports that epoch."""
+    """Shuffles its shard by the epoch it is told (as HF streams and Mosaic do), and reports that
+    epoch."""
 
     def __init__(self, n: int) -> None:
         self.n, self.epoch, self.i = n, 0, 0
@@ -189,7 +196,8 @@ def test_every_copy_of_a_stream_is_told_the_loaders_epoch_and_resumes_exactly(wo
     for epoch, batches in enumerate(passes):
         assert {int(t) for b in batches for t in b["told"]} == {epoch}
     orders = [[int(i) for b in batches for i in b["id"]] for batches in passes]
-    assert orders[0] != orders[1] and sorted(orders[0]) == sorted(orders[1])  # reshuffled, same items
+    # reshuffled, same items
+    assert orders[0] != orders[1] and sorted(orders[0]) == sorted(orders[1])
     assert_resumes_exactly(make, epochs=3)
 
 
@@ -209,7 +217,8 @@ def test_every_copy_of_a_map_dataset_is_told_the_loaders_epoch(workers: int, per
     assert {int(t) for b in resumed for t in b["told"]} == {3}
 
 
-# --- a state_dict that is another library's protocol -----------------------------------------------------
+# --- a state_dict that is another library's protocol
+# -----------------------------------------------------
 class ForeignStateStream(IterableDataset[dict[str, Any]]):
     """Like litdata's and Mosaic's datasets: ``state_dict`` takes required arguments."""
 
@@ -259,7 +268,8 @@ def test_a_version_1_stream_state_still_loads() -> None:
     assert [b["id"].tolist() for b in resumed] == rest and len(expected) == 3
 
 
-# --- keyed randomness in a stream's collate ------------------------------------------------------------
+# --- keyed randomness in a stream's collate
+# ------------------------------------------------------------
 def _mixing_collate(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     return {"id": torch.tensor([x["id"] for x in items]), "mix": torch.rand(len(items))}
 
@@ -278,7 +288,8 @@ def test_a_streams_collate_randomness_is_keyed_and_the_callers_untouched(workers
     assert_resumes_exactly(make)
 
 
-# --- bad input in the new state fields -------------------------------------------------------------------
+# --- bad input in the new state fields
+# -------------------------------------------------------------------
 def _stream_state(cls: type[IterableDataset[Any]]) -> dict[str, Any]:
     loader = ResumableDataLoader(cls(9), batch_size=2)
     iterator = iter(loader)
@@ -300,7 +311,8 @@ def test_a_corrupted_dry_flag_is_refused_naming_the_field() -> None:
 
 
 def test_an_iterator_state_for_an_iterator_without_state_is_refused_naming_the_field() -> None:
-    """A cursor state loaded where iter(dataset) returns a plain generator: never silently ignored."""
+    """A cursor state loaded where iter(dataset) returns a plain generator: never silently
+    ignored."""
     from loader_resume import StateError
 
     class SameNameNoCursor(IterableDataset[dict[str, Any]]):
@@ -333,14 +345,16 @@ def test_a_stream_of_numpy_arrays_is_delivered_untouched(workers: int) -> None:
 
 
 class ShufflesInIter(IterableDataset[dict[str, Any]]):
-    """Draws from torch's global generator in __iter__ (shuffles its share) and keeps a position on itself."""
+    """Draws from torch's global generator in __iter__ (shuffles its share) and keeps a position on
+    itself."""
 
     def __init__(self, n: int) -> None:
         self.n, self.i = n, 0
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         mine = _my_share(self.n)
-        return self._items([mine[j] for j in torch.randperm(len(mine)).tolist()])  # drawn when iter() is called
+        # drawn when iter() is called
+        return self._items([mine[j] for j in torch.randperm(len(mine)).tolist()])
 
     def _items(self, order: list[int]) -> Iterator[dict[str, Any]]:
         while self.i < len(order):
@@ -380,15 +394,17 @@ class RestoresGlobalRng(IterableDataset[dict[str, Any]]):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_what_opening_a_stream_draws_or_restores_does_not_shift_the_keyed_values(
         cls: type[IterableDataset[Any]], workers: int) -> None:
-    """__iter__'s draws are keyed by (seed, epoch, rank, worker), not by the batch that opens the stream, and a
-    load_state_dict that sets the global generator back does not displace the batch's key."""
+    """__iter__'s draws are keyed by (seed, epoch, rank, worker), not by the batch that opens the
+    stream, and a load_state_dict that sets the global generator back does not displace the batch's
+    key."""
     assert_resumes_exactly(lambda: ResumableDataLoader(cls(13), batch_size=2, num_workers=workers))
 
 
 def test_a_worker_stream_is_one_per_loader_and_process_wherever_it_travels() -> None:
-    """Pickled (a task sent to a worker, a dataset to a spawned worker) a loader's WorkerStream resolves to the one
-    copy of this process, never another loader's: two stream loaders iterated in turn at num_workers=0 each give
-    the batches they give alone, and their states resume each exactly."""
+    """Pickled (a task sent to a worker, a dataset to a spawned worker) a loader's WorkerStream
+    resolves to the one copy of this process, never another loader's: two stream loaders iterated in
+    turn at num_workers=0 each give the batches they give alone, and their states resume each
+    exactly."""
     import pickle
 
     from loader_resume.streams.stream_worker import WorkerStream
@@ -412,8 +428,8 @@ def test_a_worker_stream_is_one_per_loader_and_process_wherever_it_travels() -> 
 
 
 def test_a_copied_loader_has_a_worker_stream_of_its_own() -> None:
-    """``copy.deepcopy`` of a stream loader (num_workers=0) is another loader: iterated in turn, each gives the
-    batches it gives alone."""
+    """``copy.deepcopy`` of a stream loader (num_workers=0) is another loader: iterated in turn,
+    each gives the batches it gives alone."""
 
     def make() -> ResumableDataLoader[Any]:
         return ResumableDataLoader(StatefulShards(12), batch_size=2)
@@ -426,4 +442,5 @@ def test_a_copied_loader_has_a_worker_stream_of_its_own() -> None:
     copied = copy.deepcopy(original)
     ia, ib = iter(original), iter(copied)
     assert [[next(ia)["id"].tolist(), next(ib)["id"].tolist()] for _ in range(3)] == [[i, i] for i in alone[:3]]
-    assert original.state_dict() == copied.state_dict() == single.state_dict()  # each counted its own batches
+    # each counted its own batches
+    assert original.state_dict() == copied.state_dict() == single.state_dict()

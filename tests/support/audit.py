@@ -1,6 +1,7 @@
-"""The audit's tests: attempts of ``tests/children/audit_child.py`` as real processes, and ``loader-resume audit``
-over what they wrote; and the front-door tests' check of a job's ``audit=DIR`` logs (``LOADER_RESUME_AUDIT``): every
-loader's report holds, and the training loader's says where each rerun resumed."""
+"""The audit's tests: attempts of ``tests/children/audit_child.py`` as real processes, and
+``loader-resume audit`` over what they wrote; and the front-door tests' check of a job's
+``audit=DIR`` logs (``LOADER_RESUME_AUDIT``): every loader's report holds, and the training loader's
+says where each rerun resumed."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def side_by_side(out: Path, name: str, *args: str, expect: int = 0) -> list[list
 
 
 def audit(out: Path, capsys: pytest.CaptureFixture[str], *options: str) -> tuple[int, dict[str, Any], str]:
-    """``loader-resume audit`` as JSON and as text: exit code, the (one) loader's report, the text."""
+    """``loader-resume audit`` as JSON and as text: exit code, the (one) loader's report, the
+    text."""
     capsys.readouterr()
     code = cli(["audit", str(out / "audit"), "--json", *options])
     (report,) = json.loads(capsys.readouterr().out)
@@ -63,9 +65,10 @@ def by_epoch(batches: list[Any]) -> dict[int, list[int]]:
 
 
 def audited(directory: Path, worlds: list[int]) -> dict[str, Any]:
-    """Check the reports under ``directory``: all hold; one loader (the training one) ran ``len(worlds)`` attempts of
-    those world sizes, each rerun resumed from a state with nothing redone (a preemption checkpoint is taken at the
-    step boundary after the last batch). Returns that loader's attempts."""
+    """Check the reports under ``directory``: all hold; one loader (the training one) ran
+    ``len(worlds)`` attempts of those world sizes, each rerun resumed from a state with nothing
+    redone (a preemption checkpoint is taken at the step boundary after the last batch). Returns
+    that loader's attempts."""
     reports = audit_directory(directory)
     assert all(report.ok for report in reports), [(report.name, report.findings, report.gaps) for report in reports]
     training = [report for report in reports if any(a["resumed"] != "(fresh)" for a in report.attempts)]
@@ -73,6 +76,7 @@ def audited(directory: Path, worlds: list[int]) -> dict[str, Any]:
     report = training[0]
     assert [a["world"] for a in report.attempts] == worlds, report.attempts
     assert [a["rolled_back"] for a in report.attempts[1:]] == [0] * (len(worlds) - 1), report.attempts
-    assert all(a["rolled_back_exact"] for a in report.attempts), report.attempts  # a preemption: every record written
+    # a preemption: every record written
+    assert all(a["rolled_back_exact"] for a in report.attempts), report.attempts
     assert all(row["status"] == "ok" or row["status"].startswith("partial") for row in report.epochs), report.epochs
     return {"attempts": report.attempts, "epochs": report.epochs}

@@ -1,15 +1,16 @@
 """Several runs of a child script in one process, one after another: ``python CHILD --batch PLAN``.
 
-For the runs whose subject is not the start of a process — uninterrupted reference runs, resumes from a checkpoint
-file, refusals — a fresh process each would cost an import of the framework per run (seconds), where the run
-itself takes a fraction of a second. The runs of a batch still start in a process that has written none of the
-checkpoints they load (the test starts the batch after the runs that wrote them).
+For the runs whose subject is not the start of a process — uninterrupted reference runs, resumes
+from a checkpoint file, refusals — a fresh process each would cost an import of the framework per
+run (seconds), where the run itself takes a fraction of a second. The runs of a batch still start in
+a process that has written none of the checkpoints they load (the test starts the batch after the
+runs that wrote them).
 
-Each run is ``main(argv)`` as its own process would run it: its standard error (the file descriptor, so Python's,
-the logging's and the libraries' output alike) goes to a file of its own, and its exit status is recorded as a
-process would end: 0, a ``SystemExit``'s code, or 1 with the traceback for any other exception. Between runs the
-environment, the signal handlers and the warnings filters (with their once-only registries) are put back as they
-were, so no run sees what an earlier one set.
+Each run is ``main(argv)`` as its own process would run it: its standard error (the file descriptor,
+so Python's, the logging's and the libraries' output alike) goes to a file of its own, and its exit
+status is recorded as a process would end: 0, a ``SystemExit``'s code, or 1 with the traceback for
+any other exception. Between runs the environment, the signal handlers and the warnings filters
+(with their once-only registries) are put back as they were, so no run sees what an earlier one set.
 """
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ def _status(code: Any) -> int:
 
 
 def run_each(main: Callable[[list[str]], Any], plan: str, fresh: Callable[[], None] = lambda: None) -> None:
-    """The child's side: every run of the JSON file ``plan`` (``[{"argv": [...], "stderr": PATH, "exit": PATH}]``);
-    ``fresh()`` before each run forgets what a library keeps for the whole process (Accelerate's shared state)."""
+    """The child's side: every run of the JSON file ``plan`` (``[{"argv": [...], "stderr": PATH,
+    "exit": PATH}]``); ``fresh()`` before each run forgets what a library keeps for the whole
+    process (Accelerate's shared state)."""
     for run in json.loads(Path(plan).read_text()):
         fresh()
         environ = dict(os.environ)
@@ -63,7 +65,8 @@ def run_each(main: Callable[[list[str]], Any], plan: str, fresh: Callable[[], No
         with open(run["stderr"], "w") as stderr:
             os.dup2(stderr.fileno(), 2)
         try:
-            with warnings.catch_warnings():  # entering it resets every module's record of warnings shown
+            # entering it resets every module's record of warnings shown
+            with warnings.catch_warnings():
                 warnings.onceregistry.clear()
                 main(list(run["argv"]))
             code = 0
@@ -86,7 +89,8 @@ def run_each(main: Callable[[list[str]], Any], plan: str, fresh: Callable[[], No
 
 
 def fresh_accelerate() -> None:
-    """Forget Accelerate's state, shared by every ``Accelerator`` of a process (each run makes its own)."""
+    """Forget Accelerate's state, shared by every ``Accelerator`` of a process (each run makes its
+    own)."""
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(True)
@@ -94,8 +98,8 @@ def fresh_accelerate() -> None:
 
 
 def run_batch(script: Path, runs: Sequence[Sequence[str]], where: Path, timeout: float = 600) -> list[Done]:
-    """The test's side: ``script --batch`` with ``runs`` (each the arguments of one run), its plan and the runs'
-    reports in ``where``; each run's exit status and standard error."""
+    """The test's side: ``script --batch`` with ``runs`` (each the arguments of one run), its plan
+    and the runs' reports in ``where``; each run's exit status and standard error."""
     where.mkdir(parents=True, exist_ok=True)
     plan = [{"argv": [str(arg) for arg in argv], "stderr": str(where / f"run-{index}.stderr"),
              "exit": str(where / f"run-{index}.exit")} for index, argv in enumerate(runs)]

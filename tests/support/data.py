@@ -14,7 +14,8 @@ from loader_resume import ResumableDataLoader
 
 
 class Augmented(Dataset[dict[str, Any]]):
-    """Map-style dataset whose items draw from torch, numpy and random, as augmentation code does."""
+    """Map-style dataset whose items draw from torch, numpy and random, as augmentation code
+    does."""
 
     def __init__(self, n: int) -> None:
         self.n = n
@@ -44,7 +45,8 @@ def seed_all(seed: int) -> None:
 
 
 def caller_draws() -> tuple[float, float, float]:
-    """One draw from each global generator: equal before and after a loop means the loop left them alone."""
+    """One draw from each global generator: equal before and after a loop means the loop left them
+    alone."""
     return torch.rand(()).item(), float(np.random.rand()), random.random()
 
 
@@ -66,7 +68,8 @@ class Noisy(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
 
 
 class NoisyEverywhere(Noisy):
-    """The shared data; its augmentation also draws from numpy and random (all three keyed generators)."""
+    """The shared data; its augmentation also draws from numpy and random (all three keyed
+    generators)."""
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         noise = 0.1 * torch.randn(8) + float(np.random.rand()) * 0.01 + random.random() * 0.01
@@ -74,7 +77,8 @@ class NoisyEverywhere(Noisy):
 
 
 class NoisyStream(IterableDataset[tuple[torch.Tensor, torch.Tensor, int]]):
-    """The same data as a stream without __len__, sharded over ranks and workers, position as state."""
+    """The same data as a stream without __len__, sharded over ranks and workers, position as
+    state."""
 
     def __init__(self, n: int, rank: int, world: int) -> None:
         self.data, self.rank, self.world, self.i = NoisyEverywhere(n), rank, world, 0
@@ -97,7 +101,8 @@ class NoisyStream(IterableDataset[tuple[torch.Tensor, torch.Tensor, int]]):
 
 class Shards(IterableDataset[dict[str, Any]]):
     """Worker w serves ids w, w+W, ... below n; worker 0 also serves 5 extra ids, so workers run dry
-    at different times. Every item draws from torch, numpy and random, like a stream augmentation."""
+    at different times. Every item draws from torch, numpy and random, like a stream
+    augmentation."""
 
     def __init__(self, n: int) -> None:
         self.n, self.i = n, 0
@@ -142,7 +147,8 @@ class PlainSampler(torch.utils.data.Sampler[int]):
 
 
 class CountsOwnEpochs(IterableDataset[int]):
-    """A stream that keeps its own epoch count (no set_epoch, no state_dict): its order depends on it."""
+    """A stream that keeps its own epoch count (no set_epoch, no state_dict): its order depends on
+    it."""
 
     def __init__(self) -> None:
         self.epochs_seen = 0

@@ -1,7 +1,9 @@
-"""The GPU tier's options of the child scripts: where the model trains, bf16 autocast, pinned batches.
+"""The GPU tier's options of the child scripts: where the model trains, bf16 autocast, pinned
+batches.
 
-``--device cpu`` (the default) keeps a child as the CPU suite runs it; ``tests/frontdoors/test_gpu.py`` passes
-``--device cuda --bf16 --pin-memory`` (CUDA dropout under autocast: the CUDA generators must be restored as well)."""
+``--device cpu`` (the default) keeps a child as the CPU suite runs it;
+``tests/frontdoors/test_gpu.py`` passes ``--device cuda --bf16 --pin-memory`` (CUDA dropout under
+autocast: the CUDA generators must be restored as well)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,23 @@
-"""Processes of the tests' own child scripts, forked from a process that has already imported the frameworks.
+"""Processes of the tests' own child scripts, forked from a process that has already imported the
+frameworks.
 
-A test that starts ``python CHILD ...`` pays for the interpreter's imports of torch, Lightning, Accelerate and
-transformers (about 5 s of CPU on the CI machine) where the run itself takes a second; the suite starts hundreds.
-Here one server process per test process (the *zygote*, started on first use) imports them once, and every
-``python CHILD ...`` a test starts through :func:`popen` or :func:`run` is a ``fork()`` of it that then runs
-``CHILD`` as ``__main__``, exactly as the interpreter would: its own pid, process group or session, standard
-streams, working directory, environment and arguments; it ends through the interpreter's own shutdown (atexit
-handlers, an uncaught exception's traceback and exit status 1, a signal's death). A test sees it as it sees a
-``subprocess.Popen``: ``pid``, ``poll()``, ``wait()``, ``send_signal()``, ``communicate()``, ``returncode``
-(``-N`` for a death by signal N). Whatever a launcher starts from it (a DDP rank, torchrun's workers, DataLoader
-workers) starts as it would anyway.
+A test that starts ``python CHILD ...`` pays for the interpreter's imports of torch, Lightning,
+Accelerate and transformers (about 5 s of CPU on the CI machine) where the run itself takes a
+second; the suite starts hundreds. Here one server process per test process (the *zygote*, started
+on first use) imports them once, and every ``python CHILD ...`` a test starts through :func:`popen`
+or :func:`run` is a ``fork()`` of it that then runs ``CHILD`` as ``__main__``, exactly as the
+interpreter would: its own pid, process group or session, standard streams, working directory,
+environment and arguments; it ends through the interpreter's own shutdown (atexit handlers, an
+uncaught exception's traceback and exit status 1, a signal's death). A test sees it as it sees a
+``subprocess.Popen``: ``pid``, ``poll()``, ``wait()``, ``send_signal()``, ``communicate()``,
+``returncode`` (``-N`` for a death by signal N). Whatever a launcher starts from it (a DDP rank,
+torchrun's workers, DataLoader workers) starts as it would anyway.
 
-What differs from ``python CHILD`` is what no test here is about: the modules are imported before the script
-starts, and every forked process shares the zygote's string hash seed. A command that is not ``[sys.executable,
-script.py, ...]`` or whose environment changes what the interpreter reads at its start (a ``PYTHON*`` variable other
-than ``PYTHONFAULTHANDLER``) runs as a plain subprocess. ``LOADER_RESUME_TEST_FORK=0`` turns the zygote off.
+What differs from ``python CHILD`` is what no test here is about: the modules are imported before
+the script starts, and every forked process shares the zygote's string hash seed. A command that is
+not ``[sys.executable, script.py, ...]`` or whose environment changes what the interpreter reads at
+its start (a ``PYTHON*`` variable other than ``PYTHONFAULTHANDLER``) runs as a plain subprocess.
+``LOADER_RESUME_TEST_FORK=0`` turns the zygote off.
 """
 
 from __future__ import annotations
@@ -37,9 +40,11 @@ __all__ = ["Forked", "popen", "run"]
 
 PRELOAD = ("torch", "torch.distributed", "numpy", "lightning", "lightning.pytorch", "accelerate", "transformers",
            "transformers.trainer")
-"""What the zygote imports: the frameworks the child scripts import (a fresh interpreter's cost of each run)."""
+"""What the zygote imports: the frameworks the child scripts import (a fresh interpreter's cost of
+each run)."""
 STARTUP = frozenset({"PYTHONFAULTHANDLER"})
-"""The interpreter's start-up variables a forked process applies itself (``faulthandler.enable()``)."""
+"""The interpreter's start-up variables a forked process applies itself
+(``faulthandler.enable()``)."""
 
 
 def _startup_variables(env: Mapping[str, str]) -> dict[str, str]:
@@ -81,7 +86,8 @@ def _zygote() -> _Zygote:
 
 
 def forkable(args: Sequence[str | os.PathLike[str]], env: Mapping[str, str] | None) -> bool:
-    """Whether ``args`` runs one of the tests' scripts in this interpreter, with the zygote's start-up variables."""
+    """Whether ``args`` runs one of the tests' scripts in this interpreter, with the zygote's
+    start-up variables."""
     if os.environ.get("LOADER_RESUME_TEST_FORK", "1") == "0":
         return False
     if len(args) < 2 or str(args[0]) != sys.executable or not str(args[1]).endswith(".py"):
@@ -140,7 +146,8 @@ class Forked:
         self.pid = pid
 
     def _line(self, timeout: float | None) -> int | None:
-        """The zygote's next number (the pid, then the exit status), or None if none came within ``timeout``."""
+        """The zygote's next number (the pid, then the exit status), or None if none came within
+        ``timeout``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while b"\n" not in self._received:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -160,7 +167,8 @@ class Forked:
             if code is None:
                 return None
             self.returncode = code
-            self._socket.close()  # the zygote reaps the process now (until then its pid stays taken)
+            # the zygote reaps the process now (until then its pid stays taken)
+            self._socket.close()
         return self.returncode
 
     def poll(self) -> int | None:
@@ -246,12 +254,15 @@ def run(args: Sequence[str | os.PathLike[str]], *, capture_output: bool = False,
 
 
 def _serve(path: str, preload: Sequence[str]) -> tuple[dict[str, Any], list[int]]:
-    """Import ``preload``, then fork a process for each request on ``path``; returns only in a forked process."""
+    """Import ``preload``, then fork a process for each request on ``path``; returns only in a
+    forked process."""
     import gc
     import importlib
 
     for module in preload:
-        try:  # NOTE: a venv may lack a framework (or break it): a child that imports it meets the same error itself
+        # NOTE: a venv may lack a framework (or break it): a child that imports it meets the same
+        # error itself
+        try:
             importlib.import_module(module)
         except Exception:
             pass
@@ -259,11 +270,14 @@ def _serve(path: str, preload: Sequence[str]) -> tuple[dict[str, Any], list[int]
     listener.bind(path)
     listener.listen(64)
     gc.collect()
-    gc.freeze()  # the imported objects stay shared with the forked processes (no copy-on-write by the collector)
+    # the imported objects stay shared with the forked processes (no copy-on-write by the collector)
+    gc.freeze()
     sys.stdout.write("ready\n")
     sys.stdout.flush()
-    running: dict[int, socket.socket] = {}  # pid -> the test's connection, until the process has exited
-    exited: dict[socket.socket, int] = {}  # reported, not yet reaped: reaped when the test closes its connection
+    # pid -> the test's connection, until the process has exited
+    running: dict[int, socket.socket] = {}
+    # reported, not yet reaped: reaped when the test closes its connection
+    exited: dict[socket.socket, int] = {}
     while True:
         waiting = [sys.stdin, listener, *exited]
         ready, _, _ = select.select(waiting, [], [], 0.02)
@@ -343,10 +357,12 @@ if __name__ == "__main__":
         runpy.run_path(sys.argv[0], run_name="__main__")
     except (SystemExit, KeyboardInterrupt):
         raise  # the interpreter's own ending: an exit status, or the death by SIGINT
-    except BaseException as error:  # printed as the interpreter prints it: from the script's frame on, then exit 1
+    # printed as the interpreter prints it: from the script's frame on, then exit 1
+    except BaseException as error:
         trace = error.__traceback__
         while trace is not None and trace.tb_frame.f_code.co_filename != sys.argv[0]:
             trace = trace.tb_next
-        error = error.with_traceback(trace or error.__traceback__)  # what a replaced excepthook reads too
+        # what a replaced excepthook reads too
+        error = error.with_traceback(trace or error.__traceback__)
         sys.excepthook(type(error), error, error.__traceback__)
         sys.exit(1)

@@ -19,7 +19,8 @@ CHILDREN = TESTS / "children"
 ACCELERATE_CHILD = CHILDREN / "accelerate_child.py"
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 BATCH_KEYS = ("step", "epoch", "ids", "batch")
-"""The fields of a batch-log row that an audit compares (``--batch-log`` of the examples and child scripts)."""
+"""The fields of a batch-log row that an audit compares (``--batch-log`` of the examples and child
+scripts)."""
 
 
 def free_port() -> int:
@@ -29,7 +30,8 @@ def free_port() -> int:
 
 
 def launch(script: Path, mode: str, out: Path, workers: int = 0, args: Sequence[str] = ()) -> None:
-    """Run ``script MODE OUT *args`` as a real 2-process gloo job on loopback; both ranks must exit 0."""
+    """Run ``script MODE OUT *args`` as a real 2-process gloo job on loopback; both ranks must exit
+    0."""
     port = free_port()
     procs = []
     for rank in range(2):
@@ -41,8 +43,9 @@ def launch(script: Path, mode: str, out: Path, workers: int = 0, args: Sequence[
 
 
 def forked_ranks(target: Callable[..., None], *args: Any, ranks: int = 2) -> None:
-    """``target(rank, *args)`` in ``ranks`` forked processes (each sets up its own process group); every one must
-    exit 0 within 60 s — a rank left waiting in a collective fails the test instead of hanging it."""
+    """``target(rank, *args)`` in ``ranks`` forked processes (each sets up its own process group);
+    every one must exit 0 within 60 s — a rank left waiting in a collective fails the test instead
+    of hanging it."""
     import multiprocessing
 
     processes = [multiprocessing.get_context("fork").Process(target=target, args=(rank, *args))
@@ -67,7 +70,8 @@ def command(out: Path, processes: int, *args: str) -> list[str]:
 
 
 def run(out: Path, processes: int, *args: str, expect: int = 0, env: dict[str, str] | None = None) -> str:
-    """Run the Accelerate child (``env``: variables added to this process's environment); its stderr."""
+    """Run the Accelerate child (``env``: variables added to this process's environment); its
+    stderr."""
     done = forked.run(command(out, processes, *args), capture_output=True, text=True, timeout=300,
                       env=None if env is None else {**os.environ, **env})
     failed = expect != 0 and processes > 1  # the launcher reports a failed child with its own code
@@ -90,8 +94,8 @@ def trained(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def progress_of(path: Path) -> int:
-    """The step a child script last wrote to ``path`` (-1 before the first): read once, since the child
-    rewrites the file while the test polls it (two reads can see two different contents)."""
+    """The step a child script last wrote to ``path`` (-1 before the first): read once, since the
+    child rewrites the file while the test polls it (two reads can see two different contents)."""
     try:
         text = path.read_text().strip()
     except FileNotFoundError:

@@ -1,5 +1,6 @@
-"""Real storage faults for the tests (they run as root, as CI does): a small tmpfs that fills up, a read-only
-bind mount (each undone when its ``with`` block ends), and :func:`fill`, which the children call to fill one."""
+"""Real storage faults for the tests (they run as root, as CI does): a small tmpfs that fills up, a
+read-only bind mount (each undone when its ``with`` block ends), and :func:`fill`, which the
+children call to fill one."""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ def tmpfs(path: Path, size: str) -> Iterator[Path]:
 
 @contextmanager
 def read_only(path: Path) -> Iterator[Path]:
-    """``path`` (a directory) seen read-only through a bind mount over itself: files opened before stay as they
-    were opened, every new write fails with ``EROFS``."""
+    """``path`` (a directory) seen read-only through a bind mount over itself: files opened before
+    stay as they were opened, every new write fails with ``EROFS``."""
     path.mkdir(parents=True, exist_ok=True)
     _mount("--bind", str(path), str(path))
     try:

@@ -1,10 +1,12 @@
-"""Uninterrupted reference runs, made once per test session and shared by every test that compares with one.
+"""Uninterrupted reference runs, made once per test session and shared by every test that compares
+with one.
 
-Several modules compare with the same uninterrupted run of a child script (the same command, the same
-arguments). Under pytest-xdist each worker is a process of its own, so a session fixture alone would still make
-the run once per worker: here the run goes to a directory all workers share (the session's base temporary
-directory), under a file lock, so the first test that needs it makes it and any other (on any worker) waits for
-it and reads it. A run that failed is made again by the next test that asks (and fails there too).
+Several modules compare with the same uninterrupted run of a child script (the same command, the
+same arguments). Under pytest-xdist each worker is a process of its own, so a session fixture alone
+would still make the run once per worker: here the run goes to a directory all workers share (the
+session's base temporary directory), under a file lock, so the first test that needs it makes it and
+any other (on any worker) waits for it and reads it. A run that failed is made again by the next
+test that asks (and fails there too).
 
 Reference directories are read, never written: a test that changes files copies the directory first.
 """
@@ -36,8 +38,8 @@ def _root(factory: pytest.TempPathFactory) -> Path:
 
 
 def shared_run(factory: pytest.TempPathFactory, name: str, make: Callable[[Path], None]) -> Path:
-    """The directory of the run ``name`` (a file name: it says what the run is), made by ``make(directory)`` the
-    first time any test of this session asks for it."""
+    """The directory of the run ``name`` (a file name: it says what the run is), made by
+    ``make(directory)`` the first time any test of this session asks for it."""
     root = _root(factory)
     out, done = root / name, root / f"{name}.done"
     with (root / f"{name}.lock").open("w") as lock:
@@ -66,6 +68,6 @@ def child_run(factory: pytest.TempPathFactory, child: str, *args: str) -> Path:
 
 
 def accelerate_run(factory: pytest.TempPathFactory, processes: int, *args: str) -> Path:
-    """tests/children/accelerate_child.py on ``processes`` processes (``accelerate launch`` for more than one), made
-    once per session."""
+    """tests/children/accelerate_child.py on ``processes`` processes (``accelerate launch`` for more
+    than one), made once per session."""
     return shared_run(factory, _name("accelerate", str(processes), *args), lambda out: run(out, processes, *args))

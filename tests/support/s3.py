@@ -1,5 +1,5 @@
-"""A real S3 API server on loopback for the tests: moto's, started as its own process (``python -m moto.server``),
-and the environment that points boto3/s3fs (and every child process) at it."""
+"""A real S3 API server on loopback for the tests: moto's, started as its own process (``python -m
+moto.server``), and the environment that points boto3/s3fs (and every child process) at it."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from .launch import free_port
 
 @contextmanager
 def s3_server() -> Iterator[dict[str, str]]:
-    """Start the server; yield the variables that send S3 clients to it (set in ``os.environ`` meanwhile, so
-    this process's clients and its children use it); stop it."""
+    """Start the server; yield the variables that send S3 clients to it (set in ``os.environ``
+    meanwhile, so this process's clients and its children use it); stop it."""
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -39,7 +39,8 @@ def s3_server() -> Iterator[dict[str, str]]:
                     raise RuntimeError(f"moto's S3 server did not start (exit {server.poll()})") from None
                 time.sleep(0.1)
         os.environ.update(env)
-        _forget_clients()  # NOTE: fsspec keeps one S3FileSystem per process; one made earlier sends to another server
+        # NOTE: fsspec keeps one S3FileSystem per process; one made earlier sends to another server
+        _forget_clients()
         yield env
     finally:
         for name, value in before.items():
@@ -74,13 +75,15 @@ def objects(url: str) -> list[str]:
 
 
 ONE_ATTEMPT = {"AWS_MAX_ATTEMPTS": "1"}
-"""For a process whose link is cut: botocore's own retries off (s3fs still tries each call 5 times, backing off), so
-a cut link fails a save in seconds instead of minutes; what fails, and how, is the same."""
+"""For a process whose link is cut: botocore's own retries off (s3fs still tries each call 5 times,
+backing off), so a cut link fails a save in seconds instead of minutes; what fails, and how, is the
+same."""
 
 
 class Cuttable:
-    """A TCP relay on loopback in front of the server (``endpoint``), whose link can be cut: while cut, every
-    connection is refused or reset, as a network that went away; restored, it relays again."""
+    """A TCP relay on loopback in front of the server (``endpoint``), whose link can be cut: while
+    cut, every connection is refused or reset, as a network that went away; restored, it relays
+    again."""
 
     def __init__(self, endpoint: str) -> None:
         import socket
@@ -93,7 +96,8 @@ class Cuttable:
         self._open: list[Any] = []
         self._listener: Any = None
         self.stall: re.Pattern[bytes] | None = None
-        """While set: a request whose first line matches it is never passed on (the link stops answering it)."""
+        """While set: a request whose first line matches it is never passed on (the link stops
+        answering it)."""
         self.stalled = threading.Event()
         """Set once a request was held so."""
         self._released = threading.Event()
@@ -107,7 +111,8 @@ class Cuttable:
     def cut(self) -> None:
         listener, self._listener = self._listener, None
         with contextlib.suppress(OSError):
-            listener.shutdown(self._socket.SHUT_RDWR)  # NOTE: wakes the accept() blocked in the relay's thread
+            # NOTE: wakes the accept() blocked in the relay's thread
+            listener.shutdown(self._socket.SHUT_RDWR)
         listener.close()
         for connection in self._open:
             with contextlib.suppress(OSError):

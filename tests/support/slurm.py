@@ -1,10 +1,12 @@
-"""A real one-node SLURM cluster for the tests: Debian's ``slurmctld``, ``slurmd`` and ``munge`` (``.ci/run`` installs
-them; the tests run as root, as CI does), started on this machine with a configuration of their own under a temporary
-directory (free ports, their state, spool and logs there), and stopped when the ``with`` block ends.
+"""A real one-node SLURM cluster for the tests: Debian's ``slurmctld``, ``slurmd`` and ``munge``
+(``.ci/run`` installs them; the tests run as root, as CI does), started on this machine with a
+configuration of their own under a temporary directory (free ports, their state, spool and logs
+there), and stopped when the ``with`` block ends.
 
-``SLURM_CONF`` in the environment of ``Cluster.env`` points SLURM's commands (``sbatch``, ``squeue``, ``scancel``,
-``scontrol``) at it. The node runs jobs as the user that submits them, with process groups for job steps
-(``proctrack/pgid``: no cgroups needed); ``JobRequeue=1`` so a batch job may be requeued.
+``SLURM_CONF`` in the environment of ``Cluster.env`` points SLURM's commands (``sbatch``,
+``squeue``, ``scancel``, ``scontrol``) at it. The node runs jobs as the user that submits them, with
+process groups for job steps (``proctrack/pgid``: no cgroups needed); ``JobRequeue=1`` so a batch
+job may be requeued.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from pathlib import Path
 __all__ = ["Cluster", "cluster"]
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol")
-# The states a job ends in (``squeue --help``'s base states); every other one (PENDING, RUNNING, CONFIGURING,
-# COMPLETING, REQUEUED, SIGNALING, STAGE_OUT, RESIZING...) is on its way to one of these.
+# The states a job ends in (``squeue --help``'s base states); every other one (PENDING, RUNNING,
+# CONFIGURING, COMPLETING, REQUEUED, SIGNALING, STAGE_OUT, RESIZING...) is on its way to one of
+# these.
 ENDED = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
                    "DEADLINE", "OUT_OF_MEMORY", "SPECIAL_EXIT"})
 
@@ -60,9 +63,9 @@ class Cluster:
         return dict(re.findall(r"(\w+)=(\S*)", text))
 
     def to_the_end(self, job: int, timeout: float = 600) -> dict[str, str]:
-        """Wait for the job to end, starting it at once each time it waits for its ``BeginTime`` after a requeue (SLURM
-        sets it about two minutes on; an administrator may start it now: ``scontrol update JobId=N StartTime=now``).
-        Its last fields."""
+        """Wait for the job to end, starting it at once each time it waits for its ``BeginTime``
+        after a requeue (SLURM sets it about two minutes on; an administrator may start it now:
+        ``scontrol update JobId=N StartTime=now``). Its last fields."""
         deadline = time.monotonic() + timeout
         while True:
             fields = self.job(job)
@@ -90,7 +93,8 @@ def _configuration(root: Path, node: str) -> str:
 
 
 def _munge() -> None:
-    """``munged`` running (as the ``munge`` user, with the key Debian's package made), if it is not already."""
+    """``munged`` running (as the ``munge`` user, with the key Debian's package made), if it is not
+    already."""
     if subprocess.run(["munge", "-n"], capture_output=True).returncode == 0:
         return
     for folder in ("/run/munge", "/var/log/munge", "/var/lib/munge"):

@@ -1,5 +1,5 @@
-"""Launching ``tests/children/transformers_child.py`` (the transformers Trainer child): one process, ``torchrun`` or
-``accelerate launch``."""
+"""Launching ``tests/children/transformers_child.py`` (the transformers Trainer child): one process,
+``torchrun`` or ``accelerate launch``."""
 
 from __future__ import annotations
 
@@ -33,8 +33,9 @@ ENV = {**os.environ, "PYTHONFAULTHANDLER": "1"}
 
 def run(out: Path, processes: int, *args: str, launcher: str = "torchrun", expect: int = 0,
         env: dict[str, str] | None = None) -> str:
-    """The Trainer child on ``processes`` processes (``env``: variables added to ``ENV``); its stderr. A launcher
-    reports a rank's failure with its own exit code and the rank's in its report."""
+    """The Trainer child on ``processes`` processes (``env``: variables added to ``ENV``); its
+    stderr. A launcher reports a rank's failure with its own exit code and the rank's in its
+    report."""
     done = forked.run(command(out, processes, *args, launcher=launcher), capture_output=True, text=True,
                       timeout=300, env={**ENV, **(env or {})})
     report = f"{args}: exit {done.returncode}\n{done.stderr[-6000:]}"

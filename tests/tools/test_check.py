@@ -20,9 +20,9 @@ def test_a_deterministic_pipeline_resumes_exactly_in_every_scenario() -> None:
     done = check("check_pipelines:good", "--epochs", "2")
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
-    # 5 batches an epoch: cuts 1, 2, 4 (the epoch's last), 5 (boundary), 6; resumed with 2 and 0 workers,
-    # cut again one batch after the resume with 2, and over 2 ranks (judged on the samples: the batches are
-    # composed differently)
+    # 5 batches an epoch: cuts 1, 2, 4 (the epoch's last), 5 (boundary), 6; resumed with 2 and 0
+    # workers, cut again one batch after the resume with 2, and over 2 ranks (judged on the samples:
+    # the batches are composed differently)
     assert lines[-1] == "20 exact, 0 diverging"
     assert "cut after    4 batches, num_workers 2 -> 0: exact" in lines
     assert "cut after    5 batches, num_workers 2 -> 2, cut again after 6: exact" in lines
@@ -36,7 +36,8 @@ def test_an_unseeded_generator_is_caught_and_the_first_diverging_batch_named() -
     scenario, rescale = json.loads(done.stdout)
     assert scenario["exact"] is False and scenario["diverged_at"] == 2 and scenario["epoch"] == 0
     assert scenario["fields"] == ["'noise'"]
-    assert rescale["world"] == 2 and rescale["exact"] is True  # its order is fine: only its values are not keyed
+    # its order is fine: only its values are not keyed
+    assert rescale["world"] == 2 and rescale["exact"] is True
 
 
 def test_a_bad_factory_spec_is_refused_clearly() -> None:
@@ -55,8 +56,9 @@ def test_an_order_no_seed_reaches_is_caught_on_resume_and_on_rescale() -> None:
 
 
 def test_a_resumable_factory_is_really_run_at_the_other_worker_count() -> None:
-    """The factory returns a ResumableDataLoader(num_workers=2) whose values depend on the worker count:
-    2 -> 2 is exact and 2 -> 0 must diverge (it did not when the other count was silently ignored)."""
+    """The factory returns a ResumableDataLoader(num_workers=2) whose values depend on the worker
+    count: 2 -> 2 is exact and 2 -> 0 must diverge (it did not when the other count was silently
+    ignored)."""
     done = check("check_pipelines:resumable_unkeyed", "--epochs", "1", "--cuts", "2", "--worlds", "", "--json")
     assert done.returncode == 1, done.stdout + done.stderr
     by_workers = {s["resume_workers"]: s for s in json.loads(done.stdout)}
@@ -76,10 +78,11 @@ def test_a_scenario_refused_by_design_is_reported_as_refused_not_a_traceback() -
 
 
 def test_a_mixture_with_a_weight_schedule_resumes_exactly_in_every_scenario() -> None:
-    """The schedule runs after every batch of every run (--after-batch); 20 batches an epoch, weights changed
-    after batches 2 and 4: cuts before, between and after the changes and over the epoch boundary, resumed with the same
-    2 workers and over 2 ranks. (With another num_workers, a change made after the resume applies after that
-    run's own prefetched batches: the check reports those batches as diverging, as they do.)"""
+    """The schedule runs after every batch of every run (--after-batch); 20 batches an epoch,
+    weights changed after batches 2 and 4: cuts before, between and after the changes and over the
+    epoch boundary, resumed with the same 2 workers and over 2 ranks. (With another num_workers, a
+    change made after the resume applies after that run's own prefetched batches: the check reports
+    those batches as diverging, as they do.)"""
     done = check("check_pipelines:mixture", "--epochs", "2", "--cuts", "1,3,10,19,20,21", "--workers", "2",
                  "--after-batch", "check_pipelines:mixture_schedule")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -90,8 +93,9 @@ def test_a_mixture_with_a_weight_schedule_resumes_exactly_in_every_scenario() ->
 
 
 def test_a_schedule_that_does_not_follow_the_step_is_caught() -> None:
-    """Counting its own calls, the schedule restarts in the resumed process: its second change comes 3 batches
-    late (after the prefetched batches: from batch 8 on), and the check names the first batch that differs."""
+    """Counting its own calls, the schedule restarts in the resumed process: its second change comes
+    3 batches late (after the prefetched batches: from batch 8 on), and the check names the first
+    batch that differs."""
     done = check("check_pipelines:mixture", "--epochs", "1", "--cuts", "3", "--workers", "2", "--worlds", "",
                  "--after-batch", "check_pipelines:mixture_schedule_by_own_count", "--json")
     assert done.returncode == 1, done.stdout + done.stderr
@@ -100,8 +104,8 @@ def test_a_schedule_that_does_not_follow_the_step_is_caught() -> None:
 
 
 def test_a_state_right_once_and_wrong_after_a_resume_is_caught_by_the_second_cut() -> None:
-    """A stream whose loaded state sets its start but whose state after that counts from it: the resume is exact,
-    the job cut again after that resume repeats batches (a job preempted twice)."""
+    """A stream whose loaded state sets its start but whose state after that counts from it: the
+    resume is exact, the job cut again after that resume repeats batches (a job preempted twice)."""
     done = check("check_pipelines:counts_since_load", "--epochs", "1", "--cuts", "2", "--workers", "0")
     assert done.returncode == 1, done.stdout + done.stderr
     lines = done.stdout.splitlines()

@@ -1,4 +1,5 @@
-"""Workers started with `spawn` (macOS's default, common with CUDA): our hooks must pickle and import."""
+"""Workers started with `spawn` (macOS's default, common with CUDA): our hooks must pickle and
+import."""
 
 from __future__ import annotations
 

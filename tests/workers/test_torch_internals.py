@@ -1,5 +1,6 @@
-"""What the loader relies on in torch's DataLoader iterator, pinned: next_batch is torch's __next__ minus the
-range; fetch_items reads what torch's map-style fetcher reads; next_numbered names an out-of-order batch's list."""
+"""What the loader relies on in torch's DataLoader iterator, pinned: next_batch is torch's __next__
+minus the range; fetch_items reads what torch's map-style fetcher reads; next_numbered names an
+out-of-order batch's list."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def test_without_a_profiler_batches_and_counts_are_torchs() -> None:
 
 
 def test_a_profiler_still_sees_the_dataloader_ranges_torch_records() -> None:
-    """One range per next() call, the one that ends the epoch included, as for a plain DataLoader."""
+    """One range per next() call, the one that ends the epoch included, as for a plain
+    DataLoader."""
     for workers in (0, 2):
         kind = "_SingleProcessDataLoaderIter" if workers == 0 else "_MultiProcessingDataLoaderIter"
         name = f"enumerate(DataLoader)#{kind}.__next__"
@@ -47,7 +49,8 @@ def test_a_profiler_still_sees_the_dataloader_ranges_torch_records() -> None:
 
 
 class _Batched(torch.utils.data.Dataset[int]):
-    """Reads a batch through ``__getitems__`` (as HF ``datasets`` does), or not when it is set to None."""
+    """Reads a batch through ``__getitems__`` (as HF ``datasets`` does), or not when it is set to
+    None."""
 
     def __init__(self, getitems: bool) -> None:
         if not getitems:
@@ -84,8 +87,8 @@ class _SlowFirst(torch.utils.data.Dataset[int]):
 
 
 def test_next_numbered_names_the_index_list_each_out_of_order_batch_was_made_from() -> None:
-    """A plain DataLoader, in_order=False, one item a batch: the number is the list's place in the sampler's order
-    (here the item itself), while the slow first batch arrives late."""
+    """A plain DataLoader, in_order=False, one item a batch: the number is the list's place in the
+    sampler's order (here the item itself), while the slow first batch arrives late."""
     loader = torch.utils.data.DataLoader(_SlowFirst(), num_workers=2, in_order=False)
     iterator = iter(loader)
     pairs = [next_numbered(iterator) for _ in range(8)]
@@ -94,15 +97,17 @@ def test_next_numbered_names_the_index_list_each_out_of_order_batch_was_made_fro
 
 
 def test_torch_caps_each_workers_lists_in_flight_from_2_7() -> None:
-    """torch 2.7 added the per-worker cap (``_workers_num_tasks``) that in_order=False needs; 2.6 has in_order
-    without it (a slow batch collects every list in flight: tests/order/test_out_of_order.py hangs there)."""
+    """torch 2.7 added the per-worker cap (``_workers_num_tasks``) that in_order=False needs; 2.6
+    has in_order without it (a slow batch collects every list in flight:
+    tests/order/test_out_of_order.py hangs there)."""
     version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
     assert torch_internals.caps_worker_tasks() == (version >= (2, 7))
 
 
 def test_in_order_false_is_refused_at_construction_where_torch_does_not_cap_workers_tasks() -> None:
-    """torch 2.6 (the compat leg's oldest corner): refused at construction, naming the torch it needs, never a
-    silent fallback or a wait; from torch 2.7 it is built and delivers every batch. in_order=True: built on any."""
+    """torch 2.6 (the compat leg's oldest corner): refused at construction, naming the torch it
+    needs, never a silent fallback or a wait; from torch 2.7 it is built and delivers every batch.
+    in_order=True: built on any."""
     if torch_internals.caps_worker_tasks():
         loader = ResumableDataLoader(list(range(8)), batch_size=2, num_workers=2, in_order=False)
         assert sorted(x for batch in loader for x in batch.tolist()) == list(range(8))
@@ -191,8 +196,8 @@ def test_set_past_guard_writes_what_torch_refuses() -> None:
 
 
 def test_random_sampler_num_samples_is_none_unless_given() -> None:
-    """What ``sampler.classify``'s "our permutation may stand in for it" relies on: the public ``num_samples``
-    answers the length either way, the private field says whether it was given."""
+    """What ``sampler.classify``'s "our permutation may stand in for it" relies on: the public
+    ``num_samples`` answers the length either way, the private field says whether it was given."""
     from torch.utils.data import RandomSampler
 
     from loader_resume.workers.torch_internals import random_sampler_num_samples

@@ -1,10 +1,12 @@
-"""DataLoader workers of a preemptible job ignore the preemption signals from the moment they are forked.
+"""DataLoader workers of a preemptible job ignore the preemption signals from the moment they are
+forked.
 
-A signal sent to a whole process group (``kill -TERM -PGID``, torchrun's agent stopping a rank) reaches the
-DataLoader workers too. torch's worker installs its own SIGTERM handler (which kills the worker on a SIGTERM
-not sent by its parent) before any ``worker_init_fn`` runs; a signal in between killed the worker and, with it,
-the main process's next batch. The job here starts a new pool of workers for each of many short epochs (a
-map-style dataset and a stream) while the test signals its process group every 20 ms.
+A signal sent to a whole process group (``kill -TERM -PGID``, torchrun's agent stopping a rank)
+reaches the DataLoader workers too. torch's worker installs its own SIGTERM handler (which kills the
+worker on a SIGTERM not sent by its parent) before any ``worker_init_fn`` runs; a signal in between
+killed the worker and, with it, the main process's next batch. The job here starts a new pool of
+workers for each of many short epochs (a map-style dataset and a stream) while the test signals its
+process group every 20 ms.
 """
 
 from __future__ import annotations
@@ -54,8 +56,8 @@ print(f"epochs {epochs} received {preemption.received}", flush=True)
 
 @pytest.mark.parametrize("loaders", ["ours", "evaluation"])
 def test_a_signal_to_the_whole_process_group_never_kills_a_dataloader_worker(loaders: str) -> None:
-    """``evaluation``: DataLoaders of another class made safe by ``workers_ignore_signals`` (what the front doors
-    do to the evaluation loaders a framework builds)."""
+    """``evaluation``: DataLoaders of another class made safe by ``workers_ignore_signals`` (what
+    the front doors do to the evaluation loaders a framework builds)."""
     job = subprocess.Popen([sys.executable, "-c", JOB, "5", loaders], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True, start_new_session=True, cwd=TESTS, env={**os.environ, "PYTHONPATH": str(TESTS)})
     assert job.stdout is not None and job.stdout.readline() == "started\n"
@@ -67,7 +69,8 @@ def test_a_signal_to_the_whole_process_group_never_kills_a_dataloader_worker(loa
     out, err = job.communicate(timeout=60)
     assert job.returncode == 0 and signals >= 100, err[-3000:]
     epochs = int(out.split()[1])
-    assert epochs >= 10 and out.split()[3] == str(int(signal.SIGTERM))  # many pools forked; the main process heard it
+    # many pools forked; the main process heard it
+    assert epochs >= 10 and out.split()[3] == str(int(signal.SIGTERM))
 
 
 def test_without_it_a_signal_to_the_group_kills_a_plain_loaders_worker() -> None:
@@ -79,15 +82,17 @@ def test_without_it_a_signal_to_the_group_kills_a_plain_loaders_worker() -> None
         os.killpg(job.pid, signal.SIGTERM)
         time.sleep(0.02)
     _, err = job.communicate(timeout=60)
-    # torch reports a killed worker in one of two ways: its watchdog's "killed by signal", or, when the worker died
-    # while the main process fetched the shared memory of a batch it had sent, a failure inside rebuild_storage_fd
-    # (the worker held the other end of the socket that passes the file descriptor).
+    # torch reports a killed worker in one of two ways: its watchdog's "killed by signal", or, when
+    # the worker died while the main process fetched the shared memory of a batch it had sent, a
+    # failure inside rebuild_storage_fd (the worker held the other end of the socket that passes the
+    # file descriptor).
     assert job.returncode != 0 and ("killed by signal" in err or "in rebuild_storage_fd" in err), err[-3000:]
 
 
 @pytest.mark.parametrize("context", ["spawn", "forkserver", None])
 def test_evaluation_loaders_made_safe_start_their_workers_under_every_start_method(context: str | None) -> None:
-    """Spawn and forkserver pickle the process: the process that holds the signals while it starts must pickle."""
+    """Spawn and forkserver pickle the process: the process that holds the signals while it starts
+    must pickle."""
     from torch.utils.data import DataLoader
 
     from loader_resume.job.preemption import IgnoreSignalsInWorker, workers_ignore_signals

@@ -1,9 +1,10 @@
-"""A worker that never starts is reported and killed, never waited for forever; no worker pool is forked while a
-queue feeder thread of an earlier pool is still stopping (the CPython fork hazard,
+"""A worker that never starts is reported and killed, never waited for forever; no worker pool is
+forked while a queue feeder thread of an earlier pool is still stopping (the CPython fork hazard,
 ``loader_resume.workers.worker_start``).
 
-The stuck worker is a stand-in: CPython's own after-fork lock wait cannot be caused on purpose, so an after-fork
-hook that never returns holds the first worker at the same place (before any of the worker's code runs).
+The stuck worker is a stand-in: CPython's own after-fork lock wait cannot be caused on purpose, so
+an after-fork hook that never returns holds the first worker at the same place (before any of the
+worker's code runs).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def test_a_worker_stuck_after_its_fork_is_named_and_killed_and_iter_raises() -> 
     assert 3.0 <= float(match.group(1)) < 20
     assert "multiprocessing_context='forkserver'" in out
     assert "never started" in err  # logged as an error too (the log names the pid as well)
-    assert "Traceback" not in err  # torch's SIGCHLD handler did not report the killed worker in our error's place
+    # torch's SIGCHLD handler did not report the killed worker in our error's place
+    assert "Traceback" not in err
 
 
 def test_a_plain_dataloader_waits_for_such_a_worker_forever() -> None:
@@ -55,8 +57,8 @@ def test_a_plain_dataloader_waits_for_such_a_worker_forever() -> None:
 
 
 def test_no_pool_is_forked_while_a_feeder_thread_of_an_earlier_pool_stops() -> None:
-    """100 passes left after one batch: a plain DataLoader forks while a feeder thread stops (the hazard exists
-    here), ours never does."""
+    """100 passes left after one batch: a plain DataLoader forks while a feeder thread stops (the
+    hazard exists here), ours never does."""
     counts = {}
     for kind in ("plain", "ours"):
         done = subprocess.run([sys.executable, str(CHILD), "feeders", kind, "100"], capture_output=True, text=True,
@@ -76,7 +78,8 @@ def test_workers_that_start_are_waited_for_only_when_iter_starts_them() -> None:
 
 
 def test_the_internals_kill_workers_and_find_closing_feeders() -> None:
-    """Pinned: an iterator's worker processes, killing some without torch's SIGCHLD error, closing feeder threads."""
+    """Pinned: an iterator's worker processes, killing some without torch's SIGCHLD error, closing
+    feeder threads."""
     iterator = iter(DataLoader(list(range(64)), batch_size=4, num_workers=2))
     workers = worker_processes(iterator)
     assert len(workers) == 2 and all(worker.is_alive() for worker in workers)

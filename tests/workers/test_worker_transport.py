@@ -1,5 +1,6 @@
-"""Small tensors come back from workers by value (``by_value_bytes``), larger ones through shared memory as
-DataLoader sends them; either way each batch is DataLoader's to the bit: type, dtype, shape, strides, bytes."""
+"""Small tensors come back from workers by value (``by_value_bytes``), larger ones through shared
+memory as DataLoader sends them; either way each batch is DataLoader's to the bit: type, dtype,
+shape, strides, bytes."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ BIG = BY_VALUE_BYTES // 8 + 1  # float64s: one more than fits, in one item alrea
 
 
 class Mixed(Dataset[dict[str, Any]]):
-    """Every dtype, a 0-dim and an empty tensor, a tensor over the limit once batched, and plain values."""
+    """Every dtype, a 0-dim and an empty tensor, a tensor over the limit once batched, and plain
+    values."""
 
     def __len__(self) -> int:
         return 24
@@ -40,8 +42,9 @@ class Mixed(Dataset[dict[str, Any]]):
 
 
 def transposed(items: list[dict[str, Any]]) -> dict[str, Any]:
-    """A collate whose output holds a view that is not contiguous (it goes through shared memory), and a
-    channels-last greyscale batch: contiguous, with a size-1 dimension's stride that is not the default one."""
+    """A collate whose output holds a view that is not contiguous (it goes through shared memory),
+    and a channels-last greyscale batch: contiguous, with a size-1 dimension's stride that is not
+    the default one."""
     batch = torch.utils.data.default_collate(items)
     batch["view"] = batch["float32"].t()
     batch["greyscale"] = torch.arange(36.0).view(4, 1, 3, 3).to(memory_format=torch.channels_last)
@@ -145,7 +148,8 @@ def test_what_is_not_a_plain_small_tensor_owning_its_storage_goes_through_shared
     assert torch.equal(received, small) and not received.is_shared()
     received.resize_(16)  # an ordinary storage of its own
     small.resize_(16)  # and the sent one is left as it was
-    with torch.device("meta"):  # a training loop's default device is not where a received batch goes
+    # a training loop's default device is not where a received batch goes
+    with torch.device("meta"):
         received = sent(small)
     assert received.device.type == "cpu" and torch.equal(received, small)
     for other in (torch.arange(9, dtype=torch.int64),  # over the limit

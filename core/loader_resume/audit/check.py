@@ -1,11 +1,13 @@
-"""Checking a job's audit logs (``loader_resume.audit.read``): was every sample seen exactly once across restarts?
+"""Checking a job's audit logs (``loader_resume.audit.read``): was every sample seen exactly once
+across restarts?
 
-Every attempt must share its loader's identity (``SAME``); no two processes may read as one rank at the same time
-(``loader_resume.audit.read.Attempt.alongside``); an attempt that loaded a state must have loaded one an earlier
-attempt took (its digest is recorded), and one that loaded none after states were taken is named. What the logs
-cannot show (the attempts before the first one in them, a state no attempt in them took, a rank with no log) is a
-*gap*: the report is incomplete, never "exactly once" (``loader_resume.audit.report``). Map-style data:
-``loader_resume.audit.map``; streams: ``loader_resume.audit.stream``.
+Every attempt must share its loader's identity (``SAME``); no two processes may read as one rank at
+the same time (``loader_resume.audit.read.Attempt.alongside``); an attempt that loaded a state must
+have loaded one an earlier attempt took (its digest is recorded), and one that loaded none after
+states were taken is named. What the logs cannot show (the attempts before the first one in them, a
+state no attempt in them took, a rank with no log) is a *gap*: the report is incomplete, never
+"exactly once" (``loader_resume.audit.report``). Map-style data: ``loader_resume.audit.map``;
+streams: ``loader_resume.audit.stream``.
 """
 
 from __future__ import annotations
@@ -18,17 +20,17 @@ from loader_resume.audit.report import Finding, LoaderReport, first_place, resum
 from loader_resume.audit.stream import StreamCheck
 
 SAME = ("kind", "n", "order", "seed", "keying")
-"""What every attempt's loader must share: what decides its order and its random keys (the batch size, the world
-size and the workers may change)."""
+"""What every attempt's loader must share: what decides its order and its random keys (the batch
+size, the world size and the workers may change)."""
 
 __all__ = ["AuditFormatError", "Finding", "LoaderReport", "audit_directory", "check_loader", "resumed_from",
            "states_taken"]
 
 
 def audit_directory(directory: str | os.PathLike[str], *, began_before_audit: bool = False) -> list[LoaderReport]:
-    """Every loader's report from the logs under ``directory``; ``AuditFormatError`` if they cannot be read.
-    ``began_before_audit``: the job ran before its audit was turned on; its first attempt in the logs may resume from
-    a state taken before them, and is checked from there on."""
+    """Every loader's report from the logs under ``directory``; ``AuditFormatError`` if they cannot
+    be read. ``began_before_audit``: the job ran before its audit was turned on; its first attempt
+    in the logs may resume from a state taken before them, and is checked from there on."""
     return [check_loader(name, attempts, began_before_audit=began_before_audit)
             for name, attempts in read_audit(directory).items()]
 
@@ -53,7 +55,8 @@ def check_loader(name: str, attempts: list[Attempt], *, began_before_audit: bool
             found = _alongside(attempts, earlier, log, header["kind"] == "map")
             if found is not None:
                 report.findings.append(found)
-    if report.findings:  # NOTE: what follows assumes one loader identity and one process a rank at a time
+    # NOTE: what follows assumes one loader identity and one process a rank at a time
+    if report.findings:
         report.attempts = [{"number": attempt.number, "world": attempt.world, "batches": sum(
             record["t"] == "b" for log in attempt.logs for record in log.records), "resumed": "(not checked)",
             "rolled_back": 0, "rolled_back_exact": True} for attempt in attempts]
@@ -63,7 +66,8 @@ def check_loader(name: str, attempts: list[Attempt], *, began_before_audit: bool
 
 
 def _lost(report: LoaderReport, attempt: Attempt, log: RankLog) -> None:
-    """A finding for records dropped after failed writes, placed after the last batch written before them."""
+    """A finding for records dropped after failed writes, placed after the last batch written before
+    them."""
     epoch = position = None
     for record in log.records:
         if record["t"] == "b":
@@ -75,8 +79,8 @@ def _lost(report: LoaderReport, attempt: Attempt, log: RankLog) -> None:
 
 
 def _alongside(attempts: list[Attempt], earlier: RankLog, log: RankLog, map_style: bool) -> Finding | None:
-    """Two processes that read at the same time as one rank (or at two world sizes): the samples both delivered
-    (None if none: nothing was read twice)."""
+    """Two processes that read at the same time as one rank (or at two world sizes): the samples
+    both delivered (None if none: nothing was read twice)."""
     number = {id(other): attempt.number for attempt in attempts for other in attempt.logs}
     both = sorted(_delivered(earlier, map_style) & _delivered(log, map_style))
     if not both:
@@ -94,7 +98,8 @@ def _alongside(attempts: list[Attempt], earlier: RankLog, log: RankLog, map_styl
 
 
 def _delivered(log: RankLog, map_style: bool) -> set[tuple[int, ...]]:
-    """What ``log``'s process was handed: (epoch, global position) of each sample; streams: (epoch, worker, batch)."""
+    """What ``log``'s process was handed: (epoch, global position) of each sample; streams: (epoch,
+    worker, batch)."""
     if not map_style:
         return {(record["e"], record["w"], record["b"]) for record in log.records if record["t"] == "b"}
     units: dict[int, int | None] = {}

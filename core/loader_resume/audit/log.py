@@ -1,17 +1,19 @@
-"""The delivery log of ``ResumableDataLoader(audit=DIR)``: what each rank handed its caller, in every attempt.
+"""The delivery log of ``ResumableDataLoader(audit=DIR)``: what each rank handed its caller, in
+every attempt.
 
-Each loader appends compact JSON lines to its own file per process (one *attempt* of the job on one rank), under
-``DIR/<loader>/``: a header, each pass's start, each delivered batch (epoch, global position, the sample ids —
-a digest instead of the ids above ``MAX_IDS`` — and the batch's random key), each state taken and each state
-loaded (a digest of the whole state, so a later attempt's load is matched to the state it came from). Nothing
-is ever rewritten: a restart opens a new file. ``loader-resume audit DIR`` (``loader_resume.tools.audit``)
-reads them all back and checks that every sample was seen exactly once across the restarts.
+Each loader appends compact JSON lines to its own file per process (one *attempt* of the job on one
+rank), under ``DIR/<loader>/``: a header, each pass's start, each delivered batch (epoch, global
+position, the sample ids — a digest instead of the ids above ``MAX_IDS`` — and the batch's random
+key), each state taken and each state loaded (a digest of the whole state, so a later attempt's load
+is matched to the state it came from). Nothing is ever rewritten: a restart opens a new file.
+``loader-resume audit DIR`` (``loader_resume.tools.audit``) reads them all back and checks that
+every sample was seen exactly once across the restarts.
 
-Cost: one short line per batch into a buffer; the buffer is written (appended locally, a new part object on
-object storage) every ``FLUSH_RECORDS`` records or ``FLUSH_SECONDS``, at every state taken or loaded (so every
-batch a checkpoint covers is on disk before the checkpoint is), and when the process exits. A kill loses at
-most the batches after the last of those, which a resume delivers again anyway; a line torn by a kill is named
-and ignored by the reader.
+Cost: one short line per batch into a buffer; the buffer is written (appended locally, a new part
+object on object storage) every ``FLUSH_RECORDS`` records or ``FLUSH_SECONDS``, at every state taken
+or loaded (so every batch a checkpoint covers is on disk before the checkpoint is), and when the
+process exits. A kill loses at most the batches after the last of those, which a resume delivers
+again anyway; a line torn by a kill is named and ignored by the reader.
 """
 
 from __future__ import annotations
@@ -46,24 +48,29 @@ MAX_IDS = 1024
 FLUSH_RECORDS = 512
 FLUSH_SECONDS = 5.0
 UNWRITTEN_LIMIT = 16 << 20
-"""Characters of records kept after failed writes, beyond which they are dropped (and a ``lost`` record says so)."""
+"""Characters of records kept after failed writes, beyond which they are dropped (and a ``lost``
+record says so)."""
 
-_OPEN: list[AuditLog] = []  # flushed at exit (held: a loader collected early still has its records written)
+# flushed at exit (held: a loader collected early still has its records written)
+_OPEN: list[AuditLog] = []
 _LOGS_LOCK = threading.Lock()
-_LOGS: dict[tuple[str, str], AuditLog] = {}  # (directory, loader name): one log a process (a loader rebuilt shares it)
+# (directory, loader name): one log a process (a loader rebuilt shares it)
+_LOGS: dict[tuple[str, str], AuditLog] = {}
 _SAID_UNAUDITED = False  # the warning of warn_unaudited, once a process
 
 
 def audit_from_environment(audit: str | os.PathLike[str] | None) -> str | None:
-    """A front door's ``audit=``: the value given, else ``$LOADER_RESUME_AUDIT`` (unset or empty: no audit)."""
+    """A front door's ``audit=``: the value given, else ``$LOADER_RESUME_AUDIT`` (unset or empty: no
+    audit)."""
     if audit is not None:
         return os.fspath(audit)
     return os.environ.get(AUDIT_VARIABLE) or None
 
 
 def warn_unaudited(setup: Any) -> None:
-    """Once a process: ``$LOADER_RESUME_AUDIT`` is set, but a loader built without ``audit=`` begins a pass (a loader
-    your own code builds reads only ``audit=``; the front doors give theirs the variable's value)."""
+    """Once a process: ``$LOADER_RESUME_AUDIT`` is set, but a loader built without ``audit=`` begins
+    a pass (a loader your own code builds reads only ``audit=``; the front doors give theirs the
+    variable's value)."""
     global _SAID_UNAUDITED
     if _SAID_UNAUDITED or not os.environ.get(AUDIT_VARIABLE):
         return
@@ -75,18 +82,20 @@ def warn_unaudited(setup: Any) -> None:
 
 
 def state_digest(state: Mapping[str, Any]) -> str:
-    """A short digest of a loader state's content (what a later attempt's load is matched by); its ``"ending"`` mark,
-    which front doors add after the state is taken, is left out."""
+    """A short digest of a loader state's content (what a later attempt's load is matched by); its
+    ``"ending"`` mark, which front doors add after the state is taken, is left out."""
     plain = {key: value for key, value in state.items() if key != ENDING}
     try:
         text = json.dumps(plain, sort_keys=True, default=repr, separators=(",", ":"))
-    except (TypeError, ValueError):  # NOTE: keys json cannot sort (a user's state with tuple or mixed keys)
+    # NOTE: keys json cannot sort (a user's state with tuple or mixed keys)
+    except (TypeError, ValueError):
         text = repr(sorted(plain.items(), key=repr))
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
 def ids_field(ids: Sequence[Any]) -> dict[str, Any]:
-    """A batch's sample ids as recorded: the ids themselves up to ``MAX_IDS``, else their count and digest."""
+    """A batch's sample ids as recorded: the ids themselves up to ``MAX_IDS``, else their count and
+    digest."""
     plain = [_plain(value) for value in ids] if any(type(value) is not int for value in ids) else ids
     if len(plain) <= MAX_IDS:
         return {"ids": plain}
@@ -132,13 +141,15 @@ class AuditLog:
         if not is_remote(self.directory):
             try:
                 os.makedirs(local_path(folder), exist_ok=True)
-            except OSError as error:  # NOTE: said at the first write (flush), never raised into training
+            # NOTE: said at the first write (flush), never raised into training
+            except OSError as error:
                 logger.debug("audit directory %s: %s", folder, error)
         header = dict(self._header, loader=name, format=AUDIT_FORMAT, rank=rank, world=world, time=now,
                       host=host, pid=os.getpid())
         self._buffer.append(json.dumps({"t": "begin", **header}, default=repr, separators=(",", ":")))
         _OPEN.append(self)
-        self.flush()  # NOTE: every process that opened a log has its file, even one killed before the next write
+        # NOTE: every process that opened a log has its file, even one killed before the next write
+        self.flush()
 
     def record(self, fields: dict[str, Any], *, flush: bool = False) -> None:
         """Append one record; written now if ``flush`` or the buffer is due."""
@@ -147,14 +158,16 @@ class AuditLog:
             self.flush(sync=flush)
 
     def delivered(self, fields: tuple[Any, ...]) -> None:
-        """Append a delivered batch's record, kept as a tuple until it is written (``_line``): ~0.3 µs a batch."""
+        """Append a delivered batch's record, kept as a tuple until it is written (``_line``): ~0.3
+        µs a batch."""
         self._buffer.append(fields)
         if len(self._buffer) >= FLUSH_RECORDS or time.monotonic() - self._last_flush > FLUSH_SECONDS:
             self.flush()
 
     def flush(self, *, sync: bool = False) -> None:
-        """Write what is buffered (with a time mark); ``sync``: to stable storage before returning. Records that
-        could not be written (a full disk, a network error) are kept and written first at the next flush."""
+        """Write what is buffered (with a time mark); ``sync``: to stable storage before returning.
+        Records that could not be written (a full disk, a network error) are kept and written first
+        at the next flush."""
         with self._lock:
             if not self._buffer or self._path is None:
                 return
@@ -164,10 +177,13 @@ class AuditLog:
             self._last_flush = time.monotonic()
             try:
                 self._write(text.encode(), sync)
-            except Exception as error:  # NOTE: the audit never stops the training it watches: said, not raised
-                if len(text) > UNWRITTEN_LIMIT:  # NOTE: memory stays bounded; what is dropped is said in the log
+            # NOTE: the audit never stops the training it watches: said, not raised
+            except Exception as error:
+                # NOTE: memory stays bounded; what is dropped is said in the log
+                if len(text) > UNWRITTEN_LIMIT:
                     lines = text.splitlines(keepends=True)
-                    head = lines[0] if lines[0].startswith('{"t":"begin"') else ""  # a log starts with its header
+                    # a log starts with its header
+                    head = lines[0] if lines[0].startswith('{"t":"begin"') else ""
                     dropped = len(lines) - bool(head)
                     text = head + json.dumps({"t": "lost", "records": dropped}) + "\n"
                     logger.error("audit log %s: %d records dropped after failed writes (%s); loader-resume audit "
@@ -184,7 +200,8 @@ class AuditLog:
 
     def _write(self, data: bytes, sync: bool) -> None:
         assert self._path is not None
-        if is_remote(self._path):  # NOTE: no append on object storage: each flush is one part object
+        # NOTE: no append on object storage: each flush is one part object
+        if is_remote(self._path):
             filesystem, path = remote_filesystem(f"{self._path}.{self._part:06d}.jsonl")
             with filesystem.open(path, "wb") as part:
                 part.write(data)
@@ -199,7 +216,8 @@ class AuditLog:
                 if sync:
                     os.fsync(file.fileno())
             except OSError:
-                file.truncate(size)  # NOTE: a full disk leaves no part of a line (a torn line means a kill)
+                # NOTE: a full disk leaves no part of a line (a torn line means a kill)
+                file.truncate(size)
                 raise
 
     def close(self) -> None:
@@ -215,8 +233,8 @@ class AuditLog:
 
 def audit_log(directory: str | os.PathLike[str], setup: Any, length: int | None, order: str, shuffle: bool,
               num_workers: int) -> Any:
-    """``setup`` (a loader's ``loader_resume.position.Setup``) with the ``AuditLog`` of ``audit=directory``, named by
-    what identifies its data (``order``: its state's ``source``)."""
+    """``setup`` (a loader's ``loader_resume.position.Setup``) with the ``AuditLog`` of
+    ``audit=directory``, named by what identifies its data (``order``: its state's ``source``)."""
     if not setup.in_order and num_workers > 0:
         raise ValueError("audit= with in_order=False: the audit records batches in the order of their global "
                          "positions; build the loader with in_order=True to audit it")
@@ -228,16 +246,17 @@ def audit_log(directory: str | os.PathLike[str], setup: Any, length: int | None,
     name = re.sub(r"[^A-Za-z0-9._-]", "_", f"{type(setup.dataset).__name__}-{size}-seed{setup.seed}-{arranged}")
     header = {"loader": name, "kind": kind, "n": length, "order": order, "seed": setup.seed, "keying": setup.keying,
               "batch_size": setup.batch_size, "drop_last": setup.shard().drop_last}
-    # NOTE: loaders of one identity in one process (a framework's rebuilt copies, a loader made anew each epoch)
-    # share one log: they are the same data in the same order
+    # NOTE: loaders of one identity in one process (a framework's rebuilt copies, a loader made anew
+    # each epoch) share one log: they are the same data in the same order
     with _LOGS_LOCK:
         log = _LOGS.setdefault((local_path(os.fspath(directory)), name), AuditLog(directory, header))
     return dataclasses.replace(setup, audit=log)
 
 
 def record_state(setup: Any, kind: str, state: Mapping[str, Any], *, ended: bool = False) -> None:
-    """Record a state taken (``"state"``) or loaded (``"load"``), if ``setup`` keeps an audit: where it stands, its
-    digest, and whether the loop said it left the pass (``ended``: ``pass_ended=True``); written now."""
+    """Record a state taken (``"state"``) or loaded (``"load"``), if ``setup`` keeps an audit: where
+    it stands, its digest, and whether the loop said it left the pass (``ended``:
+    ``pass_ended=True``); written now."""
     if setup.audit is None:
         return
     audit = setup.audit_log()
@@ -256,8 +275,8 @@ def record_state(setup: Any, kind: str, state: Mapping[str, Any], *, ended: bool
 
 
 def map_pass(setup: Any, epoch: int, start: int, sampler: Any, length: int | None) -> bool:
-    """Record a map-style pass's start and its epoch's units (``length``, or the user ``sampler``'s length: None if
-    it has none); whether the loader keeps an audit."""
+    """Record a map-style pass's start and its epoch's units (``length``, or the user ``sampler``'s
+    length: None if it has none); whether the loader keeps an audit."""
     if setup.audit is None:
         warn_unaudited(setup)
         return False
@@ -267,10 +286,11 @@ def map_pass(setup: Any, epoch: int, start: int, sampler: Any, length: int | Non
 
 
 def map_step(setup: Any, pass_: Any, start: int, end: int, last: bool) -> None:
-    """Record a delivered map-style step of ``pass_``: its epoch, global start and end (this rank's units follow from
-    them and the world size), and the ids of a user sampler's units (our permutation's are a function of the
-    positions, recomputed by the audit). An epoch's ``last`` step is written at once (a process may end without
-    running its exit handlers: Ray's workers do)."""
+    """Record a delivered map-style step of ``pass_``: its epoch, global start and end (this rank's
+    units follow from them and the world size), and the ids of a user sampler's units (our
+    permutation's are a function of the positions, recomputed by the audit). An epoch's ``last``
+    step is written at once (a process may end without running its exit handlers: Ray's workers
+    do)."""
     ids = pass_.audited.popleft() if pass_.audited is not None else None
     setup.audit.delivered(("b", pass_.epoch, start, end, ids, last))
     if last:

@@ -1,13 +1,14 @@
-"""The map-style check of ``loader_resume.audit.check``: positions are global, so each attempt's batches are laid out
-by epoch and global position. An attempt that loaded a state resumes where that state stands, and continues the
-attempt that took it: the batches that count are the last attempt's, then, back along the states each attempt
-loaded, each earlier one's from where it resumed up to where the next one resumed. What an attempt delivered past the
-state its successor loaded was rolled back with the model (counted, not an error). The first batch after a load must
-start where the state said. Then each epoch must hold every position exactly once; the documented exceptions: the
-padding of the last step (``DistributedSampler``'s rule: positions past the end), what ``drop_last`` leaves out (a
-tail shorter than one step), an epoch the loop itself left (it began the next pass, or said ``pass_ended=True``),
-and the job's last epoch, which may stop part-way. A rank of an attempt with no log leaves its share of each step
-unknown: a gap, not a sample never delivered.
+"""The map-style check of ``loader_resume.audit.check``: positions are global, so each attempt's
+batches are laid out by epoch and global position. An attempt that loaded a state resumes where that
+state stands, and continues the attempt that took it: the batches that count are the last attempt's,
+then, back along the states each attempt loaded, each earlier one's from where it resumed up to
+where the next one resumed. What an attempt delivered past the state its successor loaded was rolled
+back with the model (counted, not an error). The first batch after a load must start where the state
+said. Then each epoch must hold every position exactly once; the documented exceptions: the padding
+of the last step (``DistributedSampler``'s rule: positions past the end), what ``drop_last`` leaves
+out (a tail shorter than one step), an epoch the loop itself left (it began the next pass, or said
+``pass_ended=True``), and the job's last epoch, which may stop part-way. A rank of an attempt with
+no log leaves its share of each step unknown: a gap, not a sample never delivered.
 """
 
 from __future__ import annotations
@@ -25,21 +26,23 @@ Key = tuple[int, int]
 
 
 class _Own:
-    """One attempt's own deliveries (map-style): position -> (rank, its step's start); step start -> end; positions
-    of ranks with no log -> (rank, its step's start)."""
+    """One attempt's own deliveries (map-style): position -> (rank, its step's start); step start ->
+    end; positions of ranks with no log -> (rank, its step's start)."""
 
     def __init__(self, number: int, world: int) -> None:
         self.number, self.world = number, world
         self.seen: dict[Key, tuple[int, int]] = {}
         self.steps: dict[Key, int] = {}
         self.unknown: dict[Key, tuple[int, int]] = {}
-        # (epoch, rank before, rank, the position a run of repeats would go on at) -> its finding's index
+        # (epoch, rank before, rank, the position a run of repeats would go on at) -> its finding's
+        # index
         self.twice: dict[tuple[int, int, int, int], int] = {}
 
 
 class MapCheck:
-    """Each attempt's own deliveries, then the batches that count: the last attempt's, and back along the states
-    each attempt loaded, each earlier one's from where it resumed up to where the next one resumed."""
+    """Each attempt's own deliveries, then the batches that count: the last attempt's, and back
+    along the states each attempt loaded, each earlier one's from where it resumed up to where the
+    next one resumed."""
 
     def __init__(self, report: LoaderReport) -> None:
         self.report = report
@@ -47,24 +50,30 @@ class MapCheck:
         self.last_end: dict[int, int] = {}  # epoch -> the end of its last step (delivered, flagged)
         self.padding: dict[int, int] = {}
         self.step_size: dict[int, int] = {}  # epoch -> units of its largest step
-        self.known_from: dict[int, int] = {}  # epoch -> first position this audit saw (a job resumed from elsewhere)
+        # epoch -> first position this audit saw (a job resumed from elsewhere)
+        self.known_from: dict[int, int] = {}
         self.left: dict[int, str] = {}  # epoch -> how the loop left it before its end (on purpose)
         self.latest = -1  # the latest epoch a batch, a pass or a state reached
-        self.lineage: list[tuple[_Own, Key, Key | None]] = []  # the attempts that count: (own, from, until)
-        self.untaken: dict[int, int] = {}  # attempt index -> the attempt number after it that loaded an untaken state
+        # the attempts that count: (own, from, until)
+        self.lineage: list[tuple[_Own, Key, Key | None]] = []
+        # attempt index -> the attempt number after it that loaded an untaken state
+        self.untaken: dict[int, int] = {}
 
     def run(self, attempts: list[Attempt]) -> None:
         owns: list[_Own] = []
         starts: list[Key | None] = []  # where each attempt resumed (None: afresh)
         parents: list[int | None] = []
-        taken: dict[str, tuple[int, dict[str, Any]]] = {}  # state digest -> (attempt index, its record)
+        # state digest -> (attempt index, its record)
+        taken: dict[str, tuple[int, dict[str, Any]]] = {}
         for index, attempt in enumerate(attempts):
             load = resumed_from(self.report, attempt, attempts[:index])
             where = None if load is None else (load["e"], load["pos"])
-            # NOTE: a state no attempt took (named by resumed_from) continues the attempt before, as its position says
+            # NOTE: a state no attempt took (named by resumed_from) continues the attempt before, as
+            # its position says
             parent = taken[load["d"]][0] if load is not None and load["d"] in taken else index - 1 if index else None
             if load is not None and index and load["d"] not in taken and "resharded" not in load:
-                self.untaken[index - 1] = attempt.number  # NOTE: a gap (resumed_from): a log missing, or another run's
+                # NOTE: a gap (resumed_from): a log missing, or another run's
+                self.untaken[index - 1] = attempt.number
             if load is not None and load["d"] in taken and taken[load["d"]][1].get("x"):
                 self.left.setdefault(load["e"] - 1, "the loop left it (pass_ended=True)")
             if where is not None and index == 0:
@@ -86,14 +95,16 @@ class MapCheck:
                                          "resumed": "(fresh)" if where is None else f"epoch {where[0]} position "
                                          f"{where[1]}", "rolled_back": rolled, "rolled_back_exact": exact})
         counted: dict[Key, tuple[int, int, int]] = {}
-        unknown: dict[Key, tuple[int, int]] = {}  # position -> (attempt, rank) of a rank with no log
+        # position -> (attempt, rank) of a rank with no log
+        unknown: dict[Key, tuple[int, int]] = {}
         steps: dict[Key, int] = {}
         cursor: int | None = len(attempts) - 1  # NOTE: back along the loads, from the last attempt
         until: Key | None = None
         while cursor is not None:
             own, begin = owns[cursor], starts[cursor] or (-1, 0)
             self.lineage.append((own, begin, until))
-            if cursor in self.untaken:  # NOTE: what it did not deliver before that state is in no log: not known
+            # NOTE: what it did not deliver before that state is in no log: not known
+            if cursor in self.untaken:
                 last = max([(epoch, end) for (epoch, _), end in own.steps.items()], default=begin)
                 for key in self._between(last, until):
                     unknown.setdefault(key, (self.untaken[cursor], -1))
@@ -111,7 +122,8 @@ class MapCheck:
     def _read(self, attempt: Attempt, taken: dict[str, tuple[int, dict[str, Any]]], index: int) -> tuple[_Own, int]:
         own, batches = _Own(attempt.number, attempt.world), 0
         absent = sorted(set(range(attempt.world)) - {log.rank for log in attempt.logs})
-        # NOTE: ranks step together: an epoch whose last step one rank delivered was not left by the loop
+        # NOTE: ranks step together: an epoch whose last step one rank delivered was not left by the
+        # loop
         ended = {record["e"] for log in attempt.logs for record in log.records
                  if record["t"] == "b" and record.get("l")}
         for log in attempt.logs:
@@ -161,8 +173,8 @@ class MapCheck:
         return keys
 
     def _share(self, record: dict[str, Any], rank: int, world: int) -> range:
-        """The positions of ``rank``'s part of a step (``loader_resume.order.sampler``: a full step's batch each, or the
-        tail's share), those past the epoch's end (padding) left out."""
+        """The positions of ``rank``'s part of a step (``loader_resume.order.sampler``: a full
+        step's batch each, or the tail's share), those past the epoch's end (padding) left out."""
         units = -(-(record["end"] - record["s"]) // world)
         first = record["s"] + rank * units
         total = self.units.get(record["e"])
@@ -185,7 +197,8 @@ class MapCheck:
                 own.seen[(epoch, position)] = (rank, start)
                 continue
             findings = self.report.findings
-            index = own.twice.pop((epoch, previous[0], rank, position), None)  # NOTE: the run of repeats goes on
+            # NOTE: the run of repeats goes on
+            index = own.twice.pop((epoch, previous[0], rank, position), None)
             if index is None:
                 findings.append(Finding(own.number, epoch, position, "", rank, 0))
                 index = len(findings) - 1
@@ -199,7 +212,8 @@ class MapCheck:
         """The attempt (of the batches that count) and rank that should have delivered ``key``."""
         for own, begin, until in self.lineage:
             if key >= begin and (until is None or key < until):
-                for (epoch, start), end in own.steps.items():  # NOTE: the step itself, if it ran (a tail is smaller)
+                # NOTE: the step itself, if it ran (a tail is smaller)
+                for (epoch, start), end in own.steps.items():
                     if epoch == key[0] and start <= key[1] < end:
                         return own.number, min((key[1] - start) // -(-(end - start) // own.world), own.world - 1)
                 step = self.step_size.get(key[0]) or 1
@@ -211,7 +225,8 @@ class MapCheck:
     def _epochs(self, counted: dict[Key, tuple[int, int, int]], unknown: dict[Key, tuple[int, int]],
                 steps: dict[Key, int]) -> None:
         header = self.report.header
-        gaps: dict[tuple[int, int], list[Key]] = {}  # (attempt, rank with no log) -> its positions that count
+        # (attempt, rank with no log) -> its positions that count
+        gaps: dict[tuple[int, int], list[Key]] = {}
         for epoch in sorted({epoch for epoch, _ in counted} | set(self.padding) | {epoch for epoch, _ in unknown}):
             positions = sorted(position for e, position in counted if e == epoch)
             total = self.units.get(epoch)

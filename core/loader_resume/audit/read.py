@@ -1,10 +1,10 @@
-"""Reading ``audit=DIR`` logs back (``loader_resume.audit.log`` writes them): each process's records, per loader,
-grouped into the job's attempts.
+"""Reading ``audit=DIR`` logs back (``loader_resume.audit.log`` writes them): each process's
+records, per loader, grouped into the job's attempts.
 
-A file is one loader in one process (one rank of one attempt). Ranks of one attempt run side by side; attempts
-follow one another. So the files of a loader, taken by start time, fall into attempts: a file joins the attempt
-before it while that attempt lacks its rank, has its world size, ran until shortly before, and took no state the
-file loaded.
+A file is one loader in one process (one rank of one attempt). Ranks of one attempt run side by
+side; attempts follow one another. So the files of a loader, taken by start time, fall into
+attempts: a file joins the attempt before it while that attempt lacks its rank, has its world size,
+ran until shortly before, and took no state the file loaded.
 """
 
 from __future__ import annotations
@@ -22,12 +22,14 @@ from loader_resume.job.storage import is_remote, local_path, remote_filesystem
 __all__ = ["AuditFormatError", "Attempt", "RankLog", "first_load", "read_audit"]
 
 SAME_ATTEMPT_SECONDS = 60.0
-"""How long after an attempt's last record another rank's first may come and still be of the same attempt."""
+"""How long after an attempt's last record another rank's first may come and still be of the same
+attempt."""
 AT_ONCE_SECONDS = 0.5
-"""How long two processes must both have been reading (clocks of two hosts may differ by a little) to be told to
-have read at the same time."""
+"""How long two processes must both have been reading (clocks of two hosts may differ by a little)
+to be told to have read at the same time."""
 REQUIRED = {"b": ("e",), "pass": ("e",), "state": ("d",), "load": ("d",), "lost": ("records",)}
-"""The fields a record of each kind cannot lack (a batch: also ``s`` and ``end``, or a stream's ``w`` and ``b``)."""
+"""The fields a record of each kind cannot lack (a batch: also ``s`` and ``end``, or a stream's
+``w`` and ``b``)."""
 _FILE = re.compile(r"^(rank\d+\.[^/]+?)(?:\.(\d{6}))?\.jsonl$")
 
 
@@ -61,7 +63,8 @@ class RankLog:
 
     @property
     def reading_until(self) -> float:
-        """When it last handed over a batch, at the latest: the time of the write that carried its last batch."""
+        """When it last handed over a batch, at the latest: the time of the write that carried its
+        last batch."""
         until, pending = self.start, False
         for record in self.records:
             pending = pending or record["t"] == "b"
@@ -70,7 +73,8 @@ class RankLog:
         return self.end if pending else until
 
     def took(self, digest: str, before: float) -> bool:
-        """Whether it took the state ``digest`` and wrote it before ``before`` (a restart may load it then)."""
+        """Whether it took the state ``digest`` and wrote it before ``before`` (a restart may load
+        it then)."""
         taken = False
         for record in self.records:
             if "time" in record and float(record["time"]) > before:
@@ -82,7 +86,8 @@ class RankLog:
 
     @property
     def ended(self) -> bool:
-        """Whether the process wrote its log to the end (at exit): a kill loses the records after its last write."""
+        """Whether the process wrote its log to the end (at exit): a kill loses the records after
+        its last write."""
         return any(record["t"] == "end" for record in self.records)
 
     @property
@@ -98,8 +103,8 @@ class Attempt:
     number: int
     logs: list[RankLog] = field(default_factory=list)
     alongside: list[tuple[RankLog, RankLog]] = field(default_factory=list)
-    """Pairs (an earlier log, one of this attempt's) of processes that ran at the same time but cannot be ranks of
-    one attempt: the same rank twice, or another world size."""
+    """Pairs (an earlier log, one of this attempt's) of processes that ran at the same time but
+    cannot be ranks of one attempt: the same rank twice, or another world size."""
 
     @property
     def world(self) -> int:
@@ -175,7 +180,8 @@ def _parse(path: str, text: str) -> RankLog:
     torn = None
     if lines and lines[-1] == "":
         lines.pop()
-    elif lines:  # NOTE: the last write was cut short by a kill: that line alone is ignored (and named)
+    # NOTE: the last write was cut short by a kill: that line alone is ignored (and named)
+    elif lines:
         torn = lines.pop()
     records: list[dict[str, Any]] = []
     for number, line in enumerate(lines, 1):
@@ -229,21 +235,24 @@ def _attempts(logs: list[RankLog]) -> list[Attempt]:
 
 
 def _joins(log: RankLog, attempt: Attempt) -> bool:
-    """Whether ``log`` is another rank of ``attempt``: one it lacks, of its world size, started while it ran (ranks
-    that wait for no collective may start seconds apart: ``SAME_ATTEMPT_SECONDS``), resuming where it resumed (a
-    map-style position is the same on every rank), or at least not from a state it took."""
+    """Whether ``log`` is another rank of ``attempt``: one it lacks, of its world size, started
+    while it ran (ranks that wait for no collective may start seconds apart:
+    ``SAME_ATTEMPT_SECONDS``), resuming where it resumed (a map-style position is the same on every
+    rank), or at least not from a state it took."""
     if log.world != attempt.world or log.rank in {other.rank for other in attempt.logs}:
         return False
     if log.start > attempt.end + SAME_ATTEMPT_SECONDS:
         return False
     mine = first_load(log)
     if mine is not None and log.start > attempt.end and not any(map(first_load, attempt.logs)):
-        return False  # NOTE: it resumed after every process of an attempt that started afresh was gone: a restart
+        # NOTE: it resumed after every process of an attempt that started afresh was gone: a restart
+        return False
     loads = [load for load in map(first_load, attempt.logs) if load is not None]
     if mine is not None and "pos" in mine and any((load.get("e"), load.get("pos")) == (mine["e"], mine["pos"])
                                                   for load in loads):
         return True
-    # NOTE: a state taken right after a load is the loaded one again (a front door may take it at once)
+    # NOTE: a state taken right after a load is the loaded one again (a front door may take it at
+    # once)
     taken = {record["d"] for other in attempt.logs for record in other.records if record["t"] == "state"}
     return mine is None or mine.get("d") not in taken - {load.get("d") for load in loads}
 

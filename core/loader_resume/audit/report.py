@@ -1,9 +1,11 @@
-"""What ``loader-resume audit`` reports for one loader (``LoaderReport``, its ``Finding`` s), and what the map-style
-and stream checks share: where each attempt resumed from, checked against the states earlier attempts took.
+"""What ``loader-resume audit`` reports for one loader (``LoaderReport``, its ``Finding`` s), and
+what the map-style and stream checks share: where each attempt resumed from, checked against the
+states earlier attempts took.
 
-An attempt that loaded a state must have loaded one an earlier attempt took (its digest is recorded), and one that
-loaded none after states were taken is named. What the logs cannot show (the attempts before the first one in them,
-a state no attempt in them took, a rank with no log) is a *gap*: the report is incomplete, never "exactly once".
+An attempt that loaded a state must have loaded one an earlier attempt took (its digest is
+recorded), and one that loaded none after states were taken is named. What the logs cannot show (the
+attempts before the first one in them, a state no attempt in them took, a rank with no log) is a
+*gap*: the report is incomplete, never "exactly once".
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ __all__ = ["Finding", "LoaderReport", "first_place", "resumed_from", "states_tak
 
 @dataclass(frozen=True)
 class Finding:
-    """One thing that does not hold (or, in ``LoaderReport.gaps``, that the logs cannot show), where it was found."""
+    """One thing that does not hold (or, in ``LoaderReport.gaps``, that the logs cannot show), where
+    it was found."""
 
     attempt: int
     """The attempt (numbered from 1 in the logs' order) whose batches or state it concerns."""
     epoch: int | None
     position: int | None
-    """The global position (map-style) or the worker's batch number (streams): the first one concerned."""
+    """The global position (map-style) or the worker's batch number (streams): the first one
+    concerned."""
     message: str
     rank: int | None = None
     """The rank concerned; None: every rank of the attempt."""
@@ -40,19 +44,21 @@ class LoaderReport:
     header: dict[str, Any]
     attempts: list[dict[str, Any]] = field(default_factory=list)
     """Per attempt: ``number``, ``world``, ``batches``, ``resumed`` (text), ``rolled_back`` and
-    ``rolled_back_exact`` (False: a kill lost the records of the attempt it continues, so at least that many)."""
+    ``rolled_back_exact`` (False: a kill lost the records of the attempt it continues, so at least
+    that many)."""
     epochs: list[dict[str, Any]] = field(default_factory=list)
-    """Per epoch: ``epoch``, ``delivered`` (samples), ``padding``, ``dropped``, ``status``; streams: per epoch, rank
-    and worker, with its ``batches`` too."""
+    """Per epoch: ``epoch``, ``delivered`` (samples), ``padding``, ``dropped``, ``status``; streams:
+    per epoch, rank and worker, with its ``batches`` too."""
     findings: list[Finding] = field(default_factory=list)
     gaps: list[Finding] = field(default_factory=list)
     """What the logs cannot show: the report is incomplete (``loader-resume audit`` exits 3)."""
     notes: list[str] = field(default_factory=list)
     began_before_audit: bool = False
-    """Checked with ``began_before_audit``: a first attempt resumed from a state taken before the logs is accepted."""
+    """Checked with ``began_before_audit``: a first attempt resumed from a state taken before the
+    logs is accepted."""
     checked_from: str | None = None
-    """Where the check began when it did not begin at the job's start (``began_before_audit``): ``epoch E position
-    P``; else None."""
+    """Where the check began when it did not begin at the job's start (``began_before_audit``):
+    ``epoch E position P``; else None."""
 
     @property
     def ok(self) -> bool:
@@ -61,12 +67,14 @@ class LoaderReport:
 
     @property
     def complete(self) -> bool:
-        """The logs show the whole job (or all of it from the first state loaded, with ``began_before_audit``)."""
+        """The logs show the whole job (or all of it from the first state loaded, with
+        ``began_before_audit``)."""
         return not self.gaps
 
 
 def first_place(log: RankLog) -> tuple[int | None, int | None]:
-    """Where ``log``'s loader began: its first batch's epoch and position (streams: batch number), else its load's."""
+    """Where ``log``'s loader began: its first batch's epoch and position (streams: batch number),
+    else its load's."""
     for record in log.records:
         if record["t"] == "b":
             return record["e"], record.get("s", record.get("b"))
@@ -82,7 +90,8 @@ def states_taken(attempts: list[Attempt]) -> dict[str, int]:
 
 
 def _saved(log: RankLog) -> bool:
-    """Whether ``log``'s attempt went on delivering after a state it took (so its save, which comes first, was done)."""
+    """Whether ``log``'s attempt went on delivering after a state it took (so its save, which comes
+    first, was done)."""
     state_before = False
     for record in log.records:
         if record["t"] == "b" and state_before:
@@ -92,7 +101,8 @@ def _saved(log: RankLog) -> bool:
 
 
 def resumed_from(report: LoaderReport, attempt: Attempt, earlier: list[Attempt]) -> dict[str, Any] | None:
-    """The state ``attempt`` resumed from (checked to be one an earlier attempt took), or None: it began afresh."""
+    """The state ``attempt`` resumed from (checked to be one an earlier attempt took), or None: it
+    began afresh."""
     loads = [first_load(log) for log in attempt.logs]
     if all(load is None for load in loads):
         if any(_saved(log) for other in earlier for log in other.logs):

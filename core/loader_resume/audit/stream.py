@@ -1,8 +1,9 @@
-"""The stream check of ``loader_resume.audit.check`` (iterable datasets: each rank's workers own their part): each
-worker's batches of an epoch must be numbered 1, 2, ... without a gap or a repeat after the cuts, an attempt must
-continue each worker where its loaded state said, and no batch may carry more items than a batch holds. Batches
-before a state taken outside the logs (the first attempt's, with ``--began-before-audit``, or one no attempt in the
-logs took) are not known; a rank with no log is a gap.
+"""The stream check of ``loader_resume.audit.check`` (iterable datasets: each rank's workers own
+their part): each worker's batches of an epoch must be numbered 1, 2, ... without a gap or a repeat
+after the cuts, an attempt must continue each worker where its loaded state said, and no batch may
+carry more items than a batch holds. Batches before a state taken outside the logs (the first
+attempt's, with ``--began-before-audit``, or one no attempt in the logs took) are not known; a rank
+with no log is a gap.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ __all__ = ["StreamCheck"]
 class StreamCheck:
     def __init__(self, report: LoaderReport) -> None:
         self.report = report
-        # (epoch, rank, worker) -> batch number -> (the attempt that delivered it, the worker's items after it)
+        # (epoch, rank, worker) -> batch number -> (the attempt that delivered it, the worker's
+        # items after it)
         self.seen: dict[tuple[int, int, int], dict[int, tuple[int, int]]] = {}
-        # (epoch, rank, worker) -> batch number -> items after it, where a state taken outside the logs stood
+        # (epoch, rank, worker) -> batch number -> items after it, where a state taken outside the
+        # logs stood
         self.outside: dict[tuple[int, int, int], dict[int, int]] = {}
         self.batch = int(report.header.get("batch_size") or 1)
         self.unseen: set[int] = set()  # the ranks the attempt before had no log of
@@ -87,7 +90,8 @@ class StreamCheck:
                                        "delivered": samples, "padding": 0, "dropped": 0, "status": status})
 
     def _outside(self, rank: int, load: dict[str, Any]) -> None:
-        """A state taken outside the logs: its workers' batches up to it are not known (not missing)."""
+        """A state taken outside the logs: its workers' batches up to it are not known (not
+        missing)."""
         items = load.get("wi") or [0] * len(load["wb"])
         for worker, (batches, count) in enumerate(zip(load["wb"], items, strict=True)):
             if batches:

@@ -1,13 +1,15 @@
-"""Atomic, verified checkpoint directories (used by the Accelerate hook; usable by any training loop).
+"""Atomic, verified checkpoint directories (used by the Accelerate hook; usable by any training
+loop).
 
-A checkpoint directory is written under a temporary name of its writer (``.NAME.tmp-TOKEN``), sealed with a manifest
-(every file's size and SHA-256) and renamed into place: a kill at any byte leaves either the previous
-checkpoints untouched plus a ``.tmp`` leftover (ignored, with a warning), or a complete checkpoint.
-Loading verifies the manifest first, so a truncated file, flipped bytes or an edited state are refused
-with an error naming the file, never loaded as wrong data.
+A checkpoint directory is written under a temporary name of its writer (``.NAME.tmp-TOKEN``), sealed
+with a manifest (every file's size and SHA-256) and renamed into place: a kill at any byte leaves
+either the previous checkpoints untouched plus a ``.tmp`` leftover (ignored, with a warning), or a
+complete checkpoint. Loading verifies the manifest first, so a truncated file, flipped bytes or an
+edited state are refused with an error naming the file, never loaded as wrong data.
 
 What goes into a checkpoint besides the loader state is here too: ``global_rng_state`` and
-``set_global_rng_state`` (``loader_resume.job.generators``: the process's generators, as plain tensors).
+``set_global_rng_state`` (``loader_resume.job.generators``: the process's generators, as plain
+tensors).
 """
 
 from __future__ import annotations
@@ -41,25 +43,28 @@ MANIFEST = "loader_resume_manifest.json"
 """The file that seals a complete checkpoint directory."""
 _MANIFEST_FORMAT = 1
 CHECKPOINT_FORMAT: Final = 1
-"""The format of what loader-resume adds to a training checkpoint (the Lightning entry, the Accelerate file)."""
+"""The format of what loader-resume adds to a training checkpoint (the Lightning entry, the
+Accelerate file)."""
 _CHUNK = 1 << 20
 
 
 
 def temporary_name(final: Path, token: str = "") -> Path:
-    """Where ``final`` is written before it is sealed and renamed: ``.NAME.tmp-TOKEN``, a name of this writer and
-    attempt alone (``token``; empty: ``.NAME.tmp``)."""
+    """Where ``final`` is written before it is sealed and renamed: ``.NAME.tmp-TOKEN``, a name of
+    this writer and attempt alone (``token``; empty: ``.NAME.tmp``)."""
     return final.with_name(f".{final.name}.tmp" + (f"-{token}" if token else ""))
 
 
 def is_temporary(path: Path) -> bool:
-    """Whether ``path`` is named as ``temporary_name`` names (a leftover, once its writer is gone)."""
+    """Whether ``path`` is named as ``temporary_name`` names (a leftover, once its writer is
+    gone)."""
     return re.fullmatch(r"\.(step_\d+|.+\.ckpt)\.tmp(-\d+-[0-9a-f]{8})?", path.name) is not None
 
 
 def writer_token(broadcast: Callable[[str], str] | None = None) -> str:
-    """A name for one write, the same on every process of a job (a collective): the main process's, sent by
-    ``broadcast`` (a framework's, as Lightning's ``strategy.broadcast``), else by ``torch.distributed`` if in use."""
+    """A name for one write, the same on every process of a job (a collective): the main process's,
+    sent by ``broadcast`` (a framework's, as Lightning's ``strategy.broadcast``), else by
+    ``torch.distributed`` if in use."""
     token = [f"{os.getpid()}-{uuid.uuid4().hex[:8]}"]
     if broadcast is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(token, src=0)
@@ -67,14 +72,16 @@ def writer_token(broadcast: Callable[[str], str] | None = None) -> str:
 
 
 def write_manifest(directory: Path, *, checksums: bool = True) -> None:
-    """Write ``directory``'s manifest (its files' sizes, and SHA-256 sums if ``checksums``), atomically."""
+    """Write ``directory``'s manifest (its files' sizes, and SHA-256 sums if ``checksums``),
+    atomically."""
     files = {name: _describe(directory / name, checksums) for name in _files(directory)}
     manifest = directory / MANIFEST
     _write_atomically(manifest, json.dumps({"format": _MANIFEST_FORMAT, "files": files}, indent=1, sort_keys=True))
 
 
 def seal(directory: Path, final: Path, *, checksums: bool = True) -> None:
-    """Write ``directory``'s manifest, then rename it to ``final`` (replacing an older ``final``)."""
+    """Write ``directory``'s manifest, then rename it to ``final`` (replacing an older
+    ``final``)."""
     write_manifest(directory, checksums=checksums)
     if final.exists():
         shutil.rmtree(final)
@@ -86,8 +93,8 @@ def seal(directory: Path, final: Path, *, checksums: bool = True) -> None:
 
 
 def verify(directory: Path) -> None:
-    """Raise [`CheckpointError`][loader_resume.job.checkpoint.CheckpointError] unless ``directory`` matches its manifest
-    byte for byte."""
+    """Raise [`CheckpointError`][loader_resume.job.checkpoint.CheckpointError] unless ``directory``
+    matches its manifest byte for byte."""
     manifest = directory / MANIFEST
     try:
         described = json.loads(manifest.read_text())
@@ -112,7 +119,8 @@ def verify(directory: Path) -> None:
 def complete_checkpoints(root: Path, pattern: str = r"step_(\d+)") -> list[Path]:
     """Sealed checkpoints under ``root`` named ``pattern`` (one integer group), oldest first.
 
-    Leftovers of interrupted saves (``.NAME.tmp``) and unsealed directories are skipped with a warning.
+    Leftovers of interrupted saves (``.NAME.tmp``) and unsealed directories are skipped with a
+    warning.
     """
     found: list[tuple[int, Path]] = []
     if not root.is_dir():
@@ -142,22 +150,24 @@ def prune(root: Path, keep: int) -> None:
 def write_sealed(final: Path, write_into: Callable[[Path], None], *, main: bool, agree: Callable[[bool], bool],
                  step: int, checksums: bool = True, keep: int = 2, token: str | None = None,
                  copy: Callable[[Path], object] | None = None) -> bool:
-    """Write a checkpoint directory atomically, every process of a job together: ``write_into(temporary)`` on
-    every process (the main one creates the directory first, under a name of this write alone:
-    ``temporary_name``, ``writer_token``), then the main process seals it and renames it to ``final``
-    (``seal``), and deletes checkpoints beyond the newest ``keep`` (``prune``).
+    """Write a checkpoint directory atomically, every process of a job together:
+    ``write_into(temporary)`` on every process (the main one creates the directory first, under a
+    name of this write alone: ``temporary_name``, ``writer_token``), then the main process seals it
+    and renames it to ``final`` (``seal``), and deletes checkpoints beyond the newest ``keep``
+    (``prune``).
 
-    ``agree(flag)`` is whether ``flag`` holds on any process (a collective; on one process, ``flag``). A
-    failed write on any process — any exception out of ``write_into`` or the seal: a full disk (``OSError`` or
-    the ``RuntimeError`` torch's writer turns it into), a lost mount, a read-only file system — is agreed by
-    all: the partial directory is removed, the error is logged naming the path and the cause, the previous
-    checkpoints stay and ``False`` is returned. ``copy(final)``, if given, runs on the main process once the
-    checkpoint is sealed (``RemoteCopy.upload``): its failure counts as the write's, though the sealed local
-    directory stays. What the caller does then (train on, or exit) is its own. Another
-    error (a bug) is agreed as well, then raised on every process (its own there, a ``RuntimeError`` naming it on
-    the others); a failed collective is raised at once (no process is left to agree with). ``token``: the
-    temporary name's, if the caller agreed on one.
-    NOTE: every process takes the same branch at each agreement, so the collectives stay paired.
+    ``agree(flag)`` is whether ``flag`` holds on any process (a collective; on one process,
+    ``flag``). A failed write on any process — any exception out of ``write_into`` or the seal: a
+    full disk (``OSError`` or the ``RuntimeError`` torch's writer turns it into), a lost mount, a
+    read-only file system — is agreed by all: the partial directory is removed, the error is logged
+    naming the path and the cause, the previous checkpoints stay and ``False`` is returned.
+    ``copy(final)``, if given, runs on the main process once the checkpoint is sealed
+    (``RemoteCopy.upload``): its failure counts as the write's, though the sealed local directory
+    stays. What the caller does then (train on, or exit) is its own. Another error (a bug) is agreed
+    as well, then raised on every process (its own there, a ``RuntimeError`` naming it on the
+    others); a failed collective is raised at once (no process is left to agree with). ``token``:
+    the temporary name's, if the caller agreed on one. NOTE: every process takes the same branch at
+    each agreement, so the collectives stay paired.
     """
     temporary = temporary_name(final, writer_token() if token is None else token)
     failure: Exception | None = None
@@ -190,7 +200,8 @@ def write_sealed(final: Path, write_into: Callable[[Path], None], *, main: bool,
     if main:
         shutil.rmtree(temporary, ignore_errors=True)
     bug = failure is not None and not _of_the_storage(failure)
-    if agree(bug):  # NOTE: every process stops: a bug on one is raised as itself, the others name it
+    # NOTE: every process stops: a bug on one is raised as itself, the others name it
+    if agree(bug):
         if failure is not None and bug:
             raise failure
         raise RuntimeError(f"checkpoint at step {step} NOT written to {final}: another process failed with an "
@@ -206,8 +217,9 @@ def write_sealed(final: Path, write_into: Callable[[Path], None], *, main: bool,
 
 
 def storage_failure(error: Exception) -> Exception:
-    """``error`` if a write can fail with it for a reason of the storage — ``OSError``, the ``RuntimeError`` torch's
-    writer makes of one, safetensors' ``SafetensorError`` — else raised again (a bug, a failed collective)."""
+    """``error`` if a write can fail with it for a reason of the storage — ``OSError``, the
+    ``RuntimeError`` torch's writer makes of one, safetensors' ``SafetensorError`` — else raised
+    again (a bug, a failed collective)."""
     if _of_the_storage(error):
         return error
     raise error
@@ -226,8 +238,8 @@ def _unless_collective(error: Exception) -> Exception:
 
 
 def describe_failure(error: BaseException, directory: Path) -> str:
-    """``error`` as a log names it, with the cause a write into ``directory`` most likely had: a full disk (its
-    free bytes), or a file system that cannot be written."""
+    """``error`` as a log names it, with the cause a write into ``directory`` most likely had: a
+    full disk (its free bytes), or a file system that cannot be written."""
     text = f"{type(error).__name__}: {error}"
     number = getattr(error, "errno", None)
     try:

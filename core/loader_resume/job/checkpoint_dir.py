@@ -1,21 +1,24 @@
 """One job per checkpoint directory, and a directory that cannot be written refused at start.
 
-``claim`` (every process of a job calls it; the main process acts): the directory is created if needed and
-locked for this process's lifetime with a record lock on ``.loader_resume.lock``: an open-file-description lock
-(Linux's ``F_OFD_SETLK``; elsewhere ``fcntl.lockf``). The kernel drops it when its process ends, however it ends
-(a killed job never blocks its restart); other code of the process reading the file (an upload of the directory)
-leaves it held, and a forked process (a DataLoader worker) closes its copy at once, so it does not keep the lock
-past its parent. The holder writes who it is (host, pid, start time, command) into
-that file, so a second job on the same directory is refused with an error naming the first; the file is removed
-when the job lets go (at its exit too, unless it is killed: a file left behind blocks nothing). A
-directory that cannot be written fails there, naming it and the cause. Leftovers of writes interrupted in an
-earlier job (``.NAME.tmp-TOKEN``, see ``loader_resume.job.checkpoint.temporary_name``) are deleted once the lock
-is held (no other writer can be using them). What an earlier job left (its lock file, as a job killed leaves it,
-and those leftovers) is kept as ``DirectoryLock.traces``, for ``loader_resume.job.fresh_start``.
+``claim`` (every process of a job calls it; the main process acts): the directory is created if
+needed and locked for this process's lifetime with a record lock on ``.loader_resume.lock``: an
+open-file-description lock (Linux's ``F_OFD_SETLK``; elsewhere ``fcntl.lockf``). The kernel drops it
+when its process ends, however it ends (a killed job never blocks its restart); other code of the
+process reading the file (an upload of the directory) leaves it held, and a forked process (a
+DataLoader worker) closes its copy at once, so it does not keep the lock past its parent. The holder
+writes who it is (host, pid, start time, command) into that file, so a second job on the same
+directory is refused with an error naming the first; the file is removed when the job lets go (at
+its exit too, unless it is killed: a file left behind blocks nothing). A directory that cannot be
+written fails there, naming it and the cause. Leftovers of writes interrupted in an earlier job
+(``.NAME.tmp-TOKEN``, see ``loader_resume.job.checkpoint.temporary_name``) are deleted once the lock
+is held (no other writer can be using them). What an earlier job left (its lock file, as a job
+killed leaves it, and those leftovers) is kept as ``DirectoryLock.traces``, for
+``loader_resume.job.fresh_start``.
 
-``newest_usable``: an automatic resume skips a newest checkpoint that fails verification (naming it) and takes
-the one before. ``preemption_exit_code``: after a preemption checkpoint that could not be written, the process
-exits with ``FAILED_SAVE_EXIT_CODE``, never with the code that tells a scheduler it can resume.
+``newest_usable``: an automatic resume skips a newest checkpoint that fails verification (naming it)
+and takes the one before. ``preemption_exit_code``: after a preemption checkpoint that could not be
+written, the process exits with ``FAILED_SAVE_EXIT_CODE``, never with the code that tells a
+scheduler it can resume.
 """
 
 from __future__ import annotations
@@ -47,13 +50,14 @@ __all__ = ["FAILED_SAVE_EXIT_CODE", "LOCK_FILE", "CheckpointDirectoryError", "Di
 logger = logging.getLogger(__name__)
 
 FAILED_SAVE_EXIT_CODE: Final = 74
-"""Exit code after a preemption checkpoint that could not be written (``EX_IOERR`` of ``sysexits.h``): unlike
-143 it does not tell a scheduler that the job can continue where it stopped (it continues from the newest
-complete checkpoint, if any)."""
+"""Exit code after a preemption checkpoint that could not be written (``EX_IOERR`` of
+``sysexits.h``): unlike 143 it does not tell a scheduler that the job can continue where it stopped
+(it continues from the newest complete checkpoint, if any)."""
 LOCK_FILE: Final = ".loader_resume.lock"
 """The file locked, holding who holds it (JSON: host, pid, since, command)."""
 LOCK_WAIT: Final = 10.0
-"""Seconds a job waits for a directory held by another process (one still exiting) before it is refused."""
+"""Seconds a job waits for a directory held by another process (one still exiting) before it is
+refused."""
 _HELD: dict[Path, DirectoryLock] = {}
 
 
@@ -63,15 +67,18 @@ class DirectoryLock:
 
     def __init__(self, directory: Path, descriptor: int) -> None:
         self.directory, self._descriptor, self._users = directory, descriptor, 1
-        self._pid = os.getpid()  # NOTE: a forked child shares none of it (it must not remove the file)
+        # NOTE: a forked child shares none of it (it must not remove the file)
+        self._pid = os.getpid()
         self.traces: list[str] = []
-        """What an earlier job that did not end cleanly left here, as a warning names it (empty: nothing)."""
+        """What an earlier job that did not end cleanly left here, as a warning names it (empty:
+        nothing)."""
         self._earlier, self._keep = b"", False
 
     @classmethod
     def acquire(cls, directory: Path, wait: float = LOCK_WAIT) -> DirectoryLock:
-        """Hold ``directory``; ``CheckpointDirectoryError`` if it cannot be written or another process holds
-        it after ``wait`` seconds. A second claim in the same process shares the first (one job)."""
+        """Hold ``directory``; ``CheckpointDirectoryError`` if it cannot be written or another
+        process holds it after ``wait`` seconds. A second claim in the same process shares the first
+        (one job)."""
         directory = Path(os.path.realpath(directory))
         held = _HELD.get(directory)
         if held is not None:
@@ -89,7 +96,8 @@ class DirectoryLock:
                 _lock(descriptor)
             except OSError as error:
                 os.close(descriptor)
-                if error.errno not in (errno.EAGAIN, errno.EACCES):  # NOTE: locks unsupported (NFS without lockd)
+                # NOTE: locks unsupported (NFS without lockd)
+                if error.errno not in (errno.EAGAIN, errno.EACCES):
                     logger.warning("checkpoint directory %s cannot be locked (%s): a second job on it is not "
                                    "refused", directory, error)
                     return cls(directory, -1)
@@ -102,7 +110,8 @@ class DirectoryLock:
                 continue
             if _same_file(descriptor, directory / LOCK_FILE):
                 break
-            os.close(descriptor)  # NOTE: its holder removed it as it let go: lock the file that is there now
+            # NOTE: its holder removed it as it let go: lock the file that is there now
+            os.close(descriptor)
         lock = cls(directory, descriptor)
         try:
             lock._note_earlier_owner()
@@ -125,7 +134,8 @@ class DirectoryLock:
                 return
             with contextlib.suppress(OSError):
                 if not self._keep:
-                    (self.directory / LOCK_FILE).unlink()  # NOTE: while locked (acquire: a waiter checks the file)
+                    # NOTE: while locked (acquire: a waiter checks the file)
+                    (self.directory / LOCK_FILE).unlink()
             self._close()
 
     def _close(self) -> None:
@@ -134,14 +144,16 @@ class DirectoryLock:
                 os.close(self._descriptor)  # NOTE: drops the lock
 
     def _note_earlier_owner(self) -> None:
-        """A lock file that names a holder was left by a job that ended without letting go (killed)."""
-        self._earlier = os.pread(self._descriptor, 1 << 16, 0)  # NOTE: through the locked descriptor (_write_owner)
+        """A lock file that names a holder was left by a job that ended without letting go
+        (killed)."""
+        # NOTE: through the locked descriptor (_write_owner)
+        self._earlier = os.pread(self._descriptor, 1 << 16, 0)
         if self._earlier:
             self.traces.append(f"the lock file of a job that did not end cleanly ({_holder(self._earlier)})")
 
     def keep_traces(self) -> None:
-        """Leave the lock file (the earlier job's, where there was one) as it lets go: a start refused for the traces
-        it found leaves them for the next start to find."""
+        """Leave the lock file (the earlier job's, where there was one) as it lets go: a start
+        refused for the traces it found leaves them for the next start to find."""
         if self._earlier and self._descriptor >= 0:
             os.ftruncate(self._descriptor, 0)
             os.pwrite(self._descriptor, self._earlier, 0)
@@ -151,7 +163,8 @@ class DirectoryLock:
         owner = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
                  "command": " ".join(sys.argv)}
         data = json.dumps(owner).encode()
-        os.ftruncate(self._descriptor, 0)  # NOTE: through the locked descriptor (closing another drops the lock)
+        # NOTE: through the locked descriptor (closing another drops the lock)
+        os.ftruncate(self._descriptor, 0)
         os.pwrite(self._descriptor, data, 0)
         os.fsync(self._descriptor)
 
@@ -168,8 +181,9 @@ class DirectoryLock:
 
 
 def local_directory(directory: str | os.PathLike[str]) -> Path:
-    """``directory`` as a local path (a ``file:`` URL's path), for a front door that writes local directories; a URL
-    of another store is refused, naming it (never a local ``./s3:/...`` directory that only looks remote)."""
+    """``directory`` as a local path (a ``file:`` URL's path), for a front door that writes local
+    directories; a URL of another store is refused, naming it (never a local ``./s3:/...`` directory
+    that only looks remote)."""
     if is_remote(directory):
         raise CheckpointDirectoryError(f"checkpoint directory {os.fspath(directory)}: a URL, but this front door "
                                        "writes its checkpoints as local directories; expected a local path (a shared "
@@ -179,16 +193,18 @@ def local_directory(directory: str | os.PathLike[str]) -> Path:
 
 def claim(directory: str | os.PathLike[str], *, main: bool, agree: Callable[[bool], bool],
           remote: bool = False) -> DirectoryLock | RemoteLease | None:
-    """``DirectoryLock.acquire`` on the main process (an fsspec URL, where the front door writes there
-    (``remote``): ``RemoteLease.acquire``, ``None`` where its store cannot lock); every process of the job calls
-    it (``agree``: a flag held on any process, a collective) and raises if the main process was refused."""
+    """``DirectoryLock.acquire`` on the main process (an fsspec URL, where the front door writes
+    there (``remote``): ``RemoteLease.acquire``, ``None`` where its store cannot lock); every
+    process of the job calls it (``agree``: a flag held on any process, a collective) and raises if
+    the main process was refused."""
     lock: DirectoryLock | RemoteLease | None = None
     error: Exception | None = None
     if main:
         try:
             lock = RemoteLease.acquire(os.fspath(directory)) if is_remote(directory) and remote else \
                 DirectoryLock.acquire(local_directory(directory))
-        except Exception as refused:  # NOTE: whatever the main process met, every process learns of it
+        # NOTE: whatever the main process met, every process learns of it
+        except Exception as refused:
             error = refused
     if agree(error is not None):
         if lock is not None:
@@ -206,10 +222,12 @@ def _same_file(descriptor: int, path: Path) -> bool:
 
 
 def _lock(descriptor: int) -> None:
-    """An exclusive lock on the whole file, or ``OSError`` (``EAGAIN``/``EACCES``: another process holds it)."""
+    """An exclusive lock on the whole file, or ``OSError`` (``EAGAIN``/``EACCES``: another process
+    holds it)."""
     if _OFD_LOCK is None:
         fcntl.lockf(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    else:  # NOTE: struct flock of 64-bit Linux: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks)
+    # NOTE: struct flock of 64-bit Linux: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks)
+    else:
         fcntl.fcntl(descriptor, _OFD_LOCK, struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
 
 
@@ -217,8 +235,8 @@ _OFD_LOCK = getattr(fcntl, "F_OFD_SETLK", None) if struct.calcsize("P") == 8 els
 
 
 def _forget_in_child() -> None:
-    """A forked process holds none of its parent's locks: it closes its copy of each descriptor (an OFD lock lives
-    while any copy is open) and must not let go."""
+    """A forked process holds none of its parent's locks: it closes its copy of each descriptor (an
+    OFD lock lives while any copy is open) and must not let go."""
     for lock in _HELD.values():
         lock._close()
     _HELD.clear()
@@ -229,7 +247,8 @@ os.register_at_fork(after_in_child=_forget_in_child)
 
 @atexit.register
 def _release_all() -> None:
-    """At exit (``SystemExit`` after a preemption checkpoint included) every lock lets go, its file removed."""
+    """At exit (``SystemExit`` after a preemption checkpoint included) every lock lets go, its file
+    removed."""
     for lock in list(_HELD.values()):
         lock._users = 1
         lock.release()
@@ -260,7 +279,8 @@ def newest_usable(checkpoints: list[Path], agree: Callable[[bool], bool]) -> Pat
         failure = None
         try:
             verify(path)
-        except (CheckpointError, OSError) as error:  # NOTE: every process takes part in each agreement
+        # NOTE: every process takes part in each agreement
+        except (CheckpointError, OSError) as error:
             failure = error
         if not agree(failure is not None):
             if newest is not None:
@@ -276,9 +296,10 @@ def newest_usable(checkpoints: list[Path], agree: Callable[[bool], bool]) -> Pat
 
 
 def preemption_exit_code(written: Path | None, step: int, resumable: int, continues_from: str) -> int:
-    """The exit code after the agreed preemption checkpoint at ``step`` (``written``: where it went, ``None`` if the
-    write failed), logged: ``resumable`` (143) once written, else ``FAILED_SAVE_EXIT_CODE`` (the log says that a
-    rerun ``continues_from``: ``newest_complete``, or what the framework will find)."""
+    """The exit code after the agreed preemption checkpoint at ``step`` (``written``: where it went,
+    ``None`` if the write failed), logged: ``resumable`` (143) once written, else
+    ``FAILED_SAVE_EXIT_CODE`` (the log says that a rerun ``continues_from``: ``newest_complete``, or
+    what the framework will find)."""
     if written is not None:
         logger.warning("preemption signal: checkpoint written at step %d (%s); exiting with %d", step, written,
                        resumable)

@@ -1,10 +1,11 @@
-"""A front door's checkpoint entry: written by ``new_entry``, read back by ``checked_entry`` (every front door).
+"""A front door's checkpoint entry: written by ``new_entry``, read back by ``checked_entry`` (every
+front door).
 
-The entry of a hand-written loop's session (``{"format", "step", "epoch", "world_size", "rng": [each rank's],
-"loaders": [each loader's gathered states], ...}``) is read before the loaders exist, or after: ``PendingEntry``
-checks its format, keeps this rank's generators until right before the next batch is fetched, and loads the
-loaders' states as soon as as many loaders exist as it holds states (each through ``load_rank_state``, so
-another world size resumes as it does there).
+The entry of a hand-written loop's session (``{"format", "step", "epoch", "world_size", "rng": [each
+rank's], "loaders": [each loader's gathered states], ...}``) is read before the loaders exist, or
+after: ``PendingEntry`` checks its format, keeps this rank's generators until right before the next
+batch is fetched, and loads the loaders' states as soon as as many loaders exist as it holds states
+(each through ``load_rank_state``, so another world size resumes as it does there).
 """
 
 from __future__ import annotations
@@ -23,15 +24,16 @@ logger = logging.getLogger(__name__)
 
 
 def new_entry(**fields: Any) -> dict[str, Any]:
-    """A front door's checkpoint entry holding ``fields`` (its loaders' states, its generators, its step ...), in the
-    format this release writes and ``checked_entry`` reads. Every front door writes its entry through this."""
+    """A front door's checkpoint entry holding ``fields`` (its loaders' states, its generators, its
+    step ...), in the format this release writes and ``checked_entry`` reads. Every front door
+    writes its entry through this."""
     return {"format": CHECKPOINT_FORMAT, **fields}
 
 
 def checked_entry(saved: Any, where: str | os.PathLike[str], *, needs: tuple[str, ...] = ()) -> dict[str, Any]:
-    """``saved``, a front door's entry found at ``where`` (a file, or a checkpoint's key), if it is one this release
-    reads, with every key in ``needs``; else ``CheckpointError`` naming where, what it found and what was expected.
-    Every front door reads its entry through this."""
+    """``saved``, a front door's entry found at ``where`` (a file, or a checkpoint's key), if it is
+    one this release reads, with every key in ``needs``; else ``CheckpointError`` naming where, what
+    it found and what was expected. Every front door reads its entry through this."""
     found = saved.get("format") if isinstance(saved, dict) else saved
     if found != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{os.fspath(where)}: format {found!r}; expected {CHECKPOINT_FORMAT} (written by another "
@@ -51,8 +53,9 @@ class PendingEntry:
         self._loaders: list[Any] | None = None
 
     def read(self, saved: Any, path: str | os.PathLike[str], rank: int) -> dict[str, Any]:
-        """``saved`` (an entry found at ``path``), checked; its generators of ``rank`` (none, with a warning, for a
-        rank the saving run did not have) and its loader states wait for ``restore_rng`` and ``apply``."""
+        """``saved`` (an entry found at ``path``), checked; its generators of ``rank`` (none, with a
+        warning, for a rank the saving run did not have) and its loader states wait for
+        ``restore_rng`` and ``apply``."""
         rng = checked_entry(saved, path, needs=("rng", "loaders", "world_size"))["rng"]
         self._rng = rng[rank] if rank < len(rng) else None
         if self._rng is None:
@@ -62,8 +65,8 @@ class PendingEntry:
         return saved  # type: ignore[no-any-return]
 
     def apply(self, loaders: Sequence[Any]) -> None:
-        """The loaders of the job so far: once there are as many as the entry holds states, each gets its own
-        (``CheckpointError`` if there are more)."""
+        """The loaders of the job so far: once there are as many as the entry holds states, each
+        gets its own (``CheckpointError`` if there are more)."""
         saved = self._loaders
         if saved is None or len(loaders) < len(saved):
             return

@@ -1,5 +1,6 @@
-"""The process's generators in a checkpoint: torch's CPU generator, numpy's and Python's, and every accelerator's,
-as plain values and tensors (a checkpoint holding them loads with ``weights_only=True``)."""
+"""The process's generators in a checkpoint: torch's CPU generator, numpy's and Python's, and every
+accelerator's, as plain values and tensors (a checkpoint holding them loads with
+``weights_only=True``)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ logger = logging.getLogger(__name__)
 
 
 def global_rng_state() -> dict[str, Any]:
-    """torch's default CPU generator, numpy's legacy global and Python's ``random`` states, and every
-    accelerator generator this process has: ``"cuda"`` (one state per visible CUDA device) and
+    """torch's default CPU generator, numpy's legacy global and Python's ``random`` states, and
+    every accelerator generator this process has: ``"cuda"`` (one state per visible CUDA device) and
     ``"mps"``, present only where the device is.
 
     Plain values and tensors only, so a checkpoint holding it loads with ``weights_only=True``

@@ -1,15 +1,17 @@
 """A launcher that does not pass signals on: the training process follows its death instead.
 
-A one-process ``accelerate launch train.py`` (Accelerate's ``simple_launcher``) starts the script as a child and
-waits for it, with no signal handler of its own. A SIGTERM sent to the launcher — what a scheduler or a container
-runtime sends to the process it started — ends the launcher at once (exit 143) and never reaches the script,
-which goes on, detached, until something kills it: no preemption checkpoint. (With several processes Accelerate
-runs torch's elastic agent, which passes SIGTERM to every rank, and a torchrun worker has ``TORCHELASTIC_RUN_ID``.)
+A one-process ``accelerate launch train.py`` (Accelerate's ``simple_launcher``) starts the script as
+a child and waits for it, with no signal handler of its own. A SIGTERM sent to the launcher — what a
+scheduler or a container runtime sends to the process it started — ends the launcher at once (exit
+143) and never reaches the script, which goes on, detached, until something kills it: no preemption
+checkpoint. (With several processes Accelerate runs torch's elastic agent, which passes SIGTERM to
+every rank, and a torchrun worker has ``TORCHELASTIC_RUN_ID``.)
 
-So, while ``Preemption`` is installed in a process whose parent is such a launcher, the process asks the kernel to
-send it the preemption signal when the launcher dies (Linux ``prctl(PR_SET_PDEATHSIG)``): a SIGTERM to the
-launcher becomes a SIGTERM here, handled as any other (the agreed checkpoint at the next step boundary, exit 143 of
-the training process). Nothing changes under other parents: a shell, ``nohup``, torchrun, SLURM's ``srun``.
+So, while ``Preemption`` is installed in a process whose parent is such a launcher, the process asks
+the kernel to send it the preemption signal when the launcher dies (Linux
+``prctl(PR_SET_PDEATHSIG)``): a SIGTERM to the launcher becomes a SIGTERM here, handled as any other
+(the agreed checkpoint at the next step boundary, exit 143 of the training process). Nothing changes
+under other parents: a shell, ``nohup``, torchrun, SLURM's ``srun``.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ _ACCELERATE_LAUNCH = ("accelerate", "accelerate-launch", "accelerate.commands.la
 
 
 def silent_launcher(parent: int | None = None) -> str | None:
-    """The command line of this process's parent if it is a launcher that does not pass signals on (a one-process
-    ``accelerate launch``), else ``None``."""
+    """The command line of this process's parent if it is a launcher that does not pass signals on
+    (a one-process ``accelerate launch``), else ``None``."""
     if "TORCHELASTIC_RUN_ID" in os.environ or not sys.platform.startswith("linux"):
         return None
     try:
@@ -46,8 +48,9 @@ def silent_launcher(parent: int | None = None) -> str | None:
 
 
 def follow_launcher(signum: int | None) -> bool:
-    """Ask for ``signum`` when a silent launcher (``silent_launcher``) dies; ``None``: ask for nothing any more.
-    Whether it was asked (Linux only; a launcher already gone sends ``signum`` at once)."""
+    """Ask for ``signum`` when a silent launcher (``silent_launcher``) dies; ``None``: ask for
+    nothing any more. Whether it was asked (Linux only; a launcher already gone sends ``signum`` at
+    once)."""
     if signum is None:
         if sys.platform.startswith("linux"):
             _prctl_death_signal(0)

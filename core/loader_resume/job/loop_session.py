@@ -1,20 +1,22 @@
-"""One session of a hand-written training loop: what every front door for such loops does the same way.
+"""One session of a hand-written training loop: what every front door for such loops does the same
+way.
 
 Accelerate's ``enable_resume`` and Lightning's ``FabricResume`` hand their framework's own ways as a
-``Framework`` (how ranks agree, how the job's state goes into a checkpoint directory and comes back out of one,
-how a process leaves after a preemption checkpoint); the ``LoopSession`` does the rest:
+``Framework`` (how ranks agree, how the job's state goes into a checkpoint directory and comes back
+out of one, how a process leaves after a preemption checkpoint); the ``LoopSession`` does the rest:
 
-- step boundaries (``StepBoundaries``) from its loaders' reports (it is their ``BatchRequests``) and the
-  optimizers' steps, and ``epochs()``;
-- at a boundary, the periodic save and the agreed preemption stop: the checkpoint written whole and sealed
-  (``write_sealed``), the SLURM requeue, the exit code (``exit_code`` once written, 74 when the write failed),
-  then the framework's way out;
-- the checkpoint directory held by one job at a time (``claim``), the remote copy's lease, its download before a
-  resume and its upload after each sealed write;
-- the automatic resume: the newest complete checkpoint that verifies, never a silent start over a job that left
-  traces (``newest_or_start``);
-- the front door's checkpoint entry, written by ``entry`` and read back by ``take`` (its format checked; the
-  loaders' states loaded as soon as the loaders exist, this rank's generators right before the next batch).
+- step boundaries (``StepBoundaries``) from its loaders' reports (it is their ``BatchRequests``) and
+  the optimizers' steps, and ``epochs()``;
+- at a boundary, the periodic save and the agreed preemption stop: the checkpoint written whole and
+  sealed (``write_sealed``), the SLURM requeue, the exit code (``exit_code`` once written, 74 when
+  the write failed), then the framework's way out;
+- the checkpoint directory held by one job at a time (``claim``), the remote copy's lease, its
+  download before a resume and its upload after each sealed write;
+- the automatic resume: the newest complete checkpoint that verifies, never a silent start over a
+  job that left traces (``newest_or_start``);
+- the front door's checkpoint entry, written by ``entry`` and read back by ``take`` (its format
+  checked; the loaders' states loaded as soon as the loaders exist, this rank's generators right
+  before the next batch).
 """
 
 from __future__ import annotations
@@ -59,21 +61,22 @@ class Framework(Protocol):
         """Whether ``flag`` holds on any rank (a collective)."""
 
     def write(self, directory: Path) -> None:
-        """The job's state (the model, the optimizer, ``LoopSession.entry``) into the new ``directory``, whole
-        once this returns."""
+        """The job's state (the model, the optimizer, ``LoopSession.entry``) into the new
+        ``directory``, whole once this returns."""
 
     def load(self, directory: Path) -> None:
-        """The complete checkpoint ``directory`` into the job (its entry through ``LoopSession.take``)."""
+        """The complete checkpoint ``directory`` into the job (its entry through
+        ``LoopSession.take``)."""
 
     def leave(self, code: int) -> NoReturn:
         """End this process with ``code`` after a preemption checkpoint, every rank together."""
 
 
 class SaveEvery:
-    """When a ``LoopSession`` saves and stops: ``save_every_n_steps`` (0: only on preemption), agreeing on
-    signals every ``check_every_n_steps``, keeping ``keep`` checkpoints, exiting with ``exit_code`` after a
-    preemption checkpoint; each checked here, naming ``owner`` (the front door's call) in the error (``None``: checked
-    by the front door's own configuration)."""
+    """When a ``LoopSession`` saves and stops: ``save_every_n_steps`` (0: only on preemption),
+    agreeing on signals every ``check_every_n_steps``, keeping ``keep`` checkpoints, exiting with
+    ``exit_code`` after a preemption checkpoint; each checked here, naming ``owner`` (the front
+    door's call) in the error (``None``: checked by the front door's own configuration)."""
 
     def __init__(self, owner: str | None, *, save_every_n_steps: int = 0, check_every_n_steps: int = 1, keep: int = 2,
                  exit_code: int = 143, verify_checksums: bool = True) -> None:
@@ -96,10 +99,12 @@ class LoopSession:
         framework: the framework's own ways.
         checkpoint_dir: the local directory of ``step_N`` checkpoints.
         every: when to save, what to keep, how to exit.
-        signals: the signals that request a preemption checkpoint (installed by ``preemption.install()``).
-        slurm_requeue: after a checkpoint that SIGUSR1 requested inside a SLURM job, ``scontrol requeue``.
-        remote: the remote copy each sealed checkpoint is uploaded to (``None``: none); ``remote`` may be set
-            later, before ``hold``.
+        signals: the signals that request a preemption checkpoint (installed by
+            ``preemption.install()``).
+        slurm_requeue: after a checkpoint that SIGUSR1 requested inside a SLURM job, ``scontrol
+            requeue``.
+        remote: the remote copy each sealed checkpoint is uploaded to (``None``: none); ``remote``
+            may be set later, before ``hold``.
     """
 
     def __init__(self, framework: Framework, checkpoint_dir: Path, every: SaveEvery, *,
@@ -120,9 +125,11 @@ class LoopSession:
         self.failed_saves = 0
         """Checkpoints that could not be written (each logged as an error)."""
         self.saving = True
-        """Whether a step boundary may save (a front door that has no state to save yet turns it off)."""
+        """Whether a step boundary may save (a front door that has no state to save yet turns it
+        off)."""
         self._requeue = Requeue(slurm_requeue)
-        self._entry = PendingEntry()  # a loaded entry's generators and loader states, until they can go in
+        # a loaded entry's generators and loader states, until they can go in
+        self._entry = PendingEntry()
         self._lock: DirectoryLock | RemoteLease | None = None
         self._held = False
         self._saving: dict[str, Any] | None = None  # what save() gathered before its write
@@ -141,8 +148,9 @@ class LoopSession:
             self.boundaries.epoch_ended()
 
     def hold(self) -> None:
-        """Hold the checkpoint directory, and the remote copy's lease, for this job (every rank; once until
-        ``close``): another job there, or a store that cannot be reached, is refused on every rank."""
+        """Hold the checkpoint directory, and the remote copy's lease, for this job (every rank;
+        once until ``close``): another job there, or a store that cannot be reached, is refused on
+        every rank."""
         if self._held:
             return
         framework = self.framework
@@ -152,8 +160,9 @@ class LoopSession:
         self._held = True
 
     def resume(self) -> Path | None:
-        """Load the newest complete checkpoint that verifies (the remote copy's newer ones downloaded first) through
-        ``Framework.load``; or, with none, say what an earlier job left (``newest_or_start``). Every rank."""
+        """Load the newest complete checkpoint that verifies (the remote copy's newer ones
+        downloaded first) through ``Framework.load``; or, with none, say what an earlier job left
+        (``newest_or_start``). Every rank."""
         framework = self.framework
         fetch_newer(self.remote, main=framework.is_main, agree=framework.any_rank)
         found = newest_or_start(self.checkpoints(), self._lock, framework.any_rank)
@@ -168,12 +177,14 @@ class LoopSession:
         return complete_checkpoints(self.checkpoint_dir)
 
     def save(self) -> Path | None:
-        """Checkpoint now (every rank): ``Framework.write`` into ``checkpoint_dir/step_<step>/``, sealed and renamed
-        whole, copied to the remote; checkpoints beyond ``keep`` deleted. A failed write on any rank is agreed by
-        all: logged naming the path and the cause, the previous checkpoints stay, ``None``."""
+        """Checkpoint now (every rank): ``Framework.write`` into ``checkpoint_dir/step_<step>/``,
+        sealed and renamed whole, copied to the remote; checkpoints beyond ``keep`` deleted. A
+        failed write on any rank is agreed by all: logged naming the path and the cause, the
+        previous checkpoints stay, ``None``."""
         framework, every = self.framework, self.every
         final = self.checkpoint_dir / f"step_{self.step:09d}"
-        self._saving = self._gathered()  # NOTE: every collective before any write: a failed write cannot unpair them
+        # NOTE: every collective before any write: a failed write cannot unpair them
+        self._saving = self._gathered()
         try:
             written = write_sealed(final, framework.write, main=framework.is_main, agree=framework.any_rank,
                                    step=self.step, checksums=every.verify_checksums, keep=every.keep,
@@ -187,23 +198,27 @@ class LoopSession:
         return final
 
     def close(self) -> None:
-        """Signal handlers uninstalled, the directory and the remote copy let go (``hold`` takes them again)."""
+        """Signal handlers uninstalled, the directory and the remote copy let go (``hold`` takes
+        them again)."""
         self.preemption.uninstall()
         for held in (self._lock, self.remote):
             if held is not None:
                 held.release()
         self._lock, self._held = None, False
 
-    # --- the checkpoint entry -----------------------------------------------------------------------
+    # --- the checkpoint entry
+    # -----------------------------------------------------------------------
     def add(self, loader: ReportingDataLoader) -> None:
-        """A loader of the loop, reporting to this session (its state saved after the ones added before it)."""
+        """A loader of the loop, reporting to this session (its state saved after the ones added
+        before it)."""
         self.loaders.append(loader)
         self._entry.apply(self.loaders)
 
     def entry(self, **fields: Any) -> dict[str, Any]:
-        """The front door's checkpoint entry now, with ``fields``: the step, the epoch, the world size, every
-        rank's loader states (a loop's pass it left ends there) and generators. A collective (every rank), except
-        inside ``save``, which gathered them before its write began."""
+        """The front door's checkpoint entry now, with ``fields``: the step, the epoch, the world
+        size, every rank's loader states (a loop's pass it left ends there) and generators. A
+        collective (every rank), except inside ``save``, which gathered them before its write
+        began."""
         gathered = self._saving if self._saving is not None else self._gathered()
         return new_entry(step=self.step, epoch=self.epoch, world_size=self.framework.world_size, **fields,
                          **gathered)
@@ -215,17 +230,20 @@ class LoopSession:
                 "rng": gather_rng_states()}
 
     def take(self, saved: Any, where: str | Path) -> dict[str, Any]:
-        """An entry found at ``where``, checked (``CheckpointError`` naming it): its step and epoch now the
-        session's, its loader states and this rank's generators restored as soon as they can be."""
+        """An entry found at ``where``, checked (``CheckpointError`` naming it): its step and epoch
+        now the session's, its loader states and this rank's generators restored as soon as they can
+        be."""
         entry = self._entry.read(saved, where, self.framework.rank)
         self.boundaries.reset(entry["step"])
         self.epoch = entry["epoch"]
         self._entry.apply(self.loaders)
         return entry
 
-    # --- step boundaries (``BatchRequests``: the loaders report here) ---------------------------------
+    # --- step boundaries (``BatchRequests``: the loaders report here)
+    # ---------------------------------
     def before_batch(self, loader: ReportingDataLoader) -> None:
-        """A loader is asked for a batch: a loaded checkpoint's generators go back; a step boundary is here."""
+        """A loader is asked for a batch: a loaded checkpoint's generators go back; a step boundary
+        is here."""
         self._entry.restore_rng()  # right before the first step after a load
         if self.boundaries.crossed(loader):
             self._boundary()
@@ -235,7 +253,8 @@ class LoopSession:
         self.boundaries.delivered(loader)
 
     def ran_out(self, loader: ReportingDataLoader) -> None:
-        """A loader's pass ran out (a shorter loader under ``zip`` ends the loop's pass of the others)."""
+        """A loader's pass ran out (a shorter loader under ``zip`` ends the loop's pass of the
+        others)."""
         self.boundaries.ran_out(loader)
 
     def _boundary(self) -> None:
@@ -257,16 +276,16 @@ class LoopSession:
 
 
 class LoopHandle:
-    """What the object a hand-written loop's front door hands the user shows of its ``session``: the step and
-    epoch the loop is at, what was loaded, the checkpoints, the preemption signals."""
+    """What the object a hand-written loop's front door hands the user shows of its ``session``: the
+    step and epoch the loop is at, what was loaded, the checkpoints, the preemption signals."""
 
     session: LoopSession
 
     @property
     def step(self) -> int:
-        """Optimizer steps completed: every ``optimizer.step()`` that stepped (a loop that steps twice per batch
-        counts two; a step skipped inside gradient accumulation none); restored on resume. Checkpoints are named
-        after it (``step_N``) and ``save_every_n_steps`` counts it."""
+        """Optimizer steps completed: every ``optimizer.step()`` that stepped (a loop that steps
+        twice per batch counts two; a step skipped inside gradient accumulation none); restored on
+        resume. Checkpoints are named after it (``step_N``) and ``save_every_n_steps`` counts it."""
         return self.session.step
 
     @property

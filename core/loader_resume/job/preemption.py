@@ -1,10 +1,11 @@
-"""Preemption: a signal only sets a flag; all ranks agree at a step boundary; the save happens there.
+"""Preemption: a signal only sets a flag; all ranks agree at a step boundary; the save happens
+there.
 
-Never save inside a signal handler: it runs at an arbitrary point of a step (mid-backward, mid-collective)
-and, under DDP, a collective started there can deadlock against the other ranks (Lightning's
-SIGTERM + OnExceptionCheckpoint hung 4 of 4 tries here). ``Preemption`` keeps the handler to one
-assignment; the training loop calls ``Preemption.agreed`` at step boundaries, which is one
-``all_reduce`` so that every rank stops at the same step.
+Never save inside a signal handler: it runs at an arbitrary point of a step (mid-backward,
+mid-collective) and, under DDP, a collective started there can deadlock against the other ranks
+(Lightning's SIGTERM + OnExceptionCheckpoint hung 4 of 4 tries here). ``Preemption`` keeps the
+handler to one assignment; the training loop calls ``Preemption.agreed`` at step boundaries, which
+is one ``all_reduce`` so that every rank stops at the same step.
 """
 
 from __future__ import annotations
@@ -41,13 +42,15 @@ def signal_numbers(names: Sequence[str | int]) -> tuple[int, ...]:
 
 
 class Preemption:
-    """Catch ``signals``; report, at a step boundary and agreed by all ranks, whether one arrived."""
+    """Catch ``signals``; report, at a step boundary and agreed by all ranks, whether one
+    arrived."""
 
     def __init__(self, signals: Sequence[str | int] = ("SIGTERM", "SIGUSR1")) -> None:
         self.signals = signal_numbers(signals)
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
-        self._following = False  # the kernel sends signals[0] here when a launcher that passes none on dies
+        # the kernel sends signals[0] here when a launcher that passes none on dies
+        self._following = False
 
     def install(self) -> None:
         """Install the handlers (main thread only; idempotent)."""
@@ -55,11 +58,13 @@ class Preemption:
             return
         for number in self.signals:
             self._previous[number] = signal.signal(number, self._on_signal)
-        self._following = bool(self.signals) and follow_launcher(self.signals[0])  # NOTE: launcher.py
+        # NOTE: launcher.py
+        self._following = bool(self.signals) and follow_launcher(self.signals[0])
 
     def uninstall(self) -> None:
-        """Put back the handlers ours replaced, where ours is still the one installed (a framework that put its own
-        predecessor back in the meantime, as Lightning at the end of ``fit``, keeps what it restored)."""
+        """Put back the handlers ours replaced, where ours is still the one installed (a framework
+        that put its own predecessor back in the meantime, as Lightning at the end of ``fit``, keeps
+        what it restored)."""
         for number, previous in self._previous.items():
             if signal.getsignal(number) == self._on_signal:
                 signal.signal(number, previous)
@@ -72,15 +77,16 @@ class Preemption:
         self.received = signum
 
     def agreed(self) -> bool:
-        """Whether any rank received a signal; a collective under ``torch.distributed`` (call on all ranks)."""
+        """Whether any rank received a signal; a collective under ``torch.distributed`` (call on all
+        ranks)."""
         return any_rank(self.received is not None)
 
 
 class IgnoreSignalsInWorker:
     """A ``worker_init_fn`` wrapper: DataLoader workers ignore the preemption signals.
 
-    A signal sent to the whole process group (``kill -TERM -PGID``, some schedulers) also reaches the
-    workers; a worker that dies of it takes the main process's next batch down with it. The main
+    A signal sent to the whole process group (``kill -TERM -PGID``, some schedulers) also reaches
+    the workers; a worker that dies of it takes the main process's next batch down with it. The main
     process alone decides when to stop.
     """
 
@@ -89,7 +95,8 @@ class IgnoreSignalsInWorker:
 
     def __call__(self, worker_id: int) -> None:
         for number in self.signals:
-            signal.signal(number, signal.SIG_IGN)  # NOTE: discards one held pending since the fork (see below)
+            # NOTE: discards one held pending since the fork (see below)
+            signal.signal(number, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, self.signals)
         if self.user_fn is not None:
             self.user_fn(worker_id)
@@ -97,13 +104,13 @@ class IgnoreSignalsInWorker:
 
 @contextmanager
 def held_while_forking(worker_init_fn: Any) -> Iterator[None]:
-    """While DataLoader starts its workers (in the main thread): the signals an ``IgnoreSignalsInWorker``
-    ignores are blocked, so a worker forked meanwhile holds them pending until its init ignores them. This
-    process gets any that arrived as soon as the block ends.
+    """While DataLoader starts its workers (in the main thread): the signals an
+    ``IgnoreSignalsInWorker`` ignores are blocked, so a worker forked meanwhile holds them pending
+    until its init ignores them. This process gets any that arrived as soon as the block ends.
 
-    NOTE: torch's worker installs a SIGTERM handler of its own (in C) before the init runs, which kills the
-    worker on a SIGTERM not sent by its parent: a signal to the whole process group in between took the
-    worker, and then the main process, down."""
+    NOTE: torch's worker installs a SIGTERM handler of its own (in C) before the init runs, which
+    kills the worker on a SIGTERM not sent by its parent: a signal to the whole process group in
+    between took the worker, and then the main process, down."""
     signals = worker_init_fn.signals if isinstance(worker_init_fn, IgnoreSignalsInWorker) else ()
     blocking = bool(signals) and threading.current_thread() is threading.main_thread()
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals) if blocking else None
@@ -115,13 +122,15 @@ def held_while_forking(worker_init_fn: Any) -> Iterator[None]:
 
 
 def workers_ignore_signals(loader: Any, signals: Sequence[int]) -> Any:
-    """``loader`` (a ``DataLoader`` of any class: an evaluation loader a framework built) with workers that ignore
-    ``signals`` as a ``ResumableDataLoader``'s do: its ``worker_init_fn`` wrapped in ``IgnoreSignalsInWorker``,
-    and its ``multiprocessing_context`` one whose processes start with the signals held (as
-    ``held_while_forking``). A signal to the whole process group during an evaluation then leaves the
-    evaluation whole, and the job checkpoints at the next step boundary. Accelerate's ``DataLoaderShard``: its
-    ``base_dataloader``. Without workers, or done already, it is returned as it is."""
-    inner = getattr(loader, "base_dataloader", loader)  # NOTE: Accelerate's adapter iterates the loader it wraps
+    """``loader`` (a ``DataLoader`` of any class: an evaluation loader a framework built) with
+    workers that ignore ``signals`` as a ``ResumableDataLoader``'s do: its ``worker_init_fn``
+    wrapped in ``IgnoreSignalsInWorker``, and its ``multiprocessing_context`` one whose processes
+    start with the signals held (as ``held_while_forking``). A signal to the whole process group
+    during an evaluation then leaves the evaluation whole, and the job checkpoints at the next step
+    boundary. Accelerate's ``DataLoaderShard``: its ``base_dataloader``. Without workers, or done
+    already, it is returned as it is."""
+    # NOTE: Accelerate's adapter iterates the loader it wraps
+    inner = getattr(loader, "base_dataloader", loader)
     if not signals or not getattr(inner, "num_workers", 0) or isinstance(inner.worker_init_fn, IgnoreSignalsInWorker):
         return loader
     inner.worker_init_fn = IgnoreSignalsInWorker(signals, inner.worker_init_fn)
@@ -130,16 +139,17 @@ def workers_ignore_signals(loader: Any, signals: Sequence[int]) -> Any:
 
 
 def _holding_context(context: Any, signals: tuple[int, ...]) -> Any:
-    """A multiprocessing context like ``context`` (DataLoader's: ``None`` is torch's default, a name, or a
-    context), whose processes start with ``signals`` held in the starting thread; ``context`` itself where it
-    is of no standard kind."""
+    """A multiprocessing context like ``context`` (DataLoader's: ``None`` is torch's default, a
+    name, or a context), whose processes start with ``signals`` held in the starting thread;
+    ``context`` itself where it is of no standard kind."""
     base = torch.multiprocessing.get_context(context) if context is None or isinstance(context, str) else context
     holding = _HOLDING_CONTEXTS.get(type(base))
     return base if holding is None else holding(signals)
 
 
 class _HoldingStart:
-    """A process whose ``start()`` holds ``held`` (module level: spawn and forkserver pickle the process)."""
+    """A process whose ``start()`` holds ``held`` (module level: spawn and forkserver pickle the
+    process)."""
 
     held: tuple[int, ...] = ()
 

@@ -1,19 +1,23 @@
 """One job per checkpoint directory on object storage: a lease that only one job can take.
 
-An object store has no file locks. Where it has a conditional create — S3's ``If-None-Match: *`` (``s3fs``'s
-``pipe_file(..., mode="create")``) — a lease is a numbered object, ``DIR/.loader_resume.lease.N``, that says who
-holds the directory; the highest number is the lease in force. The job's main process:
+An object store has no file locks. Where it has a conditional create — S3's ``If-None-Match: *``
+(``s3fs``'s ``pipe_file(..., mode="create")``) — a lease is a numbered object,
+``DIR/.loader_resume.lease.N``, that says who holds the directory; the highest number is the lease
+in force. The job's main process:
 
-1. takes the directory by creating ``.1`` if there is no lease, or ``.N+1`` once lease ``.N`` has ended —
-   conditionally, so of two jobs taking it at once exactly one succeeds, and nothing is ever deleted to take over;
-2. renews its own object (every third of its term), which only it writes; its store's modification time shows the
-   renewals. A renewal that finds a higher number than its own says loudly that the lease was lost;
+1. takes the directory by creating ``.1`` if there is no lease, or ``.N+1`` once lease ``.N`` has
+   ended — conditionally, so of two jobs taking it at once exactly one succeeds, and nothing is ever
+   deleted to take over;
+2. renews its own object (every third of its term), which only it writes; its store's modification
+   time shows the renewals. A renewal that finds a higher number than its own says loudly that the
+   lease was lost;
 3. removes its own object when it lets go (the end of the job, or of a preemption stop).
 
-A second job that finds a lease being renewed waits a few seconds, then is refused naming the holder. A job killed
-with no chance to let go blocks nothing for ever: a lease whose store time is older than its term has ended
-(``LOADER_RESUME_LEASE_SECONDS``, 120 by default), and the next job waits for that, then takes over, saying so.
-Where a store has no conditional create, the directory is not locked, and the job says so at start.
+A second job that finds a lease being renewed waits a few seconds, then is refused naming the
+holder. A job killed with no chance to let go blocks nothing for ever: a lease whose store time is
+older than its term has ended (``LOADER_RESUME_LEASE_SECONDS``, 120 by default), and the next job
+waits for that, then takes over, saying so. Where a store has no conditional create, the directory
+is not locked, and the job says so at start.
 """
 
 from __future__ import annotations
@@ -39,8 +43,10 @@ logger = logging.getLogger(__name__)
 LEASE_FILE: Final = ".loader_resume.lease"
 """The leases' name, before their number."""
 LEASE_VARIABLE: Final = "LOADER_RESUME_LEASE_SECONDS"
-"""The environment variable of the lease's term, in seconds (every front door; not a field of their configs)."""
-_WAIT: Final = 10.0  # seconds a job waits for a lease being renewed (its holder still exiting) before it is refused
+"""The environment variable of the lease's term, in seconds (every front door; not a field of their
+configs)."""
+# seconds a job waits for a lease being renewed (its holder still exiting) before it is refused
+_WAIT: Final = 10.0
 
 
 def lease_seconds() -> float:
@@ -72,9 +78,9 @@ class RemoteLease:
 
     @classmethod
     def acquire(cls, directory: str, wait: float = _WAIT) -> RemoteLease | None:
-        """Hold the remote ``directory``; ``None`` (said in a warning) where its store has no conditional create;
-        ``CheckpointDirectoryError`` if another job holds it (renewing it
-        after ``wait`` seconds), or if the store cannot be reached (naming the URL and the cause)."""
+        """Hold the remote ``directory``; ``None`` (said in a warning) where its store has no
+        conditional create; ``CheckpointDirectoryError`` if another job holds it (renewing it after
+        ``wait`` seconds), or if the store cannot be reached (naming the URL and the cause)."""
         fs, root = remote_filesystem(directory)
         root = root.rstrip("/")
         if not _creates_conditionally(fs):
@@ -89,7 +95,8 @@ class RemoteLease:
                 number = 1
                 if leases:
                     number, modified = leases[-1]
-                    if modified + term > time.time():  # NOTE: in force: a silent one is waited out, not a renewed one
+                    # NOTE: in force: a silent one is waited out, not a renewed one
+                    if modified + term > time.time():
                         first = first or (number, modified)
                         if (number, modified) != first and time.monotonic() > deadline:
                             holder = _read(fs, f"{root}/{LEASE_FILE}.{number}")
@@ -111,13 +118,14 @@ class RemoteLease:
             except Exception as error:
                 raise CheckpointDirectoryError(f"checkpoint directory {directory}: cannot take its lease "
                                                f"({type(error).__name__}: {error})") from error
-            for older, _ in leases:  # NOTE: ended, or of a job whose renewal will find this one's number
+            # NOTE: ended, or of a job whose renewal will find this one's number
+            for older, _ in leases:
                 _remove(fs, f"{root}/{LEASE_FILE}.{older}")
             return cls(fs, root, directory, number, term, token)
 
     def release(self) -> None:
-        """Let go: the renewing stops, and this job's own lease object is removed (never another's; a failure to
-        remove it is logged: it ends with its term)."""
+        """Let go: the renewing stops, and this job's own lease object is removed (never another's;
+        a failure to remove it is logged: it ends with its term)."""
         self._stop.set()
         self._renewer.join(timeout=30)
         if not _remove(self._fs, f"{self._root}/{LEASE_FILE}.{self.number}"):
@@ -140,7 +148,8 @@ class RemoteLease:
 
 
 def _creates_conditionally(fs: Any) -> bool:
-    """Whether ``fs.pipe_file`` takes ``mode="create"``: s3fs's S3 conditional write (``If-None-Match``)."""
+    """Whether ``fs.pipe_file`` takes ``mode="create"``: s3fs's S3 conditional write
+    (``If-None-Match``)."""
     try:
         return type(fs).__name__ == "S3FileSystem" and "mode" in inspect.signature(fs._pipe_file).parameters
     except (AttributeError, TypeError, ValueError):
@@ -148,7 +157,8 @@ def _creates_conditionally(fs: Any) -> bool:
 
 
 def _leases(fs: Any, root: str) -> list[tuple[int, float]]:
-    """``(number, store modification time)`` of the lease objects in ``root``, lowest number first."""
+    """``(number, store modification time)`` of the lease objects in ``root``, lowest number
+    first."""
     try:
         entries = fs.ls(root, detail=True, refresh=True)
     except FileNotFoundError:

@@ -1,10 +1,12 @@
-"""Where checkpoints live: a local directory, or an fsspec URL (``s3://``, ``gs://``, ``memory://``...).
+"""Where checkpoints live: a local directory, or an fsspec URL (``s3://``, ``gs://``,
+``memory://``...).
 
-A path is *local* when it has no protocol, or is a ``file:`` URL (``file:///data/run``, or ``file:/data/run`` as
-Lightning writes one): those mean the local path, with its guarantees (rename, directory lock). Anything else is
-*remote* and goes through fsspec (imported only then; the filesystem's own package, ``s3fs`` or ``gcsfs``, is the
-user's). What differs on an object store: there is no rename, so a file is written as one upload that becomes
-visible only once complete, and a directory counts as complete only once its manifest, written last, is there.
+A path is *local* when it has no protocol, or is a ``file:`` URL (``file:///data/run``, or
+``file:/data/run`` as Lightning writes one): those mean the local path, with its guarantees (rename,
+directory lock). Anything else is *remote* and goes through fsspec (imported only then; the
+filesystem's own package, ``s3fs`` or ``gcsfs``, is the user's). What differs on an object store:
+there is no rename, so a file is written as one upload that becomes visible only once complete, and
+a directory counts as complete only once its manifest, written last, is there.
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ _FILE_URL = re.compile(r"^file:(//(localhost)?)?(?=/)")
 
 
 def local_path(path: str | os.PathLike[str]) -> str:
-    """``path`` with a ``file:`` URL turned into the local path it names; other paths and URLs as they are."""
+    """``path`` with a ``file:`` URL turned into the local path it names; other paths and URLs as
+    they are."""
     text = os.fspath(path)
     return _FILE_URL.sub("", text, count=1) if text.startswith("file:") else text
 
 
 def is_remote(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a URL of another filesystem than the local one (``file:`` URLs are local)."""
+    """Whether ``path`` is a URL of another filesystem than the local one (``file:`` URLs are
+    local)."""
     text = local_path(path)
     return _PROTOCOL.match(text) is not None
 
@@ -37,7 +41,8 @@ def join(directory: str, name: str) -> str:
 
 
 def remote_filesystem(url: str) -> tuple[Any, str]:
-    """The fsspec filesystem of ``url`` and the path within it; an ImportError names the package to install."""
+    """The fsspec filesystem of ``url`` and the path within it; an ImportError names the package to
+    install."""
     import fsspec
 
     try:

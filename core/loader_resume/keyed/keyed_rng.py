@@ -43,7 +43,8 @@ def derive_key(*parts: int | str) -> int:
 
 
 class KeysUnder:
-    """``derive_key(*base, part)`` for many parts: the hash of the common prefix is computed once (~2x faster)."""
+    """``derive_key(*base, part)`` for many parts: the hash of the common prefix is computed once
+    (~2x faster)."""
 
     __slots__ = ("_prefix",)
 
@@ -73,9 +74,10 @@ _INT63: Final = (1 << 63) - 1
 def seed_generators(key: int, mask: int) -> None:
     """Seed the global generators selected by ``mask`` from the 64-bit ``key``."""
     if mask & _TORCH:
-        # NOTE: not torch.manual_seed, which also seeds every accelerator (~240 µs here vs ~1 µs). 63 bits:
-        # torch.initial_seed() in a keyed fetch is then the batch's key as an int64, which torch.tensor and
-        # default_collate take (a 64-bit key overflowed them; torch's DataLoader suite reads it in workers).
+        # NOTE: not torch.manual_seed, which also seeds every accelerator (~240 µs here vs ~1 µs).
+        # 63 bits: torch.initial_seed() in a keyed fetch is then the batch's key as an int64, which
+        # torch.tensor and default_collate take (a 64-bit key overflowed them; torch's DataLoader
+        # suite reads it in workers).
         torch.default_generator.manual_seed(key & _INT63)
     if mask & _NUMPY:
         np.random.seed(key >> 32)
@@ -86,9 +88,9 @@ def seed_generators(key: int, mask: int) -> None:
 class CallerRng:
     """Save and restore the caller's global generators around a keyed fetch in the main process.
 
-    States are copied as memory (``loader_resume.keyed.rng_memory``): ~0.3 µs a generator, where numpy's
-    ``get_state``/``set_state`` costs ~50 µs a pair. Cached normals (torch's, numpy's spare Gaussian,
-    ``random.gauss_next``) are part of what is restored.
+    States are copied as memory (``loader_resume.keyed.rng_memory``): ~0.3 µs a generator, where
+    numpy's ``get_state``/``set_state`` costs ~50 µs a pair. Cached normals (torch's, numpy's spare
+    Gaussian, ``random.gauss_next``) are part of what is restored.
     """
 
     __slots__ = ("_mask", "_taken")
@@ -107,8 +109,8 @@ class CallerRng:
 
 
 class DrawnGenerators:
-    """Which keyed generators a dataset draws from in one process (a loader's main process, or a worker),
-    learned from its fetches."""
+    """Which keyed generators a dataset draws from in one process (a loader's main process, or a
+    worker), learned from its fetches."""
 
     __slots__ = ("learned", "mask")
 
@@ -116,4 +118,5 @@ class DrawnGenerators:
         self.learned = False
         """Whether a fetch has shown it yet (the first keyed fetch seeds every keyed generator)."""
         self.mask = 0
-        """The generators seen drawn from (bits of ``loader_resume.keyed.keyed_rng.generator_mask``)."""
+        """The generators seen drawn from (bits of
+        ``loader_resume.keyed.keyed_rng.generator_mask``)."""

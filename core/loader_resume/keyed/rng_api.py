@@ -13,7 +13,8 @@ __all__ = ["PublicApi", "numpy_api", "random_api", "torch_api"]
 
 
 class PublicApi:
-    """A generator through its public API (where its memory layout is not the probed one): slower, same values."""
+    """A generator through its public API (where its memory layout is not the probed one): slower,
+    same values."""
 
     __slots__ = ("_get", "_set")
 

@@ -1,19 +1,23 @@
-"""The global generators' states as memory: copied, compared and put back in well under a microsecond each.
+"""The global generators' states as memory: copied, compared and put back in well under a
+microsecond each.
 
-A keyed fetch in the main process must leave the caller's generators as they were, and must know whether
-the dataset drew from a generator it did not key (``loader_resume.keyed.keyed_fetch.KeyedFetch``). The
-public APIs copy a whole state into Python objects (torch ``get_state``/``set_state`` ~1.5 µs a pair,
-numpy's legacy ``get_state``/``set_state`` ~50 µs, ``random.getstate``/``setstate`` ~9 µs). Each of the
-three is an MT19937 whose state lies in one block of memory, so a state is taken as ``bytes`` of that
-block, compared with ``==`` and written back, through a ``memoryview`` made once per process:
+A keyed fetch in the main process must leave the caller's generators as they were, and must know
+whether the dataset drew from a generator it did not key
+(``loader_resume.keyed.keyed_fetch.KeyedFetch``). The public APIs copy a whole state into Python
+objects (torch ``get_state``/``set_state`` ~1.5 µs a pair, numpy's legacy
+``get_state``/``set_state`` ~50 µs, ``random.getstate``/``setstate`` ~9 µs). Each of the three is an
+MT19937 whose state lies in one block of memory, so a state is taken as ``bytes`` of that block,
+compared with ``==`` and written back, through a ``memoryview`` made once per process:
 
-- torch: ``CPUGeneratorImpl``'s engine (seed, counters, 624 words) and its two cached normal samples;
-- numpy: the ``MT19937`` bit generator's ``state_address`` struct, and ``RandomState``'s cached Gaussian;
+- torch: ``CPUGeneratorImpl``'s engine (seed, counters, 624 words) and its two cached normal
+  samples;
+- numpy: the ``MT19937`` bit generator's ``state_address`` struct, and ``RandomState``'s cached
+  Gaussian;
 - ``random``: CPython's ``RandomObject`` (index and 624 words) and ``gauss_next``.
 
-NOTE: torch's and numpy's block offsets are found by a probe on a private generator of the same class,
-checked against the public API (values, a round trip, a cached normal) once per process; where any check
-fails, that generator falls back to its public API (slower, same values).
+NOTE: torch's and numpy's block offsets are found by a probe on a private generator of the same
+class, checked against the public API (values, a round trip, a cached normal) once per process;
+where any check fails, that generator falls back to its public API (slower, same values).
 """
 
 from __future__ import annotations
@@ -37,10 +41,13 @@ logger = logging.getLogger(__name__)
 GENERATORS: Final = ("torch", "numpy", "random")
 """The keyed global generators, in bit order (1, 2, 4)."""
 _MT_WORDS: Final = 624
-_TORCH_ENGINE_BYTES: Final = 8 + 4 + 4 + 4 + 4 * _MT_WORDS  # seed_, left_, seeded_ (padded), next_, state_[624]
-_TORCH_BLOCK_BYTES: Final = _TORCH_ENGINE_BYTES + 8 + 4 + 16  # optional<float>, padding, optional<double>
+# seed_, left_, seeded_ (padded), next_, state_[624]
+_TORCH_ENGINE_BYTES: Final = 8 + 4 + 4 + 4 + 4 * _MT_WORDS
+# optional<float>, padding, optional<double>
+_TORCH_BLOCK_BYTES: Final = _TORCH_ENGINE_BYTES + 8 + 4 + 16
 _NP_STATE_BYTES: Final = 4 * _MT_WORDS + 4  # mt19937_state: uint32 key[624]; int pos
-_RANDOM_STATE_BYTES: Final = 4 + 4 * _MT_WORDS  # RandomObject after PyObject_HEAD: int index; uint32 state[624]
+# RandomObject after PyObject_HEAD: int index; uint32 state[624]
+_RANDOM_STATE_BYTES: Final = 4 + 4 * _MT_WORDS
 
 
 def _view(address: int, size: int) -> memoryview:
@@ -48,21 +55,24 @@ def _view(address: int, size: int) -> memoryview:
 
 
 class _Block:
-    """A generator whose state is one block of memory (``extra``: a second block, e.g. a cached normal)."""
+    """A generator whose state is one block of memory (``extra``: a second block, e.g. a cached
+    normal)."""
 
     __slots__ = ("_cells", "extra", "main", "owner")
 
     def __init__(self, main: memoryview, extra: memoryview | None, owner: Any, marks: list[int]) -> None:
         self.main, self.extra = main, extra
         self.owner = owner
-        """The object the blocks belong to (kept alive; compared to find a replaced numpy bit generator)."""
+        """The object the blocks belong to (kept alive; compared to find a replaced numpy bit
+        generator)."""
         self._cells = [ctypes.c_uint64.from_address(address) for address in marks]
 
     def marks(self) -> Any:
-        """A few words of the blocks that change whenever the generator does: MT19937's position counter and the
-        state words next to it (a draw moves the counter; a whole number of refills of the 624 words, which
-        leaves it where it was, replaces the words), and the cached normals' flags. ~10 cache lines read
-        instead of the whole state: what a worker's fetch compares (it keeps no copy of the states)."""
+        """A few words of the blocks that change whenever the generator does: MT19937's position
+        counter and the state words next to it (a draw moves the counter; a whole number of refills
+        of the 624 words, which leaves it where it was, replaces the words), and the cached normals'
+        flags. ~10 cache lines read instead of the whole state: what a worker's fetch compares (it
+        keeps no copy of the states)."""
         return tuple([cell.value for cell in self._cells])
 
     def take(self) -> Any:
@@ -76,7 +86,8 @@ class _Block:
 
 
 class _RandomBlock(_Block):
-    """``random``: the MT19937 struct, and ``gauss_next`` (a Python attribute of the shared instance)."""
+    """``random``: the MT19937 struct, and ``gauss_next`` (a Python attribute of the shared
+    instance)."""
 
     __slots__ = ()
 
@@ -91,12 +102,14 @@ class _RandomBlock(_Block):
 
 
 def _torch_block() -> _Block | None:
-    """torch's default CPU generator as memory, or None when its layout is not the one probed for."""
+    """torch's default CPU generator as memory, or None when its layout is not the one probed
+    for."""
     if sys.implementation.name != "cpython":
         return None
     probe, seed = torch.Generator(), 0x5EED_1234_ABCD_0077
     probe.manual_seed(seed)
-    impl = ctypes.c_void_p.from_address(id(probe) + object.__basicsize__).value  # THPGenerator: head; Generator
+    # THPGenerator: head; Generator
+    impl = ctypes.c_void_p.from_address(id(probe) + object.__basicsize__).value
     if not impl:
         return None
     offset = ctypes.string_at(impl, 512).find(struct.pack("<QiB", seed, 1, 1))
@@ -114,7 +127,8 @@ def _torch_block() -> _Block | None:
     def words(view: _Block) -> tuple[int, ...]:
         return struct.unpack_from(f"<{_MT_WORDS}I", view.take(), 20)
 
-    def serialized_words(generator: torch.Generator) -> tuple[int, ...]:  # CPUGeneratorImplState's legacy pod
+    # CPUGeneratorImplState's legacy pod
+    def serialized_words(generator: torch.Generator) -> tuple[int, ...]:
         serialized = generator.get_state().numpy().tobytes()
         return tuple(w & 0xFFFFFFFF for w in struct.unpack_from(f"<{_MT_WORDS}Q", serialized, 24))
 
@@ -123,7 +137,8 @@ def _torch_block() -> _Block | None:
         return None
     torch.randn(1, generator=probe)  # a pair drawn, one normal cached
     taken, marks, state = mine.take(), mine.marks(), probe.get_state()
-    torch.randn(1, generator=probe)  # the cached normal consumed: the engine does not move, the block must
+    # the cached normal consumed: the engine does not move, the block must
+    torch.randn(1, generator=probe)
     if mine.take() == taken or mine.marks() == marks:
         return None
     torch.rand(1000, generator=probe)
@@ -137,7 +152,8 @@ def _torch_block() -> _Block | None:
 
 
 def _numpy_block() -> _Block | None:
-    """numpy's legacy global ``RandomState`` as memory (its MT19937 struct and cached Gaussian), or None."""
+    """numpy's legacy global ``RandomState`` as memory (its MT19937 struct and cached Gaussian), or
+    None."""
     state = np.random.mtrand._rand
     bit_generator = state._bit_generator
     if type(bit_generator).__name__ != "MT19937" or sys.implementation.name != "cpython":
@@ -171,7 +187,8 @@ def _numpy_block() -> _Block | None:
 
 
 def _random_block() -> _Block | None:
-    """``random``'s shared instance as memory, or None when this interpreter lays it out otherwise."""
+    """``random``'s shared instance as memory, or None when this interpreter lays it out
+    otherwise."""
     instance = random._inst
     if type(instance) is not random.Random or sys.implementation.name != "cpython":
         return None
@@ -209,8 +226,8 @@ class GeneratorStates:
         return torch_state.take(), numpy_state.take(), random_state.take()
 
     def marks(self, among: int) -> tuple[Any, ...]:
-        """The marks (``_Block.marks``) of the generators of ``among``: equal marks before and after a fetch
-        mean the generators did not move (different ones are confirmed by ``changed``)."""
+        """The marks (``_Block.marks``) of the generators of ``among``: equal marks before and after
+        a fetch mean the generators did not move (different ones are confirmed by ``changed``)."""
         self._follow_numpy()
         return tuple([generator.marks() for i, generator in enumerate(self._generators) if among >> i & 1])
 
@@ -219,8 +236,8 @@ class GeneratorStates:
             self.__init__()  # type: ignore[misc]  # np.random.set_bit_generator replaced numpy's: probe again
 
     def moved(self, marks: tuple[Any, ...], among: int) -> int:
-        """The generators of ``among`` whose marks are no longer ``marks`` (taken by ``marks`` with the same
-        ``among``): marks are words of a state, so these have moved."""
+        """The generators of ``among`` whose marks are no longer ``marks`` (taken by ``marks`` with
+        the same ``among``): marks are words of a state, so these have moved."""
         out, j = 0, 0
         for i, generator in enumerate(self._generators):
             if among >> i & 1:
@@ -248,7 +265,8 @@ _STATES: GeneratorStates | None = None
 
 
 def generator_states() -> GeneratorStates:
-    """This process's ``GeneratorStates`` (probed on first use; a fork inherits the same addresses)."""
+    """This process's ``GeneratorStates`` (probed on first use; a fork inherits the same
+    addresses)."""
     global _STATES
     if _STATES is None:
         _STATES = GeneratorStates()

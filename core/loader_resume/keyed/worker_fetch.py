@@ -1,9 +1,10 @@
 """Where keys are applied in a DataLoader worker: as a batch's index list arrives.
 
-A batch's index list carries its key (``KeyedIndices``); unpickled in a worker (``_arrived``),
-it seeds the generators the dataset draws from (``WorkerFetch``), usually ahead, off the critical
-path, by a helper thread (``SeedAhead``). In the main process keys are applied by
-``loader_resume.keyed.keyed_fetch``; how keys are derived and generators seeded is ``loader_resume.keyed.keyed_rng``.
+A batch's index list carries its key (``KeyedIndices``); unpickled in a worker (``_arrived``), it
+seeds the generators the dataset draws from (``WorkerFetch``), usually ahead, off the critical path,
+by a helper thread (``SeedAhead``). In the main process keys are applied by
+``loader_resume.keyed.keyed_fetch``; how keys are derived and generators seeded is
+``loader_resume.keyed.keyed_rng``.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ logger = logging.getLogger(__name__)
 
 
 def check_read_again(states: Any, marks: tuple[Any, ...], strays: int) -> None:
-    """A batch that drew from generators ``strays`` unkeyed was read again with them seeded (``marks``: their
-    marks right after that seeding). If one of them did not move this time, the first read left something
-    behind (a dataset that memoizes what it drew): its values cannot be the keyed ones, and a resume may
-    see others. Said loudly, as a warning naming the remedy."""
+    """A batch that drew from generators ``strays`` unkeyed was read again with them seeded
+    (``marks``: their marks right after that seeding). If one of them did not move this time, the
+    first read left something behind (a dataset that memoizes what it drew): its values cannot be
+    the keyed ones, and a resume may see others. Said loudly, as a warning naming the remedy."""
     quiet = strays & ~states.moved(marks, strays)
     if quiet:
         logger.warning(
@@ -56,9 +57,9 @@ class KeySpec(NamedTuple):
 class KeyedIndices(list[int]):
     """A batch's indices, carrying the key its fetch is seeded with.
 
-    ``spec`` says how (``KeySpec``). The batch key is applied at the *fetch*, never when the
-    list is iterated, so it holds whatever the dataset does with the list (HF ``datasets`` iterates it
-    three times before its transform runs; other datasets convert it with numpy or torch and never call
+    ``spec`` says how (``KeySpec``). The batch key is applied at the *fetch*, never when the list is
+    iterated, so it holds whatever the dataset does with the list (HF ``datasets`` iterates it three
+    times before its transform runs; other datasets convert it with numpy or torch and never call
     ``__iter__``): in a worker as the list arrives (``_arrived``, the last thing before torch's
     fetcher reads the dataset), in the main process as the loader hands the list to the fetcher (the
     loader restores the caller's generators once the whole fetch is done). With ``sample_base`` set
@@ -66,7 +67,8 @@ class KeyedIndices(list[int]):
     iterated, with ``derive_key(sample_base, index)``.
 
     ``ahead``: the key of the batch this worker will most likely fetch next (``num_workers`` batches
-    later; see ``SeedAhead``). Only a hint: a wrong guess costs a second seeding, never a wrong value.
+    later; see ``SeedAhead``). Only a hint: a wrong guess costs a second seeding, never a wrong
+    value.
     """
 
     __slots__ = ("ahead", "spec")
@@ -77,14 +79,16 @@ class KeyedIndices(list[int]):
         self.ahead = ahead
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # NOTE: self[:] is a plain list and does not go through a subclass's __iter__, which would seed. The
-        # spec's fields travel as plain values (a NamedTuple pickles its class too: +2 µs per batch measured).
+        # NOTE: self[:] is a plain list and does not go through a subclass's __iter__, which would
+        # seed. The spec's fields travel as plain values (a NamedTuple pickles its class too: +2 µs
+        # per batch measured).
         key, sample_base, mask = self.spec
         return (_arrived, (self[:], key, sample_base, mask, self.ahead))
 
 
 class SampleKeyedIndices(KeyedIndices):
-    """``keying="sample"``: each item is keyed by its index as the list is iterated (see ``KeyedIndices``)."""
+    """``keying="sample"``: each item is keyed by its index as the list is iterated (see
+    ``KeyedIndices``)."""
 
     __slots__ = ()
 
@@ -102,12 +106,13 @@ def keyed_indices(indices: Sequence[int], spec: KeySpec, ahead: int | None = Non
 
 
 def _arrived(indices: list[int], key: int, sample_base: int | None, mask: int, ahead: int | None) -> KeyedIndices:
-    """Unpickling a batch's indices in a worker: the last thing a worker does before fetching the batch.
+    """Unpickling a batch's indices in a worker: the last thing a worker does before fetching the
+    batch.
 
-    Per-batch keying: ``WORKER_FETCH`` seeds what the batch needs (see ``WorkerFetch``).
-    Per-sample keying: waits for ``SEED_AHEAD`` and seeds the batch key for everything the batch
-    reads outside its items. In torch's worker loop only a few checks of the message (no random draws)
-    lie between this and ``fetcher.fetch(indices)``.
+    Per-batch keying: ``WORKER_FETCH`` seeds what the batch needs (see ``WorkerFetch``). Per-sample
+    keying: waits for ``SEED_AHEAD`` and seeds the batch key for everything the batch reads outside
+    its items. In torch's worker loop only a few checks of the message (no random draws) lie between
+    this and ``fetcher.fetch(indices)``.
     """
     arrived = keyed_indices(indices, KeySpec(key, sample_base, mask), ahead)
     worker = get_worker_info()
@@ -122,22 +127,24 @@ def _arrived(indices: list[int], key: int, sample_base: int | None, mask: int, a
 
 
 class WorkerFetch:
-    """A worker's keyed fetches (per-batch keying): only the generators the dataset draws from are seeded.
+    """A worker's keyed fetches (per-batch keying): only the generators the dataset draws from are
+    seeded.
 
     A worker's first batch seeds every keyed generator and learns which ones the dataset moves
-    (``DrawnGenerators``, per worker process). Afterwards a batch's arrival
-    seeds those, and torch's always (``torch.initial_seed()`` must report the batch's key), and notes a
-    few words of the others (``rng_memory``'s marks); once the batch is collated
-    (``SeedAheadCollate``), an unseeded generator whose words moved was drawn from: it is learned,
-    and the batch is read again with it seeded, so its values are those of a fetch seeded in full. The
-    generators for the next batch are then seeded ahead (``SeedAhead``). A dataset that draws no
-    random number thus pays torch's seeding a batch instead of the three generators' (~19 µs on cold
-    caches); one that starts drawing later pays one more read of one batch per worker and generator.
-    Only a seeding beyond torch's goes to the helper thread: torch's alone costs less in line than a wake
-    of the helper (measured in pipeline CPU time at 2 workers: 0.96x DataLoader with the wake, 1.05x without).
+    (``DrawnGenerators``, per worker process). Afterwards a batch's arrival seeds those, and torch's
+    always (``torch.initial_seed()`` must report the batch's key), and notes a few words of the
+    others (``rng_memory``'s marks); once the batch is collated (``SeedAheadCollate``), an unseeded
+    generator whose words moved was drawn from: it is learned, and the batch is read again with it
+    seeded, so its values are those of a fetch seeded in full. The generators for the next batch are
+    then seeded ahead (``SeedAhead``). A dataset that draws no random number thus pays torch's
+    seeding a batch instead of the three generators' (~19 µs on cold caches); one that starts
+    drawing later pays one more read of one batch per worker and generator. Only a seeding beyond
+    torch's goes to the helper thread: torch's alone costs less in line than a wake of the helper
+    (measured in pipeline CPU time at 2 workers: 0.96x DataLoader with the wake, 1.05x without).
 
-    Should a batch's fetch end without the collate check (an exception in the dataset, a collate that is
-    not ours), the worker seeds every keyed generator for every later batch: slower, never unkeyed.
+    Should a batch's fetch end without the collate check (an exception in the dataset, a collate
+    that is not ours), the worker seeds every keyed generator for every later batch: slower, never
+    unkeyed.
     """
 
     __slots__ = ("_drawn", "_eager", "_pending", "_worker")
@@ -146,11 +153,12 @@ class WorkerFetch:
         self._start_over(None)
 
     def _start_over(self, worker: Any) -> None:
-        self._worker = worker  # the WorkerInfo of the worker these belong to (a fork inherits its parent's copy)
+        # the WorkerInfo of the worker these belong to (a fork inherits its parent's copy)
+        self._worker = worker
         self._drawn = DrawnGenerators()
         self._eager = False
-        # (indices, key, mask, seeded, before, ahead) of the batch being fetched: ``before`` is the states
-        # after seeding (learning) or the marks of the generators not seeded
+        # (indices, key, mask, seeded, before, ahead) of the batch being fetched: ``before`` is the
+        # states after seeding (learning) or the marks of the generators not seeded
         self._pending: tuple[KeyedIndices, int, int, int, Any, int | None] | None = None
 
     def seeds_for(self, mask: int) -> int:
@@ -159,8 +167,8 @@ class WorkerFetch:
         return (drawn.mask | TORCH) & mask if drawn.learned and not self._eager else mask
 
     def arrive(self, worker: Any, indices: KeyedIndices, key: int, mask: int, ahead: int | None) -> None:
-        """``indices`` arrived in ``worker`` (its ``WorkerInfo``): seed for its fetch (unless seeded ahead) and
-        note what to check."""
+        """``indices`` arrived in ``worker`` (its ``WorkerInfo``): seed for its fetch (unless seeded
+        ahead) and note what to check."""
         if worker is not self._worker:
             self._start_over(worker)
         if self._pending is not None:  # the last fetch was not checked: see the class docstring
@@ -177,7 +185,8 @@ class WorkerFetch:
         self._pending = (indices, key, mask, seeded, before, ahead)
 
     def collated(self, batch: Any, collate_fn: Callable[[list[Any]], Any]) -> Any:
-        """The batch is collated: learn, read it again if it drew from a generator not seeded, seed ahead."""
+        """The batch is collated: learn, read it again if it drew from a generator not seeded, seed
+        ahead."""
         pending, self._pending = self._pending, None
         if pending is None:
             return batch
@@ -207,18 +216,19 @@ WORKER_FETCH: Final = WorkerFetch()
 
 
 class SeedAhead:
-    """Seeds a worker's generators for its next batch while the worker waits for that batch's indices.
+    """Seeds a worker's generators for its next batch while the worker waits for that batch's
+    indices.
 
-    In a DataLoader worker, seeding the three generators costs ~19 µs per batch (cold caches), and on
-    tiny items torch's worker pipeline is latency-bound: every µs a worker spends between receiving
-    indices and handing over the batch shows in throughput, ~2.5x over (measured: 0.95x plain
-    DataLoader with the seeding in line). So after a batch is collated (``SeedAheadCollate``), a
-    helper thread seeds for the batch this worker will most likely get next (``KeyedIndices.ahead``)
-    while the worker ships the batch and waits. When that batch's indices arrive, the worker first
-    waits for the helper (``_arrived``) and keeps the seeding only if the key matches; otherwise
-    (an epoch's first batches, a tail) it seeds in line as before. Values drawn are therefore always
-    those of the batch's own key. Between the collate and the next indices, only torch's worker loop
-    runs (queue put and get), which draws no random numbers.
+    In a DataLoader worker, seeding the three generators costs ~19 µs per batch (cold caches), and
+    on tiny items torch's worker pipeline is latency-bound: every µs a worker spends between
+    receiving indices and handing over the batch shows in throughput, ~2.5x over (measured: 0.95x
+    plain DataLoader with the seeding in line). So after a batch is collated (``SeedAheadCollate``),
+    a helper thread seeds for the batch this worker will most likely get next
+    (``KeyedIndices.ahead``) while the worker ships the batch and waits. When that batch's indices
+    arrive, the worker first waits for the helper (``_arrived``) and keeps the seeding only if the
+    key matches; otherwise (an epoch's first batches, a tail) it seeds in line as before. Values
+    drawn are therefore always those of the batch's own key. Between the collate and the next
+    indices, only torch's worker loop runs (queue put and get), which draws no random numbers.
     """
 
     __slots__ = ("_idle", "_job", "_next", "_pid", "_running", "_seeded", "_wake")
@@ -254,7 +264,8 @@ class SeedAhead:
 
     def take(self) -> tuple[int, int] | None:
         """The (key, mask) the generators were seeded with ahead, once; None if they were not."""
-        if not self._running:  # NOTE: no job handed over (a dataset drawing from torch alone): no wait (~5 µs)
+        # NOTE: no job handed over (a dataset drawing from torch alone): no wait (~5 µs)
+        if not self._running:
             return None
         self._running = False
         self._idle.wait()
@@ -270,7 +281,8 @@ class SeedAhead:
                 if job is not None:
                     seed_generators(*job)
                     self._seeded = job
-            except Exception:  # the in-line seeding of the batch itself will raise it where it can be seen
+            # the in-line seeding of the batch itself will raise it where it can be seen
+            except Exception:
                 logger.debug("seeding ahead failed", exc_info=True)
             finally:
                 self._idle.set()
@@ -280,7 +292,8 @@ SEED_AHEAD: Final = SeedAhead()
 
 
 class SeedAheadCollate:
-    """Wraps a worker's collate_fn: once a batch is collated, start seeding for the next (``SeedAhead``)."""
+    """Wraps a worker's collate_fn: once a batch is collated, start seeding for the next
+    (``SeedAhead``)."""
 
     def __init__(self, collate_fn: Callable[[list[Any]], Any]) -> None:
         self.collate_fn = collate_fn

@@ -1,8 +1,10 @@
-"""Planning one pass over a map-style dataset: its index lists, each keyed, from a plan and a position.
+"""Planning one pass over a map-style dataset: its index lists, each keyed, from a plan and a
+position.
 
 ``plan_indices`` is a function of ``(plan, epoch, start, sampler state)``: it reads nothing else and
 writes nothing back (only a user's own sampler, which it iterates, changes). The map-style position
-(``loader_resume.order.map_position``) records what each list will move the position to once delivered.
+(``loader_resume.order.map_position``) records what each list will move the position to once
+delivered.
 """
 
 from __future__ import annotations
@@ -45,29 +47,34 @@ class Plan:
     mask: int
     unit_is_batch: bool
     workers: int = 0
-    """``num_workers`` when workers seed ahead, else 0: a worker's next batch is most likely ``workers`` steps later."""
+    """``num_workers`` when workers seed ahead, else 0: a worker's next batch is most likely
+    ``workers`` steps later."""
     next_fetch: NextFetch | None = None
-    """Per-batch keying in this process (``num_workers=0``): each list's key parts are recorded here as it is
-    handed out, for the fetch (``keyed_fetch.KeyedFetch``), instead of a key carried by the list."""
+    """Per-batch keying in this process (``num_workers=0``): each list's key parts are recorded here
+    as it is handed out, for the fetch (``keyed_fetch.KeyedFetch``), instead of a key carried by the
+    list."""
     resolve: Callable[[int, list[int]], list[Any]] | None = None
     """A ``Mixture``'s ``resolve``: each list's positions of the epoch become the keys
     the dataset is read with, as the list is handed out."""
 
 
 def plan_indices(plan: Plan, epoch: int, start: int, sampler_state: Any = None) -> Iterator[tuple[list[int], Pending]]:
-    """The index lists of ``epoch`` from global position ``start``, each with where it moves the position.
+    """The index lists of ``epoch`` from global position ``start``, each with where it moves the
+    position.
 
-    ``sampler_state``: a user sampler's saved state, loaded into it before it is iterated (else the sampler
-    is replayed up to ``start``).
+    ``sampler_state``: a user sampler's saved state, loaded into it before it is iterated (else the
+    sampler is replayed up to ``start``).
 
     NOTE: a generator, so nothing runs until the first ``next()``: torch's multi-process iterator
-    calls ``iter(index_sampler)`` twice (base ``__init__``, then ``_reset``) and drops the first; a user
-    sampler must not be advanced, nor its loaded state used, by the dropped one.
+    calls ``iter(index_sampler)`` twice (base ``__init__``, then ``_reset``) and drops the first; a
+    user sampler must not be advanced, nor its loaded state used, by the dropped one.
     """
-    batch_keys = KeysUnder(derive_key(plan.seed, epoch, "batch"))  # derive_key(batch_base, position)
+    # derive_key(batch_base, position)
+    batch_keys = KeysUnder(derive_key(plan.seed, epoch, "batch"))
     sample_base = derive_key(plan.seed, epoch, "sample") if plan.keying == "sample" else None
     off = plan.keying == "off"
-    ahead_keys: dict[int, int] = {}  # key position -> key, derived when it was sent ahead (seeding ahead)
+    # key position -> key, derived when it was sent ahead (seeding ahead)
+    ahead_keys: dict[int, int] = {}
     for units, key_position, end, last, state in _steps(plan, epoch, start, sampler_state):
         pending = (end, last, state)
         indices = units[0] if plan.unit_is_batch else units

@@ -1,8 +1,9 @@
 """Map-style data: the position is a count of global samples delivered in one keyed global order.
 
-The order of an epoch is a function of ``(seed, epoch)`` (our permutation) or of the user's sampler; each
-global step takes ``world * batch`` units of it (``loader_resume.order.sampler``). So the position is the same
-number on every rank, and a resume at another world size, batch size or worker count continues there.
+The order of an epoch is a function of ``(seed, epoch)`` (our permutation) or of the user's sampler;
+each global step takes ``world * batch`` units of it (``loader_resume.order.sampler``). So the
+position is the same number on every rank, and a resume at another world size, batch size or worker
+count continues there.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ __all__ = ["MapPass", "MapPosition", "NextPass"]
 
 @dataclass(frozen=True, slots=True)
 class NextPass:
-    """Where the next ``iter()`` over map-style data starts (the one value that decides it): ``epoch`` at global
-    sample ``position``, a user sampler's state to load first, and the steps delivered past ``position``
-    (``in_order=False``) to skip. A load sets it; a pass, as it begins, leaves the start of the next epoch."""
+    """Where the next ``iter()`` over map-style data starts (the one value that decides it):
+    ``epoch`` at global sample ``position``, a user sampler's state to load first, and the steps
+    delivered past ``position`` (``in_order=False``) to skip. A load sets it; a pass, as it begins,
+    leaves the start of the next epoch."""
 
     epoch: int
     position: int = 0
@@ -41,7 +43,8 @@ class NextPass:
 
 
 class MapPass:
-    """One ``iter()`` over map-style data: where it starts, and the steps produced but not yet delivered."""
+    """One ``iter()`` over map-style data: where it starts, and the steps produced but not yet
+    delivered."""
 
     __slots__ = ("audited", "done", "epoch", "out_of_order", "pending", "sampler_state", "start")
 
@@ -52,40 +55,49 @@ class MapPass:
         """A user sampler's state to load before it is iterated (a resume), else None."""
         self.pending: deque[Pending] = deque()
         self.out_of_order = out_of_order
-        """``in_order=False`` with workers: the steps, delivered in any order (else ``pending``, in order)."""
-        self.audited: deque[list[Any]] | None = None  # audit=DIR, a user sampler: the ids of each step in `pending`
+        """``in_order=False`` with workers: the steps, delivered in any order (else ``pending``, in
+        order)."""
+        # audit=DIR, a user sampler: the ids of each step in `pending`
+        self.audited: deque[list[Any]] | None = None
 
 
 class MapPosition:
-    """Epoch and global samples delivered; see ``loader_resume.position.Position`` for the interface."""
+    """Epoch and global samples delivered; see ``loader_resume.position.Position`` for the
+    interface."""
 
     kind = "map"
 
     def __init__(self, setup: Setup, order: Order) -> None:
-        """``order``: what orders the units (the user's sampler or batch sampler, or our keyed permutation)."""
+        """``order``: what orders the units (the user's sampler or batch sampler, or our keyed
+        permutation)."""
         self.setup, self.sampler, self.shuffle = setup, order.sampler, order.shuffle
-        """The user's sampler or batch sampler that orders the units (None: our keyed permutation)."""
+        """The user's sampler or batch sampler that orders the units (None: our keyed
+        permutation)."""
         self.unit_is_batch = order.unit_is_batch
         self._n: int | None = len(setup.dataset) if hasattr(setup.dataset, "__len__") else None
         self._pool_epoch: int | None = None  # the epoch a persistent worker pool was told
         self._restart = False  # a loaded dataset state: a persistent pool's copies are stale
         settings = (setup.batch_size, setup.seed, order.shuffle, setup.drop_last)
         self._split_check: SplitCheck | None = SplitCheck(setup.dataset, settings)
-        self._stateful: tuple[bool, bool] | None = None  # (sampler, dataset): read once a pass, at its first state()
+        # (sampler, dataset): read once a pass, at its first state()
+        self._stateful: tuple[bool, bool] | None = None
         self._warned_left = False  # warn_sampler_left said once
         self._mixture = setup.dataset if isinstance(setup.dataset, Mixture) else None
         if self._mixture is not None and (order.shuffle or order.sampler is not None):
             raise ValueError("ResumableDataLoader over a Mixture: expected shuffle=False and no sampler (a Mixture "
                              "orders its samples itself, and its weight changes apply from a position in that order)")
         self.next_fetch = NextFetch()
-        """Where the index plan records each list's key for the fetch in this process (``num_workers=0``)."""
+        """Where the index plan records each list's key for the fetch in this process
+        (``num_workers=0``)."""
         self.reset(None)
 
     # --- Position --------------------------------------------------------------------------------
     def reset(self, state: Mapping[str, Any] | None) -> None:
         epoch, position, sampler_state, restart, ahead = 0, 0, None, False, list[int]()
-        if state is not None:  # validated by check_state; the user's own states are checked here, before any change
-            self._read_length()  # the length the state was checked against (a dataset may grow between epochs)
+        # validated by check_state; the user's own states are checked here, before any change
+        if state is not None:
+            # the length the state was checked against (a dataset may grow between epochs)
+            self._read_length()
             _check_user_state("sampler_state", state["sampler_state"], self.sampler)
             _check_user_state("dataset_state", state["dataset_state"], self.setup.dataset)
             if state["dataset_state"] is not None:
@@ -95,15 +107,18 @@ class MapPosition:
             ahead = checked_ahead(state, self.setup)
             if self.sampler is None and position == self._n:
                 epoch, position = epoch + 1, 0
-        if self._mixture is not None and state is not None:  # NOTE: nothing past the loaded position is requested
+        # NOTE: nothing past the loaded position is requested
+        if self._mixture is not None and state is not None:
             self._mixture.requested(epoch, position)  # yet: changes apply there
         self._pass: MapPass | None = None
         self._restart = self._restart or restart
-        self.epoch, self._samples, self._sampler_state = epoch, position, sampler_state  # what a state reports now
+        # what a state reports now
+        self.epoch, self._samples, self._sampler_state = epoch, position, sampler_state
         self._next = NextPass(epoch, position, sampler_state, frozenset(ahead))
 
     def begin(self, collate_fn: Callable[[Any], Any], worker_init_fn: Callable[[int], None] | None) -> PassStart:
-        if self._split_check is not None:  # under torch.distributed: a dataset split per rank is refused
+        # under torch.distributed: a dataset split per rank is refused
+        if self._split_check is not None:
             shard = self.setup.shard()
             self._split_check = self._split_check.at_iter(shard.rank, shard.world)
         start = self._next
@@ -119,14 +134,16 @@ class MapPosition:
         self._stateful = None
         numbered = not self.setup.in_order and self.setup.num_workers > 0
         skip = start.ahead
-        # NOTE: a pass left mid-epoch ends its epoch: the iter() after it starts the next one (set once nothing
-        # above can raise: a failed iter() leaves the start where it was)
+        # NOTE: a pass left mid-epoch ends its epoch: the iter() after it starts the next one (set
+        # once nothing above can raise: a failed iter() leaves the start where it was)
         self._next = NextPass(start.epoch + 1)
-        # NOTE: with no workers batches come in order, but the steps delivered ahead before a resume are still skipped
+        # NOTE: with no workers batches come in order, but the steps delivered ahead before a resume
+        # are still skipped
         self._pass = MapPass(self.epoch, self._samples, start.sampler_state,
                              OutOfOrder(skip) if numbered or skip else None)
         if map_pass(self.setup, self.epoch, self._samples, self.sampler, self._n) and self.sampler is not None:
-            self._pass.audited = deque()  # a user sampler's ids are recorded (ours follow from the positions)
+            # a user sampler's ids are recorded (ours follow from the positions)
+            self._pass.audited = deque()
         collate = _Unbatch(collate_fn) if self.setup.unbatched else collate_fn
         if self.setup.seeds_ahead:
             collate = SeedAheadCollate(collate)
@@ -157,7 +174,8 @@ class MapPosition:
     def progress(self) -> tuple[int, int | None]:
         shard = self.setup.shard()
         unit = shard.world if self.unit_is_batch else shard.step
-        known = self.sampler is None or hasattr(self.sampler, "__len__")  # NOTE: a user's sampler may have none
+        # NOTE: a user's sampler may have none
+        known = self.sampler is None or hasattr(self.sampler, "__len__")
         return -(-self._samples // unit), self.batches_per_epoch() if known else None
 
     def fill_state(self, state: dict[str, Any], batches_ago: int = 0, pass_ended: bool = False) -> None:
@@ -166,7 +184,8 @@ class MapPosition:
                              "batch; frameworks do not fetch ahead of sized loaders")
         pass_ = self._pass
         live = pass_ is not None and not pass_.done
-        if pass_ended and live:  # NOTE: where the next iter() starts (a loop that leaves this pass on purpose)
+        # NOTE: where the next iter() starts (a loop that leaves this pass on purpose)
+        if pass_ended and live:
             start = self._next
             state["epoch"], state["position"] = start.epoch, start.position
             if not self.setup.in_order:
@@ -192,8 +211,9 @@ class MapPosition:
         return steps_per_epoch(total, self.setup.shard())
 
     def dataset_len(self) -> int | None:
-        """The length the pass in flight was planned with, else (between passes, as ``DataLoader``'s ``len()``)
-        the dataset's length now (it may grow between epochs); the next pass reads it when it begins."""
+        """The length the pass in flight was planned with, else (between passes, as ``DataLoader``'s
+        ``len()``) the dataset's length now (it may grow between epochs); the next pass reads it
+        when it begins."""
         if self._n is not None and self._samples == 0 and (self._pass is None or self._pass.done):
             return len(self.setup.dataset)
         return self._n
@@ -213,7 +233,8 @@ class MapPosition:
 
     # --- beyond the interface --------------------------------------------------------------------
     def planned(self, epoch: int | None = None) -> list[list[Any]]:
-        """The index lists of the next pass (or of ``epoch`` from its start), computed without reading data."""
+        """The index lists of the next pass (or of ``epoch`` from its start), computed without
+        reading data."""
         start = self._next if epoch is None else NextPass(epoch)
         lists = plan_indices(self._plan(), start.epoch, start.position, start.sampler_state)
         return [indices for indices, _ in lists]
@@ -233,7 +254,8 @@ class MapPosition:
         audited = pass_.audited
         for indices, pending in lists:
             pass_.pending.append(pending)
-            if audited is not None:  # NOTE: list.copy: a keyed list's own iteration may seed (keying="sample")
+            # NOTE: list.copy: a keyed list's own iteration may seed (keying="sample")
+            if audited is not None:
                 audited.append(list.copy(indices) if isinstance(indices, list) else list(indices))
             yield indices
 
@@ -241,7 +263,8 @@ class MapPosition:
         self.epoch, self._samples, pass_.done = self.epoch + 1, 0, True
 
     def _read_length(self) -> None:
-        """As DataLoader: a sized dataset's length is read again at each epoch's start (it may grow)."""
+        """As DataLoader: a sized dataset's length is read again at each epoch's start (it may
+        grow)."""
         if self._n is not None:
             self._n = len(self.setup.dataset)
 
@@ -266,8 +289,8 @@ class MapPosition:
 
 def _requested(mixture: Mixture, pass_: MapPass, lists: Iterator[tuple[Any, Pending]]
                ) -> Iterator[tuple[Any, Pending]]:
-    """A mixture's lists (its positions resolved by the plan) as torch requests each one, telling the mixture
-    how far requests have gone: its weight changes apply from there."""
+    """A mixture's lists (its positions resolved by the plan) as torch requests each one, telling
+    the mixture how far requests have gone: its weight changes apply from there."""
     mixture.requested(pass_.epoch, pass_.start)
     for indices, pending in lists:
         mixture.requested(pass_.epoch, pending[0])
@@ -275,7 +298,8 @@ def _requested(mixture: Mixture, pass_: MapPass, lists: Iterator[tuple[Any, Pend
 
 
 class _Unbatch:
-    """Collate for ``batch_size=None``: the fetcher hands us a one-index batch; give the item alone."""
+    """Collate for ``batch_size=None``: the fetcher hands us a one-index batch; give the item
+    alone."""
 
     def __init__(self, collate_fn: Callable[[Any], Any]) -> None:
         self.collate_fn = collate_fn

@@ -1,10 +1,11 @@
 """An addressable, keyed bijection of ``range(n)``: the shuffle that costs nothing to store.
 
-``KeyedPermutation(n, key)[positions]`` returns the sample index at each position of a shuffled epoch,
-computed rather than stored: a balanced Feistel network over the smallest even-bit power-of-two domain
-that holds ``n``, made a bijection of ``range(n)`` by cycle-walking. Memory is O(1) in ``n`` and a
-position deep in the epoch costs the same as the first one, so resuming at 90 % of a 10^9-sample epoch
-is as cheap as starting it (``torch.randperm(10**9)`` would take 8 GB per rank).
+``KeyedPermutation(n, key)[positions]`` returns the sample index at each position of a shuffled
+epoch, computed rather than stored: a balanced Feistel network over the smallest even-bit
+power-of-two domain that holds ``n``, made a bijection of ``range(n)`` by cycle-walking. Memory is
+O(1) in ``n`` and a position deep in the epoch costs the same as the first one, so resuming at 90 %
+of a 10^9-sample epoch is as cheap as starting it (``torch.randperm(10**9)`` would take 8 GB per
+rank).
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ __all__ = ["KeyedPermutation"]
 
 _ROUNDS = 6
 _TABLE_HALF_BITS = 16
-"""Up to this half width (n <= 2^32), each round function is a lookup table of 2^half entries (all six <= 3 MiB)."""
+"""Up to this half width (n <= 2^32), each round function is a lookup table of 2^half entries (all
+six <= 3 MiB)."""
 _WHOLE_HALF_BITS = 7
-"""Up to this half width (a domain of <= 2^14 values), the first lookup computes the whole permutation: the domain
-encrypted in one vectorised call, then the walks as lookups in it. An epoch of n = 5,000 then takes ~40 % of the
-time chunk by chunk takes (where each walk step is a call of its own on a few values); past 2^14 it gains
-nothing (measured up to 2^16: the domain's arrays cost more than the chunks' calls)."""
+"""Up to this half width (a domain of <= 2^14 values), the first lookup computes the whole
+permutation: the domain encrypted in one vectorised call, then the walks as lookups in it. An epoch
+of n = 5,000 then takes ~40 % of the time chunk by chunk takes (where each walk step is a call of
+its own on a few values); past 2^14 it gains nothing (measured up to 2^16: the domain's arrays cost
+more than the chunks' calls)."""
 
 
 class KeyedPermutation:
@@ -41,13 +44,16 @@ class KeyedPermutation:
         digest = hashlib.shake_256(key.to_bytes(16, "little", signed=False)).digest(16 * _ROUNDS)
         words = np.frombuffer(digest, dtype=np.uint64)
         self._xors = words[:_ROUNDS].copy()
-        self._multipliers = words[_ROUNDS:] | np.uint64(1)  # odd: multiplying mod 2^64 is a bijection
+        # odd: multiplying mod 2^64 is a bijection
+        self._multipliers = words[_ROUNDS:] | np.uint64(1)
         self._tables: list[npt.NDArray[np.int64]] | None = None
         if half <= _TABLE_HALF_BITS:
-            # NOTE: a round function reads only the right half (`half` bits), so for small halves each
-            # round is tabulated once: a lookup and an XOR a round instead of four 64-bit operations.
+            # NOTE: a round function reads only the right half (`half` bits), so for small halves
+            # each round is tabulated once: a lookup and an XOR a round instead of four 64-bit
+            # operations.
             right = np.arange(1 << half, dtype=np.uint64)
-            rounds = self._round(right[None, :], np.s_[:, None])  # row r: round r's table, all six in one go
+            # row r: round r's table, all six in one go
+            rounds = self._round(right[None, :], np.s_[:, None])
             self._tables = list(rounds.astype(np.int64))
         self._whole: npt.NDArray[np.int64] | None = None
 
@@ -71,9 +77,10 @@ class KeyedPermutation:
         return out.reshape(np.shape(positions))
 
     def _walked_domain(self, half: int) -> npt.NDArray[np.int64]:
-        """The whole permutation: the domain encrypted at once, then the cycle-walks as lookups in it. ``step`` is
-        one walk step (a value inside ``range(n)`` stays), squared each round: after k rounds every value has
-        walked 2^k - 1 steps, so ~5 rounds instead of a round per step of the longest walk."""
+        """The whole permutation: the domain encrypted at once, then the cycle-walks as lookups in
+        it. ``step`` is one walk step (a value inside ``range(n)`` stays), squared each round: after
+        k rounds every value has walked 2^k - 1 steps, so ~5 rounds instead of a round per step of
+        the longest walk."""
         domain = np.arange(1 << (2 * half), dtype=np.int64)
         encrypted = self._encrypt(domain)
         out, step = encrypted[: self.n], np.where(domain < self.n, domain, encrypted)
@@ -82,9 +89,10 @@ class KeyedPermutation:
         return out
 
     def _round(self, right: npt.NDArray[Any], r: Any) -> npt.NDArray[Any]:
-        # Round function: the high `half` bits of a keyed multiply (multiply-shift hashing). Bit i of
-        # a product depends on bits <= i of the factor, so the top bits depend on all of `right`.
-        # `r`: a round, or an index of the rounds' keys that broadcasts against `right` (every round at once).
+        # Round function: the high `half` bits of a keyed multiply (multiply-shift hashing). Bit i
+        # of a product depends on bits <= i of the factor, so the top bits depend on all of `right`.
+        # `r`: a round, or an index of the rounds' keys that broadcasts against `right` (every round
+        # at once).
         product: npt.NDArray[Any] = (right ^ self._xors[r]) * self._multipliers[r]
         return product >> self._shift
 

@@ -32,8 +32,10 @@ __all__ = [
 ]
 
 U = TypeVar("U")
-_FIRST_CHUNK_UNITS = 1024  # units computed by a pass's first vectorised permutation call (a resume's first batch)
-_MAX_CHUNK_UNITS = 1 << 16  # chunks double up to this: the walk's per-call cost spread over ~1000 batches
+# units computed by a pass's first vectorised permutation call (a resume's first batch)
+_FIRST_CHUNK_UNITS = 1024
+# chunks double up to this: the walk's per-call cost spread over ~1000 batches
+_MAX_CHUNK_UNITS = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,11 +54,11 @@ class Shard:
 
 
 Step = tuple[list[Any], int, int, bool, Any]
-"""One global step, as this rank sees it: ``(units, key_position, end, last, sampler_state)`` — this rank's
-units (indices, or index lists for a batch sampler); the global position of its first unit (what keys the
-batch's randomness); the epoch position after the whole global step (every rank's units); whether it is the
-epoch's last step; a user sampler's state after the step (``None`` for our own orders). A plain tuple: one
-is made per batch."""
+"""One global step, as this rank sees it: ``(units, key_position, end, last, sampler_state)`` — this
+rank's units (indices, or index lists for a batch sampler); the global position of its first unit
+(what keys the batch's randomness); the epoch position after the whole global step (every rank's
+units); whether it is the epoch's last step; a user sampler's state after the step (``None`` for our
+own orders). A plain tuple: one is made per batch."""
 
 
 def steps_per_epoch(total: int, shard: Shard) -> int:
@@ -108,8 +110,9 @@ def sampler_steps(units: Iterator[U], start: int, shard: Shard, snapshot: Callab
     while len(current) == step:
         following, following_state = take()
         last = not following or (shard.drop_last and len(following) < step)
-        # NOTE: at the last step the look-ahead has exhausted the sampler, which is when samplers run
-        # their end-of-epoch code (e.g. reset a counter); the state after that is the true boundary state.
+        # NOTE: at the last step the look-ahead has exhausted the sampler, which is when samplers
+        # run their end-of-epoch code (e.g. reset a counter); the state after that is the true
+        # boundary state.
         mine = current[rank * batch : (rank + 1) * batch]
         yield mine, position + rank * batch, position + step, last, following_state if last else state
         position += step
@@ -121,11 +124,12 @@ def sampler_steps(units: Iterator[U], start: int, shard: Shard, snapshot: Callab
 
 
 def torch_order(sampler: Any, dataset: Any) -> bool | None:
-    """The ``shuffle`` of DataLoader's own order if ``sampler`` is one over exactly ``dataset`` (it then
-    becomes our keyed permutation), else None: a custom order, kept as it is.
+    """The ``shuffle`` of DataLoader's own order if ``sampler`` is one over exactly ``dataset`` (it
+    then becomes our keyed permutation), else None: a custom order, kept as it is.
 
-    NOTE: only a ``SequentialSampler``/``RandomSampler`` without replacement or ``num_samples`` whose
-    data source has the dataset's length: ``SequentialSampler(range(5))`` over 10 items is custom.
+    NOTE: only a ``SequentialSampler``/``RandomSampler`` without replacement or ``num_samples``
+    whose data source has the dataset's length: ``SequentialSampler(range(5))`` over 10 items is
+    custom.
     """
     if type(sampler) not in (RandomSampler, SequentialSampler) or getattr(sampler, "data_source", None) is None:
         return None
@@ -137,12 +141,15 @@ def torch_order(sampler: Any, dataset: Any) -> bool | None:
 
 
 class Order(NamedTuple):
-    """What orders a map-style dataset's units: the user's (batch) sampler, or our keyed permutation."""
+    """What orders a map-style dataset's units: the user's (batch) sampler, or our keyed
+    permutation."""
 
     sampler: Any
-    """The user's sampler or batch sampler, or None for our keyed permutation of ``range(len(dataset))``."""
+    """The user's sampler or batch sampler, or None for our keyed permutation of
+    ``range(len(dataset))``."""
     name: str
-    """How the state names it (``"permutation"``, ``"sampler:<class>"``, ``"batch_sampler:<class>"``)."""
+    """How the state names it (``"permutation"``, ``"sampler:<class>"``,
+    ``"batch_sampler:<class>"``)."""
     shuffle: bool
     """Our permutation shuffles (else it is ``range(n)`` in order)."""
     unit_is_batch: bool = False
@@ -150,13 +157,15 @@ class Order(NamedTuple):
 
 
 class ShardedSampler(DistributedSampler):  # type: ignore[type-arg]
-    """Marks a custom sampler as "shard me across ranks" for [`ResumableDataLoader`][loader_resume.ResumableDataLoader].
+    """Marks a custom sampler as "shard me across ranks" for
+    [`ResumableDataLoader`][loader_resume.ResumableDataLoader].
 
     The loader takes the wrapped sampler's order and gives each rank its slice of every global step
     (the same rules as for shuffled data), saving the wrapped sampler's state if it has one. It is a
-    ``DistributedSampler`` so that frameworks which inject one into unsharded loaders (Lightning does,
-    wrapping custom samplers in an unsaved, reshuffling ``DistributedSamplerWrapper``) leave it alone.
-    Iterated directly (not through the loader), it yields every ``num_replicas``-th index from ``rank``.
+    ``DistributedSampler`` so that frameworks which inject one into unsharded loaders (Lightning
+    does, wrapping custom samplers in an unsaved, reshuffling ``DistributedSamplerWrapper``) leave
+    it alone. Iterated directly (not through the loader), it yields every ``num_replicas``-th index
+    from ``rank``.
     """
 
     def __init__(self, sampler: Any, dataset: Any, *, num_replicas: int, rank: int) -> None:
@@ -176,7 +185,8 @@ class ShardedSampler(DistributedSampler):  # type: ignore[type-arg]
 
 
 def default_seed(generator: Any, sampler: Any) -> int:
-    """``seed=None``: the seed of the generator (or DistributedSampler) that would have shuffled, else 0."""
+    """``seed=None``: the seed of the generator (or DistributedSampler) that would have shuffled,
+    else 0."""
     if type(sampler) is DistributedSampler:
         return int(sampler.seed)
     if generator is None and type(sampler) is RandomSampler:
@@ -185,11 +195,12 @@ def default_seed(generator: Any, sampler: Any) -> int:
 
 
 def loader_seed(seed: int, index: int) -> int:
-    """The seed a front door (``ResumeCallback``, ``FabricResume``, ``enable_resume``) gives the ``index``-th loader
-    of a job it converts: ``seed`` itself for the first, for each other a 31-bit seed derived from
-    ``(seed, index)``. Loaders of one job thus never share a shuffle order or keyed random values, as plain
-    ``DataLoader``s, each seeded from the global generator, never do; what decides a loader's seed is its
-    place in the order the job hands its loaders over, which a resumed job repeats."""
+    """The seed a front door (``ResumeCallback``, ``FabricResume``, ``enable_resume``) gives the
+    ``index``-th loader of a job it converts: ``seed`` itself for the first, for each other a 31-bit
+    seed derived from ``(seed, index)``. Loaders of one job thus never share a shuffle order or
+    keyed random values, as plain ``DataLoader``s, each seeded from the global generator, never do;
+    what decides a loader's seed is its place in the order the job hands its loaders over, which a
+    resumed job repeats."""
     return seed if index == 0 else derive_key(seed, "loader", index) & 0x7FFF_FFFF
 
 

@@ -1,16 +1,18 @@
-"""A dataset split per rank, caught by a plain loader under ``torch.distributed`` without a collective.
+"""A dataset split per rank, caught by a plain loader under ``torch.distributed`` without a
+collective.
 
-The loader shards one whole map-style dataset across ranks itself; a dataset split per rank beforehand (HF
-``split_dataset_by_node``, a per-rank ``Subset``) is split again, and each rank silently sees a fraction of
-its part. ``loader_resume.distributed.check_same_dataset`` compares the ranks' datasets through a
-collective, which the integrations can call on every rank; a plain loop may build or iterate a loader on
-some ranks only (a validation loader on rank 0), where a collective would hang the job. So at each of its
-first ``iter()`` calls a loader *publishes* what it reads — type, length, content identity — in the process
-group's key-value store, under a name the same loader has on every rank (its settings and how many loaders
-with the same settings this process built before it), and compares it with what the other ranks already
-published there. Nothing waits: a rank that never builds or iterates the loader is never compared. Of two
-ranks iterating at the same time at least one sees the other's entry (each publishes before it looks), so
-a split is refused on at least one rank at its first ``iter()``, and on the others at their next ``iter()``
+The loader shards one whole map-style dataset across ranks itself; a dataset split per rank
+beforehand (HF ``split_dataset_by_node``, a per-rank ``Subset``) is split again, and each rank
+silently sees a fraction of its part. ``loader_resume.distributed.check_same_dataset`` compares the
+ranks' datasets through a collective, which the integrations can call on every rank; a plain loop
+may build or iterate a loader on some ranks only (a validation loader on rank 0), where a collective
+would hang the job. So at each of its first ``iter()`` calls a loader *publishes* what it reads —
+type, length, content identity — in the process group's key-value store, under a name the same
+loader has on every rank (its settings and how many loaders with the same settings this process
+built before it), and compares it with what the other ranks already published there. Nothing waits:
+a rank that never builds or iterates the loader is never compared. Of two ranks iterating at the
+same time at least one sees the other's entry (each publishes before it looks), so a split is
+refused on at least one rank at its first ``iter()``, and on the others at their next ``iter()``
 after every rank published (until then each ``iter()`` costs one store look-up per missing rank).
 """
 
@@ -29,7 +31,8 @@ from loader_resume.workers.torch_internals import default_store
 
 __all__ = ["SplitCheck", "describe_difference"]
 
-_BUILT: Counter[str] = Counter()  # loaders built in this process, per settings (the ordinal in the name)
+# loaders built in this process, per settings (the ordinal in the name)
+_BUILT: Counter[str] = Counter()
 
 
 class SplitCheck:
@@ -43,13 +46,15 @@ class SplitCheck:
         self.published = False
 
     def at_iter(self, rank: int, world: int) -> SplitCheck | None:
-        """Publish and compare (raises ValueError on a split); None when there is nothing more to check."""
+        """Publish and compare (raises ValueError on a split); None when there is nothing more to
+        check."""
         if world == 1 or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != world:
             return None
         store = default_store()
         size = len(self.dataset) if isinstance(self.dataset, Sized) else None
         mine = [type(self.dataset).__qualname__, size, content_identity(self.dataset)]
-        round_ = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # an agent store outlives restarted rounds
+        # an agent store outlives restarted rounds
+        round_ = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         key = f"loader_resume/split_check/{round_}/{self.name}/"
         if not self.published:
             store.set(key + str(rank), json.dumps(mine))
@@ -59,11 +64,13 @@ class SplitCheck:
                             for other in range(world)]
         if any(other is not None and other != mine for other in every):
             raise ValueError(describe_difference(every))
-        return self if None in every else None  # looked at again at the next iter() until every rank is in
+        # looked at again at the next iter() until every rank is in
+        return self if None in every else None
 
 
 def describe_difference(every: list[Any]) -> str:
-    """The error for ranks whose datasets differ: ``every[rank]`` is ``(type, length, identity)`` or None."""
+    """The error for ranks whose datasets differ: ``every[rank]`` is ``(type, length, identity)`` or
+    None."""
     described = "; ".join(f"rank {rank}: {kind} of {size} items" + (f", {ident}" if ident else "")
                           for rank, entry in enumerate(every) if entry is not None
                           for kind, size, ident in [entry])

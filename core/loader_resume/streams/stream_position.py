@@ -1,9 +1,10 @@
-"""Iterable datasets (streams): the position is each worker's progress and the round-robin's next worker.
+"""Iterable datasets (streams): the position is each worker's progress and the round-robin's next
+worker.
 
-A stream's position lives in the dataset copies (one per worker, per rank); the main process keeps the
-progress each delivered batch was tagged with (``loader_resume.streams.stream_tasks``) and restores the
-workers from it. Ticket keys and the saved layout: ``loader_resume.streams.stream_tasks``,
-``loader_resume.streams.stream_state``.
+A stream's position lives in the dataset copies (one per worker, per rank); the main process keeps
+the progress each delivered batch was tagged with (``loader_resume.streams.stream_tasks``) and
+restores the workers from it. Ticket keys and the saved layout:
+``loader_resume.streams.stream_tasks``, ``loader_resume.streams.stream_state``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ RESHARD_HINT = (
 
 @dataclass(frozen=True, slots=True)
 class NextStreamPass:
-    """Where the next ``iter()`` over a stream starts (the one value that decides it; see ``StreamPosition``)."""
+    """Where the next ``iter()`` over a stream starts (the one value that decides it; see
+    ``StreamPosition``)."""
 
     epoch: int
     delivered: int = 0
@@ -45,18 +47,21 @@ class NextStreamPass:
     restore: tuple[list[Progress], int] | None = None
     """After a load: each worker's progress, and the worker that delivers next."""
     carry: list[Progress] | None = None
-    """After a pass whose dataset copies live on: their end-of-epoch states, carried into the next pass."""
+    """After a pass whose dataset copies live on: their end-of-epoch states, carried into the next
+    pass."""
 
 
 class StreamPosition:
-    """Each worker's progress in the epoch; see ``loader_resume.position.Position`` for the interface."""
+    """Each worker's progress in the epoch; see ``loader_resume.position.Position`` for the
+    interface."""
 
     kind = "iterable"
 
     def __init__(self, setup: Setup) -> None:
         self.setup = setup
         self.worker_stream = WorkerStream()
-        """The owner of each worker's progress (of this process's, at ``num_workers=0``): see ``stream_worker``."""
+        """The owner of each worker's progress (of this process's, at ``num_workers=0``): see
+        ``stream_worker``."""
         self._renumbered = False  # the last pool was started renumbered (see begin)
         self.reset(None)
 
@@ -79,11 +84,12 @@ class StreamPosition:
 
     def begin(self, collate_fn: Callable[[Any], Any], worker_init_fn: Callable[[int], None] | None) -> PassStart:
         setup = self.setup
-        start = self._next if self._pass is None or self._pass.done else _after(self._pass)  # NOTE: one left mid-way
+        # NOTE: one left mid-way
+        start = self._next if self._pass is None or self._pass.done else _after(self._pass)
         self.epoch = start.epoch
         tell_epoch(setup.dataset, self.epoch)
-        # NOTE: a carried end-of-epoch state is not loaded into copies that live on (they hold it); it stands
-        # for each worker in this pass's state until that worker delivers.
+        # NOTE: a carried end-of-epoch state is not loaded into copies that live on (they hold it);
+        # it stands for each worker in this pass's state until that worker delivers.
         carry = start.carry if start.carry is not None and len(start.carry) == setup.workers else None
         fresh = carry or [Progress() for _ in range(setup.workers)]
         restored = start.restore is not None
@@ -94,8 +100,8 @@ class StreamPosition:
         if len(progress) != setup.workers:
             raise ValueError(f"num_workers={setup.num_workers}, but the state loaded holds {len(progress)} workers' "
                              "positions: set num_workers before load_state_dict() (a stream re-shards only there)")
-        # NOTE: a pass left mid-epoch ends its epoch: the iter() after it starts the next one, from nothing (set once
-        # nothing above can raise: a failed iter() leaves the start where it was)
+        # NOTE: a pass left mid-epoch ends its epoch: the iter() after it starts the next one, from
+        # nothing (set once nothing above can raise: a failed iter() leaves the start where it was)
         self._next = NextStreamPass(start.epoch + 1)
         self._pass = StreamPass(self.epoch, list(progress), offset, start.delivered,
                                 lives_on=setup.num_workers == 0 or setup.persistent_workers)
@@ -116,9 +122,10 @@ class StreamPosition:
             return PassStart(self._pass, attributes, False)
         load, restart = restored, False
         if setup.persistent_workers and (restored or self._renumbered):
-            # NOTE: restored or renumbered workers must be started afresh: a persistent pool keeps the
-            # numbering and the dataset copies it was started with (DataLoader's own `_iterator`). The
-            # fresh copies of a renumbered pool are given what the old ones carried out of their last epoch.
+            # NOTE: restored or renumbered workers must be started afresh: a persistent pool keeps
+            # the numbering and the dataset copies it was started with (DataLoader's own
+            # `_iterator`). The fresh copies of a renumbered pool are given what the old ones
+            # carried out of their last epoch.
             restart, load = True, restored or any(p.before_epoch for p in progress)
         self._renumbered = offset != 0
         init = WorkerInit(worker_init_fn, WorkerRestore(
@@ -136,16 +143,19 @@ class StreamPosition:
             return SKIP
         if ours:
             pass_.deliver(meta)
-            if self.setup.audit is not None:  # epoch, worker, and the worker's batches and items after this one
+            # epoch, worker, and the worker's batches and items after this one
+            if self.setup.audit is not None:
                 self.setup.audit.delivered(("w", pass_.epoch, meta[0], meta[1].batches, meta[1].items))
         return batch
 
     def end(self, pass_: StreamPass) -> None:
-        """The pass is over: the next starts the next epoch, carrying what copies that live on hold (``_after``)."""
+        """The pass is over: the next starts the next epoch, carrying what copies that live on hold
+        (``_after``)."""
         if pass_ is not self._pass or pass_.done:
             return
         pass_.done = True
-        if self.setup.audit is not None:  # NOTE: a stream's end is written at once (see audit.map_step)
+        # NOTE: a stream's end is written at once (see audit.map_step)
+        if self.setup.audit is not None:
             self.setup.audit.flush()
         self.epoch += 1
         self._next = _after(pass_)
@@ -178,11 +188,13 @@ class StreamPosition:
     # --- beyond the interface --------------------------------------------------------------------
     @property
     def batches_delivered(self) -> int:
-        """Batches handed to the caller in the current pass (what ``state(batches_ago)`` can go back over)."""
+        """Batches handed to the caller in the current pass (what ``state(batches_ago)`` can go back
+        over)."""
         return self._current().delivered
 
     def reset_resharded(self, ranks: list[dict[str, Any]]) -> None:
-        """Resume from every old rank's validated state, saved at another world size (see ``reshard_states``)."""
+        """Resume from every old rank's validated state, saved at another world size (see
+        ``reshard_states``)."""
         shards: list[Any] = []
         for rank, state in enumerate(ranks):
             shards += [p.state if p.batches else None for p in parse_stream(state["stream"], rank).progress]
@@ -192,8 +204,9 @@ class StreamPosition:
     # --- internals -------------------------------------------------------------------------------
     def _through_library(self, protocol: LibraryProtocol, progress: list[Progress], offset: int,
                          restored: bool) -> tuple[list[Progress], int]:
-        """The pass's starting progress when the dataset keeps its own position (see ``library_protocols``):
-        its library's protocol is fed with the loader's counts, in this process, before any worker starts."""
+        """The pass's starting progress when the dataset keeps its own position (see
+        ``library_protocols``): its library's protocol is fed with the loader's counts, in this
+        process, before any worker starts."""
         dataset, workers, world = self.setup.dataset, self.setup.workers, self.setup.shard().world
         size = self.setup.batch_size or 1
         if protocol.per_worker:
@@ -205,14 +218,15 @@ class StreamPosition:
         items = sum(p.items for p in progress) if restored else 0
         handed = protocol.main_process(dataset, epoch=self.epoch, items=items, worker=0, workers=workers, world=world,
                                        batch_size=size)
-        # NOTE: the library re-partitions the rest of the epoch from the worker torch starts first, and reads
-        # the worker's number itself (so workers are not renumbered for it, see WorkerRestore.report); in the
-        # round-robin that worker's batch is the one the saved next_worker would have made, whose number and
-        # count key it, as in the uninterrupted run.
+        # NOTE: the library re-partitions the rest of the epoch from the worker torch starts first,
+        # and reads the worker's number itself (so workers are not renumbered for it, see
+        # WorkerRestore.report); in the round-robin that worker's batch is the one the saved
+        # next_worker would have made, whose number and count key it, as in the uninterrupted run.
         return ([replace(p, library=handed) for p in progress] if restored else progress), offset
 
     def _current(self, pass_ended: bool = False) -> StreamPass:
-        """The pass a state taken now describes (see the loader's semantics); ``pass_ended``: the next one."""
+        """The pass a state taken now describes (see the loader's semantics); ``pass_ended``: the
+        next one."""
         live = self._pass is not None and not self._pass.done
         if live and not pass_ended:
             return self._pass  # type: ignore[return-value]
@@ -224,8 +238,8 @@ class StreamPosition:
         return StreamPass(start.epoch, list(carry or [Progress() for _ in range(self.setup.workers)]), 0)
 
     def _reshard(self, shards: list[Any], change: tuple[str, int, int]) -> list[Progress]:
-        """This rank's workers' progress after the dataset re-shards ``shards`` (all old shards' states,
-        rank-major; None where a worker had delivered nothing)."""
+        """This rank's workers' progress after the dataset re-shards ``shards`` (all old shards'
+        states, rank-major; None where a worker had delivered nothing)."""
         dataset = self.setup.dataset
         reshard = getattr(dataset, "reshard_states", None)
         if not callable(reshard):
@@ -262,13 +276,15 @@ class StreamPosition:
 
 
 def _after(pass_: StreamPass) -> NextStreamPass:
-    """Where the pass after ``pass_`` starts, ``pass_`` ended or left mid-way. Where its dataset copies live on
-    (``num_workers=0`` or persistent workers) each one's last state is carried into the next pass: a dataset that
-    counts its own epochs, resets at its end, or goes on from where a loop left it, resumes as that copy would go
-    on. A dataset that is its own iterator is re-initialised by ``iter()`` and carries nothing. Fresh workers start
-    from the main process's copy, in the uninterrupted run as after a resume, so nothing is carried for them.
-    NOTE: persistent workers left mid-way have read ahead (torch drops what they prefetched): the carried state is
-    the last delivered batch's, so a resumed run gets those items where the uninterrupted one skips them."""
+    """Where the pass after ``pass_`` starts, ``pass_`` ended or left mid-way. Where its dataset
+    copies live on (``num_workers=0`` or persistent workers) each one's last state is carried into
+    the next pass: a dataset that counts its own epochs, resets at its end, or goes on from where a
+    loop left it, resumes as that copy would go on. A dataset that is its own iterator is
+    re-initialised by ``iter()`` and carries nothing. Fresh workers start from the main process's
+    copy, in the uninterrupted run as after a resume, so nothing is carried for them. NOTE:
+    persistent workers left mid-way have read ahead (torch drops what they prefetched): the carried
+    state is the last delivered batch's, so a resumed run gets those items where the uninterrupted
+    one skips them."""
     carry = None
     if pass_.lives_on:
         left = not pass_.done

@@ -11,12 +11,12 @@ State layout under the loader state's ``"stream"`` key (``None`` for map-style d
                   "own": [<attributes the copy's own iter() changed (no state restores them)>]},
                   ...]}
 
-``workers`` has one entry per worker (one for ``num_workers=0``), in worker order; ``next_worker`` is
-the worker whose batch comes next in torch's round-robin; ``delivered`` counts the batches this rank
-handed to the caller in the epoch (before state version 3 it was the state's ``position``, which now
-means global samples of map-style data only). ``iterator`` and ``dry`` are new in state version 2,
-``self_iterator`` and ``before_epoch`` later in version 2, ``own`` in version 3; an entry without them reads
-as ``None``, ``False`` and ``[]``.
+``workers`` has one entry per worker (one for ``num_workers=0``), in worker order; ``next_worker``
+is the worker whose batch comes next in torch's round-robin; ``delivered`` counts the batches this
+rank handed to the caller in the epoch (before state version 3 it was the state's ``position``,
+which now means global samples of map-style data only). ``iterator`` and ``dry`` are new in state
+version 2, ``self_iterator`` and ``before_epoch`` later in version 2, ``own`` in version 3; an entry
+without them reads as ``None``, ``False`` and ``[]``.
 """
 
 from __future__ import annotations
@@ -48,12 +48,15 @@ class StreamPass:
     delivered: int = 0
     done: bool = False
     lives_on: bool = False
-    """Its dataset copies live on into the next pass (``num_workers=0`` or persistent workers, at its ``iter()``)."""
+    """Its dataset copies live on into the next pass (``num_workers=0`` or persistent workers, at
+    its ``iter()``)."""
     history: deque[tuple[int, Progress, int, bool]] = field(default_factory=lambda: deque(maxlen=HISTORY))
-    """What each of the last deliveries replaced, and whether it was a batch, to rewind (see ``rewound``)."""
+    """What each of the last deliveries replaced, and whether it was a batch, to rewind (see
+    ``rewound``)."""
 
     def deliver(self, meta: WorkerMeta, *, batch: bool = True) -> None:
-        """Record a batch handed to the caller, or (``batch=False``) a worker's end-of-stream progress."""
+        """Record a batch handed to the caller, or (``batch=False``) a worker's end-of-stream
+        progress."""
         worker, progress = meta
         self.history.append((worker, self.progress[worker], self.next_worker, batch))
         self.progress[worker] = progress
@@ -69,7 +72,8 @@ class StreamPass:
         past = StreamPass(self.epoch, list(self.progress), self.next_worker, self.delivered - batches)
         past.history = copy.copy(self.history)
         undone = 0
-        while undone < batches:  # end-of-stream records after the batch rewound to are undone with it
+        # end-of-stream records after the batch rewound to are undone with it
+        while undone < batches:
             worker, progress, next_worker, batch = past.history.pop()
             past.progress[worker], past.next_worker = progress, next_worker
             undone += batch

@@ -1,12 +1,12 @@
-"""Iterable datasets, the tasks and hooks torch runs: keyed pulls, tagged batches, renumbered workers (steps
-3-5 and 7 of the round trip in ``loader_resume.streams.stream_worker``). Each holds the loader's
-``WorkerStream``.
+"""Iterable datasets, the tasks and hooks torch runs: keyed pulls, tagged batches, renumbered
+workers (steps 3-5 and 7 of the round trip in ``loader_resume.streams.stream_worker``). Each holds
+the loader's ``WorkerStream``.
 
 Everything here runs through public DataLoader hooks, torch's worker loop untouched:
 
 - the *index list* of each task (``Ticket``) is iterated by torch's fetcher right before it pulls
-  items from the stream: there the keyed generators are reseeded from (seed, epoch, rank, worker, batch
-  ordinal of that worker), and skipped items are replayed for datasets without state;
+  items from the stream: there the keyed generators are reseeded from (seed, epoch, rank, worker,
+  batch ordinal of that worker), and skipped items are replayed for datasets without state;
 - the *collate function* (``StreamCollate``) runs in the worker right after: it tags the batch with
   the worker's progress and its dataset's ``state_dict()`` (``WorkerMeta``); the main process keeps
   the tags of batches actually handed to the caller;
@@ -34,7 +34,8 @@ class TicketSpec(NamedTuple):
 
     epoch: int
     stream_key: int
-    """This rank's key for the epoch; a worker's batch is keyed by (stream_key, worker, batch ordinal)."""
+    """This rank's key for the epoch; a worker's batch is keyed by (stream_key, worker, batch
+    ordinal)."""
     mask: int
     """The keyed generators; 0 when keying is off."""
     batch_size: int
@@ -48,7 +49,8 @@ class WorkerMeta(NamedTuple):
 
 
 class Ticket(list[None]):
-    """The ``[None] * batch_size`` task torch sends a worker; iterating it keys the pull of one batch."""
+    """The ``[None] * batch_size`` task torch sends a worker; iterating it keys the pull of one
+    batch."""
 
     __slots__ = ("spec", "stream")
 
@@ -57,7 +59,8 @@ class Ticket(list[None]):
         self.spec, self.stream = spec, stream
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # NOTE: the spec's fields travel as plain values (a NamedTuple pickles its class too, per batch).
+        # NOTE: the spec's fields travel as plain values (a NamedTuple pickles its class too, per
+        # batch).
         return (_ticket, (*self.spec, self.stream))
 
     def __len__(self) -> int:
@@ -70,8 +73,9 @@ class Ticket(list[None]):
         if stream.epoch != epoch:  # a persistent worker entering a new epoch
             stream.start(epoch, stream.worker, None)
         if not stream.replay:
-            # NOTE: seed, then C's list iterator (no generator). In the main process the loader saved the
-            # caller's generators before this fetch and restores them after its collate (keyed too).
+            # NOTE: seed, then C's list iterator (no generator). In the main process the loader
+            # saved the caller's generators before this fetch and restores them after its collate
+            # (keyed too).
             stream.seed(stream_key, mask, stream.progress.batches)
             return list.__iter__(self)
         return self._replaying(stream_key, mask, batch_size, stream)
@@ -106,7 +110,8 @@ class StreamCollate:
         if ended:
             items = items[:-1]
         replayed, stream.replay = stream.replay, 0
-        items = items[replayed:]  # NOTE: already counted: the progress starts where the state it resumes stood
+        # NOTE: already counted: the progress starts where the state it resumes stood
+        items = items[replayed:]
         progress = stream.progress
         if not items or (self.drop_last and len(items) < self.batch_size):
             if ended:
@@ -130,12 +135,14 @@ class WorkerRestore:
     """The ``p``-th worker torch starts becomes worker ``(p + offset) % num_workers``."""
     progress: tuple[Progress | None, ...]
     report: bool = True
-    """Whether ``get_worker_info().id`` reports the new number; a library that partitions an epoch's rest by the
-    number itself keeps torch's (see ``library_protocols``), while keys and tags use the new one."""
+    """Whether ``get_worker_info().id`` reports the new number; a library that partitions an epoch's
+    rest by the number itself keeps torch's (see ``library_protocols``), while keys and tags use the
+    new one."""
 
 
 class WorkerInit:
-    """``worker_init_fn`` wrapper: renumber, restore the dataset copy, then call the user's function."""
+    """``worker_init_fn`` wrapper: renumber, restore the dataset copy, then call the user's
+    function."""
 
     def __init__(self, user_fn: Callable[[int], None] | None, restore: WorkerRestore, stream: WorkerStream) -> None:
         self.user_fn, self.restore, self.stream = user_fn, restore, stream
@@ -147,7 +154,8 @@ class WorkerInit:
         if self.restore.report:
             report_worker_id(worker)
         if isinstance(info.dataset, StreamStandIn):
-            # NOTE: the user's worker_init_fn sees (and may shard) its own dataset, as with DataLoader.
+            # NOTE: the user's worker_init_fn sees (and may shard) its own dataset, as with
+            # DataLoader.
             set_past_guard(info, "dataset", info.dataset.dataset)
         self.stream.start(self.restore.epoch, worker, self.restore.progress[worker])
         if self.user_fn is not None:

@@ -1,2 +1,2 @@
-"""The tools around the library: ``loader-resume`` (``cli``), its pipeline check (``check``) and the demo
-training loop (``demo``)."""
+"""The tools around the library: ``loader-resume`` (``cli``), its pipeline check (``check``) and the
+demo training loop (``demo``)."""

@@ -1,5 +1,6 @@
-"""``loader-resume audit DIR``: the report of a job's ``audit=DIR`` logs; exit 0 only if every sample was seen
-exactly once across its restarts and the logs show the whole job (``loader_resume.audit.check``)."""
+"""``loader-resume audit DIR``: the report of a job's ``audit=DIR`` logs; exit 0 only if every
+sample was seen exactly once across its restarts and the logs show the whole job
+(``loader_resume.audit.check``)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from loader_resume.audit.read import AuditFormatError
 __all__ = ["INCOMPLETE_EXIT_CODE", "add_arguments", "main", "render"]
 
 INCOMPLETE_EXIT_CODE = 3
-"""Nothing found wrong, but the logs do not show the whole job (a missing log, a state taken before them)."""
+"""Nothing found wrong, but the logs do not show the whole job (a missing log, a state taken before
+them)."""
 WIDTH = 88
-"""The findings, gaps, notes and the verdict are wrapped at this many characters (the tables are not)."""
+"""The findings, gaps, notes and the verdict are wrapped at this many characters (the tables are
+not)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,8 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Print the report; 0 if everything holds, 1 if something does not, 2 if the logs cannot be read, 3 if nothing
-    is wrong in them but they do not show the whole job."""
+    """Print the report; 0 if everything holds, 1 if something does not, 2 if the logs cannot be
+    read, 3 if nothing is wrong in them but they do not show the whole job."""
     try:
         reports = audit_directory(args.directory, began_before_audit=args.began_before_audit)
     except (AuditFormatError, OSError) as error:
@@ -73,7 +76,8 @@ def render(reports: list[LoaderReport]) -> str:
 
 
 def _wrap(line: str) -> str:
-    """A line of words at most ``WIDTH`` characters wide, the rest indented (a path or a word is never cut)."""
+    """A line of words at most ``WIDTH`` characters wide, the rest indented (a path or a word is
+    never cut)."""
     return textwrap.fill(line, WIDTH, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
 
 

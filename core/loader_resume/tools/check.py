@@ -1,11 +1,11 @@
 """``loader-resume check MODULE:FACTORY``: prove that *your* pipeline resumes exactly.
 
-FACTORY is a callable returning a DataLoader (plain ones are converted with ``loader_resume.convert``).
-The uninterrupted sequence runs in one process; each scenario saves a state after ``cut`` batches in a
-second process and resumes it in a third, possibly with another ``num_workers``; at each cut, a job cut
-twice too: the resumed run is cut again one batch later, and that state resumed in a fourth process.
-Batches are compared by fingerprint, field by field, so a divergence report names the batch, its epoch
-and the field.
+FACTORY is a callable returning a DataLoader (plain ones are converted with
+``loader_resume.convert``). The uninterrupted sequence runs in one process; each scenario saves a
+state after ``cut`` batches in a second process and resumes it in a third, possibly with another
+``num_workers``; at each cut, a job cut twice too: the resumed run is cut again one batch later, and
+that state resumed in a fourth process. Batches are compared by fingerprint, field by field, so a
+divergence report names the batch, its epoch and the field.
 """
 
 from __future__ import annotations
@@ -38,14 +38,18 @@ class Scenario:
     epoch: int | None = None
     fields: tuple[str, ...] = ()
     world: int | None = None
-    """A rescale scenario: resumed over this many ranks (from 1); judged on the samples delivered."""
+    """A rescale scenario: resumed over this many ranks (from 1); judged on the samples
+    delivered."""
     problem: str = ""
     refused: str = ""
-    """The loader refuses this resume by design (e.g. an iterable dataset at another num_workers): why."""
+    """The loader refuses this resume by design (e.g. an iterable dataset at another num_workers):
+    why."""
     warned: tuple[str, ...] = ()
-    """What the resume itself warned (loader_resume's log), e.g. that the continuation will not be bit-identical."""
+    """What the resume itself warned (loader_resume's log), e.g. that the continuation will not be
+    bit-identical."""
     again: int | None = None
-    """A job cut twice: the resumed run was cut again after this many batches in all, and resumed from there."""
+    """A job cut twice: the resumed run was cut again after this many batches in all, and resumed
+    from there."""
 
     def describe(self) -> str:
         warned = "".join(f"; the resume warned: {message}" for message in self.warned)
@@ -85,9 +89,10 @@ def _build(spec: str, workers: int | None, rank: int | None = None, world: int |
 
 def _run(spec: str, epochs: int, workers: int | None, cut: int | None, load: str | None, save: str | None,
          after_batch: str | None = None, again: int | None = None) -> None:
-    """Runner (a separate process): print one JSON line per batch: [epoch, {field: fingerprint}]. ``cut``: the
-    batches to deliver before saving to ``save``, or those delivered before the state in ``load``; with both,
-    ``again``: the batches delivered in all when the resumed run saves to ``save``."""
+    """Runner (a separate process): print one JSON line per batch: [epoch, {field: fingerprint}].
+    ``cut``: the batches to deliver before saving to ``save``, or those delivered before the state
+    in ``load``; with both, ``again``: the batches delivered in all when the resumed run saves to
+    ``save``."""
     import torch
 
     from loader_resume.state import StateError
@@ -118,7 +123,8 @@ def _run(spec: str, epochs: int, workers: int | None, cut: int | None, load: str
 
 
 class _Warnings(logging.Handler):
-    """The warnings loader_resume logs while a resumed runner loads and iterates, for the verdict."""
+    """The warnings loader_resume logs while a resumed runner loads and iterates, for the
+    verdict."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
@@ -131,13 +137,14 @@ class _Warnings(logging.Handler):
 
 
 def _rescale(spec: str, load: str, world: int) -> None:
-    """Runner: the samples of the cut epoch delivered before the cut (1 rank) and after it (``world``
-    ranks), from the loaders' own index plans — no data is read. One JSON line."""
+    """Runner: the samples of the cut epoch delivered before the cut (1 rank) and after it
+    (``world`` ranks), from the loaders' own index plans — no data is read. One JSON line."""
     import torch
 
     state = torch.load(load, weights_only=True)
     reference = _build(spec, 0)
-    reference.load_state_dict(state)  # NOTE: a Mixture's order depends on the weight changes the state holds
+    # NOTE: a Mixture's order depends on the weight changes the state holds
+    reference.load_state_dict(state)
     full = [i for batch in reference.planned_indices(epoch=state["epoch"]) for i in batch]
     after: list[int] = []
     for rank in range(world):
@@ -151,9 +158,11 @@ def _rescale(spec: str, load: str, world: int) -> None:
 
 
 def _judge_rescale(found: Mapping[str, Any], world: int) -> tuple[bool, str]:
-    # NOTE: multisets, compared with the epoch's plan: a Mixture's epoch may hold a small source's item twice
+    # NOTE: multisets, compared with the epoch's plan: a Mixture's epoch may hold a small source's
+    # item twice
     def key(index: Any) -> Any:
-        return tuple(index) if isinstance(index, list) else index  # JSON turned a Mixture's keys into lists
+        # JSON turned a Mixture's keys into lists
+        return tuple(index) if isinstance(index, list) else index
 
     counts, plan = Counter(map(key, found["before"] + found["after"])), Counter(map(key, found["full"]))
     lost, extra = plan - counts, counts - plan
@@ -195,10 +204,11 @@ def run_check(spec: str, *, epochs: int = 2, cuts: list[int] | None = None, work
               after_batch: str | None = None) -> list[Scenario]:
     """The scenarios' verdicts (the uninterrupted run is the reference).
 
-    ``worlds``: world sizes to resume a map-style loader's state over (default ``[2]``; ``[]`` for none);
-    those scenarios are judged on the samples delivered, since batches are composed differently.
-    ``after_batch``: ``MODULE:FUNCTION`` called as ``function(loader, batches_delivered)`` after every batch of
-    every run (counting on from the cut after a resume): a job's per-step calls, e.g. ``Mixture.set_weights``.
+    ``worlds``: world sizes to resume a map-style loader's state over (default ``[2]``; ``[]`` for
+    none); those scenarios are judged on the samples delivered, since batches are composed
+    differently. ``after_batch``: ``MODULE:FUNCTION`` called as ``function(loader,
+    batches_delivered)`` after every batch of every run (counting on from the cut after a resume): a
+    job's per-step calls, e.g. ``Mixture.set_weights``.
     """
     calls = ["--after-batch", after_batch] if after_batch else []
     from torch.utils.data import IterableDataset
@@ -209,7 +219,8 @@ def run_check(spec: str, *, epochs: int = 2, cuts: list[int] | None = None, work
     rescales = (worlds if worlds is not None else [2]) if rescalable else []
     reference = _spawn(["_run", spec, "--epochs", str(epochs), *calls])
     per_epoch = sum(1 for epoch, _ in reference if epoch == 0)
-    if cuts is None:  # first batch, mid-epoch, an epoch's last batch, the boundary's first batch of the next
+    # first batch, mid-epoch, an epoch's last batch, the boundary's first batch of the next
+    if cuts is None:
         candidates = (1, per_epoch // 2, per_epoch - 1, per_epoch, per_epoch + 1)
         cuts = sorted({c for c in candidates if 0 < c <= len(reference)})
     resume_workers = workers if workers is not None else sorted({own_workers, 0 if own_workers else 2})
@@ -242,7 +253,8 @@ def run_check(spec: str, *, epochs: int = 2, cuts: list[int] | None = None, work
 
 def _again(spec: str, epochs: int, state: str, cut: int, workers: int, reference: list[list[Any]],
            calls: list[str], tmp: str) -> Scenario:
-    """A job cut twice: resumed from ``state`` (after ``cut`` batches), cut again one batch later, resumed again."""
+    """A job cut twice: resumed from ``state`` (after ``cut`` batches), cut again one batch later,
+    resumed again."""
     again, second = cut + 1, str(Path(tmp) / f"state-{cut}-again.pt")
     same = ["--epochs", str(epochs), "--workers", str(workers), *calls]
     _spawn(["_run", spec, *same, "--load", state, "--cut", str(cut), "--again", str(again), "--save", second])
@@ -276,8 +288,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """``loader-resume check``: exit code 0 if every scenario it ran resumes exactly, else 1.
 
-    A scenario the loader refuses by design (an iterable dataset resumed at another ``num_workers``) is
-    reported as ``refused: <reason>`` and does not fail the check: the refusal is the guarantee.
+    A scenario the loader refuses by design (an iterable dataset resumed at another ``num_workers``)
+    is reported as ``refused: <reason>`` and does not fail the check: the refusal is the guarantee.
     """
     scenarios = run_check(args.factory, epochs=args.epochs, cuts=args.cuts, workers=args.workers,
                           worlds=args.worlds, progress=None if args.json else _bar, after_batch=args.after_batch)

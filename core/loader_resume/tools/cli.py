@@ -1,4 +1,5 @@
-"""The ``loader-resume`` command: ``loader-resume check MODULE:FACTORY`` verifies your pipeline resumes exactly."""
+"""The ``loader-resume`` command: ``loader-resume check MODULE:FACTORY`` verifies your pipeline
+resumes exactly."""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
 """``loader-resume demo``: train on scikit-learn's digits, SIGTERM it mid-epoch, restart, compare.
 
-Four real processes: an uninterrupted run; a run that gets a real SIGTERM mid-epoch, checkpoints at the
-next step boundary and exits; a fresh process that resumes from that checkpoint and finishes; and the
-same stop/resume with a plain DataLoader that skips the batches it already saw (the usual workaround).
-It prints whether the resumed batches (sample ids and augmentation noise) and the final weights equal
-the uninterrupted run's, and where the plain DataLoader diverged. Needs scikit-learn (``.[examples]``).
+Four real processes: an uninterrupted run; a run that gets a real SIGTERM mid-epoch, checkpoints at
+the next step boundary and exits; a fresh process that resumes from that checkpoint and finishes;
+and the same stop/resume with a plain DataLoader that skips the batches it already saw (the usual
+workaround). It prints whether the resumed batches (sample ids and augmentation noise) and the final
+weights equal the uninterrupted run's, and where the plain DataLoader diverged. Needs scikit-learn
+(``.[examples]``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ __all__ = ["NoisyDigits", "add_arguments", "main"]
 
 
 class NoisyDigits(Dataset[tuple[torch.Tensor, int, int]]):
-    """8x8 digits with random-noise augmentation and a random shift: every item draws from torch's RNG."""
+    """8x8 digits with random-noise augmentation and a random shift: every item draws from torch's
+    RNG."""
 
     def __init__(self) -> None:
         try:
@@ -67,7 +69,8 @@ def _build(args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer, 
 
 
 def _save_atomically(obj: dict[str, Any], path: Path) -> None:
-    """Write to a temporary file and rename: a kill mid-save leaves the previous checkpoint intact."""
+    """Write to a temporary file and rename: a kill mid-save leaves the previous checkpoint
+    intact."""
     temporary = path.with_suffix(".tmp")
     torch.save(obj, temporary)
     os.replace(temporary, path)

@@ -11,15 +11,16 @@ the whole job. A plain ``DataLoader`` forks the same way and shares the hazard.
 A ``ResumableDataLoader`` that starts workers by ``fork`` (the
 default on Linux; ``spawn`` and ``forkserver`` start from a process without those threads):
 
-- makes every fork of the process from then on first wait (at most 10 seconds) for the feeder threads that
-  are stopping right now (``join_exiting_feeders``, an ``os.register_at_fork`` hook): no fork happens
-  while one of them stops — a plain ``DataLoader``'s pools in the same process included. The garbage
-  collector is paused from that wait to the fork (it could shut an earlier pool down in between, so
-  that one of its feeder threads starts stopping at the instant of the fork);
+- makes every fork of the process from then on first wait (at most 10 seconds) for the feeder
+  threads that are stopping right now (``join_exiting_feeders``, an ``os.register_at_fork`` hook):
+  no fork happens while one of them stops — a plain ``DataLoader``'s pools in the same process
+  included. The garbage collector is paused from that wait to the fork (it could shut an earlier
+  pool down in between, so that one of its feeder threads starts stopping at the instant of the
+  fork);
 - then waits until every new worker has started (a byte in shared memory that the worker sets first
-  thing in its ``worker_init_fn``; a forked worker starts within milliseconds). A worker that has not
-  started after ``worker_start_timeout`` seconds is named in an error (its pid, how long, what to
-  change), killed, and the ``iter()`` raises ``WorkerStartError`` instead of hanging.
+  thing in its ``worker_init_fn``; a forked worker starts within milliseconds). A worker that has
+  not started after ``worker_start_timeout`` seconds is named in an error (its pid, how long, what
+  to change), killed, and the ``iter()`` raises ``WorkerStartError`` instead of hanging.
 """
 
 from __future__ import annotations
@@ -51,11 +52,13 @@ _POLL = 0.002
 
 
 class StartMark:
-    """A worker's ``worker_init_fn``: mark this worker started (first thing), then the one it had."""
+    """A worker's ``worker_init_fn``: mark this worker started (first thing), then the one it
+    had."""
 
     def __init__(self, inner: Callable[[int], None] | None, workers: int, context: Any) -> None:
         self.inner = inner
-        self.marks = (context or multiprocessing).RawArray("b", workers)  # NOTE: shared with forked and spawned
+        # NOTE: shared with forked and spawned
+        self.marks = (context or multiprocessing).RawArray("b", workers)
 
     def __call__(self, worker_id: int) -> None:
         self.marks[worker_id] = 1
@@ -64,14 +67,16 @@ class StartMark:
 
 
 class WorkerStart:
-    """One ``iter()`` of a loader: if it starts workers, their ``worker_init_fn`` (in ``attributes``, the loader's
-    attributes torch's iterator is built with) marks them started; ``wait`` waits for the marks."""
+    """One ``iter()`` of a loader: if it starts workers, their ``worker_init_fn`` (in
+    ``attributes``, the loader's attributes torch's iterator is built with) marks them started;
+    ``wait`` waits for the marks."""
 
     def __init__(self, loader: Any, attributes: dict[str, Any]) -> None:
         self.loader = loader
         self.mark: StartMark | None = None
         self.timeout: float | None = loader.worker_start_timeout
-        if starts_workers(loader) and forks_workers(loader):  # NOTE: spawn and forkserver fork no threads
+        # NOTE: spawn and forkserver fork no threads
+        if starts_workers(loader) and forks_workers(loader):
             _guard_forks()
             inner = attributes.get("worker_init_fn", loader.worker_init_fn)
             self.mark = StartMark(inner, loader.num_workers, loader.multiprocessing_context)
@@ -91,20 +96,23 @@ _GUARDED: list[bool] = []
 
 
 def _guard_forks() -> None:
-    """From now on every fork of this process first waits for the feeder threads that are stopping. NOTE: at the
-    instant of the fork, not before: a previous pool may be shut down by the garbage collector at any moment."""
+    """From now on every fork of this process first waits for the feeder threads that are stopping.
+    NOTE: at the instant of the fork, not before: a previous pool may be shut down by the garbage
+    collector at any moment."""
     if not _GUARDED:
         _GUARDED.append(True)
         os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork)
 
 
-_COLLECTING: list[bool] = []  # whether the garbage collector was enabled before the fork in progress
+# whether the garbage collector was enabled before the fork in progress
+_COLLECTING: list[bool] = []
 
 
 def _before_fork() -> None:
-    """Pause the garbage collector until the fork is done, then wait for the feeder threads that are stopping.
-    NOTE: paused first: a collection after the wait (during the other fork hooks) could shut a pool down whose
-    feeder thread would then stop at the instant of the fork (seen, 1 fork in 100, on 2 busy cores)."""
+    """Pause the garbage collector until the fork is done, then wait for the feeder threads that are
+    stopping. NOTE: paused first: a collection after the wait (during the other fork hooks) could
+    shut a pool down whose feeder thread would then stop at the instant of the fork (seen, 1 fork in
+    100, on 2 busy cores)."""
     _COLLECTING.append(gc.isenabled())
     gc.disable()
     join_exiting_feeders()
@@ -116,9 +124,10 @@ def _after_fork() -> None:
 
 
 def join_exiting_feeders(timeout: float = 10.0) -> None:
-    """Wait (at most ``timeout`` seconds in all) until no queue feeder thread that was told to stop is still alive.
-    NOTE: one stops in milliseconds, but on a loaded machine its thread may not run for over a second (1 s was seen
-    to be too short on 2 busy cores); only a thread that never stops makes a fork wait the whole timeout."""
+    """Wait (at most ``timeout`` seconds in all) until no queue feeder thread that was told to stop
+    is still alive. NOTE: one stops in milliseconds, but on a loaded machine its thread may not run
+    for over a second (1 s was seen to be too short on 2 busy cores); only a thread that never stops
+    makes a fork wait the whole timeout."""
     deadline = time.monotonic() + timeout
     while (threads := closing_feeder_threads()) and time.monotonic() < deadline:
         for thread in threads:
@@ -126,9 +135,9 @@ def join_exiting_feeders(timeout: float = 10.0) -> None:
 
 
 def wait_started(iterator: Any, mark: StartMark, timeout: float | None) -> None:
-    """Return once every worker of ``iterator`` (just built, its workers just started) has run ``mark``, or
-    one has died (torch reports that at the first batch). After ``timeout`` seconds, the workers that have not
-    started are killed and ``WorkerStartError`` names them."""
+    """Return once every worker of ``iterator`` (just built, its workers just started) has run
+    ``mark``, or one has died (torch reports that at the first batch). After ``timeout`` seconds,
+    the workers that have not started are killed and ``WorkerStartError`` names them."""
     workers = worker_processes(iterator)
     start = time.monotonic()
     while not all(mark.marks[i] for i in range(len(workers))):

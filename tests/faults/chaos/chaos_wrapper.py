@@ -1,15 +1,17 @@
-"""Run a training script (runpy) under a seeded kill plan: ``torchrun ... chaos_wrapper.py SCRIPT [ARGS...]``.
+"""Run a training script (runpy) under a seeded kill plan: ``torchrun ... chaos_wrapper.py SCRIPT
+[ARGS...]``.
 
-``$CHAOS_PLAN`` is a JSON list of kills ``{"rank": r, "after": k, "in_save": bool}``, made in turn, one per
-torchrun attempt: rank ``r`` SIGKILLs itself right after its ``k``-th optimizer step of the attempt — or,
-with ``in_save``, in the middle of its first checkpoint write after that step: the biggest file written
-so far is cut to half its bytes before the manifest and the rename (rank 0 writes the checkpoints).
-Kill ``i`` leaves the file ``$CHAOS_DIR/killed-i``, so the next attempt makes the next kill (an attempt
-that died for another reason does not shift the plan). ``$CHAOS_STEP_SLEEP`` seconds are slept after
-every optimizer step. While the file ``$CHAOS_HOLD`` exists, each rank waits after its optimizer step (the
-test decides when the job may go on: it cannot end before the events the test waits for), leaving
-``$CHAOS_DIR/held-NAME-RANK-of-WORLD`` (NAME: the file's text) so the test sees which world is held; a
-preemption signal (the agent stopping the worker) ends the wait.
+``$CHAOS_PLAN`` is a JSON list of kills ``{"rank": r, "after": k, "in_save": bool}``, made in turn,
+one per torchrun attempt: rank ``r`` SIGKILLs itself right after its ``k``-th optimizer step of the
+attempt — or, with ``in_save``, in the middle of its first checkpoint write after that step: the
+biggest file written so far is cut to half its bytes before the manifest and the rename (rank 0
+writes the checkpoints). Kill ``i`` leaves the file ``$CHAOS_DIR/killed-i``, so the next attempt
+makes the next kill (an attempt that died for another reason does not shift the plan).
+``$CHAOS_STEP_SLEEP`` seconds are slept after every optimizer step. While the file ``$CHAOS_HOLD``
+exists, each rank waits after its optimizer step (the test decides when the job may go on: it cannot
+end before the events the test waits for), leaving ``$CHAOS_DIR/held-NAME-RANK-of-WORLD`` (NAME: the
+file's text) so the test sees which world is held; a preemption signal (the agent stopping the
+worker) ends the wait.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ def die() -> None:
 
 
 def signalled() -> bool:
-    """Whether the script's preemption handler (a ``Preemption``'s, installed for SIGTERM) caught a signal."""
+    """Whether the script's preemption handler (a ``Preemption``'s, installed for SIGTERM) caught a
+    signal."""
     handler = signal.getsignal(signal.SIGTERM)
     return getattr(getattr(handler, "__self__", None), "received", None) is not None
 

@@ -1,8 +1,8 @@
 """Faults during training, on real processes with `enable_resume`
 (tests/children/accelerate_child.py): SIGTERM storms, a full disk, writes interrupted at any byte.
 
-Each interrupted run must leave exactly one new consistent checkpoint, and the job's concatenated log
-and final weights must equal the uninterrupted run's.
+Each interrupted run must leave exactly one new consistent checkpoint, and the job's concatenated
+log and final weights must equal the uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -39,8 +39,10 @@ def test_a_storm_of_signals_each_ends_in_one_checkpoint_and_the_job_stays_exact(
     storms = [
         (["--signal-at", "3,3"], "step_000000003"),  # two signals: one checkpoint, one exit
         (["--signal-at", "1"], "step_000000004"),  # the first step after a resume
-        (["--signal-in-save", "save_every_n_steps=2"], "step_000000007"),  # periodic save at 6, signal inside it
-        (["--signal-in-eval"], "step_000000008"),  # during epoch 0's evaluation: taken at epoch 1's first request
+        # periodic save at 6, signal inside it
+        (["--signal-in-save", "save_every_n_steps=2"], "step_000000007"),
+        # during epoch 0's evaluation: taken at epoch 1's first request
+        (["--signal-in-eval"], "step_000000008"),
         (["--signal-at", "2"], "step_000000010"),
     ]
     for options, newest in storms:
@@ -54,7 +56,8 @@ def test_a_storm_of_signals_each_ends_in_one_checkpoint_and_the_job_stays_exact(
 
 def test_a_signal_to_one_rank_only_stops_both_at_the_same_step(tmp_path: Path,
                                                                tmp_path_factory: pytest.TempPathFactory) -> None:
-    full = accelerate_run(tmp_path_factory, 2)  # made once per session (other modules compare with it too)
+    # made once per session (other modules compare with it too)
+    full = accelerate_run(tmp_path_factory, 2)
     run(tmp_path / "job", 2, "--signal-at", "3", "--signal-rank", "1", expect=143)
     assert [len(trained(rows)) for rows in logs(tmp_path / "job")] == [3, 3]
     run(tmp_path / "job", 2)
@@ -74,11 +77,14 @@ def test_a_full_disk_during_a_save_keeps_training_and_reports_it(uninterrupted: 
 
 def test_a_full_disk_on_two_processes_is_agreed_by_both(tmp_path: Path) -> None:
     stderr = run(tmp_path, 2, "--disk-full-at", "4", "save_every_n_steps=4")
-    assert stderr.count("checkpoint at step 4 NOT written") == 2  # each process logs it, both went on
-    assert checkpoints(tmp_path) == ["step_000000008"]  # the last step (12) ends the run: no boundary after it
+    # each process logs it, both went on
+    assert stderr.count("checkpoint at step 4 NOT written") == 2
+    # the last step (12) ends the run: no boundary after it
+    assert checkpoints(tmp_path) == ["step_000000008"]
 
 
-# --- writes interrupted at any byte (no processes needed: the files a kill would leave) -------------
+# --- writes interrupted at any byte (no processes needed: the files a kill would leave)
+# -------------
 def sealed_pair(root: Path) -> tuple[Path, Path]:
     """A sealed checkpoint step_1 and the files of step_2, ready to be sealed."""
     first = root / "step_000000001"
@@ -98,7 +104,8 @@ def test_a_save_killed_at_any_byte_leaves_the_previous_checkpoint_whole(tmp_path
                                                                          caplog: pytest.LogCaptureFixture) -> None:
     first, second = sealed_pair(tmp_path)
     full = (second / "model.bin").read_bytes()
-    for cut in range(0, len(full) + 1, 97):  # the second save stopped after `cut` bytes of its largest file
+    # the second save stopped after `cut` bytes of its largest file
+    for cut in range(0, len(full) + 1, 97):
         (second / "model.bin").write_bytes(full[:cut])
         with caplog.at_level(logging.WARNING, logger="loader_resume.job.checkpoint"):
             assert complete_checkpoints(tmp_path) == [first]

@@ -1,8 +1,8 @@
 """Fuzzing: random dataset lengths, batch sizes, world sizes before and after, worker
 counts and cut points — each epoch is delivered exactly once across a cut and an elastic resume.
 
-Ranks are simulated in one process (explicit ``rank``/``world_size``), each a real ResumableDataLoader.
-The default run tries 150 cases; ``pytest -m chaos`` tries 10,000.
+Ranks are simulated in one process (explicit ``rank``/``world_size``), each a real
+ResumableDataLoader. The default run tries 150 cases; ``pytest -m chaos`` tries 10,000.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ def ranks(n: int, world: int, case: dict[str, Any], workers: int) -> list[Resuma
 
 
 _HELD: list[Any] = []
-"""Iterators of passes cut short, held as a job killed there holds them (a dropped iterator's pass is over)."""
+"""Iterators of passes cut short, held as a job killed there holds them (a dropped iterator's pass
+is over)."""
 
 
 def delivered(loader: ResumableDataLoader[Any], batches: int | None) -> list[int]:

@@ -1,10 +1,11 @@
-"""SIGKILL under torchrun: a 2-process job with ``--max-restarts`` is killed at seeded
-random steps — a rank mid-step, or rank 0 in the middle of writing a checkpoint — and torchrun restarts
-it. The per-rank batch logs are then audited: counted from the checkpoint each restart resumed from
-(work after it is redone), the job trained on exactly the uninterrupted run's batches — every sample of
+"""SIGKILL under torchrun: a 2-process job with ``--max-restarts`` is killed at seeded random steps
+— a rank mid-step, or rank 0 in the middle of writing a checkpoint — and torchrun restarts it. The
+per-rank batch logs are then audited: counted from the checkpoint each restart resumed from (work
+after it is redone), the job trained on exactly the uninterrupted run's batches — every sample of
 every epoch once, with the same augmentation values — and ended with the same final weights.
 
-The default run makes 3 kills per job; ``pytest -m chaos`` makes 30 and prints how many were survived.
+The default run makes 3 kills per job; ``pytest -m chaos`` makes 30 and prints how many were
+survived.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def effective(history: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list
 
 
 def launch(command: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
-    """Run torchrun in its own process group; on a timeout the whole group (its workers too) is killed."""
+    """Run torchrun in its own process group; on a timeout the whole group (its workers too) is
+    killed."""
     process = forked.popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            start_new_session=True)
     try:
@@ -72,7 +74,8 @@ def launch(command: list[str], env: dict[str, str], timeout: float) -> subproces
 
 
 def plan(kills: int, seed: int, every: int, in_saves: bool) -> list[dict[str, Any]]:
-    """One kill per attempt: a random rank after 1..every+2 steps of the attempt, or rank 0 mid-save."""
+    """One kill per attempt: a random rank after 1..every+2 steps of the attempt, or rank 0
+    mid-save."""
     rng = random.Random(seed)
     chosen = []
     for _ in range(kills):
@@ -83,15 +86,17 @@ def plan(kills: int, seed: int, every: int, in_saves: bool) -> list[dict[str, An
 
 
 def chaos(command: list[str], out: Path, kills: list[dict[str, Any]]) -> None:
-    """Run ``command`` under torchrun with the kill plan; it must finish (exit 0) after the restarts."""
+    """Run ``command`` under torchrun with the kill plan; it must finish (exit 0) after the
+    restarts."""
     (out / "log").mkdir(parents=True)
     for number, kill in enumerate(kills):
         print(f"kill {number}: rank {kill['rank']} after {kill['after']} steps of its attempt"
               f"{', mid checkpoint write' if kill['in_save'] else ''}", flush=True)
     env = {**os.environ, "CHAOS_PLAN": json.dumps(kills), "CHAOS_DIR": str(out), "CHAOS_STEP_SLEEP": "0.01"}
-    # NOTE: restarts to spare: after a restart, torch 2.13's gloo init now and then reads a dead worker's
-    # address ("connectFullMesh failed ... Connection refused") and that attempt dies at once; torchrun
-    # retries. With --standalone (c10d rendezvous) such a retry could also hang; the static one recovers.
+    # NOTE: restarts to spare: after a restart, torch 2.13's gloo init now and then reads a dead
+    # worker's address ("connectFullMesh failed ... Connection refused") and that attempt dies at
+    # once; torchrun retries. With --standalone (c10d rendezvous) such a retry could also hang; the
+    # static one recovers.
     restarts = len(kills) + 5
     done = launch([TORCHRUN, *RENDEZVOUS, "--nproc_per_node", "2", "--max-restarts", str(restarts),
                    str(HERE / "chaos_wrapper.py"), *command], env, timeout=120 + 30 * len(kills))
@@ -112,26 +117,29 @@ EVERY = 4
 
 
 def plain(out: Path) -> list[str]:
-    """The plain-PyTorch example: 15 steps an epoch on 2 ranks, 4 epochs, a checkpoint every 4 steps."""
+    """The plain-PyTorch example: 15 steps an epoch on 2 ranks, 4 epochs, a checkpoint every 4
+    steps."""
     return [str(ROOT / "examples" / "plain_digits.py"), "--out", str(out), "--batch-log", str(out / "log"),
             "--every", str(EVERY), "--epochs", "4", "--audit", str(out / "audit")]
 
 
 def accelerate(out: Path) -> list[str]:
-    """The Accelerate test script: 15 steps an epoch on 2 processes, 4 epochs, a checkpoint every 4 steps."""
+    """The Accelerate test script: 15 steps an epoch on 2 processes, 4 epochs, a checkpoint every 4
+    steps."""
     return [str(ROOT / "tests" / "children" / "accelerate_child.py"), str(out), "--processes", "2", "--items", "120",
             "--epochs", "4", "--log-dir", "log", f"save_every_n_steps={EVERY}", "keep=3"]
 
 
 def lightning(out: Path) -> list[str]:
-    """The Lightning test script (DDP, ResumeCallback, ModelCheckpoint every 4 steps): 15 steps an epoch."""
+    """The Lightning test script (DDP, ResumeCallback, ModelCheckpoint every 4 steps): 15 steps an
+    epoch."""
     return [str(ROOT / "tests" / "children" / "lightning_child.py"), str(out), "--devices", "2", "--items", "120",
             "--epochs", "4", "--every", str(EVERY), "--batch-log", str(out / "log")]
 
 
 # name: (command, file with the final weights, whether its checkpoints are ours to cut mid-write)
-# NOTE: Lightning's own ModelCheckpoint writes its files (not through loader_resume.job.checkpoint), so
-# the Lightning job is killed between steps only.
+# NOTE: Lightning's own ModelCheckpoint writes its files (not through loader_resume.job.checkpoint),
+# so the Lightning job is killed between steps only.
 JOBS: dict[str, tuple[Callable[[Path], list[str]], str, bool]] = {
     "plain": (plain, "stdout.txt", True),
     "accelerate": (accelerate, "log/weights-0.txt", True),
@@ -147,11 +155,14 @@ def audit(job: str, tmp_path: Path, kills: int, seed: int) -> None:
         history = rows(tmp_path / "job" / "log", rank)
         kept, lost = effective(history)
         assert kept == expected[rank], f"rank {rank}: the audited batches differ from the uninterrupted run's"
-        assert all(0 <= n <= 2 * EVERY + 2 for n in lost), lost  # only the steps since the last sealed checkpoint
+        # only the steps since the last sealed checkpoint
+        assert all(0 <= n <= 2 * EVERY + 2 for n in lost), lost
     survived = len(list((tmp_path / "job").glob("killed-*")))
-    # NOTE: a kill planned after more steps than an attempt has left never happens (the job finishes)
+    # NOTE: a kill planned after more steps than an attempt has left never happens (the job
+    # finishes)
     assert survived >= kills - kills // 10, f"only {survived} of {kills} kills happened"
-    if job == "plain":  # the job's own audit (audit=DIR) agrees: every sample once per epoch, across the kills
+    # the job's own audit (audit=DIR) agrees: every sample once per epoch, across the kills
+    if job == "plain":
         for out, attempts in ((tmp_path / "full", 1), (tmp_path / "job", survived + 1)):
             done = forked.run([str(Path(sys.executable).parent / "loader-resume"), "audit", str(out / "audit"),
                                "--json"], capture_output=True, text=True, timeout=120)

@@ -1,11 +1,12 @@
-"""Two torchrun agents on this machine as two "nodes" (c10d rendezvous on 127.0.0.1, ``--nnodes 1:2``), running
-``examples/plain_digits.py``: one node's worker crashes (both agents restart, the world stays 2), a whole node is
-lost (scale-down to 1), a node joins (scale-up to 2). The job must finish — never hang in
-``init_process_group`` — and the audit of the batch logs must find every sample of every epoch exactly once
-(the epoch's last step may pad); where the world stays 2, the final weights equal the uninterrupted run's.
+"""Two torchrun agents on this machine as two "nodes" (c10d rendezvous on 127.0.0.1, ``--nnodes
+1:2``), running ``examples/plain_digits.py``: one node's worker crashes (both agents restart, the
+world stays 2), a whole node is lost (scale-down to 1), a node joins (scale-up to 2). The job must
+finish — never hang in ``init_process_group`` — and the audit of the batch logs must find every
+sample of every epoch exactly once (the epoch's last step may pad); where the world stays 2, the
+final weights equal the uninterrupted run's.
 
-The default run makes one fault of each kind; ``pytest -m chaos`` makes 10 worker crashes alternating between
-the nodes, and a node that leaves and joins again twice.
+The default run makes one fault of each kind; ``pytest -m chaos`` makes 10 worker crashes
+alternating between the nodes, and a node that leaves and joins again twice.
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ def job(out: Path, epochs: int) -> list[str]:
 
 
 class Node:
-    """One torchrun agent with one worker, in its own process group (so a whole node can be lost at once).
+    """One torchrun agent with one worker, in its own process group (so a whole node can be lost at
+    once).
 
-    Node ``a`` hosts the rendezvous store (``is_host``): a job survives losing any node but that one (torch's
-    c10d rendezvous lives on its host), as on a real cluster whose rendezvous endpoint is one node's."""
+    Node ``a`` hosts the rendezvous store (``is_host``): a job survives losing any node but that one
+    (torch's c10d rendezvous lives on its host), as on a real cluster whose rendezvous endpoint is
+    one node's."""
 
     def __init__(self, out: Path, name: str, port: int, epochs: int, env: dict[str, str], restarts: int) -> None:
         command = [TORCHRUN, "--nnodes", "1:2", "--nproc_per_node", "1", "--rdzv-backend", "c10d",
@@ -53,8 +56,8 @@ class Node:
                                     start_new_session=True)
 
     def lose(self) -> None:
-        """The whole node goes: its agent and its worker, at once (torchrun starts workers in sessions of
-        their own, so the agent's process group is not enough)."""
+        """The whole node goes: its agent and its worker, at once (torchrun starts workers in
+        sessions of their own, so the agent's process group is not enough)."""
         doomed = [self.process.pid, *descendants(self.process.pid)]
         for pid in doomed:
             with contextlib.suppress(ProcessLookupError):
@@ -98,8 +101,9 @@ def wait_for_steps(out: Path, steps: int, timeout: float = 120) -> None:
 
 
 def audit(out: Path, epochs: int) -> dict[int, list[dict[str, Any]]]:
-    """The steps that count (for each step, the rows of the last start of the job that made it: a start
-    redoes what its predecessor did after the checkpoint it resumed from), checked epoch by epoch."""
+    """The steps that count (for each step, the rows of the last start of the job that made it: a
+    start redoes what its predecessor did after the checkpoint it resumed from), checked epoch by
+    epoch."""
     by_step: dict[int, list[dict[str, Any]]] = {}
     for row in logged(out):
         by_step.setdefault(row["step"], []).append(row)
@@ -125,7 +129,8 @@ def digest(out: Path) -> str:
 def environment(out: Path, plan: list[dict[str, Any]], share_store: bool = True) -> dict[str, str]:
     env = {**os.environ, "CHAOS_PLAN": json.dumps(plan), "CHAOS_DIR": str(out), "CHAOS_STEP_SLEEP": "0.02"}
     if not share_store:
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # torch 2.13: a joining node needs it (docs: Reliability)
+        # torch 2.13: a joining node needs it (docs: Reliability)
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return env
 
 
@@ -141,8 +146,9 @@ def two_nodes(out: Path, plan: list[dict[str, Any]], epochs: int) -> dict[int, l
 
 
 def worker_crashes(tmp_path: Path, crashes: int, epochs: int) -> None:
-    # NOTE: the reference is the same two-node job without faults: with one process per agent torchrun
-    # leaves OMP_NUM_THREADS alone, so float sums differ from a one-agent, two-process run's.
+    # NOTE: the reference is the same two-node job without faults: with one process per agent
+    # torchrun leaves OMP_NUM_THREADS alone, so float sums differ from a one-agent, two-process
+    # run's.
     expected = two_nodes(tmp_path / "full", [], epochs)
     plan = [{"rank": number % 2, "after": 3 + number % 4, "in_save": False} for number in range(crashes)]
     kept = two_nodes(tmp_path / "job", plan, epochs)
@@ -160,9 +166,10 @@ def wait_for(out: Path, pattern: str, what: str, timeout: float = 180) -> None:
 
 
 def leave_and_join(tmp_path: Path, cycles: int, epochs: int) -> None:
-    """Node a runs throughout; node b is there, is lost, and joins again — ``cycles`` times. Before each join
-    the job is held at its next step (``$CHAOS_HOLD``) until a world of two has formed and reached a step, so
-    the job cannot end before the node it waits for has joined, however fast it runs."""
+    """Node a runs throughout; node b is there, is lost, and joins again — ``cycles`` times. Before
+    each join the job is held at its next step (``$CHAOS_HOLD``) until a world of two has formed and
+    reached a step, so the job cannot end before the node it waits for has joined, however fast it
+    runs."""
     out = tmp_path / "job"
     (out / "log").mkdir(parents=True)
     env, port = environment(out, [], share_store=False), free_port()
@@ -216,8 +223,9 @@ def test_a_node_leaves_and_joins_again_twice(tmp_path: Path) -> None:
 @pytest.mark.chaos
 @pytest.mark.timeout(900)
 def test_a_node_joining_a_finished_job_changes_nothing(tmp_path: Path) -> None:
-    """A node started after the job ended finds no rendezvous (it lived on the host node's agent, gone with
-    the job): its torchrun exits 1 without running the script, and the job's logs and checkpoints stay."""
+    """A node started after the job ended finds no rendezvous (it lived on the host node's agent,
+    gone with the job): its torchrun exits 1 without running the script, and the job's logs and
+    checkpoints stay."""
     start = time.monotonic()
     out = tmp_path / "job"
     (out / "log").mkdir(parents=True)

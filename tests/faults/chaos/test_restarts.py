@@ -1,12 +1,12 @@
-"""SIGTERM and rerun, again and again: the Fabric, Accelerate and Lightning Trainer jobs of the front-door tests
-(two gloo processes, ``num_workers=2``), each signalled to the whole process group at a seeded random step and
-then started again with the same command, until it finishes. No run may hang (each has a deadline); every run
-that was signalled ends with the agreed checkpoint (exit 143); the finished job's batch logs and final weights
-are the uninterrupted run's.
+"""SIGTERM and rerun, again and again: the Fabric, Accelerate and Lightning Trainer jobs of the
+front-door tests (two gloo processes, ``num_workers=2``), each signalled to the whole process group
+at a seeded random step and then started again with the same command, until it finishes. No run may
+hang (each has a deadline); every run that was signalled ends with the agreed checkpoint (exit 143);
+the finished job's batch logs and final weights are the uninterrupted run's.
 
-A hang on a restart was seen once in 11 Fabric runs: a new DataLoader worker stuck inside CPython's after-fork
-re-initialisation (``loader_resume.workers.worker_start``). The default run makes 1 restart per job; ``pytest -m chaos``
-makes 30.
+A hang on a restart was seen once in 11 Fabric runs: a new DataLoader worker stuck inside CPython's
+after-fork re-initialisation (``loader_resume.workers.worker_start``). The default run makes 1
+restart per job; ``pytest -m chaos`` makes 30.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ JOBS = {"accelerate": accelerate, "fabric": fabric, "lightning": lightning}
 
 
 def outcome(out: Path) -> tuple[list[Any], list[str]]:
-    """Every rank's batch log and final weights (Accelerate and Fabric log JSON lines, Lightning a list)."""
+    """Every rank's batch log and final weights (Accelerate and Fabric log JSON lines, Lightning a
+    list)."""
     logs = []
     for path in sorted(out.glob("log-*.json*")):
         text = path.read_text()
@@ -53,8 +54,8 @@ def outcome(out: Path) -> tuple[list[Any], list[str]]:
 
 
 def restarts(job: str, out: Path, count: int, seed: int, epochs: str) -> int:
-    """Signal the job ``count`` times at random steps, rerunning it after each; then let it finish. Returns how
-    many runs ended with the agreed checkpoint."""
+    """Signal the job ``count`` times at random steps, rerunning it after each; then let it finish.
+    Returns how many runs ended with the agreed checkpoint."""
     build, rng = JOBS[job], random.Random(seed)
     signalled = 0
     for attempt in range(count + 1):
@@ -75,7 +76,8 @@ def restarts(job: str, out: Path, count: int, seed: int, epochs: str) -> int:
             raise AssertionError(f"{job}: run {attempt} hung (still running 180 s after its signal)") from None
         if run.returncode == 0:
             return signalled
-        if job == "accelerate":  # NOTE: the launcher, signalled with its group, ends with an error of its own
+        # NOTE: the launcher, signalled with its group, ends with an error of its own
+        if job == "accelerate":
             assert stderr.count("; exiting with 143") == 2, stderr[-3000:]
         else:
             assert run.returncode == 143, stderr[-3000:]
@@ -84,7 +86,8 @@ def restarts(job: str, out: Path, count: int, seed: int, epochs: str) -> int:
 
 
 def check(job: str, tmp_path: Path, count: int) -> None:
-    full, epochs = tmp_path / "full", str(3 + count)  # 4 steps an epoch; a run makes 1 to 4 before its signal
+    # 4 steps an epoch; a run makes 1 to 4 before its signal
+    full, epochs = tmp_path / "full", str(3 + count)
     done = forked.run(JOBS[job](full, "--epochs", epochs), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     signalled = restarts(job, tmp_path / "job", count, seed=count, epochs=epochs)

@@ -1,8 +1,8 @@
 """Scale by simulation: 1,024 ranks, resumed at 768 and then 1,536, see each sample once.
 
-The pure sampler, no processes: every rank's steps are computed exactly as a ResumableDataLoader on that
-rank computes them. The default run uses n = 10^6; `pytest -m chaos` runs n = 10^8 and prints time and
-memory per rank.
+The pure sampler, no processes: every rank's steps are computed exactly as a ResumableDataLoader on
+that rank computes them. The default run uses n = 10^6; `pytest -m chaos` runs n = 10^8 and prints
+time and memory per rank.
 """
 
 from __future__ import annotations
@@ -28,14 +28,16 @@ def simulate(n: int, batch: int) -> dict[str, float]:
     for phase, world in enumerate(WORLDS):
         step = world * batch
         final = phase == len(WORLDS) - 1
-        stop = n if final else position + (n // len(WORLDS)) // step * step  # a checkpoint at a step boundary
+        # a checkpoint at a step boundary
+        stop = n if final else position + (n // len(WORLDS)) // step * step
         for rank in range(world):
             for units, _, end, _, _ in permutation_steps(perm, n, position, Shard(rank, world, batch, False)):
                 if end > stop:
                     break
                 seen[np.asarray(units)] += 1
         tail = (n - position) % step if final else 0
-        padded = -(-tail // world) * world - tail if tail else 0  # the last step: ceil(tail / world) per rank
+        # the last step: ceil(tail / world) per rank
+        padded = -(-tail // world) * world - tail if tail else 0
         position = stop
     elapsed = time.perf_counter() - start
     assert seen.min() == 1, "a sample was never delivered"
