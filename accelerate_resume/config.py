@@ -95,13 +95,18 @@ class ResumeConfig:
             # "False").
             self.keying = "off"
         if self.keying not in KEYING_MODES:
-            raise ValueError(f"resume config: keying={self.keying!r}; expected one of {list(KEYING_MODES)}")
+            raise ValueError(
+                f"resume config: keying={self.keying!r}; expected one of {list(KEYING_MODES)}"
+            )
         signal_numbers(self.signals)
         generator_mask(self.keyed_generators)
 
 
-def load_config(config: str | os.PathLike[str] | Mapping[str, Any] | DictConfig | None = None,
-                overrides: Sequence[str] = (), environ: Mapping[str, str] | None = None) -> ResumeConfig:
+def load_config(
+    config: str | os.PathLike[str] | Mapping[str, Any] | DictConfig | None = None,
+    overrides: Sequence[str] = (),
+    environ: Mapping[str, str] | None = None,
+) -> ResumeConfig:
     """The schema's defaults, merged with a YAML file (``config`` if it is a path, else the one
     ``$LOADER_RESUME_CONFIG`` names), then ``LOADER_RESUME_<FIELD>`` variables of ``environ``
     (default: ``os.environ``), then ``config`` if it is a dict or DictConfig, then ``overrides`` (an
@@ -111,15 +116,33 @@ def load_config(config: str | os.PathLike[str] | Mapping[str, Any] | DictConfig 
     environ = os.environ if environ is None else environ
     schema = OmegaConf.structured(ResumeConfig)
     layers: list[tuple[str, Any]] = []  # (where it comes from, the layer)
-    path = os.fspath(config) if isinstance(config, (str, os.PathLike)) else environ.get(CONFIG_VARIABLE)
+    path = (
+        os.fspath(config)
+        if isinstance(config, (str, os.PathLike))
+        else environ.get(CONFIG_VARIABLE)
+    )
     if path:
-        where = "resume config" if isinstance(config, (str, os.PathLike)) else f"{CONFIG_VARIABLE}={path}"
+        where = (
+            "resume config"
+            if isinstance(config, (str, os.PathLike))
+            else f"{CONFIG_VARIABLE}={path}"
+        )
         layers.append((where, _read_yaml(path)))
     variables = _variables(environ)
     if variables:
-        layers.append(("environment", OmegaConf.from_dotlist([f"{key}={value}" for key, value in variables.items()])))
+        layers.append(
+            (
+                "environment",
+                OmegaConf.from_dotlist([f"{key}={value}" for key, value in variables.items()]),
+            )
+        )
     if config is not None and not isinstance(config, (str, os.PathLike)):
-        layers.append(("resume config", config if isinstance(config, DictConfig) else OmegaConf.create(dict(config))))
+        layers.append(
+            (
+                "resume config",
+                config if isinstance(config, DictConfig) else OmegaConf.create(dict(config)),
+            )
+        )
     if overrides:
         layers.append(("resume config", OmegaConf.from_dotlist(list(overrides))))
     for where, layer in layers:
@@ -129,15 +152,21 @@ def load_config(config: str | os.PathLike[str] | Mapping[str, Any] | DictConfig 
         except OmegaConfBaseException as error:
             key, message = getattr(error, "full_key", None), str(error.msg).splitlines()[0]
             if where == "environment":
-                raise ValueError(f"{ENV_PREFIX}{str(key).upper()}={variables.get(str(key))!r}: {message}; expected "
-                                 "the types of ResumeConfig") from None
-            raise ValueError(f"{where}: {key}: {message}; expected the types of ResumeConfig") from None
+                raise ValueError(
+                    f"{ENV_PREFIX}{str(key).upper()}={variables.get(str(key))!r}: {message}; "
+                    "expected the types of ResumeConfig"
+                ) from None
+            raise ValueError(
+                f"{where}: {key}: {message}; expected the types of ResumeConfig"
+            ) from None
     try:
         resolved = OmegaConf.to_container(schema, resolve=True)
     except OmegaConfBaseException as error:  # an interpolation (${...}) that does not resolve
         key, message = getattr(error, "full_key", None), str(error.msg).splitlines()[0]
-        raise ValueError(f"resume config: {key} (or {ENV_PREFIX}{str(key).upper()}): {message}; expected a plain "
-                         "value (interpolations are omegaconf's, not the shell's)") from None
+        raise ValueError(
+            f"resume config: {key} (or {ENV_PREFIX}{str(key).upper()}): {message}; expected a "
+            "plain value (interpolations are omegaconf's, not the shell's)"
+        ) from None
     assert isinstance(resolved, dict)
     return ResumeConfig(**{str(key): value for key, value in resolved.items()})
 
@@ -155,7 +184,9 @@ def _variables(environ: Mapping[str, str]) -> dict[str, str]:
         if name not in valid:
             close = difflib.get_close_matches(name, [*valid, *other], n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
-            raise ValueError(f"environment variable {name}: unknown{hint}; expected one of {[*valid, *other]}")
+            raise ValueError(
+                f"environment variable {name}: unknown{hint}; expected one of {[*valid, *other]}"
+            )
         found[valid[name]] = value
     return found
 
@@ -163,7 +194,9 @@ def _variables(environ: Mapping[str, str]) -> dict[str, str]:
 def _read_yaml(path: str) -> DictConfig:
     loaded = OmegaConf.load(path)
     if not isinstance(loaded, DictConfig):
-        raise ValueError(f"resume config {path}: a YAML list; expected a mapping of ResumeConfig keys")
+        raise ValueError(
+            f"resume config {path}: a YAML list; expected a mapping of ResumeConfig keys"
+        )
     return loaded
 
 

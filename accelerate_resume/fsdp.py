@@ -72,7 +72,9 @@ def make_state(optimizer: torch.optim.Optimizer) -> None:
             p.grad = torch.zeros_like(p)
         for group in groups:
             if "lr" in group:
-                group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
+                group["lr"] = (
+                    torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
+                )
         optimizer.step()
     finally:
         for p, grad in zip(params, grads, strict=True):
@@ -88,7 +90,10 @@ def fill_before_load(accelerator: Accelerator, input_dir: str | os.PathLike[str]
     ``load_state`` picks it)."""
     if input_dir is None:
         automatic = Path(accelerator.project_dir or ".") / "checkpoints"
-        if not accelerator.project_configuration.automatic_checkpoint_naming or not automatic.is_dir():
+        if (
+            not accelerator.project_configuration.automatic_checkpoint_naming
+            or not automatic.is_dir()
+        ):
             return
         numbered = [(int(found[0]), path) for path in automatic.iterdir()
                     if (found := re.findall(r"[0-9]+", path.name))]
@@ -97,9 +102,12 @@ def fill_before_load(accelerator: Accelerator, input_dir: str | os.PathLike[str]
         input_dir = max(numbered)[1]
     for optimizer in optimizers_missing_state(accelerator, input_dir):
         make_state(optimizer)
-        logger.info("made the optimizer's state before loading its sharded FSDP checkpoint from %s (Accelerate "
-                    "reads into the state the optimizer already has, and before its first step it has none)",
-                    input_dir)
+        logger.info(
+            "made the optimizer's state before loading its sharded FSDP checkpoint from %s "
+            "(Accelerate reads into the state the optimizer already has, and before its first step "
+            "it has none)",
+            input_dir,
+        )
 
 
 def filling_load_state(accelerator: Accelerator) -> Callable[..., Any]:

@@ -76,12 +76,18 @@ class Resume(LoopHandle):
 
     def __init__(self, accelerator: Accelerator, config: ResumeConfig) -> None:
         if accelerator_mode(accelerator) == "resume":
-            raise ValueError("enable_resume(accelerator) was already called for this Accelerator; expected once")
+            raise ValueError(
+                "enable_resume(accelerator) was already called for this Accelerator; expected once"
+            )
         if accelerator.split_batches:
-            raise ValueError("enable_resume: Accelerator(split_batches=True) is not supported; expected per-process "
-                             "batch sizes (the default)")
+            raise ValueError(
+                "enable_resume: Accelerator(split_batches=True) is not supported; expected "
+                "per-process batch sizes (the default)"
+            )
         self.accelerator, self.config = accelerator, config
-        root = config.checkpoint_dir or os.path.join(accelerator.project_dir or os.getcwd(), "resume_checkpoints")
+        root = config.checkpoint_dir or os.path.join(
+            accelerator.project_dir or os.getcwd(), "resume_checkpoints"
+        )
         every = SaveEvery(None, save_every_n_steps=config.save_every_n_steps,
                           check_every_n_steps=config.check_every_n_steps, keep=config.keep,
                           exit_code=config.exit_code, verify_checksums=config.verify_checksums)
@@ -95,8 +101,10 @@ class Resume(LoopHandle):
             self._started = True  # nothing to resume from
             self._handles = []
             mark_accelerator(accelerator, "stock")  # see refuse_stock_accelerate
-            logger.warning("loader-resume is switched off (enabled=False, e.g. LOADER_RESUME_ENABLED=0): "
-                           "Accelerate's own loaders, no preemption checkpoints, no automatic resume")
+            logger.warning(
+                "loader-resume is switched off (enabled=False, e.g. LOADER_RESUME_ENABLED=0): "
+                "Accelerate's own loaders, no preemption checkpoints, no automatic resume"
+            )
             return
         accelerator.prepare = self._prepare_hooked  # type: ignore[method-assign]
         accelerator.load_state = filling_load_state(accelerator)  # type: ignore[method-assign]
@@ -105,7 +113,9 @@ class Resume(LoopHandle):
         mark_accelerator(accelerator, "resume")
         try:
             if config.remote is not None:
-                self.session.remote = RemoteCopy(config.remote, self.session.checkpoint_dir, keep=config.keep)
+                self.session.remote = RemoteCopy(
+                    config.remote, self.session.checkpoint_dir, keep=config.keep
+                )
             self.session.hold()
         except Exception:
             self.close()
@@ -114,8 +124,7 @@ class Resume(LoopHandle):
             raise
         self.session.preemption.install()
 
-    # --- the user's API
-    # ----------------------------------------------------------------------------
+    # --- the user's API ---------------------------------------------------------------------------
     def epochs(self, num_epochs: int) -> Iterator[int]:
         """``range(num_epochs)``, starting at the resumed epoch (resuming first, if configured)."""
         # NOTE: at the first next(), as a generator: after prepare() has registered the model
@@ -149,7 +158,9 @@ class Resume(LoopHandle):
         exit 74). Switched off (``enabled=False``): nothing is written, ``None``.
         """
         if not self.config.enabled:
-            logger.warning("Resume.save(): loader-resume is switched off (enabled=False); nothing written")
+            logger.warning(
+                "Resume.save(): loader-resume is switched off (enabled=False); nothing written"
+            )
             return None
         return self.session.save()
 
@@ -178,19 +189,27 @@ class Resume(LoopHandle):
                     self.session.boundaries.hook(obj)
         return results[0] if len(results) == 1 else tuple(results)
 
-    def _convert(self, loader: DataLoader[Any], placement: bool | None) -> AcceleratedResumableDataLoader:
+    def _convert(
+        self, loader: DataLoader[Any], placement: bool | None
+    ) -> AcceleratedResumableDataLoader:
         config, accelerator, session = self.config, self.accelerator, self.session
-        ours = sharded_resumable(loader, rank=accelerator.process_index, world_size=accelerator.num_processes,
-                                 loader_class=AcceleratedResumableDataLoader, keying=config.keying, audit=config.audit,
-                                 # each loader its own values
-                                 seed=loader_seed(config.seed, len(session.loaders)),
-                                 keyed_generators=config.keyed_generators, ignore_signals=session.preemption.signals)
+        ours = sharded_resumable(
+            loader,
+            rank=accelerator.process_index,
+            world_size=accelerator.num_processes,
+            loader_class=AcceleratedResumableDataLoader,
+            keying=config.keying,
+            audit=config.audit,
+            # each loader its own values
+            seed=loader_seed(config.seed, len(session.loaders)),
+            keyed_generators=config.keyed_generators,
+            ignore_signals=session.preemption.signals,
+        )
         ours.attach_accelerate(self, *placed(self.accelerator, placement))
         session.add(ours)
         return ours
 
-    # --- step boundaries (the loaders report here)
-    # ---------------------------------------------------
+    # --- step boundaries (the loaders report here) ------------------------------------------------
     def delivered(self, loader: ReportingDataLoader) -> None:
         """A loader handed a batch to the loop."""
         self.session.delivered(loader)

@@ -33,7 +33,9 @@ class AcceleratedResumableDataLoader(ReportingDataLoader, DataLoaderStateMixin):
 
     _is_accelerate_prepared = True  # Accelerate's own prepare_data_loader keeps it as it is
 
-    def attach_accelerate(self, reports: BatchRequests | None, device: torch.device | None, non_blocking: bool) -> None:
+    def attach_accelerate(
+        self, reports: BatchRequests | None, device: torch.device | None, non_blocking: bool
+    ) -> None:
         """Report to ``reports``; move batches to ``device`` (``None``: leave them where they
         are)."""
         self.attach(reports, None if device is None else partial(send_to_device, device=device,
@@ -51,7 +53,8 @@ class AcceleratedResumableDataLoader(ReportingDataLoader, DataLoaderStateMixin):
         ``gather_for_metrics``: our padded tail is rank-major, as the gathered batch is)."""
         self.reset()
         if not isinstance(self.dataset, IterableDataset) and not self.drop_last and self.batch_size:
-            self.remainder = len(self.dataset) % (self.batch_size * self.world_size)  # type: ignore[arg-type]
+            size = len(self.dataset)  # type: ignore[arg-type]
+            self.remainder = size % (self.batch_size * self.world_size)
         # NOTE: Accelerate's own DataLoaderShard registers this way (accelerate 1.15; no public
         # method)
         self.gradient_state._add_dataloader(self)

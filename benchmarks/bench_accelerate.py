@@ -1,7 +1,7 @@
 """Accelerate: enable_resume's overhead, and start to first batch resuming at 90 % of an epoch.
 
-    python benchmarks/bench_accelerate.py            # ~3 min; prints the tables, updates its table in docs/
-    python benchmarks/bench_accelerate.py --quick    # fewer rounds, docs untouched
+    python benchmarks/bench_accelerate.py           # ~3 min; prints the tables, updates docs/
+    python benchmarks/bench_accelerate.py --quick   # fewer rounds, docs untouched
 
 1. Steps/s of a tiny model, 1 process, ``num_workers=2``: Accelerate's own prepared loader against
    the same script after ``enable_resume``. Rounds alternate (order reversed every other round);
@@ -50,8 +50,13 @@ def steps_per_second(with_resume: bool) -> float:
     resume = enable_resume(accelerator) if with_resume else None
     torch.manual_seed(0)
     data = torch.randn(STEPS * BATCH, 16)
-    loader = DataLoader(TensorDataset(data, (data.sum(1) > 0).long()), batch_size=BATCH, shuffle=True,
-                        num_workers=2, persistent_workers=True)
+    loader = DataLoader(
+        TensorDataset(data, (data.sum(1) > 0).long()),
+        batch_size=BATCH,
+        shuffle=True,
+        num_workers=2,
+        persistent_workers=True,
+    )
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
@@ -103,7 +108,9 @@ def child(method: str, root: str, setup: bool) -> None:
     print(f"FIRST BATCH {time.perf_counter() - start:.6f} {batch[0, 0].item()}", flush=True)
 
 
-def make_checkpoint(method: str, accelerator: Accelerator, resume: Any, loader: Any, root: str) -> None:
+def make_checkpoint(
+    method: str, accelerator: Accelerator, resume: Any, loader: Any, root: str
+) -> None:
     if method == "ours":  # our state is a position: set it through the public API, then checkpoint
         state = loader.state_dict()
         loader.load_state_dict({**state, "position": AT})
@@ -134,8 +141,11 @@ def latency_table(rounds: int) -> str:
                "stateful": "`use_stateful_dataloader=True` + `load_state`"}
     roots = {method: tempfile.mkdtemp() for method in methods}
     for method in ("ours", "skip", "stateful"):
-        subprocess.run([sys.executable, "-W", "ignore", __file__, "--child", method, roots[method], "--setup"],
-                       check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, "-W", "ignore", __file__, "--child", method, roots[method], "--setup"],
+            check=True,
+            capture_output=True,
+        )
     times: dict[str, list[tuple[float, float]]] = {method: [] for method in methods}
     for turn in range(rounds):
         for method in (list(methods) if turn % 2 == 0 else list(methods)[::-1]):
@@ -161,20 +171,39 @@ def main() -> None:
         child(*args.child, setup=args.setup)
         return
     rounds = 3 if args.quick else 9
-    result = interleaved({"plain": lambda: steps_per_second(False), "again": lambda: steps_per_second(False),
-                          "ours": lambda: steps_per_second(True)}, rounds)
+    result = interleaved(
+        {
+            "plain": lambda: steps_per_second(False),
+            "again": lambda: steps_per_second(False),
+            "ours": lambda: steps_per_second(True),
+        },
+        rounds,
+    )
     machine = (f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
                f"Accelerate {accelerate.__version__}")
-    text = (f"Measured by `python benchmarks/bench_accelerate.py` ({machine}).\n\n"
-            f"Training speed: a 16-32-2 MLP, batch {BATCH}, {STEPS} steps, `num_workers=2`, 1 process; "
-            f"median over {rounds} interleaved rounds.\n\n"
-            + markdown(["Accelerate loop", "steps/s", "ratio"],
-                       [["`accelerator.prepare` (Accelerate's loader)", f"{result['plain']:,.0f}", "1.000"],
-                        ["the same again (A/A: the noise)", f"{result['again'] * result['plain']:,.0f}",
-                         f"{result['again']:.3f}"],
-                        ["after `enable_resume` (our loader, keyed)", f"{result['ours'] * result['plain']:,.0f}",
-                         f"{result['ours']:.3f}"]])
-            + f"\n\nResume latency: a fresh process, median of {rounds} runs.\n\n" + latency_table(rounds))
+    text = (
+        f"Measured by `python benchmarks/bench_accelerate.py` ({machine}).\n\n"
+        f"Training speed: a 16-32-2 MLP, batch {BATCH}, {STEPS} steps, `num_workers=2`, 1 process; "
+        f"median over {rounds} interleaved rounds.\n\n"
+        + markdown(
+            ["Accelerate loop", "steps/s", "ratio"],
+            [
+                ["`accelerator.prepare` (Accelerate's loader)", f"{result['plain']:,.0f}", "1.000"],
+                [
+                    "the same again (A/A: the noise)",
+                    f"{result['again'] * result['plain']:,.0f}",
+                    f"{result['again']:.3f}",
+                ],
+                [
+                    "after `enable_resume` (our loader, keyed)",
+                    f"{result['ours'] * result['plain']:,.0f}",
+                    f"{result['ours']:.3f}",
+                ],
+            ],
+        )
+        + f"\n\nResume latency: a fresh process, median of {rounds} runs.\n\n"
+        + latency_table(rounds)
+    )
     print(text)
     if not args.quick:
         write_docs_section("accelerate", text)

@@ -2,8 +2,8 @@
 (a local directory), with plain ``DataLoader`` and torchdata's ``StatefulDataLoader`` in the same
 rounds.
 
-    python benchmarks/bench_audit.py            # ~3 min on 2 cores; prints the table, updates its table in docs/
-    python benchmarks/bench_audit.py --quick    # fewer rounds, docs untouched
+    python benchmarks/bench_audit.py           # ~3 min on 2 cores; prints the table, updates docs/
+    python benchmarks/bench_audit.py --quick   # fewer rounds, docs untouched
 
 Tiny items (a 4-float tensor, no work per item) are the worst case for a per-batch cost: every other
 cost of a step is as small as it gets. Loaders take turns epoch by epoch (``interleaved_epochs``);
@@ -56,11 +56,27 @@ def main() -> None:
             extra = f"{(ours - 1) * 100:+.1f} % a batch vs ours" if name == "ours, audit on" else ""
             rows.append([str(workers), name, f"{median:.0f} µs", f"{ratio:.2f}x", extra])
     logged = sum(path.stat().st_size for path in directory.rglob("*.jsonl"))
-    batches = sum(1 for path in directory.rglob("*.jsonl") for line in path.open() if line.startswith('{"t":"b"'))
-    table = markdown(["num_workers", "loader", "a batch (median epoch)", "throughput vs DataLoader", "audit's cost"],
-                     rows)
-    text = (f"{table}\n\nTiny items (n = {N:,}, batches of {BATCH}), whole epochs, {rounds} rounds; the log took "
-            f"{logged / max(batches, 1):.0f} bytes a batch. Measured by `python benchmarks/bench_audit.py`.")
+    batches = sum(
+        1
+        for path in directory.rglob("*.jsonl")
+        for line in path.open()
+        if line.startswith('{"t":"b"')
+    )
+    table = markdown(
+        [
+            "num_workers",
+            "loader",
+            "a batch (median epoch)",
+            "throughput vs DataLoader",
+            "audit's cost",
+        ],
+        rows,
+    )
+    text = (
+        f"{table}\n\nTiny items (n = {N:,}, batches of {BATCH}), whole epochs, {rounds} rounds; "
+        f"the log took {logged / max(batches, 1):.0f} bytes a batch. Measured by `python "
+        "benchmarks/bench_audit.py`."
+    )
     print(text)
     if not args.quick:
         write_docs_section("audit", text)

@@ -1,7 +1,7 @@
 """Core benchmark: ResumableDataLoader vs DataLoader vs torchdata's StatefulDataLoader.
 
-    python benchmarks/bench_core.py            # ~15 min on 2 cores; prints the table, updates its table in docs/
-    python benchmarks/bench_core.py --quick    # fewer rounds, docs untouched
+    python benchmarks/bench_core.py           # ~15 min on 2 cores; prints the table, updates docs/
+    python benchmarks/bench_core.py --quick   # fewer rounds, docs untouched
 
 Loaders take turns (interleaved rounds, medians), so machine drift affects all of them alike.
 """
@@ -55,21 +55,43 @@ ROWS = (
     ("tiny tensors drawing torch + numpy + `random` per item, n = 5,000", lambda: Drawing(5_000)),
     ("50 µs items (`Busy`), n = 5,000", lambda: Busy(5_000)),
 )
-COLUMNS = ("DataLoader again (A/A)", "StatefulDataLoader", "ours, keying off", "ours, default keying",
-           "ours, keying torch only")
+COLUMNS = (
+    "DataLoader again (A/A)",
+    "StatefulDataLoader",
+    "ours, keying off",
+    "ours, default keying",
+    "ours, keying torch only",
+)
 SHARED = "ours, default keying, `by_value_bytes=0`"
 """At 2 workers: every tensor back through shared memory, as DataLoader sends it (keying's cost on
 its transport)."""
 
 
-def throughput(dataset: Any, workers: int, rounds: int) -> tuple[dict[str, float], dict[str, list[float]]]:
+def throughput(
+    dataset: Any, workers: int, rounds: int
+) -> tuple[dict[str, float], dict[str, list[float]]]:
     """Whole epochs of each loader over ``dataset`` (shuffled, batch 64), interleaved; see
     ``interleaved_epochs``."""
-    common = {"batch_size": BATCH, "shuffle": True, "num_workers": workers, "persistent_workers": workers > 0}
-    loaders: dict[str, Any] = dict(zip(("DataLoader", *COLUMNS), (
-        DataLoader(dataset, **common), DataLoader(dataset, **common), StatefulDataLoader(dataset, **common),
-        ResumableDataLoader(dataset, keying="off", **common), ResumableDataLoader(dataset, **common),
-        ResumableDataLoader(dataset, keyed_generators=("torch",), **common)), strict=True))
+    common = {
+        "batch_size": BATCH,
+        "shuffle": True,
+        "num_workers": workers,
+        "persistent_workers": workers > 0,
+    }
+    loaders: dict[str, Any] = dict(
+        zip(
+            ("DataLoader", *COLUMNS),
+            (
+                DataLoader(dataset, **common),
+                DataLoader(dataset, **common),
+                StatefulDataLoader(dataset, **common),
+                ResumableDataLoader(dataset, keying="off", **common),
+                ResumableDataLoader(dataset, **common),
+                ResumableDataLoader(dataset, keyed_generators=("torch",), **common),
+            ),
+            strict=True,
+        )
+    )
     if workers:
         loaders[SHARED] = ResumableDataLoader(dataset, by_value_bytes=0, **common)
     # NOTE: CPU time, which leaves out what a shared VM's other tenants take (wall time moved rows
@@ -79,7 +101,9 @@ def throughput(dataset: Any, workers: int, rounds: int) -> tuple[dict[str, float
     # epoch costs).
     if workers == 0:
         return interleaved_epochs(loaders, rounds, time.process_time)
-    return interleaved_epochs(loaders, rounds, lambda loader: pipeline_cpu_clock(loader, workers), per_loader=True)
+    return interleaved_epochs(
+        loaders, rounds, lambda loader: pipeline_cpu_clock(loader, workers), per_loader=True
+    )
 
 
 def state_dict_micros(workers: int, calls: int = 400) -> float:
@@ -120,13 +144,22 @@ def transport_rows(rounds: int) -> list[list[str]]:
     for kib in (4, 64, 256, 1024, 4096):
         dataset = Blob(BATCH * 40, kib * 1024 // 4 // BATCH)
         common = {"batch_size": BATCH, "num_workers": 2, "persistent_workers": True}
-        loaders = {"DataLoader": DataLoader(dataset, **common),
-                   "ours": ResumableDataLoader(dataset, keying="off", **common),
-                   "always": ResumableDataLoader(dataset, keying="off", by_value_bytes=1 << 30, **common)}
-        ratios, micros = interleaved_epochs(loaders, rounds, lambda loader: pipeline_cpu_clock(loader, 2),
-                                            per_loader=True)
-        rows.append([f"{kib:,} KiB", f"{statistics.median(micros['DataLoader']):.0f}", f"{ratios['ours']:.2f}x",
-                     f"{ratios['always']:.2f}x"])
+        loaders = {
+            "DataLoader": DataLoader(dataset, **common),
+            "ours": ResumableDataLoader(dataset, keying="off", **common),
+            "always": ResumableDataLoader(dataset, keying="off", by_value_bytes=1 << 30, **common),
+        }
+        ratios, micros = interleaved_epochs(
+            loaders, rounds, lambda loader: pipeline_cpu_clock(loader, 2), per_loader=True
+        )
+        rows.append(
+            [
+                f"{kib:,} KiB",
+                f"{statistics.median(micros['DataLoader']):.0f}",
+                f"{ratios['ours']:.2f}x",
+                f"{ratios['always']:.2f}x",
+            ]
+        )
         del loaders
     return rows
 
@@ -150,28 +183,40 @@ def keying_costs() -> dict[str, float]:
         states.changed(states.take(), mask)
 
     def profiler_range() -> None:
-        with torch.autograd.profiler.record_function("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__"):
+        with torch.autograd.profiler.record_function(
+            "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__"
+        ):
             pass
 
-    return {"worker, per batch (seeding one key; done ahead by the helper thread)":
-                median_micros(lambda: seed_generators(key, mask)),
-            "worker, per batch, inside a running 2-worker loader, `Drawing` (draws from all three; cold caches; "
-            "done by the helper thread)": in_loader_seed_micros("Drawing"),
-            "worker, per batch, inside a running 2-worker loader, `Tiny` (draws nothing: torch's generator alone "
-            "is seeded, for `torch.initial_seed()`)": in_loader_seed_micros("Tiny"),
-            "worker, per sample": (median_micros(lambda: list(iter(per_sample)))
-                                   - median_micros(lambda: list(per_sample[:]))) / BATCH,
-            "main process, per batch, a dataset that draws from all three (seeding + caller RNG save and restore)":
-                median_micros(main_process_batch),
-            "main process, per batch, a dataset that draws nothing (RNG states copied and compared)":
-                median_micros(draws_nothing),
-            "caller RNG save+restore": median_micros(lambda: guard.save().restore()),
-            "numpy get_state+set_state (for comparison)":
-                median_micros(lambda: np.random.set_state(np.random.get_state()), repeat=500),
-            "random getstate+setstate (for comparison)":
-                median_micros(lambda: random.setstate(random.getstate()), repeat=500),
-            "torch's per-batch profiler range (record_function), skipped by ours while no profiler records":
-                median_micros(profiler_range)}
+    return {
+        "worker, per batch (seeding one key; done ahead by the helper thread)": median_micros(
+            lambda: seed_generators(key, mask)
+        ),
+        "worker, per batch, inside a running 2-worker loader, `Drawing` (draws from all three; "
+        "cold caches; done by the helper thread)": in_loader_seed_micros("Drawing"),
+        "worker, per batch, inside a running 2-worker loader, `Tiny` (draws nothing: torch's "
+        "generator alone is seeded, for `torch.initial_seed()`)": in_loader_seed_micros("Tiny"),
+        "worker, per sample": (
+            median_micros(lambda: list(iter(per_sample)))
+            - median_micros(lambda: list(per_sample[:]))
+        )
+        / BATCH,
+        "main process, per batch, a dataset that draws from all three (seeding + caller RNG save "
+        "and restore)": median_micros(main_process_batch),
+        "main process, per batch, a dataset that draws nothing (RNG states copied and "
+        "compared)": median_micros(draws_nothing),
+        "caller RNG save+restore": median_micros(lambda: guard.save().restore()),
+        "numpy get_state+set_state (for comparison)": median_micros(
+            lambda: np.random.set_state(np.random.get_state()), repeat=500
+        ),
+        "random getstate+setstate (for comparison)": median_micros(
+            lambda: random.setstate(random.getstate()), repeat=500
+        ),
+        "torch's per-batch profiler range (record_function), skipped by ours while no profiler "
+        "records": median_micros(
+            profiler_range
+        ),
+    }
 
 
 def _probe(script: str, what: str, **fields: Any) -> str:
@@ -218,15 +263,18 @@ _WAKE_CONTROL = """
 import json, sys
 sys.path.insert(0, {bench!r})
 import loader_resume.keyed.worker_fetch as worker_fetch
-worker_fetch.seed_generators = lambda key, mask: None  # forked workers inherit it: the helper seeds nothing
+# forked workers inherit it: the helper seeds nothing
+worker_fetch.seed_generators = lambda key, mask: None
 from common import Tiny, batches_per_second, interleaved
 from torch.utils.data import DataLoader
 from loader_resume import ResumableDataLoader
 
 dataset = Tiny(1 << 20)
 common = dict(batch_size=64, shuffle=True, num_workers=2, persistent_workers=True)
-shared = dict(common, by_value_bytes=0)  # DataLoader's transport for all three: the helper's wake alone differs
-loaders = dict(plain=DataLoader(dataset, **common), off=ResumableDataLoader(dataset, keying="off", **shared),
+# DataLoader's transport for all three: the helper's wake alone differs
+shared = dict(common, by_value_bytes=0)
+loaders = dict(plain=DataLoader(dataset, **common),
+               off=ResumableDataLoader(dataset, keying="off", **shared),
                empty_helper=ResumableDataLoader(dataset, **shared))
 print(json.dumps(interleaved(dict((name, lambda loader=loader: batches_per_second(loader, 400))
                                   for name, loader in loaders.items()), {rounds})))
@@ -236,7 +284,9 @@ print(json.dumps(interleaved(dict((name, lambda loader=loader: batches_per_secon
 def helper_wake_control(rounds: int) -> dict[str, float]:
     """Tiny items, nw=2, with every seeding stubbed out: what the seed-ahead helper's wake alone
     does (every loader sending tensors through shared memory)."""
-    result: dict[str, float] = json.loads(_probe(_WAKE_CONTROL, "helper wake control", rounds=rounds).splitlines()[-1])
+    result: dict[str, float] = json.loads(
+        _probe(_WAKE_CONTROL, "helper wake control", rounds=rounds).splitlines()[-1]
+    )
     return result
 
 
@@ -256,8 +306,9 @@ def state_costs() -> dict[str, Any]:
         out[f"ours: torch.save bytes (JSON bytes), n={n:.0e}"] = (
             f"{_saved_bytes(loader.state_dict())} ({len(json.dumps(loader.state_dict()))})")
     for workers in (0, 2):
-        out[f"ours: state_dict() µs between next() calls of a running loader, num_workers={workers}"] = \
-            state_dict_micros(workers)
+        out[
+            f"ours: state_dict() µs between next() calls of a running loader, num_workers={workers}"
+        ] = state_dict_micros(workers)
     sdl = StatefulDataLoader(Tiny(10**3), batch_size=BATCH, shuffle=True)
     iterator = iter(sdl)
     next(iterator)
@@ -329,56 +380,111 @@ def report(args: argparse.Namespace) -> str:
         dataset = factory()
         for workers in (0, 2):
             ratios, micros = throughput(dataset, workers, rounds if workers else main_rounds)
-            keying = statistics.median(d - o for d, o in zip(micros["ours, default keying"], micros["ours, keying off"],
-                                                             strict=True))
+            keying = statistics.median(
+                d - o
+                for d, o in zip(
+                    micros["ours, default keying"], micros["ours, keying off"], strict=True
+                )
+            )
             shared = f"{ratios[SHARED]:.3f}x" if SHARED in ratios else "—"
-            rows.append([label, str(workers), *(f"{ratios[name]:.3f}x" for name in COLUMNS), shared, f"{keying:+.1f}",
-                         f"{statistics.median(micros['DataLoader']):.1f}"])
+            rows.append(
+                [
+                    label,
+                    str(workers),
+                    *(f"{ratios[name]:.3f}x" for name in COLUMNS),
+                    shared,
+                    f"{keying:+.1f}",
+                    f"{statistics.median(micros['DataLoader']):.1f}",
+                ]
+            )
             print(rows[-1], flush=True)
-    header = ["items (whole epochs)", "num_workers", *COLUMNS, SHARED, "keying cost, µs a batch (default - off)",
-              "DataLoader µs a batch"]
+    header = [
+        "items (whole epochs)",
+        "num_workers",
+        *COLUMNS,
+        SHARED,
+        "keying cost, µs a batch (default - off)",
+        "DataLoader µs a batch",
+    ]
     sections.append(markdown(header, rows))
     stream_rows = []
     for workers in (0, 2):
         result = stream_throughput(workers, 400, rounds)
-        ratios = [f"{result[k]:.3f}x" for k in result if k != "DataLoader"] + ([] if workers else ["—"])
-        stream_rows.append(["stream, state = a few ints", str(workers), *ratios, f"{result['DataLoader']:,.0f}"])
+        ratios = [f"{result[k]:.3f}x" for k in result if k != "DataLoader"] + (
+            [] if workers else ["—"]
+        )
+        stream_rows.append(
+            ["stream, state = a few ints", str(workers), *ratios, f"{result['DataLoader']:,.0f}"]
+        )
         print(stream_rows[-1], flush=True)
-    stream_header = ["iterable dataset (400 batches after the first)", "num_workers", *COLUMNS[:4], SHARED,
-                     "DataLoader batches/s"]
+    stream_header = [
+        "iterable dataset (400 batches after the first)",
+        "num_workers",
+        *COLUMNS[:4],
+        SHARED,
+        "DataLoader batches/s",
+    ]
     sections.append(markdown(stream_header, stream_rows))
-    sections.append(markdown(["one tensor a batch (whole epochs, num_workers=2, keying off)", "DataLoader µs a batch",
-                              "ours (default `by_value_bytes`)", "ours, by value whatever the size"],
-                             transport_rows(3 if args.quick else 7)))
+    sections.append(
+        markdown(
+            [
+                "one tensor a batch (whole epochs, num_workers=2, keying off)",
+                "DataLoader µs a batch",
+                "ours (default `by_value_bytes`)",
+                "ours, by value whatever the size",
+            ],
+            transport_rows(3 if args.quick else 7),
+        )
+    )
     print(sections[-1], flush=True)
     wake = helper_wake_control(rounds)
     control = ["control: tiny items, nw=2, every seeding stubbed out", "ours, keying off",
                "ours, seed-ahead helper seeding nothing"]
-    sections.append(markdown(control, [["ratio to DataLoader", f"{wake['off']:.3f}x", f"{wake['empty_helper']:.3f}x"]]))
+    sections.append(
+        markdown(
+            control,
+            [["ratio to DataLoader", f"{wake['off']:.3f}x", f"{wake['empty_helper']:.3f}x"]],
+        )
+    )
     costs = keying_costs()
-    sections.append(markdown(["keying cost (3 generators)", "µs"], [[k, f"{v:.1f}"] for k, v in costs.items()]))
+    sections.append(
+        markdown(["keying cost (3 generators)", "µs"], [[k, f"{v:.1f}"] for k, v in costs.items()])
+    )
     states = state_costs()
-    sections.append(markdown(["state", "value"], [[k, f"{v:.1f}" if isinstance(v, float) else str(v)]
-                                                   for k, v in states.items()]))
+    sections.append(
+        markdown(
+            ["state", "value"],
+            [[k, f"{v:.1f}" if isinstance(v, float) else str(v)] for k, v in states.items()],
+        )
+    )
     latency = resume_latency()
     sections.append(markdown(["first batch after resume, n=1e7", "10 %", "50 %", "90 %"],
                              [[name, *(f"{s * 1000:.1f} ms" for s in by_fraction.values())]
                               for name, by_fraction in latency.items()]))
     memory = {n: peak_memory_mib(n) for n in (10**3, 10**9)}
-    sections.append(markdown(["shuffled loader, first 10 batches", "RSS growth MiB", "Python/numpy peak MiB"],
-                             [[f"n = {n:.0e}", f"{rss:.1f}", f"{peak:.2f}"] for n, (rss, peak) in memory.items()]))
-    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, batch {BATCH}"
-    head = (f"Measured by `python benchmarks/bench_core.py` ({machine}). Each loader runs whole shuffled epochs "
-            "(from `iter()` to its end, so per-epoch costs count; `persistent_workers=True` at 2 workers, one "
-            f"untimed warm-up epoch each), taking turns in interleaved rounds ({main_rounds} for the map-style rows "
-            f"at `num_workers=0`, {rounds} for the others; order reversed every "
-            "other round); a ratio is the median of its throughput over plain DataLoader's in the same round. "
-            "Time is CPU time, which leaves out the time a process waits for a CPU (on a shared machine, wall "
-            "time moved an A/A pair by ±10 % between rounds): the process's at `num_workers=0`, where all the "
-            "work is, and at 2 workers the sum of the main process's and the loader's two worker processes' (all "
-            "their threads, from `/proc`): where the pipeline keeps every core busy, that is what an epoch costs. "
-            "The A/A column, a "
-            "second identical DataLoader, shows the remaining noise: differences of that size are not ours.")
+    sections.append(
+        markdown(
+            ["shuffled loader, first 10 batches", "RSS growth MiB", "Python/numpy peak MiB"],
+            [[f"n = {n:.0e}", f"{rss:.1f}", f"{peak:.2f}"] for n, (rss, peak) in memory.items()],
+        )
+    )
+    machine = (
+        f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, batch {BATCH}"
+    )
+    head = (
+        f"Measured by `python benchmarks/bench_core.py` ({machine}). Each loader runs whole "
+        "shuffled epochs (from `iter()` to its end, so per-epoch costs count; "
+        "`persistent_workers=True` at 2 workers, one untimed warm-up epoch each), taking turns in "
+        f"interleaved rounds ({main_rounds} for the map-style rows at `num_workers=0`, {rounds} "
+        "for the others; order reversed every other round); a ratio is the median of its "
+        "throughput over plain DataLoader's in the same round. Time is CPU time, which leaves out "
+        "the time a process waits for a CPU (on a shared machine, wall time moved an A/A pair by "
+        "±10 % between rounds): the process's at `num_workers=0`, where all the work is, and at 2 "
+        "workers the sum of the main process's and the loader's two worker processes' (all their "
+        "threads, from `/proc`): where the pipeline keeps every core busy, that is what an epoch "
+        "costs. The A/A column, a second identical DataLoader, shows the remaining noise: "
+        "differences of that size are not ours."
+    )
     return head + "\n\n" + "\n\n".join(sections)
 
 

@@ -1,7 +1,7 @@
 """Lightning overhead: steps/s with and without ResumeCallback (a small model, 1 device, 2 workers).
 
-    python benchmarks/bench_lightning.py            # ~2 min; prints the table, updates its table in docs/
-    python benchmarks/bench_lightning.py --quick    # fewer rounds, docs untouched
+    python benchmarks/bench_lightning.py           # ~2 min; prints the table, updates docs/
+    python benchmarks/bench_lightning.py --quick   # fewer rounds, docs untouched
 
 The callback's work per step is a signal-flag check and a copy of torch's RNG state; its loaders add
 keyed randomness. Rounds alternate (order reversed every other round); ratios are taken per round.
@@ -55,16 +55,27 @@ class Tiny(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
     def train_dataloader(self) -> DataLoader[Any]:
-        return DataLoader(self.data, batch_size=BATCH, shuffle=True, num_workers=2, persistent_workers=True)
+        return DataLoader(
+            self.data, batch_size=BATCH, shuffle=True, num_workers=2, persistent_workers=True
+        )
 
 
 def steps_per_second(with_callback: bool) -> float:
     timed = Timed()
     with tempfile.TemporaryDirectory() as root:
-        callbacks: list[L.Callback] = [timed] + ([ResumeCallback(dirpath=root)] if with_callback else [])
-        trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
-                            enable_model_summary=False, default_root_dir=root,
-                            callbacks=callbacks)
+        callbacks: list[L.Callback] = [timed] + (
+            [ResumeCallback(dirpath=root)] if with_callback else []
+        )
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_epochs=2,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=root,
+            callbacks=callbacks,
+        )
         trainer.fit(Tiny())
     return float(timed.rate)
 
@@ -76,15 +87,27 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning").setLevel(logging.ERROR)
     rounds = 3 if args.quick else 11
-    result = interleaved({"without": lambda: steps_per_second(False), "with": lambda: steps_per_second(True)},
-                         rounds)
-    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, Lightning {L.__version__}"
-    text = (f"Measured by `python benchmarks/bench_lightning.py` ({machine}): a 16-32-2 MLP, batch {BATCH}, "
-            f"{STEPS_PER_EPOCH} steps an epoch, `num_workers=2`; median over {rounds} interleaved rounds.\n\n"
-            + markdown(["Trainer", "steps/s", "ratio"],
-                       [["plain DataLoader, no callback", f"{result['without']:,.0f}", "1.000"],
-                        ["+ ResumeCallback (converted loader, keyed)", f"{result['with'] * result['without']:,.0f}",
-                         f"{result['with']:.3f}"]]))
+    result = interleaved(
+        {"without": lambda: steps_per_second(False), "with": lambda: steps_per_second(True)}, rounds
+    )
+    machine = (f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+               f"Lightning {L.__version__}")
+    text = (
+        f"Measured by `python benchmarks/bench_lightning.py` ({machine}): a 16-32-2 MLP, batch "
+        f"{BATCH}, {STEPS_PER_EPOCH} steps an epoch, `num_workers=2`; median over {rounds} "
+        "interleaved rounds.\n\n"
+        + markdown(
+            ["Trainer", "steps/s", "ratio"],
+            [
+                ["plain DataLoader, no callback", f"{result['without']:,.0f}", "1.000"],
+                [
+                    "+ ResumeCallback (converted loader, keyed)",
+                    f"{result['with'] * result['without']:,.0f}",
+                    f"{result['with']:.3f}",
+                ],
+            ],
+        )
+    )
     print(text)
     if not args.quick:
         write_docs_section("lightning", text)

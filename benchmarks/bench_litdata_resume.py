@@ -53,14 +53,18 @@ class Hidden(litdata.StreamingDataset):  # type: ignore[misc]
     state_dict = None  # litdata's dataset never calls it itself (only StreamingDataLoader does)
 
 
-LOADERS = {"ResumableDataLoader, litdata's protocol": (litdata.StreamingDataset, ResumableDataLoader),
-           "ResumableDataLoader, replay (protocol hidden)": (Hidden, ResumableDataLoader),
-           "litdata.StreamingDataLoader": (litdata.StreamingDataset, litdata.StreamingDataLoader)}
+LOADERS = {
+    "ResumableDataLoader, litdata's protocol": (litdata.StreamingDataset, ResumableDataLoader),
+    "ResumableDataLoader, replay (protocol hidden)": (Hidden, ResumableDataLoader),
+    "litdata.StreamingDataLoader": (litdata.StreamingDataset, litdata.StreamingDataLoader),
+}
 
 
 def build(name: str, folder: str, workers: int) -> Any:
     dataset, loader = LOADERS[name]
-    return loader(dataset(input_dir=folder, shuffle=True, seed=7), batch_size=BATCH, num_workers=workers)
+    return loader(
+        dataset(input_dir=folder, shuffle=True, seed=7), batch_size=BATCH, num_workers=workers
+    )
 
 
 def ids(batch: dict[str, torch.Tensor]) -> list[int]:
@@ -79,7 +83,9 @@ def cut_state(name: str, folder: str, workers: int, cut: int) -> tuple[Any, list
     return state, expected
 
 
-def resume(name: str, folder: str, workers: int, state: Any, log: BufferingHandler) -> tuple[float, list[int], str]:
+def resume(
+    name: str, folder: str, workers: int, state: Any, log: BufferingHandler
+) -> tuple[float, list[int], str]:
     log.flush()  # (empties its buffer)
     state = copy.deepcopy(state)
     start = time.perf_counter()
@@ -94,8 +100,11 @@ def resume(name: str, folder: str, workers: int, state: Any, log: BufferingHandl
 
 def plain_epoch(folder: str, workers: int) -> float:
     start = time.perf_counter()
-    for _ in DataLoader(litdata.StreamingDataset(input_dir=folder, shuffle=True, seed=7), batch_size=BATCH,
-                        num_workers=workers):
+    for _ in DataLoader(
+        litdata.StreamingDataset(input_dir=folder, shuffle=True, seed=7),
+        batch_size=BATCH,
+        num_workers=workers,
+    ):
         pass
     return time.perf_counter() - start
 
@@ -109,7 +118,15 @@ def report(args: argparse.Namespace, folder: str) -> str:
     rows = []
     for workers in args.workers:
         epoch = statistics.median(plain_epoch(folder, workers) for _ in range(args.repeats))
-        rows.append(["plain DataLoader, one whole epoch", str(workers), f"{epoch * 1000:,.0f} ms", "100.0 %", "n/a"])
+        rows.append(
+            [
+                "plain DataLoader, one whole epoch",
+                str(workers),
+                f"{epoch * 1000:,.0f} ms",
+                "100.0 %",
+                "n/a",
+            ]
+        )
         states = {name: cut_state(name, folder, workers, cut) for name in LOADERS}
         times: dict[str, list[float]] = {name: [] for name in LOADERS}
         matched = dict.fromkeys(LOADERS, True)
@@ -120,34 +137,69 @@ def report(args: argparse.Namespace, folder: str) -> str:
                 times[name].append(seconds)
                 matched[name] &= got == expected
                 if LOADERS[name][1] is ResumableDataLoader:
-                    assert got == expected, f"{name}, num_workers={workers}: wrong first batch after resume"
+                    assert got == expected, (
+                        f"{name}, num_workers={workers}: wrong first batch after resume"
+                    )
                     assert ("replaying" in logged) == (LOADERS[name][0] is Hidden), (name, logged)
         for name in LOADERS:
             median = statistics.median(times[name])
-            rows.append([name, str(workers), f"{median * 1000:,.1f} ms", f"{median / epoch * 100:.1f} %",
-                         "yes" if matched[name] else "**no**"])
+            rows.append(
+                [
+                    name,
+                    str(workers),
+                    f"{median * 1000:,.1f} ms",
+                    f"{median / epoch * 100:.1f} %",
+                    "yes" if matched[name] else "**no**",
+                ]
+            )
             print(rows[-1], flush=True)
-    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, litdata {litdata.__version__}"
-    head = (f"Measured by `python benchmarks/bench_litdata_resume.py` ({machine}): n = {args.n:,} items, batch "
-            f"{BATCH}, resume after {cut} of {math.ceil(args.n / BATCH)} batches; medians over {args.repeats}.")
-    return head + "\n\n" + markdown(["loader", "num_workers", "first batch after resume", "of a plain epoch",
-                                     "= uninterrupted run's batch"], rows)
+    machine = (f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+               f"litdata {litdata.__version__}")
+    head = (
+        f"Measured by `python benchmarks/bench_litdata_resume.py` ({machine}): n = {args.n:,} "
+        f"items, batch {BATCH}, resume after {cut} of {math.ceil(args.n / BATCH)} batches; medians "
+        f"over {args.repeats}."
+    )
+    return (
+        head
+        + "\n\n"
+        + markdown(
+            [
+                "loader",
+                "num_workers",
+                "first batch after resume",
+                "of a plain epoch",
+                "= uninterrupted run's batch",
+            ],
+            rows,
+        )
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--n", type=int, default=100_000, help="items in the epoch")
-    parser.add_argument("--at", type=float, default=0.9, help="resume after this fraction of the epoch's batches")
+    parser.add_argument(
+        "--at", type=float, default=0.9, help="resume after this fraction of the epoch's batches"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
-    parser.add_argument("--no-write", dest="write", action="store_false", help="print only, leave the docs")
+    parser.add_argument(
+        "--no-write", dest="write", action="store_false", help="print only, leave the docs"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = os.path.join(tmp, "optimized")
         start = time.perf_counter()
         try:  # NOTE: litdata.optimize sets the process-wide start method; the loaders' workers fork
-            litdata.optimize(fn=item, inputs=list(range(args.n)), output_dir=folder, chunk_size=max(1, args.n // 40),
-                             num_workers=os.cpu_count() or 1, start_method="fork")
+            litdata.optimize(
+                fn=item,
+                inputs=list(range(args.n)),
+                output_dir=folder,
+                chunk_size=max(1, args.n // 40),
+                num_workers=os.cpu_count() or 1,
+                start_method="fork",
+            )
         finally:
             multiprocessing.set_start_method("fork", force=True)
         print(f"litdata.optimize: {time.perf_counter() - start:.1f} s", flush=True)

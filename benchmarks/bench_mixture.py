@@ -1,8 +1,8 @@
 """A data mixture against the peers: ``Mixture`` + ``ResumableDataLoader``, ``ConcatDataset`` +
 ``WeightedRandomSampler`` in a plain ``DataLoader``, and torchdata's ``MultiNodeWeightedSampler``.
 
-    python benchmarks/bench_mixture.py            # ~2 min on 2 cores; prints the table, updates its table in docs/
-    python benchmarks/bench_mixture.py --quick    # fewer rounds, docs untouched
+    python benchmarks/bench_mixture.py           # ~2 min on 2 cores; prints and updates its table
+    python benchmarks/bench_mixture.py --quick   # fewer rounds, docs untouched
 
 Three sources of Python ints (500,000, 300,000 and 200,000 items; ``__getitem__`` returns the
 index), weights 5:3:2, batches of 64, ``num_workers=0``, an epoch of 10^6 samples. Throughput: whole
@@ -42,8 +42,12 @@ BATCHES = SAMPLES // BATCH
 
 
 def ours(keying: str = "batch") -> ResumableDataLoader[Any]:
-    mixture = Mixture({name: Ints(n) for name, n in LENGTHS.items()}, WEIGHTS, samples_per_epoch=SAMPLES)
-    return ResumableDataLoader(mixture, batch_size=BATCH, shuffle=False, seed=0, drop_last=True, keying=keying)
+    mixture = Mixture(
+        {name: Ints(n) for name, n in LENGTHS.items()}, WEIGHTS, samples_per_epoch=SAMPLES
+    )
+    return ResumableDataLoader(
+        mixture, batch_size=BATCH, shuffle=False, seed=0, drop_last=True, keying=keying
+    )
 
 
 def ours_unkeyed() -> ResumableDataLoader[Any]:
@@ -52,8 +56,12 @@ def ours_unkeyed() -> ResumableDataLoader[Any]:
 
 def plain() -> DataLoader[Any]:
     concat = ConcatDataset([Ints(n) for n in LENGTHS.values()])
-    per_item = torch.cat([torch.full((n,), WEIGHTS[name] / n, dtype=torch.float64) for name, n in LENGTHS.items()])
-    sampler = WeightedRandomSampler(per_item, SAMPLES, replacement=True, generator=torch.Generator().manual_seed(0))
+    per_item = torch.cat(
+        [torch.full((n,), WEIGHTS[name] / n, dtype=torch.float64) for name, n in LENGTHS.items()]
+    )
+    sampler = WeightedRandomSampler(
+        per_item, SAMPLES, replacement=True, generator=torch.Generator().manual_seed(0)
+    )
     return DataLoader(concat, batch_size=BATCH, sampler=sampler, drop_last=True)
 
 
@@ -62,10 +70,21 @@ class Nodes:
     ``MultiNodeWeightedSampler``, batched; one epoch = ``BATCHES`` batches of its endless mix."""
 
     def __init__(self) -> None:
-        from torchdata.nodes import Batcher, Loader, Mapper, MultiNodeWeightedSampler, SamplerWrapper
+        from torchdata.nodes import (
+            Batcher,
+            Loader,
+            Mapper,
+            MultiNodeWeightedSampler,
+            SamplerWrapper,
+        )
 
-        sources = {name: Mapper(SamplerWrapper(RandomSampler(Ints(n), generator=torch.Generator().manual_seed(i))),
-                                Ints(n).__getitem__) for i, (name, n) in enumerate(LENGTHS.items())}
+        sources = {
+            name: Mapper(
+                SamplerWrapper(RandomSampler(Ints(n), generator=torch.Generator().manual_seed(i))),
+                Ints(n).__getitem__,
+            )
+            for i, (name, n) in enumerate(LENGTHS.items())
+        }
         mixed = MultiNodeWeightedSampler(sources, WEIGHTS, stop_criteria="CYCLE_FOREVER", seed=0)
         self.loader = Loader(Batcher(mixed, batch_size=BATCH, drop_last=True))
         self.iterator: Iterator[Any] | None = None
@@ -82,9 +101,12 @@ class Nodes:
         self.loader.load_state_dict(state)
 
 
-LOADERS: dict[str, Callable[[], Any]] = {"ConcatDataset + WeightedRandomSampler (plain DataLoader)": plain,
-                                         "torchdata MultiNodeWeightedSampler": Nodes, "Mixture (ours)": ours,
-                                         'Mixture (ours), keying="off"': ours_unkeyed}
+LOADERS: dict[str, Callable[[], Any]] = {
+    "ConcatDataset + WeightedRandomSampler (plain DataLoader)": plain,
+    "torchdata MultiNodeWeightedSampler": Nodes,
+    "Mixture (ours)": ours,
+    'Mixture (ours), keying="off"': ours_unkeyed,
+}
 
 
 def state_bytes(state: Any) -> int:
@@ -130,14 +152,24 @@ def main() -> None:
     for name, make in LOADERS.items():
         resume, size = resume_seconds(make)
         changes = {"torchdata MultiNodeWeightedSampler": "no (not saved)"}
-        rows.append([name, f"{statistics.median(micros[name]):.0f}", f"{ratios[name]:.2f}x",
-                     f"{size:,}" if size else "none", f"{resume * 1e3:,.1f} ms",
-                     "yes (in the state)" if name.startswith("Mixture") else changes.get(name, "no state")])
+        rows.append(
+            [
+                name,
+                f"{statistics.median(micros[name]):.0f}",
+                f"{ratios[name]:.2f}x",
+                f"{size:,}" if size else "none",
+                f"{resume * 1e3:,.1f} ms",
+                "yes (in the state)"
+                if name.startswith("Mixture")
+                else changes.get(name, "no state"),
+            ]
+        )
     table = markdown(["loader", "µs a batch", "throughput vs plain", "state (bytes)",
                       "first batch after a resume at 90 %", "a weight change resumes"], rows)
     print(table)
     if not args.quick:
-        method = f"Measured by `python benchmarks/bench_mixture.py` ({rounds} rounds; method in its docstring)."
+        method = (f"Measured by `python benchmarks/bench_mixture.py` ({rounds} rounds; method in "
+                  "its docstring).")
         write_docs_section("mixture", f"{table}\n\n{method}")
 
 

@@ -1,8 +1,8 @@
 """``in_order=False`` against ``in_order=True`` when one item in 64 is slow, ours and a plain
 ``DataLoader``.
 
-    python benchmarks/bench_out_of_order.py            # ~1 min on 2 cores; prints the table, updates its table in docs/
-    python benchmarks/bench_out_of_order.py --quick    # fewer rounds, docs untouched
+    python benchmarks/bench_out_of_order.py          # ~1 min on 2 cores; prints, updates its table
+    python benchmarks/bench_out_of_order.py --quick  # fewer rounds, docs untouched
 
 1,024 items of ~0.5 ms of CPU each, except every 64th, which sleeps 40 ms (a slow decode, a remote
 read); batches of 8, ``num_workers=2``, ``prefetch_factor=2``. Whole epochs, the four loaders taking
@@ -47,10 +47,14 @@ class OneSlowIn64(Dataset[int]):
 def loaders() -> dict[str, Any]:
     common = {"batch_size": BATCH, "shuffle": True, "num_workers": 2, "prefetch_factor": 2,
               "persistent_workers": True}
-    return {"DataLoader, in_order=True": DataLoader(OneSlowIn64(), **common, in_order=True),
-            "DataLoader, in_order=False": DataLoader(OneSlowIn64(), **common, in_order=False),
-            "ours, in_order=True": ResumableDataLoader(OneSlowIn64(), **common, in_order=True, seed=0),
-            "ours, in_order=False": ResumableDataLoader(OneSlowIn64(), **common, in_order=False, seed=0)}
+    return {
+        "DataLoader, in_order=True": DataLoader(OneSlowIn64(), **common, in_order=True),
+        "DataLoader, in_order=False": DataLoader(OneSlowIn64(), **common, in_order=False),
+        "ours, in_order=True": ResumableDataLoader(OneSlowIn64(), **common, in_order=True, seed=0),
+        "ours, in_order=False": ResumableDataLoader(
+            OneSlowIn64(), **common, in_order=False, seed=0
+        ),
+    }
 
 
 def main() -> None:
@@ -59,12 +63,15 @@ def main() -> None:
     args = parser.parse_args()
     rounds = 2 if args.quick else 5
     ratios, micros = interleaved_epochs(loaders(), rounds)
-    rows = [[name, f"{statistics.median(values) * (N // BATCH) / 1e6:.2f} s", f"{ratios[name]:.2f}x"]
-            for name, values in micros.items()]
+    rows = [
+        [name, f"{statistics.median(values) * (N // BATCH) / 1e6:.2f} s", f"{ratios[name]:.2f}x"]
+        for name, values in micros.items()
+    ]
     table = markdown(["loader", "epoch", "throughput vs DataLoader in order"], rows)
     print(table)
     if not args.quick:
-        method = f"Measured by `python benchmarks/bench_out_of_order.py` ({rounds} rounds; method in its docstring)."
+        method = (f"Measured by `python benchmarks/bench_out_of_order.py` ({rounds} rounds; "
+                  "method in its docstring).")
         write_docs_section("out_of_order", f"{table}\n\n{method}")
 
 

@@ -1,7 +1,7 @@
 """How long a preemption takes: from the signal to an exit with the checkpoint on storage.
 
-    python benchmarks/bench_preemption.py            # ~3 min; prints the table, updates its table in docs/
-    python benchmarks/bench_preemption.py --quick    # 100 MB only, one run each, docs untouched
+    python benchmarks/bench_preemption.py           # ~3 min; prints the table, updates docs/
+    python benchmarks/bench_preemption.py --quick   # 100 MB only, one run each, docs untouched
 
 A Lightning ``Trainer`` with ``ResumeCallback`` trains one linear layer whose weights are the model
 state (about 100 MB or 1 GB of float32, SGD without momentum: the checkpoint is the weights and
@@ -58,7 +58,9 @@ def child(out: Path, size: int, writer: str) -> None:
 
     width = int(math.sqrt(size / 4))
     times: dict[str, float] = {}
-    atexit.register(lambda: (out / "times.json").write_text(json.dumps({**times, "exit": time.time()})))
+    atexit.register(
+        lambda: (out / "times.json").write_text(json.dumps({**times, "exit": time.time()}))
+    )
 
     class Model(L.LightningModule):
         def __init__(self) -> None:
@@ -81,12 +83,29 @@ def child(out: Path, size: int, writer: str) -> None:
                 times["signal"] = time.time()
                 os.kill(os.getpid(), signal.SIGTERM)
 
-    periodic = [ModelCheckpoint(dirpath=out / "periodic", every_n_train_steps=SIGNAL_AFTER, save_top_k=-1,
-                                save_last=False)] if writer == "async-periodic" else []
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=10, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=out,
-                        plugins=[AsyncCheckpointIO()] if writer.startswith("async") else None,
-                        callbacks=[*periodic, Signal(), ResumeCallback(dirpath=out)])
+    periodic = (
+        [
+            ModelCheckpoint(
+                dirpath=out / "periodic",
+                every_n_train_steps=SIGNAL_AFTER,
+                save_top_k=-1,
+                save_last=False,
+            )
+        ]
+        if writer == "async-periodic"
+        else []
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=10,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out,
+        plugins=[AsyncCheckpointIO()] if writer.startswith("async") else None,
+        callbacks=[*periodic, Signal(), ResumeCallback(dirpath=out)],
+    )
     trainer.fit(Model())
 
 
@@ -100,13 +119,18 @@ def measure(size: int, writer: str) -> dict[str, float]:
         if done.returncode != 143:
             raise SystemExit(f"{writer} {size}: exit {done.returncode}\n{done.stderr[-3000:]}")
         times = json.loads((out / "times.json").read_text())
-        return {"seconds": times["exit"] - times["signal"], "bytes": (out / "preempted.ckpt").stat().st_size,
-                "step": times[f"step{SIGNAL_AFTER - 1}"] - times[f"step{SIGNAL_AFTER - 2}"]}
+        return {
+            "seconds": times["exit"] - times["signal"],
+            "bytes": (out / "preempted.ckpt").stat().st_size,
+            "step": times[f"step{SIGNAL_AFTER - 1}"] - times[f"step{SIGNAL_AFTER - 2}"],
+        }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="100 MB, one run each; do not touch the docs")
+    parser.add_argument(
+        "--quick", action="store_true", help="100 MB, one run each; do not touch the docs"
+    )
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -125,9 +149,13 @@ def main() -> None:
 
     machine = (f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
                f"Lightning {lightning.__version__}")
-    text = (f"Measured by `python benchmarks/bench_preemption.py` ({machine}); median over {runs} runs, each a "
-            "fresh process, the checkpoint on the machine's disk.\n\n"
-            + markdown(["model state", "writer", "checkpoint", "one step (s)", "signal to exit (s)"], rows))
+    text = (
+        f"Measured by `python benchmarks/bench_preemption.py` ({machine}); median over {runs} "
+        "runs, each a fresh process, the checkpoint on the machine's disk.\n\n"
+        + markdown(
+            ["model state", "writer", "checkpoint", "one step (s)", "signal to exit (s)"], rows
+        )
+    )
     print(text)
     if not args.quick:
         write_docs_section("preemption", text)

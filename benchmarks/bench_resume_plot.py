@@ -1,7 +1,7 @@
 """Time to the first batch after resuming at a position in the epoch: ours, StatefulDataLoader,
 Accelerate.
 
-    python benchmarks/bench_resume_plot.py      # ~1 min; writes docs/img/resume_latency.png and its table in docs/
+    python benchmarks/bench_resume_plot.py  # ~1 min; writes docs/img/resume_latency.png, its table
 
 Each loader is brought to the position for real (states are taken by iterating, nw=0), then a fresh
 loader resumes and we time load + first batch. Accelerate's documented way is
@@ -51,7 +51,13 @@ def _time_resume(build: Any, state: Any) -> float:
 def _time_skip(fraction: float) -> float:
     torch.manual_seed(0)
     start = time.perf_counter()
-    next(iter(skip_first_batches(DataLoader(Tiny(N), batch_size=BATCH, shuffle=True), int(N * fraction) // BATCH)))
+    next(
+        iter(
+            skip_first_batches(
+                DataLoader(Tiny(N), batch_size=BATCH, shuffle=True), int(N * fraction) // BATCH
+            )
+        )
+    )
     return time.perf_counter() - start
 
 
@@ -74,7 +80,12 @@ def plot(results: dict[str, dict[float, float]]) -> None:
 
     figure, axes = plt.subplots(figsize=(7, 4))
     for name, by_fraction in results.items():
-        axes.plot([100 * f for f in by_fraction], [1000 * s for s in by_fraction.values()], marker="o", label=name)
+        axes.plot(
+            [100 * f for f in by_fraction],
+            [1000 * s for s in by_fraction.values()],
+            marker="o",
+            label=name,
+        )
     axes.set_yscale("log")
     axes.set_xlabel("resume position (% of a 10^6-sample epoch, batch 64)")
     axes.set_ylabel("load + first batch (ms, log scale)")
@@ -91,8 +102,11 @@ def main() -> None:
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
     header = ["load + first batch, n = 1e6", *(f"{int(100 * f)} %" for f in FRACTIONS)]
     rows = [[name, *(f"{1000 * s:.1f} ms" for s in by.values())] for name, by in results.items()]
-    text = (f"Measured by `python benchmarks/bench_resume_plot.py` ({machine}); nw=0, tiny items.\n\n"
-            + markdown(header, rows) + "\n\n![time to first batch after resume](img/resume_latency.png)")
+    text = (
+        f"Measured by `python benchmarks/bench_resume_plot.py` ({machine}); nw=0, tiny items.\n\n"
+        + markdown(header, rows)
+        + "\n\n![time to first batch after resume](img/resume_latency.png)"
+    )
     print(text)
     write_docs_section("resume", text)
 

@@ -127,15 +127,19 @@ def epoch_micros(loader: Iterable[Any], clock: Callable[[], float] = time.perf_c
 
 
 def interleaved_epochs(
-    loaders: dict[str, Iterable[Any]], rounds: int,
-    clock: Callable[[], float] | Callable[[Any], Callable[[], float]] = time.perf_counter, *, per_loader: bool = False,
+    loaders: dict[str, Iterable[Any]],
+    rounds: int,
+    clock: Callable[[], float] | Callable[[Any], Callable[[], float]] = time.perf_counter,
+    *,
+    per_loader: bool = False,
 ) -> tuple[dict[str, float], dict[str, list[float]]]:
     """Whole epochs, loaders taking turns (order reversed every other round) after one untimed
     warm-up epoch each: (each loader's median ratio of throughput to the first loader's in the same
     round, µs a batch in each round). ``clock``: wall time, or ``time.process_time`` where all the
     work is in this process; with ``per_loader``, a function of the loader that gives its clock
     (:func:`pipeline_cpu_clock`)."""
-    clocks = {name: clock(loader) if per_loader else clock for name, loader in loaders.items()}  # type: ignore[call-arg]
+    clocks = {name: clock(loader) if per_loader else clock  # type: ignore[call-arg]
+              for name, loader in loaders.items()}
     for name, loader in loaders.items():
         epoch_micros(loader, clocks[name])  # type: ignore[arg-type]
     micros: dict[str, list[float]] = {name: [] for name in loaders}
@@ -171,7 +175,9 @@ def pipeline_cpu_clock(loader: Any, workers: int) -> Callable[[], float]:
         iterator = getattr(loader, "_iterator", None)
         pids = [worker.pid for worker in getattr(iterator, "_workers", ())]
         if iterator is not None and len(pids) != workers:
-            raise RuntimeError(f"{type(loader).__name__}: found {len(pids)} worker processes, expected {workers}")
+            raise RuntimeError(
+                f"{type(loader).__name__}: found {len(pids)} worker processes, expected {workers}"
+            )
         return time.process_time() + sum(_threads_cpu_seconds(pid) for pid in pids)
     return clock
 
@@ -212,7 +218,11 @@ def write_docs_section(name: str, text: str) -> None:
     one page of the docs (``docs/*.md``) or the README that holds those markers."""
     start, end = f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
     pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
-    pages = [page for page in [README, *sorted(DOCS.glob("*.md"))] if pattern.search(page.read_text())]
+    pages = [
+        page for page in [README, *sorted(DOCS.glob("*.md"))] if pattern.search(page.read_text())
+    ]
     if len(pages) != 1:
-        raise SystemExit(f"{start} ... {end}: found in {[str(page) for page in pages]}; expected in one page")
+        raise SystemExit(
+            f"{start} ... {end}: found in {[str(page) for page in pages]}; expected in one page"
+        )
     pages[0].write_text(pattern.sub(lambda _: f"{start}\n{text}\n{end}", pages[0].read_text()))

@@ -1,7 +1,7 @@
 """Run torchdata's StatefulDataLoader test suites against ResumableDataLoader, beside it.
 
-    python benchmarks/torchdata_suites.py --repo PATH             # prints the table; docs untouched
-    python benchmarks/torchdata_suites.py --repo PATH --readme    # also writes the table to docs/comparison.md
+    python benchmarks/torchdata_suites.py --repo PATH            # prints the table; docs untouched
+    python benchmarks/torchdata_suites.py --repo PATH --readme   # also into docs/comparison.md
 
 ``PATH`` is a local copy of github.com/pytorch/data: a checkout, or a bare git directory (its
 ``HEAD`` is read with ``git show``). Nothing is fetched. Without ``--repo``, ``$TORCHDATA_REPO`` is
@@ -45,20 +45,26 @@ IMPORTS = (
 DELIBERATE: dict[str, str] = {
     r"test_state_dict\.py::TestOutOfOrderWithCheckpointing::test_out_of_order_iterable":
         "reads torchdata's state layout",
-    r"test_state_dict\.py::TestNumWorkersMismatch": "a map-style state resumes with another num_workers",
-    r"test_state_dict\.py::TestEndOfEpochBehavior": "a state after an epoch's last batch resumes at the next epoch",
+    r"test_state_dict\.py::TestNumWorkersMismatch":
+        "a map-style state resumes with another num_workers",
+    r"test_state_dict\.py::TestEndOfEpochBehavior":
+        "a state after an epoch's last batch resumes at the next epoch",
     r"test_state_dict\.py::TestDynamicStateIterableDataset": "reads torchdata's state layout",
     r"test_state_dict\.py::TestDatasetIteratorStateDuplication": "reads torchdata's state layout",
     r"test_state_dict\.py::TestSingleIterCalled": "reads torchdata's state layout",
-    r"test_state_dict\.py::TestInitialState_shard0::test_(initial_state|load_state_after_initial_state_dict)":
+    r"test_state_dict\.py::TestInitialState_shard0::"
+    r"test_(initial_state|load_state_after_initial_state_dict)":
         "reads torchdata's state layout",
     r"test_state_dict\.py::TestInitialState_shard0::test_init_error":
         "a worker_init_fn error is raised at the first next(), as DataLoader, not at iter()",
-    r"test_dataloader\.py::.*::test_worker_init_fn": "keyed torch: a worker_init_fn's torch.manual_seed is overridden",
-    r"test_dataloader\.py::.*::test_shuffler_iterdatapipe": "the order follows the loader's seed, not the global RNG",
+    r"test_dataloader\.py::.*::test_worker_init_fn":
+        "keyed torch: a worker_init_fn's torch.manual_seed is overridden",
+    r"test_dataloader\.py::.*::test_shuffler_iterdatapipe":
+        "the order follows the loader's seed, not the global RNG",
     # Not ours: torch 2.13's WorkerInfo is a frozen dataclass; the test expects a RuntimeError on
     # assignment.
-    r"test_dataloader\.py::.*::test_get_worker_info": "fails for StatefulDataLoader too (torch 2.13 WorkerInfo)",
+    r"test_dataloader\.py::.*::test_get_worker_info":
+        "fails for StatefulDataLoader too (torch 2.13 WorkerInfo)",
 }
 
 # Tests whose result is reported by name (a second table): out-of-order delivery. torchdata's
@@ -69,8 +75,10 @@ NAMED = (
     "test_dataloader.py::TestOutOfOrderDataLoader::test_in_order_iterable_ds",
     "test_dataloader.py::TestOutOfOrderDataLoader::test_out_of_order_iterable_ds",
     "test_state_dict.py::TestOutOfOrderWithCheckpointing::test_out_of_order_index_ds",
-    "test_state_dict.py::TestOutOfOrderWithCheckpointing::test_out_of_order_iterable_ds_one_completed_worker",
-    "test_state_dict.py::TestOutOfOrderWithCheckpointing::test_out_of_order_iterable_ds_no_completed_workers",
+    "test_state_dict.py::TestOutOfOrderWithCheckpointing::"
+    "test_out_of_order_iterable_ds_one_completed_worker",
+    "test_state_dict.py::TestOutOfOrderWithCheckpointing::"
+    "test_out_of_order_iterable_ds_no_completed_workers",
 )
 
 
@@ -88,7 +96,9 @@ def ours(text: str, name: str) -> str:
         swapped += text.count(theirs)
         text = text.replace(theirs, replacement)
     if not swapped:
-        raise SystemExit(f"{name}: no import of StatefulDataLoader found to swap (did the upstream file change?)")
+        raise SystemExit(
+            f"{name}: no import of StatefulDataLoader found to swap (did the upstream file change?)"
+        )
     return text
 
 
@@ -96,15 +106,40 @@ def run(folder: Path, name: str) -> tuple[dict[str, int], list[str], set[str]]:
     """pytest on one file: its counts, the ids of the tests that failed and those of the tests that
     passed."""
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-p", "no:warnings",
-         "-o", "addopts=", "--timeout", "300", name],
-        cwd=folder, capture_output=True, text=True, env={**os.environ, "PYTORCH_PRINT_REPRO_ON_FAILURE": "0"})
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rA",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:warnings",
+            "-o",
+            "addopts=",
+            "--timeout",
+            "300",
+            name,
+        ],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTORCH_PRINT_REPRO_ON_FAILURE": "0"},
+    )
     lines = done.stdout.strip().splitlines()
     summary = lines[-1] if lines else ""
-    counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|error|errors|skipped)", summary)}
+    counts = {
+        kind: int(n)
+        for n, kind in re.findall(r"(\d+) (passed|failed|error|errors|skipped)", summary)
+    }
     if not counts:
-        raise SystemExit(f"{name}: pytest gave no summary:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    failed = sorted({m.group(1) for m in re.finditer(r"^(?:FAILED|ERROR) (\S+)", done.stdout, re.M)})
+        raise SystemExit(
+            f"{name}: pytest gave no summary:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        )
+    failed = sorted(
+        {m.group(1) for m in re.finditer(r"^(?:FAILED|ERROR) (\S+)", done.stdout, re.M)}
+    )
     passed = {m.group(1) for m in re.finditer(r"^PASSED (\S+)", done.stdout, re.M)}
     return counts, failed, passed
 
@@ -119,12 +154,20 @@ def outcome(test: str, passed: set[str], failed: list[str]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--repo", default=os.environ.get("TORCHDATA_REPO"), help="a local copy of pytorch/data")
-    parser.add_argument("--readme", action="store_true", help="write the table to docs/comparison.md")
-    parser.add_argument("--only", choices=FILES, action="append", help="run only this file (repeatable)")
+    parser.add_argument(
+        "--repo", default=os.environ.get("TORCHDATA_REPO"), help="a local copy of pytorch/data"
+    )
+    parser.add_argument(
+        "--readme", action="store_true", help="write the table to docs/comparison.md"
+    )
+    parser.add_argument(
+        "--only", choices=FILES, action="append", help="run only this file (repeatable)"
+    )
     args = parser.parse_args()
     if not args.repo:
-        raise SystemExit("no copy of pytorch/data: pass --repo PATH or set TORCHDATA_REPO (nothing is fetched)")
+        raise SystemExit(
+            "no copy of pytorch/data: pass --repo PATH or set TORCHDATA_REPO (nothing is fetched)"
+        )
     repo = Path(args.repo)
     rows, unexplained, named = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -135,27 +178,52 @@ def main() -> None:
             (folder / f"ours_{name}").write_text(ours(text, name))
             theirs_counts, theirs_failed, theirs_passed = run(folder, f"theirs_{name}")
             ours_counts, failed, ours_passed = run(folder, f"ours_{name}")
-            named += [[f"`{test}`", outcome(f"theirs_{test}", theirs_passed, theirs_failed),
-                       outcome(f"ours_{test}", ours_passed, failed)] for test in NAMED if test.startswith(name)]
+            named += [
+                [
+                    f"`{test}`",
+                    outcome(f"theirs_{test}", theirs_passed, theirs_failed),
+                    outcome(f"ours_{test}", ours_passed, failed),
+                ]
+                for test in NAMED
+                if test.startswith(name)
+            ]
             reasons: dict[str, int] = {}
             for test in failed:
                 test_id = test.replace("ours_", "", 1)
-                reason = next((why for pattern, why in DELIBERATE.items() if re.search(pattern, test_id)), None)
+                reason = next(
+                    (why for pattern, why in DELIBERATE.items() if re.search(pattern, test_id)),
+                    None,
+                )
                 if reason is None:
                     unexplained.append(test_id)
                 else:
                     reasons[reason] = reasons.get(reason, 0) + 1
-            rows.append([name, f"{theirs_counts.get('passed', 0)} / {theirs_counts.get('failed', 0)}",
-                         f"{ours_counts.get('passed', 0)} / {ours_counts.get('failed', 0)}",
-                         "; ".join(f"{why} ({n})" for why, n in sorted(reasons.items())) or "—"])
+            rows.append(
+                [
+                    name,
+                    f"{theirs_counts.get('passed', 0)} / {theirs_counts.get('failed', 0)}",
+                    f"{ours_counts.get('passed', 0)} / {ours_counts.get('failed', 0)}",
+                    "; ".join(f"{why} ({n})" for why, n in sorted(reasons.items())) or "—",
+                ]
+            )
             print(rows[-1], flush=True)
     commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip()
-    text = (f"Measured by `python benchmarks/torchdata_suites.py` on pytorch/data `{commit or 'unknown'}` "
-            "`test/stateful_dataloader/`, each file run unmodified and with its loader swapped for ours. Passed / "
-            "failed are pytest's counts (failed subtests included); the last column counts failing tests.\n\n"
-            + markdown(["file", "StatefulDataLoader passed / failed", "ours passed / failed",
-                        "our failures: the deliberate difference"], rows))
+    text = (
+        "Measured by `python benchmarks/torchdata_suites.py` on pytorch/data "
+        f"`{commit or 'unknown'}` `test/stateful_dataloader/`, each file run unmodified and with "
+        "its loader swapped for ours. Passed / failed are pytest's counts (failed subtests "
+        "included); the last column counts failing tests.\n\n"
+        + markdown(
+            [
+                "file",
+                "StatefulDataLoader passed / failed",
+                "ours passed / failed",
+                "our failures: the deliberate difference",
+            ],
+            rows,
+        )
+    )
     if named:
         text += ("\n\nOut-of-order delivery (`in_order=False`), test by test:\n\n"
                  + markdown(["test", "StatefulDataLoader", "ours"], named))

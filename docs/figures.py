@@ -1,6 +1,6 @@
 """The documentation's diagrams, drawn from the names the code defines.
 
-    python docs/figures.py      # writes docs/img/checkpoint_contents.svg and docs/img/preemption_timeline.svg
+    python docs/figures.py   # writes docs/img/checkpoint_contents.svg and preemption_timeline.svg
 
 Every file name, key, signal and exit code the figures show that the code defines is imported from
 it here (the Accelerate, transformers and Lightning names from those libraries), so a figure changes
@@ -27,7 +27,12 @@ from types import ModuleType
 from typing import Any
 
 import matplotlib
-from accelerate.utils.constants import OPTIMIZER_NAME, RNG_STATE_NAME, SAFE_WEIGHTS_NAME, SCHEDULER_NAME
+from accelerate.utils.constants import (
+    OPTIMIZER_NAME,
+    RNG_STATE_NAME,
+    SAFE_WEIGHTS_NAME,
+    SCHEDULER_NAME,
+)
 from matplotlib.backends.backend_agg import FigureCanvasAgg, RendererAgg
 from matplotlib.figure import Figure
 from matplotlib.font_manager import FontProperties
@@ -51,7 +56,15 @@ FIGURES = ("checkpoint_contents.svg", "preemption_timeline.svg")
 
 # Lightning's own keys in its checkpoints (lightning.pytorch's checkpoint connector writes them; not
 # importable)
-LIGHTNING_KEYS = ("state_dict", "optimizer_states", "lr_schedulers", "loops", "callbacks", "epoch", "global_step")
+LIGHTNING_KEYS = (
+    "state_dict",
+    "optimizer_states",
+    "lr_schedulers",
+    "loops",
+    "callbacks",
+    "epoch",
+    "global_step",
+)
 PLAIN_FILE = "state.pt"  # what examples/plain_digits.py names its file
 WORLD = 2  # the job the figures show: 2 processes, stopped after step 42
 STEP = 42
@@ -71,17 +84,20 @@ INK, SOFT, LINE = "#1c1f24", "#414b55", "#9fa8da"
 # fill, edge: the framework's own (or yours), what loader-resume adds, the file written last that
 # seals it
 KINDS = {
-    "theirs": ("#eceff1", "#90a4ae"), "ours": ("#dce4ff", "#3949ab"), "seal": ("#ffefc7", "#d08f00"),
+    "theirs": ("#eceff1", "#90a4ae"),
+    "ours": ("#dce4ff", "#3949ab"),
+    "seal": ("#ffefc7", "#d08f00"),
 }
 
 
-# --- the facts, from the code
-# ----------------------------------------------------------------------------------
+# --- the facts, from the code ---------------------------------------------------------------------
 @functools.cache
 def _ray_files() -> ModuleType:
     """``ray_resume/files.py`` alone: the package's ``__init__`` imports Ray, which the docs'
     environment lacks."""
-    spec = importlib.util.spec_from_file_location("ray_resume_files", ROOT / "ray_resume" / "files.py")
+    spec = importlib.util.spec_from_file_location(
+        "ray_resume_files", ROOT / "ray_resume" / "files.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -143,40 +159,98 @@ def doors(world: int = WORLD) -> list[Door]:
     rank_file, lightning = _ray_files().RANK_FILE, lightning_file()
     ours = Item(f'"{CHECKPOINT_KEY}"', "ours")
     return [
-        Door("Plain PyTorch", f"{SEALED}/  (examples/plain_digits.py)", (
-            Item(PLAIN_FILE, "theirs", (*(Item(k, "theirs") for k in ("model", "optimizer", "step", "epoch")),
-                                        Item('"loader"', "ours"), Item('"rng"', "ours"))),
-            Item(MANIFEST, "seal")),
-            "loader, rng: every rank's loader position and generators (gather_states, gather_rng_states)."),
-        Door("Lightning Trainer", f"default_root_dir/{lightning}", (
-            Item(lightning, "theirs", (*(Item(k, "theirs") for k in (*LIGHTNING_KEYS, "…")), ours)),),
-            f"{CHECKPOINT_KEY}: every rank's loader positions and RNG states. The file is renamed into place once "
-            "written, and torch's CRC-32 of every record is checked before Lightning loads it."),
-        Door("Lightning Fabric", f"resume_checkpoints/{SEALED}/", (
-            Item(CHECKPOINT_FILE, "theirs", (Item("your state: model, optimizer, …", "theirs"), ours)),
-            Item(MANIFEST, "seal")),
-            f"{CHECKPOINT_KEY}: every rank's loader positions and RNG states, the step and the epoch."),
-        Door("Accelerate", f"project_dir/resume_checkpoints/{SEALED}/", (
-            *(Item(name, "theirs") for name in accelerate_files(world)), Item(STATE_FILE, "ours"),
-            Item(MANIFEST, "seal")),
-            f"{STATE_FILE}: every process's loader positions and RNG states, the step and the epoch."),
-        Door("transformers Trainer", f"output_dir/{PREFIX_CHECKPOINT_DIR}-{STEP}/", (
-            *(Item(name, "theirs") for name in (
-                hf_trainer.SAFE_WEIGHTS_NAME, hf_trainer.OPTIMIZER_NAME, hf_trainer.SCHEDULER_NAME,
-                hf_trainer.TRAINING_ARGS_NAME, *(RNG_STATE_FILE.format(rank=r) for r in ranks))),
-            *(Item(LOADER_STATE_FILE.format(rank=r), "ours") for r in ranks), Item(TRAINER_STATE, "seal")),
-            f"{LOADER_STATE_FILE.format(rank='<rank>')}: the rank's loader position and the step (the RNG states "
-            f"are Trainer's). {TRAINER_STATE} is written once every rank's files exist."),
-        Door("Ray Train", f"{SEALED}/  (reported to Ray)", (
-            *(Item(f"{name}.pt", "theirs") for name in ("model", "optimizer", "scheduler")),
-            *(Item(rank_file.format(rank=r), "ours") for r in ranks)),
-            "Each worker's file: its loader positions and RNG states, the step and the epoch. The model, optimizer "
-            "and scheduler are rank 0's."),
+        Door(
+            "Plain PyTorch",
+            f"{SEALED}/  (examples/plain_digits.py)",
+            (
+                Item(
+                    PLAIN_FILE,
+                    "theirs",
+                    (
+                        *(Item(k, "theirs") for k in ("model", "optimizer", "step", "epoch")),
+                        Item('"loader"', "ours"),
+                        Item('"rng"', "ours"),
+                    ),
+                ),
+                Item(MANIFEST, "seal"),
+            ),
+            "loader, rng: every rank's loader position and generators (gather_states, "
+            "gather_rng_states).",
+        ),
+        Door(
+            "Lightning Trainer",
+            f"default_root_dir/{lightning}",
+            (
+                Item(
+                    lightning,
+                    "theirs",
+                    (*(Item(k, "theirs") for k in (*LIGHTNING_KEYS, "…")), ours),
+                ),
+            ),
+            f"{CHECKPOINT_KEY}: every rank's loader positions and RNG states. The file is renamed "
+            "into place once "
+            "written, and torch's CRC-32 of every record is checked before Lightning loads it.",
+        ),
+        Door(
+            "Lightning Fabric",
+            f"resume_checkpoints/{SEALED}/",
+            (
+                Item(
+                    CHECKPOINT_FILE,
+                    "theirs",
+                    (Item("your state: model, optimizer, …", "theirs"), ours),
+                ),
+                Item(MANIFEST, "seal"),
+            ),
+            f"{CHECKPOINT_KEY}: every rank's loader positions and RNG states, the step and the "
+            "epoch.",
+        ),
+        Door(
+            "Accelerate",
+            f"project_dir/resume_checkpoints/{SEALED}/",
+            (
+                *(Item(name, "theirs") for name in accelerate_files(world)),
+                Item(STATE_FILE, "ours"),
+                Item(MANIFEST, "seal"),
+            ),
+            f"{STATE_FILE}: every process's loader positions and RNG states, the step and the "
+            "epoch.",
+        ),
+        Door(
+            "transformers Trainer",
+            f"output_dir/{PREFIX_CHECKPOINT_DIR}-{STEP}/",
+            (
+                *(
+                    Item(name, "theirs")
+                    for name in (
+                        hf_trainer.SAFE_WEIGHTS_NAME,
+                        hf_trainer.OPTIMIZER_NAME,
+                        hf_trainer.SCHEDULER_NAME,
+                        hf_trainer.TRAINING_ARGS_NAME,
+                        *(RNG_STATE_FILE.format(rank=r) for r in ranks),
+                    )
+                ),
+                *(Item(LOADER_STATE_FILE.format(rank=r), "ours") for r in ranks),
+                Item(TRAINER_STATE, "seal"),
+            ),
+            f"{LOADER_STATE_FILE.format(rank='<rank>')}: the rank's loader position and the step "
+            "(the RNG states "
+            f"are Trainer's). {TRAINER_STATE} is written once every rank's files exist.",
+        ),
+        Door(
+            "Ray Train",
+            f"{SEALED}/  (reported to Ray)",
+            (
+                *(Item(f"{name}.pt", "theirs") for name in ("model", "optimizer", "scheduler")),
+                *(Item(rank_file.format(rank=r), "ours") for r in ranks),
+            ),
+            "Each worker's file: its loader positions and RNG states, the step and the epoch. The "
+            "model, optimizer and scheduler are rank 0's.",
+        ),
     ]
 
 
-# --- drawing
-# ------------------------------------------------------------------------------------------------------
+# --- drawing --------------------------------------------------------------------------------------
 FONTS = {
     "title": dict(family="sans-serif", size=13, weight="bold"),
     "head": dict(family="sans-serif", size=11.5, weight="bold"),
@@ -201,13 +275,17 @@ class Sheet:
 
     def measure(self, text: str, font: str) -> float:
         """``text``'s width in points, with ``SLACK``."""
-        width, _, _ = self._renderer.get_text_width_height_descent(text, FontProperties(**FONTS[font]), ismath=False)
+        width, _, _ = self._renderer.get_text_width_height_descent(
+            text, FontProperties(**FONTS[font]), ismath=False
+        )
         return float(width) * SLACK
 
     def inset(self, font: str, height: float) -> float:
         """How far below a box's top a line of ``font`` starts, to sit in the middle of
         ``height``."""
-        _, tall, _ = self._renderer.get_text_width_height_descent("Ag_", FontProperties(**FONTS[font]), ismath=False)
+        _, tall, _ = self._renderer.get_text_width_height_descent(
+            "Ag_", FontProperties(**FONTS[font]), ismath=False
+        )
         return (height - float(tall)) / 2
 
     @staticmethod
@@ -231,7 +309,9 @@ class Sheet:
             self.texts.append((x, y + number * self.line(font), line, font, color, box))
         return len(lines) * self.line(font)
 
-    def box(self, x: float, y: float, w: float, h: float, fill: str, edge: str, radius: float = 3.0) -> int:
+    def box(
+        self, x: float, y: float, w: float, h: float, fill: str, edge: str, radius: float = 3.0
+    ) -> int:
         self.boxes.append((x, y, w, h, fill, edge, radius))
         return len(self.boxes) - 1
 
@@ -243,12 +323,34 @@ class Sheet:
         axes.set_ylim(height, 0)
         axes.set_axis_off()
         for x, y, w, h, fill, edge, radius in self.boxes:
-            axes.add_patch(FancyBboxPatch((x, y), w, h, boxstyle=f"round,pad=0,rounding_size={radius}",
-                                          facecolor=fill, edgecolor=edge, linewidth=0.9))
+            axes.add_patch(
+                FancyBboxPatch(
+                    (x, y),
+                    w,
+                    h,
+                    boxstyle=f"round,pad=0,rounding_size={radius}",
+                    facecolor=fill,
+                    edgecolor=edge,
+                    linewidth=0.9,
+                )
+            )
         for method, args, options in self.marks:
             getattr(axes, method)(*args, **options)
-        drawn = [(axes.text(x, y, line, va="top", ha="left", color=color, fontproperties=FontProperties(**FONTS[font])),
-                  box) for x, y, line, font, color, box in self.texts]
+        drawn = [
+            (
+                axes.text(
+                    x,
+                    y,
+                    line,
+                    va="top",
+                    ha="left",
+                    color=color,
+                    fontproperties=FontProperties(**FONTS[font]),
+                ),
+                box,
+            )
+            for x, y, line, font, color, box in self.texts
+        ]
         _check_layout(figure, axes, drawn, self.boxes)
         figure.savefig(path, format="svg", metadata={"Date": None})
 
@@ -261,12 +363,20 @@ def _check_layout(figure: Figure, axes: Any, drawn: Sequence[tuple[Any, int | No
     page = figure.bbox
     extents = [(text.get_window_extent(renderer), text.get_text(), box) for text, box in drawn]
     for number, (extent, words, box) in enumerate(extents):
-        assert page.x0 <= extent.x0 and extent.x1 <= page.x1 and page.y0 <= extent.y0 and extent.y1 <= page.y1, \
-            f"{words!r} leaves the figure"
+        assert (
+            page.x0 <= extent.x0
+            and extent.x1 <= page.x1
+            and page.y0 <= extent.y0
+            and extent.y1 <= page.y1
+        ), f"{words!r} leaves the figure"
         if box is not None:
             x, y, w, h = boxes[box][:4]
             (left, bottom), (right, top) = axes.transData.transform([(x, y + h), (x + w, y)])
-            inside = left <= extent.x0 and extent.x0 + extent.width * SLACK <= right and bottom <= extent.y0 <= top
+            inside = (
+                left <= extent.x0
+                and extent.x0 + extent.width * SLACK <= right
+                and bottom <= extent.y0 <= top
+            )
             assert inside and extent.y1 <= top, f"{words!r} leaves its box"
         for other, words_other, _ in extents[number + 1:]:
             overlap = min(extent.x1, other.x1) - max(extent.x0, other.x0) + 3, \
@@ -274,8 +384,7 @@ def _check_layout(figure: Figure, axes: Any, drawn: Sequence[tuple[Any, int | No
             assert min(overlap) <= 0.5, f"{words!r} overlaps {words_other!r}"
 
 
-# --- figure 1: what a checkpoint holds
-# ----------------------------------------------------------------------------
+# --- figure 1: what a checkpoint holds ------------------------------------------------------------
 MARGIN, CARD_PAD, CHIP_X, CHIP_Y, GAP = 8.0, 7.0, 4.0, 3.5, 4.0
 
 
@@ -292,8 +401,18 @@ def _chips(sheet: Sheet, items: Sequence[Item], x0: float, y0: float, width: flo
             fill, edge = KINDS[item.kind]
             index = sheet.box(x0, top, width, 0, fill, edge)
             sheet.texts.append((x0 + CHIP_X, top + CHIP_Y, item.name, "file", INK, index))
-            height = _chips(sheet, item.inside, x0 + CHIP_X, top + CHIP_Y + sheet.line("file"), inner)
-            sheet.boxes[index] = (x0, top, width, CHIP_Y + sheet.line("file") + height + CHIP_Y, fill, edge, 3.0)
+            height = _chips(
+                sheet, item.inside, x0 + CHIP_X, top + CHIP_Y + sheet.line("file"), inner
+            )
+            sheet.boxes[index] = (
+                x0,
+                top,
+                width,
+                CHIP_Y + sheet.line("file") + height + CHIP_Y,
+                fill,
+                edge,
+                3.0,
+            )
             x, y, row = x0, top + sheet.boxes[index][3] + GAP, 0.0
             continue
         w = sheet.measure(item.name, "name") + 2 * CHIP_X
@@ -301,7 +420,9 @@ def _chips(sheet: Sheet, items: Sequence[Item], x0: float, y0: float, width: flo
             x, y = x0, y + row + GAP
         fill, edge = KINDS[item.kind]
         index = sheet.box(x, y, w, chip, fill, edge, 2.5)
-        sheet.texts.append((x + CHIP_X, y + sheet.inset("name", chip), item.name, "name", INK, index))
+        sheet.texts.append(
+            (x + CHIP_X, y + sheet.inset("name", chip), item.name, "name", INK, index)
+        )
         x, row = x + w + GAP, chip
     return y + row - y0 if row else y - GAP - y0
 
@@ -309,8 +430,22 @@ def _chips(sheet: Sheet, items: Sequence[Item], x0: float, y0: float, width: flo
 def checkpoint_contents(path: Path) -> None:
     sheet = Sheet()
     inner = sheet.width - 2 * MARGIN
-    y = MARGIN + sheet.text(MARGIN, MARGIN, "What a checkpoint holds, per front door", "title", inner) + 2
-    y += sheet.text(MARGIN, y, f"A job of {WORLD} processes, checkpointed after step {STEP}.", "text", inner, SOFT) + 6
+    y = (
+        MARGIN
+        + sheet.text(MARGIN, MARGIN, "What a checkpoint holds, per front door", "title", inner)
+        + 2
+    )
+    y += (
+        sheet.text(
+            MARGIN,
+            y,
+            f"A job of {WORLD} processes, checkpointed after step {STEP}.",
+            "text",
+            inner,
+            SOFT,
+        )
+        + 6
+    )
     x = MARGIN
     chip = sheet.line("text") + 2 * CHIP_Y - 3
     for kind, label in (("theirs", "the framework's, or yours"), ("ours", "added by loader-resume"),
@@ -329,8 +464,16 @@ def checkpoint_contents(path: Path) -> None:
         title = sheet.measure(door.name, "head")
         sheet.texts.append((MARGIN + CARD_PAD, y, door.name, "head", INK, card))
         if title + 10 + sheet.measure(door.where, "path") <= width:
-            sheet.texts.append((MARGIN + inner - CARD_PAD - sheet.measure(door.where, "path"), y + 1.5, door.where,
-                                "path", SOFT, card))
+            sheet.texts.append(
+                (
+                    MARGIN + inner - CARD_PAD - sheet.measure(door.where, "path"),
+                    y + 1.5,
+                    door.where,
+                    "path",
+                    SOFT,
+                    card,
+                )
+            )
             y += sheet.line("head") + 2
         else:
             y += sheet.line("head")
@@ -342,8 +485,7 @@ def checkpoint_contents(path: Path) -> None:
     sheet.draw(y - 8 + MARGIN, path)
 
 
-# --- figure 2: from a signal to the rerun's first batch
-# ---------------------------------------------------------------
+# --- figure 2: from a signal to the rerun's first batch -------------------------------------------
 LANES = (26.0, 68.0)  # rank 0, rank 1
 TEXT_X = 92.0
 
@@ -354,31 +496,71 @@ def _steps() -> list[tuple[str, str, str]]:
     code, stop, rerun = exit_code(), "The run that is stopped", "The rerun: the same command"
     assert code == 128 + signal.SIGTERM, f"step 4 reads '128 + SIGTERM'; the exit code is {code}"
     return [
-        (stop, "A signal reaches one rank", f"{' or '.join(signals())}, mid-step. The handler only sets a flag: "
-                                            "no I/O, no collective, no save."),
-        (stop, "The ranks agree at the step boundary", f"After the optimizer step, one all_reduce asks whether any "
-                                                       f"rank was signalled: every rank stops after step {STEP}."),
-        (stop, "The checkpoint is written atomically", f"Every rank takes part in writing {temporary}; the main one "
-                                                       f"adds {MANIFEST} (size and SHA-256 of every file) and "
-                                                       f"renames it {SEALED}."),
-        (stop, f"Every process exits {code}", f"128 + SIGTERM: stopped, to be continued. A save that failed "
-                                              f"exits {FAILED_SAVE_EXIT_CODE} instead; the checkpoint before stays."),
-        ("", "The job starts again", "SLURM requeues it (after SIGUSR1), torchrun or Kubernetes restarts it, or you "
-                                     "run the same command again."),
-        (rerun, "The newest checkpoint is loaded", "Verified first (one that does not verify is passed over for the "
-                                                   "one before): weights, optimizer, each rank's loader positions "
-                                                   "and generators."),
-        (rerun, "The first batch is the next one", f"Step {STEP + 1}'s batch of the uninterrupted run, on every "
-                                                   "rank: the same samples and augmentation values, bit for bit."),
+        (
+            stop,
+            "A signal reaches one rank",
+            f"{' or '.join(signals())}, mid-step. The handler only sets a flag: "
+            "no I/O, no collective, no save.",
+        ),
+        (
+            stop,
+            "The ranks agree at the step boundary",
+            f"After the optimizer step, one all_reduce asks whether any "
+            f"rank was signalled: every rank stops after step {STEP}.",
+        ),
+        (
+            stop,
+            "The checkpoint is written atomically",
+            f"Every rank takes part in writing {temporary}; the main one adds {MANIFEST} (size and "
+            f"SHA-256 of every file) and renames it {SEALED}.",
+        ),
+        (
+            stop,
+            f"Every process exits {code}",
+            f"128 + SIGTERM: stopped, to be continued. A save that failed "
+            f"exits {FAILED_SAVE_EXIT_CODE} instead; the checkpoint before stays.",
+        ),
+        (
+            "",
+            "The job starts again",
+            "SLURM requeues it (after SIGUSR1), torchrun or Kubernetes restarts it, or you "
+            "run the same command again.",
+        ),
+        (
+            rerun,
+            "The newest checkpoint is loaded",
+            "Verified first (one that does not verify is passed over for the one before): weights, "
+            "optimizer, each rank's loader positions and generators.",
+        ),
+        (
+            rerun,
+            "The first batch is the next one",
+            f"Step {STEP + 1}'s batch of the uninterrupted run, on every "
+            "rank: the same samples and augmentation values, bit for bit.",
+        ),
     ]
 
 
 def preemption_timeline(path: Path) -> None:
     sheet = Sheet()
     inner = sheet.width - 2 * MARGIN
-    y = MARGIN + sheet.text(MARGIN, MARGIN, "From a signal to the rerun's first batch", "title", inner) + 2
-    y += sheet.text(MARGIN, y, "Two ranks, under Fabric or Accelerate; Lightning and the transformers Trainer "
-                               "differ in their files only (below).", "text", inner, SOFT) + 10
+    y = (
+        MARGIN
+        + sheet.text(MARGIN, MARGIN, "From a signal to the rerun's first batch", "title", inner)
+        + 2
+    )
+    y += (
+        sheet.text(
+            MARGIN,
+            y,
+            "Two ranks, under Fabric or Accelerate; Lightning and the transformers Trainer "
+            "differ in their files only (below).",
+            "text",
+            inner,
+            SOFT,
+        )
+        + 10
+    )
     for x, name in zip(LANES, ("rank 0", "rank 1"), strict=True):
         sheet.texts.append((x - sheet.measure(name, "text") / 2, y, name, "text", SOFT, None))
     y += sheet.line("text") + 6
@@ -386,7 +568,9 @@ def preemption_timeline(path: Path) -> None:
     for number, (now, title, detail) in enumerate(_steps(), 1):
         if now != phase:
             if now:
-                band = sheet.box(TEXT_X - 6, y, width + 6, sheet.line("text") + 4, "#f3f4fb", "#f3f4fb", 2.0)
+                band = sheet.box(
+                    TEXT_X - 6, y, width + 6, sheet.line("text") + 4, "#f3f4fb", "#f3f4fb", 2.0
+                )
                 sheet.texts.append((TEXT_X, y + 2, now, "text", SOFT, band))
                 y += sheet.line("text") + 10
             phase = now
@@ -399,28 +583,52 @@ def preemption_timeline(path: Path) -> None:
     for name, start, end in spans:
         style = "-" if name else ":"
         for x in LANES:
-            sheet.marks.append(("plot", ([x, x], [start, end]), dict(color=LINE if name else "#bbbbbb",
-                                                                      linestyle=style, linewidth=2, zorder=1)))
+            sheet.marks.append(
+                (
+                    "plot",
+                    ([x, x], [start, end]),
+                    dict(color=LINE if name else "#bbbbbb", linestyle=style, linewidth=2, zorder=1),
+                )
+            )
     signalled, agree, write, leave, again, load, first = centres
     dot = dict(zorder=3, markersize=9, markeredgewidth=1.2, linestyle="none")
     sheet.marks += [
         ("plot", ([LANES[1]], [signalled]), dict(marker="v", color="#d32f2f", **dot)),
-        ("annotate", ("", (LANES[0] + 5, agree), (LANES[1] - 5, agree)),
-         dict(arrowprops=dict(arrowstyle="<->", color=KINDS["ours"][1], linewidth=1.4))),
+        (
+            "annotate",
+            ("", (LANES[0] + 5, agree), (LANES[1] - 5, agree)),
+            dict(arrowprops=dict(arrowstyle="<->", color=KINDS["ours"][1], linewidth=1.4)),
+        ),
         ("plot", (list(LANES), [agree, agree]), dict(marker="o", color=KINDS["ours"][1], **dot)),
         ("plot", ([LANES[1]], [write]), dict(marker="s", color=KINDS["ours"][1], **dot)),
         ("plot", ([LANES[0]], [write]), dict(marker="s", color=KINDS["seal"][1], **dot)),
         ("plot", (list(LANES), [leave, leave]), dict(marker="X", color="#546e7a", **dot)),
-        ("plot", ([sum(LANES) / 2], [again]), dict(marker=r"$\circlearrowleft$", color="#546e7a", markersize=14,
-                                                    linestyle="none", zorder=3)),
+        (
+            "plot",
+            ([sum(LANES) / 2], [again]),
+            dict(
+                marker=r"$\circlearrowleft$",
+                color="#546e7a",
+                markersize=14,
+                linestyle="none",
+                zorder=3,
+            ),
+        ),
         ("plot", (list(LANES), [load, load]), dict(marker="s", color=KINDS["ours"][1], **dot)),
         ("plot", (list(LANES), [first, first]), dict(marker="o", color="#2e7d32", **dot)),
     ]
     lightning = lightning_file()
     temporary = temporary_name(Path(lightning), "TOKEN").name
-    y += sheet.text(MARGIN, y, f"Lightning writes one file the same way: {temporary}, renamed {lightning}. The "
-                               f"transformers Trainer writes {PREFIX_CHECKPOINT_DIR}-{STEP}, {TRAINER_STATE} last, "
-                               "once every rank's files exist.", "text", inner, SOFT)
+    y += sheet.text(
+        MARGIN,
+        y,
+        f"Lightning writes one file the same way: {temporary}, renamed {lightning}. The "
+        f"transformers Trainer writes {PREFIX_CHECKPOINT_DIR}-{STEP}, {TRAINER_STATE} last, "
+        "once every rank's files exist.",
+        "text",
+        inner,
+        SOFT,
+    )
     sheet.draw(y + MARGIN, path)
 
 

@@ -1,6 +1,6 @@
 """The main job: train on scikit-learn's digits, SIGTERM it mid-epoch, resume, compare.
 
-    python examples/digits_resume.py            # ~15 s on 2 CPU cores; the same as `loader-resume demo`
+    python examples/digits_resume.py   # ~15 s on 2 CPU cores; the same as `loader-resume demo`
 
 The plain-PyTorch loop lives in loader_resume/tools/demo.py (core/loader_resume/tools/demo.py): a
 training loop with ResumableDataLoader, torch.save/torch.load checkpoints written atomically

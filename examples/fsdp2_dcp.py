@@ -1,6 +1,6 @@
 """A plain FSDP2 loop (``fully_shard``) saving with ``torch.distributed.checkpoint``, loader inside.
 
-    torchrun --nproc_per_node 2 examples/fsdp2_dcp.py --out runs/dcp        # two processes, gloo, CPU
+    torchrun --nproc_per_node 2 examples/fsdp2_dcp.py --out runs/dcp   # two processes, gloo, CPU
 
 The model is sharded with FSDP2 over every process; each checkpoint is a distributed-checkpoint
 directory that holds the sharded model and optimizer, every rank's loader state (``DCPLoaderState``:
@@ -47,8 +47,20 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from loader_resume import ResumableDataLoader, set_global_rng_state
-from loader_resume.job.checkpoint import complete_checkpoints, prune, seal, temporary_name, verify, writer_token
-from loader_resume.distributed import DCPLoaderState, any_rank, gather_rng_states, init_process_group
+from loader_resume.job.checkpoint import (
+    complete_checkpoints,
+    prune,
+    seal,
+    temporary_name,
+    verify,
+    writer_token,
+)
+from loader_resume.distributed import (
+    DCPLoaderState,
+    any_rank,
+    gather_rng_states,
+    init_process_group,
+)
 from loader_resume.job.preemption import Preemption, workers_ignore_signals
 from loader_resume.job.remote_copy import RemoteCopy, fetch_newer, start_remote_copy
 from loader_resume.testing import fingerprint
@@ -93,7 +105,9 @@ class Checkpoints:
         self.group = dist.new_group(backend="gloo") if asynchronous else None
         self.pending: tuple[Future[Any], Path, Path] | None = None
 
-    def save(self, training: Training, loader: ResumableDataLoader[Any], *, whole: bool = False) -> None:
+    def save(
+        self, training: Training, loader: ResumableDataLoader[Any], *, whole: bool = False
+    ) -> None:
         """A checkpoint of this step; ``whole``: sealed before this returns (else, asynchronously,
         at the next)."""
         self.finish()
@@ -107,8 +121,14 @@ class Checkpoints:
             dcp.save(state, checkpoint_id=temporary)
             self._seal(temporary, final)
             return
-        self.pending = (cast("Future[Any]", dcp.async_save(state, checkpoint_id=temporary, process_group=self.group)),
-                        temporary, final)
+        self.pending = (
+            cast(
+                "Future[Any]",
+                dcp.async_save(state, checkpoint_id=temporary, process_group=self.group),
+            ),
+            temporary,
+            final,
+        )
         if whole:
             self.finish()
 
@@ -146,9 +166,14 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=10, help="checkpoint every N optimizer steps")
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--batch-log", help="write one JSON line per step to DIR/log-RANK.jsonl")
-    parser.add_argument("--async-save", action="store_true", help="write checkpoints with dcp.async_save")
-    parser.add_argument("--remote", help="an fsspec URL (s3://bucket/run) each checkpoint is copied to, and resumed "
-                        "from on a machine without them")
+    parser.add_argument(
+        "--async-save", action="store_true", help="write checkpoints with dcp.async_save"
+    )
+    parser.add_argument(
+        "--remote",
+        help="an fsspec URL (s3://bucket/run) each checkpoint is copied to, and resumed "
+        "from on a machine without them",
+    )
     args = parser.parse_args()
     # under torchrun (one process: WORLD_SIZE=1 RANK=0 ... or torchrun --nproc 1)
     init_process_group("gloo")
@@ -156,9 +181,14 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 10))
     fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    loader = ResumableDataLoader(NoisyDigits(), batch_size=64, shuffle=True, num_workers=args.workers,
-                                 # each rank its shard (rank and world size from torch.distributed)
-                                 seed=0)
+    loader = ResumableDataLoader(
+        NoisyDigits(),
+        batch_size=64,
+        shuffle=True,
+        num_workers=args.workers,
+        # each rank its shard (rank and world size from torch.distributed)
+        seed=0,
+    )
     training = Training(model, optimizer)
     root = Path(args.out) / "checkpoints"
     preemption = Preemption(("SIGTERM", "SIGUSR1"))
@@ -181,7 +211,11 @@ def main() -> None:
             optimizer.step()
             training.step += 1
             if log is not None:
-                log.write(json.dumps({"step": training.step, "ids": ids.tolist(), "batch": fingerprint([x, y])}))
+                log.write(
+                    json.dumps(
+                        {"step": training.step, "ids": ids.tolist(), "batch": fingerprint([x, y])}
+                    )
+                )
                 log.write("\n")
                 log.flush()
             stop = preemption.agreed()  # every rank, every step: one tiny all_reduce
@@ -191,13 +225,18 @@ def main() -> None:
                 # NOTE: a preemption's: on storage before the exit
                 checkpoints.save(training, loader, whole=stop)
             if stop:
-                print(f"preempted: checkpoint at step {training.step}; exiting with 143", flush=True)
+                print(
+                    f"preempted: checkpoint at step {training.step}; exiting with 143", flush=True
+                )
                 raise SystemExit(143)
     checkpoints.finish()
     # a collective
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     if rank == 0:
-        print(f"final weights digest: {fingerprint([full[name] for name in sorted(full)])}", flush=True)
+        print(
+            f"final weights digest: {fingerprint([full[name] for name in sorted(full)])}",
+            flush=True,
+        )
     dist.barrier()
     gc.collect()  # NOTE: gloo aborts (SIGABRT) a process whose threads still hold tensors at exit
     dist.destroy_process_group()

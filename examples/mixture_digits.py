@@ -63,7 +63,9 @@ def main(argv: list[str]) -> None:
                        num_workers=int(settings["workers"]))
     model, optimizer, train = accelerator.prepare(model, optimizer, train)
     if resume.restore() is not None:
-        accelerator.print(f"resumed from {resume.loaded_from} at epoch {resume.epoch}, step {resume.step}")
+        accelerator.print(
+            f"resumed from {resume.loaded_from} at epoch {resume.epoch}, step {resume.step}"
+        )
     for epoch in resume.epochs(int(settings["epochs"])):
         model.train()
         for x, y, _ in train:

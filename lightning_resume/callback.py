@@ -25,7 +25,11 @@ from loader_resume import GENERATORS, ResumableDataLoader
 from loader_resume.audit.log import audit_from_environment
 from loader_resume.convert import resumable
 from loader_resume.distributed import gather_rng_states, gather_states
-from loader_resume.job.checkpoint_dir import FAILED_SAVE_EXIT_CODE, DirectoryLock, preemption_exit_code
+from loader_resume.job.checkpoint_dir import (
+    FAILED_SAVE_EXIT_CODE,
+    DirectoryLock,
+    preemption_exit_code,
+)
 from loader_resume.job.checkpoint_entry import checked_entry, new_entry
 from loader_resume.job.fresh_start import resuming_nothing
 from loader_resume.job.preemption import Preemption
@@ -39,7 +43,12 @@ from .generators import FitGenerators
 from .integrity import exists, nothing_else_to_resume, save_atomically, usable, verify_loads
 from .loaders import TrainingLoaders, drop_lightning_loader_states, evaluation_workers_ignore
 from .remote import checkpoints_in, claim_directory, newer, newest_last, refuse_a_silent_start
-from .stopping import adopt_lightnings_sigterm, leave_process, slurm_requeue, stop_validating_as_planned
+from .stopping import (
+    adopt_lightnings_sigterm,
+    leave_process,
+    slurm_requeue,
+    stop_validating_as_planned,
+)
 
 __all__ = ["CHECKPOINT_KEY", "ResumeCallback"]
 
@@ -98,7 +107,9 @@ class ResumeCallback(OnExceptionCheckpoint):
         # NOTE: file: URLs
         super().__init__(local_path(dirpath) if dirpath is not None else os.getcwd(), filename)
         if type(check_every_n_steps) is not int or check_every_n_steps < 1:
-            raise ValueError(f"ResumeCallback(check_every_n_steps={check_every_n_steps!r}): expected an int >= 1")
+            raise ValueError(
+                f"ResumeCallback(check_every_n_steps={check_every_n_steps!r}): expected an int >= 1"
+            )
         self.seed, self.keying, self.keyed_generators = seed, keying, tuple(keyed_generators)
         self.audit = audit_from_environment(audit)
         self.preemption = Preemption(signals)
@@ -154,26 +165,35 @@ class ResumeCallback(OnExceptionCheckpoint):
         quiet_fresh_fit(False)
         self._choosing = False
         verify_loads(trainer.strategy)
-        if sum(isinstance(c, ResumeCallback) for c in trainer.callbacks) > 1:  # type: ignore[attr-defined]
-            raise ValueError("Trainer(callbacks=[...]) has more than one ResumeCallback; expected exactly one "
-                             "(each would convert and save the same loaders)")
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]
+        if sum(isinstance(c, ResumeCallback) for c in callbacks) > 1:
+            raise ValueError(
+                "Trainer(callbacks=[...]) has more than one ResumeCallback; expected exactly one "
+                "(each would convert and save the same loaders)"
+            )
         if not self._dirpath_known:
             self.dirpath, self._dirpath_known = local_path(str(trainer.default_root_dir)), True
             if self._asked_unknown and stage == "fit" and exists(self.ckpt_path):
                 raise RuntimeError(
-                    f"ResumeCallback: a preemption checkpoint is waiting in {self.ckpt_path}, but this fit() looked "
-                    f"for its checkpoint before the callback could learn default_root_dir, so it would start over. "
-                    f"Pass ResumeCallback(dirpath={self.dirpath!r}) (or fit(ckpt_path={self.ckpt_path!r})) to resume")
-        callbacks = trainer.callbacks  # type: ignore[attr-defined]
+                    f"ResumeCallback: a preemption checkpoint is waiting in {self.ckpt_path}, but "
+                    "this fit() looked for its checkpoint before the callback could learn "
+                    "default_root_dir, so it would start over. Pass "
+                    f"ResumeCallback(dirpath={self.dirpath!r}) (or "
+                    f"fit(ckpt_path={self.ckpt_path!r})) to resume"
+                )
         if any(isinstance(c, ModelCheckpoint) for c in callbacks[callbacks.index(self) + 1:]):
             # NOTE: Lightning (ckpt_path="best", its launchers and loggers) reads ModelCheckpoint
             # attributes from trainer.checkpoint_callback, the first Checkpoint in the list: move
             # after the user's. A new list, as the hook loop running now iterates the old one.
-            trainer.callbacks = [c for c in callbacks if c is not self] + [self]  # type: ignore[attr-defined]
+            moved = [c for c in callbacks if c is not self] + [self]
+            trainer.callbacks = moved  # type: ignore[attr-defined]
         if stage == "fit":
             agree = functools.partial(trainer.strategy.reduce_boolean_decision, all=False)
             if not self._claimed:  # NOTE: every rank
-                self._lock, self._claimed = claim_directory(str(self.dirpath), trainer.is_global_zero, agree), True
+                self._lock, self._claimed = (
+                    claim_directory(str(self.dirpath), trainer.is_global_zero, agree),
+                    True,
+                )
             # NOTE: before the workers learn the signals
             self._requeue = slurm_requeue(trainer, self.preemption)
             self._training.intercept(trainer)
@@ -193,7 +213,9 @@ class ResumeCallback(OnExceptionCheckpoint):
             refuse_a_silent_start(checkpoints_in(str(self.dirpath), trainer))
         # NOTE: an earlier job's traces and nothing to resume: said (or refused)
         if trainer.ckpt_path is None:
-            resuming_nothing(self._lock, functools.partial(trainer.strategy.reduce_boolean_decision, all=False))
+            resuming_nothing(
+                self._lock, functools.partial(trainer.strategy.reduce_boolean_decision, all=False)
+            )
         self._training.check_iterated(trainer)
         self._install(trainer)
 
@@ -212,7 +234,9 @@ class ResumeCallback(OnExceptionCheckpoint):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._generators.step_ended()
-        at_step_boundary = (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or trainer.is_last_batch
+        at_step_boundary = (
+            batch_idx + 1
+        ) % trainer.accumulate_grad_batches == 0 or trainer.is_last_batch
         if not at_step_boundary or trainer.global_step % self.check_every_n_steps:
             return
         agree = functools.partial(trainer.strategy.reduce_boolean_decision, all=False)
@@ -220,8 +244,12 @@ class ResumeCallback(OnExceptionCheckpoint):
             # NOTE: a kill mid-save leaves the previous whole
             written = save_atomically(trainer, self.ckpt_path)
             self.preempted_at = trainer.global_step
-            self._exit_with = preemption_exit_code(None if written is None else Path(written), trainer.global_step,
-                                                   self.exit_code or 0, "the newest checkpoint Lightning finds")
+            self._exit_with = preemption_exit_code(
+                None if written is None else Path(written),
+                trainer.global_step,
+                self.exit_code or 0,
+                "the newest checkpoint Lightning finds",
+            )
             self._requeue.decide(self.preemption.received, agree)
             stop_validating_as_planned(trainer)
 
@@ -245,7 +273,12 @@ class ResumeCallback(OnExceptionCheckpoint):
             return
         self._let_go()
         written = self.preempted_at is not None and self._exit_with != FAILED_SAVE_EXIT_CODE
-        if written and trainer.is_global_zero and not is_remote(self.dirpath) and os.path.exists(self.ckpt_path):
+        if (
+            written
+            and trainer.is_global_zero
+            and not is_remote(self.dirpath)
+            and os.path.exists(self.ckpt_path)
+        ):
             # NOTE: a restart resumes from the newest of this file and ModelCheckpoint's last file
             # (by mtime); ModelCheckpoint may still write last.ckpt while the stopping fit winds
             # down, within the same tick
@@ -254,10 +287,15 @@ class ResumeCallback(OnExceptionCheckpoint):
             self._requeue.after_checkpoint(trainer.is_global_zero)
         quiet_fresh_fit(True)
         self._choosing = True
-        if self.preempted_at is not None and (self.exit_code is not None or self._exit_with == FAILED_SAVE_EXIT_CODE):
+        if self.preempted_at is not None and (
+            self.exit_code is not None or self._exit_with == FAILED_SAVE_EXIT_CODE
+        ):
             # NOTE: Lightning's strategy teardown (the DDP wrapper undone) ran before this hook
-            leave_process(trainer.strategy.barrier if trainer.world_size > 1 else None, trainer.global_rank,
-                          self._exit_with)
+            leave_process(
+                trainer.strategy.barrier if trainer.world_size > 1 else None,
+                trainer.global_rank,
+                self._exit_with,
+            )
 
     def _let_go(self) -> None:
         if self._lock is not None:
@@ -265,7 +303,9 @@ class ResumeCallback(OnExceptionCheckpoint):
         self._lock, self._claimed = None, False
 
     @override
-    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         checkpoint[CHECKPOINT_KEY] = new_entry(
             loaders=[gather_states(loader, self._training.state_at_trainer_step(trainer, loader))
                      for loader in self._training.loaders],
@@ -274,16 +314,22 @@ class ResumeCallback(OnExceptionCheckpoint):
         drop_lightning_loader_states(checkpoint)
 
     @override
-    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_load_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         saved = checkpoint.get(CHECKPOINT_KEY)
         if saved is None:
-            logger.warning("this checkpoint has no loader_resume state (written before ResumeCallback was "
-                           "added?): the data order restarts from the start of the epoch")
+            logger.warning(
+                "this checkpoint has no loader_resume state (written before ResumeCallback was "
+                "added?): the data order restarts from the start of the epoch"
+            )
             return
         checked_entry(saved, f"{trainer.ckpt_path}: [{CHECKPOINT_KEY!r}]", needs=("loaders", "rng"))
         self._training.load(saved["loaders"])
         rng = saved["rng"]
-        self._generators.to_restore = rng[trainer.global_rank] if trainer.global_rank < len(rng) else None
+        self._generators.to_restore = (
+            rng[trainer.global_rank] if trainer.global_rank < len(rng) else None
+        )
         drop_lightning_loader_states(checkpoint)
 
     @override
@@ -291,12 +337,16 @@ class ResumeCallback(OnExceptionCheckpoint):
         self._generators.restore()
 
     @override
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._generators.restore()
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._generators.validation_starts(trainer.state.fn == "fit" and not trainer.sanity_checking)
+        self._generators.validation_starts(
+            trainer.state.fn == "fit" and not trainer.sanity_checking
+        )
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -311,7 +361,13 @@ class ResumeCallback(OnExceptionCheckpoint):
         carry one (or a ``ShardedSampler``), so it keeps them.
         """
         return resumable(
-            loader, seed=loader_seed(self.seed, index), keying=self.keying, keyed_generators=self.keyed_generators,
-            rank=rank, world_size=world_size, distributed=distributed, ignore_signals=self.preemption.signals,
+            loader,
+            seed=loader_seed(self.seed, index),
+            keying=self.keying,
+            keyed_generators=self.keyed_generators,
+            rank=rank,
+            world_size=world_size,
+            distributed=distributed,
+            ignore_signals=self.preemption.signals,
             audit=self.audit,
         )

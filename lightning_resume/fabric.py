@@ -30,7 +30,13 @@ from loader_resume.job.remote_copy import RemoteCopy
 from loader_resume.order.sampler import loader_seed
 
 from .callback import CHECKPOINT_KEY
-from .fabric_loader import FabricResumableDataLoader, convert, leave_launched_process, loaded_into, referenced
+from .fabric_loader import (
+    FabricResumableDataLoader,
+    convert,
+    leave_launched_process,
+    loaded_into,
+    referenced,
+)
 from .integrity import save_whole
 
 __all__ = ["CHECKPOINT_FILE", "FabricResumableDataLoader", "FabricResume"]
@@ -93,15 +99,23 @@ class FabricResume(LoopHandle):
                           check_every_n_steps=check_every_n_steps, keep=keep, exit_code=exit_code,
                           verify_checksums=verify_checksums)
         if isinstance(getattr(fabric, "loader_resume", None), FabricResume):
-            raise ValueError("FabricResume(fabric): this Fabric already has one; expected one per Fabric")
+            raise ValueError(
+                "FabricResume(fabric): this Fabric already has one; expected one per Fabric"
+            )
         self.fabric = fabric
         self.seed, self.keying, self.keyed_generators = seed, keying, tuple(keyed_generators)
         self.audit = audit_from_environment(audit)
         self._ways = _FabricWays(fabric)
-        self.session = LoopSession(self._ways, local_directory(checkpoint_dir if checkpoint_dir is not None
-                                                                else "resume_checkpoints"),
-                                   every, signals=signals, slurm_requeue=slurm_requeue)
-        self.session.remote = None if remote is None else RemoteCopy(remote, self.checkpoint_dir, keep=keep)
+        self.session = LoopSession(
+            self._ways,
+            local_directory(checkpoint_dir if checkpoint_dir is not None else "resume_checkpoints"),
+            every,
+            signals=signals,
+            slurm_requeue=slurm_requeue,
+        )
+        self.session.remote = (
+            None if remote is None else RemoteCopy(remote, self.checkpoint_dir, keep=keep)
+        )
         self.session.saving = False  # NOTE: until restore(state) gives the state to save
         self._hooked = set[int]()
         self._fabric_save, self._fabric_load = fabric.save, fabric.load
@@ -109,8 +123,7 @@ class FabricResume(LoopHandle):
         fabric.save, fabric.load = self.save_to, self.load_from  # type: ignore[method-assign]
         fabric.loader_resume = self  # type: ignore[attr-defined]
 
-    # --- the user's API
-    # ----------------------------------------------------------------------------
+    # --- the user's API ---------------------------------------------------------------------------
     def epochs(self, num_epochs: int) -> Iterator[int]:
         """``range(num_epochs)``, starting at the resumed epoch."""
         return self.session.epochs(num_epochs)
@@ -124,8 +137,10 @@ class FabricResume(LoopHandle):
         if not dataloaders:
             raise ValueError("setup_dataloaders(): expected at least one DataLoader")
         if self.fabric.world_size > 1 and not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(f"setup_dataloaders(): Fabric has {self.fabric.world_size} processes but none is "
-                               "started yet; call fabric.launch() first (each rank shards the data by its rank)")
+            raise RuntimeError(
+                f"setup_dataloaders(): Fabric has {self.fabric.world_size} processes but none is "
+                "started yet; call fabric.launch() first (each rank shards the data by its rank)"
+            )
         converted = [self._convert(loader, move_to_device) for loader in dataloaders]
         return converted[0] if len(converted) == 1 else converted
 
@@ -134,12 +149,17 @@ class FabricResume(LoopHandle):
         with the model and optimizer(s) set up by Fabric) is what checkpoints save; the newest
         complete checkpoint in ``checkpoint_dir`` that verifies is loaded into it. Holds the
         directory, installs the signal handlers. Returns what it loaded."""
-        optimizers = [value for value in state.values() if isinstance(getattr(value, "optimizer", value),
-                                                                          torch.optim.Optimizer)]
+        optimizers = [
+            value
+            for value in state.values()
+            if isinstance(getattr(value, "optimizer", value), torch.optim.Optimizer)
+        ]
         if not optimizers:
-            raise ValueError(f"FabricResume.restore(state): state (keys {sorted(state)}) holds no optimizer; "
-                             "expected the dict you pass to fabric.save, with the optimizer(s) from fabric.setup "
-                             "(its steps mark where checkpoints may be taken)")
+            raise ValueError(
+                f"FabricResume.restore(state): state (keys {sorted(state)}) holds no optimizer; "
+                "expected the dict you pass to fabric.save, with the optimizer(s) from "
+                "fabric.setup (its steps mark where checkpoints may be taken)"
+            )
         for optimizer in optimizers:
             inner = getattr(optimizer, "optimizer", optimizer)
             if id(inner) not in self._hooked:
@@ -159,7 +179,9 @@ class FabricResume(LoopHandle):
         failed write on any rank is agreed by all: logged, the previous checkpoints stay, ``None``
         is returned."""
         if self._ways.state is None:
-            raise RuntimeError("FabricResume.save(): no state to save; call resume.restore(state) first")
+            raise RuntimeError(
+                "FabricResume.save(): no state to save; call resume.restore(state) first"
+            )
         return self.session.save()
 
     def close(self) -> None:
@@ -175,10 +197,14 @@ class FabricResume(LoopHandle):
         ``checkpoint["loader_resume"]`` (a collective: every rank calls ``fabric.save``, as Fabric
         requires)."""
         if CHECKPOINT_KEY in state:
-            raise ValueError(f"fabric.save(path, state): state has a key {CHECKPOINT_KEY!r}, which loader-resume "
-                             "writes; expected another name")
+            raise ValueError(
+                f"fabric.save(path, state): state has a key {CHECKPOINT_KEY!r}, which "
+                "loader-resume writes; expected another name"
+            )
         entry = self.session.entry()
-        self._fabric_save(path, {**referenced(state, self.loaders), CHECKPOINT_KEY: entry}, filter=filter)
+        self._fabric_save(
+            path, {**referenced(state, self.loaders), CHECKPOINT_KEY: entry}, filter=filter
+        )
 
     def load_from(self, path: str | Path, state: dict[str, Any] | None = None, strict: bool = True,
                   *, weights_only: bool | None = None) -> dict[str, Any]:
@@ -188,21 +214,33 @@ class FabricResume(LoopHandle):
         # stock call would)
         options = {} if weights_only is None else {"weights_only": weights_only}
         if not state:
-            return self._fabric_load(path, state, strict, **options)  # type: ignore[no-any-return, unused-ignore]
+            loaded = self._fabric_load(path, state, strict, **options)
+            return loaded  # type: ignore[no-any-return, unused-ignore]
         given = referenced(state, self.loaders)
         remainder: dict[str, Any] = self._fabric_load(path, given, strict, **options)
         loaded_into(state, given)
         saved = remainder.pop(CHECKPOINT_KEY, None)
         if saved is None:
-            logger.warning("%s has no %s entry (saved without FabricResume?): loaders restart their epoch and the "
-                           "RNG is not restored", path, CHECKPOINT_KEY)
+            logger.warning(
+                "%s has no %s entry (saved without FabricResume?): loaders restart their epoch and "
+                "the RNG is not restored",
+                path,
+                CHECKPOINT_KEY,
+            )
         else:
             self.session.take(saved, path)
         return remainder
 
     def _convert(self, loader: DataLoader[Any], move_to_device: bool) -> FabricResumableDataLoader:
-        ours = convert(loader, self.fabric, seed=loader_seed(self.seed, len(self.loaders)), keying=self.keying,
-                       keyed_generators=self.keyed_generators, signals=self.preemption.signals, audit=self.audit)
+        ours = convert(
+            loader,
+            self.fabric,
+            seed=loader_seed(self.seed, len(self.loaders)),
+            keying=self.keying,
+            keyed_generators=self.keyed_generators,
+            signals=self.preemption.signals,
+            audit=self.audit,
+        )
         ours.attach(self.session, self.fabric.to_device if move_to_device else None)
         self.session.add(ours)
         return ours

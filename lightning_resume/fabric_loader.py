@@ -40,19 +40,35 @@ class LoaderReference:
         return {CHECKPOINT_KEY: "loaders", "index": self.index}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if not isinstance(state, Mapping) or state.get(CHECKPOINT_KEY) != "loaders" or state.get("index") != self.index:
-            raise CheckpointError(f"the loader's entry holds {state!r}; expected a reference to checkpoint"
-                                  f"['{CHECKPOINT_KEY}'] loader {self.index} (saved without FabricResume, or the "
-                                  "loaders were set up in another order?)")
+        if (
+            not isinstance(state, Mapping)
+            or state.get(CHECKPOINT_KEY) != "loaders"
+            or state.get("index") != self.index
+        ):
+            raise CheckpointError(
+                f"the loader's entry holds {state!r}; expected a reference to checkpoint"
+                f"['{CHECKPOINT_KEY}'] loader {self.index} (saved without FabricResume, or the "
+                "loaders were set up in another order?)"
+            )
 
 
-def convert(loader: DataLoader[Any], fabric: Fabric, *, seed: int, keying: str, keyed_generators: Sequence[str],
-            signals: Sequence[int], audit: str | None = None) -> FabricResumableDataLoader:
+def convert(
+    loader: DataLoader[Any],
+    fabric: Fabric,
+    *,
+    seed: int,
+    keying: str,
+    keyed_generators: Sequence[str],
+    signals: Sequence[int],
+    audit: str | None = None,
+) -> FabricResumableDataLoader:
     """``loader`` as a ``FabricResumableDataLoader`` sharded for this rank; its workers ignore
     ``signals``. A collective (the ranks' datasets are compared)."""
     if not isinstance(loader, DataLoader):
-        raise TypeError(f"setup_dataloaders(): {type(loader).__name__} is not a torch DataLoader; expected the "
-                        "DataLoader itself (not one already set up by Fabric)")
+        raise TypeError(
+            f"setup_dataloaders(): {type(loader).__name__} is not a torch DataLoader; expected the "
+            "DataLoader itself (not one already set up by Fabric)"
+        )
     ours = sharded_resumable(loader, rank=fabric.global_rank, world_size=fabric.world_size,
                              loader_class=FabricResumableDataLoader, seed=seed, keying=keying,
                              keyed_generators=keyed_generators, ignore_signals=signals, audit=audit)
@@ -63,7 +79,10 @@ def referenced(state: Mapping[str, Any], loaders: Sequence[Any]) -> dict[str, An
     """``state`` with each of ``loaders`` replaced by a ``LoaderReference`` to its place in the
     entry."""
     ids = {id(loader): i for i, loader in enumerate(loaders)}
-    return {key: LoaderReference(ids[id(value)]) if id(value) in ids else value for key, value in state.items()}
+    return {
+        key: LoaderReference(ids[id(value)]) if id(value) in ids else value
+        for key, value in state.items()
+    }
 
 
 def loaded_into(state: dict[str, Any], given: Mapping[str, Any]) -> None:
@@ -74,7 +93,11 @@ def loaded_into(state: dict[str, Any], given: Mapping[str, Any]) -> None:
         # NOTE: Fabric's FSDP and model-parallel strategies, from a sharded checkpoint, put a
         # stateful object's state dict in its place (a scheduler would keep its fresh state): it
         # goes into the object instead
-        if isinstance(value, Mapping) and value is not original and hasattr(original, "load_state_dict"):
+        if (
+            isinstance(value, Mapping)
+            and value is not original
+            and hasattr(original, "load_state_dict")
+        ):
             original.load_state_dict(value)  # type: ignore[union-attr]
         elif not isinstance(value, LoaderReference):
             state[key] = value

@@ -22,13 +22,18 @@ def trainer_calling(callback: Any) -> Trainer | None:
     frame = sys._getframe(1)
     while frame is not None:
         candidate = frame.f_locals.get("self")
-        if isinstance(candidate, Trainer) and any(c is callback for c in getattr(candidate, "callbacks", ())):
+        if isinstance(candidate, Trainer) and any(
+            c is callback for c in getattr(candidate, "callbacks", ())
+        ):
             return candidate
         frame = frame.f_back  # type: ignore[assignment]
     return None
 
 
-_FRESH_FIT_WARNINGS = (r"`\.fit\(ckpt_path=None\)` was called without a model", r'\.fit\(ckpt_path="last"\) is set')
+_FRESH_FIT_WARNINGS = (
+    r"`\.fit\(ckpt_path=None\)` was called without a model",
+    r'\.fit\(ckpt_path="last"\) is set',
+)
 """What Lightning says on every fit() with an ``OnExceptionCheckpoint`` and no ``ckpt_path``: it
 then looks for the "last" checkpoint itself, which is how a restarted fit finds ours; on a fresh fit
 there is none to find. Neither is a warning a user can act on
@@ -41,7 +46,9 @@ def quiet_fresh_fit(quiet: bool) -> None:
     filters = cast(list[Any], warnings.filters)  # NOTE: a list (typeshed says Sequence)
     filters[:] = [f for f in filters if getattr(f[1], "pattern", None) not in _FRESH_FIT_WARNINGS]
     for message in _FRESH_FIT_WARNINGS if quiet else ():
-        warnings.filterwarnings("ignore", message, UserWarning, r"lightning\.pytorch\.trainer\.connectors")
+        warnings.filterwarnings(
+            "ignore", message, UserWarning, r"lightning\.pytorch\.trainer\.connectors"
+        )
 
 
 def make_newest(path: str, trainer: Trainer) -> None:
@@ -52,7 +59,9 @@ def make_newest(path: str, trainer: Trainer) -> None:
         folder = getattr(callback, "dirpath", None)
         if isinstance(callback, ModelCheckpoint) and folder and os.path.isdir(folder):
             for name in os.listdir(folder):
-                if name.startswith(callback.CHECKPOINT_NAME_LAST or "last") and name != os.path.basename(path):
+                if name.startswith(
+                    callback.CHECKPOINT_NAME_LAST or "last"
+                ) and name != os.path.basename(path):
                     newest = max(newest, os.stat(os.path.join(folder, name)).st_mtime_ns)
     now = time.time_ns()
     os.utime(path, ns=(now, max(now, newest + 1_000_000)))

@@ -26,12 +26,24 @@ from typing import Any
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins import AsyncCheckpointIO
 
-from loader_resume.job.checkpoint import CheckpointError, describe_failure, storage_failure, writer_token
+from loader_resume.job.checkpoint import (
+    CheckpointError,
+    describe_failure,
+    storage_failure,
+    writer_token,
+)
 from loader_resume.job.storage import is_remote, remote_filesystem
 from loader_resume.job.torch_file import verify_torch_file
 
-__all__ = ["exists", "finish_writes", "nothing_else_to_resume", "save_atomically", "save_whole", "usable",
-           "verify_loads"]
+__all__ = [
+    "exists",
+    "finish_writes",
+    "nothing_else_to_resume",
+    "save_atomically",
+    "save_whole",
+    "usable",
+    "verify_loads",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -44,17 +56,28 @@ def save_atomically(trainer: Trainer, final: str) -> str | None:
     # NOTE: no rename on an object store: Lightning writes one upload, visible once complete
     remote = is_remote(final)
     folder, name = os.path.split(final)
-    target = final if remote else os.path.join(folder, f".{name}.tmp-{writer_token(strategy.broadcast)}")
+    target = (
+        final if remote else os.path.join(folder, f".{name}.tmp-{writer_token(strategy.broadcast)}")
+    )
     failure = _write(trainer, target)
-    if not strategy.reduce_boolean_decision(failure is not None, all=False) and trainer.is_global_zero and not remote:
+    if (
+        not strategy.reduce_boolean_decision(failure is not None, all=False)
+        and trainer.is_global_zero
+        and not remote
+    ):
         try:
             os.replace(target, final)
         except OSError as error:
             failure = error
     if not strategy.reduce_boolean_decision(failure is not None, all=False):
         return final
-    cause = "failed on another rank" if failure is None else \
-        f"{type(failure).__name__}: {failure}" if remote else describe_failure(failure, Path(final).parent)
+    cause = (
+        "failed on another rank"
+        if failure is None
+        else f"{type(failure).__name__}: {failure}"
+        if remote
+        else describe_failure(failure, Path(final).parent)
+    )
     if trainer.is_global_zero and not remote:
         with contextlib.suppress(OSError):
             os.remove(target)
@@ -101,8 +124,10 @@ def save_whole(fabric: Any, path: Path, state: dict[str, Any]) -> None:
         raise
     finish_writes(fabric.strategy)
     if fabric.is_global_zero and not path.exists():
-        raise FileNotFoundError(f"{path}: not on storage once the checkpoint IO's save_checkpoint and teardown() "
-                                "returned; expected a CheckpointIO whose teardown() waits for its writes")
+        raise FileNotFoundError(
+            f"{path}: not on storage once the checkpoint IO's save_checkpoint and teardown() "
+            "returned; expected a CheckpointIO whose teardown() waits for its writes"
+        )
 
 
 def finish_writes(strategy: Any) -> None:
@@ -151,8 +176,10 @@ def exists(path: str) -> bool:
     except FileNotFoundError:
         return False
     except Exception as error:
-        raise CheckpointError(f"{path}: cannot reach the checkpoint storage ({type(error).__name__}: {error}); "
-                              "expected credentials, the network and the bucket (or container) to be there") from error
+        raise CheckpointError(
+            f"{path}: cannot reach the checkpoint storage ({type(error).__name__}: {error}); "
+            "expected credentials, the network and the bucket (or container) to be there"
+        ) from error
 
 
 def usable(path: str) -> bool:
@@ -198,6 +225,8 @@ def verify_loads(strategy: Any) -> None:
 def nothing_else_to_resume(skipped: str) -> CheckpointError:
     """The error when the preemption checkpoint ``skipped`` does not verify and Lightning found no
     other."""
-    return CheckpointError(f"{skipped}: the preemption checkpoint does not verify (the warning above says why) and "
-                           "there is no other checkpoint to resume from; expected an intact one: move it away to "
-                           "start over")
+    return CheckpointError(
+        f"{skipped}: the preemption checkpoint does not verify (the warning above says why) and "
+        "there is no other checkpoint to resume from; expected an intact one: move it away to "
+        "start over"
+    )

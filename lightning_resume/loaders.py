@@ -16,8 +16,13 @@ from loader_resume import ResumableDataLoader
 from loader_resume.distributed import check_same_dataset, load_rank_state
 from loader_resume.job.preemption import workers_ignore_signals
 
-__all__ = ["TrainingLoaders", "drop_lightning_loader_states", "evaluation_workers_ignore", "intercept",
-           "resumable_tree"]
+__all__ = [
+    "TrainingLoaders",
+    "drop_lightning_loader_states",
+    "evaluation_workers_ignore",
+    "intercept",
+    "resumable_tree",
+]
 
 
 class TrainingLoaders:
@@ -30,8 +35,10 @@ class TrainingLoaders:
     ``DistributedSampler`` on it).
     """
 
-    def __init__(self, make_resumable: Callable[[DataLoader[Any], int, int, bool, int], ResumableDataLoader[Any]]
-                 ) -> None:
+    def __init__(
+        self,
+        make_resumable: Callable[[DataLoader[Any], int, int, bool, int], ResumableDataLoader[Any]],
+    ) -> None:
         self.loaders: list[ResumableDataLoader[Any]] = []
         """The converted loaders of this fit, in the order their states are saved (empty until
         converted)."""
@@ -51,7 +58,9 @@ class TrainingLoaders:
         if self.loaders:
             self._apply()
 
-    def state_at_trainer_step(self, trainer: Trainer, loader: ResumableDataLoader[Any]) -> dict[str, Any]:
+    def state_at_trainer_step(
+        self, trainer: Trainer, loader: ResumableDataLoader[Any]
+    ) -> dict[str, Any]:
         """The loader's state at the batch the trainer has taken, not the one it prefetched.
 
         NOTE: Lightning fetches one batch ahead from a training loader without ``__len__`` (to know
@@ -62,17 +71,23 @@ class TrainingLoaders:
         is where that pass starts.
         """
         progress = trainer.fit_loop.epoch_loop.batch_progress.current
-        if trainer.state.fn == "fit" and (trainer.is_last_batch or progress.ready == trainer.num_training_batches):
+        if trainer.state.fn == "fit" and (
+            trainer.is_last_batch or progress.ready == trainer.num_training_batches
+        ):
             return loader.state_dict(pass_ended=True)
         # NOTE: done before the epoch (CombinedLoader max_size): empty for the epoch's rest
         if loader.pass_finished:
             return loader.state_dict(pass_ended=False, ending=True)
         # NOTE: mid-epoch (a periodic checkpoint, validation, max_steps, a signal): the pass
         # continues
-        if len(self.loaders) != 1 or not isinstance(loader.dataset, torch.utils.data.IterableDataset):
+        if len(self.loaders) != 1 or not isinstance(
+            loader.dataset, torch.utils.data.IterableDataset
+        ):
             return loader.state_dict(pass_ended=False)
         taken = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-        return loader.state_dict(batches_ago=max(0, loader.batches_delivered - taken), pass_ended=False)
+        return loader.state_dict(
+            batches_ago=max(0, loader.batches_delivered - taken), pass_ended=False
+        )
 
     def intercept(self, trainer: Trainer) -> None:
         """Convert the trainer's training loaders now, or wrap the hook that will return them.
@@ -86,9 +101,12 @@ class TrainingLoaders:
         if kwargs is None:
             self._shard = (trainer.global_rank, trainer.world_size, False)
         elif kwargs["num_replicas"] != trainer.world_size:
-            raise ValueError(f"ResumeCallback under {type(trainer.strategy).__name__}: the data is sharded over "
-                             f"{kwargs['num_replicas']} data-parallel ranks of {trainer.world_size} processes (tensor "
-                             "or model parallelism); expected every process its own shard (data parallel only)")
+            raise ValueError(
+                f"ResumeCallback under {type(trainer.strategy).__name__}: the data is sharded over "
+                f"{kwargs['num_replicas']} data-parallel ranks of {trainer.world_size} processes "
+                "(tensor "
+                "or model parallelism); expected every process its own shard (data parallel only)"
+            )
         else:
             self._shard = (kwargs["rank"], kwargs["num_replicas"], True)
         self.loaders = []
@@ -100,17 +118,23 @@ class TrainingLoaders:
         state nobody advanced)."""
         combined = trainer.fit_loop._combined_loader
         iterated = [] if combined is None else combined.flattened
-        strays = [loader for loader in self.loaders if not any(loader is other for other in iterated)]
+        strays = [
+            loader for loader in self.loaders if not any(loader is other for other in iterated)
+        ]
         if strays:
-            raise RuntimeError(f"ResumeCallback: the fit iterates {[type(x).__name__ for x in iterated]}, not the "
-                               f"{len(strays)} resumable training loader(s) it made "
-                               f"({type(trainer.strategy).__name__}); expected Lightning to keep them, so that their "
-                               "states are the ones saved")
+            raise RuntimeError(
+                f"ResumeCallback: the fit iterates {[type(x).__name__ for x in iterated]}, not the "
+                f"{len(strays)} resumable training loader(s) it made "
+                f"({type(trainer.strategy).__name__}); expected Lightning to keep them, so that "
+                "their states are the ones saved"
+            )
 
     def convert(self, loaders: Any) -> Any:
         """``loaders`` (what a module's ``train_dataloader()`` returns) with every DataLoader made
         resumable; a checkpoint's states waiting in ``load`` go into them."""
-        converted, self.loaders = resumable_tree(loaders, lambda loader, index: self._make(loader, *self._shard, index))
+        converted, self.loaders = resumable_tree(
+            loaders, lambda loader, index: self._make(loader, *self._shard, index)
+        )
         # Lightning asks for the training loaders on every rank: a collective is safe
         for loader in self.loaders:
             check_same_dataset(loader)
@@ -122,8 +146,10 @@ class TrainingLoaders:
             return
         saved, self._to_load = self._to_load, None
         if len(saved) != len(self.loaders):
-            raise ValueError(f"the checkpoint holds {len(saved)} training loader states; the module now "
-                             f"returns {len(self.loaders)} training loaders (expected the same loaders)")
+            raise ValueError(
+                f"the checkpoint holds {len(saved)} training loader states; the module now "
+                f"returns {len(self.loaders)} training loaders (expected the same loaders)"
+            )
         for loader, gathered in zip(self.loaders, saved, strict=True):
             load_rank_state(loader, gathered)
 
@@ -154,7 +180,9 @@ def evaluation_workers_ignore(trainer: Trainer, signals: tuple[int, ...]) -> Non
     their workers ignore ``signals``, as the training loaders' do (``workers_ignore_signals``); the
     loaders stay Lightning's."""
     def guard(loaders: Any) -> Any:
-        return resumable_tree(loaders, lambda loader, _: workers_ignore_signals(loader, signals), every=True)[0]
+        return resumable_tree(
+            loaders, lambda loader, _: workers_ignore_signals(loader, signals), every=True
+        )[0]
 
     intercept(trainer.fit_loop.epoch_loop.val_loop._data_source, guard)
 
@@ -173,7 +201,11 @@ def resumable_tree(
             value.flattened = [walk(loader) for loader in value.flattened]
             return value
         if isinstance(value, DataLoader):
-            loader = value if isinstance(value, ResumableDataLoader) and not every else convert(value, len(found))
+            loader = (
+                value
+                if isinstance(value, ResumableDataLoader) and not every
+                else convert(value, len(found))
+            )
             found.append(loader)
             return loader
         if isinstance(value, dict):

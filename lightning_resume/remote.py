@@ -67,11 +67,22 @@ def newer(ours: str | None, last: str | None) -> str | None:
         later = _global_step(last) > _global_step(ours)
     # NOTE: a checkpoint torch cannot read with weights_only: the tie goes to ours
     except Exception as error:
-        logger.warning("%s and %s were written in the same second and their steps could not be read (%s): "
-                       "resuming from %s", ours, last, error, ours)
+        logger.warning(
+            "%s and %s were written in the same second and their steps could not be read (%s): "
+            "resuming from %s",
+            ours,
+            last,
+            error,
+            ours,
+        )
         return ours
     chosen = last if later else ours
-    logger.info("%s and %s were written in the same second: resuming from %s, the later step", ours, last, chosen)
+    logger.info(
+        "%s and %s were written in the same second: resuming from %s, the later step",
+        ours,
+        last,
+        chosen,
+    )
     return chosen
 
 
@@ -90,7 +101,8 @@ def _model_checkpoint_folders(trainer: Trainer) -> list[tuple[str, str]]:
         if isinstance(callback, ModelCheckpoint) and type(callback).__name__ != "ResumeCallback":
             # NOTE: before setup a ModelCheckpoint without dirpath has not resolved it: Lightning's
             # own resolution
-            folder = callback.dirpath or getattr(callback, "_ModelCheckpoint__resolve_ckpt_dir")(trainer)  # noqa: B009
+            resolve = getattr(callback, "_ModelCheckpoint__resolve_ckpt_dir")  # noqa: B009
+            folder = callback.dirpath or resolve(trainer)
             if is_remote(str(folder)):
                 folders.append((str(folder), callback.CHECKPOINT_NAME_LAST or "last"))
     return folders
@@ -117,12 +129,16 @@ def refuse_a_silent_start(found: list[str]) -> None:
     """A fit resumes nothing from a remote directory: refused if it holds checkpoints
     (``found``)."""
     if found:
-        raise CheckpointError(f"this fit() resumes nothing, but its remote checkpoint directory holds {found}: "
-                              "expected to resume from one of them (pass fit(ckpt_path=...)), or an empty directory "
-                              "to start over")
+        raise CheckpointError(
+            f"this fit() resumes nothing, but its remote checkpoint directory holds {found}: "
+            "expected to resume from one of them (pass fit(ckpt_path=...)), or an empty directory "
+            "to start over"
+        )
 
 
-def claim_directory(directory: str, main: bool, agree: Callable[[bool], bool]) -> DirectoryLock | RemoteLease | None:
+def claim_directory(
+    directory: str, main: bool, agree: Callable[[bool], bool]
+) -> DirectoryLock | RemoteLease | None:
     """The job's hold on ``directory``: a local one's lock, a remote one's lease where its store can
     create conditionally (else it is said, at start, not to be locked); see
     ``loader_resume.job.checkpoint_dir.claim``."""

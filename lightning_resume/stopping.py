@@ -18,7 +18,12 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 from loader_resume.job.preemption import Preemption
 from loader_resume.job.slurm import Requeue
 
-__all__ = ["adopt_lightnings_sigterm", "leave_process", "slurm_requeue", "stop_validating_as_planned"]
+__all__ = [
+    "adopt_lightnings_sigterm",
+    "leave_process",
+    "slurm_requeue",
+    "stop_validating_as_planned",
+]
 
 
 def adopt_lightnings_sigterm(trainer: Trainer, preemption: Preemption) -> None:
@@ -51,7 +56,10 @@ def slurm_requeue(trainer: Trainer, preemption: Preemption) -> Requeue:
     # NOTE: as Lightning's signal connector
     environment = trainer._accelerator_connector.cluster_environment
     on = isinstance(environment, SLURMEnvironment) and environment.auto_requeue
-    requeue = Requeue(on, environment.requeue_signal if on else signal.SIGUSR1)  # type: ignore[attr-defined]
+    if on:
+        requeue = Requeue(on, environment.requeue_signal)  # type: ignore[attr-defined]
+    else:
+        requeue = Requeue(on, signal.SIGUSR1)
     if requeue.signal is not None and requeue.signal not in preemption.signals:
         preemption.signals = (*preemption.signals, requeue.signal)
     return requeue

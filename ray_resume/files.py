@@ -39,23 +39,34 @@ def read_ranks(directory: Path) -> list[dict[str, Any]]:
     found = sorted(int(match.group(1)) for path in directory.iterdir()
                    if (match := re.fullmatch(r"loader_resume_rank_(\d+)\.pt", path.name)))
     if not found:
-        raise CheckpointError(f"{directory}: no {RANK_FILE.format(rank='R')} in this checkpoint; expected one per "
-                              "rank (a checkpoint reported by RayResume.report)")
-    first = checked_entry(torch.load(rank_file(directory, found[0]), weights_only=True), rank_file(directory, found[0]),
-                          needs=NEEDS)
+        raise CheckpointError(
+            f"{directory}: no {RANK_FILE.format(rank='R')} in this checkpoint; expected one per "
+            "rank (a checkpoint reported by RayResume.report)"
+        )
+    first = checked_entry(
+        torch.load(rank_file(directory, found[0]), weights_only=True),
+        rank_file(directory, found[0]),
+        needs=NEEDS,
+    )
     world = first["world_size"]
     missing = [rank_file(directory, rank).name for rank in range(world) if rank not in found]
     if missing:
-        raise CheckpointError(f"{directory}: {', '.join(missing)} missing; the run that wrote it had {world} "
-                              "ranks and every rank reports its own file (was a rank's upload lost?)")
-    ranks = [first if rank == found[0] else torch.load(rank_file(directory, rank), weights_only=True)
-             for rank in range(world)]
+        raise CheckpointError(
+            f"{directory}: {', '.join(missing)} missing; the run that wrote it had {world} "
+            "ranks and every rank reports its own file (was a rank's upload lost?)"
+        )
+    ranks = [
+        first if rank == found[0] else torch.load(rank_file(directory, rank), weights_only=True)
+        for rank in range(world)
+    ]
     # NOTE: the entry's format first (checked_entry), then its place
     for rank, state in enumerate(ranks):
         checked_entry(state, rank_file(directory, rank), needs=NEEDS)
         if state["rank"] != rank or state["world_size"] != world:
-            raise CheckpointError(f"{rank_file(directory, rank)}: rank {state['rank']!r} of {state['world_size']!r}; "
-                                  f"expected rank {rank} of {world}")
+            raise CheckpointError(
+                f"{rank_file(directory, rank)}: rank {state['rank']!r} of {state['world_size']!r}; "
+                f"expected rank {rank} of {world}"
+            )
     return ranks
 
 

@@ -82,20 +82,31 @@ class RayResume:
                  check_every_n_steps: int = 10, stop_on_preemption: bool = True) -> None:
         for loader in loaders:
             if type(loader).__name__ == "_WrappedDataLoader":
-                raise TypeError("RayResume: a loader from ray.train.torch.prepare_data_loader, which reads a batch "
-                                "ahead (a resume would skip it); expected the ResumableDataLoader itself (it shards "
-                                "itself across Ray's workers; move its batches with ray_resume.to_device)")
+                raise TypeError(
+                    "RayResume: a loader from ray.train.torch.prepare_data_loader, which reads a "
+                    "batch ahead (a resume would skip it); expected the ResumableDataLoader itself "
+                    "(it shards itself across Ray's workers; move its batches with "
+                    "ray_resume.to_device)"
+                )
             if not isinstance(loader, ResumableDataLoader):
-                raise TypeError(f"RayResume: a {type(loader).__name__}; expected loader_resume.ResumableDataLoader "
-                                "(a plain DataLoader's position cannot be saved)")
+                raise TypeError(
+                    f"RayResume: a {type(loader).__name__}; expected "
+                    "loader_resume.ResumableDataLoader "
+                    "(a plain DataLoader's position cannot be saved)"
+                )
         if model is not None and (isinstance(model, FullyShardedDataParallel) or any(
                 isinstance(parameter, DTensor) for parameter in model.parameters())):
-            raise TypeError("RayResume: a sharded model (FSDP); expected a plain or DistributedDataParallel model "
-                            "(rank 0 saves it alone). Save a sharded model with torch.distributed.checkpoint "
-                            "yourself and give RayResume no model")
+            raise TypeError(
+                "RayResume: a sharded model (FSDP); expected a plain or DistributedDataParallel "
+                "model (rank 0 saves it alone). Save a sharded model with "
+                "torch.distributed.checkpoint yourself and give RayResume no model"
+            )
         if every_n_steps < 0 or check_every_n_steps < 1:
-            raise ValueError(f"RayResume: every_n_steps={every_n_steps}, check_every_n_steps={check_every_n_steps}; "
-                             "expected every_n_steps >= 0 and check_every_n_steps >= 1")
+            raise ValueError(
+                f"RayResume: every_n_steps={every_n_steps}, "
+                f"check_every_n_steps={check_every_n_steps}; "
+                "expected every_n_steps >= 0 and check_every_n_steps >= 1"
+            )
         self.loaders = loaders
         self.objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
         self.every_n_steps, self.check_every_n_steps = every_n_steps, check_every_n_steps
@@ -128,16 +139,24 @@ class RayResume:
         ranks = read_ranks(directory)
         world, context = ranks[0]["world_size"], ray.train.get_context()
         if any(len(state["loaders"]) != len(self.loaders) for state in ranks):
-            raise CheckpointError(f"{directory}: {len(ranks[0]['loaders'])} loader states per rank; this RayResume "
-                                  f"has {len(self.loaders)} loaders")
+            raise CheckpointError(
+                f"{directory}: {len(ranks[0]['loaders'])} loader states per rank; this RayResume "
+                f"has {len(self.loaders)} loaders"
+            )
         for name, target in self.objects.items():
             path = directory / f"{name}.pt"
             if target is not None:
                 if not path.is_file():
-                    raise CheckpointError(f"{path}: missing; RayResume was given a {name} to restore")
-                unwrapped(target).load_state_dict(torch.load(path, weights_only=True, map_location="cpu"))
+                    raise CheckpointError(
+                        f"{path}: missing; RayResume was given a {name} to restore"
+                    )
+                unwrapped(target).load_state_dict(
+                    torch.load(path, weights_only=True, map_location="cpu")
+                )
         for index, loader in enumerate(self.loaders):
-            load_rank_state(loader, {"world_size": world, "ranks": [state["loaders"][index] for state in ranks]})
+            load_rank_state(
+                loader, {"world_size": world, "ranks": [state["loaders"][index] for state in ranks]}
+            )
         if world == context.get_world_size():
             generators = dict(ranks[context.get_world_rank()]["rng"])
             own = generators.pop("own_cuda", None)
@@ -145,8 +164,12 @@ class RayResume:
             if own is not None:
                 torch.cuda.set_rng_state(own, ray.train.torch.get_device())
         else:
-            logger.warning("checkpoint of %d workers, %d now: each loader continues the rest of the epoch exactly "
-                           "once, the generators start afresh", world, context.get_world_size())
+            logger.warning(
+                "checkpoint of %d workers, %d now: each loader continues the rest of the epoch "
+                "exactly once, the generators start afresh",
+                world,
+                context.get_world_size(),
+            )
         self.step, self.epoch = ranks[0]["step"], ranks[0]["epoch"]
         self._reported_at = self.step
         logger.info("resumed from %s at step %d (epoch %d)", directory, self.step, self.epoch)
@@ -179,9 +202,16 @@ class RayResume:
             notice = ray.train.get_preemption_info() is not None and not self._noticed
         if notice:
             self._noticed, self._stopping = True, self.stop_on_preemption
-            logger.warning("Ray's preemption notice: a checkpoint at step %d; %s", self.step,
-                           "waiting for Ray to restart the run" if self._stopping else "training goes on")
-        if notice or self._pending is not None or (self.every_n_steps and self.step % self.every_n_steps == 0):
+            logger.warning(
+                "Ray's preemption notice: a checkpoint at step %d; %s",
+                self.step,
+                "waiting for Ray to restart the run" if self._stopping else "training goes on",
+            )
+        if (
+            notice
+            or self._pending is not None
+            or (self.every_n_steps and self.step % self.every_n_steps == 0)
+        ):
             # an epoch's last step: after its own code
             if self.loaders and self.loaders[0].epoch > self.epoch:
                 self._pending = dict(metrics or {})
@@ -191,15 +221,22 @@ class RayResume:
     def _check_iterated(self) -> None:
         unmoved, self._unmoved = self._unmoved, None
         if any(read_ahead_by_ray(loader) for loader in self.loaders):
-            raise RuntimeError("RayResume: a loader is iterated through ray.train.torch.prepare_data_loader's "
-                               "wrapper, which reads a batch ahead (a resume would skip it); iterate the "
-                               "ResumableDataLoader itself and move batches with ray_resume.to_device")
-        if self.loaders and [loader.state_dict(pass_ended=False) for loader in self.loaders] == unmoved:
-            raise RuntimeError("RayResume: a training step was taken, and none of its loaders handed out a batch: "
-                               "the loop iterates another loader, whose position nobody saves. "
-                               "ray.train.torch.prepare_data_loader(loader) builds a new DataLoader with a "
-                               "DistributedSampler; iterate the ResumableDataLoader itself (it shards itself) and "
-                               "move batches with ray_resume.to_device")
+            raise RuntimeError(
+                "RayResume: a loader is iterated through ray.train.torch.prepare_data_loader's "
+                "wrapper, which reads a batch ahead (a resume would skip it); iterate the "
+                "ResumableDataLoader itself and move batches with ray_resume.to_device"
+            )
+        if (
+            self.loaders
+            and [loader.state_dict(pass_ended=False) for loader in self.loaders] == unmoved
+        ):
+            raise RuntimeError(
+                "RayResume: a training step was taken, and none of its loaders handed out a batch: "
+                "the loop iterates another loader, whose position nobody saves. "
+                "ray.train.torch.prepare_data_loader(loader) builds a new DataLoader with a "
+                "DistributedSampler; iterate the ResumableDataLoader itself (it shards itself) and "
+                "move batches with ray_resume.to_device"
+            )
 
     def report(self, metrics: Mapping[str, Any] | None = None) -> None:
         """Report a checkpoint to Ray now, with ``metrics`` (every worker, at a step boundary: Ray's

@@ -56,14 +56,24 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
 
 
 @pytest.mark.parametrize(("workers", "every"), [(0, 2), (2, 2), (0, 5)])
-def test_a_worker_killed_mid_epoch_and_restarted_by_ray_continues_with_the_uninterrupted_runs_batches(
+def test_a_worker_killed_mid_epoch_and_restarted_by_ray_continues_with_the_uninterrupted_batches(
     uninterrupted: dict[int, Path], tmp_path: Path, workers: int, every: int
 ) -> None:
     """Rank 1 ends its process 3 s after step 7 (of 10; mid second epoch), time for Ray to register
     the last checkpoint: step 6, or (every 5) step 5, the first epoch's last, reported after the
     epoch's scheduler step."""
-    assert fit(tmp_path / "logs", tmp_path / "storage", workers=workers, every=every, max_failures=2,
-               crash_at=(1, 7), crash_delay=3.0) is None
+    assert (
+        fit(
+            tmp_path / "logs",
+            tmp_path / "storage",
+            workers=workers,
+            every=every,
+            max_failures=2,
+            crash_at=(1, 7),
+            crash_delay=3.0,
+        )
+        is None
+    )
     assert (tmp_path / "logs" / "crashed").read_text() == "7"
     attempts = rows(tmp_path / "logs", 0)  # the first, and Ray's restart
     assert len(attempts) == 2 and attempts[1][0]["step"] == (6 if every == 5 else 7)
@@ -71,25 +81,38 @@ def test_a_worker_killed_mid_epoch_and_restarted_by_ray_continues_with_the_unint
     for rank in range(2):
         assert steps(tmp_path / "logs", rank) == steps(reference, rank)
         assert sorted(steps(reference, rank)) == list(range(1, 11))
-    assert (tmp_path / "logs" / "weights.txt").read_text() == (reference / "weights.txt").read_text()
+    assert (tmp_path / "logs" / "weights.txt").read_text() == (
+        reference / "weights.txt"
+    ).read_text()
 
 
-def test_a_loop_that_leaves_its_passes_early_resumes_from_a_checkpoint_at_the_pass_it_left(tmp_path: Path) -> None:
+def test_a_loop_that_leaves_its_passes_early_resumes_from_a_checkpoint_at_the_pass_it_left(
+    tmp_path: Path,
+) -> None:
     """Each epoch leaves its pass after 4 of its 5 steps; rank 1 ends its process 3 s after step 4,
     the first pass's last step and a checkpoint: the restart leaves that pass too, and the next
     epoch starts afresh."""
     reference, cut = tmp_path / "reference", tmp_path / "cut"
     assert fit(reference / "logs", reference / "storage", limit=4) is None
-    assert fit(cut / "logs", cut / "storage", limit=4, max_failures=1, crash_at=(1, 4), crash_delay=3.0) is None
+    assert (
+        fit(
+            cut / "logs", cut / "storage", limit=4, max_failures=1, crash_at=(1, 4), crash_delay=3.0
+        )
+        is None
+    )
     attempts = rows(cut / "logs", 0)
     assert len(attempts) == 2 and attempts[1][0]["step"] == 5
     for rank in range(2):
         assert steps(cut / "logs", rank) == steps(reference / "logs", rank)
         assert sorted(steps(reference / "logs", rank)) == list(range(1, 9))
-    assert (cut / "logs" / "weights.txt").read_text() == (reference / "logs" / "weights.txt").read_text()
+    assert (cut / "logs" / "weights.txt").read_text() == (
+        reference / "logs" / "weights.txt"
+    ).read_text()
 
 
-def test_a_failed_job_run_again_on_one_worker_delivers_the_rest_of_the_epoch_exactly_once(tmp_path: Path) -> None:
+def test_a_failed_job_run_again_on_one_worker_delivers_the_rest_of_the_epoch_exactly_once(
+    tmp_path: Path,
+) -> None:
     """2 workers, the job fails after step 7 (no retries); the same RunConfig on 1 worker resumes
     from the last registered checkpoint (step 6: one step into epoch 2) and delivers the rest of
     epoch 2, every sample once."""
@@ -99,8 +122,12 @@ def test_a_failed_job_run_again_on_one_worker_delivers_the_rest_of_the_epoch_exa
     saved = min(steps(tmp_path / "logs1", 0)) - 1  # the checkpoint Ray registered (its step)
     assert saved in (2, 4, 6)
     for epoch in (0, 1):
-        before = [ids for rank in range(2) for step, (at, ids, _, _) in steps(tmp_path / "logs2", rank).items()
-                  if step <= saved and at == epoch]
+        before = [
+            ids
+            for rank in range(2)
+            for step, (at, ids, _, _) in steps(tmp_path / "logs2", rank).items()
+            if step <= saved and at == epoch
+        ]
         after = [ids for at, ids, _, _ in steps(tmp_path / "logs1", 0).values() if at == epoch]
         assert sorted(i for batch in before + after for i in batch) == list(range(ITEMS)), epoch
 
@@ -141,16 +168,29 @@ def test_a_checkpoint_missing_a_ranks_file_is_refused_naming_it(tmp_path: Path) 
     assert "loader_resume_rank_1.pt missing; the run that wrote it had 2 ranks" in again
 
 
-@pytest.mark.parametrize(("prepare", "give_prepared", "expected"), [
-    ("default", False, "none of its loaders handed out a batch"),
-    ("default", True, "a loader from ray.train.torch.prepare_data_loader"),
-    ("no-sampler", False, "iterated through ray.train.torch.prepare_data_loader's wrapper, which reads a batch"),
-])
+@pytest.mark.parametrize(
+    ("prepare", "give_prepared", "expected"),
+    [
+        ("default", False, "none of its loaders handed out a batch"),
+        ("default", True, "a loader from ray.train.torch.prepare_data_loader"),
+        (
+            "no-sampler",
+            False,
+            "iterated through ray.train.torch.prepare_data_loader's wrapper, which reads a batch",
+        ),
+    ],
+)
 def test_a_loader_through_prepare_data_loader_is_refused_never_resumed_wrongly(
     tmp_path: Path, prepare: str, give_prepared: bool, expected: str
 ) -> None:
     """By default Ray builds another loader with a DistributedSampler (another order, a position
     nobody saves); with ``add_dist_sampler=False`` its wrapper reads a batch ahead (a resume would
     skip one)."""
-    error = fit(tmp_path / "logs", tmp_path / "storage", epochs=1, prepare=prepare, give_prepared=give_prepared)
+    error = fit(
+        tmp_path / "logs",
+        tmp_path / "storage",
+        epochs=1,
+        prepare=prepare,
+        give_prepared=give_prepared,
+    )
     assert expected in (error or "")

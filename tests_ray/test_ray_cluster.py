@@ -66,7 +66,9 @@ def nodes(cluster: Cluster) -> Iterator[Callable[[int], list[Any]]]:
             if ray.available_resources().get("CPU", 0) >= count * cpus:
                 return new
             time.sleep(0.1)
-        raise AssertionError(f"the cluster never showed {count * cpus} CPUs: {ray.available_resources()}")
+        raise AssertionError(
+            f"the cluster never showed {count * cpus} CPUs: {ray.available_resources()}"
+        )
 
     yield add  # type: ignore[misc]
     for node in added:
@@ -93,15 +95,21 @@ def assert_the_notice_stopped_every_worker_and_the_restart_took_the_next_batch(
     and weights."""
     for rank in range(2):
         first, restarted = rows(logs, rank)
-        assert first[-1]["step"] == 4 and restarted[0]["step"] == 5, "the notice's step, then the very next"
-        assert [row["step"] for row in first + restarted] == list(range(1, 5 * EPOCHS + 1)), "each step once"
-        assert {row["node"] for row in first} == set(preempted) and restarted[0]["node"] not in preempted
+        assert first[-1]["step"] == 4 and restarted[0]["step"] == 5, (
+            "the notice's step, then the very next"
+        )
+        assert [row["step"] for row in first + restarted] == list(range(1, 5 * EPOCHS + 1)), (
+            "each step once"
+        )
+        assert {row["node"] for row in first} == set(preempted) and restarted[0][
+            "node"
+        ] not in preempted
         assert steps(logs, rank) == steps(reference, rank)
     assert [path.name for path in (storage / "run").glob("step_*")] == ["step_000000004"]
     assert (logs / "weights.txt").read_text() == (reference / "weights.txt").read_text()
 
 
-def test_a_node_drained_for_preemption_checkpoints_every_worker_at_one_step_and_the_restart_takes_the_next_batch(
+def test_a_node_drained_for_preemption_checkpoints_all_workers_at_one_step_and_restarts_at_the_next(
     cluster: Cluster, nodes: Callable[..., list[Any]], reference: Path, tmp_path: Path
 ) -> None:
     """Two nodes of 2 CPUs; both workers on one. After step 3 that node is drained with Ray's
@@ -112,15 +120,31 @@ def test_a_node_drained_for_preemption_checkpoints_every_worker_at_one_step_and_
     logs, drained = tmp_path / "logs", []
 
     def preempt(node: str) -> None:
-        subprocess.run([str(Path(sys.executable).with_name("ray")), "drain-node", "--address", cluster.address,
-                        "--node-id", node, "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message",
-                        "spot reclaim", "--deadline-remaining-seconds", "12"], check=True)
+        subprocess.run(
+            [
+                str(Path(sys.executable).with_name("ray")),
+                "drain-node",
+                "--address",
+                cluster.address,
+                "--node-id",
+                node,
+                "--reason",
+                "DRAIN_NODE_REASON_PREEMPTION",
+                "--reason-message",
+                "spot reclaim",
+                "--deadline-remaining-seconds",
+                "12",
+            ],
+            check=True,
+        )
         drained.append(node)
         time.sleep(12)
         cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == node))
 
     watcher = when(logs, 0, 3, preempt)
-    assert fit(logs, tmp_path / "storage", epochs=EPOCHS, every=0, check_every=1, notice_at=3) is None
+    assert (
+        fit(logs, tmp_path / "storage", epochs=EPOCHS, every=0, check_every=1, notice_at=3) is None
+    )
     watcher.join(timeout=60)
     assert not watcher.is_alive(), "the watched step never came"
     assert_the_notice_stopped_every_worker_and_the_restart_took_the_next_batch(
@@ -135,12 +159,28 @@ def start_node(cluster: Cluster, cpus: int) -> tuple[subprocess.Popen[bytes], st
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
     process = subprocess.Popen(
-        [str(Path(sys.executable).with_name("ray")), "start", "--address", cluster.address, "--num-cpus", str(cpus),
-         "--node-manager-port", str(port), "--block", "--disable-usage-stats"],
+        [
+            str(Path(sys.executable).with_name("ray")),
+            "start",
+            "--address",
+            cluster.address,
+            "--num-cpus",
+            str(cpus),
+            "--node-manager-port",
+            str(port),
+            "--block",
+            "--disable-usage-stats",
+        ],
         env={**os.environ, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "12"},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     for _ in range(600):
-        found = [node["NodeID"] for node in ray.nodes() if node["Alive"] and node["NodeManagerPort"] == port]
+        found = [
+            node["NodeID"]
+            for node in ray.nodes()
+            if node["Alive"] and node["NodeManagerPort"] == port
+        ]
         if found:
             return process, found[0]
         assert process.poll() is None, f"ray start exited with {process.returncode}"
@@ -148,7 +188,7 @@ def start_node(cluster: Cluster, cpus: int) -> tuple[subprocess.Popen[bytes], st
     raise AssertionError("the node started with ray start never joined the cluster")
 
 
-def test_sigterm_to_a_node_checkpoints_every_worker_at_one_step_and_the_restart_takes_the_next_batch(
+def test_sigterm_to_a_node_checkpoints_every_worker_at_one_step_and_restarts_at_the_next_batch(
     cluster: Cluster, reference: Path, tmp_path: Path
 ) -> None:
     """Two nodes of 2 CPUs started with ``ray start --block``; both workers on one. After step 3
@@ -197,7 +237,10 @@ def test_a_node_lost_under_elastic_scaling_restarts_on_one_worker_and_delivers_e
         cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == node))
 
     watcher = when(logs, 1, 7, lose)
-    assert fit(logs, tmp_path / "storage", num_workers=(1, 2), every=2, max_failures=1, sleep=0.4) is None
+    assert (
+        fit(logs, tmp_path / "storage", num_workers=(1, 2), every=2, max_failures=1, sleep=0.4)
+        is None
+    )
     watcher.join(timeout=60)
     assert not watcher.is_alive(), "the watched step never came"
     (first0, restarted), (first1,) = rows(logs, 0), rows(logs, 1)
@@ -205,6 +248,11 @@ def test_a_node_lost_under_elastic_scaling_restarts_on_one_worker_and_delivers_e
     saved = restarted[0]["step"] - 1  # the checkpoint Ray restarted from
     assert saved in (2, 4, 6)
     for epoch in (0, 1):
-        before = [i for row in first0 + first1 if row["step"] <= saved and row["epoch"] == epoch for i in row["ids"]]
+        before = [
+            i
+            for row in first0 + first1
+            if row["step"] <= saved and row["epoch"] == epoch
+            for i in row["ids"]
+        ]
         after = [i for row in restarted if row["epoch"] == epoch for i in row["ids"]]
         assert sorted(before + after) == list(range(ITEMS)), epoch

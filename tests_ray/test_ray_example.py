@@ -21,8 +21,20 @@ ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'core'}:{ROOT}"}
 
 
 def command(out: Path) -> list[str]:
-    return [sys.executable, str(ROOT / "examples" / "ray_digits.py"), "--out", str(out), "--every", "4",
-            "--batch-log", str(out), "--sleep", "0.1", "--audit", str(out / "audit")]
+    return [
+        sys.executable,
+        str(ROOT / "examples" / "ray_digits.py"),
+        "--out",
+        str(out),
+        "--every",
+        "4",
+        "--batch-log",
+        str(out),
+        "--sleep",
+        "0.1",
+        "--audit",
+        str(out / "audit"),
+    ]
 
 
 def batches(out: Path) -> dict[tuple[int, int], Any]:
@@ -35,22 +47,35 @@ def batches(out: Path) -> dict[tuple[int, int], Any]:
     return rows
 
 
-def test_interrupted_with_ctrl_c_and_run_again_it_ends_with_the_uninterrupted_digest(tmp_path: Path) -> None:
-    full = subprocess.run(command(tmp_path / "full"), capture_output=True, text=True, timeout=600, env=ENV)
+def test_interrupted_with_ctrl_c_and_run_again_it_ends_with_the_uninterrupted_digest(
+    tmp_path: Path,
+) -> None:
+    full = subprocess.run(
+        command(tmp_path / "full"), capture_output=True, text=True, timeout=600, env=ENV
+    )
     assert full.returncode == 0, full.stderr[-4000:]
     log = tmp_path / "cut" / "log-0.jsonl"
     (tmp_path / "cut").mkdir()
-    first = subprocess.Popen(command(tmp_path / "cut"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             text=True, env=ENV)
+    first = subprocess.Popen(
+        command(tmp_path / "cut"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
     deadline = time.monotonic() + 300
     # mid second epoch (15 steps an epoch)
     while not log.exists() or log.read_text().count("\n") < 14:
-        assert time.monotonic() < deadline and first.poll() is None, "training never reached step 14"
+        assert time.monotonic() < deadline and first.poll() is None, (
+            "training never reached step 14"
+        )
         time.sleep(0.05)
     first.send_signal(signal.SIGINT)
     _, stderr = first.communicate(timeout=120)
     assert first.returncode != 0 and "digest" not in stderr, stderr[-4000:]
-    again = subprocess.run(command(tmp_path / "cut"), capture_output=True, text=True, timeout=600, env=ENV)
+    again = subprocess.run(
+        command(tmp_path / "cut"), capture_output=True, text=True, timeout=600, env=ENV
+    )
     assert again.returncode == 0, again.stderr[-4000:]
     assert again.stdout.splitlines()[-1] == full.stdout.splitlines()[-1]
     assert full.stdout.splitlines()[-1].startswith("final weights digest: ")
@@ -58,12 +83,26 @@ def test_interrupted_with_ctrl_c_and_run_again_it_ends_with_the_uninterrupted_di
     # the job's own audit (ResumableDataLoader(audit=...)) agrees: every sample once per epoch, one
     # resume
     for out, attempts in (("full", 1), ("cut", 2)):
-        done = subprocess.run([sys.executable, "-c", "import sys; from loader_resume.tools.cli import main; "
-                               "sys.exit(main(sys.argv[1:]))", "audit", str(tmp_path / out / "audit"), "--json"],
-                              capture_output=True, text=True, timeout=120, env=ENV)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from loader_resume.tools.cli import main; "
+                "sys.exit(main(sys.argv[1:]))",
+                "audit",
+                str(tmp_path / out / "audit"),
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=ENV,
+        )
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         (report,) = json.loads(done.stdout)
         assert [(row["epoch"], row["delivered"], row["status"]) for row in report["epochs"]] == [
             (0, 1797, "ok"), (1, 1797, "ok")]
         assert len(report["attempts"]) == attempts
-        assert [a["resumed"] == "(fresh)" for a in report["attempts"]] == [True] + [False] * (attempts - 1)
+        assert [a["resumed"] == "(fresh)" for a in report["attempts"]] == [True] + [False] * (
+            attempts - 1
+        )

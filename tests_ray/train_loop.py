@@ -56,20 +56,31 @@ def train_func(config: dict[str, Any]) -> None:
     rank, logs = context.get_world_rank(), Path(config["logs"])
     attempt = time.time_ns()
     torch.manual_seed(0)
-    model = ray.train.torch.prepare_model(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3),
-                                                        nn.Linear(16, 2)))
+    model = ray.train.torch.prepare_model(
+        nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2))
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     # stepped after each epoch
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
-    loader = ResumableDataLoader(Augmented(), batch_size=4, shuffle=True, seed=7, num_workers=config["workers"])
+    loader = ResumableDataLoader(
+        Augmented(), batch_size=4, shuffle=True, seed=7, num_workers=config["workers"]
+    )
     assert loader.world_size == context.get_world_size()
     iterated = loader
     # the user's loader through Ray's prepare_data_loader: never exact
     if config.get("prepare") is not None:
-        iterated = ray.train.torch.prepare_data_loader(loader, add_dist_sampler=config["prepare"] == "default")
+        iterated = ray.train.torch.prepare_data_loader(
+            loader, add_dist_sampler=config["prepare"] == "default"
+        )
     given = iterated if config.get("give_prepared") else loader
-    resume = RayResume(given, model=model, optimizer=optimizer, scheduler=scheduler, every_n_steps=config["every"],
-                       check_every_n_steps=config.get("check_every", 10))
+    resume = RayResume(
+        given,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        every_n_steps=config["every"],
+        check_every_n_steps=config.get("check_every", 10),
+    )
     node = ray.get_runtime_context().get_node_id()
     log = (logs / f"log-{rank}-{attempt}.jsonl").open("a")
     for epoch in resume.epochs(config["epochs"]):
@@ -107,12 +118,24 @@ def train_func(config: dict[str, Any]) -> None:
         # the epoch's own code, after its loop: a checkpoint due at its last step comes after it
         scheduler.step()
     if rank == 0:
-        weights = [p.detach() for p in (model.module if hasattr(model, "module") else model).parameters()]
+        weights = [
+            p.detach() for p in (model.module if hasattr(model, "module") else model).parameters()
+        ]
         (logs / "weights.txt").write_text(fingerprint(weights))
 
 
-def fit(logs: Path, storage: Path, *, workers: int = 0, num_workers: Any = 2, epochs: int = 2, every: int = 2,
-        max_failures: int = 0, name: str = "run", **extra: Any) -> str | None:
+def fit(
+    logs: Path,
+    storage: Path,
+    *,
+    workers: int = 0,
+    num_workers: Any = 2,
+    epochs: int = 2,
+    every: int = 2,
+    max_failures: int = 0,
+    name: str = "run",
+    **extra: Any,
+) -> str | None:
     """One ``TorchTrainer.fit()`` in this process's Ray cluster: ``None``, or the text of the error
     it failed with."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
@@ -120,10 +143,16 @@ def fit(logs: Path, storage: Path, *, workers: int = 0, num_workers: Any = 2, ep
 
     logs.mkdir(parents=True, exist_ok=True)
     config = {"logs": str(logs), "workers": workers, "epochs": epochs, "every": every, **extra}
-    trainer = TorchTrainer(train_func, train_loop_config=config,
-                           scaling_config=ScalingConfig(num_workers=num_workers),
-                           run_config=RunConfig(name=name, storage_path=str(storage),
-                                                failure_config=FailureConfig(max_failures=max_failures)))
+    trainer = TorchTrainer(
+        train_func,
+        train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=num_workers),
+        run_config=RunConfig(
+            name=name,
+            storage_path=str(storage),
+            failure_config=FailureConfig(max_failures=max_failures),
+        ),
+    )
     try:
         trainer.fit()
     except TrainingFailedError as error:
@@ -139,7 +168,9 @@ def steps(logs: Path, rank: int) -> dict[int, list[Any]]:
         for line in path.read_text().splitlines():
             row = json.loads(line)
             value = [row["epoch"], row["ids"], row["batch"], row["lr"]]
-            assert seen.setdefault(row["step"], value) == value, f"step {row['step']} replayed differently"
+            assert seen.setdefault(row["step"], value) == value, (
+                f"step {row['step']} replayed differently"
+            )
     return seen
 
 

@@ -37,13 +37,19 @@ class Noisy(StreamingDataset):  # type: ignore[misc]
     def __getitem__(self, index: int) -> dict[str, Any]:
         type(self).reads += 1
         item = super().__getitem__(index)
-        return {"id": int(item["id"]), "torch": torch.rand(()).item(), "numpy": float(np.random.rand()),
-                "random": random.random()}
+        return {
+            "id": int(item["id"]),
+            "torch": torch.rand(()).item(),
+            "numpy": float(np.random.rand()),
+            "random": random.random(),
+        }
 
 
 def make(folder: str, workers: int, shuffle: bool, persistent: bool) -> ResumableDataLoader[Any]:
     dataset = Noisy(local=folder, shuffle=shuffle, shuffle_seed=7, batch_size=BATCH)
-    return ResumableDataLoader(dataset, batch_size=BATCH, num_workers=workers, persistent_workers=persistent, seed=1)
+    return ResumableDataLoader(
+        dataset, batch_size=BATCH, num_workers=workers, persistent_workers=persistent, seed=1
+    )
 
 
 def main() -> None:
@@ -56,7 +62,9 @@ def main() -> None:
         # Mosaic reshuffles per epoch it is told
         assert (orders[0] != orders[1]) == bool(shuffle), orders
         del loader
-        report = assert_resumes_exactly(lambda: make(folder, workers, bool(shuffle), bool(persistent)), epochs=3)
+        report = assert_resumes_exactly(
+            lambda: make(folder, workers, bool(shuffle), bool(persistent)), epochs=3
+        )
         print("cuts", report)
     # O(1): the first batch after a resume at 5/6 of the epoch reads 4 items
     elif mode == "first-batch":
@@ -91,7 +99,9 @@ def main() -> None:
             raise AssertionError("a num_workers=2 state loaded into a num_workers=0 loader")
     # Mosaic's own batch_size must be the loader's: said at the first iter()
     elif mode == "batch-size":
-        loader = ResumableDataLoader(Noisy(local=folder, shuffle=True, batch_size=2), batch_size=BATCH)
+        loader = ResumableDataLoader(
+            Noisy(local=folder, shuffle=True, batch_size=2), batch_size=BATCH
+        )
         try:
             next(iter(loader))
         except ValueError as error:

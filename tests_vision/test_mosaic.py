@@ -28,9 +28,23 @@ def mds_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return out
 
 
-def _run(folder: str, mode: str, workers: int = 0, shuffle: bool = True, persistent: bool = False) -> None:
-    done = subprocess.run([sys.executable, str(CHILD), folder, mode, str(workers), str(int(shuffle)),
-                           str(int(persistent))], capture_output=True, text=True, timeout=240)
+def _run(
+    folder: str, mode: str, workers: int = 0, shuffle: bool = True, persistent: bool = False
+) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(CHILD),
+            folder,
+            mode,
+            str(workers),
+            str(int(shuffle)),
+            str(int(persistent)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stdout + done.stderr
 
 

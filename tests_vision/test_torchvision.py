@@ -31,7 +31,13 @@ class Images(Dataset[dict[str, Any]]):
         return N
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        image = torch.arange(3 * 16 * 16, dtype=torch.float32).reshape(3, 16, 16).add(index).remainder(255) / 255
+        image = (
+            torch.arange(3 * 16 * 16, dtype=torch.float32)
+            .reshape(3, 16, 16)
+            .add(index)
+            .remainder(255)
+            / 255
+        )
         return {"id": index, "image": AUGMENT(image)}
 
 
@@ -40,8 +46,12 @@ def _images(workers: int) -> ResumableDataLoader[Any]:
 
 
 def _fake(workers: int) -> ResumableDataLoader[Any]:
-    fake = datasets.FakeData(size=N, image_size=(3, 16, 16), num_classes=3,
-                             transform=v2.Compose([v2.ToImage(), v2.ToDtype(torch.float32, scale=True), AUGMENT]))
+    fake = datasets.FakeData(
+        size=N,
+        image_size=(3, 16, 16),
+        num_classes=3,
+        transform=v2.Compose([v2.ToImage(), v2.ToDtype(torch.float32, scale=True), AUGMENT]),
+    )
     return ResumableDataLoader(fake, batch_size=4, shuffle=True, seed=1, num_workers=workers)
 
 

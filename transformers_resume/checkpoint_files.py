@@ -26,8 +26,19 @@ from loader_resume.job.checkpoint import CheckpointError
 from loader_resume.job.checkpoint_entry import checked_entry
 from loader_resume.job.torch_file import verify_safetensors, verify_torch_file
 
-__all__ = ["LOADER_STATE_FILE", "RNG_STATE_FILE", "TRAINER_STATE", "agreed_checkpoint", "load_state_file",
-           "missing_file", "newest_complete", "newest_resumable", "read_states", "step_at", "verify_named"]
+__all__ = [
+    "LOADER_STATE_FILE",
+    "RNG_STATE_FILE",
+    "TRAINER_STATE",
+    "agreed_checkpoint",
+    "load_state_file",
+    "missing_file",
+    "newest_complete",
+    "newest_resumable",
+    "read_states",
+    "step_at",
+    "verify_named",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +50,15 @@ RNG_STATE_FILE = "rng_state_{rank}.pth"
 """Trainer's own RNG state of each rank (``rng_state.pth`` on one process)."""
 
 
-def step_at(state: dict[str, Any], *, world_size: int, batch_size: int, accumulation: int, steps_per_epoch: int,
-            checkpoint: Path) -> int:
+def step_at(
+    state: dict[str, Any],
+    *,
+    world_size: int,
+    batch_size: int,
+    accumulation: int,
+    steps_per_epoch: int,
+    checkpoint: Path,
+) -> int:
     """Trainer's ``global_step`` at ``world_size`` for the position of the map-style loader
     ``state``: completed epochs * ``steps_per_epoch`` + the optimizer steps (``world_size`` *
     ``batch_size`` * ``accumulation`` samples each) into the epoch. A position between two of those
@@ -49,9 +67,11 @@ def step_at(state: dict[str, Any], *, world_size: int, batch_size: int, accumula
     per_step = world_size * batch_size * accumulation
     if position % per_step:
         raise CheckpointError(
-            f"{checkpoint}: sample {position} of epoch {epoch} is not an optimizer-step boundary on {world_size} "
-            f"process(es) (steps of {world_size} * batch {batch_size} * accumulation {accumulation} = {per_step} "
-            "samples); expected a number of processes whose steps end there (e.g. the saving run's)")
+            f"{checkpoint}: sample {position} of epoch {epoch} is not an optimizer-step boundary "
+            f"on {world_size} process(es) (steps of {world_size} * batch {batch_size} * "
+            f"accumulation {accumulation} = {per_step} samples); expected a number of processes "
+            "whose steps end there (e.g. the saving run's)"
+        )
     return int(epoch * steps_per_epoch + position // per_step)
 
 
@@ -67,8 +87,11 @@ def missing_file(checkpoint: Path) -> Path | None:
     needed = [checkpoint / LOADER_STATE_FILE.format(rank=r) for r in range(1, world)]
     # NOTE: absent in files written before it was recorded (Trainer's default)
     if saved.get("rng_files", True):
-        needed += [checkpoint / RNG_STATE_FILE.format(rank=r) for r in range(world)] if world > 1 else \
-            [checkpoint / "rng_state.pth"]
+        needed += (
+            [checkpoint / RNG_STATE_FILE.format(rank=r) for r in range(world)]
+            if world > 1
+            else [checkpoint / "rng_state.pth"]
+        )
     for path in [*needed, checkpoint / TRAINER_STATE]:
         if not path.is_file():
             return path
@@ -80,8 +103,9 @@ def load_state_file(path: Path) -> dict[str, Any]:
     try:
         saved = torch.load(path, weights_only=True)
     except Exception as error:
-        raise CheckpointError(f"{path}: unreadable ({error}); expected a loader state written by ResumableTrainer") \
-            from None
+        raise CheckpointError(
+            f"{path}: unreadable ({error}); expected a loader state written by ResumableTrainer"
+        ) from None
     return checked_entry(saved, path, needs=("world_size", "rank", "global_step", "loader"))
 
 
@@ -96,8 +120,10 @@ def agreed_checkpoint(found: str | None) -> str | None:
     dist.all_gather_object(every, None if found is None else Path(found).name)
     if len(set(every)) > 1:
         seen = ", ".join(f"rank {rank}: {name or 'none'}" for rank, name in enumerate(every))
-        raise CheckpointError(f"the ranks found different newest complete checkpoints ({seen}); expected the same "
-                              "one on every rank (an output_dir every rank sees alike)")
+        raise CheckpointError(
+            f"the ranks found different newest complete checkpoints ({seen}); expected the same "
+            "one on every rank (an output_dir every rank sees alike)"
+        )
     return found
 
 
@@ -158,26 +184,34 @@ def newest_resumable(root: Path, *, rank: int = 0, world_size: int = 1,
         logger.warning("skipping %s: %s; trying the one before it", candidate, reason)
         skipped = skipped or reason
     if skipped is not None:
-        raise CheckpointError(f"{skipped}; and no older checkpoint in {root} verifies either (expected at least one "
-                              "intact: move them away to start over)")
+        raise CheckpointError(
+            f"{skipped}; and no older checkpoint in {root} verifies either (expected at least one "
+            "intact: move them away to start over)"
+        )
     return None
 
 
-def verify_named(checkpoint: Path, *, rank: int, world_size: int, agree: Callable[[bool], bool]) -> None:
+def verify_named(
+    checkpoint: Path, *, rank: int, world_size: int, agree: Callable[[bool], bool]
+) -> None:
     """Raise ``CheckpointError`` on every rank unless ``checkpoint`` (named by the user) is complete
     and its files verify (each rank its share; ``agree`` as for ``newest_resumable``)."""
     failure = None
     try:
         missing = missing_file(checkpoint)
         if missing is not None:
-            raise CheckpointError(f"{missing}: missing; expected a complete checkpoint written by ResumableTrainer "
-                                  "(killed while saving, or saved by another Trainer?)")
+            raise CheckpointError(
+                f"{missing}: missing; expected a complete checkpoint written by ResumableTrainer "
+                "(killed while saving, or saved by another Trainer?)"
+            )
         _verify_files(checkpoint, rank, world_size)
     except CheckpointError as error:
         failure = error
     if agree(failure is not None):
-        raise failure or CheckpointError(f"{checkpoint}: a file failed verification on another process (its log "
-                                         "names it); refusing to load it")
+        raise failure or CheckpointError(
+            f"{checkpoint}: a file failed verification on another process (its log "
+            "names it); refusing to load it"
+        )
 
 
 def _verify_files(checkpoint: Path, rank: int, world_size: int) -> None:
@@ -193,8 +227,10 @@ def _verify_files(checkpoint: Path, rank: int, world_size: int) -> None:
             try:
                 json.loads(path.read_bytes())
             except (OSError, ValueError) as error:
-                raise CheckpointError(f"{os.fspath(path)}: unreadable ({type(error).__name__}: {error}; truncated?); "
-                                      "refusing to load it") from None
+                raise CheckpointError(
+                    f"{os.fspath(path)}: unreadable ({type(error).__name__}: {error}; truncated?); "
+                    "refusing to load it"
+                ) from None
 
 
 def read_states(checkpoint: Path, world_size: int, *, can_move: bool
@@ -205,16 +241,22 @@ def read_states(checkpoint: Path, world_size: int, *, can_move: bool
     iterable dataset's state, and unless ``can_move``: this Trainer can move its step)."""
     first = load_state_file(checkpoint / LOADER_STATE_FILE.format(rank=0))
     world = first["world_size"]
-    ranks = [first] + [load_state_file(checkpoint / LOADER_STATE_FILE.format(rank=r)) for r in range(1, world)]
+    ranks = [first] + [
+        load_state_file(checkpoint / LOADER_STATE_FILE.format(rank=r)) for r in range(1, world)
+    ]
     moved = None
     if world != world_size:
         state = first["loader"]
         if not isinstance(state, dict) or state.get("kind") != "map":
-            raise CheckpointError(f"{checkpoint}: written by {world} process(es), resumed on {world_size}; an "
-                                  "iterable dataset resumes under Trainer on the same number of processes only "
-                                  "(Trainer's steps would not name the same samples)")
+            raise CheckpointError(
+                f"{checkpoint}: written by {world} process(es), resumed on {world_size}; an "
+                "iterable dataset resumes under Trainer on the same number of processes only "
+                "(Trainer's steps would not name the same samples)"
+            )
         if not can_move:
-            raise CheckpointError(f"{checkpoint}: written by {world} process(es), resumed on {world_size}; another "
-                                  f"number of processes needs transformers >= 5.3 (found {transformers.__version__})")
+            raise CheckpointError(
+                f"{checkpoint}: written by {world} process(es), resumed on {world_size}; another "
+                f"number of processes needs transformers >= 5.3 (found {transformers.__version__})"
+            )
         moved = (checkpoint, world, state)
     return {"world_size": world, "ranks": [saved["loader"] for saved in ranks]}, moved

@@ -41,9 +41,14 @@ def start_remote(trainer: Any, remote: str | None) -> RemoteCopy | None:
     ``train``."""
     url = remote if remote is not None else os.environ.get(REMOTE_VARIABLE) or None
     try:
-        return start_remote_copy(url, Path(trainer.args.output_dir), keep=trainer.args.save_total_limit or sys.maxsize,
-                                 main=trainer.args.process_index == 0, agree=any_rank,
-                                 pattern=rf"{PREFIX_CHECKPOINT_DIR}-(\d+)")
+        return start_remote_copy(
+            url,
+            Path(trainer.args.output_dir),
+            keep=trainer.args.save_total_limit or sys.maxsize,
+            main=trainer.args.process_index == 0,
+            agree=any_rank,
+            pattern=rf"{PREFIX_CHECKPOINT_DIR}-(\d+)",
+        )
     except Exception:
         end_processes(trainer)
         raise
@@ -71,6 +76,12 @@ def copy_checkpoint(trainer: Any, copy: RemoteCopy | None, directory: Path) -> N
     if any_rank(failure is not None):
         if failure is not None and not isinstance(failure, OSError):
             raise failure
-        cause = "it failed on the main process" if failure is None else describe_failure(failure, directory.parent)
-        raise SaveFailed(f"checkpoint at step {trainer.state.global_step} written to {directory} but NOT copied to "
-                         f"{copy.url}: {cause}") from failure
+        cause = (
+            "it failed on the main process"
+            if failure is None
+            else describe_failure(failure, directory.parent)
+        )
+        raise SaveFailed(
+            f"checkpoint at step {trainer.state.global_step} written to {directory} but NOT copied "
+            f"to {copy.url}: {cause}"
+        ) from failure

@@ -81,9 +81,15 @@ class AgreedWrite:
         if own is not None:
             # NOTE: raises anything the storage cannot cause (a bug), now that all agreed
             storage_failure(own)
-        cause = "it failed on another process" if own is None else describe_failure(own, directory.parent)
-        raise SaveFailed(f"checkpoint at step {step} NOT written to {directory}: {cause}; the newest complete "
-                         f"checkpoint is still {newest() or 'none'}") from own
+        cause = (
+            "it failed on another process"
+            if own is None
+            else describe_failure(own, directory.parent)
+        )
+        raise SaveFailed(
+            f"checkpoint at step {step} NOT written to {directory}: {cause}; the newest complete "
+            f"checkpoint is still {newest() or 'none'}"
+        ) from own
 
 
 def end_processes(trainer: Any) -> None:

@@ -71,7 +71,14 @@ from loader_resume.job.preemption import Preemption, workers_ignore_signals
 from loader_resume.job.remote_copy import RemoteCopy
 from loader_resume.job.slurm import Requeue
 
-from .checkpoint_files import LOADER_STATE_FILE, newest_complete, newest_resumable, read_states, step_at, verify_named
+from .checkpoint_files import (
+    LOADER_STATE_FILE,
+    newest_complete,
+    newest_resumable,
+    read_states,
+    step_at,
+    verify_named,
+)
 from .remote import copy_checkpoint, fetch_remote, start_remote
 from .saving import AgreedWrite, SaveFailed, end_processes, hold_output_dir
 from .signals import AgreeOnSignals
@@ -104,13 +111,27 @@ class ResumeTrainerMixin:
     model: Any
     model_wrapped: Any
 
-    def __init__(self, *args: Any, keying: str = "batch", keyed_generators: Sequence[str] = GENERATORS,
-                 signals: Sequence[str | int] = ("SIGTERM", "SIGUSR1"), check_every_n_steps: int = 1,
-                 exit_code: int = 143, slurm_requeue: bool = False, remote: str | None = None,
-                 audit: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
-        for name, value, least in (("check_every_n_steps", check_every_n_steps, 1), ("exit_code", exit_code, 0)):
+    def __init__(
+        self,
+        *args: Any,
+        keying: str = "batch",
+        keyed_generators: Sequence[str] = GENERATORS,
+        signals: Sequence[str | int] = ("SIGTERM", "SIGUSR1"),
+        check_every_n_steps: int = 1,
+        exit_code: int = 143,
+        slurm_requeue: bool = False,
+        remote: str | None = None,
+        audit: str | os.PathLike[str] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        for name, value, least in (
+            ("check_every_n_steps", check_every_n_steps, 1),
+            ("exit_code", exit_code, 0),
+        ):
             if type(value) is not int or value < least:
-                raise ValueError(f"{type(self).__name__}({name}={value!r}): expected an int >= {least}")
+                raise ValueError(
+                    f"{type(self).__name__}({name}={value!r}): expected an int >= {least}"
+                )
         self.resume_keying, self.resume_keyed_generators = keying, tuple(keyed_generators)
         self.resume_audit = audit_from_environment(audit)
         self.resume_loader: AcceleratedResumableDataLoader | None = None
@@ -130,10 +151,12 @@ class ResumeTrainerMixin:
         # NOTE: before Trainer installs its handler
         if getattr(training_args, "enable_jit_checkpoint", False):
             raise ValueError(
-                f"TrainingArguments(enable_jit_checkpoint=True) with {type(self).__name__}: expected it off. It "
-                "checkpoints on one process without the others' agreement, possibly before an optimizer step when "
-                "the loader has delivered that step's batches; ResumableTrainer handles SIGTERM/SIGUSR1 itself, "
-                "agreed by every rank at a step boundary (its signals= argument)")
+                f"TrainingArguments(enable_jit_checkpoint=True) with {type(self).__name__}: "
+                "expected it off. It checkpoints on one process without the others' agreement, "
+                "possibly before an optimizer step when the loader has delivered that step's "
+                "batches; ResumableTrainer handles SIGTERM/SIGUSR1 itself, agreed by every rank "
+                "at a step boundary (its signals= argument)"
+            )
         super().__init__(*args, **kwargs)
         self.add_callback(AgreeOnSignals(self))  # type: ignore[attr-defined]
 
@@ -145,10 +168,16 @@ class ResumeTrainerMixin:
         plain = unprepared(self.accelerator, super().get_train_dataloader)  # type: ignore[misc]
         args, accelerator = self.args, self.accelerator
         ours = sharded_resumable(
-            plain, rank=args.process_index, world_size=args.world_size, loader_class=AcceleratedResumableDataLoader,
-            seed=args.data_seed if args.data_seed is not None else args.seed, keying=self.resume_keying,
-            keyed_generators=self.resume_keyed_generators, ignore_signals=self.preemption.signals,
-            audit=self.resume_audit)
+            plain,
+            rank=args.process_index,
+            world_size=args.world_size,
+            loader_class=AcceleratedResumableDataLoader,
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+            keying=self.resume_keying,
+            keyed_generators=self.resume_keyed_generators,
+            ignore_signals=self.preemption.signals,
+            audit=self.resume_audit,
+        )
         ours.attach_accelerate(None, *placed(accelerator, None))
         if self._loader_states is not None:
             load_rank_state(ours, self._loader_states)
@@ -157,14 +186,19 @@ class ResumeTrainerMixin:
         return ours
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader[Any]:
-        return workers_ignore_signals(super().get_eval_dataloader(eval_dataset), self.preemption.signals)  # type: ignore[misc,no-any-return]
+        loader = super().get_eval_dataloader(eval_dataset)  # type: ignore[misc]
+        safe: DataLoader[Any] = workers_ignore_signals(loader, self.preemption.signals)
+        return safe
 
     def get_test_dataloader(self, test_dataset: Any) -> DataLoader[Any]:
-        return workers_ignore_signals(super().get_test_dataloader(test_dataset), self.preemption.signals)  # type: ignore[misc,no-any-return]
+        loader = super().get_test_dataloader(test_dataset)  # type: ignore[misc]
+        safe: DataLoader[Any] = workers_ignore_signals(loader, self.preemption.signals)
+        return safe
 
-    # --- train / checkpoints
-    # ------------------------------------------------------------------------
-    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+    # --- train / checkpoints ----------------------------------------------------------------------
+    def train(
+        self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any
+    ) -> Any:
         """``Trainer.train``; ``resume_from_checkpoint=True`` picks the newest complete checkpoint
         in ``args.output_dir`` that verifies (see the module docstring). ``args.output_dir`` is this
         job's while it trains: a second job on it is refused."""
@@ -183,20 +217,31 @@ class ResumeTrainerMixin:
         checkpoint: str | None
         if resume_from_checkpoint is True:
             fetch_remote(self, self._copy)
-            found = newest_resumable(root, rank=args_.process_index, world_size=args_.world_size, agree=any_rank)
+            found = newest_resumable(
+                root, rank=args_.process_index, world_size=args_.world_size, agree=any_rank
+            )
             checkpoint = None if found is None else os.fspath(found)
             # NOTE: stock Trainer raises here
             if checkpoint is None and not resuming_nothing(self._held, any_rank):
-                logger.warning("no complete checkpoint in %s: training starts from the beginning", root)
+                logger.warning(
+                    "no complete checkpoint in %s: training starts from the beginning", root
+                )
         else:
             checkpoint = resume_from_checkpoint or None
             if checkpoint is not None:
-                verify_named(Path(checkpoint), rank=args_.process_index, world_size=args_.world_size, agree=any_rank)
+                verify_named(
+                    Path(checkpoint),
+                    rank=args_.process_index,
+                    world_size=args_.world_size,
+                    agree=any_rank,
+                )
         if checkpoint is not None and args_.ignore_data_skip:
             raise ValueError(
-                f"TrainingArguments(ignore_data_skip=True) with {type(self).__name__}: expected it off. "
-                f"{type(self).__name__} continues {checkpoint} with the very next batch and reads none to skip it; "
-                "ignore_data_skip would start the epoch's data over while Trainer's step counter goes on")
+                f"TrainingArguments(ignore_data_skip=True) with {type(self).__name__}: expected it "
+                f"off. {type(self).__name__} continues {checkpoint} with the very next batch and "
+                "reads none to skip it; ignore_data_skip would start the epoch's data over while "
+                "Trainer's step counter goes on"
+            )
         self._move_scheduler_to = None
         # NOTE: transformers >= 5.3
         movable = hasattr(trainer_module.Trainer, "_init_training_state")
@@ -212,15 +257,23 @@ class ResumeTrainerMixin:
             if self.preempted_at is None:
                 raise CheckpointError(str(failed)) from failed.__cause__
             logger.error("%s", failed)
-            raise SystemExit(preemption_exit_code(None, self.preempted_at, self.exit_code,
-                                                  os.fspath(newest_complete(root) or "the start"))) from None
+            raise SystemExit(
+                preemption_exit_code(
+                    None,
+                    self.preempted_at,
+                    self.exit_code,
+                    os.fspath(newest_complete(root) or "the start"),
+                )
+            ) from None
         finally:
             self.preemption.uninstall()
         if self.preempted_at is not None:
             written = root / f"{PREFIX_CHECKPOINT_DIR}-{self.preempted_at}"
             self.requeue.after_checkpoint(self.args.process_index == 0)
             end_processes(self)
-            raise SystemExit(preemption_exit_code(written, self.preempted_at, self.exit_code, os.fspath(written)))
+            raise SystemExit(
+                preemption_exit_code(written, self.preempted_at, self.exit_code, os.fspath(written))
+            )
         return output
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
@@ -230,7 +283,10 @@ class ResumeTrainerMixin:
         if loader is None:
             super()._save_checkpoint(model, trial)  # type: ignore[misc]
             return
-        run_dir = Path(self.args.output_dir if trial is None else self._get_output_dir(trial=trial))  # type: ignore[attr-defined]
+        if trial is None:
+            run_dir = Path(self.args.output_dir)
+        else:
+            run_dir = Path(self._get_output_dir(trial=trial))  # type: ignore[attr-defined]
         directory = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
 
         def write() -> None:
@@ -238,8 +294,13 @@ class ResumeTrainerMixin:
             rank = self.args.process_index
             # NOTE: Trainer resumes an epoch's last step with the next epoch's iter()
             position = loader.resume_state(loop_ends_pass=False)
-            state = new_entry(world_size=self.args.world_size, rank=rank, global_step=self.state.global_step,
-                              rng_files=not self.args.save_only_model, loader=position)
+            state = new_entry(
+                world_size=self.args.world_size,
+                rank=rank,
+                global_step=self.state.global_step,
+                rng_files=not self.args.save_only_model,
+                loader=position,
+            )
             final = directory / LOADER_STATE_FILE.format(rank=rank)
             # NOTE: this rank's name
             temporary = temporary_name(final, writer_token(lambda token: token))
@@ -249,8 +310,13 @@ class ResumeTrainerMixin:
 
         self._write = AgreedWrite(any_rank)
         try:
-            self._write.run(write, directory, main=self.args.should_save, step=self.state.global_step,
-                            newest=lambda: newest_complete(run_dir))
+            self._write.run(
+                write,
+                directory,
+                main=self.args.should_save,
+                step=self.state.global_step,
+                newest=lambda: newest_complete(run_dir),
+            )
         finally:
             self._write = None
         copy_checkpoint(self, self._copy, directory)
@@ -270,7 +336,9 @@ class ResumeTrainerMixin:
         if self._write is not None:
             self._write.point()
 
-    def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, *args: Any) -> tuple[int, int]:
+    def _init_training_state(
+        self, max_steps: int, num_update_steps_per_epoch: int, *args: Any
+    ) -> tuple[int, int]:
         # NOTE: Trainer's own (transformers 5.x): restores trainer_state.json and derives the epoch
         # and the batches into it from global_step; after a change of world size, global_step is
         # re-expressed first
@@ -281,10 +349,23 @@ class ResumeTrainerMixin:
         checkpoint, world, state = self._moved_from
         loader, accumulation = self.resume_loader, self.args.gradient_accumulation_steps
         assert loader is not None and loader.batch_size is not None
-        step = step_at(state, world_size=self.args.world_size, batch_size=loader.batch_size,
-                       accumulation=accumulation, steps_per_epoch=num_update_steps_per_epoch, checkpoint=checkpoint)
-        logger.warning("%s: written by %d process(es), resumed on %d: step %d is step %d here (the same sample)",
-                       checkpoint, world, self.args.world_size, self.state.global_step, step)
+        step = step_at(
+            state,
+            world_size=self.args.world_size,
+            batch_size=loader.batch_size,
+            accumulation=accumulation,
+            steps_per_epoch=num_update_steps_per_epoch,
+            checkpoint=checkpoint,
+        )
+        logger.warning(
+            "%s: written by %d process(es), resumed on %d: step %d is step %d here (the same "
+            "sample)",
+            checkpoint,
+            world,
+            self.args.world_size,
+            self.state.global_step,
+            step,
+        )
         self.state.global_step = self._move_scheduler_to = step
         epochs = step // num_update_steps_per_epoch
         # (ignore_data_skip is refused with a checkpoint)
@@ -303,9 +384,13 @@ class ResumeTrainerMixin:
             scheduler.step()
         # not indexed by steps
         elif type(scheduler).__name__ not in ("ReduceLROnPlateau", "GreedyLR"):
-            logger.warning("LR scheduler %s not moved to step %d after the change of world size (only LambdaLR "
-                           "schedules are); its learning rates continue from the checkpoint's step",
-                           type(scheduler).__name__, step)
+            logger.warning(
+                "LR scheduler %s not moved to step %d after the change of world size (only "
+                "LambdaLR "
+                "schedules are); its learning rates continue from the checkpoint's step",
+                type(scheduler).__name__,
+                step,
+            )
 
     def resumable_checkpoint(self) -> str | None:
         """The newest complete checkpoint in ``args.output_dir`` that verifies (what

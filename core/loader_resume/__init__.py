@@ -17,8 +17,16 @@ from loader_resume.order.sampler import ShardedSampler
 from loader_resume.state import STATE_VERSION, StateError
 
 __all__ = [
-    "GENERATORS", "STATE_VERSION", "LoaderResumeError", "Mixture", "ResumableDataLoader", "ShardedSampler",
-    "StateError", "__version__", "global_rng_state", "set_global_rng_state",
+    "GENERATORS",
+    "STATE_VERSION",
+    "LoaderResumeError",
+    "Mixture",
+    "ResumableDataLoader",
+    "ShardedSampler",
+    "StateError",
+    "__version__",
+    "global_rng_state",
+    "set_global_rng_state",
 ]
 __version__ = "0.1.0"
 """This release (the version in ``pyproject.toml``)."""

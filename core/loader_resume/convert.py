@@ -69,25 +69,44 @@ def resumable(
     if isinstance(loader, ResumableDataLoader):
         seed, keying, keyed_generators = loader.seed, loader.keying, loader.keyed_generators
         by_value_bytes = loader.by_value_bytes
-    custom_batches = loader.batch_sampler is not None and type(loader.batch_sampler) is not BatchSampler
-    sampler = None if custom_batches or isinstance(loader.dataset, IterableDataset) else loader.sampler
+    custom_batches = (
+        loader.batch_sampler is not None and type(loader.batch_sampler) is not BatchSampler
+    )
+    sampler = (
+        None if custom_batches or isinstance(loader.dataset, IterableDataset) else loader.sampler
+    )
     if sampler is not None and world_size is not None and (world_size > 1 or distributed):
         sampler = _sharded(loader, sampler, seed, rank or 0, world_size)
     workers = loader.num_workers if num_workers is None else num_workers
-    init = IgnoreSignalsInWorker(ignore_signals, loader.worker_init_fn) if ignore_signals else loader.worker_init_fn
+    init = (
+        IgnoreSignalsInWorker(ignore_signals, loader.worker_init_fn)
+        if ignore_signals
+        else loader.worker_init_fn
+    )
     return loader_class(
         loader.dataset,
         batch_size=None if custom_batches else loader.batch_size,
         sampler=sampler,
         batch_sampler=loader.batch_sampler if custom_batches else None,
-        num_workers=workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
-        drop_last=False if custom_batches else loader.drop_last, timeout=loader.timeout,
+        num_workers=workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        drop_last=False if custom_batches else loader.drop_last,
+        timeout=loader.timeout,
         worker_init_fn=init if workers else None,
         multiprocessing_context=loader.multiprocessing_context if workers else None,
-        generator=loader.generator, prefetch_factor=loader.prefetch_factor if workers else None,
-        persistent_workers=loader.persistent_workers and workers > 0, pin_memory_device=loader.pin_memory_device,
-        in_order=getattr(loader, "in_order", True), seed=seed, keying=keying, keyed_generators=keyed_generators,
-        rank=None if world_size is None else rank, world_size=world_size, by_value_bytes=by_value_bytes, audit=audit,
+        generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor if workers else None,
+        persistent_workers=loader.persistent_workers and workers > 0,
+        pin_memory_device=loader.pin_memory_device,
+        in_order=getattr(loader, "in_order", True),
+        seed=seed,
+        keying=keying,
+        keyed_generators=keyed_generators,
+        rank=None if world_size is None else rank,
+        world_size=world_size,
+        by_value_bytes=by_value_bytes,
+        audit=audit,
     )
 
 
@@ -99,12 +118,30 @@ def _sharded(loader: DataLoader[Any], sampler: Any, seed: int, rank: int, world_
                               shuffle=shuffle, seed=seed, drop_last=loader.drop_last)
 
 
-def sharded_resumable(loader: DataLoader[Any], *, rank: int, world_size: int, loader_class: type[L], seed: int,
-                      keying: str, keyed_generators: Sequence[str], ignore_signals: Sequence[int],
-                      audit: str | None = None) -> L:
+def sharded_resumable(
+    loader: DataLoader[Any],
+    *,
+    rank: int,
+    world_size: int,
+    loader_class: type[L],
+    seed: int,
+    keying: str,
+    keyed_generators: Sequence[str],
+    ignore_signals: Sequence[int],
+    audit: str | None = None,
+) -> L:
     """``resumable`` for a framework's process ``rank`` of ``world_size``, the ranks' datasets
     compared (``distributed.check_same_dataset``: a collective, every rank calls it)."""
-    ours = resumable(loader, seed=seed, keying=keying, keyed_generators=keyed_generators, rank=rank,
-                     world_size=world_size, ignore_signals=ignore_signals, loader_class=loader_class, audit=audit)
+    ours = resumable(
+        loader,
+        seed=seed,
+        keying=keying,
+        keyed_generators=keyed_generators,
+        rank=rank,
+        world_size=world_size,
+        ignore_signals=ignore_signals,
+        loader_class=loader_class,
+        audit=audit,
+    )
     check_same_dataset(ours)
     return ours

@@ -31,8 +31,15 @@ from loader_resume.state import StateError
 from loader_resume.thirdparty import content_identity
 
 __all__ = [
-    "DCPLoaderState", "any_rank", "check_same_dataset", "collective_device", "gather_rng_states", "gather_states",
-    "init_process_group", "load_rank_state", "rank_and_world",
+    "DCPLoaderState",
+    "any_rank",
+    "check_same_dataset",
+    "collective_device",
+    "gather_rng_states",
+    "gather_states",
+    "init_process_group",
+    "load_rank_state",
+    "rank_and_world",
 ]
 
 
@@ -53,7 +60,10 @@ def rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if rank is None:
         rank = dist.get_rank() if initialised else 0
     if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank={rank}, world_size={world_size}: expected world_size >= 1 and 0 <= rank < world_size")
+        raise ValueError(
+            f"rank={rank}, world_size={world_size}: expected world_size >= 1 and 0 <= rank < "
+            "world_size"
+        )
     return rank, world_size
 
 
@@ -81,7 +91,12 @@ def load_rank_state(loader: _RankedLoader, gathered: Mapping[str, Any]) -> None:
                          "Pass what gather_states() returned.")
     saved_world, ranks = gathered["world_size"], gathered["ranks"]
     if type(ranks) is not list or len(ranks) != saved_world or not ranks:
-        raise StateError("ranks", ranks, f"a list of {saved_world} rank states", "The state was edited or corrupted.")
+        raise StateError(
+            "ranks",
+            ranks,
+            f"a list of {saved_world} rank states",
+            "The state was edited or corrupted.",
+        )
     if saved_world == loader.world_size:
         loader.load_state_dict(ranks[loader.rank])
         return
@@ -129,7 +144,9 @@ class DCPLoaderState:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         saved = state_dict.get(self.KEY) if isinstance(state_dict, Mapping) else None
         if not isinstance(saved, bytes):
-            raise StateError(self.KEY, type(saved).__name__, "bytes", "Save with DCPLoaderState(loader).")
+            raise StateError(
+                self.KEY, type(saved).__name__, "bytes", "Save with DCPLoaderState(loader)."
+            )
         load_rank_state(self.loader, torch.load(io.BytesIO(saved), weights_only=True))
 
 
@@ -187,7 +204,11 @@ def collective_device() -> torch.device | None:
     called ``torch.cuda.set_device`` (Lightning, Accelerate and
     [`init_process_group`][loader_resume.distributed.init_process_group] do).
     """
-    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend()) else None
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if "nccl" in str(dist.get_backend())
+        else None
+    )
 
 
 def init_process_group(backend: str = "gloo", timeout: timedelta = timedelta(minutes=30)) -> None:
@@ -212,10 +233,18 @@ def init_process_group(backend: str = "gloo", timeout: timedelta = timedelta(min
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    store = dist.TCPStore(  # type: ignore[attr-defined]  # public API, not re-exported for type checkers
-        address, port, world, is_master=not agent_store and rank == 0, timeout=timeout, multi_tenant=True)
+    # NOTE: TCPStore and PrefixStore are public API, not re-exported for type checkers
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        address,
+        port,
+        world,
+        is_master=not agent_store and rank == 0,
+        timeout=timeout,
+        multi_tenant=True,
+    )
     generation = _agree_on_generation(store, rank, world, timeout)
-    prefixed = dist.PrefixStore(f"loader_resume/generation_{generation}", store)  # type: ignore[attr-defined]
+    prefix = f"loader_resume/generation_{generation}"
+    prefixed = dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
     dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
 
 
@@ -254,7 +283,9 @@ def _agree_on_generation(store: Any, rank: int, world: int, timeout: timedelta) 
                     answered[other] = nonce
         if waiting:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"init_process_group: ranks {sorted(waiting)} of {world} did not join generation "
-                                   f"{generation} within {timeout}")
+                raise TimeoutError(
+                    f"init_process_group: ranks {sorted(waiting)} of {world} did not join "
+                    f"generation {generation} within {timeout}"
+                )
             time.sleep(0.005)
     return generation

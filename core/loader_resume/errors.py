@@ -8,8 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["AuditFormatError", "CheckpointDirectoryError", "CheckpointError", "LoaderResumeError", "RemoteCopyError",
-           "StateError", "WorkerStartError"]
+__all__ = [
+    "AuditFormatError",
+    "CheckpointDirectoryError",
+    "CheckpointError",
+    "LoaderResumeError",
+    "RemoteCopyError",
+    "StateError",
+    "WorkerStartError",
+]
 
 
 class LoaderResumeError(Exception):

@@ -47,10 +47,23 @@ class StateIdentity:
         setup = self.position.setup
         if self.template is None:
             self.template = {
-                "version": STATE_VERSION, "kind": self.position.kind, "source": self.order, "dataset_len": None,
-                "seed": None, "shuffle": self.shuffle, "keying": setup.keying, "keyed_generators": None, "epoch": 0,
-                "position": None, "world_size": None, "batch_size": self.batch_size, "num_workers": None,
-                "drop_last": self.drop_last, "sampler_state": None, "dataset_state": None, "stream": None,
+                "version": STATE_VERSION,
+                "kind": self.position.kind,
+                "source": self.order,
+                "dataset_len": None,
+                "seed": None,
+                "shuffle": self.shuffle,
+                "keying": setup.keying,
+                "keyed_generators": None,
+                "epoch": 0,
+                "position": None,
+                "world_size": None,
+                "batch_size": self.batch_size,
+                "num_workers": None,
+                "drop_last": self.drop_last,
+                "sampler_state": None,
+                "dataset_state": None,
+                "stream": None,
             }
             if not setup.in_order:
                 self.template["ahead"] = []
@@ -65,8 +78,11 @@ class StateIdentity:
         """``state`` checked against these fields (``check_state``); a ``Mixture``
         dataset first checks its own part, which names a source of another length."""
         dataset = self.position.setup.dataset
-        if isinstance(dataset, Mixture) and isinstance(state, Mapping) and isinstance(state.get("dataset_state"),
-                                                                                       Mapping):
+        if (
+            isinstance(dataset, Mixture)
+            and isinstance(state, Mapping)
+            and isinstance(state.get("dataset_state"), Mapping)
+        ):
             dataset.check_state(state["dataset_state"])
         return check_state(state, self.fields())
 

@@ -20,7 +20,9 @@ class LoadWarnings:
     """The warnings of one loader about the states loaded into it (see
     ``ResumableDataLoader.load_state_dict``)."""
 
-    def __init__(self, name: str, dataset: Any, *, seed: int, keying: str, owner: weakref.ref[Any]) -> None:
+    def __init__(
+        self, name: str, dataset: Any, *, seed: int, keying: str, owner: weakref.ref[Any]
+    ) -> None:
         self.name, self.dataset, self.seed, self.keying = name, dataset, seed, keying
         """The loader's values (fixed once it is built): ``name`` as the log names it, what it
         reads, its seed and keying."""
@@ -40,10 +42,13 @@ class LoadWarnings:
         if self.keying != "off":
             for other in list(_ITERATING):
                 if other is not self and other.mid_pass() and other.seed == self.seed:
-                    self.warn("shared seed", f"another loader with the same seed ({self.seed}) is mid-pass: loaders "
-                              "iterated together with one seed draw the same random values at the same positions "
-                              "(the same augmentation in both). Give each its own seed= (the front doors do: "
-                              "loader_seed)")
+                    self.warn(
+                        "shared seed",
+                        f"another loader with the same seed ({self.seed}) is mid-pass: loaders "
+                        "iterated together with one seed draw the same random values at the same "
+                        "positions (the same augmentation in both). Give each its own seed= (the "
+                        "front doors do: loader_seed)",
+                    )
                     break
             _ITERATING.add(self)
 
@@ -64,19 +69,29 @@ class LoadWarnings:
         be exact."""
         live = self.live() if self.live is not None else None
         if live is not None and live.mid_epoch:
-            self.warn("mid-epoch", "load_state_dict() was called while an iterator of this loader is still "
-                      "mid-epoch: that iterator goes on from where it was and ignores the loaded state, which "
-                      "takes effect at the next iter(loader). Load before iterating (e.g. before the epoch "
-                      "loop) for the loaded position to be the one trained on")
+            self.warn(
+                "mid-epoch",
+                "load_state_dict() was called while an iterator of this loader is still mid-epoch: "
+                "that iterator goes on from where it was and ignores the loaded state, which takes "
+                "effect at the next iter(loader). Load before iterating (e.g. before the epoch "
+                "loop) for the loaded position to be the one trained on",
+            )
         if self.unused:
-            self.warn("unused", "load_state_dict() was called twice with no iter() in between: the state loaded "
-                      "first was never used and is replaced by this one")
+            self.warn(
+                "unused",
+                "load_state_dict() was called twice with no iter() in between: the state loaded "
+                "first was never used and is replaced by this one",
+            )
         self.unused = True
         dataset = self.dataset
         reason = irreproducible(dataset)
         if reason is not None:
-            logger.warning("resuming %s: the continuation will NOT be bit-identical to the uninterrupted run: %s",
-                           type(dataset).__name__, reason)
+            logger.warning(
+                "resuming %s: the continuation will NOT be bit-identical to the uninterrupted run: "
+                "%s",
+                type(dataset).__name__,
+                reason,
+            )
 
     def warn(self, case: str, message: str) -> None:
         if case not in self.warned:
@@ -90,7 +105,10 @@ _ITERATING: weakref.WeakSet[LoadWarnings] = weakref.WeakSet()
 
 def warn_sampler_left(sampler: Any) -> None:
     """A pass over a user's stateful sampler was left early: its state is its own to interpret."""
-    logger.warning("a pass over %s was left before its end: the state holds that sampler's own state_dict() as it is "
-                   "now, so whether the next pass resumes its old epoch or starts a new one is up to the sampler "
-                   "(loader-resume's own order, with no sampler, starts the next epoch as the uninterrupted run "
-                   "does)", type(sampler).__name__)
+    logger.warning(
+        "a pass over %s was left before its end: the state holds that sampler's own state_dict() "
+        "as it is now, so whether the next pass resumes its old epoch or starts a new one is up to "
+        "the sampler (loader-resume's own order, with no sampler, starts the next epoch as the "
+        "uninterrupted run does)",
+        type(sampler).__name__,
+    )

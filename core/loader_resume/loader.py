@@ -52,7 +52,9 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-_FIXED = frozenset({"seed", "keying", "keyed_generators", "rank", "world_size", "in_order", "by_value_bytes"})
+_FIXED = frozenset(
+    {"seed", "keying", "keyed_generators", "rank", "world_size", "in_order", "by_value_bytes"}
+)
 """Settings read-only after construction (the loader's own, and ``in_order``, which its state
 follows)."""
 
@@ -125,28 +127,62 @@ class ResumableDataLoader(IndexHooks[T]):
         if collate_fn is None:
             collate_fn = default_convert if unbatched else default_collate
         super().__init__(
-            dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn, pin_memory,
-            drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
-            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
-            pin_memory_device=pin_memory_device, in_order=in_order,
+            dataset,
+            batch_size,
+            shuffle,
+            sampler,
+            batch_sampler,
+            num_workers,
+            collate_fn,
+            pin_memory,
+            drop_last,
+            timeout,
+            worker_init_fn,
+            multiprocessing_context,
+            generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+            in_order=in_order,
         )
         setup = settings(
-            self.dataset, seed=seed if seed is not None else default_seed(generator, sampler), keying=keying,
-            keyed_generators=keyed_generators, snapshot_every_n_steps=snapshot_every_n_steps, sampler=sampler,
-            batch_size=batch_size, unbatched=unbatched, drop_last=drop_last, num_workers=num_workers,
-            persistent_workers=persistent_workers, rank=rank, world_size=world_size, in_order=in_order,
+            self.dataset,
+            seed=seed if seed is not None else default_seed(generator, sampler),
+            keying=keying,
+            keyed_generators=keyed_generators,
+            snapshot_every_n_steps=snapshot_every_n_steps,
+            sampler=sampler,
+            batch_size=batch_size,
+            unbatched=unbatched,
+            drop_last=drop_last,
+            num_workers=num_workers,
+            persistent_workers=persistent_workers,
+            rank=rank,
+            world_size=world_size,
+            in_order=in_order,
             by_value_bytes=by_value_bytes,
         )
-        order, self._position = positioned(setup, is_map_style(self), sampler, batch_sampler, shuffle, audit)
-        self._identity = StateIdentity(self._position, order.name, order.shuffle, batch_size=self.batch_size,
-                                       drop_last=self.drop_last)
+        order, self._position = positioned(
+            setup, is_map_style(self), sampler, batch_sampler, shuffle, audit
+        )
+        self._identity = StateIdentity(
+            self._position,
+            order.name,
+            order.shuffle,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+        )
         # NOTE: how the logs name this loader
         name = f"{type(self).__name__} over {type(self.dataset).__name__}"
-        self._loads = LoadWarnings(name, self.dataset, seed=setup.seed, keying=setup.keying, owner=weakref.ref(self))
+        self._loads = LoadWarnings(
+            name, self.dataset, seed=setup.seed, keying=setup.keying, owner=weakref.ref(self)
+        )
         self._notes = PassNotes(name, self._position)
         # the generators this dataset draws from in this process (num_workers=0)
         self._drawn = DrawnGenerators()
-        warn_at_construction(dataset, batch_read=self._position.kind == "map" and keying == "sample")
+        warn_at_construction(
+            dataset, batch_read=self._position.kind == "map" and keying == "sample"
+        )
 
     # seconds a new worker may take to start (``worker_start``); None: wait
     worker_start_timeout: float | None = 120.0
@@ -176,7 +212,10 @@ class ResumableDataLoader(IndexHooks[T]):
         self._loads.taken_up()
         # a state was taken, the loop said nothing: was it where it leaves?
         if self._notes.taken is not None:
-            self._notes.leaving(self._identity.at_pass, lambda: ResumableDataLoader.state_dict(self, pass_ended=False))
+            self._notes.leaving(
+                self._identity.at_pass,
+                lambda: ResumableDataLoader.state_dict(self, pass_ended=False),
+            )
         # NOTE: the saved pass's rest is empty: this iter() ends at once (a pass over)
         if self._rest_empty:
             self._rest_empty = False
@@ -197,7 +236,9 @@ class ResumableDataLoader(IndexHooks[T]):
         start.wait(inner)
         # NOTE: wrap_fetcher calls the lambda at once
         if by_fetch and isinstance(position, MapPosition):
-            wrap_fetcher(inner, lambda fetcher: KeyedFetch(fetcher, self._drawn, position.next_fetch))
+            wrap_fetcher(
+                inner, lambda fetcher: KeyedFetch(fetcher, self._drawn, position.next_fetch)
+            )
         iterator: PassIterator[T] = PassIterator(self._position, begun.pass_, inner, caller)
         self._loads.iterating(iterator)
         self._identity.pass_began(begun.pass_)
@@ -261,9 +302,11 @@ class ResumableDataLoader(IndexHooks[T]):
         # NOTE: as DataLoader refuses `batch_size`: the order, the keys and the state follow the
         # built settings
         if name in _FIXED and "_position" in self.__dict__:
-            raise ValueError(f"{name} attribute should not be set after {type(self).__name__} is initialized (the "
-                             f"order, the random keys and the state follow the value it was built with): build a new "
-                             f"loader with {name}={value!r}")
+            raise ValueError(
+                f"{name} attribute should not be set after {type(self).__name__} is initialized "
+                "(the order, the random keys and the state follow the value it was built with): "
+                f"build a new loader with {name}={value!r}"
+            )
         super().__setattr__(name, value)
         # DataLoader lets it change: for the next pass
         if name == "num_workers" and "_position" in self.__dict__:
@@ -315,7 +358,10 @@ class ResumableDataLoader(IndexHooks[T]):
         """Map-style: the index lists of the next pass (or of ``epoch`` from its start), read from
         no data."""
         if not isinstance(self._position, MapPosition):
-            raise TypeError("planned_indices(): an iterable dataset's order is its own; only map-style data is planned")
+            raise TypeError(
+                "planned_indices(): an iterable dataset's order is its own; only map-style data is "
+                "planned"
+            )
         return self._position.planned(epoch)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -341,9 +387,14 @@ class ResumableDataLoader(IndexHooks[T]):
         """Resume a stream saved at another world size from every old rank's state
         (``reshard_states``)."""
         if not isinstance(self._position, StreamPosition):
-            raise TypeError("load_resharded(): map-style states load at any world size through load_state_dict()")
+            raise TypeError(
+                "load_resharded(): map-style states load at any world size through "
+                "load_state_dict()"
+            )
         states = [check_state(state, self._identity.fields()) for state in ranks]
-        record_state(self._position.setup, "load", {"resharded": [state_digest(state) for state in ranks]})
+        record_state(
+            self._position.setup, "load", {"resharded": [state_digest(state) for state in ranks]}
+        )
         self._loads.loading()
         self._identity.forget_pass()
         self._position.reset_resharded(states)

@@ -49,9 +49,15 @@ class PassNotes:
             return
         self.said = True
         done, total = self.position.progress()
-        logger.info("%s: state_dict() continues the pass of epoch %d at batch %d of %s when loaded (whether or not "
-                    "the loop left it: a stopped job loses no sample); %s", self.name, state["epoch"], done + 1,
-                    "?" if total is None else total, _HOW)
+        logger.info(
+            "%s: state_dict() continues the pass of epoch %d at batch %d of %s when loaded "
+            "(whether or not the loop left it: a stopped job loses no sample); %s",
+            self.name,
+            state["epoch"],
+            done + 1,
+            "?" if total is None else total,
+            _HOW,
+        )
 
     def leaving(self, at_pass: Any, now: Callable[[], dict[str, Any]]) -> None:
         """``iter()`` begins a new pass; ``at_pass``: the loader's last, ``now()``: its state as it
@@ -66,7 +72,16 @@ class PassNotes:
         if tuple(taken.get(name) for name in fields) == tuple(state[name] for name in fields):
             self.warned = True
             done, total = self.position.progress()
-            logger.warning("%s: the loop left the pass of epoch %d after batch %d of %s, where a state was taken; "
-                           "this iter() starts epoch %d, but that state, loaded, continues epoch %d with batch %d "
-                           "(what a job stopped there needs); %s", self.name, state["epoch"], done,
-                           "?" if total is None else total, state["epoch"] + 1, state["epoch"], done + 1, _HOW)
+            logger.warning(
+                "%s: the loop left the pass of epoch %d after batch %d of %s, where a state was "
+                "taken; this iter() starts epoch %d, but that state, loaded, continues epoch %d "
+                "with batch %d (what a job stopped there needs); %s",
+                self.name,
+                state["epoch"],
+                done,
+                "?" if total is None else total,
+                state["epoch"] + 1,
+                state["epoch"],
+                done + 1,
+                _HOW,
+            )

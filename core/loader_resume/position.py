@@ -129,7 +129,9 @@ class Position(Protocol):
     def reset(self, state: Mapping[str, Any] | None) -> None:
         """Stand at the start of epoch 0 (``None``), or where a validated loader ``state`` says."""
 
-    def begin(self, collate_fn: Callable[[Any], Any], worker_init_fn: Callable[[int], None] | None) -> PassStart:
+    def begin(
+        self, collate_fn: Callable[[Any], Any], worker_init_fn: Callable[[int], None] | None
+    ) -> PassStart:
         """Begin a pass at the current position (the next epoch's start if the last pass was left
         mid-epoch)."""
 
@@ -146,7 +148,9 @@ class Position(Protocol):
         (None for a stream, which has no length); for the log line about a state that continues a
         pass."""
 
-    def fill_state(self, state: dict[str, Any], batches_ago: int = 0, pass_ended: bool = False) -> None:
+    def fill_state(
+        self, state: dict[str, Any], batches_ago: int = 0, pass_ended: bool = False
+    ) -> None:
         """Write the state's position fields (``epoch``, ``position``, ``sampler_state``,
         ``dataset_state``, ``stream``) into ``state``, a copy of the loader's identity fields; those
         left unwritten keep the identity's zeroed values (``state_dict()`` runs between steps: no
@@ -179,9 +183,15 @@ class PassIterator(Generic[T]):
 
     __slots__ = ("__weakref__", "_caller", "_inner", "_numbered", "_pass", "_position")
 
-    def __init__(self, position: Position, pass_: Any, inner: Iterator[Any], caller: CallerRng | None) -> None:
+    def __init__(
+        self, position: Position, pass_: Any, inner: Iterator[Any], caller: CallerRng | None
+    ) -> None:
         self._position, self._pass, self._inner, self._caller = position, pass_, inner, caller
-        self._numbered = position.kind == "map" and not position.setup.in_order and position.setup.num_workers > 0
+        self._numbered = (
+            position.kind == "map"
+            and not position.setup.in_order
+            and position.setup.num_workers > 0
+        )
 
     def __getattr__(self, name: str) -> Any:
         if name == "_inner":  # not set yet (copy, pickle): no recursion

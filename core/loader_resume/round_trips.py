@@ -50,9 +50,11 @@ def _single_process(save: Callable[..., Any]) -> dict[str, Any]:
     if "no_dist" in inspect.signature(save).parameters:
         return {"no_dist": True}
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        raise RuntimeError(f"round_trip='dcp' under an initialised process group needs torch >= 2.7 (torch "
-                           f"{torch.__version__}'s torch.distributed.checkpoint has no no_dist=True); use another "
-                           "round trip, or call it before init_process_group")
+        raise RuntimeError(
+            f"round_trip='dcp' under an initialised process group needs torch >= 2.7 (torch "
+            f"{torch.__version__}'s torch.distributed.checkpoint has no no_dist=True); use another "
+            "round trip, or call it before init_process_group"
+        )
     return {}
 
 

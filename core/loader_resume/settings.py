@@ -23,24 +23,47 @@ from loader_resume.workers.worker_transport import MAX_BY_VALUE_BYTES
 __all__ = ["positioned", "settings"]
 
 
-def settings(dataset: Any, *, seed: int, keying: str, keyed_generators: Sequence[str],
-             snapshot_every_n_steps: int | None, sampler: Any, batch_size: int | None, unbatched: bool,
-             drop_last: bool, num_workers: int, persistent_workers: bool, rank: int | None, world_size: int | None,
-             in_order: bool, by_value_bytes: int) -> Setup:
+def settings(
+    dataset: Any,
+    *,
+    seed: int,
+    keying: str,
+    keyed_generators: Sequence[str],
+    snapshot_every_n_steps: int | None,
+    sampler: Any,
+    batch_size: int | None,
+    unbatched: bool,
+    drop_last: bool,
+    num_workers: int,
+    persistent_workers: bool,
+    rank: int | None,
+    world_size: int | None,
+    in_order: bool,
+    by_value_bytes: int,
+) -> Setup:
     """The ``Setup`` of a loader built with these arguments; ``ValueError`` naming a bad one."""
-    if snapshot_every_n_steps is not None and (type(snapshot_every_n_steps) is not int or snapshot_every_n_steps < 0):
-        raise ValueError(f"snapshot_every_n_steps={snapshot_every_n_steps!r}: expected None or an int >= 0 "
-                         "(as StatefulDataLoader; the state is exact at every step whatever the value)")
+    if snapshot_every_n_steps is not None and (
+        type(snapshot_every_n_steps) is not int or snapshot_every_n_steps < 0
+    ):
+        raise ValueError(
+            f"snapshot_every_n_steps={snapshot_every_n_steps!r}: expected None or an int >= 0 "
+            "(as StatefulDataLoader; the state is exact at every step whatever the value)"
+        )
     if type(by_value_bytes) is not int or not 0 <= by_value_bytes <= MAX_BY_VALUE_BYTES:
-        raise ValueError(f"by_value_bytes={by_value_bytes!r}: expected an int from 0 (every tensor through shared "
-                         f"memory, as DataLoader) to {MAX_BY_VALUE_BYTES}")
+        raise ValueError(
+            f"by_value_bytes={by_value_bytes!r}: expected an int from 0 (every tensor through "
+            f"shared memory, as DataLoader) to {MAX_BY_VALUE_BYTES}"
+        )
     if keying not in KEYING_MODES:
         raise ValueError(f"keying={keying!r}: expected one of {list(KEYING_MODES)}")
     # NOTE: torch 2.6 has in_order=False, without the cap it needs
     if not in_order and not caps_worker_tasks():
-        raise ValueError(f"in_order=False needs torch >= 2.7: torch {torch.__version__}'s DataLoader hands index lists "
-                         "to its workers in turn however many each holds, so the batches after a slow one pile up "
-                         "behind it and wait (upgrade torch, or build the loader with in_order=True)")
+        raise ValueError(
+            f"in_order=False needs torch >= 2.7: torch {torch.__version__}'s DataLoader hands "
+            "index lists to its workers in turn however many each holds, so the batches after a "
+            "slow one pile up behind it and wait (upgrade torch, or build the loader with "
+            "in_order=True)"
+        )
     shard_drop_last = None
     if type(sampler) in (DistributedSampler, ShardedSampler):
         # NOTE: a DistributedSampler (the user's, or the one Lightning injects by rebuilding the
@@ -51,15 +74,32 @@ def settings(dataset: Any, *, seed: int, keying: str, keyed_generators: Sequence
         shard_drop_last = sampler.drop_last or drop_last
     rank_and_world(rank, world_size)  # fail at construction on an impossible explicit pair
     return Setup(
-        dataset=dataset, seed=seed, keying=keying, generators=tuple(keyed_generators),
-        mask=generator_mask(keyed_generators), batch_size=batch_size, unbatched=unbatched, drop_last=drop_last,
-        num_workers=num_workers, persistent_workers=persistent_workers, rank=rank, world_size=world_size,
-        shard_drop_last=shard_drop_last, in_order=in_order, by_value_bytes=by_value_bytes,
+        dataset=dataset,
+        seed=seed,
+        keying=keying,
+        generators=tuple(keyed_generators),
+        mask=generator_mask(keyed_generators),
+        batch_size=batch_size,
+        unbatched=unbatched,
+        drop_last=drop_last,
+        num_workers=num_workers,
+        persistent_workers=persistent_workers,
+        rank=rank,
+        world_size=world_size,
+        shard_drop_last=shard_drop_last,
+        in_order=in_order,
+        by_value_bytes=by_value_bytes,
     )
 
 
-def positioned(setup: Setup, map_style: bool, sampler: Any, batch_sampler: Any, shuffle: bool | None,
-               audit: str | os.PathLike[str] | None) -> tuple[Order, Position]:
+def positioned(
+    setup: Setup,
+    map_style: bool,
+    sampler: Any,
+    batch_sampler: Any,
+    shuffle: bool | None,
+    audit: str | os.PathLike[str] | None,
+) -> tuple[Order, Position]:
     """What orders a loader's data and where it stands: a ``MapPosition`` (``map_style``) or a
     ``StreamPosition``, with the ``AuditLog`` of ``audit=DIR`` in its setup (the log only records:
     nothing delivered depends on it)."""
@@ -69,5 +109,7 @@ def positioned(setup: Setup, map_style: bool, sampler: Any, batch_sampler: Any, 
     else:
         order, position = Order(None, "iterable", False), StreamPosition(setup)
     if audit is not None:
-        position.setup = audit_log(audit, setup, position.dataset_len(), order.name, order.shuffle, setup.num_workers)
+        position.setup = audit_log(
+            audit, setup, position.dataset_len(), order.name, order.shuffle, setup.num_workers
+        )
     return order, position

@@ -1,15 +1,16 @@
 """The loader's state: a small, plain, versioned dict, validated field by field on load.
 
 Version history:
-  1 — first release: map-style datasets (permutation, custom sampler or batch sampler sources) and
-      iterable datasets (per-worker progress under ``"stream"``, ``None`` for map-style).
+  1 — first release: map-style datasets (permutation, custom sampler or batch sampler sources)
+      and iterable datasets (per-worker progress under ``"stream"``, ``None`` for map-style).
   2 — each stream worker also records its iterator's state (torchdata's Stateful protocol) and
-  whether
-      it ran dry in the epoch. Version-1 states still load (the new fields read as None and False).
-  3 — ``position`` means one thing: global samples delivered of map-style data (None for iterable
-      datasets, whose delivered-batch count moved to ``stream["delivered"]``). Version-1 and -2 states
-      still load: ``check_state`` returns them in this layout. A loader built with ``in_order=False``
-      adds ``ahead``: the ends (global sample counts) of the steps delivered past ``position``.
+      whether it ran dry in the epoch. Version-1 states still load (the new fields read as None
+      and False).
+  3 — ``position`` means one thing: global samples delivered of map-style data (None for
+      iterable datasets, whose delivered-batch count moved to ``stream["delivered"]``). Version-1
+      and -2 states still load: ``check_state`` returns them in this layout. A loader built with
+      ``in_order=False`` adds ``ahead``: the ends (global sample counts) of the steps delivered
+      past ``position``.
 
 Every key is always present (constant shape), values are ints, strings, bools, None or lists of
 those, plus whatever a user's stateful sampler or dataset returns under
@@ -35,11 +36,26 @@ older one is read in this layout); any other is refused with a ``StateError`` na
 READABLE_VERSIONS: Final = (1, 2, 3)
 
 # Fields the position depends on: a saved value must equal the current one, or the order differs.
-MUST_MATCH: Final = ("kind", "source", "dataset_len", "seed", "shuffle", "keying", "keyed_generators")
+MUST_MATCH: Final = (
+    "kind",
+    "source",
+    "dataset_len",
+    "seed",
+    "shuffle",
+    "keying",
+    "keyed_generators",
+)
 # Fields that may legitimately change between save and resume (elastic): accepted and logged.
 MAY_CHANGE: Final = ("world_size", "batch_size", "num_workers", "drop_last")
 STATE_KEYS: Final = (
-    "version", *MUST_MATCH, "epoch", "position", *MAY_CHANGE, "sampler_state", "dataset_state", "stream",
+    "version",
+    *MUST_MATCH,
+    "epoch",
+    "position",
+    *MAY_CHANGE,
+    "sampler_state",
+    "dataset_state",
+    "stream",
 )
 
 
@@ -60,7 +76,10 @@ _TYPES: Final[dict[str, tuple[str, Callable[[Any], bool]]]] = {
     "seed": ("an int", _is_int),
     "shuffle": ("a bool", lambda v: type(v) is bool),
     "keying": ("a str", lambda v: type(v) is str),
-    "keyed_generators": ("a list of str", lambda v: type(v) is list and all(type(x) is str for x in v)),
+    "keyed_generators": (
+        "a list of str",
+        lambda v: type(v) is list and all(type(x) is str for x in v),
+    ),
     "epoch": ("an int >= 0", lambda v: _is_int(v) and v >= 0),
     "position": ("an int >= 0 or None", lambda v: v is None or (_is_int(v) and v >= 0)),
     "world_size": ("an int >= 1", lambda v: _is_int(v) and v >= 1),
@@ -76,7 +95,10 @@ ENDING: Final = "ending"
 end that pass itself after a load: the first ``iter()`` after loading it is empty
 (``ResumableDataLoader.state_dict(ending=True)`` writes it; nothing else does)."""
 OPTIONAL: Final[dict[str, tuple[str, Callable[[Any], bool]]]] = {
-    "ahead": ("a list of ints > 0", lambda v: type(v) is list and all(_is_int(x) and x > 0 for x in v)),
+    "ahead": (
+        "a list of ints > 0",
+        lambda v: type(v) is list and all(_is_int(x) and x > 0 for x in v),
+    ),
     ENDING: ("True", lambda v: v is True),
 }
 """Keys only some loaders' states have (``ahead``: ``in_order=False``; ``ending``: taken between a
@@ -99,12 +121,19 @@ def check_state(saved: Any, current: Mapping[str, Any]) -> dict[str, Any]:
         hint = "This state comes from an unknown loader-resume release."
         raise StateError("version", saved["version"], f"one of {list(READABLE_VERSIONS)}", hint)
     state = _upgraded(saved)
-    for field, (expected, ok) in [*_TYPES.items(), *((k, v) for k, v in OPTIONAL.items() if k in state)]:
+    for field, (expected, ok) in [
+        *_TYPES.items(),
+        *((k, v) for k, v in OPTIONAL.items() if k in state),
+    ]:
         if not ok(state[field]):
             raise StateError(field, state[field], expected, "The state was edited or corrupted.")
     if state.get("ahead") and (not _is_map(state) or min(state["ahead"]) <= state["position"]):
-        raise StateError("ahead", state["ahead"], "ends of map-style steps past position", "The state was edited or "
-                         "corrupted.")
+        raise StateError(
+            "ahead",
+            state["ahead"],
+            "ends of map-style steps past position",
+            "The state was edited or corrupted.",
+        )
     for field in MUST_MATCH:
         if state[field] != current[field]:
             raise StateError(field, state[field], repr(current[field]), _MATCH_HINT)
@@ -113,7 +142,9 @@ def check_state(saved: Any, current: Mapping[str, Any]) -> dict[str, Any]:
     if (state["stream"] is None) != is_map:
         raise StateError("stream", state["stream"], "None" if is_map else "a dict", corrupted)
     if (state["position"] is None) == is_map:
-        raise StateError("position", state["position"], "an int >= 0" if is_map else "None", corrupted)
+        raise StateError(
+            "position", state["position"], "an int >= 0" if is_map else "None", corrupted
+        )
     length = state["dataset_len"]
     if current["source"] == "permutation" and length is not None and state["position"] > length:
         limit = f"at most dataset_len={length}"
@@ -156,4 +187,9 @@ def _check_keys(saved: Mapping[str, Any]) -> None:
         raise StateError(key, saved[unknown[0]], "no such key",
                          f"Unknown key; {guess}Known keys: {', '.join(STATE_KEYS)}.")
     if missing:
-        raise StateError(missing[0], "<missing>", f"a value for {missing[0]!r}", "Required key missing from state.")
+        raise StateError(
+            missing[0],
+            "<missing>",
+            f"a value for {missing[0]!r}",
+            "Required key missing from state.",
+        )

@@ -27,8 +27,13 @@ import torch
 from loader_resume.round_trips import load_through_dcp, through
 
 __all__ = [
-    "ROUND_TRIPS", "ResumeReport", "StatefulLoader", "assert_delivers_rest_exactly_once", "assert_resumes_exactly",
-    "fingerprint", "run_epochs",
+    "ROUND_TRIPS",
+    "ResumeReport",
+    "StatefulLoader",
+    "assert_delivers_rest_exactly_once",
+    "assert_resumes_exactly",
+    "fingerprint",
+    "run_epochs",
 ]
 
 ROUND_TRIPS: Final = ("copy", "json", "torch", "dcp", "process")
@@ -65,7 +70,9 @@ def _feed(digest: Any, value: Any) -> None:
         digest.update(f"T{value.dtype}{tuple(value.shape)}".encode())
         digest.update(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
     elif isinstance(value, np.ndarray):
-        digest.update(f"A{value.dtype}{value.shape}".encode() + np.ascontiguousarray(value).tobytes())
+        digest.update(
+            f"A{value.dtype}{value.shape}".encode() + np.ascontiguousarray(value).tobytes()
+        )
     elif isinstance(value, Mapping):
         digest.update(b"{")
         for key in sorted(value, key=repr):
@@ -141,11 +148,17 @@ def assert_resumes_exactly(
     checks = [(cut, states[cut]) for cut in chosen]
     checks += [(cut, ended) for cut, ended in epoch_ends if cuts is None or cut in chosen]
     make = make_resumed or make_loader
-    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) if round_trip == "process" else None
+    pool = (
+        ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        if round_trip == "process"
+        else None
+    )
     try:
         for cut, state in checks:
             if _shape(state) != _shape(states[0]):
-                raise AssertionError(f"cut {cut}: state shape changed: {_shape(state)} vs {_shape(states[0])}")
+                raise AssertionError(
+                    f"cut {cut}: state shape changed: {_shape(state)} vs {_shape(states[0])}"
+                )
             fallback = records[cut][0] if cut < len(records) else epochs
             if pool is not None:
                 saved = io.BytesIO()
@@ -153,8 +166,14 @@ def assert_resumes_exactly(
                 outcome = pool.submit(_resume_from_bytes, make, saved.getvalue(), epochs, fallback,
                                       (after_batch, cut)).result()
             else:
-                outcome = _resume(make, through(state, round_trip), epochs, fallback, dcp=round_trip == "dcp",
-                                  calls=(after_batch, cut))
+                outcome = _resume(
+                    make,
+                    through(state, round_trip),
+                    epochs,
+                    fallback,
+                    dcp=round_trip == "dcp",
+                    calls=(after_batch, cut),
+                )
             _check_cut(outcome, records, cut, make_resumed is None)
             if make_resumed is None:
                 _check_later(make, outcome[4], states, records, cut, epochs, after_batch)
@@ -164,7 +183,9 @@ def assert_resumes_exactly(
     return ResumeReport(batches=len(records), cuts=chosen)
 
 
-_Outcome = tuple[dict[str, Any], dict[str, Any], dict[str, Any], list[tuple[int, str]], list[dict[str, Any]]]
+_Outcome = tuple[
+    dict[str, Any], dict[str, Any], dict[str, Any], list[tuple[int, str]], list[dict[str, Any]]
+]
 """(the state as loaded, after its round trip; the state read back after the load; the state a
 second loader loaded from that reads back; the rest of the run; the state after each of its
 batches)."""
@@ -178,7 +199,14 @@ def _resume_from_bytes(make: Callable[[], StatefulLoader], saved: bytes, epochs:
                        calls: _Calls) -> _Outcome:
     """In another process: the state as ``torch.load(weights_only=True)`` reads it there,
     resumed."""
-    return _resume(make, torch.load(io.BytesIO(saved), weights_only=True), epochs, fallback, dcp=False, calls=calls)
+    return _resume(
+        make,
+        torch.load(io.BytesIO(saved), weights_only=True),
+        epochs,
+        fallback,
+        dcp=False,
+        calls=calls,
+    )
 
 
 def _resume(make: Callable[[], StatefulLoader], state: dict[str, Any], epochs: int, fallback: int,
@@ -206,7 +234,9 @@ def _resume(make: Callable[[], StatefulLoader], state: dict[str, Any], epochs: i
     return state, read_back, again.state_dict(), rest, later
 
 
-def _check_cut(outcome: _Outcome, records: list[tuple[int, str]], cut: int, same_build: bool) -> None:
+def _check_cut(
+    outcome: _Outcome, records: list[tuple[int, str]], cut: int, same_build: bool
+) -> None:
     loaded, read_back, again, rest, _ = outcome
     if same_build:  # a loader built differently (other num_workers) may record its own settings
         _same(read_back, loaded, f"cut {cut}: state read back after load_state_dict")
@@ -214,23 +244,38 @@ def _check_cut(outcome: _Outcome, records: list[tuple[int, str]], cut: int, same
     expected = records[cut:]
     for offset, (got, want) in enumerate(zip(rest, expected, strict=False)):
         if got != want:
-            raise AssertionError(f"cut {cut}: batch {cut + offset} (epoch {want[0]}) differs after resume")
+            raise AssertionError(
+                f"cut {cut}: batch {cut + offset} (epoch {want[0]}) differs after resume"
+            )
     if len(rest) != len(expected):
-        raise AssertionError(f"cut {cut}: resumed run gave {len(rest)} batches, uninterrupted run {len(expected)}")
+        raise AssertionError(
+            f"cut {cut}: resumed run gave {len(rest)} batches, uninterrupted run {len(expected)}"
+        )
 
 
-def _check_later(make: Callable[[], StatefulLoader], later: list[dict[str, Any]], states: list[dict[str, Any]],
-                 records: list[tuple[int, str]], cut: int, epochs: int, after_batch: Any) -> None:
+def _check_later(
+    make: Callable[[], StatefulLoader],
+    later: list[dict[str, Any]],
+    states: list[dict[str, Any]],
+    records: list[tuple[int, str]],
+    cut: int,
+    epochs: int,
+    after_batch: Any,
+) -> None:
     """The states the resumed run took are the uninterrupted run's; at the first that is not (a
     library's own state may record its read-ahead otherwise), a second resume, from it, must
     continue the run exactly."""
     for at, state in enumerate(later, cut + 1):
         if fingerprint(state) != fingerprint(states[at]):
             fallback = records[at][0] if at < len(records) else epochs
-            rest = _resume(make, copy.deepcopy(state), epochs, fallback, dcp=False, calls=(after_batch, at))[3]
+            rest = _resume(
+                make, copy.deepcopy(state), epochs, fallback, dcp=False, calls=(after_batch, at)
+            )[3]
             if rest != records[at:]:
-                raise AssertionError(f"cut {cut}, then again after batch {at - 1}: the resumed run's state there "
-                                     "does not continue the run (a second resume repeats or skips batches)")
+                raise AssertionError(
+                    f"cut {cut}, then again after batch {at - 1}: the resumed run's state there "
+                    "does not continue the run (a second resume repeats or skips batches)"
+                )
             return
 
 
@@ -245,7 +290,9 @@ def _shape(value: Any) -> Any:
     return type(value).__name__
 
 
-def assert_delivers_rest_exactly_once(before: Iterable[int], after: Iterable[int], n: int, *, padding: int = 0) -> None:
+def assert_delivers_rest_exactly_once(
+    before: Iterable[int], after: Iterable[int], n: int, *, padding: int = 0
+) -> None:
     """The samples delivered before a cut and after the resume (any ranks, any world size, in any
     order) make up one epoch of ``range(n)``: none lost, none twice — up to ``padding`` repeats
     allowed (the padding of an epoch's last step without ``drop_last``). Raises AssertionError

@@ -27,9 +27,17 @@ from typing import Any
 from loader_resume.streams.library_protocols import library_protocol, required_parameters
 
 __all__ = [
-    "accelerator_mode", "mark_accelerator", "refuse_stock_accelerate",
-    "content_identity", "foreign_state_dict", "irreproducible", "is_stateful", "unrestorable", "warn_at_construction",
-    "warn_replay", "warn_self_kept",
+    "accelerator_mode",
+    "mark_accelerator",
+    "refuse_stock_accelerate",
+    "content_identity",
+    "foreign_state_dict",
+    "irreproducible",
+    "is_stateful",
+    "unrestorable",
+    "warn_at_construction",
+    "warn_replay",
+    "warn_self_kept",
 ]
 
 logger = logging.getLogger(__name__)
@@ -68,15 +76,19 @@ def refuse_stock_accelerate(reader: str | None, accelerator: Any) -> None:
         return
     if mode == "resume":
         raise TypeError(
-            "Accelerate's own prepare_data_loader() got a ResumableDataLoader: it would rebuild it into its own "
-            "DataLoaderShard, dropping its order, keyed randomness and per-rank state. enable_resume(accelerator) "
-            "converts loaders in accelerator.prepare(); pass the loader there")
+            "Accelerate's own prepare_data_loader() got a ResumableDataLoader: it would rebuild it "
+            "into its own DataLoaderShard, dropping its order, keyed randomness and per-rank "
+            "state. enable_resume(accelerator) converts loaders in accelerator.prepare(); pass the "
+            "loader there"
+        )
     raise TypeError(
-        "accelerator.prepare() got a ResumableDataLoader, but enable_resume(accelerator) was not called first: "
-        "Accelerate would rebuild it into its own DataLoaderShard over a plain DataLoader (or over a "
-        "StatefulDataLoader with use_stateful_dataloader=True), and its order, keyed randomness and per-rank "
-        "state would be gone without a word. Call accelerate_resume.enable_resume(accelerator) before "
-        "accelerator.prepare() (it takes plain DataLoaders too), or pass a plain DataLoader to a stock Accelerator")
+        "accelerator.prepare() got a ResumableDataLoader, but enable_resume(accelerator) was not "
+        "called first: Accelerate would rebuild it into its own DataLoaderShard over a plain "
+        "DataLoader (or over a StatefulDataLoader with use_stateful_dataloader=True), and its "
+        "order, keyed randomness and per-rank state would be gone without a word. Call "
+        "accelerate_resume.enable_resume(accelerator) before accelerator.prepare() (it takes plain "
+        "DataLoaders too), or pass a plain DataLoader to a stock Accelerator"
+    )
 
 
 def is_stateful(owner: Any) -> bool:
@@ -109,8 +121,10 @@ def unrestorable(dataset: Any) -> str | None:
         # NOTE: measured on datasets 5.2: its state omits the buffer's content (it warns), and with
         # num_workers=2 its load_state_dict raises IndexError (StatefulDataLoader fails
         # identically).
-        return ("HF datasets' .shuffle(buffer_size=...) state omits the buffer's content, so its own "
-                "load_state_dict cannot continue exactly")
+        return (
+            "HF datasets' .shuffle(buffer_size=...) state omits the buffer's content, so its own "
+            "load_state_dict cannot continue exactly"
+        )
     return None
 
 
@@ -122,9 +136,11 @@ def irreproducible(dataset: Any) -> str | None:
         keywords = getattr(stage, "kw", {}) or {}
         if getattr(function, "__name__", "") == "_shuffle" and keywords.get("seed") is None \
                 and keywords.get("rng") is None:
-            return ("webdataset's .shuffle(n) without seed= seeds a private random.Random from the process id "
-                    "and the time, which no keying reaches; pass seed= (e.g. .shuffle(n, seed=0)) to make it "
-                    "reproducible")
+            return (
+                "webdataset's .shuffle(n) without seed= seeds a private random.Random from the "
+                "process id and the time, which no keying reaches; pass seed= (e.g. .shuffle(n, "
+                "seed=0)) to make it reproducible"
+            )
     return None
 
 
@@ -136,7 +152,9 @@ def content_identity(dataset: Any) -> str | None:
     arguments included (deterministic across processes; ``split_dataset_by_node`` gives each rank a
     different one).
     """
-    if type(dataset).__module__.startswith("datasets.") and isinstance(getattr(dataset, "_fingerprint", None), str):
+    if type(dataset).__module__.startswith("datasets.") and isinstance(
+        getattr(dataset, "_fingerprint", None), str
+    ):
         return f"fingerprint {dataset._fingerprint}"
     return None
 
@@ -155,25 +173,40 @@ def warn_at_construction(dataset: Any, *, batch_read: bool) -> None:
     built."""
     name = type(dataset).__name__
     if batch_read and hasattr(dataset, "__getitems__"):
-        _warn_once("batch read", dataset,
-                   "keying='sample': %s defines __getitems__, so it reads each batch's index list at once. Random "
-                   "numbers it draws while iterating that list item by item are keyed per sample; any it draws after "
-                   "(a batch transform, as HF datasets' set_transform runs) are keyed by the batch's key, so they "
-                   "depend on the batch's composition (batch size, world size). Use keying='batch' to say so "
-                   "explicitly, or read items one by one in __getitem__ for per-sample keys.", name)
+        _warn_once(
+            "batch read",
+            dataset,
+            "keying='sample': %s defines __getitems__, so it reads each batch's index list at "
+            "once. Random numbers it draws while iterating that list item by item are keyed per "
+            "sample; any it draws after (a batch transform, as HF datasets' set_transform runs) "
+            "are keyed by the batch's key, so they depend on the batch's composition (batch size, "
+            "world size). Use keying='batch' to say so explicitly, or read items one by one in "
+            "__getitem__ for per-sample keys.",
+            name,
+        )
     foreign = foreign_state_dict(dataset)
     if foreign is not None and library_protocol(dataset) is None:
-        _warn_once("foreign state", dataset,
-                   "%s.%s takes required arguments: it is %s's own resume protocol, not the Stateful protocol "
-                   "(state_dict() / load_state_dict(state)) this loader calls. Its position is tracked by the loader "
-                   "and restored by replaying items (O(items delivered) per resume), and it is told the epoch through "
-                   "set_epoch(). For O(1) resume use that library's own loader.", name, foreign,
-                   _defining_library(dataset, "state_dict"))
+        _warn_once(
+            "foreign state",
+            dataset,
+            "%s.%s takes required arguments: it is %s's own resume protocol, not the Stateful "
+            "protocol (state_dict() / load_state_dict(state)) this loader calls. Its position is "
+            "tracked by the loader and restored by replaying items (O(items delivered) per "
+            "resume), and it is told the epoch through set_epoch(). For O(1) resume use that "
+            "library's own loader.",
+            name,
+            foreign,
+            _defining_library(dataset, "state_dict"),
+        )
     reason = unrestorable(dataset)
     # NOTE: per loader, not per class: whether it holds depends on the instance
     if reason is not None:
-        logger.warning("%s: %s; this loader resumes it by replaying the epoch's delivered items instead "
-                       "(exact; costs reading them again at each resume)", name, reason)
+        logger.warning(
+            "%s: %s; this loader resumes it by replaying the epoch's delivered items instead "
+            "(exact; costs reading them again at each resume)",
+            name,
+            reason,
+        )
 
 
 def _defining_library(obj: Any, method: str) -> str:
@@ -186,21 +219,32 @@ def _defining_library(obj: Any, method: str) -> str:
 def warn_replay(dataset: Any, items: int) -> None:
     foreign = foreign_state_dict(dataset)
     why = f"has {foreign}, not the Stateful protocol" if foreign else "has no state_dict()"
-    logger.warning("%s %s: replaying %d items to resume (they are read and dropped). The continuation is exact "
-                   "only if its stream depends on nothing but the epoch it is told through set_epoch() and the "
-                   "keyed generators; give it state_dict()/load_state_dict() to resume in O(1)",
-                   type(dataset).__name__, why, items)
+    logger.warning(
+        "%s %s: replaying %d items to resume (they are read and dropped). The continuation is "
+        "exact "
+        "only if its stream depends on nothing but the epoch it is told through set_epoch() and "
+        "the "
+        "keyed generators; give it state_dict()/load_state_dict() to resume in O(1)",
+        type(dataset).__name__,
+        why,
+        items,
+    )
 
 
 def warn_self_kept(dataset: Any, names: list[str]) -> None:
     """At a resume: the dataset keeps its own epoch or position in ``names``, which nothing
     restores."""
     name = type(dataset).__name__
-    logger.warning("resuming %s: the continuation will NOT be bit-identical to the uninterrupted run: its own "
-                   "iter() changes %s (it keeps its own epoch or position), and its copy lived on across epochs in "
-                   "the saving run, while no state_dict() restores them here: a new copy starts them afresh. Give "
-                   "%s state_dict()/load_state_dict() (the Stateful protocol), or derive them from the epoch the "
-                   "loader tells it through set_epoch(epoch)", name, ", ".join(repr(n) for n in names), name)
+    logger.warning(
+        "resuming %s: the continuation will NOT be bit-identical to the uninterrupted run: its own "
+        "iter() changes %s (it keeps its own epoch or position), and its copy lived on across "
+        "epochs in the saving run, while no state_dict() restores them here: a new copy starts "
+        "them afresh. Give %s state_dict()/load_state_dict() (the Stateful protocol), or derive "
+        "them from the epoch the loader tells it through set_epoch(epoch)",
+        name,
+        ", ".join(repr(n) for n in names),
+        name,
+    )
 
 
 def _hf_iterable(dataset: Any) -> bool:

@@ -29,7 +29,18 @@ def three_attempts(out: Path) -> list[list[int]]:
     resumes from it, takes one 3 steps later (position 56) and crashes after 5; C resumes from that
     and finishes 2 epochs. Each attempt's own record, as ids."""
     a = attempt(out, "a", "--save-at", "4", str(out / "s1.pt"), "--steps", "6", expect=3)
-    b = attempt(out, "b", "--load", str(out / "s1.pt"), "--save-at", "3", str(out / "s2.pt"), "--steps", "5", expect=3)
+    b = attempt(
+        out,
+        "b",
+        "--load",
+        str(out / "s1.pt"),
+        "--save-at",
+        "3",
+        str(out / "s2.pt"),
+        "--steps",
+        "5",
+        expect=3,
+    )
     c = attempt(out, "c", "--load", str(out / "s2.pt"))
     assert sorted(by_epoch(a[:4] + b[:3] + c)[0]) == list(range(100))  # the truth: exactly once
     return [a, b, c]
@@ -58,19 +69,29 @@ def test_a_job_whose_logs_are_not_all_there_is_incomplete_never_ok(
         shutil.copytree(whole, copy)
         logs_of(copy)[lost].unlink()
     code, report, text = audit(first, capsys)
-    assert code == 3 and not report["ok"] and not report["complete"] and not report["findings"], text
-    ((where, gap),) = [((g["attempt"], g["rank"], g["epoch"], g["position"]), g["message"]) for g in report["gaps"]]
+    assert code == 3 and not report["ok"] and not report["complete"] and not report["findings"], (
+        text
+    )
+    ((where, gap),) = [
+        ((g["attempt"], g["rank"], g["epoch"], g["position"]), g["message"]) for g in report["gaps"]
+    ]
     assert where == (1, None, 0, 32)
     assert "resumed from epoch 0 position 32, a state no attempt in these logs took" in gap
     assert "GAP attempt 1, all ranks, epoch 0, position 32: resumed from" in text
-    assert verdict(text) == ("INCOMPLETE: nothing found wrong, but the logs do not show the whole job (1 gap, the "
-                             "first: attempt 1 resumed from epoch 0 position 32, a state no attempt in these logs "
-                             "took)")
+    assert verdict(text) == (
+        "INCOMPLETE: nothing found wrong, but the logs do not show the whole job (1 gap, the "
+        "first: attempt 1 resumed from epoch 0 position 32, a state no attempt in these logs took)"
+    )
     assert "OK" not in text
     code, report, text = audit(first, capsys, "--began-before-audit")
     assert code == 0 and report["ok"] and report["checked_from"] == "epoch 0 position 32", text
-    assert verdict(text) == "OK: every sample from epoch 0 position 32 on delivered exactly once, across 2 attempts"
-    assert report["epochs"][0]["status"] == "ok (from position 32: earlier ones ran before this audit)"
+    assert (
+        verdict(text)
+        == "OK: every sample from epoch 0 position 32 on delivered exactly once, across 2 attempts"
+    )
+    assert (
+        report["epochs"][0]["status"] == "ok (from position 32: earlier ones ran before this audit)"
+    )
     code, report, text = audit(middle, capsys)
     assert code == 3 and not report["findings"], text
     ((where, count, gap),) = [((g["attempt"], g["epoch"], g["position"]), g["count"], g["message"])
@@ -87,7 +108,16 @@ def test_a_rank_with_no_log_is_a_gap_not_a_sample_never_delivered(
     """A world of 2, cut after 7 steps (its state from step 4), resumed by a world of 2. Rank 1's
     log of the first attempt deleted: its share of steps 1-4 is not known (32 samples), named as
     such; exit 3."""
-    side_by_side(tmp_path, "first", "--save-at", "4", str(tmp_path / "state-RANK.pt"), "--steps", "7", expect=3)
+    side_by_side(
+        tmp_path,
+        "first",
+        "--save-at",
+        "4",
+        str(tmp_path / "state-RANK.pt"),
+        "--steps",
+        "7",
+        expect=3,
+    )
     side_by_side(tmp_path, "second", "--load", str(tmp_path / "state-RANK.pt"))
     code, report, text = audit(tmp_path, capsys)
     assert code == 0, text
@@ -95,19 +125,45 @@ def test_a_rank_with_no_log_is_a_gap_not_a_sample_never_delivered(
     lost.unlink()
     code, report, text = audit(tmp_path, capsys)
     assert code == 3 and not report["findings"], text
-    ((where, count, gap),) = [((g["attempt"], g["rank"], g["epoch"], g["position"]), g["count"], g["message"])
-                              for g in report["gaps"]]
-    assert where == (1, 1, 0, 8) and count == 32 and gap.startswith("no log of rank 1: what it was handed is not known")
+    ((where, count, gap),) = [
+        ((g["attempt"], g["rank"], g["epoch"], g["position"]), g["count"], g["message"])
+        for g in report["gaps"]
+    ]
+    assert (
+        where == (1, 1, 0, 8)
+        and count == 32
+        and gap.startswith("no log of rank 1: what it was handed is not known")
+    )
 
 
 def torchrun(out: Path, name: str, *args: str) -> int:
     """One launch of ``torchrun --nproc_per_node 2 audit_child.py ... --as-one``: both processes
     build their loader as rank 0 of 1; a step takes 150 ms (training takes time: the two run side by
     side). Its exit code."""
-    done = forked.run([TORCHRUN, "--rdzv-backend", "static", "--master-addr", "127.0.0.1", "--master-port",
-                       str(free_port()), "--nproc_per_node", "2", str(CHILD), str(out / "audit"),
-                       str(out / f"{name}-RANK.json"), "--as-one", "--sleep", "0.15", *args],
-                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=180)
+    done = forked.run(
+        [
+            TORCHRUN,
+            "--rdzv-backend",
+            "static",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            "--nproc_per_node",
+            "2",
+            str(CHILD),
+            str(out / "audit"),
+            str(out / f"{name}-RANK.json"),
+            "--as-one",
+            "--sleep",
+            "0.15",
+            *args,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=180,
+    )
     return done.returncode
 
 
@@ -125,12 +181,20 @@ def test_two_processes_reading_as_one_rank_under_one_launch_are_named_with_the_s
     code, report, text = audit(plain, capsys)
     assert code == 1, text
     (finding,) = report["findings"]
-    assert (finding["epoch"], finding["position"], finding["rank"], finding["count"]) == (0, 0, 0, 200)
+    assert (finding["epoch"], finding["position"], finding["rank"], finding["count"]) == (
+        0,
+        0,
+        0,
+        200,
+    )
     assert finding["message"].startswith("rank 0 of 1 in two processes at the same time (pid ")
     assert "200 samples delivered by both (epochs 0, 1, from position 0)" in finding["message"]
     assert text.count("FAIL ") == 1 and "OK" not in text
     saved = tmp_path / "saved"
-    assert torchrun(saved, "first", "--save-at", "4", str(saved / "state-RANK.pt"), "--steps", "7") != 0
+    assert (
+        torchrun(saved, "first", "--save-at", "4", str(saved / "state-RANK.pt"), "--steps", "7")
+        != 0
+    )
     assert torchrun(saved, "second", "--load", str(saved / "state-RANK.pt")) == 0
     code, report, text = audit(saved, capsys)
     assert code == 1, text
@@ -150,8 +214,10 @@ def test_drop_last_reads_as_dropped_and_the_epochs_as_ok(
     job = ["--n", "250", "--drop-last", "--workers", str(workers)]
     cut = ["--save-at", "12", str(tmp_path / "state-RANK.pt"), "--steps", "20"]
     if world == 1:
-        seen = [attempt(tmp_path, "first", *job, *[a.replace("RANK", "0") for a in cut], expect=3)[:12]
-                + attempt(tmp_path, "second", *job, "--load", str(tmp_path / "state-0.pt"))]
+        seen = [
+            attempt(tmp_path, "first", *job, *[a.replace("RANK", "0") for a in cut], expect=3)[:12]
+            + attempt(tmp_path, "second", *job, "--load", str(tmp_path / "state-0.pt"))
+        ]
     else:
         first = side_by_side(tmp_path, "first", *job, *cut, expect=3)
         rest = side_by_side(tmp_path, "second", *job, "--load", str(tmp_path / "state-RANK.pt"))
@@ -162,8 +228,9 @@ def test_drop_last_reads_as_dropped_and_the_epochs_as_ok(
         assert len(ids) == len(set(ids)) == delivered
     code, report, text = audit(tmp_path, capsys)
     assert code == 0, text
-    assert [(e["delivered"], e["dropped"], e["dropped_from"], e["status"]) for e in report["epochs"]] == [
-        (delivered, dropped, delivered, "ok")] * 2
+    assert [
+        (e["delivered"], e["dropped"], e["dropped_from"], e["status"]) for e in report["epochs"]
+    ] == [(delivered, dropped, delivered, "ok")] * 2
     assert f"{dropped} (from {delivered})" in text and "left" not in text and "partial" not in text
 
 
@@ -176,8 +243,16 @@ def test_rolled_back_after_a_kill_is_said_to_be_a_lower_bound(
     exact."""
     for case, end in (("killed", "--kill-at"), ("crashed", "--steps")):
         out = tmp_path / case
-        first = attempt(out, "first", "--save-at", "3", str(out / "state.pt"), end, "6", expect=-9 if
-                        case == "killed" else 3)
+        first = attempt(
+            out,
+            "first",
+            "--save-at",
+            "3",
+            str(out / "state.pt"),
+            end,
+            "6",
+            expect=-9 if case == "killed" else 3,
+        )
         rest = attempt(out, "second", "--load", str(out / "state.pt"))
         assert len(first) == 6 and rest[:3] == first[3:]  # the truth: 3 steps redone
         code, report, text = audit(out, capsys)
@@ -187,7 +262,9 @@ def test_rolled_back_after_a_kill_is_said_to_be_a_lower_bound(
             assert rerun["rolled_back"] < 3 and not rerun["rolled_back_exact"]
             assert f"{rerun['rolled_back']} or more" in text.splitlines()[3]
         else:
-            assert rerun["rolled_back"] == 3 and rerun["rolled_back_exact"] and "or more" not in text
+            assert (
+                rerun["rolled_back"] == 3 and rerun["rolled_back_exact"] and "or more" not in text
+            )
 
 
 def test_one_batch_recorded_twice_is_one_finding_with_its_count(
@@ -203,15 +280,35 @@ def test_one_batch_recorded_twice_is_one_finding_with_its_count(
     code, report, text = audit(tmp_path, capsys)
     assert code == 1
     (finding,) = report["findings"]
-    assert (finding["attempt"], finding["rank"], finding["epoch"], finding["position"], finding["count"]) == (
-        1, 0, 0, 16, 8)
-    assert "delivered twice in one attempt (ranks 0 and 0), with no resume between: 8 samples" in finding["message"]
+    assert (
+        finding["attempt"],
+        finding["rank"],
+        finding["epoch"],
+        finding["position"],
+        finding["count"],
+    ) == (1, 0, 0, 16, 8)
+    assert (
+        "delivered twice in one attempt (ranks 0 and 0), with no resume between: 8 samples"
+        in finding["message"]
+    )
     assert text.count("FAIL ") == 1 and "FAIL attempt 1, rank 0, epoch 0, position 16:" in text
     sixth = [index for index, line in enumerate(lines) if line.startswith('{"t":"b"')][5]
-    log.write_text("".join([*lines[:third + 1], lines[third], *lines[third + 1:sixth + 1], lines[sixth],
-                            *lines[sixth + 1:]]))
+    log.write_text(
+        "".join(
+            [
+                *lines[: third + 1],
+                lines[third],
+                *lines[third + 1 : sixth + 1],
+                lines[sixth],
+                *lines[sixth + 1 :],
+            ]
+        )
+    )
     code, report, text = audit(tmp_path, capsys)  # two batches repeated, apart: two findings
-    assert code == 1 and [(f["position"], f["count"]) for f in report["findings"]] == [(16, 8), (40, 8)]
+    assert code == 1 and [(f["position"], f["count"]) for f in report["findings"]] == [
+        (16, 8),
+        (40, 8),
+    ]
 
 
 def test_a_plain_loop_under_the_audit_variable_says_once_that_it_records_nothing(
@@ -227,9 +324,13 @@ def test_a_plain_loop_under_the_audit_variable_says_once_that_it_records_nothing
             loader = ResumableDataLoader(list(range(8)), batch_size=2, shuffle=True, seed=1)
             assert sorted(i for batch in loader for i in batch.tolist()) == list(range(8))
     (said,) = [record.getMessage() for record in caplog.records]
-    assert said.startswith(f"LOADER_RESUME_AUDIT={tmp_path / 'audit'} is set, but a ResumableDataLoader of list was "
-                           "built without audit=: its batches are not recorded")
-    assert "audit=os.environ.get('LOADER_RESUME_AUDIT')" in said and not (tmp_path / "audit").exists()
+    assert said.startswith(
+        f"LOADER_RESUME_AUDIT={tmp_path / 'audit'} is set, but a ResumableDataLoader of list was "
+        "built without audit=: its batches are not recorded"
+    )
+    assert (
+        "audit=os.environ.get('LOADER_RESUME_AUDIT')" in said and not (tmp_path / "audit").exists()
+    )
     caplog.clear()
     audited = ResumableDataLoader(list(range(8)), batch_size=2, audit=tmp_path / "audit")
     list(audited)
@@ -245,8 +346,17 @@ def test_a_stream_whose_logs_are_not_all_there_is_incomplete_and_a_batch_that_sk
     record that moves the stream on by more than a batch holds (8 items skipped) fails, naming the
     worker, the batch and how many."""
     stream = ["--stream", "--workers", "2", "--epochs", "1"]
-    side_by_side(tmp_path, "first", *stream, "--save-at", "2", str(tmp_path / "state-RANK.pt"), "--steps", "5",
-                 expect=3)
+    side_by_side(
+        tmp_path,
+        "first",
+        *stream,
+        "--save-at",
+        "2",
+        str(tmp_path / "state-RANK.pt"),
+        "--steps",
+        "5",
+        expect=3,
+    )
     side_by_side(tmp_path, "second", *stream, "--load", str(tmp_path / "state-RANK.pt"))
     code, report, text = audit(tmp_path, capsys)
     assert code == 0 and [row["delivered"] for row in report["epochs"]] == [50, 50, 50, 50], text
@@ -260,21 +370,34 @@ def test_a_stream_whose_logs_are_not_all_there_is_incomplete_and_a_batch_that_sk
             (copy / path.relative_to(tmp_path)).unlink()
     # the rerun's rank 1 began before its rank 0 (the order ranks start in is the launcher's): still
     # a restart
-    rerun = {json.loads(path.read_text().splitlines()[0])["rank"]: path for path in logs_of(cases["early"])
-             if '"t":"load"' in path.read_text()}
+    rerun = {
+        json.loads(path.read_text().splitlines()[0])["rank"]: path
+        for path in logs_of(cases["early"])
+        if '"t":"load"' in path.read_text()
+    }
     lines = rerun[1].read_text().splitlines(keepends=True)
     begun = json.loads(rerun[0].read_text().splitlines()[0])["time"] - 0.01
-    rerun[1].write_text(json.dumps(dict(json.loads(lines[0]), time=begun), separators=(",", ":")) + "\n"
-                        + "".join(lines[1:]))
+    rerun[1].write_text(
+        json.dumps(dict(json.loads(lines[0]), time=begun), separators=(",", ":"))
+        + "\n"
+        + "".join(lines[1:])
+    )
     for name in ("rank", "early"):
         code, report, text = audit(cases[name], capsys)
         assert code == 3 and not report["findings"], text
-        assert [(g["attempt"], g["rank"]) for g in report["gaps"]] == [(1, 1)] and "no log of rank 1" in text
+        assert [(g["attempt"], g["rank"]) for g in report["gaps"]] == [
+            (1, 1)
+        ] and "no log of rank 1" in text
     code, report, text = audit(cases["attempt"], capsys)
-    assert code == 3 and not report["findings"] and [g["attempt"] for g in report["gaps"]] == [1], text
+    assert code == 3 and not report["findings"] and [g["attempt"] for g in report["gaps"]] == [1], (
+        text
+    )
     code, report, text = audit(cases["attempt"], capsys, "--began-before-audit")
     assert code == 0, text
-    assert all(row["status"] == "ok (from batch 2: earlier ones are not in these logs)" for row in report["epochs"])
+    assert all(
+        row["status"] == "ok (from batch 2: earlier ones are not in these logs)"
+        for row in report["epochs"]
+    )
     log = next(path for path in logs_of(cases["skip"]) if '"w":1,"b":3,' in path.read_text())
     lines = log.read_text().splitlines(keepends=True)
     at = next(i for i, line in enumerate(lines) if '"w":1,"b":3,' in line)
@@ -286,9 +409,15 @@ def test_a_stream_whose_logs_are_not_all_there_is_incomplete_and_a_batch_that_sk
     log.write_text("".join(lines))
     code, report, text = audit(cases["skip"], capsys)
     assert code == 1, text
-    ((where, count, message),) = [((f["epoch"], f["position"]), f["count"], f["message"]) for f in report["findings"]]
+    ((where, count, message),) = [
+        ((f["epoch"], f["position"]), f["count"], f["message"]) for f in report["findings"]
+    ]
     assert where == (0, 3) and count == 8
-    assert message == "worker 1: batch 3 moved the stream 16 items on, more than a batch holds (8): 8 items skipped"
+    assert (
+        message
+        == "worker 1: batch 3 moved the stream 16 items on, more than a batch holds (8): 8 items "
+           "skipped"
+    )
 
 
 def test_a_log_with_records_that_are_not_records_is_refused_naming_the_line(
@@ -297,7 +426,10 @@ def test_a_log_with_records_that_are_not_records_is_refused_naming_the_line(
     attempt(tmp_path, "only")
     (log,) = logs_of(tmp_path)
     lines = log.read_text().splitlines()
-    for bad, said in (("null", "line 3 is not a record"), ('{"t":"b","e":0}', "line 3: a 'b' record without s, end")):
+    for bad, said in (
+        ("null", "line 3 is not a record"),
+        ('{"t":"b","e":0}', "line 3: a 'b' record without s, end"),
+    ):
         log.write_text("\n".join([*lines[:2], bad, *lines[2:]]) + "\n")
         capsys.readouterr()
         assert cli(["audit", str(tmp_path / "audit")]) == 2

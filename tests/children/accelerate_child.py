@@ -2,7 +2,7 @@
 
     python accelerate_child.py OUT [options]                                  # one process
     accelerate launch --multi_gpu --num_processes 2 accelerate_child.py OUT   # two (gloo, CPU)
-    python accelerate_child.py --batch PLAN      # several one-process runs, one after another (support/batch.py)
+    python accelerate_child.py --batch PLAN   # one-process runs, one after another (batch.py)
 
 Trains a small MLP with dropout on generated data whose items draw augmentation noise from torch,
 numpy and random, with ``enable_resume``. Each process appends one JSON line per micro-batch to
@@ -46,35 +46,77 @@ from support.mounts import fill
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--processes", type=int, default=1, help="the world size this run must have")
+    parser.add_argument(
+        "--processes", type=int, default=1, help="the world size this run must have"
+    )
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--items", type=int, default=30)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--accumulate", type=int, default=1)
-    parser.add_argument("--sleep", type=float, default=0.0, help="seconds per step, to be signalled mid-epoch")
+    parser.add_argument(
+        "--sleep", type=float, default=0.0, help="seconds per step, to be signalled mid-epoch"
+    )
     parser.add_argument("--signal-at", type=lambda s: [int(x) for x in s.split(",")], default=[],
                         help="SIGTERM to itself after these micro-batches (a repeated one: twice)")
     parser.add_argument("--signal-rank", type=int, default=0, help="the rank that signals itself")
     parser.add_argument("--signal-name", default="SIGTERM", help="the signal of --signal-at")
-    parser.add_argument("--signal-in-save", action="store_true", help="SIGTERM to itself while a checkpoint is saved")
-    parser.add_argument("--signal-in-eval", action="store_true", help="SIGTERM to itself during the first evaluation")
-    parser.add_argument("--disk-full-at", type=int, help="torch.save fails with ENOSPC in the save at this step")
-    parser.add_argument("--fill-disk-at", type=int, help="fill the checkpoint directory's file system after this "
-                        "micro-batch (a real full disk: mount a small tmpfs there)")
-    parser.add_argument("--vanish-at", type=int, help="the save at this step finds its directory deleted")
-    parser.add_argument("--save-at", type=int, help="accelerator.save_state(OUT/explicit) at this step, then crash")
-    parser.add_argument("--break-at", type=int, help="a stop flag: break out of the epoch after this step, then "
-                        "accelerator.save_state(OUT/explicit) after the loop, then end")
-    parser.add_argument("--load", help="accelerator.load_state(DIR) after prepare (automatic resume off)")
+    parser.add_argument(
+        "--signal-in-save",
+        action="store_true",
+        help="SIGTERM to itself while a checkpoint is saved",
+    )
+    parser.add_argument(
+        "--signal-in-eval",
+        action="store_true",
+        help="SIGTERM to itself during the first evaluation",
+    )
+    parser.add_argument(
+        "--disk-full-at", type=int, help="torch.save fails with ENOSPC in the save at this step"
+    )
+    parser.add_argument(
+        "--fill-disk-at",
+        type=int,
+        help="fill the checkpoint directory's file system after this "
+        "micro-batch (a real full disk: mount a small tmpfs there)",
+    )
+    parser.add_argument(
+        "--vanish-at", type=int, help="the save at this step finds its directory deleted"
+    )
+    parser.add_argument(
+        "--save-at", type=int, help="accelerator.save_state(OUT/explicit) at this step, then crash"
+    )
+    parser.add_argument(
+        "--break-at",
+        type=int,
+        help="a stop flag: break out of the epoch after this step, then "
+        "accelerator.save_state(OUT/explicit) after the loop, then end",
+    )
+    parser.add_argument(
+        "--load", help="accelerator.load_state(DIR) after prepare (automatic resume off)"
+    )
     parser.add_argument("--stream", action="store_true", help="an IterableDataset without __len__")
-    parser.add_argument("--mixture", action="store_true", help="a Mixture whose weights change after steps 3 and 9")
-    parser.add_argument("--eval-n", type=int, default=0, help="evaluate on this many items after each epoch")
-    parser.add_argument("--log-dir", default="", help="logs and weights go to OUT/LOG_DIR (default: OUT)")
-    parser.add_argument("--momentum", type=float, default=0.0, help="SGD's momentum: optimizer state to restore")
-    parser.add_argument("--fsdp", choices=["full", "sharded"], help="FSDP (on a GPU; under torchrun): the plugin's "
-                        "state_dict_type FULL_STATE_DICT or SHARDED_STATE_DICT")
+    parser.add_argument(
+        "--mixture", action="store_true", help="a Mixture whose weights change after steps 3 and 9"
+    )
+    parser.add_argument(
+        "--eval-n", type=int, default=0, help="evaluate on this many items after each epoch"
+    )
+    parser.add_argument(
+        "--log-dir", default="", help="logs and weights go to OUT/LOG_DIR (default: OUT)"
+    )
+    parser.add_argument(
+        "--momentum", type=float, default=0.0, help="SGD's momentum: optimizer state to restore"
+    )
+    parser.add_argument(
+        "--fsdp",
+        choices=["full", "sharded"],
+        help="FSDP (on a GPU; under torchrun): the plugin's "
+        "state_dict_type FULL_STATE_DICT or SHARDED_STATE_DICT",
+    )
     add_device_options(parser)
-    parser.add_argument("overrides", nargs="*", help="resume config dotlist, e.g. save_every_n_steps=4")
+    parser.add_argument(
+        "overrides", nargs="*", help="resume config dotlist, e.g. save_every_n_steps=4"
+    )
     args = parser.parse_intermixed_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -92,7 +134,9 @@ def main(argv: list[str] | None = None) -> None:
     accelerator = Accelerator(cpu=args.device == "cpu", project_dir=str(out), fsdp_plugin=fsdp,
                               gradient_accumulation_steps=args.accumulate,
                               mixed_precision="bf16" if args.bf16 else "no")
-    assert (accelerator.distributed_type == DistributedType.FSDP) == (fsdp is not None), accelerator.distributed_type
+    assert (accelerator.distributed_type == DistributedType.FSDP) == (fsdp is not None), (
+        accelerator.distributed_type
+    )
     assert accelerator.num_processes == args.processes, (accelerator.num_processes, args.processes)
     rank = accelerator.process_index
     config = {"seed": 7, "auto_resume": args.load is None}
@@ -124,8 +168,13 @@ def main(argv: list[str] | None = None) -> None:
     data: Any = NoisyStream(args.items, rank, args.processes) if args.stream else Noisy(args.items)
     if args.mixture:
         data = Mixture({"a": data, "b": Noisy(9)}, {"a": 2, "b": 1}, block_size=6)
-    train = DataLoader(data, batch_size=4, shuffle=not (args.stream or args.mixture), num_workers=args.workers,
-                       pin_memory=args.pin_memory)
+    train = DataLoader(
+        data,
+        batch_size=4,
+        shuffle=not (args.stream or args.mixture),
+        num_workers=args.workers,
+        pin_memory=args.pin_memory,
+    )
     evaluation = DataLoader(Noisy(max(args.eval_n, 1)), batch_size=4, num_workers=0)
     model, optimizer, train, evaluation = accelerator.prepare(model, optimizer, train, evaluation)
     assert isinstance(train, AcceleratedResumableDataLoader) and train.world_size == args.processes
@@ -151,8 +200,14 @@ def main(argv: list[str] | None = None) -> None:
             if args.mixture and accelerator.sync_gradients and resume.step in (3, 9):
                 data.set_weights({"a": 1, "b": 2} if resume.step == 3 else {"a": 1, "b": 0})
             micro += 1
-            row = {"attempt": attempt, "epoch": epoch, "step": resume.step, "sync": accelerator.sync_gradients,
-                   "ids": ids.tolist(), "batch": fingerprint([x, y])}
+            row = {
+                "attempt": attempt,
+                "epoch": epoch,
+                "step": resume.step,
+                "sync": accelerator.sync_gradients,
+                "ids": ids.tolist(),
+                "batch": fingerprint([x, y]),
+            }
             log.write(json.dumps(row) + "\n")
             log.flush()
             if args.sleep:

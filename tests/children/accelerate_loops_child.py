@@ -2,7 +2,7 @@
 test_loop_edges_frameworks.py.
 
     python accelerate_loops_child.py OUT --shape zip|alternate [--workers W] [--signal-at N[,N...]]
-    python accelerate_loops_child.py --batch PLAN      # several runs, one after another (support/batch.py)
+    python accelerate_loops_child.py --batch PLAN   # runs one after another (support/batch.py)
 
 ``zip``: ``for xa, xb in zip(a, b)``, a (6 batches) longer than b (4), one optimizer step per pair.
 ``alternate``: the batches of ``zip(b, a)`` one after another, the optimizer stepped twice per
@@ -42,7 +42,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out")
     parser.add_argument("--shape", required=True, choices=["zip", "alternate"])
     parser.add_argument("--workers", type=int, default=0)
-    parser.add_argument("--signal-at", type=lambda text: {int(n) for n in text.split(",")}, default=set())
+    parser.add_argument(
+        "--signal-at", type=lambda text: {int(n) for n in text.split(",")}, default=set()
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -53,7 +55,10 @@ def main(argv: list[str] | None = None) -> None:
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data = {"a": Noisy(24), "b": Noisy(16)}
-    a, b = (DataLoader(data[name], batch_size=4, shuffle=True, num_workers=args.workers) for name in "ab")
+    a, b = (
+        DataLoader(data[name], batch_size=4, shuffle=True, num_workers=args.workers)
+        for name in "ab"
+    )
     model, optimizer, a, b = accelerator.prepare(model, optimizer, a, b)
 
     log = out / "log.json"
@@ -82,7 +87,11 @@ def main(argv: list[str] | None = None) -> None:
 
     for _ in resume.epochs(2):
         model.train()
-        batches = ({"a": xa, "b": xb} for xa, xb in zip(a, b, strict=False)) if args.shape == "zip" else alternate()
+        batches = (
+            ({"a": xa, "b": xb} for xa, xb in zip(a, b, strict=False))
+            if args.shape == "zip"
+            else alternate()
+        )
         for named in batches:
             step(named)
     weights = fingerprint([p.detach() for p in model.parameters()])

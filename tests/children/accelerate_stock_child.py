@@ -26,14 +26,21 @@ from loader_resume.distributed import init_process_group
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--stateful", action="store_true", help="DataLoaderConfiguration(use_stateful_dataloader=True)")
+    parser.add_argument(
+        "--stateful",
+        action="store_true",
+        help="DataLoaderConfiguration(use_stateful_dataloader=True)",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if "TORCHELASTIC_RESTART_COUNT" in os.environ:
         init_process_group("gloo")
-    accelerator = Accelerator(cpu=True, project_dir=str(out),
-                              dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=args.stateful))
+    accelerator = Accelerator(
+        cpu=True,
+        project_dir=str(out),
+        dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=args.stateful),
+    )
     assert accelerator.num_processes == 2, accelerator.num_processes
     rank = accelerator.process_index
     loader = ResumableDataLoader(list(range(20)), batch_size=2, shuffle=True, seed=3)

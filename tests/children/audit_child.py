@@ -2,9 +2,10 @@
 audit`` run two or three in a row (a rank each, side by side, for a world of 2), with a crash, a
 ``break`` or a state of their choosing.
 
-    python tests/children/audit_child.py AUDIT_DIR OUT.json [--rank R --world W] [--load STATE] [--save-at K STATE]
-        [--steps S] [--kill-at S] [--epochs E] [--break-at B STATE [--pass-ended]] [--limit K] [--regression]
-        [--stream --workers N] [--free-after K PATH] [--n N] [--drop-last] [--as-one] [--sleep SECONDS]
+    python tests/children/audit_child.py AUDIT_DIR OUT.json [--rank R --world W] [--load STATE]
+        [--save-at K STATE] [--steps S] [--kill-at S] [--epochs E]
+        [--break-at B STATE [--pass-ended]] [--limit K] [--regression] [--stream --workers N]
+        [--free-after K PATH] [--n N] [--drop-last] [--as-one] [--sleep SECONDS]
 
 Each batch holds the samples' ids (and a keyed random draw); every delivered ``(epoch, ids)`` is
 written to OUT.json, the test's own record of what the attempt saw. ``--steps S``: the attempt stops
@@ -82,8 +83,12 @@ def main() -> int:
     parser.add_argument("--pass-ended", action="store_true")
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--workers", type=int, default=0)
-    parser.add_argument("--limit", type=int, help="leave every pass after so many batches (limit_train_batches)")
-    parser.add_argument("--regression", action="store_true", help="a library whose states skip the pass in flight")
+    parser.add_argument(
+        "--limit", type=int, help="leave every pass after so many batches (limit_train_batches)"
+    )
+    parser.add_argument(
+        "--regression", action="store_true", help="a library whose states skip the pass in flight"
+    )
     parser.add_argument("--free-after", nargs=2)
     parser.add_argument("--kill-at", type=int)
     parser.add_argument("--n", type=int, default=N)
@@ -105,11 +110,21 @@ def main() -> int:
         from loader_resume.order.map_position import MapPosition
 
         fill = MapPosition.fill_state
-        MapPosition.fill_state = lambda self, state, ago=0, pass_ended=False: fill(self, state, ago, True)  # type: ignore[method-assign]
+        MapPosition.fill_state = (  # type: ignore[method-assign]
+            lambda self, state, ago=0, pass_ended=False: fill(self, state, ago, True)
+        )
     dataset = Lines() if args.stream else Ids(args.n)
-    loader = ResumableDataLoader(dataset, batch_size=8, shuffle=not args.stream, seed=11, rank=args.rank,
-                                 world_size=args.world, num_workers=args.workers, drop_last=args.drop_last,
-                                 audit=args.audit)
+    loader = ResumableDataLoader(
+        dataset,
+        batch_size=8,
+        shuffle=not args.stream,
+        seed=11,
+        rank=args.rank,
+        world_size=args.world,
+        num_workers=args.workers,
+        drop_last=args.drop_last,
+        audit=args.audit,
+    )
     if args.load:
         loader.load_state_dict(torch.load(args.load, weights_only=True))
     saves = {int(step): path for step, path in args.save_at}

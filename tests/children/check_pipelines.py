@@ -68,7 +68,10 @@ class WhereItRuns(Dataset[dict[str, Any]]):
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         info = torch.utils.data.get_worker_info()
-        return {"id": index, "noise": torch.tensor(float(info.num_workers if info is not None else 0))}
+        return {
+            "id": index,
+            "noise": torch.tensor(float(info.num_workers if info is not None else 0)),
+        }
 
 
 def resumable_unkeyed() -> ResumableDataLoader[Any]:
@@ -94,14 +97,25 @@ def counts_own_epochs() -> DataLoader[Any]:
 def mixture() -> ResumableDataLoader[Any]:
     """Two sources (14 and 5 items, drawing augmentations), 2 workers, 20 batches an epoch of 60
     samples."""
-    return ResumableDataLoader(Mixture({"big": Augmented(14), "small": Augmented(5)}, {"big": 3, "small": 1},
-                                       block_size=4, samples_per_epoch=60), batch_size=3, num_workers=2, seed=3)
+    return ResumableDataLoader(
+        Mixture(
+            {"big": Augmented(14), "small": Augmented(5)},
+            {"big": 3, "small": 1},
+            block_size=4,
+            samples_per_epoch=60,
+        ),
+        batch_size=3,
+        num_workers=2,
+        seed=3,
+    )
 
 
 def mixture_schedule(loader: ResumableDataLoader[Any], delivered: int) -> None:
     """A weight schedule by step, as a training loop makes it."""
     if delivered in (2, 4):
-        loader.dataset.set_weights({"big": 1, "small": 1} if delivered == 2 else {"big": 0, "small": 1})
+        loader.dataset.set_weights(
+            {"big": 1, "small": 1} if delivered == 2 else {"big": 0, "small": 1}
+        )
 
 
 _CALLS = [0]

@@ -31,7 +31,9 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == 2
     whole = datasets.Dataset.from_dict({"id": list(range(24))}).with_format("torch")
-    dataset = whole if mode in ("whole", "plain-partial") else split_dataset_by_node(whole, rank, world)
+    dataset = (
+        whole if mode in ("whole", "plain-partial") else split_dataset_by_node(whole, rank, world)
+    )
     if mode.startswith("plain"):
         plain(mode, out, rank, whole, dataset)
         return
@@ -42,7 +44,9 @@ def main() -> None:
     except ValueError as exc:
         error = str(exc)
     if error:  # what the message tells the user to do: keep the split, shard nothing more
-        loader = ResumableDataLoader(dataset, batch_size=4, shuffle=True, seed=1, rank=0, world_size=1)
+        loader = ResumableDataLoader(
+            dataset, batch_size=4, shuffle=True, seed=1, rank=0, world_size=1
+        )
         check_same_dataset(loader)
     delivered = [int(i) for batch in loader for i in batch["id"]]
     (out / f"{mode}-{rank}.json").write_text(json.dumps({"error": error, "ids": delivered}))
@@ -50,7 +54,9 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def plain(mode: str, out: Path, rank: int, whole: datasets.Dataset, dataset: datasets.Dataset) -> None:
+def plain(
+    mode: str, out: Path, rank: int, whole: datasets.Dataset, dataset: datasets.Dataset
+) -> None:
     result: dict[str, object] = {"error": "", "epoch": None, "ids": [], "validation": []}
     if mode == "plain-partial" and rank == 0:
         validation = ResumableDataLoader(whole.select(range(10)), batch_size=4)
@@ -58,7 +64,8 @@ def plain(mode: str, out: Path, rank: int, whole: datasets.Dataset, dataset: dat
     loader = ResumableDataLoader(dataset, batch_size=4, shuffle=True, seed=1)
     for epoch in range(2):
         try:
-            result["ids"] += [int(i) for batch in loader for i in batch["id"]]  # type: ignore[operator]
+            ids = [int(i) for batch in loader for i in batch["id"]]
+            result["ids"] += ids  # type: ignore[operator]
         except ValueError as exc:
             result["error"], result["epoch"] = str(exc), epoch
             break

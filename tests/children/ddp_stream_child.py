@@ -60,7 +60,10 @@ def main() -> None:
         for _ in range(4):
             next(iterator)
         gathered = gather_states(loader)
-        assert gathered["ranks"][rank] == loader.state_dict() and gathered["ranks"][0] != gathered["ranks"][1]
+        assert (
+            gathered["ranks"][rank] == loader.state_dict()
+            and gathered["ranks"][0] != gathered["ranks"][1]
+        )
         if via == "dcp":
             dcp.save({"loader": DCPLoaderState(loader)}, checkpoint_id=str(out / "dcp"))
         elif rank == 0:
@@ -71,7 +74,11 @@ def main() -> None:
             dcp.load({"loader": DCPLoaderState(loader)}, checkpoint_id=str(out / "dcp"))
         else:
             load_rank_state(loader, torch.load(out / "state.pt", weights_only=True))
-        rows = [[b["id"].tolist(), b["noise"].flatten().tolist()] for _ in range(loader.epoch, 2) for b in loader]
+        rows = [
+            [b["id"].tolist(), b["noise"].flatten().tolist()]
+            for _ in range(loader.epoch, 2)
+            for b in loader
+        ]
     (out / f"{mode}-{rank}.json").write_text(json.dumps(rows))
     dist.barrier()
     dist.destroy_process_group()

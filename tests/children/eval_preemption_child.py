@@ -1,7 +1,7 @@
 """A training job with evaluations inside it, for test_eval_preemption.py: one per front door.
 
     python eval_preemption_child.py OUT --front FRONT [--eval-workers W] [--signal-in-eval K]
-    python eval_preemption_child.py --batch PLAN      # several runs, one after another (support/batch.py)
+    python eval_preemption_child.py --batch PLAN   # runs one after another (support/batch.py)
 
 FRONT: ``lightning`` (Trainer, ``val_check_interval=2``, a sanity check of 1 batch), ``fabric``,
 ``accelerate`` or ``transformers`` (an evaluation every 2 optimizer steps). 24 training items in
@@ -48,7 +48,9 @@ class Job:
         self.args, self.out = args, Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.path = self.out / "log.json"
-        saved = json.loads(self.path.read_text()) if self.path.exists() else {"rows": [], "evals": []}
+        saved = (
+            json.loads(self.path.read_text()) if self.path.exists() else {"rows": [], "evals": []}
+        )
         self.rows, self.evals = saved["rows"], saved["evals"]
         self.first_run = not (self.out / "started").exists()
         (self.out / "started").write_text("")
@@ -86,7 +88,9 @@ class Job:
         self.flush(fingerprint([p.detach() for p in model.parameters()]))
 
     def flush(self, weights: str | None = None) -> None:
-        self.path.write_text(json.dumps({"rows": self.rows, "evals": self.evals, "weights": weights}))
+        self.path.write_text(
+            json.dumps({"rows": self.rows, "evals": self.evals, "weights": weights})
+        )
 
 
 def model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -127,8 +131,9 @@ def hand_written(job: Job, front: str) -> None:
 
         accelerator = Accelerator(cpu=True, project_dir=str(job.out))
         resume = enable_resume(accelerator, {"seed": 7})
-        model, optimizer, train, evaluation = accelerator.prepare(model, optimizer, job.train_loader(),
-                                                                  job.eval_loader())
+        model, optimizer, train, evaluation = accelerator.prepare(
+            model, optimizer, job.train_loader(), job.eval_loader()
+        )
         backward = accelerator.backward
     for _ in resume.epochs(EPOCHS):
         for x, y, ids in train:
@@ -175,10 +180,20 @@ def lightning(job: Job) -> None:
         def val_dataloader(self) -> DataLoader[Any]:
             return job.eval_loader()
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=EPOCHS, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=1, val_check_interval=EVERY,
-                        default_root_dir=job.out, deterministic=True, enable_checkpointing=True,
-                        callbacks=[ResumeCallback(seed=7)])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=EPOCHS,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=1,
+        val_check_interval=EVERY,
+        default_root_dir=job.out,
+        deterministic=True,
+        enable_checkpointing=True,
+        callbacks=[ResumeCallback(seed=7)],
+    )
     trainer.fit(Module())
 
 
@@ -192,7 +207,9 @@ def transformers(job: Job) -> None:
             super().__init__()
             self.net = model_and_optimizer()[0]
 
-        def forward(self, x: torch.Tensor, labels: torch.Tensor, idx: torch.Tensor) -> dict[str, torch.Tensor]:
+        def forward(
+            self, x: torch.Tensor, labels: torch.Tensor, idx: torch.Tensor
+        ) -> dict[str, torch.Tensor]:
             loss = nn.functional.cross_entropy(self.net(x), labels)
             if self.training:
                 self.batch = (x, idx)
@@ -214,13 +231,30 @@ def transformers(job: Job) -> None:
 
     model = Tiny()
     training = TrainingArguments(
-        output_dir=str(job.out / "run"), use_cpu=True, report_to=[], seed=7, per_device_train_batch_size=4,
-        per_device_eval_batch_size=4, num_train_epochs=EPOCHS, learning_rate=0.1, save_strategy="steps",
-        save_steps=100, logging_strategy="no", eval_strategy="steps", eval_steps=EVERY, disable_tqdm=True,
+        output_dir=str(job.out / "run"),
+        use_cpu=True,
+        report_to=[],
+        seed=7,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        num_train_epochs=EPOCHS,
+        learning_rate=0.1,
+        save_strategy="steps",
+        save_steps=100,
+        logging_strategy="no",
+        eval_strategy="steps",
+        eval_steps=EVERY,
+        disable_tqdm=True,
         # NOTE: Trainer's one count, for training and evaluation
-        dataloader_num_workers=job.args.eval_workers)
-    trainer = ResumableTrainer(model=model, args=training, train_dataset=Items(24), eval_dataset=Items(40),
-                               callbacks=[Log()])
+        dataloader_num_workers=job.args.eval_workers,
+    )
+    trainer = ResumableTrainer(
+        model=model,
+        args=training,
+        train_dataset=Items(24),
+        eval_dataset=Items(40),
+        callbacks=[Log()],
+    )
     trainer.train(resume_from_checkpoint=True)
     job.finished(model.net)
 
@@ -228,10 +262,14 @@ def transformers(job: Job) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--front", required=True, choices=["lightning", "fabric", "accelerate", "transformers"])
+    parser.add_argument(
+        "--front", required=True, choices=["lightning", "fabric", "accelerate", "transformers"]
+    )
     parser.add_argument("--eval-workers", type=int, default=2)
     parser.add_argument("--signal-in-eval", type=int, default=-1)
-    parser.add_argument("--signal-in-step", type=int, default=-1, help="SIGTERM to the group in this training step")
+    parser.add_argument(
+        "--signal-in-step", type=int, default=-1, help="SIGTERM to the group in this training step"
+    )
     args = parser.parse_args(argv)
     # NOTE: as seed_everything: an evaluation loader without workers draws from these
     np.random.seed(0)

@@ -47,7 +47,9 @@ class SlowIO(TorchCheckpointIO):
         super().__init__()
         self.seconds = seconds
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
         time.sleep(self.seconds)
         super().save_checkpoint(checkpoint, path, storage_options)
 
@@ -60,10 +62,14 @@ class CPUFSDPStrategy(FSDPStrategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        return FullyShardedDataParallel(module=module, cpu_offload=self.cpu_offload,
-                                        mixed_precision=self.mixed_precision_config,
-                                        sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"),
-                                        **self._fsdp_kwargs)
+        return FullyShardedDataParallel(
+            module=module,
+            cpu_offload=self.cpu_offload,
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=torch.device("cpu"),
+            **self._fsdp_kwargs,
+        )
 
 
 def shard_fsdp2(model: nn.Module, mesh: Any) -> nn.Module:
@@ -80,7 +86,9 @@ def strategy_of(args: argparse.Namespace) -> Any:
         return FSDPStrategy(state_dict_type=args.strategy[len("fsdp-"):])
     # NOTE: "full" on the CPU: FSDP1 crashes there
     if args.strategy and args.strategy.startswith("fsdp-"):
-        return CPUFSDPStrategy(state_dict_type=args.strategy[len("fsdp-"):], process_group_backend="gloo")
+        return CPUFSDPStrategy(
+            state_dict_type=args.strategy[len("fsdp-") :], process_group_backend="gloo"
+        )
     if args.strategy == "model-parallel":
         return ModelParallelStrategy(parallelize_fn=shard_fsdp2, data_parallel_size=args.devices,
                                      tensor_parallel_size=1)
@@ -96,36 +104,76 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--stream", action="store_true", help="an IterableDataset without __len__")
-    parser.add_argument("--mixture", action="store_true", help="a Mixture whose weights change after steps 3 and 9")
-    parser.add_argument("--sleep", type=float, default=0.0, help="seconds per micro-batch, to be signalled mid-epoch")
-    parser.add_argument("--signal-at", type=int, help="rank 0 sends itself SIGTERM after this micro-batch")
-    parser.add_argument("--save-at", type=int, help="fabric.save(OUT/explicit.ckpt) with the loader in the state at "
-                        "this optimizer step, then end the process at once")
+    parser.add_argument(
+        "--mixture", action="store_true", help="a Mixture whose weights change after steps 3 and 9"
+    )
+    parser.add_argument(
+        "--sleep",
+        type=float,
+        default=0.0,
+        help="seconds per micro-batch, to be signalled mid-epoch",
+    )
+    parser.add_argument(
+        "--signal-at", type=int, help="rank 0 sends itself SIGTERM after this micro-batch"
+    )
+    parser.add_argument(
+        "--save-at",
+        type=int,
+        help="fabric.save(OUT/explicit.ckpt) with the loader in the state at "
+        "this optimizer step, then end the process at once",
+    )
     parser.add_argument("--signal-name", default="SIGTERM", help="the signal of --signal-at")
-    parser.add_argument("--slurm-requeue", action="store_true", help="FabricResume(slurm_requeue=True)")
-    parser.add_argument("--save-every", type=int, default=0, help="FabricResume(save_every_n_steps=...)")
+    parser.add_argument(
+        "--slurm-requeue", action="store_true", help="FabricResume(slurm_requeue=True)"
+    )
+    parser.add_argument(
+        "--save-every", type=int, default=0, help="FabricResume(save_every_n_steps=...)"
+    )
     parser.add_argument("--keep", type=int, default=2, help="FabricResume(keep=...)")
-    parser.add_argument("--remote", help="FabricResume(remote=URL): checkpoints copied to object storage")
-    parser.add_argument("--fill-disk-at", type=int, help="rank 0 fills the checkpoint directory's file system after "
-                        "this micro-batch (a real full disk: mount a small tmpfs there)")
+    parser.add_argument(
+        "--remote", help="FabricResume(remote=URL): checkpoints copied to object storage"
+    )
+    parser.add_argument(
+        "--fill-disk-at",
+        type=int,
+        help="rank 0 fills the checkpoint directory's file system after "
+        "this micro-batch (a real full disk: mount a small tmpfs there)",
+    )
     parser.add_argument("--strategy", choices=["fsdp-sharded", "fsdp-full", "model-parallel"],
                         help="default: ddp on several devices, else auto")
-    parser.add_argument("--async-io", type=float, help="Lightning's AsyncCheckpointIO over a writer this many seconds "
-                        "slower per file (a large checkpoint on slow storage)")
-    parser.add_argument("--load", help="fabric.load(PATH) with the loader in the state, after restore()")
+    parser.add_argument(
+        "--async-io",
+        type=float,
+        help="Lightning's AsyncCheckpointIO over a writer this many seconds "
+        "slower per file (a large checkpoint on slow storage)",
+    )
+    parser.add_argument(
+        "--load", help="fabric.load(PATH) with the loader in the state, after restore()"
+    )
     add_device_options(parser)
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    fabric = Fabric(accelerator=args.device, devices=args.devices, strategy=strategy_of(args),
-                    precision="bf16-mixed" if args.bf16 else "32-true",
-                    plugins=None if args.async_io is None else [AsyncCheckpointIO(SlowIO(args.async_io))])
+    fabric = Fabric(
+        accelerator=args.device,
+        devices=args.devices,
+        strategy=strategy_of(args),
+        precision="bf16-mixed" if args.bf16 else "32-true",
+        plugins=None if args.async_io is None else [AsyncCheckpointIO(SlowIO(args.async_io))],
+    )
     fabric.launch()
     assert fabric.world_size == args.devices, (fabric.world_size, args.devices)
     rank = fabric.global_rank
-    resume = FabricResume(fabric, seed=7, checkpoint_dir=out / "resume_checkpoints", slurm_requeue=args.slurm_requeue,
-                          save_every_n_steps=args.save_every, keep=args.keep, remote=args.remote)
+    resume = FabricResume(
+        fabric,
+        seed=7,
+        checkpoint_dir=out / "resume_checkpoints",
+        slurm_requeue=args.slurm_requeue,
+        save_every_n_steps=args.save_every,
+        keep=args.keep,
+        remote=args.remote,
+    )
     torch.manual_seed(123)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2))
     # NOTE: a sharded model first, then its optimizer (with state to shard) over its parameters
@@ -138,11 +186,20 @@ def main() -> None:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.7)
         model, optimizer = fabric.setup(model, optimizer)
-    data: Any = NoisyStream(args.items, rank, args.devices) if args.stream else NoisyEverywhere(args.items)
+    data: Any = (
+        NoisyStream(args.items, rank, args.devices) if args.stream else NoisyEverywhere(args.items)
+    )
     if args.mixture:
         data = Mixture({"a": data, "b": NoisyEverywhere(9)}, {"a": 2, "b": 1}, block_size=6)
-    train = fabric.setup_dataloaders(DataLoader(data, batch_size=4, shuffle=not (args.stream or args.mixture),
-                                                num_workers=args.workers, pin_memory=args.pin_memory))
+    train = fabric.setup_dataloaders(
+        DataLoader(
+            data,
+            batch_size=4,
+            shuffle=not (args.stream or args.mixture),
+            num_workers=args.workers,
+            pin_memory=args.pin_memory,
+        )
+    )
     assert isinstance(train, FabricResumableDataLoader) and train.world_size == args.devices
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
     resume.restore(state)
@@ -166,8 +223,13 @@ def main() -> None:
                 scheduler.step()
                 if args.mixture and resume.step in (3, 9):  # a weight schedule by optimizer step
                     data.set_weights({"a": 1, "b": 2} if resume.step == 3 else {"a": 1, "b": 0})
-            row = {"epoch": epoch, "step": resume.step, "ids": ids.tolist(), "batch": fingerprint([x, y]),
-                   "lr": scheduler.get_last_lr()[0]}
+            row = {
+                "epoch": epoch,
+                "step": resume.step,
+                "ids": ids.tolist(),
+                "batch": fingerprint([x, y]),
+                "lr": scheduler.get_last_lr()[0],
+            }
             log.write(json.dumps(row) + "\n")
             log.flush()
             if args.sleep:
@@ -181,7 +243,9 @@ def main() -> None:
                 fabric.save(out / "explicit.ckpt", {**state, "loader": train})
                 fabric.barrier()
                 os._exit(0)  # a crash right after the save: nothing else is written
-    weights = fingerprint([(p.full_tensor() if isinstance(p, DTensor) else p).detach() for p in model.parameters()])
+    weights = fingerprint(
+        [(p.full_tensor() if isinstance(p, DTensor) else p).detach() for p in model.parameters()]
+    )
     (out / f"weights-{rank}.txt").write_text(weights)
     fabric.barrier()
     # NOTE: gloo aborts a process (SIGABRT, "terminate called without an active exception") whose

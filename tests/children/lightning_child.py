@@ -78,7 +78,11 @@ class EpochOrder(torch.utils.data.Sampler[int]):
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[int]:
-        return iter(torch.randperm(self.n, generator=torch.Generator().manual_seed(1000 + self.epoch)).tolist())
+        return iter(
+            torch.randperm(
+                self.n, generator=torch.Generator().manual_seed(1000 + self.epoch)
+            ).tolist()
+        )
 
     def __len__(self) -> int:
         return self.n
@@ -93,10 +97,14 @@ class CPUFSDPStrategy(FSDPStrategy):
     def _setup_model(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        return FullyShardedDataParallel(module=model, cpu_offload=self.cpu_offload,
-                                        mixed_precision=self.mixed_precision_config,
-                                        sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"),
-                                        **self.kwargs)
+        return FullyShardedDataParallel(
+            module=model,
+            cpu_offload=self.cpu_offload,
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=torch.device("cpu"),
+            **self.kwargs,
+        )
 
 
 def strategy_of(args: argparse.Namespace) -> Any:
@@ -107,7 +115,10 @@ def strategy_of(args: argparse.Namespace) -> Any:
         return DDPStrategy(process_group_backend="gloo" if on_cpu else None)
     if args.strategy.startswith("fsdp-"):  # on a GPU: Lightning's own strategy, untouched
         kind = CPUFSDPStrategy if on_cpu else FSDPStrategy
-        return kind(state_dict_type=args.strategy[len("fsdp-"):], process_group_backend="gloo" if on_cpu else None)
+        return kind(
+            state_dict_type=args.strategy[len("fsdp-") :],
+            process_group_backend="gloo" if on_cpu else None,
+        )
     if args.strategy == "model-parallel-auto":  # Lightning's default: tensor parallel within a node
         return ModelParallelStrategy()
     return ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
@@ -125,8 +136,13 @@ class Model(L.LightningModule):
         self.log_rows.append([self.global_step, ids.tolist(), fingerprint([x, y])])
         # one line per step, as it happens (the chaos tests kill the process)
         if self.args.batch_log:
-            row = {"attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), "step": self.global_step + 1,
-                   "epoch": self.current_epoch, "ids": ids.tolist(), "batch": fingerprint([x, y])}
+            row = {
+                "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                "step": self.global_step + 1,
+                "epoch": self.current_epoch,
+                "ids": ids.tolist(),
+                "batch": fingerprint([x, y]),
+            }
             with (Path(self.args.batch_log) / f"log-{self.global_rank}.jsonl").open("a") as log:
                 log.write(json.dumps(row) + "\n")
         if self.args.sleep:  # slow enough for a test to send a signal mid-epoch
@@ -144,13 +160,20 @@ class Model(L.LightningModule):
     def configure_optimizers(self) -> Any:
         # NOTE: with --strategy, an optimizer with state to shard (Lightning's FSDP loading fails on
         # an empty one)
-        optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9 if self.args.strategy else 0.0)
+        optimizer = torch.optim.SGD(
+            self.parameters(), lr=0.1, momentum=0.9 if self.args.strategy else 0.0
+        )
         if not self.args.onecycle:
             return optimizer
         # NOTE: estimated_stepping_batches loads the training loaders early (Lightning#20550).
         total = self.trainer.estimated_stepping_batches
-        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.2, total_steps=int(total))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=0.2, total_steps=int(total)
+        )
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y, _ = batch
@@ -166,18 +189,37 @@ class Model(L.LightningModule):
             from datasets.distributed import split_dataset_by_node
 
             whole = HFDataset.from_dict({"id": list(range(self.args.items))}).with_format("torch")
-            return DataLoader(split_dataset_by_node(whole, self.global_rank, self.trainer.world_size), batch_size=4)
+            return DataLoader(
+                split_dataset_by_node(whole, self.global_rank, self.trainer.world_size),
+                batch_size=4,
+            )
         if self.args.stream:
-            return DataLoader(NoisyStream(self.args.items), batch_size=4, num_workers=self.args.workers)
+            return DataLoader(
+                NoisyStream(self.args.items), batch_size=4, num_workers=self.args.workers
+            )
         # two sources, weights changed by MixtureSchedule; the mixture orders itself
         if self.args.mixture:
-            self.mixture = Mixture({"a": Noisy(self.args.items), "b": Noisy(9)}, {"a": 2, "b": 1}, block_size=6)
-            return DataLoader(self.mixture, batch_size=4, shuffle=False, num_workers=self.args.workers)
+            self.mixture = Mixture(
+                {"a": Noisy(self.args.items), "b": Noisy(9)}, {"a": 2, "b": 1}, block_size=6
+            )
+            return DataLoader(
+                self.mixture, batch_size=4, shuffle=False, num_workers=self.args.workers
+            )
         if self.args.custom_sampler:
-            return DataLoader(Noisy(self.args.items), batch_size=4, sampler=EpochOrder(self.args.items),
-                              num_workers=self.args.workers)
-        return DataLoader(Noisy(self.args.items), batch_size=4, shuffle=True, num_workers=self.args.workers,
-                          persistent_workers=self.args.workers > 0, pin_memory=self.args.pin_memory)
+            return DataLoader(
+                Noisy(self.args.items),
+                batch_size=4,
+                sampler=EpochOrder(self.args.items),
+                num_workers=self.args.workers,
+            )
+        return DataLoader(
+            Noisy(self.args.items),
+            batch_size=4,
+            shuffle=True,
+            num_workers=self.args.workers,
+            persistent_workers=self.args.workers > 0,
+            pin_memory=self.args.pin_memory,
+        )
 
     def on_train_end(self) -> None:
         out = Path(self.args.out)
@@ -186,16 +228,22 @@ class Model(L.LightningModule):
         if self.args.append and (out / name).exists():
             self.log_rows = json.loads((out / name).read_text()) + self.log_rows
         (out / name).write_text(json.dumps(self.log_rows))
-        weights = fingerprint([(p.full_tensor() if isinstance(p, DTensor) else p).detach() for p in self.parameters()])
+        weights = fingerprint(
+            [(p.full_tensor() if isinstance(p, DTensor) else p).detach() for p in self.parameters()]
+        )
         (out / f"weights-{self.global_rank}.txt").write_text(weights)
 
 
 class MixtureSchedule(L.Callback):
     """A weight schedule by optimizer step, as a user's callback sets it: after steps 3 and 9."""
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, index: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, index: int
+    ) -> None:
         if trainer.global_step in (3, 9):
-            pl_module.mixture.set_weights({"a": 1, "b": 2} if trainer.global_step == 3 else {"a": 1, "b": 0})
+            pl_module.mixture.set_weights(
+                {"a": 1, "b": 2} if trainer.global_step == 3 else {"a": 1, "b": 0}
+            )
 
 
 class Faults(L.Callback):
@@ -206,7 +254,9 @@ class Faults(L.Callback):
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, index: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, index: int
+    ) -> None:
         if trainer.global_rank != 0:
             return
         if trainer.global_step == self.args.fill_disk_at:
@@ -229,7 +279,9 @@ class SlowIO(TorchCheckpointIO):
         super().__init__()
         self.out, self.seconds = Path(out), seconds
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
         (self.out / "writing").write_text(os.path.basename(path))
         time.sleep(self.seconds)
         super().save_checkpoint(checkpoint, path, storage_options)
@@ -243,9 +295,13 @@ class OwnThreadIO(SlowIO):
         super().__init__(out, seconds)
         self.threads: list[threading.Thread] = []
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
         copied = copy.deepcopy(checkpoint)
-        self.threads.append(threading.Thread(target=super().save_checkpoint, args=(copied, path, storage_options)))
+        self.threads.append(
+            threading.Thread(target=super().save_checkpoint, args=(copied, path, storage_options))
+        )
         self.threads[-1].start()
 
     def teardown(self) -> None:
@@ -283,30 +339,67 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n-resume", type=int, help="dataset length after resume (bad-input test)")
     parser.add_argument("--no-callback", action="store_true")
     parser.add_argument("--two-callbacks", action="store_true")
-    parser.add_argument("--no-dirpath", action="store_true", help="ResumeCallback() without dirpath")
-    parser.add_argument("--sleep", type=float, default=0.0, help="seconds per step, to be signalled mid-epoch")
-    parser.add_argument("--append", action="store_true", help="append to an existing log (restarted job)")
+    parser.add_argument(
+        "--no-dirpath", action="store_true", help="ResumeCallback() without dirpath"
+    )
+    parser.add_argument(
+        "--sleep", type=float, default=0.0, help="seconds per step, to be signalled mid-epoch"
+    )
+    parser.add_argument(
+        "--append", action="store_true", help="append to an existing log (restarted job)"
+    )
     parser.add_argument("--check-every", type=int, default=1)
-    parser.add_argument("--val-every", type=int, default=0, help="val_check_interval in steps (0: no validation)")
-    parser.add_argument("--onecycle", action="store_true", help="OneCycleLR sized by estimated_stepping_batches")
+    parser.add_argument(
+        "--val-every", type=int, default=0, help="val_check_interval in steps (0: no validation)"
+    )
+    parser.add_argument(
+        "--onecycle", action="store_true", help="OneCycleLR sized by estimated_stepping_batches"
+    )
     parser.add_argument("--stream", action="store_true", help="an IterableDataset without __len__")
-    parser.add_argument("--custom-sampler", action="store_true", help="a sampler of our own, not torch's")
-    parser.add_argument("--mixture", action="store_true", help="a Mixture whose weights change at steps 3 and 9")
-    parser.add_argument("--split-per-rank", action="store_true", help="an HF dataset split with split_dataset_by_node")
+    parser.add_argument(
+        "--custom-sampler", action="store_true", help="a sampler of our own, not torch's"
+    )
+    parser.add_argument(
+        "--mixture", action="store_true", help="a Mixture whose weights change at steps 3 and 9"
+    )
+    parser.add_argument(
+        "--split-per-rank",
+        action="store_true",
+        help="an HF dataset split with split_dataset_by_node",
+    )
     parser.add_argument("--resume-dir", help="ResumeCallback(dirpath=...) (default: OUT)")
-    parser.add_argument("--fill-disk-at", type=int, help="fill the resume directory's file system after this step")
+    parser.add_argument(
+        "--fill-disk-at", type=int, help="fill the resume directory's file system after this step"
+    )
     parser.add_argument("--signal-at", type=int, help="--signal-name to rank 0 after this step")
     parser.add_argument("--signal-name", default="SIGTERM")
-    parser.add_argument("--strategy", help="default: ddp on several devices, else auto",
-                        choices=["ddp", "fsdp-full", "fsdp-sharded", "model-parallel", "model-parallel-auto"])
-    parser.add_argument("--batch-log", help="also append one JSON line per step to BATCH_LOG/log-RANK.jsonl")
-    parser.add_argument("--root", help="Trainer(default_root_dir=ROOT) (a URL: s3://..., file://...), ResumeCallback() "
-                        "without dirpath and ModelCheckpoint(dirpath=ROOT/ckpt); logs stay in OUT")
-    parser.add_argument("--no-save-last", action="store_true", help="ModelCheckpoint(save_last=False)")
-    parser.add_argument("--async-io", type=float, help="AsyncCheckpointIO over a writer this many seconds slow")
-    parser.add_argument("--own-async-io", type=float, help="a user's own CheckpointIO writing from threads, this "
-                        "many seconds slow")
-    parser.add_argument("--wait-at", type=int, help="after this step, write OUT/waiting and wait for OUT/go")
+    parser.add_argument(
+        "--strategy",
+        help="default: ddp on several devices, else auto",
+        choices=["ddp", "fsdp-full", "fsdp-sharded", "model-parallel", "model-parallel-auto"],
+    )
+    parser.add_argument(
+        "--batch-log", help="also append one JSON line per step to BATCH_LOG/log-RANK.jsonl"
+    )
+    parser.add_argument(
+        "--root",
+        help="Trainer(default_root_dir=ROOT) (a URL: s3://..., file://...), ResumeCallback() "
+        "without dirpath and ModelCheckpoint(dirpath=ROOT/ckpt); logs stay in OUT",
+    )
+    parser.add_argument(
+        "--no-save-last", action="store_true", help="ModelCheckpoint(save_last=False)"
+    )
+    parser.add_argument(
+        "--async-io", type=float, help="AsyncCheckpointIO over a writer this many seconds slow"
+    )
+    parser.add_argument(
+        "--own-async-io",
+        type=float,
+        help="a user's own CheckpointIO writing from threads, this many seconds slow",
+    )
+    parser.add_argument(
+        "--wait-at", type=int, help="after this step, write OUT/waiting and wait for OUT/go"
+    )
     add_device_options(parser)
     args = parser.parse_args(argv)
     if args.resume and args.n_resume:
@@ -316,18 +409,35 @@ def main(argv: list[str] | None = None) -> None:
     if "TORCHELASTIC_RESTART_COUNT" in os.environ and args.device == "cpu":
         init_process_group("gloo")
     trainer = L.Trainer(
-        accelerator=args.device, devices=args.devices, strategy=strategy_of(args),
+        accelerator=args.device,
+        devices=args.devices,
+        strategy=strategy_of(args),
         precision="bf16-mixed" if args.bf16 else "32-true",
-        max_epochs=args.epochs, max_steps=args.max_steps, logger=False, enable_progress_bar=False,
+        max_epochs=args.epochs,
+        max_steps=args.max_steps,
+        logger=False,
+        enable_progress_bar=False,
         enable_model_summary=False,
-        num_sanity_val_steps=0, default_root_dir=args.root or args.out, deterministic=True, plugins=plugins(args),
-        limit_val_batches=1.0 if args.val_every else 0, val_check_interval=args.val_every or None,
-        callbacks=[*resume_callbacks(args), *([MixtureSchedule()] if args.mixture else []), Faults(args),
-                   # NOTE: Lightning's ModelCheckpoint takes a file: URL's text for a relative local
-                   # path
-                   ModelCheckpoint(dirpath=f"{local_path(args.root)}/ckpt" if args.root else Path(args.out) / "ckpt",
-                                   every_n_train_steps=args.every, save_top_k=-1, save_last=not args.no_save_last,
-                                   filename="{step}")],
+        num_sanity_val_steps=0,
+        default_root_dir=args.root or args.out,
+        deterministic=True,
+        plugins=plugins(args),
+        limit_val_batches=1.0 if args.val_every else 0,
+        val_check_interval=args.val_every or None,
+        callbacks=[
+            *resume_callbacks(args),
+            *([MixtureSchedule()] if args.mixture else []),
+            Faults(args),
+            # NOTE: Lightning's ModelCheckpoint takes a file: URL's text for a relative local
+            # path
+            ModelCheckpoint(
+                dirpath=f"{local_path(args.root)}/ckpt" if args.root else Path(args.out) / "ckpt",
+                every_n_train_steps=args.every,
+                save_top_k=-1,
+                save_last=not args.no_save_last,
+                filename="{step}",
+            ),
+        ],
     )
     assert trainer.world_size == args.devices
     trainer.fit(Model(args), ckpt_path=args.resume)

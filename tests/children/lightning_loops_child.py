@@ -58,7 +58,10 @@ class Model(L.LightningModule):
             row[name] = [ids.tolist(), fingerprint([noise])]
             loss = loss + nn.functional.cross_entropy(self.net(x), y)
         self.rows.append(row)
-        if self.args.signal_at == self.global_step and not (Path(self.args.out) / "preempted.ckpt").exists():
+        if (
+            self.args.signal_at == self.global_step
+            and not (Path(self.args.out) / "preempted.ckpt").exists()
+        ):
             os.killpg(os.getpgid(0), signal.SIGTERM)
         return loss
 
@@ -74,7 +77,9 @@ class Model(L.LightningModule):
 
     def train_dataloader(self) -> Any:
         def loader(name: str) -> DataLoader[Any]:
-            return DataLoader(self.data[name], batch_size=4, shuffle=True, num_workers=self.args.workers)
+            return DataLoader(
+                self.data[name], batch_size=4, shuffle=True, num_workers=self.args.workers
+            )
 
         if self.args.shape.startswith("limit"):
             return loader("a")
@@ -92,9 +97,20 @@ def fit(args: argparse.Namespace, name: str, ckpt_path: str | None = None, every
     if every:
         callbacks.append(ModelCheckpoint(dirpath=out / every, every_n_train_steps=1, save_top_k=-1,
                                          filename="{step}"))
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=EPOCHS, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                        limit_train_batches=limit, default_root_dir=out, deterministic=True, callbacks=callbacks)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=EPOCHS,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        limit_train_batches=limit,
+        default_root_dir=out,
+        deterministic=True,
+        callbacks=callbacks,
+    )
     args.name = name
     trainer.fit(Model(args, {"a": Noisy(24), "b": Noisy(40)}), ckpt_path=ckpt_path)
 

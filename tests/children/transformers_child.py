@@ -1,8 +1,8 @@
 """A real transformers Trainer run for test_transformers.py.
 
-    python transformers_child.py OUT [options]                               # one process
-    torchrun --nproc_per_node 2 transformers_child.py OUT --processes 2      # two (gloo, CPU)
-    python transformers_child.py --batch PLAN      # several one-process runs, one after another (support/batch.py)
+    python transformers_child.py OUT [options]                            # one process
+    torchrun --nproc_per_node 2 transformers_child.py OUT --processes 2   # two (gloo, CPU)
+    python transformers_child.py --batch PLAN   # one-process runs, one after another (batch.py)
 
 A tiny model (dropout, returns ``{"loss": ...}``) on generated data whose items draw augmentation
 noise from torch, numpy and random, and whose collator draws from numpy, trained by
@@ -78,9 +78,13 @@ class Tiny(nn.Module):
         self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2))
         self.log, self.sleep = log, sleep
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor, idx: torch.Tensor) -> dict[str, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, labels: torch.Tensor, idx: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
         if self.training:
-            self.log.write(json.dumps({"ids": idx.tolist(), "batch": fingerprint([x, labels])}) + "\n")
+            self.log.write(
+                json.dumps({"ids": idx.tolist(), "batch": fingerprint([x, labels])}) + "\n"
+            )
             self.log.flush()
             time.sleep(self.sleep)
         return {"loss": nn.functional.cross_entropy(self.net(x), labels)}
@@ -150,22 +154,44 @@ class SlowRankTrainer(ResumableTrainer):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--processes", type=int, default=1, help="the world size this run must have")
+    parser.add_argument(
+        "--processes", type=int, default=1, help="the world size this run must have"
+    )
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--crash-at", type=int, help="end the process right after the checkpoint of this step")
-    parser.add_argument("--signal-at", type=int, help="rank 0 sends itself --signal-name at the end of this step")
+    parser.add_argument(
+        "--crash-at", type=int, help="end the process right after the checkpoint of this step"
+    )
+    parser.add_argument(
+        "--signal-at", type=int, help="rank 0 sends itself --signal-name at the end of this step"
+    )
     parser.add_argument("--signal-name", default="SIGTERM")
-    parser.add_argument("--fill-disk-at", type=int, help="rank 0 fills OUT/run's file system at the end of this step")
-    parser.add_argument("--slurm-requeue", action="store_true", help="ResumableTrainer(slurm_requeue=True)")
+    parser.add_argument(
+        "--fill-disk-at",
+        type=int,
+        help="rank 0 fills OUT/run's file system at the end of this step",
+    )
+    parser.add_argument(
+        "--slurm-requeue", action="store_true", help="ResumableTrainer(slurm_requeue=True)"
+    )
     parser.add_argument("--remote", help="ResumableTrainer(remote=URL): checkpoints copied there")
-    parser.add_argument("--slow-rank", type=int, help="this rank writes its RNG file 0.5 s late at each checkpoint")
+    parser.add_argument(
+        "--slow-rank", type=int, help="this rank writes its RNG file 0.5 s late at each checkpoint"
+    )
     parser.add_argument("--stream", action="store_true", help="an iterable dataset (20 steps)")
     parser.add_argument("--save-steps", type=int, default=1)
-    parser.add_argument("--sleep", type=float, default=0.0, help="seconds each training micro-batch takes")
-    parser.add_argument("--jit", action="store_true", help="TrainingArguments(enable_jit_checkpoint=True)")
-    parser.add_argument("--resume", default=None, help="'true' or a checkpoint path for train(resume_from_checkpoint)")
+    parser.add_argument(
+        "--sleep", type=float, default=0.0, help="seconds each training micro-batch takes"
+    )
+    parser.add_argument(
+        "--jit", action="store_true", help="TrainingArguments(enable_jit_checkpoint=True)"
+    )
+    parser.add_argument(
+        "--resume",
+        default=None,
+        help="'true' or a checkpoint path for train(resume_from_checkpoint)",
+    )
     parser.add_argument("--ignore-data-skip", action="store_true")
     parser.add_argument("--stock", action="store_true", help="a stock transformers Trainer")
     add_device_options(parser)
@@ -178,14 +204,29 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(123)
     model = Tiny(log, args.sleep)
     training = TrainingArguments(
-        output_dir=str(out / "run"), use_cpu=args.device == "cpu", bf16=args.bf16,
+        output_dir=str(out / "run"),
+        use_cpu=args.device == "cpu",
+        bf16=args.bf16,
         ddp_backend="gloo" if args.processes > 1 and args.device == "cpu" else None,
-        report_to=[], seed=7, max_steps=20 if args.stream else -1, ignore_data_skip=args.ignore_data_skip,
-        per_device_train_batch_size=4, gradient_accumulation_steps=args.accumulate, num_train_epochs=args.epochs,
-        learning_rate=0.1, save_strategy="steps", save_steps=args.save_steps, save_total_limit=2, logging_strategy="no",
-        dataloader_num_workers=args.workers, disable_tqdm=True, **({"enable_jit_checkpoint": True} if args.jit else {}),
+        report_to=[],
+        seed=7,
+        max_steps=20 if args.stream else -1,
+        ignore_data_skip=args.ignore_data_skip,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=args.accumulate,
+        num_train_epochs=args.epochs,
+        learning_rate=0.1,
+        save_strategy="steps",
+        save_steps=args.save_steps,
+        save_total_limit=2,
+        logging_strategy="no",
+        dataloader_num_workers=args.workers,
+        disable_tqdm=True,
+        **({"enable_jit_checkpoint": True} if args.jit else {}),
     )
-    kind = Trainer if args.stock else ResumableTrainer if args.slow_rank is None else SlowRankTrainer
+    kind = (
+        Trainer if args.stock else ResumableTrainer if args.slow_rank is None else SlowRankTrainer
+    )
     if args.slow_rank is not None:
         SlowRankTrainer.slow_rank = args.slow_rank
     callbacks: list[Any] = [LogLearningRate(out / f"lr-{rank}.jsonl")]
@@ -194,8 +235,14 @@ def main(argv: list[str] | None = None) -> None:
     callbacks += [] if args.fill_disk_at is None else [FillDiskAt(args.fill_disk_at, out / "run")]
     data = ItemsStream(30, rank=0, world=1) if args.stream else Items(30)
     options = {} if args.stock else {"slurm_requeue": args.slurm_requeue, "remote": args.remote}
-    trainer = kind(model=model, args=training, train_dataset=data, data_collator=collate, callbacks=callbacks,
-                   **options)
+    trainer = kind(
+        model=model,
+        args=training,
+        train_dataset=data,
+        data_collator=collate,
+        callbacks=callbacks,
+        **options,
+    )
     assert trainer.args.world_size == args.processes, (trainer.args.world_size, args.processes)
     resume: str | bool | None = True if args.resume == "true" else args.resume
     trainer.train(resume_from_checkpoint=resume)

@@ -47,7 +47,10 @@ def stuck(kind: str) -> None:
     try:
         batches = list(loader)
     except RuntimeError as error:
-        print(f"raised after {time.monotonic() - started:.1f} s: {type(error).__name__}: {error}", flush=True)
+        print(
+            f"raised after {time.monotonic() - started:.1f} s: {type(error).__name__}: {error}",
+            flush=True,
+        )
         return
     print(f"delivered {len(batches)} batches", flush=True)
 

@@ -30,7 +30,10 @@ def test_every_relative_link_of_the_readme_resolves() -> None:
 def test_the_two_commands_are_one_line_each() -> None:
     # One command each, to copy whole; a long one is wrapped with a backslash (code lines stay <= 88
     # characters).
-    blocks = [block.replace("\\\n", " ") for block in re.findall(r"```bash\n(.*?)```", _section("Two commands"), re.S)]
+    blocks = [
+        block.replace("\\\n", " ")
+        for block in re.findall(r"```bash\n(.*?)```", _section("Two commands"), re.S)
+    ]
     assert [block.count("\n") for block in blocks] == [1, 1], blocks
     main_job, tests = (block.strip() for block in blocks)
     assert main_job.endswith("python examples/digits_resume.py") and "torch==2.13.0" in main_job
@@ -46,7 +49,11 @@ def test_every_docs_page_is_in_the_site_navigation() -> None:
 def _named_test_paths() -> dict[str, list[str]]:
     """Each ``tests/...`` file or folder the README, the docs, the changelog's unreleased part and
     ``.ci`` name."""
-    sources = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / ".ci").glob("*"))]
+    sources = [
+        ROOT / "README.md",
+        *sorted((ROOT / "docs").glob("*.md")),
+        *sorted((ROOT / ".ci").glob("*")),
+    ]
     named: dict[str, list[str]] = {}
     for source in sources:
         if source.is_file() and source.suffix in {".md", ""}:

@@ -27,7 +27,16 @@ pytestmark = pytest.mark.browser
 
 ROOT = Path(__file__).resolve().parents[2]
 # The home page, each front door's page (a whole program each), the journeys: pages of code.
-CODE_PAGES = ["", "pytorch/", "lightning/", "fabric/", "accelerate/", "transformers/", "ray/", "journeys/"]
+CODE_PAGES = [
+    "",
+    "pytorch/",
+    "lightning/",
+    "fabric/",
+    "accelerate/",
+    "transformers/",
+    "ray/",
+    "journeys/",
+]
 # Pages of tables and prose.
 TEXT_PAGES = ["guarantees/", "how-tested/", "troubleshooting/", "changelog/"]
 # Pages with a figure (docs/figures.py's SVGs, the benchmark's plot).
@@ -35,7 +44,8 @@ FIGURE_PAGES = ["how-it-works/", "clusters/", "benchmarks/"]
 WIDTH, PHONE = 1280, 390
 
 CHROMIUM = os.environ.get("LOADER_RESUME_CHROMIUM") or next(
-    (found for name in ("chromium-headless-shell", "chromium") if (found := shutil.which(name))), None
+    (found for name in ("chromium-headless-shell", "chromium") if (found := shutil.which(name))),
+    None,
 )
 
 
@@ -44,7 +54,9 @@ def site_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     mkdocs = shutil.which("mkdocs", path=str(Path(sys.executable).parent)) or shutil.which("mkdocs")
     assert mkdocs, "mkdocs is installed with the docs extra"
     site = tmp_path_factory.mktemp("site")
-    subprocess.run([mkdocs, "build", "--strict", "--quiet", "--site-dir", str(site)], cwd=ROOT, check=True)
+    subprocess.run(
+        [mkdocs, "build", "--strict", "--quiet", "--site-dir", str(site)], cwd=ROOT, check=True
+    )
     handler = functools.partial(QuietHandler, directory=str(site))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -69,7 +81,8 @@ MEASURE = """() => {
     .filter(code => code.scrollWidth > code.clientWidth + 1)
     .map(code => ({text: code.innerText.split('\\n')[0].slice(0, 60),
                    scroll: code.scrollWidth, client: code.clientWidth}));
-  const keyword = document.querySelector('.md-content .highlight code .kn, .md-content .highlight code .k');
+  const keyword = document.querySelector(
+    '.md-content .highlight code .kn, .md-content .highlight code .k');
   const comment = document.querySelector('.md-content .highlight code .c1');
   const plain = keyword ? getComputedStyle(keyword.closest('code')).color : null;
   const figures = [...document.querySelectorAll('.md-content img')].map(img => ({
@@ -94,9 +107,14 @@ def browser() -> Iterator[object]:
     try:
         import playwright.sync_api as playwright_api
     except ImportError:
-        pytest.fail("the browser check needs Playwright: pip install playwright (it drives Debian's Chromium)")
+        pytest.fail(
+            "the browser check needs Playwright: pip install playwright (it drives Debian's "
+            "Chromium)"
+        )
     if CHROMIUM is None:
-        pytest.fail("no Chromium: apt-get install chromium-headless-shell (or set LOADER_RESUME_CHROMIUM)")
+        pytest.fail(
+            "no Chromium: apt-get install chromium-headless-shell (or set LOADER_RESUME_CHROMIUM)"
+        )
     with playwright_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         try:
@@ -108,7 +126,8 @@ def browser() -> Iterator[object]:
 def opened(browser: object, url: str, width: int) -> tuple[dict[str, object], list[str]]:
     """What MEASURE sees on the page at ``url`` in a window ``width`` px wide, and every URL the
     page requested."""
-    context = browser.new_context(viewport={"width": width, "height": 900})  # type: ignore[attr-defined]
+    viewport = {"width": width, "height": 900}
+    context = browser.new_context(viewport=viewport)  # type: ignore[attr-defined]
     page = context.new_page()
     requested: list[str] = []
     page.on("request", lambda request: requested.append(request.url))
@@ -126,33 +145,46 @@ def test_a_page_reads_well_on_a_screen_and_a_phone(browser: object, site_url: st
     if page_path in CODE_PAGES:
         assert seen["blocks"] > 0, "the page has code blocks"
         assert seen["keyword"] and seen["plain"], seen
-        assert seen["keyword"] != seen["plain"], f"a keyword is drawn in the plain text's colour: {seen}"
+        assert seen["keyword"] != seen["plain"], (
+            f"a keyword is drawn in the plain text's colour: {seen}"
+        )
         if seen["comment"]:
             assert seen["comment"] != seen["plain"], seen
         if width == WIDTH:
-            assert not seen["overflowing"], f"code blocks scroll sideways at {WIDTH} px: {seen['overflowing']}"
-    assert seen["pageScroll"] <= seen["pageClient"], f"the page scrolls sideways at {width} px: {seen}"
+            assert not seen["overflowing"], (
+                f"code blocks scroll sideways at {WIDTH} px: {seen['overflowing']}"
+            )
+    assert seen["pageScroll"] <= seen["pageClient"], (
+        f"the page scrolls sideways at {width} px: {seen}"
+    )
     if page_path in FIGURE_PAGES:  # each figure drawn, with alt text, inside the window
         assert seen["figures"], "the page shows a figure"
         for figure in seen["figures"]:
             assert figure["loaded"] and figure["alt"] and figure["shown"] > 0, figure
-            assert figure["right"] <= seen["viewport"], f"a figure leaves the window at {width} px: {figure}"
+            assert figure["right"] <= seen["viewport"], (
+                f"a figure leaves the window at {width} px: {figure}"
+            )
     local = urlparse(site_url).netloc
     elsewhere = [url for url in requested if urlparse(url).scheme in ("http", "https", "ws", "wss")
                  and urlparse(url).netloc != local]
     assert not elsewhere, f"requests to another host: {elsewhere}"
-    assert any("/assets/javascripts/bundle." in url for url in requested), "the theme's script loaded"
+    assert any("/assets/javascripts/bundle." in url for url in requested), (
+        "the theme's script loaded"
+    )
 
 
 def test_search_finds_a_page_in_the_browser(browser: object, site_url: str) -> None:
     """Material's search runs in the page (a web worker over the built index): no search server."""
-    context = browser.new_context(viewport={"width": WIDTH, "height": 900})  # type: ignore[attr-defined]
+    viewport = {"width": WIDTH, "height": 900}
+    context = browser.new_context(viewport=viewport)  # type: ignore[attr-defined]
     page = context.new_page()
     page.goto(site_url, wait_until="networkidle")
     page.focus("input.md-search__input")
     # keystrokes: the search listens to them, not to a filled value
     page.keyboard.type("requeue", delay=20)
     page.wait_for_selector(".md-search-result__item", timeout=15_000)
-    found = page.eval_on_selector_all(".md-search-result__item a", "links => links.map(a => a.href)")
+    found = page.eval_on_selector_all(
+        ".md-search-result__item a", "links => links.map(a => a.href)"
+    )
     context.close()
     assert any("/recipes/" in url for url in found), found

@@ -24,7 +24,9 @@ def _named() -> dict[str, set[str]]:
 
 
 def test_every_exception_on_the_troubleshooting_page_is_on_the_api_page_under_a_module() -> None:
-    headings = re.findall(r"^### `(\w+Error)`", (ROOT / "docs" / "troubleshooting.md").read_text(), re.M)
+    headings = re.findall(
+        r"^### `(\w+Error)`", (ROOT / "docs" / "troubleshooting.md").read_text(), re.M
+    )
     assert "AuditFormatError" in headings and "StateError" in headings
     api = (ROOT / "docs" / "api.md").read_text()
     missing = [name for name in headings if not re.search(rf"^::: [\w.]+\.{name}\s*$", api, re.M)]
@@ -33,7 +35,9 @@ def test_every_exception_on_the_troubleshooting_page_is_on_the_api_page_under_a_
 
 def test_every_dotted_exception_the_docs_write_imports_from_there() -> None:
     named = _named()
-    assert "loader_resume.audit.check" in named.get("AuditFormatError", set()), "the scan sees the API page"
+    assert "loader_resume.audit.check" in named.get("AuditFormatError", set()), (
+        "the scan sees the API page"
+    )
     wrong = []
     for name, modules in sorted(named.items()):
         for module in sorted(modules):

@@ -30,21 +30,32 @@ def figures() -> ModuleType:
     return module
 
 
-def test_the_committed_figures_are_what_the_script_draws(figures: ModuleType, tmp_path: Path) -> None:
+def test_the_committed_figures_are_what_the_script_draws(
+    figures: ModuleType, tmp_path: Path
+) -> None:
     committed = {name: (ROOT / "docs" / "img" / name).read_bytes() for name in figures.FIGURES}
-    drawn_with = {re.search(rb"Matplotlib v([^,<]+)", data).group(1).decode() for data in committed.values()}  # type: ignore[union-attr]
+    found = [re.search(rb"Matplotlib v([^,<]+)", data) for data in committed.values()]
+    drawn_with = {match.group(1).decode() for match in found}  # type: ignore[union-attr]
     if drawn_with != {matplotlib.__version__}:
-        pytest.skip(f"the figures were drawn with Matplotlib {drawn_with}, this is {matplotlib.__version__} "
-                    "(CI's lock has theirs)")
-    stale = [path.name for path in figures.main(tmp_path) if path.read_bytes() != committed[path.name]]
-    assert not stale, f"docs/img/{stale} differ from what docs/figures.py draws: run it and commit the files"
+        pytest.skip(
+            f"the figures were drawn with Matplotlib {drawn_with}, this is "
+            f"{matplotlib.__version__} (CI's lock has theirs)"
+        )
+    stale = [
+        path.name for path in figures.main(tmp_path) if path.read_bytes() != committed[path.name]
+    ]
+    assert not stale, (
+        f"docs/img/{stale} differ from what docs/figures.py draws: run it and commit the files"
+    )
 
 
 def test_every_figure_is_shown_with_alt_text(figures: ModuleType) -> None:
     pages = "\n".join(page.read_text() for page in sorted((ROOT / "docs").glob("*.md")))
     for name in figures.FIGURES:
         shown = re.findall(rf"!\[([^\]]*)\]\(img/{re.escape(name)}\)", pages)
-        assert len(shown) == 1 and len(shown[0]) > 40, f"{name}: shown {len(shown)} times, alt text {shown}"
+        assert len(shown) == 1 and len(shown[0]) > 40, (
+            f"{name}: shown {len(shown)} times, alt text {shown}"
+        )
 
 
 @pytest.mark.parametrize(("path", "text"), [
@@ -73,7 +84,9 @@ def test_lightnings_own_keys_are_the_ones_lightning_writes(figures: ModuleType) 
     assert figures.PLAIN_FILE == "state.pt"
 
 
-def test_the_accelerate_card_lists_the_files_of_a_real_checkpoint(figures: ModuleType, tmp_path: Path) -> None:
+def test_the_accelerate_card_lists_the_files_of_a_real_checkpoint(
+    figures: ModuleType, tmp_path: Path
+) -> None:
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 

@@ -28,7 +28,9 @@ def _directives() -> set[str]:
 
 def _all(path: Path) -> list[str]:
     for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+        if isinstance(node, ast.Assign) and any(
+            getattr(t, "id", None) == "__all__" for t in node.targets
+        ):
             return list(ast.literal_eval(node.value))
     raise AssertionError(f"{path}: no __all__")
 
@@ -69,11 +71,18 @@ def _is_module(dotted: str) -> bool:
 def test_every_name_the_pages_and_examples_import_is_on_the_api_page() -> None:
     documented = _directives()
     imported = _imported_names()
-    assert ("loader_resume.distributed", "DCPLoaderState") in imported, "the import scan sees the pages"
+    assert ("loader_resume.distributed", "DCPLoaderState") in imported, (
+        "the import scan sees the pages"
+    )
     # A name may be documented where it is defined or where it is re-exported
     # (loader_resume.set_global_rng_state).
-    missing = sorted(f"{module}.{name}" for module, name in imported
-                     if not any(d.split(".")[0] == module.split(".")[0] and d.endswith(f".{name}") for d in documented))
+    missing = sorted(
+        f"{module}.{name}"
+        for module, name in imported
+        if not any(
+            d.split(".")[0] == module.split(".")[0] and d.endswith(f".{name}") for d in documented
+        )
+    )
     assert not missing, f"imported in the docs or examples but not on the API page: {missing}"
 
 
@@ -81,8 +90,12 @@ def test_the_api_page_names_only_what_exists() -> None:
     defined = {path: path.read_text() for path in _sources()}
     for directive in _directives():
         name = directive.rsplit(".", 1)[1]
-        pattern = re.compile(rf"^(?:class|def) {re.escape(name)}\b|^{re.escape(name)}\b[:\s]*[:=]", re.M)
-        assert any(pattern.search(text) for text in defined.values()), f"::: {directive}: no such definition"
+        pattern = re.compile(
+            rf"^(?:class|def) {re.escape(name)}\b|^{re.escape(name)}\b[:\s]*[:=]", re.M
+        )
+        assert any(pattern.search(text) for text in defined.values()), (
+            f"::: {directive}: no such definition"
+        )
 
 
 def _docstrings(tree: ast.AST) -> list[ast.Constant]:
@@ -96,10 +109,15 @@ def test_no_docstring_holds_a_sphinx_role() -> None:
     found = [f"{path.relative_to(ROOT)}:{doc.lineno}: {match.group(0)}"
              for path in _sources() for doc in _docstrings(ast.parse(path.read_text()))
              for match in ROLE.finditer(doc.value)]
-    assert not found, "Sphinx roles show as raw text in mkdocstrings; write [`Name`][package.Name] or ``Name``:\n" + (
-        "\n".join(found))
+    assert not found, (
+        "Sphinx roles show as raw text in mkdocstrings; write [`Name`][package.Name] or ``Name``:\n"
+        + ("\n".join(found))
+    )
 
 
 def test_the_role_check_sees_a_role() -> None:
     tree = ast.parse('def f():\n    """See :class:`ResumeConfig` and :func:`~a.load_config`."""\n')
-    assert [m.group(0) for doc in _docstrings(tree) for m in ROLE.finditer(doc.value)] == [":class:`", ":func:`"]
+    assert [m.group(0) for doc in _docstrings(tree) for m in ROLE.finditer(doc.value)] == [
+        ":class:`",
+        ":func:`",
+    ]

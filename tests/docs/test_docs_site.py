@@ -21,8 +21,9 @@ MAX_CODE_LINE = 88
 BUNDLE_URLS = {
     "https://unpkg.com/mermaid": "only on a page with a Mermaid diagram",
     "https://unpkg.com/resize-observer-polyfill": "only in a browser without ResizeObserver",
-    "https://api.github.com/repos/": "only for a data-md-component=\"source\" link (the repository's star count)",
-    "https://api.github.com/users/": "only for a data-md-component=\"source\" link",
+    "https://api.github.com/repos/": 'only for a data-md-component="source" link (the '
+                                     'repository\'s star count)',
+    "https://api.github.com/users/": 'only for a data-md-component="source" link',
     "https://bit.ly/2s3ChXG": "a link in the search worker's warning about an invalid query",
 }
 
@@ -55,7 +56,11 @@ def _code_lines(path: Path) -> list[tuple[int, str]]:
         match = re.match(r"\s*(`{3,}|~{3,})", line)
         if fence is None and match:
             fence = match.group(1)
-        elif fence is not None and line.strip().startswith(fence) and line.strip() == fence[0] * len(line.strip()):
+        elif (
+            fence is not None
+            and line.strip().startswith(fence)
+            and line.strip() == fence[0] * len(line.strip())
+        ):
             fence = None
         elif fence is not None:
             lines += [(number, included) for included in _included(line) or [line]]
@@ -84,7 +89,9 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     mkdocs = shutil.which("mkdocs", path=str(Path(sys.executable).parent)) or shutil.which("mkdocs")
     assert mkdocs, "mkdocs is installed with the docs extra"
     out = tmp_path_factory.mktemp("site")
-    subprocess.run([mkdocs, "build", "--strict", "--quiet", "--site-dir", str(out)], cwd=ROOT, check=True)
+    subprocess.run(
+        [mkdocs, "build", "--strict", "--quiet", "--site-dir", str(out)], cwd=ROOT, check=True
+    )
     return out
 
 
@@ -139,7 +146,9 @@ def test_scripts_fetch_nothing_from_another_host(site: Path) -> None:
     assert not unexpected, unexpected
     # The situations in which the bundle's URLs would be used never arise here. repo_url is set, but
     # the link to it is plain (overrides/partials/source.html): no source component to fetch for.
-    assert not any('data-md-component="source"' in page.read_text() for page in _files(site, ".html"))
+    assert not any(
+        'data-md-component="source"' in page.read_text() for page in _files(site, ".html")
+    )
     assert REPO_URL in (site / "index.html").read_text()
     assert not any('class="mermaid"' in page.read_text() for page in _files(site, ".html"))
 
@@ -149,7 +158,9 @@ def test_code_is_highlighted_at_build_time(site: Path) -> None:
     assert 'class="highlight"' in home
     # Pygments' token classes: a keyword and a name, in the page itself (no highlighter runs in the
     # browser).
-    assert re.search(r'<span class="k">def</span>', home), "Python code carries Pygments' token spans"
+    assert re.search(r'<span class="k">def</span>', home), (
+        "Python code carries Pygments' token spans"
+    )
     assert "highlight.js" not in home and "hljs" not in home
     assert not _urls("".join(re.findall(r'<link\b[^>]*rel="stylesheet"[^>]*>', home)))
 
@@ -162,11 +173,20 @@ def test_search_works_without_a_server(site: Path) -> None:
     assert 'id="__search"' in (site / "index.html").read_text()
 
 
-FRONT_ENDS = ["pytorch.md", "lightning.md", "fabric.md", "accelerate.md", "transformers.md", "ray.md"]
+FRONT_ENDS = [
+    "pytorch.md",
+    "lightning.md",
+    "fabric.md",
+    "accelerate.md",
+    "transformers.md",
+    "ray.md",
+]
 
 
 @pytest.mark.parametrize("page", FRONT_ENDS)
-def test_a_front_end_page_opens_with_a_recipe_then_what_happens_then_the_reference(page: str) -> None:
+def test_a_front_end_page_opens_with_a_recipe_then_what_happens_then_the_reference(
+    page: str,
+) -> None:
     text = (ROOT / "docs" / page).read_text()
     sections = re.findall(r"^## (.+)$", text, re.M)
     assert sections[:3] == ["Recipe", "What happens", "Reference"], sections
@@ -178,7 +198,9 @@ def test_a_front_end_page_opens_with_a_recipe_then_what_happens_then_the_referen
 def test_the_recipes_name_their_tested_programs() -> None:
     recipes = (ROOT / "docs" / "recipes.md").read_text()
     sections = re.findall(r"^## (.+)$", recipes, re.M)
-    assert len(sections) == 6 and all("Tested:" in part for part in re.split(r"^## .+$", recipes, flags=re.M)[1:])
+    assert len(sections) == 6 and all(
+        "Tested:" in part for part in re.split(r"^## .+$", recipes, flags=re.M)[1:]
+    )
     for path in re.findall(r"`((?:examples|tests|tests_ray)/[\w/]+\.py)", recipes):
         assert (ROOT / path).is_file(), path
     for path, name in re.findall(r"`((?:tests|tests_ray)/[\w/]+\.py)::(\w+)`", recipes):
@@ -186,19 +208,29 @@ def test_the_recipes_name_their_tested_programs() -> None:
 
 
 REPO_URL = "https://github.com/loader-resume/loader-resume"
-EXAMPLES = {"pytorch.md": "plain_digits.py", "lightning.md": "lightning_digits.py", "fabric.md": "fabric_digits.py",
-            "accelerate.md": "accelerate_digits.py", "transformers.md": "transformers_digits.py",
-            "ray.md": "ray_digits.py"}
+EXAMPLES = {
+    "pytorch.md": "plain_digits.py",
+    "lightning.md": "lightning_digits.py",
+    "fabric.md": "fabric_digits.py",
+    "accelerate.md": "accelerate_digits.py",
+    "transformers.md": "transformers_digits.py",
+    "ray.md": "ray_digits.py",
+}
 
 
 def test_the_site_shows_the_release_of_pyproject() -> None:
-    version = re.search(r'^version = "([^"]+)"$', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    version = re.search(
+        r'^version = "([^"]+)"$', (ROOT / "pyproject.toml").read_text(), re.M
+    ).group(1)
     config = (ROOT / "mkdocs.yml").read_text()
-    assert re.search(rf"^copyright: loader-resume {re.escape(version)} ", config, re.M), "mkdocs.yml's copyright line"
+    assert re.search(rf"^copyright: loader-resume {re.escape(version)} ", config, re.M), (
+        "mkdocs.yml's copyright line"
+    )
     assert f"repo_url: {REPO_URL}\n" in config
     changelog = (ROOT / "CHANGELOG.md").read_text()
-    assert "## [Unreleased]" in changelog and re.search(rf"^## \[{re.escape(version)}\] - \d{{4}}-\d\d-\d\d$",
-                                                         changelog, re.M)
+    assert "## [Unreleased]" in changelog and re.search(
+        rf"^## \[{re.escape(version)}\] - \d{{4}}-\d\d-\d\d$", changelog, re.M
+    )
     init = (ROOT / "core" / "loader_resume" / "__init__.py").read_text()
     assert f'__version__ = "{version}"' in init
 
@@ -216,7 +248,9 @@ def test_a_front_end_recipe_is_its_whole_example_included_from_the_file(page: st
     text = (ROOT / "docs" / page).read_text()
     recipe = text[text.index("\n## Recipe\n") : text.index("\n## What happens\n")]
     assert f'--8<-- "examples/{EXAMPLES[page]}"' in recipe
-    assert re.search(r'```python title="examples/' + re.escape(EXAMPLES[page]) + r'" hl_lines="[\d ]+"', recipe)
+    assert re.search(
+        r'```python title="examples/' + re.escape(EXAMPLES[page]) + r'" hl_lines="[\d ]+"', recipe
+    )
 
 
 def test_the_line_check_reads_included_files() -> None:

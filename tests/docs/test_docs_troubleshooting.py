@@ -10,9 +10,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = (ROOT / "docs" / "troubleshooting.md").read_text()
-PACKAGES = [ROOT / "core" / "loader_resume", *(ROOT / name for name in
-                                               ("lightning_resume", "accelerate_resume", "transformers_resume",
-                                                "ray_resume"))]
+PACKAGES = [
+    ROOT / "core" / "loader_resume",
+    *(
+        ROOT / name
+        for name in ("lightning_resume", "accelerate_resume", "transformers_resume", "ray_resume")
+    ),
+]
 LOG_CALLS = {"warning", "error", "critical", "exception", "warn", "_warn_once"}
 
 # A distinctive phrase of each logged line -> the page's entry for it. Every line the packages log
@@ -85,7 +89,11 @@ def _anchors() -> set[str]:
 
 
 def _trees() -> list[tuple[Path, ast.Module]]:
-    return [(path, ast.parse(path.read_text())) for package in PACKAGES for path in sorted(package.rglob("*.py"))]
+    return [
+        (path, ast.parse(path.read_text()))
+        for package in PACKAGES
+        for path in sorted(package.rglob("*.py"))
+    ]
 
 
 def _text(node: ast.expr) -> str:
@@ -108,7 +116,11 @@ def _logged() -> list[tuple[str, str]]:
         for node in ast.walk(tree):
             if not isinstance(node, ast.Call):
                 continue
-            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            name = (
+                node.func.attr
+                if isinstance(node.func, ast.Attribute)
+                else getattr(node.func, "id", "")
+            )
             if name not in LOG_CALLS:
                 continue
             message = max((_text(arg) for arg in node.args), key=len, default="")
@@ -122,15 +134,19 @@ def test_every_logged_warning_or_error_has_an_entry() -> None:
     assert len(logged) >= 50, "the scan sees the log calls"
     unmatched = [f"{where}: {message[:80]!r}" for where, message in logged
                  if len({anchor for phrase, anchor in ENTRIES.items() if phrase in message}) != 1]
-    assert not unmatched, ("each logged line needs one phrase in ENTRIES and an entry on docs/troubleshooting.md:\n"
-                           + "\n".join(unmatched))
+    assert not unmatched, (
+        "each logged line needs one phrase in ENTRIES and an entry on docs/troubleshooting.md:\n"
+        + "\n".join(unmatched)
+    )
 
 
 def test_every_entry_is_on_the_page_and_still_logged() -> None:
     anchors = _anchors()
     assert not {anchor for anchor in ENTRIES.values() if anchor not in anchors}
     messages = [message for _, message in _logged()]
-    assert [phrase for phrase in ENTRIES if not any(phrase in message for message in messages)] == []
+    assert [
+        phrase for phrase in ENTRIES if not any(phrase in message for message in messages)
+    ] == []
 
 
 def _exception_classes() -> set[str]:
@@ -138,17 +154,29 @@ def _exception_classes() -> set[str]:
     for _, tree in _trees():
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
-                classes[node.name] = [getattr(base, "id", getattr(base, "attr", "")) for base in node.bases]
-    exceptions = {name for name, bases in classes.items()
-                  if any(base.endswith(("Error", "Exception")) or base == "Exception" for base in bases)}
-    while grown := {name for name, bases in classes.items() if set(bases) & exceptions} - exceptions:
+                classes[node.name] = [
+                    getattr(base, "id", getattr(base, "attr", "")) for base in node.bases
+                ]
+    exceptions = {
+        name
+        for name, bases in classes.items()
+        if any(base.endswith(("Error", "Exception")) or base == "Exception" for base in bases)
+    }
+    while (
+        grown := {name for name, bases in classes.items() if set(bases) & exceptions} - exceptions
+    ):
         exceptions |= grown
     return exceptions
 
 
 def test_every_exception_class_has_an_anchored_entry() -> None:
     exceptions = _exception_classes()
-    assert {"StateError", "CheckpointError", "WorkerStartError", "CheckpointDirectoryError"} <= exceptions
+    assert {
+        "StateError",
+        "CheckpointError",
+        "WorkerStartError",
+        "CheckpointDirectoryError",
+    } <= exceptions
     headings = re.findall(r"^### `(\w+)`.*\{ ?#([\w-]+) ?\}$", PAGE, re.M)
     assert {name for name, anchor in headings if anchor == name.lower()} >= exceptions, headings
 

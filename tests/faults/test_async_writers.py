@@ -37,8 +37,10 @@ def command(out: Path, *args: str) -> list[str]:
 
 def finished(out: Path) -> dict[str, Any]:
     ranks = sorted(out.glob("log-*.json"))
-    return {"logs": [json.loads(path.read_text()) for path in ranks],
-            "weights": [(out / f"weights-{path.stem.split('-')[1]}.txt").read_text() for path in ranks]}
+    return {
+        "logs": [json.loads(path.read_text()) for path in ranks],
+        "weights": [(out / f"weights-{path.stem.split('-')[1]}.txt").read_text() for path in ranks],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -51,18 +53,22 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def ddp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The uninterrupted two-rank DDP fit (test_lightning.py's; its checkpoints every 2 steps change
     nothing)."""
-    return finished(child_run(tmp_path_factory, "lightning_child.py", "--devices", "2", "--every", "2"))
+    return finished(
+        child_run(tmp_path_factory, "lightning_child.py", "--devices", "2", "--every", "2")
+    )
 
 
 def wait_for(condition: Any, process: subprocess.Popen[str], what: str) -> None:
     deadline = time.monotonic() + 120
     while not condition():
-        assert time.monotonic() < deadline and process.poll() is None, f"the job never reached {what}"
+        assert time.monotonic() < deadline and process.poll() is None, (
+            f"the job never reached {what}"
+        )
         time.sleep(0.02)
 
 
 @pytest.mark.parametrize(("devices", "workers"), [(1, 0), (1, 2), (2, 2)])
-def test_sigterm_with_an_asynchronous_writer_exits_143_once_the_checkpoint_is_whole_and_the_rerun_continues_exactly(
+def test_sigterm_with_an_async_writer_exits_143_once_the_checkpoint_is_whole_and_reruns_exactly(
     single: dict[str, Any], ddp: dict[str, Any], tmp_path: Path, devices: int, workers: int
 ) -> None:
     """SIGTERM mid-epoch (to the process group on two devices, as a scheduler sends it) while the
@@ -72,7 +78,9 @@ def test_sigterm_with_an_asynchronous_writer_exits_143_once_the_checkpoint_is_wh
     out.mkdir()
     job = command(out, "--async-io", "1", "--sleep", "0.15", "--append", "--workers", str(workers),
                   "--devices", str(devices))
-    first = forked.popen(job, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    first = forked.popen(
+        job, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     wait_for(lambda: progress_of(out / "progress-0") >= 4, first, "step 4")
     (os.killpg if devices > 1 else os.kill)(first.pid, signal.SIGTERM)
     _, stderr = first.communicate(timeout=120)
@@ -107,7 +115,7 @@ def test_a_users_own_checkpoint_io_that_writes_from_threads_is_waited_for_throug
     assert finished(out) == single
 
 
-def test_a_preemption_checkpoint_that_fails_in_the_background_exits_74_and_the_rerun_resumes_from_the_last_complete(
+def test_a_preemption_save_failing_in_the_background_exits_74_and_reruns_from_the_last_complete(
     ddp: dict[str, Any], tmp_path: Path
 ) -> None:
     """DDP on two ranks; the callback's directory is a tmpfs that fills after step 5, then SIGTERM:
@@ -118,8 +126,12 @@ def test_a_preemption_checkpoint_that_fails_in_the_background_exits_74_and_the_r
     out.mkdir()
     job = command(out, "--async-io", "0.5", "--devices", "2", "--resume-dir", str(directory))
     with tmpfs(directory, "1m"):
-        done = forked.run([*job, "--fill-disk-at", "5", "--signal-at", "5"], capture_output=True, text=True,
-                          timeout=300)
+        done = forked.run(
+            [*job, "--fill-disk-at", "5", "--signal-at", "5"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == FAILED_SAVE_EXIT_CODE, done.stderr[-3000:]
         assert done.stderr.count("could NOT be written") == 2, done.stderr[-3000:]
         assert "no space left on device" in done.stderr and "Traceback" not in done.stderr
@@ -128,11 +140,13 @@ def test_a_preemption_checkpoint_that_fails_in_the_background_exits_74_and_the_r
         (directory / "filler").unlink()
         rerun = forked.run(job, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert f"Restoring states from the checkpoint path at {out / 'ckpt' / 'last.ckpt'}" in rerun.stderr
+    assert (
+        f"Restoring states from the checkpoint path at {out / 'ckpt' / 'last.ckpt'}" in rerun.stderr
+    )
     assert finished(out)["weights"] == ddp["weights"]
 
 
-def test_a_job_killed_while_a_periodic_write_is_in_flight_resumes_from_the_newest_complete_checkpoint(
+def test_a_job_killed_during_a_periodic_write_resumes_from_the_newest_complete_checkpoint(
     single: dict[str, Any], tmp_path: Path
 ) -> None:
     """ModelCheckpoint every 3 steps, each file 1.5 s in the writer: SIGKILL to the job while
@@ -142,23 +156,29 @@ def test_a_job_killed_while_a_periodic_write_is_in_flight_resumes_from_the_newes
     out = tmp_path / "job"
     out.mkdir()
     job = command(out, "--async-io", "1.5", "--sleep", "0.1")
-    first = forked.popen(job, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                         text=True)
+    first = forked.popen(
+        job, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, text=True
+    )
     marker = out / "writing"
-    wait_for(lambda: marker.exists() and marker.read_text() == "step=6.ckpt", first, "the write of step=6.ckpt")
+    wait_for(
+        lambda: marker.exists() and marker.read_text() == "step=6.ckpt",
+        first,
+        "the write of step=6.ckpt",
+    )
     os.killpg(first.pid, signal.SIGKILL)
     first.wait(timeout=60)
     assert sorted(path.name for path in (out / "ckpt").iterdir()) == ["last.ckpt", "step=3.ckpt"]
     rerun = forked.run(job, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert f"Restoring states from the checkpoint path at {out / 'ckpt' / 'last.ckpt'}" in rerun.stderr
+    assert (
+        f"Restoring states from the checkpoint path at {out / 'ckpt' / 'last.ckpt'}" in rerun.stderr
+    )
     resumed = finished(out)
     assert resumed["logs"][0] == single["logs"][0][3:]  # the rerun's own log: from step 3 on
     assert resumed["weights"] == single["weights"]
 
 
-# --- Fabric: FabricResume's sealed checkpoints through Fabric(plugins=[AsyncCheckpointIO(...)])
-# -------------------
+# --- Fabric: FabricResume's sealed checkpoints through Fabric(plugins=[AsyncCheckpointIO(...)]) ---
 FABRIC_CHILD = CHILDREN / "fabric_child.py"
 
 
@@ -176,16 +196,27 @@ def test_fabric_seals_a_preemption_checkpoint_only_once_the_background_write_is_
     full = child_run(tmp_path_factory, "fabric_child.py", "--devices", "2")  # test_fabric.py's too
     out = tmp_path / "job"
     job = [sys.executable, str(FABRIC_CHILD), str(out), "--devices", "2", "--async-io", "1"]
-    first = forked.popen([*job, "--sleep", "0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
+    first = forked.popen(
+        [*job, "--sleep", "0.1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     wait_for(lambda: progress_of(out / "progress-0") >= 5, first, "step 5")
     os.killpg(first.pid, signal.SIGTERM)
     _, stderr = first.communicate(timeout=120)
     assert first.returncode == 143, stderr[-3000:]
-    (sealed,) = (path for path in (out / "resume_checkpoints").iterdir() if path.name.startswith("step_"))
+    (sealed,) = (
+        path for path in (out / "resume_checkpoints").iterdir() if path.name.startswith("step_")
+    )
     manifest = json.loads((sealed / "loader_resume_manifest.json").read_text())
     assert sorted(manifest["files"]) == ["checkpoint.ckpt"]
-    assert manifest["files"]["checkpoint.ckpt"]["size"] == (sealed / "checkpoint.ckpt").stat().st_size > 0
+    assert (
+        manifest["files"]["checkpoint.ckpt"]["size"]
+        == (sealed / "checkpoint.ckpt").stat().st_size
+        > 0
+    )
     rerun = forked.run(job, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert fabric_logs(out) == fabric_logs(full)  # the rerun's log appends to the first run's
@@ -196,8 +227,22 @@ def test_fabric_a_background_write_that_fails_is_a_failed_save(tmp_path: Path) -
     fails in the writer's thread; nothing is sealed, and the job exits 74 naming the cause."""
     out = tmp_path / "job"
     with tmpfs(out / "resume_checkpoints", "1m"):
-        done = forked.run([sys.executable, str(FABRIC_CHILD), str(out), "--async-io", "0.5", "--fill-disk-at", "4",
-                           "--signal-at", "4"], capture_output=True, text=True, timeout=300)
+        done = forked.run(
+            [
+                sys.executable,
+                str(FABRIC_CHILD),
+                str(out),
+                "--async-io",
+                "0.5",
+                "--fill-disk-at",
+                "4",
+                "--signal-at",
+                "4",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == FAILED_SAVE_EXIT_CODE, done.stderr[-3000:]
         assert "could NOT be written" in done.stderr and "no space left on device" in done.stderr
         assert "Traceback" not in done.stderr

@@ -40,7 +40,9 @@ def full(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
 
 
 def checkpoints(out: Path) -> list[str]:
-    return sorted((path.name for path in (out / "run").glob("checkpoint-*")), key=lambda name: int(name[11:]))
+    return sorted(
+        (path.name for path in (out / "run").glob("checkpoint-*")), key=lambda name: int(name[11:])
+    )
 
 
 def keep_steps(out: Path, steps: int) -> None:
@@ -59,10 +61,21 @@ def test_a_preemption_save_on_a_full_disk_exits_74_on_every_rank_and_the_rerun_c
     batches and weights."""
     same = ["--resume", "true"]
     with tmpfs(tmp_path / "run", "2m"):
-        stderr = run(tmp_path, 2, *same, "--fill-disk-at", "5", "--signal-at", "5", expect=FAILED_SAVE_EXIT_CODE)
+        stderr = run(
+            tmp_path,
+            2,
+            *same,
+            "--fill-disk-at",
+            "5",
+            "--signal-at",
+            "5",
+            expect=FAILED_SAVE_EXIT_CODE,
+        )
         assert stderr.count("the checkpoint at step 5 could NOT be written") == 2, stderr[-4000:]
         assert "exiting with 74, not 143" in stderr and "exiting with 143" not in stderr
-        assert "no space left on device" in stderr and f"{tmp_path / 'run' / 'checkpoint-5'}" in stderr
+        assert (
+            "no space left on device" in stderr and f"{tmp_path / 'run' / 'checkpoint-5'}" in stderr
+        )
         assert checkpoints(tmp_path) == ["checkpoint-3", "checkpoint-4"]
         (tmp_path / "run" / "filler").unlink()
         keep_steps(tmp_path, 4)
@@ -93,27 +106,42 @@ def test_an_output_dir_that_cannot_be_written_is_refused_at_start_naming_it(tmp_
     assert all(not log.read_text() for log in tmp_path.glob("log-*.jsonl"))
 
 
-def test_a_second_job_on_an_output_dir_in_use_is_refused_naming_the_first_and_a_killed_one_blocks_nothing(
+def test_a_second_job_on_an_output_dir_in_use_is_refused_and_a_killed_one_blocks_nothing(
     full: dict[int, Path], tmp_path: Path
 ) -> None:
-    first = forked.popen(command(tmp_path, 1, "--sleep", "1", "--resume", "true"), stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL, start_new_session=True, env=ENV)
+    first = forked.popen(
+        command(tmp_path, 1, "--sleep", "1", "--resume", "true"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env=ENV,
+    )
     try:
         deadline = time.monotonic() + 120
-        while not (tmp_path / "log-0.jsonl").is_file() or not (tmp_path / "log-0.jsonl").read_text():
-            assert time.monotonic() < deadline and first.poll() is None, "the first job never trained"
+        while (
+            not (tmp_path / "log-0.jsonl").is_file() or not (tmp_path / "log-0.jsonl").read_text()
+        ):
+            assert time.monotonic() < deadline and first.poll() is None, (
+                "the first job never trained"
+            )
             time.sleep(0.05)
         second = tmp_path / "second"
         second.mkdir()
         (second / "run").symlink_to(tmp_path / "run")  # another job, the same output_dir
         stderr = run(second, 1, "--resume", "true", expect=1)
-        assert f"checkpoint directory {tmp_path / 'run'} is in use by another job" in stderr, stderr[-4000:]
+        assert f"checkpoint directory {tmp_path / 'run'} is in use by another job" in stderr, (
+            stderr[-4000:]
+        )
         assert f"pid {first.pid} on " in stderr
         assert first.poll() is None and not (second / "log-0.jsonl").read_text()
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
-    done = [name for name in checkpoints(tmp_path) if (tmp_path / "run" / name / "trainer_state.json").is_file()]
+    done = [
+        name
+        for name in checkpoints(tmp_path)
+        if (tmp_path / "run" / name / "trainer_state.json").is_file()
+    ]
     keep_steps(tmp_path, int(done[-1][11:]))
     run(tmp_path, 1, "--resume", "true")  # the killed job's lock is gone with it
     assert logs(tmp_path) == logs(full[1]) and weights(tmp_path) == weights(full[1])
@@ -127,11 +155,17 @@ def crashed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-DAMAGES = [("optimizer.pt", "flip", "does not match the CRC-32 stored"),
-           ("loader_resume_0.pt", "flip", "does not match the CRC-32 stored"),
-           ("model.safetensors", "cut", "model.safetensors"),
-           ("trainer_state.json", "cut", "trainer_state.json"),
-           ("loader_resume_0.pt", "format", f"format 99; expected {CHECKPOINT_FORMAT} (written by another")]
+DAMAGES = [
+    ("optimizer.pt", "flip", "does not match the CRC-32 stored"),
+    ("loader_resume_0.pt", "flip", "does not match the CRC-32 stored"),
+    ("model.safetensors", "cut", "model.safetensors"),
+    ("trainer_state.json", "cut", "trainer_state.json"),
+    (
+        "loader_resume_0.pt",
+        "format",
+        f"format 99; expected {CHECKPOINT_FORMAT} (written by another",
+    ),
+]
 
 
 def damage(path: Path, how: str) -> None:
@@ -146,7 +180,9 @@ def damage(path: Path, how: str) -> None:
     if how == "flip":
         with zipfile.ZipFile(path) as archive:
             largest = max(archive.infolist(), key=lambda info: info.compress_size)
-        names, extra = struct.unpack("<HH", data[largest.header_offset + 26:largest.header_offset + 30])
+        names, extra = struct.unpack(
+            "<HH", data[largest.header_offset + 26 : largest.header_offset + 30]
+        )
         data[largest.header_offset + 30 + names + extra + largest.compress_size // 2] ^= 0x01
     else:
         del data[len(data) // 2:]
@@ -154,7 +190,9 @@ def damage(path: Path, how: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def damaged(crashed: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Done, Done]]:
+def damaged(
+    crashed: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Path, Done, Done]]:
     """For each damage, a copy of the crashed run with that file of its newest checkpoint
     (checkpoint-10) damaged: a resume naming that checkpoint, then an automatic resume (its batch
     log cut back to step 9, which it does again). Every one of these runs in one fresh process
@@ -176,12 +214,18 @@ def damaged(crashed: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
 
 @pytest.mark.parametrize(("file", "how", "named"), DAMAGES)
 def test_a_damaged_newest_checkpoint_is_passed_over_at_an_automatic_resume_and_refused_when_named(
-    full: dict[int, Path], damaged: dict[str, tuple[Path, Done, Done]], file: str, how: str, named: str
+    full: dict[int, Path],
+    damaged: dict[str, tuple[Path, Done, Done]],
+    file: str,
+    how: str,
+    named: str,
 ) -> None:
     out, refused, resumed = damaged[f"{file}-{how}"]
     newest = out / "run" / "checkpoint-10"
     assert refused.returncode == 1, refused.stderr[-4000:]
-    assert f"CheckpointError: {newest / file}: " in refused.stderr and named in refused.stderr, refused.stderr[-4000:]
+    assert f"CheckpointError: {newest / file}: " in refused.stderr and named in refused.stderr, (
+        refused.stderr[-4000:]
+    )
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert f"skipping {newest}: {newest / file}: " in resumed.stderr, resumed.stderr[-4000:]
     assert logs(out) == logs(full[1]) and weights(out) == weights(full[1])
@@ -208,12 +252,18 @@ def _write_on_rank(rank: int, store: str, failures: dict[int, tuple[int, str]], 
         for part in range(3):
             part_fails, how = failures.get(rank, (-1, ""))
             if part == part_fails:
-                raise OSError(errno.ENOSPC, "No space left on device") if how == "disk" else ValueError("a bug")
+                raise (
+                    OSError(errno.ENOSPC, "No space left on device")
+                    if how == "disk"
+                    else ValueError("a bug")
+                )
             written.append(part)
             if part < 2:
                 write.point()
     try:
-        write.run(parts, directory, main=rank == 0, step=5, newest=lambda: Path(out, "checkpoint-4"))
+        write.run(
+            parts, directory, main=rank == 0, step=5, newest=lambda: Path(out, "checkpoint-4")
+        )
         outcome = "written"
     except SaveFailed as failed:
         outcome = f"SaveFailed: {failed}"
@@ -224,17 +274,38 @@ def _write_on_rank(rank: int, store: str, failures: dict[int, tuple[int, str]], 
     Path(out, f"outcome-{rank}").write_text(f"{written} {outcome}")
 
 
-@pytest.mark.parametrize(("failures", "expected"), [
-    ({}, ["[0, 1, 2] written"] * 2),
-    ({0: (0, "disk")}, ["[] SaveFailed: checkpoint at step 5 NOT written to {d}: OSError: [Errno 28] No space left on "
-                        "device (no space left on device, or over quota", "[0] SaveFailed: checkpoint at step 5 NOT "
-                        "written to {d}: it failed on another process; the newest complete checkpoint is still {o}"]),
-    ({1: (2, "disk")}, ["[0, 1, 2] SaveFailed: checkpoint at step 5 NOT written to {d}: it failed on another process",
-                        "[0, 1] SaveFailed: checkpoint at step 5 NOT written to {d}: OSError: [Errno 28]"]),
-    ({0: (1, "disk"), 1: (0, "disk")}, ["[0] SaveFailed: ", "[] SaveFailed: "]),
-    ({1: (1, "bug")}, ["[0, 1] SaveFailed: checkpoint at step 5 NOT written to {d}: it failed on another process",
-                       "[0] ValueError: a bug"]),
-])
+@pytest.mark.parametrize(
+    ("failures", "expected"),
+    [
+        ({}, ["[0, 1, 2] written"] * 2),
+        (
+            {0: (0, "disk")},
+            [
+                "[] SaveFailed: checkpoint at step 5 NOT written to {d}: OSError: [Errno 28] No "
+                "space left on device (no space left on device, or over quota",
+                "[0] SaveFailed: checkpoint at step 5 NOT written to {d}: it failed on another "
+                "process; the newest complete checkpoint is still {o}",
+            ],
+        ),
+        (
+            {1: (2, "disk")},
+            [
+                "[0, 1, 2] SaveFailed: checkpoint at step 5 NOT written to {d}: it failed on "
+                "another process",
+                "[0, 1] SaveFailed: checkpoint at step 5 NOT written to {d}: OSError: [Errno 28]",
+            ],
+        ),
+        ({0: (1, "disk"), 1: (0, "disk")}, ["[0] SaveFailed: ", "[] SaveFailed: "]),
+        (
+            {1: (1, "bug")},
+            [
+                "[0, 1] SaveFailed: checkpoint at step 5 NOT written to {d}: it failed on another "
+                "process",
+                "[0] ValueError: a bug",
+            ],
+        ),
+    ],
+)
 def test_ranks_failing_at_different_points_of_a_write_all_stop_there_and_nothing_hangs(
     tmp_path: Path, failures: dict[int, tuple[int, str]], expected: list[str]
 ) -> None:
@@ -246,5 +317,7 @@ def test_ranks_failing_at_different_points_of_a_write_all_stop_there_and_nothing
     forked_ranks(_write_on_rank, str(tmp_path / "store"), failures, str(tmp_path))
     for rank, start in enumerate(expected):
         start = start.format(d=tmp_path / "checkpoint-5", o=tmp_path / "checkpoint-4")
-        assert (tmp_path / f"outcome-{rank}").read_text().startswith(start), (tmp_path / f"outcome-{rank}").read_text()
+        assert (tmp_path / f"outcome-{rank}").read_text().startswith(start), (
+            tmp_path / f"outcome-{rank}"
+        ).read_text()
     assert (tmp_path / "checkpoint-5").is_dir() == (not failures)

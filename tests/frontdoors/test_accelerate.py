@@ -26,7 +26,12 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.state import AcceleratorState, GradientState
 from torch.utils.data import DataLoader
 
-from accelerate_resume import AcceleratedResumableDataLoader, ResumeConfig, enable_resume, load_config
+from accelerate_resume import (
+    AcceleratedResumableDataLoader,
+    ResumeConfig,
+    enable_resume,
+    load_config,
+)
 from loader_resume import ResumableDataLoader
 from loader_resume.job.checkpoint import MANIFEST
 from loader_resume.testing import assert_delivers_rest_exactly_once
@@ -34,7 +39,16 @@ from support import forked
 from support.audit import audited
 from support.batch import Done, run_batch
 from support.data import Augmented
-from support.launch import ACCELERATE_CHILD, command, free_port, logs, progress_of, run, trained, weights
+from support.launch import (
+    ACCELERATE_CHILD,
+    command,
+    free_port,
+    logs,
+    progress_of,
+    run,
+    trained,
+    weights,
+)
 from support.reference import accelerate_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,8 +72,11 @@ def full(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, Path]:
     2; a stream at 2 workers; accumulation 2 over 7 batches an epoch; periodic checkpoints. The
     one-process runs run in one process (tests/support/batch.py)."""
     root = tmp_path_factory.mktemp("full")
-    done = run_batch(ACCELERATE_CHILD, [[str(root / name), *args] for name, args in ONE_PROCESS.items()],
-                     root / "batch")
+    done = run_batch(
+        ACCELERATE_CHILD,
+        [[str(root / name), *args] for name, args in ONE_PROCESS.items()],
+        root / "batch",
+    )
     for name, each in zip(ONE_PROCESS, done, strict=True):
         assert each.returncode == 0, f"{name}: {each.stderr[-3000:]}"
     runs: dict[Any, Path] = {1 if name == "1" else name: root / name for name in ONE_PROCESS}
@@ -82,17 +99,21 @@ def stopped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for name, options in (("break-map", EVAL), ("break-stream", ["--stream"])):
         run(root / name, 1, "--workers", "2", *options, "--break-at", "5")
         runs[name] = root / name
-    for name, processes, options in (("preempted1", 1, [*EVAL, "--signal-at", "11"]),
-                                     ("preempted2", 2, [*EVAL, "--signal-at", "6"]),
-                                     ("accumulate", 1, [*ONE_PROCESS["accumulate"], "--signal-at", "8"]),
-                                     ("stream", 1, ["--stream", "--workers", "2", "--signal-at", "11"])):
+    for name, processes, options in (
+        ("preempted1", 1, [*EVAL, "--signal-at", "11"]),
+        ("preempted2", 2, [*EVAL, "--signal-at", "6"]),
+        ("accumulate", 1, [*ONE_PROCESS["accumulate"], "--signal-at", "8"]),
+        ("stream", 1, ["--stream", "--workers", "2", "--signal-at", "11"]),
+    ):
         run(root / name, processes, *options, expect=143)
         runs[name] = root / name
     return runs
 
 
 @pytest.fixture(scope="module")
-def resumed(stopped: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Done]]:
+def resumed(
+    stopped: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Path, Done]]:
     """Every one-process continuation of a stopped job (load_state, the automatic resume, the same
     command again) and the refusals, in one fresh process (tests/support/batch.py), each in a copy
     of the job it continues, changed as its test says."""
@@ -160,8 +181,13 @@ def test_two_processes_shard_every_epoch_disjointly_and_gather_for_metrics_drops
 ) -> None:
     ranks = logs(full[2])
     for epoch in range(EPOCHS):
-        seen = [[i for row in trained(rows) if row["epoch"] == epoch for i in row["ids"]] for rows in ranks]
-        assert len(seen[0]) == len(seen[1]) == N // 2 and sorted(seen[0] + seen[1]) == list(range(N))
+        seen = [
+            [i for row in trained(rows) if row["epoch"] == epoch for i in row["ids"]]
+            for rows in ranks
+        ]
+        assert len(seen[0]) == len(seen[1]) == N // 2 and sorted(seen[0] + seen[1]) == list(
+            range(N)
+        )
     evaluations = [row["eval"] for row in ranks[0] if "eval" in row]
     # 13 items over 2 ranks x 4: the padded item is dropped
     assert evaluations == [list(range(13))] * EPOCHS
@@ -173,8 +199,13 @@ def test_batches_do_not_depend_on_num_workers(full: dict[Any, Path]) -> None:
 
 @pytest.mark.parametrize(("processes", "workers", "at"), SAVE_LOAD)
 def test_save_state_then_load_state_in_a_fresh_process_is_exact(
-    full: dict[Any, Path], stopped: dict[str, Path], resumed: dict[str, tuple[Path, Done]], tmp_path: Path,
-    processes: int, workers: int, at: int
+    full: dict[Any, Path],
+    stopped: dict[str, Path],
+    resumed: dict[str, tuple[Path, Done]],
+    tmp_path: Path,
+    processes: int,
+    workers: int,
+    at: int,
 ) -> None:
     """The user's own save_state / load_state, in the second epoch (the epoch counter must
     survive)."""
@@ -191,7 +222,10 @@ def test_save_state_then_load_state_in_a_fresh_process_is_exact(
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_loop_that_breaks_then_save_state_continues_its_pass_in_a_fresh_process(
-    full: dict[Any, Path], stopped: dict[str, Path], resumed: dict[str, tuple[Path, Done]], stream: bool
+    full: dict[Any, Path],
+    stopped: dict[str, Path],
+    resumed: dict[str, tuple[Path, Done]],
+    stream: bool,
 ) -> None:
     """A stop flag's ``break`` at step 5 (mid-epoch), then ``accelerator.save_state`` after the
     loop: the loop left the pass, its generator is closed, nothing ran out. ``load_state`` in a
@@ -206,8 +240,13 @@ def test_a_loop_that_breaks_then_save_state_continues_its_pass_in_a_fresh_proces
 
 def preempt(out: Path, processes: int, whole_group: bool, *args: str) -> None:
     """A real SIGTERM from the test, mid-epoch, to rank 0 or to the whole process group."""
-    first = forked.popen(command(out, processes, "--sleep", "0.1", *args), stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    first = forked.popen(
+        command(out, processes, "--sleep", "0.1", *args),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     progress = out / "progress-0"
     deadline = time.monotonic() + 120
     while progress_of(progress) < 5:
@@ -242,7 +281,11 @@ def test_sigterm_mid_epoch_checkpoints_at_a_step_boundary_and_the_same_command_c
 
 @pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
 def test_checkpoint_resumes_on_another_process_count_delivering_the_rest_exactly_once(
-    stopped: dict[str, Path], resumed: dict[str, tuple[Path, Done]], tmp_path: Path, before: int, after: int
+    stopped: dict[str, Path],
+    resumed: dict[str, tuple[Path, Done]],
+    tmp_path: Path,
+    before: int,
+    after: int,
 ) -> None:
     cut = [trained(rows) for rows in logs(stopped[f"preempted{before}"])]
     epoch = cut[0][-1]["epoch"]
@@ -257,12 +300,18 @@ def test_checkpoint_resumes_on_another_process_count_delivering_the_rest_exactly
         run(out, after, *EVAL)
     resumed_rows = [trained(rows) for rows in logs(out)]
     before_cut = [i for rows in cut for row in rows if row["epoch"] == epoch for i in row["ids"]]
-    after_cut = [i for rows in resumed_rows for row in rows if row["epoch"] == epoch for i in row["ids"]]
+    after_cut = [
+        i for rows in resumed_rows for row in rows if row["epoch"] == epoch for i in row["ids"]
+    ]
     assert_delivers_rest_exactly_once(before_cut, after_cut, N)
     for later in range(epoch + 1, EPOCHS):
-        assert sorted(i for rows in resumed_rows for row in rows if row["epoch"] == later for i in row["ids"]) == \
-            list(range(N))
-    assert min(row["step"] for rows in resumed_rows for row in rows) == max(row["step"] for row in cut[0]) + 1
+        assert sorted(
+            i for rows in resumed_rows for row in rows if row["epoch"] == later for i in row["ids"]
+        ) == list(range(N))
+    assert (
+        min(row["step"] for rows in resumed_rows for row in rows)
+        == max(row["step"] for row in cut[0]) + 1
+    )
 
 
 def test_automatic_resume_skips_an_interrupted_save_and_an_unsealed_directory_with_a_warning(
@@ -270,14 +319,19 @@ def test_automatic_resume_skips_an_interrupted_save_and_an_unsealed_directory_wi
 ) -> None:
     out, stderr = finished(resumed, "skip")
     root = out / "resume_checkpoints"
-    assert f"deleting {root / '.step_000000099.tmp'}: left by a write interrupted in an earlier job" in stderr
+    assert (
+        f"deleting {root / '.step_000000099.tmp'}: left by a write interrupted in an earlier job"
+        in stderr
+    )
     assert not (root / ".step_000000099.tmp").exists()
     assert "step_000000098: it has no loader_resume_manifest.json" in stderr
     assert logs(out) == logs(full[1]) and weights(out) == weights(full[1])
 
 
 @pytest.mark.parametrize("damage", DAMAGES)
-def test_a_damaged_checkpoint_is_refused_naming_the_file(resumed: dict[str, tuple[Path, Done]], damage: str) -> None:
+def test_a_damaged_checkpoint_is_refused_naming_the_file(
+    resumed: dict[str, tuple[Path, Done]], damage: str
+) -> None:
     out, stderr = finished(resumed, f"damaged-{damage}", expect=1)
     (sealed,) = (out / "resume_checkpoints").iterdir()
     target = sealed / ("model.safetensors" if damage == "flip" else "loader_resume.pt")
@@ -308,8 +362,10 @@ def test_iterable_dataset_with_workers_resumes_exactly_after_sigterm(
 
 
 def test_periodic_checkpoints_keep_the_newest(full: dict[Any, Path]) -> None:
-    assert sorted(p.name for p in (full["periodic"] / "resume_checkpoints").iterdir()) == ["step_000000015",
-                                                                                          "step_000000020"]
+    assert sorted(p.name for p in (full["periodic"] / "resume_checkpoints").iterdir()) == [
+        "step_000000015",
+        "step_000000020",
+    ]
 
 
 def test_accelerate_launch_hands_loader_resume_variables_to_every_rank(
@@ -318,13 +374,22 @@ def test_accelerate_launch_hands_loader_resume_variables_to_every_rank(
     """``LOADER_RESUME_SAVE_EVERY_N_STEPS=5 accelerate launch ...`` on 2 processes: 12 steps,
     checkpoints at 5 and 10 (every rank must take part in each save), the same batches as without
     them; a misspelt variable stops the launch at once, naming it."""
-    run(tmp_path / "job", 2, env={"LOADER_RESUME_SAVE_EVERY_N_STEPS": "5", "LOADER_RESUME_KEEP": "2"})
-    assert sorted(p.name for p in (tmp_path / "job" / "resume_checkpoints").iterdir()) == ["step_000000005",
-                                                                                           "step_000000010"]
+    run(
+        tmp_path / "job",
+        2,
+        env={"LOADER_RESUME_SAVE_EVERY_N_STEPS": "5", "LOADER_RESUME_KEEP": "2"},
+    )
+    assert sorted(p.name for p in (tmp_path / "job" / "resume_checkpoints").iterdir()) == [
+        "step_000000005",
+        "step_000000010",
+    ]
     plain = accelerate_run(tmp_path_factory, 2)
     assert logs(tmp_path / "job") == logs(plain)
     stderr = run(tmp_path / "typo", 2, expect=1, env={"LOADER_RESUME_SAVE_EVERY_N_STEP": "5"})
-    assert "LOADER_RESUME_SAVE_EVERY_N_STEP: unknown (did you mean LOADER_RESUME_SAVE_EVERY_N_STEPS?)" in stderr
+    assert (
+        "LOADER_RESUME_SAVE_EVERY_N_STEP: unknown (did you mean LOADER_RESUME_SAVE_EVERY_N_STEPS?)"
+        in stderr
+    )
 
 
 def test_checkpoint_of_another_dataset_fails_clearly(resumed: dict[str, tuple[Path, Done]]) -> None:
@@ -332,23 +397,47 @@ def test_checkpoint_of_another_dataset_fails_clearly(resumed: dict[str, tuple[Pa
     assert "StateError" in stderr and "dataset_len" in stderr and "30" in stderr and "20" in stderr
 
 
-@pytest.mark.parametrize("stateful", [False, True], ids=["DataLoaderShard", "use_stateful_dataloader"])
-def test_a_resumable_loader_given_to_a_stock_accelerator_is_refused_on_every_rank(tmp_path: Path,
-                                                                                  stateful: bool) -> None:
+@pytest.mark.parametrize(
+    "stateful", [False, True], ids=["DataLoaderShard", "use_stateful_dataloader"]
+)
+def test_a_resumable_loader_given_to_a_stock_accelerator_is_refused_on_every_rank(
+    tmp_path: Path, stateful: bool
+) -> None:
     """Without enable_resume, Accelerate would rebuild the loader into its own (measured: a
     DataLoaderShard over a plain DataLoader, or over a StatefulDataLoader): prepare() refuses it on
     both ranks, naming the call to make; a loader enable_resume converted is kept as it is by
     Accelerate's own prepare_data_loader."""
     accelerate = Path(sys.executable).with_name("accelerate")
-    done = forked.run([str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-                       "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-                       str(ROOT / "tests" / "children" / "accelerate_stock_child.py"), str(tmp_path),
-                       *(["--stateful"] if stateful else [])], capture_output=True, text=True, timeout=300)
+    done = forked.run(
+        [
+            str(accelerate),
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(free_port()),
+            str(ROOT / "tests" / "children" / "accelerate_stock_child.py"),
+            str(tmp_path),
+            *(["--stateful"] if stateful else []),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert not list(tmp_path.glob("replaced-*.txt"))
     for rank in (0, 1):
         message = (tmp_path / f"refused-{rank}.txt").read_text()
-        assert "enable_resume(accelerator) was not called" in message and "DataLoaderShard" in message
+        assert (
+            "enable_resume(accelerator) was not called" in message and "DataLoaderShard" in message
+        )
         assert (tmp_path / f"kept-{rank}.txt").read_text() == "True"
 
 
@@ -387,7 +476,9 @@ def test_split_batches_is_refused_naming_what_is_expected(tmp_path: Path) -> Non
     try:
         accelerator = Accelerator(cpu=True, project_dir=str(tmp_path),
                                   dataloader_config=DataLoaderConfiguration(split_batches=True))
-        with pytest.raises(ValueError, match=r"split_batches=True\) is not supported; expected per-process batch"):
+        with pytest.raises(
+            ValueError, match=r"split_batches=True\) is not supported; expected per-process batch"
+        ):
             enable_resume(accelerator)
     finally:
         AcceleratorState._reset_state(True)
@@ -398,25 +489,39 @@ def test_the_shipped_yaml_holds_the_defaults() -> None:
     assert load_config(ROOT / "configs" / "accelerate_resume.yaml") == ResumeConfig()
 
 
-def test_a_config_typo_fails_at_enable_resume_naming_the_key(accelerator: Any, tmp_path: Path) -> None:
+def test_a_config_typo_fails_at_enable_resume_naming_the_key(
+    accelerator: Any, tmp_path: Path
+) -> None:
     path = tmp_path / "resume.yaml"
     path.write_text("save_every_n_step: 50\n")
-    with pytest.raises(ValueError, match="unknown key 'save_every_n_step' \\(did you mean 'save_every_n_steps'\\?\\)"):
+    with pytest.raises(
+        ValueError,
+        match="unknown key 'save_every_n_step' \\(did you mean 'save_every_n_steps'\\?\\)",
+    ):
         enable_resume(accelerator, path)
-    with pytest.raises(ValueError, match="keep: Value 'many' of type 'str' could not be converted to Integer"):
+    with pytest.raises(
+        ValueError, match="keep: Value 'many' of type 'str' could not be converted to Integer"
+    ):
         enable_resume(accelerator, {"keep": "many"})
     with pytest.raises(ValueError, match="keying='batches'; expected one of"):
         enable_resume(accelerator, None, ["keying=batches"])
 
 
-def test_environment_variables_set_fields_between_the_yaml_file_and_the_argument(tmp_path: Path) -> None:
+def test_environment_variables_set_fields_between_the_yaml_file_and_the_argument(
+    tmp_path: Path,
+) -> None:
     """argument > LOADER_RESUME_<FIELD> > the YAML file ($LOADER_RESUME_CONFIG, or a path argument)
     > default."""
     path, other = tmp_path / "resume.yaml", tmp_path / "other.yaml"
     path.write_text("save_every_n_steps: 50\nkeep: 5\nkeying: sample\n")
     other.write_text("exit_code: 99\n")
-    environ = {"LOADER_RESUME_CONFIG": str(path), "LOADER_RESUME_SAVE_EVERY_N_STEPS": "7", "LOADER_RESUME_KEEP": "3",
-               "LOADER_RESUME_SIGNALS": "[SIGUSR1]", "UNRELATED": "x"}
+    environ = {
+        "LOADER_RESUME_CONFIG": str(path),
+        "LOADER_RESUME_SAVE_EVERY_N_STEPS": "7",
+        "LOADER_RESUME_KEEP": "3",
+        "LOADER_RESUME_SIGNALS": "[SIGUSR1]",
+        "UNRELATED": "x",
+    }
     config = load_config({"keep": 4}, environ=environ)
     assert (config.save_every_n_steps, config.keep, config.keying, config.signals, config.seed) == \
         (7, 4, "sample", ["SIGUSR1"], 0)
@@ -429,9 +534,13 @@ def test_environment_variables_set_fields_between_the_yaml_file_and_the_argument
 def test_the_lease_term_variable_is_ours_and_not_a_field_and_its_typo_is_named() -> None:
     """LOADER_RESUME_LEASE_SECONDS (the term of a lease on S3, read by loader_resume) is accepted
     beside the fields; a misspelt one fails naming it."""
-    config = load_config(None, environ={"LOADER_RESUME_LEASE_SECONDS": "30", "LOADER_RESUME_KEEP": "3"})
+    config = load_config(
+        None, environ={"LOADER_RESUME_LEASE_SECONDS": "30", "LOADER_RESUME_KEEP": "3"}
+    )
     assert config.keep == 3 and not hasattr(config, "lease_seconds")
-    with pytest.raises(ValueError, match=r"LOADER_RESUME_LEASE_SECOND: unknown \(did you mean LOADER_RESUME_LEASE_"):
+    with pytest.raises(
+        ValueError, match=r"LOADER_RESUME_LEASE_SECOND: unknown \(did you mean LOADER_RESUME_LEASE_"
+    ):
         load_config(None, environ={"LOADER_RESUME_LEASE_SECOND": "30"})
 
 
@@ -444,12 +553,17 @@ def test_a_misspelt_variable_fails_at_enable_resume_naming_it_and_the_closest(
         enable_resume(accelerator)
     monkeypatch.delenv("LOADER_RESUME_SAVE_EVERY_N_STEP")
     monkeypatch.setenv("LOADER_RESUME_KEEP", "many")
-    with pytest.raises(ValueError, match="LOADER_RESUME_KEEP='many': Value 'many' of type 'str' could not be"):
+    with pytest.raises(
+        ValueError, match="LOADER_RESUME_KEEP='many': Value 'many' of type 'str' could not be"
+    ):
         enable_resume(accelerator)
 
 
 def test_switched_off_from_the_environment_accelerate_is_left_stock(
-    accelerator: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path,
+    accelerator: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
 ) -> None:
     monkeypatch.setenv("LOADER_RESUME_ENABLED", "0")
     before = signal.getsignal(signal.SIGTERM)
@@ -467,7 +581,9 @@ def test_switched_off_from_the_environment_accelerate_is_left_stock(
     assert not (tmp_path / "resume_checkpoints").exists()
 
 
-def test_switched_off_a_remote_copy_is_not_set_up_and_switched_on_a_bad_one_is_refused(accelerator: Any) -> None:
+def test_switched_off_a_remote_copy_is_not_set_up_and_switched_on_a_bad_one_is_refused(
+    accelerator: Any,
+) -> None:
     """Switched off (``LOADER_RESUME_ENABLED=0`` over a configuration naming a remote copy) nothing
     of ours is set up; switched on, a remote copy that is not a URL is refused naming it, and
     nothing of ours stays installed."""
@@ -478,7 +594,9 @@ def test_switched_off_a_remote_copy_is_not_set_up_and_switched_on_a_bad_one_is_r
     enable_resume(accelerator).close()  # the refused one left nothing behind
 
 
-def test_epochs_resumes_at_its_first_epoch_not_when_it_is_called(accelerator: Any, tmp_path: Path) -> None:
+def test_epochs_resumes_at_its_first_epoch_not_when_it_is_called(
+    accelerator: Any, tmp_path: Path
+) -> None:
     """``resume.epochs(n)`` may be built before ``prepare`` registers the model: the resume happens
     at its first epoch, so the checkpoint is loaded into what was prepared by then."""
     model = torch.nn.Linear(2, 2)
@@ -513,12 +631,17 @@ def test_with_enable_resume_accelerates_own_prepare_data_loader_refuses_an_uncon
     accelerator: Any,
 ) -> None:
     enable_resume(accelerator, {"auto_resume": False})
-    with pytest.raises(TypeError, match=r"converts loaders in accelerator.prepare\(\); pass the loader there"):
+    with pytest.raises(
+        TypeError, match=r"converts loaders in accelerator.prepare\(\); pass the loader there"
+    ):
         accelerator.prepare_data_loader(ResumableDataLoader(list(range(10)), batch_size=2))
 
 
 def test_an_unresolvable_interpolation_in_a_variable_is_named() -> None:
-    with pytest.raises(ValueError, match="LOADER_RESUME_CHECKPOINT_DIR\\): Interpolation key 'SLURM_JOB_ID' not found"):
+    with pytest.raises(
+        ValueError,
+        match="LOADER_RESUME_CHECKPOINT_DIR\\): Interpolation key 'SLURM_JOB_ID' not found",
+    ):
         load_config(environ={"LOADER_RESUME_CHECKPOINT_DIR": "/ckpt/${SLURM_JOB_ID}"})
 
 
@@ -535,11 +658,21 @@ def test_prepare_converts_loaders_and_prepares_models_and_optimizers_as_accelera
     resume = enable_resume(accelerator, {"seed": 3})
     model = torch.nn.Linear(3, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    loader = DataLoader(Augmented(10), batch_size=4, shuffle=True, drop_last=True, collate_fn=_collate)
-    prepared_model, prepared_optimizer, prepared_loader = accelerator.prepare(model, optimizer, loader)
-    assert type(prepared_model) is type(model) and isinstance(prepared_optimizer, AcceleratedOptimizer)
+    loader = DataLoader(
+        Augmented(10), batch_size=4, shuffle=True, drop_last=True, collate_fn=_collate
+    )
+    prepared_model, prepared_optimizer, prepared_loader = accelerator.prepare(
+        model, optimizer, loader
+    )
+    assert type(prepared_model) is type(model) and isinstance(
+        prepared_optimizer, AcceleratedOptimizer
+    )
     assert isinstance(prepared_loader, AcceleratedResumableDataLoader)
-    assert (prepared_loader.seed, prepared_loader.drop_last, prepared_loader.collate_fn) == (3, True, _collate)
+    assert (prepared_loader.seed, prepared_loader.drop_last, prepared_loader.collate_fn) == (
+        3,
+        True,
+        _collate,
+    )
     # not Accelerate's shard
     assert prepared_loader.dataset is loader.dataset and accelerator._dataloaders == []
     batches = list(prepared_loader)
@@ -566,4 +699,6 @@ def test_a_mixture_whose_weights_change_resumes_exactly_on_two_processes(tmp_pat
     run(tmp_path / "cut", 2, "--mixture", "--workers", "2")
     uninterrupted = logs(tmp_path / "full")
     assert 0 < len(cut[0]) < len(trained(uninterrupted[0]))
-    assert logs(tmp_path / "cut") == uninterrupted and weights(tmp_path / "cut") == weights(tmp_path / "full")
+    assert logs(tmp_path / "cut") == uninterrupted and weights(tmp_path / "cut") == weights(
+        tmp_path / "full"
+    )

@@ -26,8 +26,13 @@ CHILD = CHILDREN / "eval_preemption_child.py"
 
 
 def run(out: Path, front: str, workers: int, *args: str | int) -> subprocess.CompletedProcess[str]:
-    return forked.run([sys.executable, str(CHILD), *argv(out, front, workers, *args)], capture_output=True,
-                      text=True, timeout=300, start_new_session=True)
+    return forked.run(
+        [sys.executable, str(CHILD), *argv(out, front, workers, *args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        start_new_session=True,
+    )
 
 
 def argv(out: Path, front: str, workers: int, *args: str | int) -> list[str]:
@@ -49,7 +54,9 @@ def name(front: str, workers: int, when: str = "", at: int = 0) -> str:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], dict[str, Any]]:
+def uninterrupted(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[tuple[str, int], dict[str, Any]]:
     """Every front door at 0 and 2 evaluation workers, uninterrupted, in one process
     (tests/support/batch.py), once per session."""
     runs = [(front, workers) for front in FRONTS for workers in (0, 2)]
@@ -64,7 +71,9 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, i
 
 
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int, str, int], tuple[Any, ...]]:
+def jobs(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[tuple[str, int, str, int], tuple[Any, ...]]:
     """Every case's first run, a process of its own in a session of its own (the SIGTERM goes to its
     group), then every case's same command again, in one fresh process (tests/support/batch.py): per
     case, the first run's exit status, standard error and log, and the second's exit status and
@@ -73,7 +82,11 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int, str, 
     first = {}
     for case in CASES:
         done = run(root / name(*case), *case)
-        first[case] = (done.returncode, done.stderr, log(root / name(*case)) if done.returncode == 143 else None)
+        first[case] = (
+            done.returncode,
+            done.stderr,
+            log(root / name(*case)) if done.returncode == 143 else None,
+        )
     again = run_batch(CHILD, [argv(root / name(*case), *case) for case in CASES], root / "again")
     return {case: (*first[case], result.returncode, result.stderr, root / name(*case))
             for case, result in zip(CASES, again, strict=True)}
@@ -81,8 +94,12 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int, str, 
 
 @pytest.mark.parametrize(("front", "workers", "when", "at"), CASES)
 def test_a_sigterm_to_the_group_during_an_evaluation_checkpoints_and_the_same_command_continues(
-    uninterrupted: dict[tuple[str, int], dict[str, Any]], jobs: dict[tuple[str, int, str, int], tuple[Any, ...]],
-    front: str, workers: int, when: str, at: int
+    uninterrupted: dict[tuple[str, int], dict[str, Any]],
+    jobs: dict[tuple[str, int, str, int], tuple[Any, ...]],
+    front: str,
+    workers: int,
+    when: str,
+    at: int,
 ) -> None:
     """``--signal-in-eval K``: during the K-th evaluation (Lightning: 0 is the sanity check, 3 the
     validation at the epoch's end); ``--signal-in-step 4``: in the training step after which an

@@ -56,7 +56,9 @@ def full(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def checkpoints(out: Path) -> list[str]:
-    return sorted(path.name for path in (out / "resume_checkpoints").iterdir() if path.name != LOCK_FILE)
+    return sorted(
+        path.name for path in (out / "resume_checkpoints").iterdir() if path.name != LOCK_FILE
+    )
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -68,9 +70,23 @@ def test_sigterm_mid_epoch_then_the_same_command_continues_exactly(
     and weights are the uninterrupted run's. Batches do not depend on num_workers, so both compare
     with the same run. The job's own audit (``LOADER_RESUME_AUDIT``) agrees."""
     monkeypatch.setenv("LOADER_RESUME_AUDIT", str(tmp_path / "audit"))
-    first = forked.popen([sys.executable, str(CHILD), str(tmp_path), "--devices", "2", "--workers", str(workers),
-                          "--sleep", "0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
+    first = forked.popen(
+        [
+            sys.executable,
+            str(CHILD),
+            str(tmp_path),
+            "--devices",
+            "2",
+            "--workers",
+            str(workers),
+            "--sleep",
+            "0.1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 120
     while progress_of(tmp_path / "progress-0") < 5:
         assert time.monotonic() < deadline and first.poll() is None, "training never reached step 5"
@@ -87,21 +103,28 @@ def test_sigterm_mid_epoch_then_the_same_command_continues_exactly(
     audited(tmp_path / "audit", [2, 2])
 
 
-def test_an_iterable_dataset_resumes_exactly_on_every_rank(full: dict[str, Path], tmp_path: Path) -> None:
+def test_an_iterable_dataset_resumes_exactly_on_every_rank(
+    full: dict[str, Path], tmp_path: Path
+) -> None:
     run(tmp_path, 2, "--stream", "--signal-at", "6", expect=143)
     assert checkpoints(tmp_path) == ["step_000000006"]
     run(tmp_path, 2, "--stream")
-    assert logs(tmp_path) == logs(full["2-stream"]) and weights(tmp_path) == weights(full["2-stream"])
+    assert logs(tmp_path) == logs(full["2-stream"]) and weights(tmp_path) == weights(
+        full["2-stream"]
+    )
 
 
-def test_fabric_save_and_load_of_the_users_own_carry_every_ranks_loader_state(full: dict[str, Path],
-                                                                             tmp_path: Path) -> None:
+def test_fabric_save_and_load_of_the_users_own_carry_every_ranks_loader_state(
+    full: dict[str, Path], tmp_path: Path
+) -> None:
     """``fabric.save(path, {..., "loader": loader})`` on a stream: Fabric writes rank 0's copy only,
     and rank 1's loader still gets its own state back from ``fabric.load``."""
     run(tmp_path, 2, "--stream", "--save-at", "5")
     assert not (tmp_path / "resume_checkpoints").exists() or not checkpoints(tmp_path)
     run(tmp_path, 2, "--stream", "--load", str(tmp_path / "explicit.ckpt"))
-    assert logs(tmp_path) == logs(full["2-stream"]) and weights(tmp_path) == weights(full["2-stream"])
+    assert logs(tmp_path) == logs(full["2-stream"]) and weights(tmp_path) == weights(
+        full["2-stream"]
+    )
 
 
 def test_one_device_resumes_exactly(full: dict[str, Path], tmp_path: Path) -> None:
@@ -118,10 +141,14 @@ def test_a_mixture_whose_weights_change_resumes_exactly(tmp_path: Path) -> None:
     run(tmp_path / "cut", 1, "--mixture", "--signal-at", "6", expect=143)
     run(tmp_path / "cut", 1, "--mixture")
     uninterrupted = logs(tmp_path / "full")[0]
-    assert logs(tmp_path / "cut") == [uninterrupted] and weights(tmp_path / "cut") == weights(tmp_path / "full")
+    assert logs(tmp_path / "cut") == [uninterrupted] and weights(tmp_path / "cut") == weights(
+        tmp_path / "full"
+    )
 
 
-def test_two_ranks_checkpoint_resumes_on_one_delivering_the_rest_exactly_once(tmp_path: Path) -> None:
+def test_two_ranks_checkpoint_resumes_on_one_delivering_the_rest_exactly_once(
+    tmp_path: Path,
+) -> None:
     run(tmp_path, 2, "--signal-at", "6", expect=143)  # rank 0's 6th batch: the second epoch
     cut = [trained(rows) for rows in logs(tmp_path)]
     epoch = cut[0][-1]["epoch"]
@@ -134,7 +161,9 @@ def test_two_ranks_checkpoint_resumes_on_one_delivering_the_rest_exactly_once(tm
     after = [i for row in resumed if row["epoch"] == epoch for i in row["ids"]]
     assert_delivers_rest_exactly_once(before, after, N)
     for later in range(epoch + 1, EPOCHS):
-        assert sorted(i for row in resumed if row["epoch"] == later for i in row["ids"]) == list(range(N))
+        assert sorted(i for row in resumed if row["epoch"] == later for i in row["ids"]) == list(
+            range(N)
+        )
     assert resumed[0]["step"] == cut[0][-1]["step"] + 1
 
 
@@ -178,8 +207,9 @@ def test_loaders_are_refused_before_launch_on_several_devices(tmp_path: Path) ->
     resume.close()
 
 
-def test_a_checkpoint_written_without_it_loads_with_a_warning(fabric_resume: tuple[Fabric, FabricResume],
-                                                              tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_checkpoint_written_without_it_loads_with_a_warning(
+    fabric_resume: tuple[Fabric, FabricResume], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     fabric, _ = fabric_resume
     model = fabric.setup(torch.nn.Linear(2, 1))
     torch.save({"model": model.module.state_dict(), "epoch": 4}, tmp_path / "stock.ckpt")

@@ -20,17 +20,26 @@ CHILD = CHILDREN / "fabric_child.py"
 
 
 def run(out: Path, strategy: str, *args: str, expect: int = 0) -> None:
-    done = forked.run([sys.executable, str(CHILD), str(out), "--devices", "2", "--strategy", strategy, *args],
-                      capture_output=True, text=True, timeout=300)
+    done = forked.run(
+        [sys.executable, str(CHILD), str(out), "--devices", "2", "--strategy", strategy, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == expect, f"{strategy}: exit {done.returncode}\n{done.stderr[-4000:]}"
 
 
 @pytest.mark.parametrize("strategy", ["fsdp-sharded", "model-parallel"])
-def test_sigterm_mid_epoch_and_the_same_command_continue_exactly(tmp_path: Path, strategy: str) -> None:
+def test_sigterm_mid_epoch_and_the_same_command_continue_exactly(
+    tmp_path: Path, strategy: str
+) -> None:
     run(tmp_path / "full", strategy)
     run(tmp_path / "cut", strategy, "--signal-at", "6", expect=143)
     checkpoint = sorted((tmp_path / "cut" / "resume_checkpoints").glob("step_*"))
     assert [path.name for path in checkpoint] == ["step_000000006"]
     run(tmp_path / "cut", strategy)
     assert logs(tmp_path / "cut") == logs(tmp_path / "full")
-    assert weights(tmp_path / "cut") == weights(tmp_path / "full") and len(weights(tmp_path / "full")) == 2
+    assert (
+        weights(tmp_path / "cut") == weights(tmp_path / "full")
+        and len(weights(tmp_path / "full")) == 2
+    )

@@ -35,8 +35,13 @@ CHILD = CHILDREN / "lightning_child.py"
 
 def run(out: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     out.mkdir(parents=True, exist_ok=True)
-    done = forked.run([sys.executable, str(CHILD), str(out), *args], capture_output=True, text=True, timeout=300,
-                      cwd=cwd)
+    done = forked.run(
+        [sys.executable, str(CHILD), str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+    )
     return done
 
 
@@ -58,8 +63,11 @@ def assert_continues(full: dict[str, Any], resumed: dict[str, Any], at: int) -> 
 def finished(out: Path, stderr: str = "") -> dict[str, Any]:
     """A finished run's logs and weights (every rank's), and its stderr."""
     ranks = sorted(out.glob("log-*.json"))
-    return {"logs": [json.loads(p.read_text()) for p in ranks],
-            "weights": [(out / f"weights-{p.stem.split('-')[1]}.txt").read_text() for p in ranks], "stderr": stderr}
+    return {
+        "logs": [json.loads(p.read_text()) for p in ranks],
+        "weights": [(out / f"weights-{p.stem.split('-')[1]}.txt").read_text() for p in ranks],
+        "stderr": stderr,
+    }
 
 
 def outcome(out: Path, done: Done) -> dict[str, Any]:
@@ -77,15 +85,23 @@ REFERENCES = {
     "mixture": ["--mixture", "--every", "6"],
     "plain": ["--no-callback", "--every", "3"],
     "validation": VALIDATION,
-    **{f"stream{workers}": ["--stream", "--workers", str(workers), "--every", "3"] for workers in (0, 2)},
+    **{
+        f"stream{workers}": ["--stream", "--workers", str(workers), "--every", "3"]
+        for workers in (0, 2)
+    },
 }
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict[str, Any]]]:
     root = tmp_path_factory.mktemp("references")
-    done = run_batch(CHILD, [[str(root / name), *args] for name, args in REFERENCES.items()], root / "batch")
-    return {name: (root / name, outcome(root / name, each)) for name, each in zip(REFERENCES, done, strict=True)}
+    done = run_batch(
+        CHILD, [[str(root / name), *args] for name, args in REFERENCES.items()], root / "batch"
+    )
+    return {
+        name: (root / name, outcome(root / name, each))
+        for name, each in zip(REFERENCES, done, strict=True)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -110,20 +126,34 @@ def resumed(references: dict[str, tuple[Path, dict[str, Any]]], ddp: tuple[Path,
     (root / "last" / "ckpt").mkdir(parents=True)
     shutil.copy(at("single", "step=10"), root / "last" / "ckpt" / "last.ckpt")
     runs = {
-        **{checkpoint: ["--every", "2", "--resume", at("single", checkpoint)]
-           for checkpoint in ("step=6", "step=8", "step=10")},
+        **{
+            checkpoint: ["--every", "2", "--resume", at("single", checkpoint)]
+            for checkpoint in ("step=6", "step=8", "step=10")
+        },
         "last": ["--every", "100", "--resume", "last"],
         "workers": ["--workers", "2", "--resume", at("workers", "step=9")],
         "mixture": ["--mixture", "--resume", at("mixture", "step=6")],
         "ddp-on-one": ["--every", "100", "--resume", str(ddp[0] / "ckpt" / "step=2.ckpt")],
         "validation": [*VALIDATION, "--resume", at("validation", "step=6")],
-        **{f"stream{w}": ["--stream", "--workers", str(w), "--every", "3", "--resume", at(f"stream{w}", "step=6")]
-           for w in (0, 2)},
+        **{
+            f"stream{w}": [
+                "--stream",
+                "--workers",
+                str(w),
+                "--every",
+                "3",
+                "--resume",
+                at(f"stream{w}", "step=6"),
+            ]
+            for w in (0, 2)
+        },
         "plain": ["--resume", at("plain", "step=3")],
         "length": ["--n-resume", "31", "--resume", at("single", "step=6")],  # refused
         "two-callbacks": ["--two-callbacks"],  # refused
     }
-    done = run_batch(CHILD, [[str(root / name), *args] for name, args in runs.items()], root / "batch")
+    done = run_batch(
+        CHILD, [[str(root / name), *args] for name, args in runs.items()], root / "batch"
+    )
     return {name: (root / name, each) for name, each in zip(runs, done, strict=True)}
 
 
@@ -133,8 +163,10 @@ def resume(resumed: dict[str, tuple[Path, Done]], name: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize(("checkpoint", "at"), [("step=6", 6), ("step=8", 8), ("step=10", 10)])
 def test_resume_from_mid_epoch_and_epoch_end_checkpoints_is_exact(
-    references: dict[str, tuple[Path, dict[str, Any]]], resumed: dict[str, tuple[Path, Done]], checkpoint: str,
-    at: int
+    references: dict[str, tuple[Path, dict[str, Any]]],
+    resumed: dict[str, tuple[Path, Done]],
+    checkpoint: str,
+    at: int,
 ) -> None:
     """8 batches an epoch: step 6 is mid-epoch, step 8 the epoch's last batch (no empty epoch), 10
     in epoch 1."""
@@ -171,7 +203,9 @@ def test_ddp_ranks_each_see_half_of_every_epoch_disjoint(ddp: tuple[Path, dict[s
 
 
 def test_ddp_resume_is_exact_per_rank(ddp: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
-    resumed = ok(tmp_path, "--devices", "2", "--every", "2", "--resume", str(ddp[0] / "ckpt" / "step=2.ckpt"))
+    resumed = ok(
+        tmp_path, "--devices", "2", "--every", "2", "--resume", str(ddp[0] / "ckpt" / "step=2.ckpt")
+    )
     assert_continues(ddp[1], resumed, 2)
 
 
@@ -192,19 +226,25 @@ def test_single_device_checkpoint_resumes_on_two_devices_delivering_the_rest_exa
     references: dict[str, tuple[Path, dict[str, Any]]], tmp_path: Path
 ) -> None:
     out, single = references["single"]
-    resumed = ok(tmp_path, "--devices", "2", "--every", "100", "--resume", str(out / "ckpt" / "step=4.ckpt"))
+    resumed = ok(
+        tmp_path, "--devices", "2", "--every", "100", "--resume", str(out / "ckpt" / "step=4.ckpt")
+    )
     before = [i for row in single["logs"][0][:4] for i in row[1]]
     rest = [i for log in resumed["logs"] for row in log if row[0] < 6 for i in row[1]]
     assert_delivers_rest_exactly_once(before, rest, 30)
 
 
-def test_checkpoint_without_our_state_warns_that_the_order_restarts(resumed: dict[str, tuple[Path, Done]]) -> None:
+def test_checkpoint_without_our_state_warns_that_the_order_restarts(
+    resumed: dict[str, tuple[Path, Done]],
+) -> None:
     # resumed from a checkpoint of a fit without ResumeCallback
     stderr = resume(resumed, "plain")["stderr"]
     assert "no loader_resume state" in stderr and "restarts from the start of the epoch" in stderr
 
 
-def test_checkpoint_from_another_dataset_length_fails_clearly(resumed: dict[str, tuple[Path, Done]]) -> None:
+def test_checkpoint_from_another_dataset_length_fails_clearly(
+    resumed: dict[str, tuple[Path, Done]],
+) -> None:
     done = resumed["length"][1]
     assert done.returncode != 0
     assert "loader state field 'dataset_len': saved 30, expected 31" in done.stderr
@@ -221,22 +261,36 @@ def test_a_dataset_split_per_rank_is_refused_under_ddp(tmp_path: Path) -> None:
     assert "the ranks' datasets differ" in done.stderr and "split_dataset_by_node" in done.stderr
 
 
-# --- conversion (in process)
-# ------------------------------------------------------------------------
+# --- conversion (in process) ----------------------------------------------------------------------
 def _collate(items: list[Any]) -> list[Any]:
     return items
 
 
 def test_plain_loaders_are_converted_keeping_their_settings() -> None:
     dataset = Augmented(10)
-    plain = DataLoader(dataset, batch_size=3, shuffle=True, num_workers=2, collate_fn=_collate, pin_memory=True,
-                       drop_last=True, persistent_workers=True)
+    plain = DataLoader(
+        dataset,
+        batch_size=3,
+        shuffle=True,
+        num_workers=2,
+        collate_fn=_collate,
+        pin_memory=True,
+        drop_last=True,
+        persistent_workers=True,
+    )
     callback = ResumeCallback(seed=3)
     tree = callback._training.convert({"a": plain, "b": [DataLoader(dataset, batch_size=2)]})
     converted = tree["a"]
     assert isinstance(converted, ResumableDataLoader) and converted.dataset is dataset
-    assert (converted.batch_size, converted.num_workers, converted.collate_fn, converted.pin_memory,
-            converted.drop_last, converted.persistent_workers, converted.seed) == (3, 2, _collate, True, True, True, 3)
+    assert (
+        converted.batch_size,
+        converted.num_workers,
+        converted.collate_fn,
+        converted.pin_memory,
+        converted.drop_last,
+        converted.persistent_workers,
+        converted.seed,
+    ) == (3, 2, _collate, True, True, True, 3)
     assert converted.state_dict()["shuffle"] and not tree["b"][0].state_dict()["shuffle"]
     assert len(callback._training.loaders) == 2
 
@@ -244,7 +298,9 @@ def test_plain_loaders_are_converted_keeping_their_settings() -> None:
 def test_combined_loader_and_custom_sampler_are_converted() -> None:
     dataset = Augmented(10)
     custom = SequentialSampler(range(5))  # not DataLoader's own: kept, as a custom sampler
-    combined = CombinedLoader({"x": DataLoader(dataset, batch_size=2, sampler=custom)}, "max_size_cycle")
+    combined = CombinedLoader(
+        {"x": DataLoader(dataset, batch_size=2, sampler=custom)}, "max_size_cycle"
+    )
     callback = ResumeCallback()
     callback._training.convert(combined)
     (loader,) = combined.flattened
@@ -254,14 +310,27 @@ def test_combined_loader_and_custom_sampler_are_converted() -> None:
 
 
 # --- preemption: a real SIGTERM from the test, then the same command again ------------------------
-def preempted_then_rerun(out: Path, devices: int, whole_group: bool, natural: bool = False) -> dict[str, Any]:
+def preempted_then_rerun(
+    out: Path, devices: int, whole_group: bool, natural: bool = False
+) -> dict[str, Any]:
     """SIGTERM mid-epoch (from the test, via os.kill / os.killpg), then rerun the same command.
 
     ``natural``: ``ResumeCallback()`` with no dirpath, ``Trainer(default_root_dir=out)``, run from
     another working directory: the restart must find the checkpoint in ``default_root_dir`` by
     itself."""
-    command = [sys.executable, str(CHILD), str(out), "--sleep", "0.15", "--append", "--workers", "2",
-               "--devices", str(devices), *(["--no-dirpath"] if natural else [])]
+    command = [
+        sys.executable,
+        str(CHILD),
+        str(out),
+        "--sleep",
+        "0.15",
+        "--append",
+        "--workers",
+        "2",
+        "--devices",
+        str(devices),
+        *(["--no-dirpath"] if natural else []),
+    ]
     out.mkdir(parents=True)
     cwd = out.parent / "elsewhere"
     cwd.mkdir()
@@ -286,8 +355,13 @@ def preempted_then_rerun(out: Path, devices: int, whole_group: bool, natural: bo
 @pytest.mark.parametrize(("devices", "whole_group", "natural"),
                          [(1, False, False), (2, False, False), (2, True, True), (1, False, True)])
 def test_sigterm_checkpoints_at_a_step_boundary_and_a_rerun_continues_exactly(
-    references: dict[str, tuple[Path, dict[str, Any]]], ddp: tuple[Path, dict[str, Any]], tmp_path: Path,
-    devices: int, whole_group: bool, natural: bool, monkeypatch: pytest.MonkeyPatch
+    references: dict[str, tuple[Path, dict[str, Any]]],
+    ddp: tuple[Path, dict[str, Any]],
+    tmp_path: Path,
+    devices: int,
+    whole_group: bool,
+    natural: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``natural``: what users pick first, ``Trainer(default_root_dir=d,
     callbacks=[ResumeCallback()])``. On two devices the signal to the whole group and the natural
@@ -323,20 +397,30 @@ def test_validation_mid_epoch_and_estimated_stepping_batches_keep_resume_exact(
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_iterable_dataset_without_len_loses_no_batch_to_lightnings_prefetch(
-    references: dict[str, tuple[Path, dict[str, Any]]], resumed: dict[str, tuple[Path, Done]], workers: int
+    references: dict[str, tuple[Path, dict[str, Any]]],
+    resumed: dict[str, tuple[Path, Done]],
+    workers: int,
 ) -> None:
     """Lightning fetches one batch ahead from a loader without __len__; the saved state must not
     skip it."""
     assert_continues(references[f"stream{workers}"][1], resume(resumed, f"stream{workers}"), 6)
 
 
-def test_ddp_keeps_a_custom_sampler_sharded_by_our_rules_and_resumes_exactly(tmp_path: Path) -> None:
+def test_ddp_keeps_a_custom_sampler_sharded_by_our_rules_and_resumes_exactly(
+    tmp_path: Path,
+) -> None:
     options = ["--custom-sampler", "--devices", "2", "--every", "2"]
     full = ok(tmp_path / "full", *options)
     for epoch in range(3):
-        halves = [[i for row in log[4 * epoch : 4 * epoch + 4] for i in row[1]] for log in full["logs"]]
-        assert not set(halves[0]) & set(halves[1]) and sorted(halves[0] + halves[1]) == list(range(30))
-    resumed = ok(tmp_path / "resumed", *options, "--resume", str(tmp_path / "full" / "ckpt" / "step=6.ckpt"))
+        halves = [
+            [i for row in log[4 * epoch : 4 * epoch + 4] for i in row[1]] for log in full["logs"]
+        ]
+        assert not set(halves[0]) & set(halves[1]) and sorted(halves[0] + halves[1]) == list(
+            range(30)
+        )
+    resumed = ok(
+        tmp_path / "resumed", *options, "--resume", str(tmp_path / "full" / "ckpt" / "step=6.ckpt")
+    )
     assert_continues(full, resumed, 6)
 
 
@@ -352,12 +436,29 @@ def test_under_slurm_sigusr1_saves_at_a_step_boundary_not_in_lightnings_handler(
     calls = tmp_path / "scontrol-calls"
     (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\n")
     (bin_dir / "scontrol").chmod(0o755)
-    slurm = {"SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1", "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "digits",
-             "SLURM_NODELIST": "localhost", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
-             "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    slurm = {
+        "SLURM_NTASKS": "1",
+        "SLURM_NTASKS_PER_NODE": "1",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "digits",
+        "SLURM_NODELIST": "localhost",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+    }
     out = tmp_path / "job"
     out.mkdir()
-    command = [sys.executable, str(CHILD), str(out), "--sleep", "0.15", "--append", "--workers", "2"]
+    command = [
+        sys.executable,
+        str(CHILD),
+        str(out),
+        "--sleep",
+        "0.15",
+        "--append",
+        "--workers",
+        "2",
+    ]
     first = forked.popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                          env={**os.environ, **slurm})
     progress = out / "progress-0"
@@ -369,15 +470,16 @@ def test_under_slurm_sigusr1_saves_at_a_step_boundary_not_in_lightnings_handler(
     assert first.returncode == 143, stderr[-3000:]
     assert not list(out.glob("hpc_ckpt_*.ckpt")) and (out / "preempted.ckpt").exists()
     assert calls.read_text().splitlines() == ["requeue 4242"]
-    rerun = forked.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, **slurm})
+    rerun = forked.run(
+        command, capture_output=True, text=True, timeout=300, env={**os.environ, **slurm}
+    )
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     full = references["workers"][1]
     assert json.loads((out / "log-0.json").read_text()) == full["logs"][0]
     assert (out / "weights-0.txt").read_text() == full["weights"][0]
 
 
-# --- LightningCLI: the callback configured in YAML or on the command line
-# --------------------------
+# --- LightningCLI: the callback configured in YAML or on the command line -------------------------
 CLI_CHILD = CHILDREN / "lightning_cli_child.py"
 
 
@@ -390,16 +492,27 @@ def cli_command(out: Path, how: str) -> list[str]:
     out.mkdir(parents=True, exist_ok=True)
     callback = {"class_path": "lightning_resume.ResumeCallback", "init_args": {"seed": 7}}
     config = {
-        "trainer": {"default_root_dir": str(out), "max_epochs": 3, "accelerator": "cpu", "devices": 1,
-                    "logger": False, "enable_progress_bar": False, "enable_model_summary": False,
-                    "deterministic": True, "callbacks": [callback] if how == "yaml" else []},
+        "trainer": {
+            "default_root_dir": str(out),
+            "max_epochs": 3,
+            "accelerator": "cpu",
+            "devices": 1,
+            "logger": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "deterministic": True,
+            "callbacks": [callback] if how == "yaml" else [],
+        },
         "model": {"out": str(out), "sleep": 0.1, "workers": 2},
     }
     (out / "cli.yaml").write_text(json.dumps(config))  # JSON is YAML
     command = [sys.executable, str(CLI_CHILD), "fit", "--config", str(out / "cli.yaml")]
     if how == "argument":
-        command += ["--trainer.callbacks+=lightning_resume.ResumeCallback", "--trainer.callbacks.seed=7",
-                    f"--trainer.callbacks.dirpath={out / 'preemption'}"]
+        command += [
+            "--trainer.callbacks+=lightning_resume.ResumeCallback",
+            "--trainer.callbacks.seed=7",
+            f"--trainer.callbacks.dirpath={out / 'preemption'}",
+        ]
     return command
 
 
@@ -411,7 +524,9 @@ def cli_rows(out: Path) -> list[Any]:
 @pytest.fixture(scope="module")
 def cli_full(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], str]:
     out = tmp_path_factory.mktemp("cli_full")
-    done = forked.run(cli_command(out, "yaml"), capture_output=True, text=True, timeout=300, cwd=out)
+    done = forked.run(
+        cli_command(out, "yaml"), capture_output=True, text=True, timeout=300, cwd=out
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return cli_rows(out), (out / "weights.txt").read_text()
 
@@ -422,7 +537,9 @@ def test_lightning_cli_sigterm_and_the_same_command_again_continues_exactly(
     out, elsewhere = tmp_path / "job", tmp_path / "elsewhere"
     command = cli_command(out, how)
     elsewhere.mkdir()
-    first = forked.popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=elsewhere)
+    first = forked.popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=elsewhere
+    )
     deadline = time.monotonic() + 120
     while len(cli_rows(out)) < 4:
         assert time.monotonic() < deadline and first.poll() is None, "training never reached step 4"
@@ -487,8 +604,15 @@ def _ids_loader() -> DataLoader[Any]:
 
 
 def _quiet_trainer(root: Path, callbacks: list[Any]) -> L.Trainer:
-    return L.Trainer(accelerator="cpu", max_epochs=2, callbacks=callbacks, logger=False, enable_progress_bar=False,
-                     enable_model_summary=False, default_root_dir=root)
+    return L.Trainer(
+        accelerator="cpu",
+        max_epochs=2,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
 
 
 def test_loaders_handed_to_fit_resume_mid_epoch_too(tmp_path: Path) -> None:
@@ -496,14 +620,20 @@ def test_loaders_handed_to_fit_resume_mid_epoch_too(tmp_path: Path) -> None:
     checkpoint's state."""
     full = _Tiny()
     periodic = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=3, save_top_k=-1)
-    _quiet_trainer(tmp_path, [ResumeCallback(), periodic]).fit(full, train_dataloaders=_ids_loader())
+    _quiet_trainer(tmp_path, [ResumeCallback(), periodic]).fit(
+        full, train_dataloaders=_ids_loader()
+    )
     (mid_epoch,) = (tmp_path / "ckpts").glob("*step=3.ckpt")  # 4 steps an epoch
     resumed = _Tiny()
-    _quiet_trainer(tmp_path, [ResumeCallback()]).fit(resumed, train_dataloaders=_ids_loader(), ckpt_path=mid_epoch)
+    _quiet_trainer(tmp_path, [ResumeCallback()]).fit(
+        resumed, train_dataloaders=_ids_loader(), ckpt_path=mid_epoch
+    )
     assert len(full.seen) == 8 and resumed.seen == full.seen[3:]
 
 
-def test_a_model_checkpoint_listed_after_ours_stays_lightnings_checkpoint_callback(tmp_path: Path) -> None:
+def test_a_model_checkpoint_listed_after_ours_stays_lightnings_checkpoint_callback(
+    tmp_path: Path,
+) -> None:
     """Lightning (ckpt_path="best", its launchers, its loggers) reads ModelCheckpoint attributes
     from the first checkpoint callback in the list; listing ResumeCallback first must not make it
     that one."""
@@ -563,13 +693,24 @@ def test_a_fit_stopped_by_max_steps_saved_and_extended_continues_with_the_very_n
     epoch), whatever became of the iterator."""
 
     def loader() -> DataLoader[Any]:
-        return DataLoader(TensorDataset(torch.arange(16.0).unsqueeze(1)), batch_size=2, shuffle=True,
-                          num_workers=workers)
+        return DataLoader(
+            TensorDataset(torch.arange(16.0).unsqueeze(1)),
+            batch_size=2,
+            shuffle=True,
+            num_workers=workers,
+        )
 
     def trainer(max_steps: int) -> L.Trainer:
-        return L.Trainer(accelerator="cpu", max_steps=max_steps, callbacks=[ResumeCallback(dirpath=str(tmp_path))],
-                         logger=False, enable_progress_bar=False, enable_model_summary=False,
-                         enable_checkpointing=True, default_root_dir=tmp_path)
+        return L.Trainer(
+            accelerator="cpu",
+            max_steps=max_steps,
+            callbacks=[ResumeCallback(dirpath=str(tmp_path))],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=True,
+            default_root_dir=tmp_path,
+        )
 
     full = _Tiny()
     trainer(12).fit(full, train_dataloaders=loader())

@@ -27,18 +27,44 @@ from support import forked
 from support.launch import CHILDREN
 
 CHILD = CHILDREN / "lightning_child.py"
-CASES = [("ddp", 1), ("fsdp-full", 1), ("fsdp-sharded", 1), ("model-parallel", 1), ("model-parallel", 2)]
+CASES = [
+    ("ddp", 1),
+    ("fsdp-full", 1),
+    ("fsdp-sharded", 1),
+    ("model-parallel", 1),
+    ("model-parallel", 2),
+]
 
 
 def fit(out: Path, strategy: str, devices: int, *args: str, expect: int = 0) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    done = forked.run([sys.executable, str(CHILD), str(out), "--strategy", strategy, "--devices", str(devices),
-                       "--batch-log", str(out), *args], capture_output=True, text=True, timeout=300)
-    assert done.returncode == expect, f"{strategy} on {devices}: exit {done.returncode}\n{done.stderr[-4000:]}"
+    done = forked.run(
+        [
+            sys.executable,
+            str(CHILD),
+            str(out),
+            "--strategy",
+            strategy,
+            "--devices",
+            str(devices),
+            "--batch-log",
+            str(out),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == expect, (
+        f"{strategy} on {devices}: exit {done.returncode}\n{done.stderr[-4000:]}"
+    )
 
 
 def batches(out: Path) -> list[list[dict[str, Any]]]:
-    return [[json.loads(line) for line in path.read_text().splitlines()] for path in sorted(out.glob("log-*.jsonl"))]
+    return [
+        [json.loads(line) for line in path.read_text().splitlines()]
+        for path in sorted(out.glob("log-*.jsonl"))
+    ]
 
 
 def weights(out: Path) -> list[str]:
@@ -55,7 +81,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, i
 
 
 @pytest.mark.parametrize(("strategy", "devices"), CASES)
-def test_sigterm_mid_epoch_and_the_same_command_continue_with_the_uninterrupted_fits_batches_and_weights(
+def test_sigterm_mid_epoch_and_the_same_command_continue_with_the_uninterrupted_fits_batches(
     uninterrupted: dict[tuple[str, int], Path], tmp_path: Path, strategy: str, devices: int
 ) -> None:
     reference = uninterrupted[strategy, devices]
@@ -76,19 +102,37 @@ def test_fit_from_a_sharded_checkpoint_directory_continues_exactly(
     checkpoint = reference / "ckpt" / "step=9.ckpt"
     assert checkpoint.is_dir()
     fit(tmp_path, strategy, devices, "--resume", str(checkpoint))
-    assert batches(tmp_path) == [[row for row in rows if row["step"] > 9] for rows in batches(reference)]
+    assert batches(tmp_path) == [
+        [row for row in rows if row["step"] > 9] for rows in batches(reference)
+    ]
     assert weights(tmp_path) == weights(reference)
 
 
-def test_tensor_parallel_ranks_sharing_one_data_shard_are_refused_not_fed_apart(tmp_path: Path) -> None:
+def test_tensor_parallel_ranks_sharing_one_data_shard_are_refused_not_fed_apart(
+    tmp_path: Path,
+) -> None:
     """``ModelParallelStrategy()`` on 2 devices of one node is tensor parallel (one data-parallel
     rank): both processes must see the same batches, which per-process sharding would not give.
     Refused at setup, named."""
     out = tmp_path / "tp"
     out.mkdir()
-    done = forked.run([sys.executable, str(CHILD), str(out), "--strategy", "model-parallel-auto", "--devices",
-                       "2"], capture_output=True, text=True, timeout=300)
+    done = forked.run(
+        [
+            sys.executable,
+            str(CHILD),
+            str(out),
+            "--strategy",
+            "model-parallel-auto",
+            "--devices",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode != 0
-    assert ("ResumeCallback under ModelParallelStrategy: the data is sharded over 1 data-parallel ranks of 2 "
-            "processes") in done.stderr, done.stderr[-3000:]
+    assert (
+        "ResumeCallback under ModelParallelStrategy: the data is sharded over 1 data-parallel "
+        "ranks of 2 processes"
+    ) in done.stderr, done.stderr[-3000:]
     assert not list(out.glob("log-*.json"))

@@ -40,7 +40,9 @@ def read(path: Path) -> dict[str, Any]:
 def every_step(factory: pytest.TempPathFactory, shape: str, workers: int) -> Path:
     """The uninterrupted run and the resumes from its checkpoint at every step (one process), made
     once per session: the SIGTERM test below compares with its uninterrupted run."""
-    return child_run(factory, "lightning_loops_child.py", "--shape", shape, "--workers", str(workers))
+    return child_run(
+        factory, "lightning_loops_child.py", "--shape", shape, "--workers", str(workers)
+    )
 
 
 @pytest.mark.parametrize(("shape", "workers"), [("limit-0.5", 2), ("limit-3", 0), ("min_size", 2),
@@ -57,15 +59,21 @@ def test_lightning_resumes_exactly_from_a_checkpoint_at_every_step_of_epochs_tha
     assert steps >= 6
     for at in range(1, steps + 1):
         resumed = read(out / f"from-{at}.json")
-        assert resumed["rows"] == full["rows"][at:], f"{shape}: resumed from the checkpoint at step {at}"
-        assert resumed["weights"] == full["weights"], f"{shape}: weights after resuming at step {at}"
+        assert resumed["rows"] == full["rows"][at:], (
+            f"{shape}: resumed from the checkpoint at step {at}"
+        )
+        assert resumed["weights"] == full["weights"], (
+            f"{shape}: weights after resuming at step {at}"
+        )
     # a resumed run's
     again, at = read(out / "again.json"), int((out / "again-from.txt").read_text())
     # checkpoint, resumed
     assert again["rows"] == full["rows"][at:] and again["weights"] == full["weights"]
     if not shape.startswith("limit"):
         both = [row for row in full["rows"] if "a" in row and "b" in row]
-        assert both and all(row["a"][1] != row["b"][1] for row in both), "two loaders drew the same values"
+        assert both and all(row["a"][1] != row["b"][1] for row in both), (
+            "two loaders drew the same values"
+        )
 
 
 @pytest.mark.parametrize(("shape", "at"), [("limit-0.5", 2), ("min_size", 5)])
@@ -83,15 +91,23 @@ def test_lightning_sigterm_to_the_group_at_an_epochs_last_batch_and_a_rerun_cont
     assert resumed["rows"] == full["rows"] and resumed["weights"] == full["weights"]
 
 
-# --- Accelerate
-# -----------------------------------------------------------------------------------------------
+# --- Accelerate -----------------------------------------------------------------------------------
 ACCELERATE = CHILDREN / "accelerate_loops_child.py"
 SHAPES = {"zip": ("2", 8), "alternate": ("0", 16)}  # workers, rows of the job (two epochs)
 CHAINS = {"zip": "1,3,4", "alternate": "1,5,8"}  # the first step, mid-epoch, an epoch's last batch
 
 
 def accelerate(out: Path, shape: str, *args: str) -> int:
-    command = [sys.executable, str(ACCELERATE), str(out), "--shape", shape, "--workers", SHAPES[shape][0], *args]
+    command = [
+        sys.executable,
+        str(ACCELERATE),
+        str(out),
+        "--shape",
+        shape,
+        "--workers",
+        SHAPES[shape][0],
+        *args,
+    ]
     done = forked.run(command, capture_output=True, text=True, timeout=300, start_new_session=True)
     assert done.returncode in (0, 143), done.stderr[-3000:]
     return done.returncode
@@ -112,7 +128,9 @@ def cuts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     (tests/support/batch.py); then every one of those that stopped (exit 143) rerun with the same
     command, in one fresh process (each loads a checkpoint another process wrote)."""
     root = tmp_path_factory.mktemp("cuts")
-    plan = [(shape, None) for shape in SHAPES] + [(shape, at) for shape in SHAPES for at in signals(shape)]
+    plan = [(shape, None) for shape in SHAPES] + [
+        (shape, at) for shape in SHAPES for at in signals(shape)
+    ]
 
     def out(shape: str, at: int | None) -> Path:
         return root / f"{shape}-{at or 'full'}"
@@ -126,8 +144,13 @@ def cuts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                for run, done in zip(plan, first, strict=True)}
     again = [run for run in plan if run[1] is not None and stopped[run][0] == 143]
     second = run_batch(ACCELERATE, [argv(*run) for run in again], root / "again")
-    return {"stopped": stopped, "again": {run: (done.returncode, read(out(*run) / "log.json"), done.stderr)
-                                          for run, done in zip(again, second, strict=True)}}
+    return {
+        "stopped": stopped,
+        "again": {
+            run: (done.returncode, read(out(*run) / "log.json"), done.stderr)
+            for run, done in zip(again, second, strict=True)
+        },
+    }
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -148,13 +171,19 @@ def test_accelerate_two_loaders_of_unequal_length_resume_exactly_after_a_sigterm
         code, stopped, stderr = cuts["stopped"][shape, at]
         boundary = at + (at % 2 if shape == "alternate" else 0)
         if shape == "alternate" and boundary == rows:
-            assert code == 0 and stopped == full, f"SIGTERM at row {at}: exit {code}\n{stderr[-3000:]}"
+            assert code == 0 and stopped == full, (
+                f"SIGTERM at row {at}: exit {code}\n{stderr[-3000:]}"
+            )
             continue
         assert code == 143, f"SIGTERM at row {at}: exit {code}\n{stderr[-3000:]}"
-        assert stopped["rows"] == full["rows"][:boundary], f"SIGTERM at row {at}: the rows before its checkpoint"
+        assert stopped["rows"] == full["rows"][:boundary], (
+            f"SIGTERM at row {at}: the rows before its checkpoint"
+        )
         code, resumed, stderr = cuts["again"][shape, at]
         assert code == 0, f"rerun after the SIGTERM at row {at}: exit {code}\n{stderr[-3000:]}"
-        assert resumed["rows"] == full["rows"] and resumed["weights"] == full["weights"], f"SIGTERM at row {at}"
+        assert resumed["rows"] == full["rows"] and resumed["weights"] == full["weights"], (
+            f"SIGTERM at row {at}"
+        )
     both = [row for row in full["rows"] if "a" in row and "b" in row]
     assert all(row["a"][1] != row["b"][1] for row in both), "two loaders drew the same values"
     if shape == "alternate":

@@ -33,8 +33,15 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 def batch_script(out: Path, command: list[str]) -> str:
-    return "\n".join(["#!/bin/bash", f"#SBATCH --output={out}/slurm-%j.out", "#SBATCH --open-mode=append",
-                      f"srun {' '.join(command)}", ""])
+    return "\n".join(
+        [
+            "#!/bin/bash",
+            f"#SBATCH --output={out}/slurm-%j.out",
+            "#SBATCH --open-mode=append",
+            f"srun {' '.join(command)}",
+            "",
+        ]
+    )
 
 
 def lightning_job(out: Path, *args: str) -> list[str]:
@@ -42,14 +49,23 @@ def lightning_job(out: Path, *args: str) -> list[str]:
 
 
 def accelerate_job(out: Path, *args: str) -> list[str]:
-    return [sys.executable, str(CHILDREN / "accelerate_child.py"), str(out), *args, "slurm_requeue=true"]
+    return [
+        sys.executable,
+        str(CHILDREN / "accelerate_child.py"),
+        str(out),
+        *args,
+        "slurm_requeue=true",
+    ]
 
 
 def requeued_to_the_end(slurm: Cluster, job: int, out: Path) -> dict[str, str]:
     """The job run to its end, started at once whenever it is requeued; it must complete. Its last
     fields."""
     fields = slurm.to_the_end(job)
-    assert fields["JobState"] == "COMPLETED", (fields, [p.read_text()[-3000:] for p in out.glob("slurm-*.out")])
+    assert fields["JobState"] == "COMPLETED", (
+        fields,
+        [p.read_text()[-3000:] for p in out.glob("slurm-*.out")],
+    )
     return fields
 
 
@@ -74,11 +90,17 @@ def test_lightning_the_time_limit_warning_requeues_and_the_requeued_job_continue
     auto-requeue, kept)."""
     out = tmp_path / "job"
     out.mkdir()
-    job = slurm.submit(batch_script(out, lightning_job(out, "--sleep", "0.3", *LONG)), "--requeue", "--time=2",
-                       "--signal=USR1@60")
+    job = slurm.submit(
+        batch_script(out, lightning_job(out, "--sleep", "0.3", *LONG)),
+        "--requeue",
+        "--time=2",
+        "--signal=USR1@60",
+    )
     fields = requeued_to_the_end(slurm, job, out)
     assert int(fields["Restarts"]) >= 1
-    same(out, child_run(tmp_path_factory, "lightning_child.py", *LONG), "log-0.json", "weights-0.txt")
+    same(
+        out, child_run(tmp_path_factory, "lightning_child.py", *LONG), "log-0.json", "weights-0.txt"
+    )
 
 
 def test_lightning_scancel_signal_usr1_requeues_and_the_requeued_job_continues_exactly(
@@ -90,7 +112,12 @@ def test_lightning_scancel_signal_usr1_requeues_and_the_requeued_job_continues_e
     signal_when(slurm, out, 5, "scancel", "--signal=USR1", str(job))
     fields = requeued_to_the_end(slurm, job, out)
     assert fields["Restarts"] == "1"
-    same(out, child_run(tmp_path_factory, "lightning_child.py", "--every", "3"), "log-0.json", "weights-0.txt")
+    same(
+        out,
+        child_run(tmp_path_factory, "lightning_child.py", "--every", "3"),
+        "log-0.json",
+        "weights-0.txt",
+    )
 
 
 @pytest.mark.parametrize("how", ["scancel --signal=USR1", "scontrol requeue"])

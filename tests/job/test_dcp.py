@@ -25,16 +25,38 @@ EXAMPLE = ROOT / "examples" / "fsdp2_dcp.py"
 
 
 def command(out: Path, *args: str) -> list[str]:
-    return [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port()), str(EXAMPLE), "--out", str(out),
-            "--batch-log", str(out), "--workers", "2", "--every", "100", *args]
+    return [
+        TORCHRUN,
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(EXAMPLE),
+        "--out",
+        str(out),
+        "--batch-log",
+        str(out),
+        "--workers",
+        "2",
+        "--every",
+        "100",
+        *args,
+    ]
 
 
 def rows(out: Path) -> list[list[dict[str, Any]]]:
-    return [[json.loads(line) for line in path.read_text().splitlines()] for path in sorted(out.glob("log-*.jsonl"))]
+    return [
+        [json.loads(line) for line in path.read_text().splitlines()]
+        for path in sorted(out.glob("log-*.jsonl"))
+    ]
 
 
 def digest(stdout: str) -> str:
-    found = [line.split(": ")[1] for line in stdout.splitlines() if line.startswith("final weights digest: ")]
+    found = [
+        line.split(": ")[1]
+        for line in stdout.splitlines()
+        if line.startswith("final weights digest: ")
+    ]
     assert len(found) == 1, stdout[-3000:]
     return found[0]
 
@@ -52,15 +74,25 @@ def stopped(out: Path, *args: str, kept: int = 1) -> Path:
     """The command SIGTERMed (the whole launch) after step 5, mid-epoch 0: every rank exits 143; the
     newest of the ``kept`` sealed checkpoints it leaves (the preemption's)."""
     out.mkdir()
-    first = forked.popen(command(out, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
+    first = forked.popen(
+        command(out, *args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 120
-    while not (out / "log-0.jsonl").is_file() or len((out / "log-0.jsonl").read_text().splitlines()) < 5:
+    while (
+        not (out / "log-0.jsonl").is_file()
+        or len((out / "log-0.jsonl").read_text().splitlines()) < 5
+    ):
         assert time.monotonic() < deadline and first.poll() is None, "training never reached step 5"
         time.sleep(0.02)
     os.killpg(first.pid, signal.SIGTERM)
     stdout, stderr = first.communicate(timeout=120)
-    assert stdout.count("exiting with 143") == 2 and "final weights digest" not in stdout, stderr[-3000:]
+    assert stdout.count("exiting with 143") == 2 and "final weights digest" not in stdout, stderr[
+        -3000:
+    ]
     sealed = complete_checkpoints(out / "checkpoints")
     # mid-epoch 0 (15 steps an epoch)
     assert len(sealed) == kept and 5 <= int(sealed[-1].name[5:]) < 15, sealed
@@ -78,7 +110,7 @@ def test_sigterm_to_the_launch_and_the_same_command_continue_with_the_uninterrup
     assert rows(out) == rows(full[0]) and digest(rerun.stdout) == full[1]
 
 
-def test_async_save_a_sigterm_while_a_save_is_in_flight_and_each_checkpoint_holds_one_steps_model_and_data(
+def test_async_save_sigterm_during_a_save_and_each_checkpoint_holds_one_steps_model_and_data(
     full: tuple[Path, str], tmp_path: Path
 ) -> None:
     """``--async-save --every 1``: every step starts a write that runs while the next step trains,
@@ -91,7 +123,12 @@ def test_async_save_a_sigterm_while_a_save_is_in_flight_and_each_checkpoint_hold
     shutil.copytree(out, before)
     shutil.rmtree(before / "checkpoints" / newest.name)
     for job in (out, before):
-        rerun = forked.run(command(job, "--async-save", "--every", "1"), capture_output=True, text=True, timeout=300)
+        rerun = forked.run(
+            command(job, "--async-save", "--every", "1"),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert rerun.returncode == 0, rerun.stderr[-3000:]
         assert digest(rerun.stdout) == full[1]
     assert rows(out) == rows(full[0])  # the rerun's log appends to the first run's

@@ -34,7 +34,7 @@ from loader_resume.job.checkpoint_dir import DirectoryLock
 directory = Path(sys.argv[1])
 DirectoryLock.acquire(directory)
 if sys.argv[2] == "writing":
-    (directory / ".step_000000007.tmp-123-abcdef12").mkdir()  # the name a sealed write in flight has
+    (directory / ".step_000000007.tmp-123-abcdef12").mkdir()  # a sealed write in flight's name
 print("held", flush=True)
 time.sleep(60)
 """
@@ -43,8 +43,11 @@ time.sleep(60)
 def killed_job(directory: Path, writing: bool) -> None:
     """A real job that holds ``directory`` (and, if ``writing``, has a checkpoint write in flight),
     SIGKILLed."""
-    job = forked.popen([sys.executable, "-c", KILLED_JOB, str(directory), "writing" if writing else "idle"],
-                       stdout=subprocess.PIPE, text=True)
+    job = forked.popen(
+        [sys.executable, "-c", KILLED_JOB, str(directory), "writing" if writing else "idle"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert job.stdout is not None and job.stdout.readline().strip() == "held"
     job.send_signal(signal.SIGKILL)
     assert job.wait(timeout=30) == -signal.SIGKILL
@@ -72,13 +75,18 @@ def test_an_earlier_killed_job_and_no_checkpoint_is_said_in_one_warning_naming_w
     assert said[0].endswith(f"starting from step 0 ({NO_CHECKPOINT_VARIABLE}=refuse stops instead)")
 
 
-def test_refuse_stops_the_job_naming_the_traces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_refuse_stops_the_job_naming_the_traces(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     killed_job(tmp_path, writing=False)
     monkeypatch.setenv(NO_CHECKPOINT_VARIABLE, "refuse")
     lock = DirectoryLock.acquire(tmp_path)
     try:
-        with pytest.raises(CheckpointDirectoryError, match=r"an earlier job left the lock file of a job that did not "
-                           r"end cleanly \(pid \d+ .*refused, as LOADER_RESUME_NO_CHECKPOINT=refuse"):
+        with pytest.raises(
+            CheckpointDirectoryError,
+            match=r"an earlier job left the lock file of a job that did not "
+            r"end cleanly \(pid \d+ .*refused, as LOADER_RESUME_NO_CHECKPOINT=refuse",
+        ):
             newest_or_start([], lock, no)
     finally:
         lock.release()
@@ -91,13 +99,19 @@ def test_refuse_stops_the_job_naming_the_traces(tmp_path: Path, monkeypatch: pyt
     assert not (tmp_path / LOCK_FILE).exists()  # the start that went on let go cleanly
 
 
-def test_a_checkpoint_to_resume_or_a_clean_directory_says_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                 caplog: pytest.LogCaptureFixture) -> None:
+def test_a_checkpoint_to_resume_or_a_clean_directory_says_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """A killed job that left a complete checkpoint is resumed (refuse or not); a directory a job
     let go of cleanly (its lock file removed) and a first start hold no traces."""
     monkeypatch.setenv(NO_CHECKPOINT_VARIABLE, "refuse")
-    assert write_sealed(tmp_path / "step_000000003", lambda d: torch.save({"x": 1}, d / "model.pt"), main=True,
-                        agree=no, step=3)
+    assert write_sealed(
+        tmp_path / "step_000000003",
+        lambda d: torch.save({"x": 1}, d / "model.pt"),
+        main=True,
+        agree=no,
+        step=3,
+    )
     killed_job(tmp_path, writing=True)
     lock = DirectoryLock.acquire(tmp_path)
     assert newest_or_start([tmp_path / "step_000000003"], lock, no) == tmp_path / "step_000000003"
@@ -110,8 +124,9 @@ def test_a_checkpoint_to_resume_or_a_clean_directory_says_nothing(tmp_path: Path
     assert not [r for r in caplog.records if r.name == "loader_resume.job.fresh_start"]
 
 
-def test_a_misspelt_choice_is_refused_naming_the_variable_and_the_choices(tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_misspelt_choice_is_refused_naming_the_variable_and_the_choices(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv(NO_CHECKPOINT_VARIABLE, "refused")
     with pytest.raises(ValueError, match=r"LOADER_RESUME_NO_CHECKPOINT='refused': expected one of "
                                          r"\['start-over', 'refuse'\]"):
@@ -133,11 +148,15 @@ def test_a_lightning_job_killed_before_its_first_checkpoint_was_whole_is_not_res
     out = tmp_path / "job"
     out.mkdir()
     job = [sys.executable, str(LIGHTNING_CHILD), str(out), "--async-io", "1", "--sleep", "0.1"]
-    first = forked.popen(job, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    first = forked.popen(
+        job, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     marker = out / "writing"
     deadline = time.monotonic() + 120
     while not (marker.exists() and marker.read_text() == "step=3.ckpt"):
-        assert time.monotonic() < deadline and first.poll() is None, "the job never began writing step=3.ckpt"
+        assert time.monotonic() < deadline and first.poll() is None, (
+            "the job never began writing step=3.ckpt"
+        )
         time.sleep(0.02)
     os.killpg(first.pid, signal.SIGKILL)
     first.wait(timeout=60)
@@ -145,20 +164,24 @@ def test_a_lightning_job_killed_before_its_first_checkpoint_was_whole_is_not_res
     refused = forked.run(job, capture_output=True, text=True, timeout=300,
                          env={**os.environ, NO_CHECKPOINT_VARIABLE: "refuse"})
     assert refused.returncode == 1, refused.stderr[-3000:]
-    assert f"CheckpointDirectoryError: {out}: an earlier job left the lock file of a job that did not end cleanly " \
-           f"(pid {first.pid} on " in refused.stderr
+    assert (
+        f"CheckpointDirectoryError: {out}: an earlier job left the lock file of a job that did not "
+        f"end cleanly (pid {first.pid} on " in refused.stderr
+    )
     assert not (out / "log-0.json").exists()  # stopped before training
     rerun = forked.run(job, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert rerun.stderr.count("starting from step 0") == 1
-    assert f"an earlier job left the lock file of a job that did not end cleanly (pid {first.pid} on " in rerun.stderr
+    assert (
+        f"an earlier job left the lock file of a job that did not end cleanly (pid {first.pid} on "
+        in rerun.stderr
+    )
     uninterrupted = child_run(tmp_path_factory, "lightning_child.py", "--every", "3")
     for name in ("log-0.json", "weights-0.txt"):
         assert (out / name).read_text() == (uninterrupted / name).read_text()
 
 
-# --- through the other front doors: a job SIGKILLed before its first checkpoint
-# -----------------------------------
+# --- through the other front doors: a job SIGKILLed before its first checkpoint -------------------
 FRONT_DOORS = {  # the child, its options, where the front door keeps its checkpoints (under OUT)
     "fabric": ("fabric_child.py", [], "resume_checkpoints"),
     "accelerate": ("accelerate_child.py", [], "resume_checkpoints"),
@@ -167,30 +190,42 @@ FRONT_DOORS = {  # the child, its options, where the front door keeps its checkp
 
 
 @pytest.mark.parametrize("front_door", sorted(FRONT_DOORS))
-def test_every_front_door_refuses_or_names_the_start_over_after_a_job_killed_before_its_first_checkpoint(
+def test_every_front_door_refuses_or_names_the_start_over_after_a_kill_before_any_checkpoint(
     tmp_path: Path, front_door: str
 ) -> None:
     child, options, directory = FRONT_DOORS[front_door]
     out = tmp_path / "job"
     job = [sys.executable, str(CHILDREN / child), str(out), *options]
-    first = forked.popen([*job, "--sleep", "0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True)
+    first = forked.popen(
+        [*job, "--sleep", "0.1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     log = out / "log-0.jsonl"
     deadline = time.monotonic() + 120
     while not log.exists() or len(log.read_text().splitlines()) < 3:
-        assert time.monotonic() < deadline and first.poll() is None, "the job never trained 3 batches"
+        assert time.monotonic() < deadline and first.poll() is None, (
+            "the job never trained 3 batches"
+        )
         time.sleep(0.02)
     os.killpg(first.pid, signal.SIGKILL)
     first.wait(timeout=60)
     log.unlink()  # the rerun's log alone
     refused = forked.run(job, capture_output=True, text=True, timeout=300,
                          env={**os.environ, NO_CHECKPOINT_VARIABLE: "refuse"})
-    assert refused.returncode != 0 and f"{out / directory}: an earlier job left the lock file of a job that did " \
-        f"not end cleanly (pid {first.pid} on " in refused.stderr, refused.stderr[-3000:]
+    assert (
+        refused.returncode != 0
+        and f"{out / directory}: an earlier job left the lock file of a job that did "
+        f"not end cleanly (pid {first.pid} on "
+        in refused.stderr
+    ), refused.stderr[-3000:]
     assert not log.exists() or not log.read_text()  # refused before its first batch
     rerun = forked.run(job, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert rerun.stderr.count("no checkpoint to resume from: starting from step 0") == 1, rerun.stderr[-3000:]
+    assert rerun.stderr.count("no checkpoint to resume from: starting from step 0") == 1, (
+        rerun.stderr[-3000:]
+    )
 
 
 def test_accelerates_configuration_takes_the_variable_as_ours_and_names_its_typo() -> None:
@@ -198,7 +233,12 @@ def test_accelerates_configuration_takes_the_variable_as_ours_and_names_its_typo
     this one, read by every front door, is accepted beside them; a misspelt one fails naming it."""
     from accelerate_resume.config import load_config
 
-    assert load_config(None, environ={NO_CHECKPOINT_VARIABLE: "refuse", "LOADER_RESUME_KEEP": "3"}).keep == 3
+    assert (
+        load_config(
+            None, environ={NO_CHECKPOINT_VARIABLE: "refuse", "LOADER_RESUME_KEEP": "3"}
+        ).keep
+        == 3
+    )
     with pytest.raises(ValueError, match=r"LOADER_RESUME_NO_CHECKPOINTS: unknown \(did you mean "
                                          r"LOADER_RESUME_NO_CHECKPOINT\?\)"):
         load_config(None, environ={"LOADER_RESUME_NO_CHECKPOINTS": "refuse"})

@@ -22,8 +22,21 @@ def one_process_launch(out: Path, *args: str) -> list[str]:
     """``accelerate launch`` with one process (Accelerate's simple launcher: the script is its
     child)."""
     accelerate = Path(sys.executable).with_name("accelerate")
-    return [str(accelerate), "launch", "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no",
-            "--dynamo_backend", "no", str(ACCELERATE_CHILD), str(out), *args]
+    return [
+        str(accelerate),
+        "launch",
+        "--num_processes",
+        "1",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(ACCELERATE_CHILD),
+        str(out),
+        *args,
+    ]
 
 
 def ended(pid: int) -> bool:
@@ -50,11 +63,18 @@ def test_sigterm_to_a_one_process_accelerate_launch_reaches_training_and_the_sam
     weights."""
     out = tmp_path / "job"
     command = one_process_launch(out, "--sleep", "0.1")
-    launcher = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+    launcher = subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 120
     while progress_of(out / "progress-0") < 5:
-        assert time.monotonic() < deadline and launcher.poll() is None, "training never reached step 5"
+        assert time.monotonic() < deadline and launcher.poll() is None, (
+            "training never reached step 5"
+        )
         time.sleep(0.02)
     training = int((out / "pid-0").read_text())
     # to the launcher's pid only, as a container runtime sends it
@@ -85,9 +105,27 @@ def test_a_launcher_that_passes_signals_on_or_no_launcher_is_not_followed(tmp_pa
     assert silent_launcher() is None
     accelerate = str(Path(sys.executable).with_name("accelerate"))
     common = ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    two = subprocess.run([accelerate, "launch", "--multi_gpu", "--num_processes", "2", *common, "--main_process_port",
-                          str(free_port()), str(script)], capture_output=True, text=True, timeout=300)
+    two = subprocess.run(
+        [
+            accelerate,
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            *common,
+            "--main_process_port",
+            str(free_port()),
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert two.stdout.count("launcher: None") == 2, two.stderr[-3000:]
-    one = subprocess.run([accelerate, "launch", "--num_processes", "1", *common, str(script)], capture_output=True,
-                         text=True, timeout=300)
+    one = subprocess.run(
+        [accelerate, "launch", "--num_processes", "1", *common, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert f" {accelerate} launch --num_processes 1 " in one.stdout, one.stderr[-3000:]

@@ -61,7 +61,9 @@ def test_accelerate_sigterm_copies_the_checkpoint_to_s3_and_a_rerun_on_a_new_dis
     stopped = len(trained(logs(tmp_path)[0]))
     assert local == [f"step_{stopped:09d}"]
     stored = objects("s3://copy-a/job")
-    assert f"s3://copy-a/job/{local[0]}/{MANIFEST}" in stored and not [u for u in stored if "lease" in u], stored
+    assert f"s3://copy-a/job/{local[0]}/{MANIFEST}" in stored and not [
+        u for u in stored if "lease" in u
+    ], stored
     run(tmp_path, 2, "remote=s3://copy-a/job")
     assert logs(tmp_path) == logs(full)  # the rerun's log appends to the first run's
     assert weights(tmp_path) == weights(full)
@@ -69,7 +71,7 @@ def test_accelerate_sigterm_copies_the_checkpoint_to_s3_and_a_rerun_on_a_new_dis
     assert (tmp_path / "resume_checkpoints" / local[0] / MANIFEST).is_file()
 
 
-def test_an_upload_killed_before_its_manifest_is_skipped_naming_it_and_the_rerun_resumes_from_the_one_before(
+def test_an_upload_killed_before_its_manifest_is_skipped_by_name_and_the_rerun_takes_the_one_before(
     s3: dict[str, str], full: Path, tmp_path: Path
 ) -> None:
     """A newer remote directory without its manifest (what a kill during the upload leaves) is
@@ -110,7 +112,9 @@ def test_a_job_killed_during_an_upload_leaves_a_copy_that_a_rerun_passes_over_fo
             time.sleep(0.05)
         # the next manifest's upload
         link.stall = re.compile(rb"^PUT \S*/" + re.escape(MANIFEST.encode()) + rb"[ ?]")
-        assert link.stalled.wait(timeout=120) and job.poll() is None, "no upload reached its manifest"
+        assert link.stalled.wait(timeout=120) and job.poll() is None, (
+            "no upload reached its manifest"
+        )
         os.killpg(job.pid, signal.SIGKILL)  # the launcher; each rank runs in a session of its own
         for rank in (0, 1):
             os.kill(int((tmp_path / f"pid-{rank}").read_text()), signal.SIGKILL)
@@ -118,9 +122,13 @@ def test_a_job_killed_during_an_upload_leaves_a_copy_that_a_rerun_passes_over_fo
     finally:
         link.close()
     (complete,) = copy.complete()
-    partial = sorted({url.split("/")[4] for url in objects("s3://copy-k/job") if "/step_" in url} - {complete})
+    partial = sorted(
+        {url.split("/")[4] for url in objects("s3://copy-k/job") if "/step_" in url} - {complete}
+    )
     assert len(partial) == 1 and partial[0] > complete, (complete, partial)
-    assert [url for url in objects(f"s3://copy-k/job/{partial[0]}")], "the killed upload left its files"
+    assert [url for url in objects(f"s3://copy-k/job/{partial[0]}")], (
+        "the killed upload left its files"
+    )
     shutil.rmtree(tmp_path / "resume_checkpoints")
     stderr = run(tmp_path, 2, "--log-dir", "rerun", *same, env={"LOADER_RESUME_LEASE_SECONDS": "6"})
     assert f"skipping s3://copy-k/job/{partial[0]}: it has no {MANIFEST}" in stderr
@@ -130,7 +138,7 @@ def test_a_job_killed_during_an_upload_leaves_a_copy_that_a_rerun_passes_over_fo
     assert weights(tmp_path / "rerun") == weights(full)
 
 
-def test_an_upload_cut_at_the_preemption_save_exits_74_and_the_same_machines_rerun_resumes_from_its_disk(
+def test_an_upload_cut_at_the_preemption_save_exits_74_and_a_rerun_there_resumes_from_its_disk(
     s3: dict[str, str], full: Path, tmp_path: Path
 ) -> None:
     """The link to the store is cut mid-job (a relay that closes every connection), then rank 0 gets
@@ -140,9 +148,20 @@ def test_an_upload_cut_at_the_preemption_save_exits_74_and_the_same_machines_rer
     local checkpoint."""
     bucket("copy-d")
     link = Cuttable(s3["AWS_ENDPOINT_URL"])
-    env = {**os.environ, "AWS_ENDPOINT_URL": link.url, "LOADER_RESUME_LEASE_SECONDS": "6", **ONE_ATTEMPT}
-    job = forked.popen(command(tmp_path, 2, "--sleep", "0.2", "remote=s3://copy-d/job"), stdout=subprocess.DEVNULL,
-                       stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    env = {
+        **os.environ,
+        "AWS_ENDPOINT_URL": link.url,
+        "LOADER_RESUME_LEASE_SECONDS": "6",
+        **ONE_ATTEMPT,
+    }
+    job = forked.popen(
+        command(tmp_path, 2, "--sleep", "0.2", "remote=s3://copy-d/job"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 300
     while progress_of(tmp_path / "progress-0") < 3:
         assert time.monotonic() < deadline and job.poll() is None, "training never reached step 3"
@@ -153,18 +172,27 @@ def test_an_upload_cut_at_the_preemption_save_exits_74_and_the_same_machines_rer
     _, stderr = job.communicate(timeout=600)
     link.restore()
     assert job.returncode != 0 and "exitcode  : 74" in stderr, stderr[-3000:]
-    assert "but NOT copied: RemoteCopyError: upload" in stderr and "to s3://copy-d/job/step_" in stderr
+    assert (
+        "but NOT copied: RemoteCopyError: upload" in stderr and "to s3://copy-d/job/step_" in stderr
+    )
     assert not [url for url in objects("s3://copy-d/job") if url.endswith(MANIFEST)]
     (local,) = [p.name for p in (tmp_path / "resume_checkpoints").glob("step_*")]
     # sealed at the step the job stopped after
     assert int(local[5:]) == len(trained(logs(tmp_path)[0]))
-    done = forked.run(command(tmp_path, 2, "remote=s3://copy-d/job"), capture_output=True, text=True,
-                      timeout=600, env=env)
+    done = forked.run(
+        command(tmp_path, 2, "remote=s3://copy-d/job"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert logs(tmp_path) == logs(full) and weights(tmp_path) == weights(full)
 
 
-def test_a_bucket_that_does_not_exist_is_refused_at_start_naming_the_url(s3: dict[str, str], tmp_path: Path) -> None:
+def test_a_bucket_that_does_not_exist_is_refused_at_start_naming_the_url(
+    s3: dict[str, str], tmp_path: Path
+) -> None:
     stderr = run(tmp_path, 2, "remote=s3://no-such-bucket/job", expect=1)
     assert "s3://no-such-bucket/job" in stderr
     assert not (tmp_path / "log-0.jsonl").exists()  # refused before the first step
@@ -189,7 +217,11 @@ def test_the_copy_keeps_the_newest_and_downloads_only_what_is_newer_than_the_loc
     local = tmp_path / "local"
     copy = RemoteCopy("s3://copy-c/job", local, keep=2)
     for step in (1, 2, 3):
-        copy.upload(sealed(local / f"step_{step:09d}", {"a.bin": bytes([step]) * 100, "sub/b.bin": b"x" * step}))
+        copy.upload(
+            sealed(
+                local / f"step_{step:09d}", {"a.bin": bytes([step]) * 100, "sub/b.bin": b"x" * step}
+            )
+        )
     assert copy.complete() == ["step_000000002", "step_000000003"]
     fresh = tmp_path / "fresh"
     made = RemoteCopy("s3://copy-c/job", fresh, keep=2).download_newer()
@@ -207,13 +239,19 @@ def test_a_local_path_is_not_a_remote_copy_and_an_unreachable_store_is_named(
     with pytest.raises(ValueError, match="expected an fsspec URL"):
         RemoteCopy("file:///tmp/x", tmp_path)
     checkpoint = sealed(tmp_path / "step_000000001", {"a.bin": b"a"})
-    with pytest.raises(RemoteCopyError, match=r"upload .* to s3://no-such-bucket-2/job/step_000000001: "):
+    with pytest.raises(
+        RemoteCopyError, match=r"upload .* to s3://no-such-bucket-2/job/step_000000001: "
+    ):
         RemoteCopy("s3://no-such-bucket-2/job", tmp_path).upload(checkpoint)
 
 
 def fabric(out: Path, *args: str, expect: int = 0) -> str:
-    done = forked.run([sys.executable, str(CHILDREN / "fabric_child.py"), str(out), "--devices", "2", *args],
-                      capture_output=True, text=True, timeout=300)
+    done = forked.run(
+        [sys.executable, str(CHILDREN / "fabric_child.py"), str(out), "--devices", "2", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == expect, done.stderr[-3000:]
     return done.stderr
 
@@ -228,7 +266,9 @@ def test_fabric_sigterm_copies_the_checkpoint_to_s3_and_a_rerun_on_a_new_disk_co
     (local,) = [p.name for p in (job / "resume_checkpoints").glob("step_*")]
     shutil.rmtree(job / "resume_checkpoints")
     stored = objects("s3://copy-f/job")
-    assert f"s3://copy-f/job/{local}/{MANIFEST}" in stored and not [u for u in stored if "lease" in u], stored
+    assert f"s3://copy-f/job/{local}/{MANIFEST}" in stored and not [
+        u for u in stored if "lease" in u
+    ], stored
     fabric(job, "--remote", "s3://copy-f/job")
     assert logs(job) == logs(tmp_path / "full") and weights(job) == weights(tmp_path / "full")
 
@@ -243,8 +283,17 @@ def test_a_plain_loop_with_a_remote_copy_stopped_and_rerun_on_a_new_disk_continu
 
     def command(out: Path, *args: str) -> list[str]:
         out.mkdir(exist_ok=True)
-        return [sys.executable, str(ROOT / "examples" / "plain_digits.py"), "--out", str(out), "--epochs",
-                "1", "--batch-log", str(out), *args]
+        return [
+            sys.executable,
+            str(ROOT / "examples" / "plain_digits.py"),
+            "--out",
+            str(out),
+            "--epochs",
+            "1",
+            "--batch-log",
+            str(out),
+            *args,
+        ]
 
     # the last write of each step wins (a rerun appends)
     def steps(out: Path) -> dict[int, list[Any]]:
@@ -255,10 +304,17 @@ def test_a_plain_loop_with_a_remote_copy_stopped_and_rerun_on_a_new_disk_continu
     assert full.returncode == 0, full.stderr[-3000:]
     job = tmp_path / "job"
     same = ["--remote", "s3://copy-p/job", "--audit", "s3://copy-p/audit"]
-    first = forked.popen(command(job, *same, "--sleep", "0.05"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                         text=True)
+    first = forked.popen(
+        command(job, *same, "--sleep", "0.05"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 300
-    while not (job / "log-0.jsonl").exists() or len((job / "log-0.jsonl").read_text().splitlines()) < 5:
+    while (
+        not (job / "log-0.jsonl").exists()
+        or len((job / "log-0.jsonl").read_text().splitlines()) < 5
+    ):
         assert time.monotonic() < deadline and first.poll() is None, "training never reached step 5"
         time.sleep(0.02)
     first.send_signal(signal.SIGTERM)
@@ -282,4 +338,6 @@ def test_a_plain_loop_with_a_remote_copy_stopped_and_rerun_on_a_new_disk_continu
     assert report.ok, report.findings
     assert [(a["world"], a["resumed"]) for a in report.attempts] == [
         (1, "(fresh)"), (1, f"epoch 0 position {64 * int(local.removeprefix('step_'))}")]
-    assert [(row["epoch"], row["delivered"], row["status"]) for row in report.epochs] == [(0, 1797, "ok")]
+    assert [(row["epoch"], row["delivered"], row["status"]) for row in report.epochs] == [
+        (0, 1797, "ok")
+    ]

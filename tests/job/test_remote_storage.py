@@ -35,8 +35,12 @@ def s3() -> Iterator[dict[str, str]]:
 
 def lightning(out: Path, *args: str, expect: int = 0) -> str:
     out.mkdir(parents=True, exist_ok=True)
-    done = forked.run([sys.executable, str(CHILDREN / "lightning_child.py"), str(out), "--workers", "2", *args],
-                      capture_output=True, text=True, timeout=600)
+    done = forked.run(
+        [sys.executable, str(CHILDREN / "lightning_child.py"), str(out), "--workers", "2", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == expect, done.stderr[-3000:]
     return done.stderr
 
@@ -54,7 +58,9 @@ def full(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], str]:
     return rows(child_run(tmp_path_factory, "lightning_child.py", "--every", "3"))
 
 
-@pytest.mark.parametrize("writer", [[], ["--async-io", "1"]], ids=["synchronous", "AsyncCheckpointIO"])
+@pytest.mark.parametrize(
+    "writer", [[], ["--async-io", "1"]], ids=["synchronous", "AsyncCheckpointIO"]
+)
 def test_lightning_on_s3_sigterm_writes_the_checkpoint_on_the_bucket_and_the_same_command_continues(
     s3: dict[str, str], full: tuple[list[Any], str], tmp_path: Path, writer: list[str]
 ) -> None:
@@ -65,14 +71,16 @@ def test_lightning_on_s3_sigterm_writes_the_checkpoint_on_the_bucket_and_the_sam
     root = f"s3://run-a{len(writer)}/job"
     lightning(tmp_path, *command, expect=143)
     stored = objects(root)
-    assert f"{root}/preempted.ckpt" in stored and not [url for url in stored if ".tmp" in url], stored
+    assert f"{root}/preempted.ckpt" in stored and not [url for url in stored if ".tmp" in url], (
+        stored
+    )
     assert len(rows(tmp_path)[0]) == 5
     lightning(tmp_path, *command)
     assert rows(tmp_path) == full
     assert f"{root}/preempted.ckpt" not in objects(root)  # a finished fit leaves none behind
 
 
-def test_lightning_on_s3_passes_over_a_corrupted_preemption_checkpoint_to_the_newest_last_ckpt_there(
+def test_lightning_on_s3_passes_over_a_corrupted_preemption_checkpoint_to_the_newest_last_ckpt(
     s3: dict[str, str], full: tuple[list[Any], str], tmp_path: Path
 ) -> None:
     """Bytes flipped in the bucket's ``preempted.ckpt``: its CRC-32s, read through fsspec, refuse it
@@ -102,7 +110,15 @@ def test_lightning_on_s3_refuses_to_start_over_when_the_bucket_holds_checkpoints
     import s3fs
 
     bucket("run-c")
-    lightning(tmp_path / "first", "--root", "s3://run-c/job", "--signal-at", "7", "--no-save-last", expect=143)
+    lightning(
+        tmp_path / "first",
+        "--root",
+        "s3://run-c/job",
+        "--signal-at",
+        "7",
+        "--no-save-last",
+        expect=143,
+    )
     s3fs.S3FileSystem(skip_instance_cache=True).rm("run-c/job/preempted.ckpt")
     stderr = lightning(tmp_path / "rerun", "--root", "s3://run-c/job", "--no-save-last", expect=1)
     assert "resumes nothing, but its remote checkpoint directory holds" in stderr
@@ -134,16 +150,36 @@ def test_lightning_on_s3_without_credentials_stops_before_the_first_step_naming_
     """No credentials: the fit stops where it looks for its checkpoint, before training, naming the
     URL and the cause (never a run whose preemption save would fail, nor a silent start)."""
     bucket("run-d")
-    env = {name: value for name, value in os.environ.items() if not name.startswith("AWS_") or name.endswith("URL")}
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith("AWS_") or name.endswith("URL")
+    }
     env["AWS_SHARED_CREDENTIALS_FILE"] = env["AWS_CONFIG_FILE"] = str(tmp_path / "none")
-    done = forked.run([sys.executable, str(CHILDREN / "lightning_child.py"), str(tmp_path), "--resume-dir",
-                       "s3://run-d/job", "--signal-at", "2"], capture_output=True, text=True, timeout=600, env=env)
+    done = forked.run(
+        [
+            sys.executable,
+            str(CHILDREN / "lightning_child.py"),
+            str(tmp_path),
+            "--resume-dir",
+            "s3://run-d/job",
+            "--signal-at",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert done.returncode == 1, done.stderr[-3000:]
-    assert "s3://run-d/job/preempted.ckpt: cannot reach the checkpoint storage (NoCredentialsError" in done.stderr
+    assert (
+        "s3://run-d/job/preempted.ckpt: cannot reach the checkpoint storage (NoCredentialsError"
+        in done.stderr
+    )
     assert not (tmp_path / "log-0.json").exists() and objects("s3://run-d") == []
 
 
-def test_lightning_on_s3_a_network_error_at_the_preemption_save_exits_74_and_a_rerun_resumes_from_the_last_one(
+def test_lightning_on_s3_a_network_error_at_the_preemption_save_exits_74_and_reruns_from_the_last(
     s3: dict[str, str], full: tuple[list[Any], str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The link to the S3 server is cut mid-job (a relay in between closes every connection and
@@ -155,8 +191,19 @@ def test_lightning_on_s3_a_network_error_at_the_preemption_save_exits_74_and_a_r
     bucket("run-e")
     link = Cuttable(s3["AWS_ENDPOINT_URL"])
     (tmp_path / "out").mkdir()
-    command = [sys.executable, str(CHILDREN / "lightning_child.py"), str(tmp_path / "out"), "--root", "s3://run-e/job",
-               "--wait-at", "4", "--signal-at", "5", "--workers", "2"]
+    command = [
+        sys.executable,
+        str(CHILDREN / "lightning_child.py"),
+        str(tmp_path / "out"),
+        "--root",
+        "s3://run-e/job",
+        "--wait-at",
+        "4",
+        "--signal-at",
+        "5",
+        "--workers",
+        "2",
+    ]
     job = forked.popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                        env={**os.environ, "AWS_ENDPOINT_URL": link.url, **ONE_ATTEMPT})
     deadline = time.monotonic() + 300
@@ -184,7 +231,9 @@ def test_a_second_job_on_the_same_bucket_directory_is_refused_naming_the_first(
     monkeypatch.setenv("LOADER_RESUME_LEASE_SECONDS", "6")
     bucket("run-f")
     first = RemoteLease.acquire("s3://run-f/job")
-    assert first is not None and objects("s3://run-f/job") == ["s3://run-f/job/.loader_resume.lease.1"]
+    assert first is not None and objects("s3://run-f/job") == [
+        "s3://run-f/job/.loader_resume.lease.1"
+    ]
     try:
         stderr = lightning(tmp_path / "second", "--root", "s3://run-f/job", expect=1)
         assert "checkpoint directory s3://run-f/job is in use by another job (host" in stderr
@@ -206,8 +255,17 @@ def test_a_killed_jobs_lease_ends_with_its_term_and_the_rerun_takes_the_director
     bucket("run-g")
     env = {**os.environ, "LOADER_RESUME_LEASE_SECONDS": "3"}
     (tmp_path / "out").mkdir()
-    command = [sys.executable, str(CHILDREN / "lightning_child.py"), str(tmp_path / "out"), "--root", "s3://run-g/job",
-               "--wait-at", "4", "--workers", "2"]
+    command = [
+        sys.executable,
+        str(CHILDREN / "lightning_child.py"),
+        str(tmp_path / "out"),
+        "--root",
+        "s3://run-g/job",
+        "--wait-at",
+        "4",
+        "--workers",
+        "2",
+    ]
     job = forked.popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     deadline = time.monotonic() + 300
     while not (tmp_path / "out" / "waiting").exists():
@@ -217,8 +275,21 @@ def test_a_killed_jobs_lease_ends_with_its_term_and_the_rerun_takes_the_director
     job.wait()
     assert "s3://run-g/job/.loader_resume.lease.1" in objects("s3://run-g/job")
     (tmp_path / "rerun").mkdir()
-    done = forked.run([sys.executable, str(CHILDREN / "lightning_child.py"), str(tmp_path / "rerun"), "--root",
-                       "s3://run-g/job", "--workers", "2"], capture_output=True, text=True, timeout=600, env=env)
+    done = forked.run(
+        [
+            sys.executable,
+            str(CHILDREN / "lightning_child.py"),
+            str(tmp_path / "rerun"),
+            "--root",
+            "s3://run-g/job",
+            "--workers",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "taking over s3://run-g/job: its lease .loader_resume.lease.1 ended" in done.stderr
     resumed, weights = rows(tmp_path / "rerun")
@@ -251,11 +322,15 @@ def test_a_lease_being_renewed_is_refused_and_two_jobs_taking_over_an_ended_one_
     first = RemoteLease.acquire("s3://run-h/a")
     assert first is not None
     try:
-        with pytest.raises(CheckpointDirectoryError, match=r"s3://run-h/a is in use by another job \(host .*, pid"):
+        with pytest.raises(
+            CheckpointDirectoryError, match=r"s3://run-h/a is in use by another job \(host .*, pid"
+        ):
             RemoteLease.acquire("s3://run-h/a", wait=2)
     finally:
         first.release()
-    s3fs.S3FileSystem(skip_instance_cache=True).pipe("run-h/b/.loader_resume.lease.1", b'{"owner": "a killed job"}')
+    s3fs.S3FileSystem(skip_instance_cache=True).pipe(
+        "run-h/b/.loader_resume.lease.1", b'{"owner": "a killed job"}'
+    )
     outcomes: dict[str, Any] = {}
 
     def take(name: str) -> None:
@@ -289,7 +364,9 @@ def test_a_holder_stopped_past_its_term_loses_the_lease_loudly_and_never_removes
                           stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not (tmp_path / "held").exists():
-        assert time.monotonic() < deadline and holder.poll() is None, "the holder never took the lease"
+        assert time.monotonic() < deadline and holder.poll() is None, (
+            "the holder never took the lease"
+        )
         time.sleep(0.05)
     os.kill(holder.pid, signal.SIGSTOP)
     try:
@@ -308,7 +385,7 @@ def test_a_holder_stopped_past_its_term_loses_the_lease_loudly_and_never_removes
     second.release()
 
 
-def test_lightning_on_s3_a_rerun_after_a_crash_resumes_from_the_newer_last_ckpt_not_an_older_preemption_one(
+def test_lightning_on_s3_a_rerun_after_a_crash_takes_the_newer_last_ckpt_not_an_older_preemption(
     s3: dict[str, str], full: tuple[list[Any], str], tmp_path: Path
 ) -> None:
     """Preempted at step 5 (preempted.ckpt); the rerun resumes, writes last.ckpt at steps 6 and 9
@@ -317,12 +394,26 @@ def test_lightning_on_s3_a_rerun_after_a_crash_resumes_from_the_newer_last_ckpt_
     bucket("run-j")
     lightning(tmp_path / "first", "--root", "s3://run-j/job", "--signal-at", "5", expect=143)
     (tmp_path / "second").mkdir()
-    second = forked.popen([sys.executable, str(CHILDREN / "lightning_child.py"), str(tmp_path / "second"),
-                           "--root", "s3://run-j/job", "--wait-at", "10", "--workers", "2"],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    second = forked.popen(
+        [
+            sys.executable,
+            str(CHILDREN / "lightning_child.py"),
+            str(tmp_path / "second"),
+            "--root",
+            "s3://run-j/job",
+            "--wait-at",
+            "10",
+            "--workers",
+            "2",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 300
     while not (tmp_path / "second" / "waiting").exists():
-        assert time.monotonic() < deadline and second.poll() is None, "the rerun never reached step 10"
+        assert time.monotonic() < deadline and second.poll() is None, (
+            "the rerun never reached step 10"
+        )
         time.sleep(0.02)
     second.kill()
     second.wait()
@@ -342,7 +433,10 @@ def test_lightning_on_a_bucket_that_does_not_exist_is_refused_at_setup_naming_th
     """ResumeCallback(dirpath="s3://no-such-bucket/job"): taking the directory's lease fails, naming
     the URL and the store's answer, before any step (nothing trained, nothing written)."""
     stderr = lightning(tmp_path, "--resume-dir", "s3://no-such-bucket/job", expect=1)
-    assert "checkpoint directory s3://no-such-bucket/job: cannot take its lease (FileNotFoundError" in stderr
+    assert (
+        "checkpoint directory s3://no-such-bucket/job: cannot take its lease (FileNotFoundError"
+        in stderr
+    )
     assert "bucket does not exist" in stderr and not (tmp_path / "log-0.json").exists()
 
 
@@ -353,8 +447,11 @@ def test_a_front_door_that_writes_local_directories_refuses_a_url_for_them(tmp_p
 
     from accelerate_resume import enable_resume
 
-    with pytest.raises(CheckpointDirectoryError, match=r"checkpoint directory s3://bucket/run: a URL, but this front "
-                                                       r"door writes its checkpoints as local directories"):
+    with pytest.raises(
+        CheckpointDirectoryError,
+        match=r"checkpoint directory s3://bucket/run: a URL, but this front "
+        r"door writes its checkpoints as local directories",
+    ):
         enable_resume(Accelerator(cpu=True), {"checkpoint_dir": "s3://bucket/run"})
     assert not Path("s3:").exists()
 

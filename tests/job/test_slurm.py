@@ -34,16 +34,36 @@ def slurm_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     scontrol = bin_dir / "scontrol"
     scontrol.write_text('#!/bin/sh\necho "$@" >> "$SCONTROL_LOG"\nexit "${SCONTROL_EXIT:-0}"\n')
     scontrol.chmod(scontrol.stat().st_mode | stat.S_IEXEC)
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("SLURM_", "TORCHELASTIC"))}
-    return {**env, "PATH": f"{bin_dir}{os.pathsep}{env['PATH']}", "SCONTROL_LOG": str(tmp_path / "scontrol.log"),
-            "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1",
-            "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost", **extra}
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("SLURM_", "TORCHELASTIC"))
+    }
+    return {
+        **env,
+        "PATH": f"{bin_dir}{os.pathsep}{env['PATH']}",
+        "SCONTROL_LOG": str(tmp_path / "scontrol.log"),
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "train",
+        "SLURM_NTASKS": "1",
+        "SLURM_NTASKS_PER_NODE": "1",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_NODELIST": "localhost",
+        **extra,
+    }
 
 
 def fit(out: Path, env: dict[str, str], *args: str, expect: int = 0) -> str:
     out.mkdir(parents=True, exist_ok=True)
-    done = forked.run([sys.executable, str(CHILD), str(out), "--batch-log", str(out), *args], env=env,
-                      capture_output=True, text=True, timeout=300)
+    done = forked.run(
+        [sys.executable, str(CHILD), str(out), "--batch-log", str(out), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == expect, done.stderr[-4000:]
     return done.stderr
 
@@ -72,7 +92,10 @@ def test_a_failed_requeue_of_an_array_task_is_logged_with_its_exit_code(tmp_path
 
 def test_slurm_job_ids() -> None:
     assert slurm_job_id({"SLURM_JOB_ID": "12"}) == "12"
-    assert slurm_job_id({"SLURM_JOB_ID": "12", "SLURM_ARRAY_JOB_ID": "10", "SLURM_ARRAY_TASK_ID": "2"}) == "10_2"
+    assert (
+        slurm_job_id({"SLURM_JOB_ID": "12", "SLURM_ARRAY_JOB_ID": "10", "SLURM_ARRAY_TASK_ID": "2"})
+        == "10_2"
+    )
     assert slurm_job_id({}) is None
     with pytest.raises(ValueError, match=r"SLURM job id '12; rm' .*expected digits"):
         slurm_job_id({"SLURM_JOB_ID": "12; rm"})
@@ -80,10 +103,21 @@ def test_slurm_job_ids() -> None:
 
 # (child, its options for a requeue on SIGUSR1 after micro-batch 5, options of every run)
 FRONT_DOORS = {
-    "fabric": ("fabric_child.py", ["--slurm-requeue", "--signal-name", "SIGUSR1", "--signal-at", "5"], []),
-    "accelerate": ("accelerate_child.py", ["--signal-name", "SIGUSR1", "--signal-at", "5"], ["slurm_requeue=true"]),
-    "transformers": ("transformers_child.py", ["--slurm-requeue", "--signal-name", "SIGUSR1", "--signal-at", "5"],
-                     ["--resume", "true"]),
+    "fabric": (
+        "fabric_child.py",
+        ["--slurm-requeue", "--signal-name", "SIGUSR1", "--signal-at", "5"],
+        [],
+    ),
+    "accelerate": (
+        "accelerate_child.py",
+        ["--signal-name", "SIGUSR1", "--signal-at", "5"],
+        ["slurm_requeue=true"],
+    ),
+    "transformers": (
+        "transformers_child.py",
+        ["--slurm-requeue", "--signal-name", "SIGUSR1", "--signal-at", "5"],
+        ["--resume", "true"],
+    ),
 }
 
 
@@ -103,7 +137,9 @@ def test_asked_for_a_requeue_sigusr1_checkpoints_requeues_and_the_requeued_job_c
     job(front_door, tmp_path / "full", env)
     assert calls(tmp_path) == []
     stderr = job(front_door, tmp_path / "cut", env, *FRONT_DOORS[front_door][1], expect=143)
-    assert calls(tmp_path) == ["requeue 4242"] and "requeued SLURM job 4242" in stderr, stderr[-3000:]
+    assert calls(tmp_path) == ["requeue 4242"] and "requeued SLURM job 4242" in stderr, stderr[
+        -3000:
+    ]
     job(front_door, tmp_path / "cut", env)
     for name in ("log-0.jsonl", "weights-0.txt"):
         assert (tmp_path / "cut" / name).read_text() == (tmp_path / "full" / name).read_text(), name
@@ -111,13 +147,22 @@ def test_asked_for_a_requeue_sigusr1_checkpoints_requeues_and_the_requeued_job_c
 
 
 def test_not_asked_for_a_requeue_sigusr1_only_checkpoints(tmp_path: Path) -> None:
-    stderr = job("fabric", tmp_path / "cut", slurm_env(tmp_path), "--signal-name", "SIGUSR1", "--signal-at", "5",
-                 expect=143)
+    stderr = job(
+        "fabric",
+        tmp_path / "cut",
+        slurm_env(tmp_path),
+        "--signal-name",
+        "SIGUSR1",
+        "--signal-at",
+        "5",
+        expect=143,
+    )
     assert calls(tmp_path) == [] and "checkpoint written at step 5" in stderr
 
 
-def test_a_requeue_asked_for_outside_slurm_is_a_warning_and_nothing_else(monkeypatch: pytest.MonkeyPatch,
-                                                                          caplog: pytest.LogCaptureFixture) -> None:
+def test_a_requeue_asked_for_outside_slurm_is_a_warning_and_nothing_else(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     import signal
 
     from loader_resume.job.slurm import Requeue
@@ -126,5 +171,7 @@ def test_a_requeue_asked_for_outside_slurm_is_a_warning_and_nothing_else(monkeyp
     with caplog.at_level("WARNING", logger="loader_resume.job.slurm"):
         requeue = Requeue(True)
     assert "outside a SLURM job (no SLURM_JOB_ID): no requeue" in caplog.text
-    requeue.decide(signal.SIGUSR1, lambda flag: pytest.fail("no agreement when there is nothing to requeue"))
+    requeue.decide(
+        signal.SIGUSR1, lambda flag: pytest.fail("no agreement when there is nothing to requeue")
+    )
     assert not requeue.wanted

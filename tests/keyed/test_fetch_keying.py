@@ -50,7 +50,9 @@ class NeverLooks(IteratesThrice):
 
     def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
         noise = _draw(4)
-        return [{"id": i, **{k: v[j % 4] for k, v in noise.items()}} for j, i in enumerate(indices[:])]
+        return [
+            {"id": i, **{k: v[j % 4] for k, v in noise.items()}} for j, i in enumerate(indices[:])
+        ]
 
 
 class ItemByItem(Dataset[Any]):
@@ -70,7 +72,9 @@ def _loader(cls: type[Dataset[Any]], workers: int, **options: Any) -> ResumableD
 
 
 @pytest.mark.parametrize("cls", DATASETS)
-def test_batch_values_are_keyed_whatever_the_dataset_does_with_the_list(cls: type[Dataset[Any]]) -> None:
+def test_batch_values_are_keyed_whatever_the_dataset_does_with_the_list(
+    cls: type[Dataset[Any]],
+) -> None:
     in_process = run_epochs(_loader(cls, 0), 2)
     assert run_epochs(_loader(cls, 2), 2) == in_process
     # the values are keyed, not constant
@@ -78,7 +82,9 @@ def test_batch_values_are_keyed_whatever_the_dataset_does_with_the_list(cls: typ
 
 
 @pytest.mark.parametrize("cls", DATASETS)
-def test_the_callers_generators_do_not_move_while_iterating_in_process(cls: type[Dataset[Any]]) -> None:
+def test_the_callers_generators_do_not_move_while_iterating_in_process(
+    cls: type[Dataset[Any]],
+) -> None:
     seed_all(5)
     expected = caller_draws()
     seed_all(5)
@@ -87,17 +93,25 @@ def test_the_callers_generators_do_not_move_while_iterating_in_process(cls: type
 
 
 @pytest.mark.parametrize("cls", DATASETS)
-def test_batch_read_datasets_resume_exactly_in_process_and_across_worker_counts(cls: type[Dataset[Any]]) -> None:
+def test_batch_read_datasets_resume_exactly_in_process_and_across_worker_counts(
+    cls: type[Dataset[Any]],
+) -> None:
     assert_resumes_exactly(lambda: _loader(cls, 0))
-    assert_resumes_exactly(lambda: _loader(cls, 0), make_resumed=lambda: _loader(cls, 2), cuts=[1, 5, 6, 7])
+    assert_resumes_exactly(
+        lambda: _loader(cls, 0), make_resumed=lambda: _loader(cls, 2), cuts=[1, 5, 6, 7]
+    )
 
 
 def test_per_sample_keys_still_reach_item_by_item_datasets() -> None:
     """keying='sample': an item's values depend on its index only, not on the batch it came in."""
     small = {int(b["id"][j]): b["torch"][j].item() for b in _loader(ItemByItem, 0, keying="sample")
              for j in range(len(b["id"]))}
-    big = ResumableDataLoader(ItemByItem(), batch_size=6, shuffle=True, seed=1, num_workers=2, keying="sample")
-    assert {int(b["id"][j]): b["torch"][j].item() for b in big for j in range(len(b["id"]))} == small
+    big = ResumableDataLoader(
+        ItemByItem(), batch_size=6, shuffle=True, seed=1, num_workers=2, keying="sample"
+    )
+    assert {
+        int(b["id"][j]): b["torch"][j].item() for b in big for j in range(len(b["id"]))
+    } == small
 
 
 def test_per_sample_keying_over_a_batch_read_dataset_warns_once_what_it_keys(
@@ -109,9 +123,16 @@ def test_per_sample_keying_over_a_batch_read_dataset_warns_once_what_it_keys(
         _loader(Batched, 0, keying="sample")
         _loader(Batched, 0, keying="sample")
     messages = [r.getMessage() for r in caplog.records if "__getitems__" in r.getMessage()]
-    assert len(messages) == 1 and "Batched" in messages[0] and "keyed by the batch's key" in messages[0]
-    # ... and what it says holds: values are keyed (equal across worker counts) though read as a batch.
-    assert run_epochs(_loader(Batched, 0, keying="sample"), 1) == run_epochs(_loader(Batched, 2, keying="sample"), 1)
+    assert (
+        len(messages) == 1
+        and "Batched" in messages[0]
+        and "keyed by the batch's key" in messages[0]
+    )
+    # ... and what it says holds: values are keyed (equal across worker counts) though read as
+    # a batch.
+    assert run_epochs(_loader(Batched, 0, keying="sample"), 1) == run_epochs(
+        _loader(Batched, 2, keying="sample"), 1
+    )
 
 
 def test_caller_rng_restores_every_generator_exactly() -> None:

@@ -15,7 +15,13 @@ import torch
 from torch.utils.data._utils.fetch import _MapDatasetFetcher
 
 from loader_resume.keyed.keyed_rng import GENERATORS, CallerRng, derive_key, generator_mask
-from loader_resume.keyed.worker_fetch import SEED_AHEAD, KeyedIndices, KeySpec, SeedAheadCollate, WorkerFetch
+from loader_resume.keyed.worker_fetch import (
+    SEED_AHEAD,
+    KeyedIndices,
+    KeySpec,
+    SeedAheadCollate,
+    WorkerFetch,
+)
 from loader_resume.testing import run_epochs
 from support.data import make
 
@@ -25,7 +31,11 @@ def _values(batches: list[dict[str, Any]]) -> dict[int, tuple[Any, ...]]:
     out = {}
     for batch in batches:
         for i, index in enumerate(batch["id"].tolist()):
-            out[index] = (tuple(batch["torch"][i].tolist()), float(batch["numpy"][i]), float(batch["random"][i]))
+            out[index] = (
+                tuple(batch["torch"][i].tolist()),
+                float(batch["numpy"][i]),
+                float(batch["random"][i]),
+            )
     return out
 
 
@@ -46,7 +56,10 @@ def test_batch_mode_values_do_not_depend_on_caller_rng() -> None:
 def test_sample_mode_values_do_not_depend_on_batch_size_or_world_size() -> None:
     one = _values(list(make(12, batch_size=3, shuffle=True, keying="sample")))
     other = _values(list(make(12, batch_size=5, shuffle=True, keying="sample")))
-    shards = [make(12, batch_size=2, shuffle=True, keying="sample", rank=r, world_size=3) for r in range(3)]
+    shards = [
+        make(12, batch_size=2, shuffle=True, keying="sample", rank=r, world_size=3)
+        for r in range(3)
+    ]
     sharded = {k: v for loader in shards for k, v in _values(list(loader)).items()}
     assert one == other == sharded and len(one) == 12
 
@@ -57,7 +70,9 @@ def test_batch_mode_samples_of_one_batch_draw_different_values() -> None:
 
 
 def test_seed_changes_values_and_order() -> None:
-    assert run_epochs(make(10, shuffle=True, seed=1), 1) != run_epochs(make(10, shuffle=True, seed=2), 1)
+    assert run_epochs(make(10, shuffle=True, seed=1), 1) != run_epochs(
+        make(10, shuffle=True, seed=2), 1
+    )
 
 
 def test_keying_off_leaves_generators_alone() -> None:
@@ -125,7 +140,9 @@ class _Draws(torch.utils.data.Dataset[tuple[float, float, float]]):
         return torch.rand(()).item(), float(np.random.rand()), random.random()
 
 
-def _fetch_in_a_worker(batches: list[KeyedIndices], between: Any = None) -> tuple[list[Any], list[int]]:
+def _fetch_in_a_worker(
+    batches: list[KeyedIndices], between: Any = None
+) -> tuple[list[Any], list[int]]:
     """Fetch ``batches`` as a DataLoader worker does: indices unpickled, fetched, collated (our
     wrapper).
 
@@ -153,14 +170,21 @@ def test_seeding_ahead_gives_each_batch_its_own_keys_values() -> None:
     mask = generator_mask(GENERATORS)
     keys = [derive_key(11, i) for i in range(4)]
     plain = [KeyedIndices([0, 1, 2], KeySpec(key, None, mask)) for key in keys]
-    expected, _ = _fetch_in_a_worker(plain, between=lambda: (torch.rand(3), np.random.rand(3), random.random()))
+    expected, _ = _fetch_in_a_worker(
+        plain, between=lambda: (torch.rand(3), np.random.rand(3), random.random())
+    )
     pairs = zip(keys, [*keys[1:], None], strict=True)
-    guessed = [KeyedIndices([0, 1, 2], KeySpec(key, None, mask), ahead=after) for key, after in pairs]
+    guessed = [
+        KeyedIndices([0, 1, 2], KeySpec(key, None, mask), ahead=after) for key, after in pairs
+    ]
     values, seeds = _fetch_in_a_worker(guessed)
     assert values == expected
     # seeded (63 bits) before the indices arrived
     assert seeds[1:] == [key & ((1 << 63) - 1) for key in keys[1:]]
-    wrong = [KeyedIndices([0, 1, 2], KeySpec(key, None, mask), ahead=derive_key(99, i)) for i, key in enumerate(keys)]
+    wrong = [
+        KeyedIndices([0, 1, 2], KeySpec(key, None, mask), ahead=derive_key(99, i))
+        for i, key in enumerate(keys)
+    ]
     assert _fetch_in_a_worker(wrong)[0] == expected
     # the keys differ
     assert len({v for batch in expected for item in batch for v in item}) == 4 * 3 * 3
@@ -182,17 +206,23 @@ def _seed_ahead_in_child() -> None:
     key = derive_key(3, 4)
     SEED_AHEAD.plan(key, generator_mask(["torch"]))
     SEED_AHEAD.start()
-    ok = SEED_AHEAD.take() == (key, generator_mask(["torch"])) and torch.initial_seed() == key & ((1 << 63) - 1)
+    ok = SEED_AHEAD.take() == (key, generator_mask(["torch"])) and torch.initial_seed() == key & (
+        (1 << 63) - 1
+    )
     os._exit(0 if ok else 1)
 
 
-def test_a_worker_fetch_left_unchecked_makes_the_worker_seed_every_generator(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_worker_fetch_left_unchecked_makes_the_worker_seed_every_generator(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A batch whose fetch ends before our collate check (the dataset raised) leaves its worker
     seeding every keyed generator for every later batch: a generator first drawn then is keyed as in
     a worker that seeds all."""
     mask = generator_mask(GENERATORS)
     keys = [derive_key(21, i) for i in range(3)]
-    fetcher = _MapDatasetFetcher(list(range(10)), True, SeedAheadCollate(lambda items: items), False)
+    fetcher = _MapDatasetFetcher(
+        list(range(10)), True, SeedAheadCollate(lambda items: items), False
+    )
     worker = torch.utils.data._utils.worker
 
     def arrive_third(eager: bool) -> list[float]:
@@ -201,7 +231,9 @@ def test_a_worker_fetch_left_unchecked_makes_the_worker_seed_every_generator(mon
             with monkeypatch.context() as patch:
                 if eager:
                     patch.setattr(WorkerFetch, "seeds_for", lambda self, mask: mask)
-                fetcher.fetch(pickle.loads(pickle.dumps(KeyedIndices([0, 1], KeySpec(keys[0], None, mask)))))
+                fetcher.fetch(
+                    pickle.loads(pickle.dumps(KeyedIndices([0, 1], KeySpec(keys[0], None, mask))))
+                )
                 # its fetch raised
                 pickle.loads(pickle.dumps(KeyedIndices([2, 3], KeySpec(keys[1], None, mask))))
                 pickle.loads(pickle.dumps(KeyedIndices([4, 5], KeySpec(keys[2], None, mask))))

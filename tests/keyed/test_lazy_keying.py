@@ -45,11 +45,13 @@ class Draws(Dataset[dict[str, Any]]):
             with self.shared_reads.get_lock():
                 self.shared_reads.value += 1
         names = self.which(index, self.epoch)
-        return {"id": index,
-                "torch": torch.rand(()).item() if "torch" in names else -1.0,
-                "numpy": float(np.random.normal()) if "numpy" in names else -1.0,
-                "random": random.gauss(0, 1) if "random" in names else -1.0,
-                "refill": sum(random.getrandbits(32) for _ in range(624)) if "refill" in names else -1}
+        return {
+            "id": index,
+            "torch": torch.rand(()).item() if "torch" in names else -1.0,
+            "numpy": float(np.random.normal()) if "numpy" in names else -1.0,
+            "random": random.gauss(0, 1) if "random" in names else -1.0,
+            "refill": sum(random.getrandbits(32) for _ in range(624)) if "refill" in names else -1,
+        }
 
 
 def _nothing(index: int, epoch: int) -> set[str]:
@@ -81,8 +83,14 @@ PATTERNS = [_nothing, _everything, _later, _one_numpy_item, _one_whole_refill]
 
 
 def _loader(which: Any, workers: int, seed: int = 3, **options: Any) -> ResumableDataLoader[Any]:
-    return ResumableDataLoader(Draws(30, which, options.pop("shared_reads", None)), batch_size=4, shuffle=True,
-                               seed=seed, num_workers=workers, **options)
+    return ResumableDataLoader(
+        Draws(30, which, options.pop("shared_reads", None)),
+        batch_size=4,
+        shuffle=True,
+        seed=seed,
+        num_workers=workers,
+        **options,
+    )
 
 
 @contextmanager
@@ -108,7 +116,9 @@ def test_values_equal_those_of_workers_that_seed_every_batch(which: Any) -> None
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["fresh-workers", "persistent-workers"])
 @pytest.mark.parametrize("which", PATTERNS, ids=lambda f: f.__name__)
-def test_lazy_workers_give_the_values_of_workers_that_seed_every_batch(which: Any, persistent: bool) -> None:
+def test_lazy_workers_give_the_values_of_workers_that_seed_every_batch(
+    which: Any, persistent: bool
+) -> None:
     assert run_epochs(_loader(which, 2, persistent_workers=persistent), 3) == _eager(which)
 
 
@@ -120,8 +130,12 @@ def test_a_worker_reads_a_batch_again_only_when_it_first_sees_a_generator_drawn(
     reads = multiprocessing.get_context("fork").Value("i", 0)
     loader = _loader(_one_numpy_item, 2, shared_reads=reads, multiprocessing_context="fork")
     run_epochs(loader, 3)
-    again = sum(len(batch) for epoch in range(3) for b, batch in enumerate(loader.planned_indices(epoch=epoch))
-                if 7 in batch and b >= 2)
+    again = sum(
+        len(batch)
+        for epoch in range(3)
+        for b, batch in enumerate(loader.planned_indices(epoch=epoch))
+        if 7 in batch and b >= 2
+    )
     assert reads.value == 3 * 30 + again
 
 
@@ -130,7 +144,12 @@ def test_the_callers_generators_and_cached_normals_are_left_alone(which: Any) ->
     """The caller draws between batches (as a model's dropout does), cached normals included."""
 
     def caller_step() -> tuple[float, ...]:
-        return (*caller_draws(), torch.randn(1).item(), float(np.random.normal()), random.gauss(0, 1))
+        return (
+            *caller_draws(),
+            torch.randn(1).item(),
+            float(np.random.normal()),
+            random.gauss(0, 1),
+        )
 
     seed_all(11)
     expected = [caller_step() for _ in range(3 * 8)]
@@ -143,12 +162,20 @@ def test_the_callers_generators_and_cached_normals_are_left_alone(which: Any) ->
     assert seen == expected
 
 
-@pytest.mark.parametrize("which", [_later, _one_numpy_item, _one_whole_refill], ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "which", [_later, _one_numpy_item, _one_whole_refill], ids=lambda f: f.__name__
+)
 def test_a_dataset_that_starts_drawing_later_resumes_exactly(which: Any) -> None:
     assert_resumes_exactly(lambda: _loader(which, 0), epochs=3)
-    assert_resumes_exactly(lambda: _loader(which, 0), make_resumed=lambda: _loader(which, 2), epochs=3,
-                           cuts=[0, 3, 8, 9, 17])
-    assert_resumes_exactly(lambda: _loader(which, 2, persistent_workers=True), epochs=3, cuts=[0, 5, 9, 13, 20])
+    assert_resumes_exactly(
+        lambda: _loader(which, 0),
+        make_resumed=lambda: _loader(which, 2),
+        epochs=3,
+        cuts=[0, 3, 8, 9, 17],
+    )
+    assert_resumes_exactly(
+        lambda: _loader(which, 2, persistent_workers=True), epochs=3, cuts=[0, 5, 9, 13, 20]
+    )
 
 
 def test_a_batch_is_read_again_only_when_a_generator_is_first_seen_drawn() -> None:
@@ -182,9 +209,16 @@ def test_torch_reports_the_batch_key_while_reading_and_the_callers_seed_and_stat
     torch.manual_seed(5)
     torch.rand(3)
     seed, state = torch.initial_seed(), torch.get_rng_state()
-    in_process, in_workers = ([key for batch in ResumableDataLoader(_ReadsSeed(), batch_size=3, shuffle=True, seed=7,
-                                                                      num_workers=workers) for key in batch.tolist()]
-                              for workers in (0, 2))
+    in_process, in_workers = (
+        [
+            key
+            for batch in ResumableDataLoader(
+                _ReadsSeed(), batch_size=3, shuffle=True, seed=7, num_workers=workers
+            )
+            for key in batch.tolist()
+        ]
+        for workers in (0, 2)
+    )
     assert in_process == in_workers and len(set(in_process)) == 4  # one key a batch of 3
     assert torch.initial_seed() == seed and torch.equal(torch.get_rng_state(), state)
     for _ in ResumableDataLoader(_ReadsSeed(), batch_size=3, shuffle=True, seed=7):
@@ -209,7 +243,9 @@ def test_draws_inside_fork_rng_are_keyed(workers: int) -> None:
     nothing: its values are keyed all the same (torch's generator is seeded for every batch), equal
     at 0 and 2 workers, another seed gives others, and a resume reproduces them."""
     def make(seed: int = 7, nw: int = workers) -> ResumableDataLoader[Any]:
-        return ResumableDataLoader(_ForkedDraws(), batch_size=3, shuffle=True, seed=seed, num_workers=nw)
+        return ResumableDataLoader(
+            _ForkedDraws(), batch_size=3, shuffle=True, seed=seed, num_workers=nw
+        )
 
     values = run_epochs(make(), 2)
     assert values == run_epochs(make(nw=2 - workers), 2)
@@ -221,16 +257,26 @@ def test_generator_states_round_trip_with_cached_normals() -> None:
     states = generator_states()
     torch.randn(1), np.random.normal(), random.gauss(0, 1)  # a cached normal in each
     taken = states.take()
-    expected = (torch.randn(3).tolist(), np.random.normal(size=3).tolist(), [random.gauss(0, 1) for _ in range(3)])
+    expected = (
+        torch.randn(3).tolist(),
+        np.random.normal(size=3).tolist(),
+        [random.gauss(0, 1) for _ in range(3)],
+    )
     assert states.changed(taken, 7) == 7
     states.put(taken, 7)
     assert states.changed(taken, 7) == 0
-    assert (torch.randn(3).tolist(), np.random.normal(size=3).tolist(), [random.gauss(0, 1) for _ in range(3)]) \
-        == expected
+    assert (
+        torch.randn(3).tolist(),
+        np.random.normal(size=3).tolist(),
+        [random.gauss(0, 1) for _ in range(3)],
+    ) == expected
 
 
-@pytest.mark.parametrize("bit,draw", [(1, lambda: torch.randn(1)), (2, np.random.normal),
-                                      (4, lambda: random.gauss(0, 1))], ids=["torch", "numpy", "random"])
+@pytest.mark.parametrize(
+    "bit,draw",
+    [(1, lambda: torch.randn(1)), (2, np.random.normal), (4, lambda: random.gauss(0, 1))],
+    ids=["torch", "numpy", "random"],
+)
 def test_using_a_cached_normal_is_a_change(bit: int, draw: Any) -> None:
     """The draw after a normal draw takes the cached spare and leaves MT19937 as it was: still seen
     as a move, by the whole states and by the marks a fetch compares first."""
@@ -264,7 +310,11 @@ def test_the_public_api_fallback_gives_the_same_values(monkeypatch: pytest.Monke
     import loader_resume.keyed.rng_memory as rng_memory
 
     def reported_seeds() -> list[int]:
-        return [key for batch in ResumableDataLoader(_ReadsSeed(), batch_size=3, seed=7) for key in batch.tolist()]
+        return [
+            key
+            for batch in ResumableDataLoader(_ReadsSeed(), batch_size=3, seed=7)
+            for key in batch.tolist()
+        ]
 
     expected, seeds = run_epochs(_loader(_later, 0), 3), reported_seeds()
     for probe in ("_torch_block", "_numpy_block", "_random_block"):
@@ -327,8 +377,17 @@ def test_an_exception_from_an_unkeyed_draw_is_a_read_again_keyed() -> None:
     with it seeded, as a loader seeding every generator reads it; the caller's generators are left
     alone."""
     with _eager_workers():
-        eager = run_epochs(ResumableDataLoader(Picky(), batch_size=4, shuffle=True, seed=3, num_workers=2,
-                                               multiprocessing_context="fork"), 3)
+        eager = run_epochs(
+            ResumableDataLoader(
+                Picky(),
+                batch_size=4,
+                shuffle=True,
+                seed=3,
+                num_workers=2,
+                multiprocessing_context="fork",
+            ),
+            3,
+        )
     seed_all(5)
     np.random.rand()  # the caller's numpy generator is not freshly seeded
     caller = generator_states().take()
@@ -353,10 +412,15 @@ class Keeps(Dataset[dict[str, Any]]):
         return {"id": index, "numpy": self.kept.get(index, -1.0)}
 
 
-def test_a_dataset_that_keeps_an_unkeyed_draw_is_named_in_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_dataset_that_keeps_an_unkeyed_draw_is_named_in_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     with caplog.at_level("WARNING", logger="loader_resume"):
         run_epochs(ResumableDataLoader(Keeps(), batch_size=4, shuffle=True, seed=3), 2)
-    assert any('keying="sample"' in r.getMessage() and "resume may NOT" in r.getMessage() for r in caplog.records)
+    assert any(
+        'keying="sample"' in r.getMessage() and "resume may NOT" in r.getMessage()
+        for r in caplog.records
+    )
     caplog.clear()
     with caplog.at_level("WARNING", logger="loader_resume"):
         run_epochs(ResumableDataLoader(Draws(30, _later), batch_size=4, shuffle=True, seed=3), 3)

@@ -21,8 +21,11 @@ from support import forked
 from support.launch import CHILDREN
 from support.passes import BATCH, EPOCHS, N, build, record, rest
 
-CONFIGS = [{"kind": kind, "workers": workers, "persistent": persistent}
-           for kind in ("map", "stream") for workers, persistent in ((0, False), (2, False), (2, True))]
+CONFIGS = [
+    {"kind": kind, "workers": workers, "persistent": persistent}
+    for kind in ("map", "stream")
+    for workers, persistent in ((0, False), (2, False), (2, True))
+]
 STEPS = N // BATCH  # map-style batches an epoch
 
 
@@ -54,16 +57,24 @@ def cut(config: dict[str, Any], at: int, how: str) -> tuple[list[list[Any]], dic
         return rows, loader.state_dict()
 
 
-def resumed_in_a_fresh_process(cases: list[tuple[dict[str, Any], dict[str, Any]]], tmp_path: Path) -> list[Any]:
+def resumed_in_a_fresh_process(
+    cases: list[tuple[dict[str, Any], dict[str, Any]]], tmp_path: Path
+) -> list[Any]:
     saved, out = tmp_path / "cases.pt", tmp_path / "out.json"
     torch.save(cases, saved)
-    done = forked.run([sys.executable, str(CHILDREN / "break_resume_child.py"), str(saved), str(out)],
-                      capture_output=True, text=True, timeout=600)
+    done = forked.run(
+        [sys.executable, str(CHILDREN / "break_resume_child.py"), str(saved), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c['kind']}-w{c['workers']}{'-p' * c['persistent']}")
+@pytest.mark.parametrize(
+    "config", CONFIGS, ids=lambda c: f"{c['kind']}-w{c['workers']}{'-p' * c['persistent']}"
+)
 def test_a_loop_that_breaks_or_fails_then_saves_continues_its_pass_with_the_very_next_batch(
     config: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -72,14 +83,20 @@ def test_a_loop_that_breaks_or_fails_then_saves_continues_its_pass_with_the_very
     assert total >= 2 * STEPS - 2 and len({json.dumps(row) for row in full}) == total
     # every batch of two epochs with no workers; with workers, the first, a middle one and each
     # epoch's last two
-    ats = range(total - 1) if config["workers"] == 0 else sorted({0, 4, STEPS - 2, STEPS - 1, total - 2})
+    ats = (
+        range(total - 1)
+        if config["workers"] == 0
+        else sorted({0, 4, STEPS - 2, STEPS - 1, total - 2})
+    )
     cases, befores = [], []
     for at in ats:
         for how in ("break", "raise"):
             before, state = cut(config, at, how)
             befores.append((at, how, before))
             cases.append((config, state))
-    for (at, how, before), after in zip(befores, resumed_in_a_fresh_process(cases, tmp_path), strict=True):
+    for (at, how, before), after in zip(
+        befores, resumed_in_a_fresh_process(cases, tmp_path), strict=True
+    ):
         assert before + after == full, f"{how} after batch {at}: resumed with other batches"
 
 
@@ -140,12 +157,22 @@ def test_a_state_at_an_epochs_last_batch_starts_the_next_epoch(kind: str) -> Non
     state = loader.state_dict()
     resumed = build(config)
     resumed.load_state_dict(state)
-    assert rows + rest(resumed) == full and len(rows) == (STEPS if kind == "map" else len(full) // EPOCHS)
+    assert rows + rest(resumed) == full and len(rows) == (
+        STEPS if kind == "map" else len(full) // EPOCHS
+    )
 
 
-@pytest.mark.parametrize("config", [{"kind": "map", "workers": 2, "persistent": False},
-                                    {"kind": "stream", "workers": 0, "persistent": False}], ids=["map-w2", "stream-w0"])
-def test_pass_ended_after_a_break_starts_the_next_epoch_as_the_loops_next_iter_does(config: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"kind": "map", "workers": 2, "persistent": False},
+        {"kind": "stream", "workers": 0, "persistent": False},
+    ],
+    ids=["map-w2", "stream-w0"],
+)
+def test_pass_ended_after_a_break_starts_the_next_epoch_as_the_loops_next_iter_does(
+    config: dict[str, Any],
+) -> None:
     """A loop that leaves passes on purpose (an epoch limit of its own): the state it saves says
     so."""
     loader = build(config)
@@ -160,7 +187,7 @@ def test_pass_ended_after_a_break_starts_the_next_epoch_as_the_loops_next_iter_d
     assert [record(batch) for batch in resumed] == [record(batch) for batch in loader]
 
 
-def test_which_continuation_was_chosen_is_logged_once_per_loader_and_a_pass_left_where_saved_is_warned(
+def test_which_continuation_was_chosen_is_logged_once_per_loader_and_a_pass_left_is_warned(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO, logger="loader_resume")

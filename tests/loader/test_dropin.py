@@ -50,9 +50,18 @@ def test_invalid_combinations_raise_the_same_errors_as_dataloader(kwargs: dict[s
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"keying": "per-sample"}, r"keying='per-sample': expected one of \['batch', 'sample', 'off'\]"),
-        ({"snapshot_every_n_steps": -1}, r"snapshot_every_n_steps=-1: expected None or an int >= 0"),
-        ({"rank": 2, "world_size": 2}, r"rank=2, world_size=2: expected world_size >= 1 and 0 <= rank"),
+        (
+            {"keying": "per-sample"},
+            r"keying='per-sample': expected one of \['batch', 'sample', 'off'\]",
+        ),
+        (
+            {"snapshot_every_n_steps": -1},
+            r"snapshot_every_n_steps=-1: expected None or an int >= 0",
+        ),
+        (
+            {"rank": 2, "world_size": 2},
+            r"rank=2, world_size=2: expected world_size >= 1 and 0 <= rank",
+        ),
     ],
 )
 def test_our_own_options_fail_clearly(kwargs: dict[str, Any], message: str) -> None:
@@ -60,30 +69,59 @@ def test_our_own_options_fail_clearly(kwargs: dict[str, Any], message: str) -> N
         make(4, **kwargs)
 
 
-@pytest.mark.parametrize(("name", "value"), [("seed", 5), ("keying", "off"), ("keyed_generators", ("torch",)),
-                                           ("rank", 1), ("world_size", 2), ("in_order", False)])
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("seed", 5),
+        ("keying", "off"),
+        ("keyed_generators", ("torch",)),
+        ("rank", 1),
+        ("world_size", 2),
+        ("in_order", False),
+    ],
+)
 def test_our_settings_cannot_be_set_after_construction(name: str, value: Any) -> None:
     """As DataLoader refuses ``batch_size``: the order, the keys and the state follow one value, the
     one the loader was built with; a write is refused and changes nothing."""
     loader = make(10, shuffle=True, seed=0)
     before = (run_epochs(loader, 1), loader.state_dict())
-    with pytest.raises(ValueError, match=rf"{name} attribute should not be set after ResumableDataLoader is "
-                                         rf"initialized .* build a new loader with {name}="):
+    with pytest.raises(
+        ValueError,
+        match=rf"{name} attribute should not be set after ResumableDataLoader is "
+        rf"initialized .* build a new loader with {name}=",
+    ):
         setattr(loader, name, value)
-    assert (loader.seed, loader.keying, loader.keyed_generators) == (0, "batch", ("torch", "numpy", "random"))
-    assert (run_epochs(make(10, shuffle=True, seed=0), 1), loader.state_dict()["seed"]) == (before[0], 0)
+    assert (loader.seed, loader.keying, loader.keyed_generators) == (
+        0,
+        "batch",
+        ("torch", "numpy", "random"),
+    )
+    assert (run_epochs(make(10, shuffle=True, seed=0), 1), loader.state_dict()["seed"]) == (
+        before[0],
+        0,
+    )
     assert loader.in_order and "ahead" not in loader.state_dict()
 
 
-def test_dataloaders_own_settings_are_refused_after_construction_as_dataloader_refuses_them() -> None:
+def test_dataloaders_own_settings_are_refused_after_construction_as_dataloader_refuses_them() -> (
+    None
+):
     loader = make(10)
-    for name, value in (("batch_size", 3), ("drop_last", True), ("sampler", None), ("batch_sampler", None),
-                        ("dataset", [1]), ("persistent_workers", True)):
+    for name, value in (
+        ("batch_size", 3),
+        ("drop_last", True),
+        ("sampler", None),
+        ("batch_sampler", None),
+        ("dataset", [1]),
+        ("persistent_workers", True),
+    ):
         with pytest.raises(ValueError, match=f"{name} attribute should not be set after"):
             setattr(loader, name, value)
 
 
-def test_num_workers_written_after_construction_takes_effect_everywhere_from_the_next_pass() -> None:
+def test_num_workers_written_after_construction_takes_effect_everywhere_from_the_next_pass() -> (
+    None
+):
     """DataLoader lets ``num_workers`` change between passes: the state reports the new value and a
     stream state saved with that many workers loads (the loader re-shards nothing)."""
     saving = ResumableDataLoader(StatefulShards(12), batch_size=2, num_workers=2)
@@ -95,14 +133,19 @@ def test_num_workers_written_after_construction_takes_effect_everywhere_from_the
     assert loader.state_dict()["num_workers"] == 2
     loader.load_state_dict(state)
     rest = [b["id"].tolist() for b in loader]
-    uninterrupted = [b["id"].tolist() for b in ResumableDataLoader(StatefulShards(12), batch_size=2, num_workers=2)]
+    uninterrupted = [
+        b["id"].tolist()
+        for b in ResumableDataLoader(StatefulShards(12), batch_size=2, num_workers=2)
+    ]
     assert rest == uninterrupted[3:]
 
 
 _INIT = [name for name in inspect.signature(DataLoader.__init__).parameters if name != "self"]
 
 
-@pytest.mark.parametrize("options", [{"shuffle": True}, {"batch_size": None}, {"drop_last": True, "num_workers": 2}])
+@pytest.mark.parametrize(
+    "options", [{"shuffle": True}, {"batch_size": None}, {"drop_last": True, "num_workers": 2}]
+)
 def test_rebuilding_from_attributes_gives_an_equivalent_loader(options: dict[str, Any]) -> None:
     """Lightning and Accelerate rebuild loaders from their attributes; the copy must behave the
     same."""
@@ -140,10 +183,14 @@ def test_torch_private_details_we_rely_on_still_hold() -> None:
     # 2. keys are applied at the fetch: the single-process iterator fetches right after drawing an
     #    index list (where the main process seeds), and a worker fetches right after unpickling one
     #    (see 4).
-    next_data = inspect.getsource(torch.utils.data.dataloader._SingleProcessDataLoaderIter._next_data)
+    next_data = inspect.getsource(
+        torch.utils.data.dataloader._SingleProcessDataLoaderIter._next_data
+    )
     lines = [line.strip() for line in next_data.splitlines()[1:] if line.strip()]
-    assert lines[:2] == ["index = self._next_index()  # may raise StopIteration",
-                         "data = self._dataset_fetcher.fetch(index)  # may raise StopIteration"], lines
+    assert lines[:2] == [
+        "index = self._next_index()  # may raise StopIteration",
+        "data = self._dataset_fetcher.fetch(index)  # may raise StopIteration",
+    ], lines
     # 3. the worker base seed is drawn from `loader.generator` while the iterator is built.
     source = inspect.getsource(torch.utils.data.dataloader._BaseDataLoaderIter.__init__)
     assert "random_(generator=loader.generator)" in source
@@ -163,7 +210,13 @@ def test_a_dataset_that_grows_between_epochs_is_read_whole_next_epoch() -> None:
     first = sorted(int(x) for batch in loader for x in batch)
     data.append(torch.tensor(4))
     assert len(loader) == 3 and loader.state_dict()["dataset_len"] == 5
-    assert first == [0, 1, 2, 3] and sorted(int(x) for batch in loader for x in batch) == [0, 1, 2, 3, 4]
+    assert first == [0, 1, 2, 3] and sorted(int(x) for batch in loader for x in batch) == [
+        0,
+        1,
+        2,
+        3,
+        4,
+    ]
 
 
 def test_the_iterator_reaches_torchs_like_dataloaders_does() -> None:
@@ -177,9 +230,12 @@ def test_the_iterator_reaches_torchs_like_dataloaders_does() -> None:
 def test_a_datapipe_with_a_lambda_reaches_spawned_workers_through_torchs_dill_wrapper() -> None:
     """DataLoader wraps a datapipe so that spawned workers unpickle it with dill; the wrapped one is
     what we send."""
-    import dill  # noqa: F401  (HF datasets, a test dependency, requires it; torch uses it when present)
+    # HF datasets, a test dependency, requires it; torch uses it when present
+    import dill  # noqa: F401
     from torch.utils.data.datapipes.iter import IterableWrapper
 
     pipe = IterableWrapper([[1, 2], [3, 4, 5], [6, 7]]).filter(lambda row: len(row) == 2)
-    batches = ResumableDataLoader(pipe, batch_size=None, num_workers=1, multiprocessing_context="spawn")
+    batches = ResumableDataLoader(
+        pipe, batch_size=None, num_workers=1, multiprocessing_context="spawn"
+    )
     assert list(batches) == [[1, 2], [6, 7]]

@@ -10,7 +10,11 @@ from typing import Any
 import pytest
 
 from loader_resume import ResumableDataLoader
-from loader_resume.testing import assert_delivers_rest_exactly_once, assert_resumes_exactly, run_epochs
+from loader_resume.testing import (
+    assert_delivers_rest_exactly_once,
+    assert_resumes_exactly,
+    run_epochs,
+)
 from support.data import PlainSampler, StatefulShards, ids, make
 from support.launch import CHILDREN, launch
 
@@ -41,7 +45,9 @@ def test_a_stream_told_another_num_workers_after_its_load_says_to_set_it_before(
     resumed = ResumableDataLoader(StatefulShards(9), batch_size=2, num_workers=2)
     resumed.load_state_dict(saved.state_dict())
     resumed.num_workers = 1
-    with pytest.raises(ValueError, match=r"num_workers=1, but the state loaded holds 2 workers' positions"):
+    with pytest.raises(
+        ValueError, match=r"num_workers=1, but the state loaded holds 2 workers' positions"
+    ):
         iter(resumed)
 
 
@@ -107,7 +113,9 @@ def test_elastic_resume_from_world_4_delivers_the_rest_exactly_once(new_world: i
 
 
 def test_ranks_are_disjoint_and_padded_evenly_like_distributed_sampler() -> None:
-    per_rank = _lockstep([make(10, batch_size=2, shuffle=True, rank=r, world_size=3) for r in range(3)], None)
+    per_rank = _lockstep(
+        [make(10, batch_size=2, shuffle=True, rank=r, world_size=3) for r in range(3)], None
+    )
     assert [len(x) for x in per_rank] == [4, 4, 4]
     everything = sum(per_rank, [])
     assert set(everything) == set(range(10)) and len(everything) == 12
@@ -127,8 +135,12 @@ def test_two_gloo_processes_resume_each_rank_exactly(tmp_path: Path, workers: in
     for rank in range(2):
         assert resumed[rank] == full[rank][per_epoch + 3 :]
     for epoch in range(2):
-        seen = [int(x) for r in range(2) for row in full[r][epoch * per_epoch : (epoch + 1) * per_epoch]
-                for x in row[0]]
+        seen = [
+            int(x)
+            for r in range(2)
+            for row in full[r][epoch * per_epoch : (epoch + 1) * per_epoch]
+            for x in row[0]
+        ]
         # one padded sample: 21 over 2 ranks x 2
         assert set(seen) == set(range(21)) and len(seen) == 22
 
@@ -137,12 +149,16 @@ def test_a_distributed_sampler_becomes_our_sharding_not_a_second_one() -> None:
     from torch.utils.data import DistributedSampler
 
     dataset = make(10).dataset
-    shards = [make(10, batch_size=2, sampler=DistributedSampler(dataset, num_replicas=2, rank=r, seed=7))
-              for r in range(2)]
+    shards = [
+        make(10, batch_size=2, sampler=DistributedSampler(dataset, num_replicas=2, rank=r, seed=7))
+        for r in range(2)
+    ]
     assert [(s.rank, s.world_size, s.seed) for s in shards] == [(0, 2, 7), (1, 2, 7)]
     delivered = _lockstep(shards, None)
     assert [len(d) for d in delivered] == [5, 5] and sorted(sum(delivered, [])) == list(range(10))
-    ours = _lockstep([make(10, batch_size=2, shuffle=True, seed=7, rank=r, world_size=2) for r in range(2)], None)
+    ours = _lockstep(
+        [make(10, batch_size=2, shuffle=True, seed=7, rank=r, world_size=2) for r in range(2)], None
+    )
     assert delivered == ours
 
 
@@ -153,7 +169,11 @@ def test_sharded_sampler_splits_a_custom_stream_by_global_steps_and_resumes() ->
     dataset = make(13).dataset
 
     def shard(rank: int) -> Any:
-        return make(13, batch_size=2, sampler=ShardedSampler(PlainSampler(13), dataset, num_replicas=2, rank=rank))
+        return make(
+            13,
+            batch_size=2,
+            sampler=ShardedSampler(PlainSampler(13), dataset, num_replicas=2, rank=rank),
+        )
 
     delivered = _lockstep([shard(0), shard(1)], None)
     order = list(iter(PlainSampler(13)))
@@ -173,7 +193,10 @@ def test_a_dataset_split_per_rank_beforehand_is_refused_not_split_again(tmp_path
     assert [w["error"] for w in whole] == ["", ""]
     assert sorted(whole[0]["ids"] + whole[1]["ids"]) == list(range(24))
     for rank, result in enumerate(split):
-        assert "the ranks' datasets differ" in result["error"] and "split_dataset_by_node" in result["error"]
+        assert (
+            "the ranks' datasets differ" in result["error"]
+            and "split_dataset_by_node" in result["error"]
+        )
         assert "rank=0, world_size=1" in result["error"]
         # its whole split, not a quarter
         assert sorted(result["ids"]) == list(range(rank * 12, rank * 12 + 12))
@@ -185,8 +208,12 @@ def test_a_plain_loader_refuses_a_dataset_split_per_rank_without_hanging(tmp_pat
     launch(CHILDREN / "ddp_split_child.py", "plain-split", tmp_path)
     results = [json.loads((tmp_path / f"plain-split-{r}.json").read_text()) for r in range(2)]
     refused = [r for r in results if r["error"]]
-    assert refused and all("the ranks' datasets differ" in r["error"] and "split_dataset_by_node" in r["error"]
-                           and "rank=0, world_size=1" in r["error"] for r in refused)
+    assert refused and all(
+        "the ranks' datasets differ" in r["error"]
+        and "split_dataset_by_node" in r["error"]
+        and "rank=0, world_size=1" in r["error"]
+        for r in refused
+    )
     first = [r for r in refused if r["epoch"] == 0]
     assert first and all(r["ids"] == [] for r in first)  # refused before a single batch
 
@@ -200,5 +227,8 @@ def test_a_loader_on_some_ranks_only_is_neither_refused_nor_a_hang(tmp_path: Pat
     assert len(results[0]["validation"]) == 5 and set(results[0]["validation"]) < set(range(10))
     assert results[1]["validation"] == []
     for epoch in range(2):
-        both = results[0]["ids"][epoch * 12:(epoch + 1) * 12] + results[1]["ids"][epoch * 12:(epoch + 1) * 12]
+        both = (
+            results[0]["ids"][epoch * 12 : (epoch + 1) * 12]
+            + results[1]["ids"][epoch * 12 : (epoch + 1) * 12]
+        )
         assert sorted(both) == list(range(24))

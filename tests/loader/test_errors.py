@@ -19,17 +19,30 @@ from loader_resume.job.remote_copy import RemoteCopyError
 from loader_resume.workers.worker_start import WorkerStartError
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = [ROOT / "core" / "loader_resume", *(ROOT / name for name in ("lightning_resume", "accelerate_resume",
-                                                                        "transformers_resume", "ray_resume"))]
-BUILT_IN = {loader_resume.StateError: ValueError, CheckpointError: ValueError, AuditFormatError: ValueError,
-            CheckpointDirectoryError: RuntimeError, WorkerStartError: RuntimeError, RemoteCopyError: OSError}
+PACKAGES = [
+    ROOT / "core" / "loader_resume",
+    *(
+        ROOT / name
+        for name in ("lightning_resume", "accelerate_resume", "transformers_resume", "ray_resume")
+    ),
+]
+BUILT_IN = {
+    loader_resume.StateError: ValueError,
+    CheckpointError: ValueError,
+    AuditFormatError: ValueError,
+    CheckpointDirectoryError: RuntimeError,
+    WorkerStartError: RuntimeError,
+    RemoteCopyError: OSError,
+}
 
 
 def test_every_error_is_a_loader_resume_error_and_the_built_in_it_was() -> None:
     defined = {node.name for folder in PACKAGES for path in folder.rglob("*.py")
                for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
                and node.name.endswith("Error") and node.name != "LoaderResumeError"}
-    assert defined == {error.__name__ for error in BUILT_IN}, "a new error class: add it here, under the base"
+    assert defined == {error.__name__ for error in BUILT_IN}, (
+        "a new error class: add it here, under the base"
+    )
     for error, built_in in BUILT_IN.items():
         assert issubclass(error, LoaderResumeError) and issubclass(error, built_in), error
     # code that caught the built-in still does
@@ -40,11 +53,18 @@ def test_every_error_is_a_loader_resume_error_and_the_built_in_it_was() -> None:
 def test_a_front_doors_entry_of_another_format_or_missing_keys_is_one_error_naming_where() -> None:
     good = {"format": CHECKPOINT_FORMAT, "loaders": [], "rng": []}
     assert checked_entry(good, "x.pt", needs=("loaders", "rng")) is good
-    for saved, said in ((dict(good, format=99), f"x.pt: format 99; expected {CHECKPOINT_FORMAT} (written by "
-                                                "another loader-resume release?)"),
-                        (3, f"x.pt: format 3; expected {CHECKPOINT_FORMAT}"),
-                        ({"format": CHECKPOINT_FORMAT}, "x.pt: loaders, rng missing; expected an entry written by "
-                                                        "loader-resume")):
+    for saved, said in (
+        (
+            dict(good, format=99),
+            f"x.pt: format 99; expected {CHECKPOINT_FORMAT} (written by "
+            "another loader-resume release?)",
+        ),
+        (3, f"x.pt: format 3; expected {CHECKPOINT_FORMAT}"),
+        (
+            {"format": CHECKPOINT_FORMAT},
+            "x.pt: loaders, rng missing; expected an entry written by loader-resume",
+        ),
+    ):
         with pytest.raises(CheckpointError) as raised:
             checked_entry(saved, "x.pt", needs=("loaders", "rng"))
         assert str(raised.value).startswith(said)

@@ -20,7 +20,9 @@ from support.data import Augmented, seed_all
 N, BATCH, TAKEN, EPOCHS = 48, 4, 6, 3  # 12 batches an epoch; the loop leaves each pass after 6
 
 
-def build(workers: int, cls: type[ResumableDataLoader[Any]] = ResumableDataLoader) -> ResumableDataLoader[Any]:
+def build(
+    workers: int, cls: type[ResumableDataLoader[Any]] = ResumableDataLoader
+) -> ResumableDataLoader[Any]:
     return cls(Augmented(N), batch_size=BATCH, shuffle=True, num_workers=workers, seed=11)
 
 
@@ -62,7 +64,9 @@ def partial_passes(loader: ResumableDataLoader[Any], *, start_epoch: int = 0, ta
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_a_state_taken_at_any_moment_of_a_loop_that_leaves_its_passes_early_resumes_exactly(workers: int) -> None:
+def test_a_state_taken_at_any_moment_of_a_loop_that_leaves_its_passes_early_resumes_exactly(
+    workers: int,
+) -> None:
     seed_all(0)
     full = list(partial_passes(build(workers)))
     assert len(full) == EPOCHS * TAKEN
@@ -82,7 +86,9 @@ def test_a_state_taken_at_any_moment_of_a_loop_that_leaves_its_passes_early_resu
         assert before + after == full, f"cut at moment {cut_at}"
 
 
-def test_the_issue_numbers_a_break_continues_the_pass_and_pass_ended_starts_the_next_epoch() -> None:
+def test_the_issue_numbers_a_break_continues_the_pass_and_pass_ended_starts_the_next_epoch() -> (
+    None
+):
     """48 items, batch 4, `break` after 6 batches: the state continues epoch 0 at batch 7 (a stopped
     job); said ended, it starts epoch 1 where the loop's next iter() does."""
     loader = build(0)
@@ -90,7 +96,10 @@ def test_the_issue_numbers_a_break_continues_the_pass_and_pass_ended_starts_the_
         if i == TAKEN - 1:
             break
     state, ended = loader.state_dict(), loader.state_dict(pass_ended=True)
-    assert (state["epoch"], state["position"]) == (0, TAKEN * BATCH) and (ended["epoch"], ended["position"]) == (1, 0)
+    assert (state["epoch"], state["position"]) == (0, TAKEN * BATCH) and (
+        ended["epoch"],
+        ended["position"],
+    ) == (1, 0)
     reference = build(0)
     epoch0 = [b["id"].tolist() for b in reference]
     resumed = build(0)
@@ -127,8 +136,14 @@ def test_a_held_iterator_is_still_mid_epoch_and_a_second_iter_starts_the_next_ep
 
 # --- a hand-written loop's loaders (Accelerate, Fabric): the last batch is out, the pass has not
 # ended --------
-def hand_written(loader: ReportingDataLoader, other: ReportingDataLoader, *, start_epoch: int = 0,
-                 cut_at: int | None = None, rest: int | None = None) -> Iterator[tuple[str, list[int], str]]:
+def hand_written(
+    loader: ReportingDataLoader,
+    other: ReportingDataLoader,
+    *,
+    start_epoch: int = 0,
+    cut_at: int | None = None,
+    rest: int | None = None,
+) -> Iterator[tuple[str, list[int], str]]:
     """``zip(loader, other)`` each epoch, ``other`` the shorter; a checkpoint (``cut_at``) is taken
     in the loop's body after a pair, as a user's own save would be. ``rest``: resumed, the first
     epoch is the saved one."""
@@ -149,8 +164,12 @@ def test_a_zip_of_unequal_loaders_resumes_exactly_from_its_last_pair(workers: in
     loader hands one batch more to it, as there) and the next epoch starts both loaders afresh."""
 
     def pair() -> tuple[ReportingDataLoader, ReportingDataLoader]:
-        a = ReportingDataLoader(Augmented(N), batch_size=BATCH, shuffle=True, num_workers=workers, seed=1)
-        b = ReportingDataLoader(Augmented(N // 2), batch_size=BATCH, shuffle=True, num_workers=workers, seed=2)
+        a = ReportingDataLoader(
+            Augmented(N), batch_size=BATCH, shuffle=True, num_workers=workers, seed=1
+        )
+        b = ReportingDataLoader(
+            Augmented(N // 2), batch_size=BATCH, shuffle=True, num_workers=workers, seed=2
+        )
         return a, b
 
     seed_all(0)
@@ -168,7 +187,9 @@ def test_a_zip_of_unequal_loaders_resumes_exactly_from_its_last_pair(workers: in
             resumed[1].load_state_dict(saved["b"])
             after = list(hand_written(*resumed, start_epoch=cut.epoch))
         assert before + after == full, f"cut after pair {cut_at}"
-        assert ("ending" in saved["b"]) == (cut_at % pairs == pairs - 1) and "ending" not in saved["a"]
+        assert ("ending" in saved["b"]) == (cut_at % pairs == pairs - 1) and "ending" not in saved[
+            "a"
+        ]
 
 
 def test_a_loaded_ending_is_kept_until_its_empty_pass_and_that_pass_is_over() -> None:
@@ -198,13 +219,19 @@ def test_two_plain_loaders_of_one_seed_iterated_together_are_warned_of_and_own_s
     positions. Iterated together (a zip), that is said; with their own seeds it is not, nor for one
     loader's successive passes."""
     caplog.set_level(logging.WARNING, logger="loader_resume")
-    a, b = ResumableDataLoader(Augmented(8), batch_size=2), ResumableDataLoader(Augmented(12), batch_size=2)
+    a, b = (
+        ResumableDataLoader(Augmented(8), batch_size=2),
+        ResumableDataLoader(Augmented(12), batch_size=2),
+    )
     pairs = list(zip(a, b, strict=False))
     # what the warning is about
     assert all(x["torch"].tolist() == y["torch"].tolist() for x, y in pairs)
     assert "another loader with the same seed (0) is mid-pass" in caplog.text
     caplog.clear()
-    a, b = ResumableDataLoader(Augmented(8), batch_size=2, seed=1), ResumableDataLoader(Augmented(12), batch_size=2)
+    a, b = (
+        ResumableDataLoader(Augmented(8), batch_size=2, seed=1),
+        ResumableDataLoader(Augmented(12), batch_size=2),
+    )
     assert all(x["torch"].tolist() != y["torch"].tolist() for x, y in zip(a, b, strict=False))
     for _ in range(2):
         list(a)
@@ -296,8 +323,11 @@ class Saving(Reports):
                                 for name, each in self.loaders.items()})
 
 
-def cycling_loop(loaders: dict[str, ReportingDataLoader], steps: int,
-                 boundaries: list[dict[str, Any]] | None = None) -> list[tuple[list[int], list[int]]]:
+def cycling_loop(
+    loaders: dict[str, ReportingDataLoader],
+    steps: int,
+    boundaries: list[dict[str, Any]] | None = None,
+) -> list[tuple[list[int], list[int]]]:
     """Each step: a batch of ``main`` (its passes in a ``for``, two epochs) and one of ``aux`` drawn
     by hand, with a new ``iter()`` at its end (the short loader cycles four times an epoch); an
     optimizer step. Stops after ``steps`` steps in all; ``boundaries``: the states taken at each
@@ -333,8 +363,10 @@ def test_a_loader_cycled_by_hand_beside_the_main_one_leaves_no_pass_at_any_step_
     epochs resumes exactly."""
 
     def loaders() -> dict[str, ReportingDataLoader]:
-        return {"main": ReportingDataLoader(Augmented(N), batch_size=BATCH, shuffle=True, seed=1),
-                "aux": ReportingDataLoader(Augmented(N // 4), batch_size=BATCH, shuffle=True, seed=2)}
+        return {
+            "main": ReportingDataLoader(Augmented(N), batch_size=BATCH, shuffle=True, seed=1),
+            "aux": ReportingDataLoader(Augmented(N // 4), batch_size=BATCH, shuffle=True, seed=2),
+        }
 
     steps = 2 * N // BATCH
     states: list[dict[str, Any]] = []
@@ -344,4 +376,6 @@ def test_a_loader_cycled_by_hand_beside_the_main_one_leaves_no_pass_at_any_step_
         resumed = loaders()
         for name, loader in resumed.items():
             loader.load_state_dict(saved[name])
-        assert cycling_loop(resumed, steps - done) == full[done:], f"resumed at the boundary after step {done}"
+        assert cycling_loop(resumed, steps - done) == full[done:], (
+            f"resumed at the boundary after step {done}"
+        )

@@ -33,7 +33,11 @@ class FakeCuda:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: bool(self.states))
         monkeypatch.setattr(torch.cuda, "device_count", lambda: len(self.states))
         monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: self.states[device].clone())
-        monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: self.restored.__setitem__(device, state))
+        monkeypatch.setattr(
+            torch.cuda,
+            "set_rng_state",
+            lambda state, device: self.restored.__setitem__(device, state),
+        )
 
 
 def test_cuda_generators_are_saved_loadable_with_weights_only_and_restored_per_device(
@@ -48,12 +52,15 @@ def test_cuda_generators_are_saved_loadable_with_weights_only_and_restored_per_d
     resuming = FakeCuda(2)
     resuming.install(monkeypatch)
     set_global_rng_state(loaded)
-    assert {d: s.tolist() for d, s in resuming.restored.items()} == {d: s.tolist() for d, s in enumerate(saving.states)}
+    assert {d: s.tolist() for d, s in resuming.restored.items()} == {
+        d: s.tolist() for d, s in enumerate(saving.states)
+    }
 
 
 @pytest.mark.parametrize("devices_now", [0, 1, 4])
 def test_cuda_states_for_another_device_count_are_not_restored_and_say_so(
-        devices_now: int, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    devices_now: int, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     FakeCuda(2).install(monkeypatch)
     state = global_rng_state()
     resuming = FakeCuda(devices_now)
@@ -64,13 +71,20 @@ def test_cuda_states_for_another_device_count_are_not_restored_and_say_so(
     # the CPU generator is restored all the same
     assert torch.equal(torch.get_rng_state(), state["torch"])
     warned = [r.getMessage() for r in caplog.records if "CUDA" in r.getMessage()]
-    assert len(warned) == 1 and f"saved for 2 CUDA device(s), this process sees {devices_now}" in warned[0]
+    assert (
+        len(warned) == 1
+        and f"saved for 2 CUDA device(s), this process sees {devices_now}" in warned[0]
+    )
 
 
 def test_a_state_without_accelerators_loads_as_before(monkeypatch: pytest.MonkeyPatch) -> None:
     FakeCuda(0).install(monkeypatch)  # NOTE: no CUDA device, on a GPU machine too
     state = global_rng_state()
-    assert set(state) <= {"torch", "numpy", "random", "mps"} and {"torch", "numpy", "random"} <= set(state)
+    assert set(state) <= {"torch", "numpy", "random", "mps"} and {
+        "torch",
+        "numpy",
+        "random",
+    } <= set(state)
     draws = torch.rand(3)
     set_global_rng_state(state)
     assert torch.equal(torch.rand(3), draws)
@@ -86,10 +100,14 @@ def test_collectives_use_the_current_cuda_device_on_nccl(monkeypatch: pytest.Mon
     assert collective_device() is None
 
 
-def _round(store_port: int, world: int, results: dict[int, int], errors: list[BaseException]) -> None:
+def _round(
+    store_port: int, world: int, results: dict[int, int], errors: list[BaseException]
+) -> None:
     def rank_main(rank: int) -> None:
         try:
-            client = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=20))
+            client = dist.TCPStore(
+                "127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=20)
+            )
             results[rank] = _agree_on_generation(client, rank, world, timedelta(seconds=20))
         except BaseException as error:
             errors.append(error)
@@ -104,7 +122,9 @@ def test_every_rank_of_a_round_agrees_on_a_generation_no_earlier_round_used() ->
     """The torchrun situation: one store outlives the rounds and keeps their keys (a stale nonce of
     rank 1 included); ranks of one round share no restart count. Each round must agree on one fresh
     generation."""
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20))
+    server = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20)
+    )
     server.set("loader_resume/generation/hello/1", "stale-nonce-from-a-dead-round")
     seen: list[int] = []
     for world in (2, 3, 2, 1):
@@ -124,7 +144,9 @@ class _Counting(IterableDataset[int]):
 
 
 @pytest.mark.parametrize("kind", ["map", "iterable"])
-def test_loading_while_an_iterator_is_mid_epoch_warns_once(kind: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_loading_while_an_iterator_is_mid_epoch_warns_once(
+    kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
     loader: ResumableDataLoader[Any] = make(12, shuffle=True) if kind == "map" else \
         ResumableDataLoader(_Counting(), batch_size=2)
     iterator = iter(loader)
@@ -159,7 +181,9 @@ def test_loading_twice_with_no_iter_between_warns_once_and_the_second_state_wins
     assert ids(list(resumed)) == order[3:]
 
 
-def test_a_finished_or_dropped_iterator_and_a_used_state_give_no_warning(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_finished_or_dropped_iterator_and_a_used_state_give_no_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     loader = make(12, shuffle=True)
     with caplog.at_level(logging.WARNING, logger="loader_resume"):
         list(loader)  # finished

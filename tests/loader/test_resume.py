@@ -32,19 +32,32 @@ MATRIX = [
 ]
 
 
-@pytest.mark.parametrize(("workers", "persistent", "shuffle", "drop_last", "batch_size", "collate"), MATRIX)
+@pytest.mark.parametrize(
+    ("workers", "persistent", "shuffle", "drop_last", "batch_size", "collate"), MATRIX
+)
 def test_every_cut_point_resumes_exactly(
     workers: int, persistent: bool, shuffle: bool, drop_last: bool, batch_size: int, collate: Any
 ) -> None:
     def factory() -> ResumableDataLoader[Any]:
-        return make(10, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, num_workers=workers,
-                    persistent_workers=persistent, collate_fn=collate)
+        return make(
+            10,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            num_workers=workers,
+            persistent_workers=persistent,
+            collate_fn=collate,
+        )
 
     per_epoch = 10 // batch_size if drop_last else -(-10 // batch_size)
     # With workers every resumed pass starts processes, so cut at the interesting points only:
     # before the first batch, after it, at an epoch's last batch, at the boundary, just after it,
     # and at the end.
-    cuts = None if workers == 0 else sorted({0, 1, per_epoch - 1, per_epoch, per_epoch + 1, 3 * per_epoch})
+    cuts = (
+        None
+        if workers == 0
+        else sorted({0, 1, per_epoch - 1, per_epoch, per_epoch + 1, 3 * per_epoch})
+    )
     report = assert_resumes_exactly(factory, epochs=3, cuts=cuts)
     assert report.batches == 3 * per_epoch
 
@@ -78,7 +91,9 @@ def test_dataloader_hands_over_the_users_dataset_and_length() -> None:
     dataset = Augmented(10)
     loader = ResumableDataLoader(dataset, batch_size=3, drop_last=True)
     assert loader.dataset is dataset and loader.batch_size == 3
-    assert len(loader) == len(torch.utils.data.DataLoader(dataset, batch_size=3, drop_last=True)) == 3
+    assert (
+        len(loader) == len(torch.utils.data.DataLoader(dataset, batch_size=3, drop_last=True)) == 3
+    )
 
 
 def test_batch_size_none_yields_single_items_and_resumes() -> None:
@@ -157,7 +172,9 @@ def test_loader_and_its_workers_are_freed_without_the_cycle_collector(persistent
         gc.enable()
 
 
-def test_a_state_that_would_be_ignored_is_named_in_a_warning_once_per_case(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_state_that_would_be_ignored_is_named_in_a_warning_once_per_case(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """Loaded twice with no iter() between (the first is never used), or while an iterator is
     mid-epoch (it goes on, ignoring the state): each warned once per loader; the state then takes
     effect at the next iter()."""

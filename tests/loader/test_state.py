@@ -36,7 +36,9 @@ def test_state_is_plain_json_under_one_kilobyte(n: int) -> None:
     state = loader.state_dict()
     text = json.dumps(state)
     assert json.loads(text) == state and len(text.encode()) < 1024
-    assert state["version"] == STATE_VERSION and state["dataset_len"] == n and state["position"] == 4
+    assert (
+        state["version"] == STATE_VERSION and state["dataset_len"] == n and state["position"] == 4
+    )
 
 
 def test_billion_sample_shuffle_starts_without_materialising_a_permutation() -> None:
@@ -57,8 +59,7 @@ def test_billion_sample_shuffle_starts_without_materialising_a_permutation() -> 
     assert len(set(torch.cat(first).tolist())) == 192 and deep_batch.shape == (64,)
 
 
-# --- bad input
-# --------------------------------------------------------------------------------------
+# --- bad input ------------------------------------------------------------------------------------
 def _saved() -> dict[str, Any]:
     loader = make(10, shuffle=True)
     iterator = iter(loader)
@@ -73,14 +74,24 @@ def _saved() -> dict[str, Any]:
         (lambda s: s.update(seed=5), "seed", r"saved 5, expected 0"),
         (lambda s: s.update(keying="sample"), "keying", r"saved 'sample', expected 'batch'"),
         (lambda s: s.update(shuffle=False), "shuffle", r"saved False, expected True"),
-        (lambda s: s.update(version=99), "version",
-         r"saved 99, expected one of \[1, 2, 3\].*unknown loader-resume release"),
+        (
+            lambda s: s.update(version=99),
+            "version",
+            r"saved 99, expected one of \[1, 2, 3\].*unknown loader-resume release",
+        ),
         (lambda s: s.pop("position"), "position", r"saved '<missing>'"),
-        (lambda s: s.update(positon=s.pop("position")), "positon",
-         r"'positon': saved 3, expected no such key. Unknown key; did you mean 'position'\?"),
+        (
+            lambda s: s.update(positon=s.pop("position")),
+            "positon",
+            r"'positon': saved 3, expected no such key. Unknown key; did you mean 'position'\?",
+        ),
         (lambda s: s.update(epoch="1"), "epoch", r"saved '1', expected an int >= 0"),
         (lambda s: s.update(position=11), "position", r"saved 11, expected at most dataset_len=10"),
-        (lambda s: s.update(source="sampler:x.Y"), "source", r"saved 'sampler:x.Y', expected 'permutation'"),
+        (
+            lambda s: s.update(source="sampler:x.Y"),
+            "source",
+            r"saved 'sampler:x.Y', expected 'permutation'",
+        ),
     ],
 )
 def test_bad_state_names_field_saved_and_expected(edit: Any, field: str, message: str) -> None:
@@ -101,7 +112,9 @@ def _stream_state(delivered: int) -> dict[str, Any]:
     return copy.deepcopy(loader.state_dict())
 
 
-def test_position_counts_global_samples_and_a_stream_counts_its_batches_under_its_own_name() -> None:
+def test_position_counts_global_samples_and_a_stream_counts_its_batches_under_its_own_name() -> (
+    None
+):
     loader = make(10, batch_size=3, world_size=2, rank=1)
     iterator = iter(loader)
     next(iterator)
@@ -141,8 +154,14 @@ def test_garbage_is_refused() -> None:
 
 
 _values = st.recursive(
-    st.none() | st.booleans() | st.integers(-5, 2**40) | st.text(max_size=8) | st.floats(allow_nan=True),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    st.none()
+    | st.booleans()
+    | st.integers(-5, 2**40)
+    | st.text(max_size=8)
+    | st.floats(allow_nan=True),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
     max_leaves=6,
 )
 
@@ -244,7 +263,9 @@ def test_an_iter_that_fails_as_it_begins_leaves_the_loaded_position(kind: str) -
     """A failed ``iter()`` (the dataset raised in ``set_epoch``) leaves the state and the next
     ``iter()`` where the load put them: a save on that exception, or a retry, continues exactly."""
     def make(dataset: Any) -> ResumableDataLoader[Any]:
-        return ResumableDataLoader(dataset, batch_size=2, **({"shuffle": True} if kind == "map" else {}))
+        return ResumableDataLoader(
+            dataset, batch_size=2, **({"shuffle": True} if kind == "map" else {})
+        )
 
     def data(fails: bool) -> Any:
         if kind == "map":

@@ -53,7 +53,9 @@ class CountsItsEpochs(IterableDataset[tuple[int, int]]):
 
 
 @pytest.mark.parametrize(("workers", "persistent"), [(0, False), (2, True), (2, False)])
-def test_a_stream_counting_its_own_epochs_resumes_exactly_across_epochs(workers: int, persistent: bool) -> None:
+def test_a_stream_counting_its_own_epochs_resumes_exactly_across_epochs(
+    workers: int, persistent: bool
+) -> None:
     """Where its copies live on (in process, persistent workers) the counter advances, and a state
     taken at an epoch's end carries it; fresh workers start each epoch from the main process's copy,
     resumed or not."""
@@ -175,7 +177,9 @@ class GrowingState(IterableDataset[int]):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_taken_state_is_a_snapshot_not_the_live_object(workers: int) -> None:
     def make() -> ResumableDataLoader[Any]:
-        return ResumableDataLoader(GrowingState(16), batch_size=2, num_workers=workers, collate_fn=_identity)
+        return ResumableDataLoader(
+            GrowingState(16), batch_size=2, num_workers=workers, collate_fn=_identity
+        )
 
     loader = make()
     iterator = iter(loader)
@@ -204,8 +208,14 @@ def test_a_state_taken_before_iterating_restarts_the_epoch(persistent: bool) -> 
     whole epoch."""
 
     def make() -> ResumableDataLoader[Any]:
-        return ResumableDataLoader(_Items(), batch_size=4, shuffle=True, num_workers=2, persistent_workers=persistent,
-                                   collate_fn=_identity)
+        return ResumableDataLoader(
+            _Items(),
+            batch_size=4,
+            shuffle=True,
+            num_workers=2,
+            persistent_workers=persistent,
+            collate_fn=_identity,
+        )
 
     expected = run_epochs(make(), 2)
     loader = make()
@@ -258,7 +268,9 @@ def test_a_state_requested_right_after_a_load_resumes_exactly_and_counts_from_th
     iterator = iter(loader)
     next(iterator)
     again = loader.state_dict()
-    assert again == after_one and again["stream"]["delivered"] == state["stream"]["delivered"] + 1 == 8
+    assert (
+        again == after_one and again["stream"]["delivered"] == state["stream"]["delivered"] + 1 == 8
+    )
     resumed = make()
     resumed.load_state_dict(again)
     assert list(resumed) == rest
@@ -290,8 +302,14 @@ def test_initial_seed_is_torchs_in_worker_init_fn_and_the_batch_key_while_readin
     distinct per batch."""
 
     def seeds(workers: int) -> list[tuple[int, int, int]]:
-        loader = ResumableDataLoader(_Seeds(), batch_size=2, shuffle=True, num_workers=workers,
-                                     worker_init_fn=_remember_seed if workers else None, collate_fn=_identity)
+        loader = ResumableDataLoader(
+            _Seeds(),
+            batch_size=2,
+            shuffle=True,
+            num_workers=workers,
+            worker_init_fn=_remember_seed if workers else None,
+            collate_fn=_identity,
+        )
         return [item for batch in loader for item in batch]
 
     in_workers, in_process = seeds(2), seeds(0)
@@ -311,7 +329,9 @@ def test_a_corrupted_flag_is_refused_naming_the_field(field: str) -> None:
     next(iter(loader))
     state = loader.state_dict()
     state["stream"]["workers"][0][field] = "yes"
-    with pytest.raises(StateError, match=rf"'stream.workers\[0\].{field}': saved 'yes', expected a bool"):
+    with pytest.raises(
+        StateError, match=rf"'stream.workers\[0\].{field}': saved 'yes', expected a bool"
+    ):
         ResumableDataLoader(BuildsPositionInIter(12), batch_size=2).load_state_dict(state)
 
 
@@ -328,5 +348,7 @@ def test_a_state_of_a_self_iterating_dataset_is_refused_when_iter_no_longer_retu
     next(iterator)
     resumed = ResumableDataLoader(_NowAGenerator(12), batch_size=2)
     resumed.load_state_dict(loader.state_dict())
-    with pytest.raises(StateError, match=r"'stream.workers\[0\].self_iterator': saved True, expected False"):
+    with pytest.raises(
+        StateError, match=r"'stream.workers\[0\].self_iterator': saved True, expected False"
+    ):
         next(iter(resumed))

@@ -36,26 +36,51 @@ class Noisy(Dataset[torch.Tensor]):
         return self.length
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        return torch.tensor([self.base + index, float(torch.rand(())), np.random.rand(), random.random()],
-                            dtype=torch.float64)
+        return torch.tensor(
+            [self.base + index, float(torch.rand(())), np.random.rand(), random.random()],
+            dtype=torch.float64,
+        )
 
 
 def mixture(lengths: dict[str, int] = LENGTHS, block_size: int = 10) -> Mixture:
-    return Mixture({name: Noisy(BASES[name], n) for name, n in lengths.items()}, {"a": 5, "b": 3, "c": 2},
-                   block_size=block_size)
+    return Mixture(
+        {name: Noisy(BASES[name], n) for name, n in lengths.items()},
+        {"a": 5, "b": 3, "c": 2},
+        block_size=block_size,
+    )
 
 
-def run(*, steps: int = 40, workers: int = 0, batch: int = 4, world: int = 1, stop: int | None = None,
-        state: dict[str, Any] | None = None, start: int = 0, keying: str = "batch", in_order: bool = True,
-        changes: dict[int, dict[str, float]] = CHANGES) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
+def run(
+    *,
+    steps: int = 40,
+    workers: int = 0,
+    batch: int = 4,
+    world: int = 1,
+    stop: int | None = None,
+    state: dict[str, Any] | None = None,
+    start: int = 0,
+    keying: str = "batch",
+    in_order: bool = True,
+    changes: dict[int, dict[str, float]] = CHANGES,
+) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
     """``steps`` global steps on ``world`` ranks (one loader and one mixture each, as on separate
     processes), calling ``changes`` on every rank; each step's batches concatenated rank after rank.
     Stops after step ``stop`` and returns each rank's state; resumes from ``state`` (saved after
     step ``start``)."""
     mixtures = [mixture() for _ in range(world)]
-    loaders = [ResumableDataLoader(m, batch_size=batch, seed=1, num_workers=workers, rank=r, world_size=world,
-                                   keying=keying, in_order=in_order)
-               for r, m in enumerate(mixtures)]
+    loaders = [
+        ResumableDataLoader(
+            m,
+            batch_size=batch,
+            seed=1,
+            num_workers=workers,
+            rank=r,
+            world_size=world,
+            keying=keying,
+            in_order=in_order,
+        )
+        for r, m in enumerate(mixtures)
+    ]
     if state is not None:
         for loader in loaders:
             loader.load_state_dict(json.loads(json.dumps(state)))  # a JSON round trip
@@ -98,7 +123,9 @@ def test_each_block_holds_the_exact_proportions_and_each_source_walks_its_own_pe
         # no item lost or repeated within a source's epoch
         for first in range(0, len(draws), length):
             chunk = draws[first:first + length]
-            assert len(set(chunk)) == len(chunk) and (len(chunk) < length or sorted(chunk) == list(range(length)))
+            assert len(set(chunk)) == len(chunk) and (
+                len(chunk) < length or sorted(chunk) == list(range(length))
+            )
 
 
 def test_the_order_is_a_function_of_the_state_alone() -> None:
@@ -143,7 +170,9 @@ def test_two_ranks_resume_on_two_ranks_with_the_uninterrupted_runs_batches(stop:
     assert all(torch.equal(a, b) for a, b in zip(first + rest, full, strict=True))
 
 
-@pytest.mark.skipif(not caps_worker_tasks(), reason=f"in_order=False needs torch >= 2.7 (torch {torch.__version__})")
+@pytest.mark.skipif(
+    not caps_worker_tasks(), reason=f"in_order=False needs torch >= 2.7 (torch {torch.__version__})"
+)
 def test_out_of_order_delivery_resumes_a_mixture_each_batch_once() -> None:
     """in_order=False (num_workers 2): batches arrive in any order, each the same as in order (keyed
     by its step); cut after 5 deliveries, a resume delivers the rest of the epoch (20 batches)
@@ -158,7 +187,9 @@ def test_out_of_order_delivery_resumes_a_mixture_each_batch_once() -> None:
 
 
 @pytest.mark.parametrize("keying", ["batch", "sample"])
-def test_the_global_sequence_continues_on_another_world_size_batch_size_and_worker_count(keying: str) -> None:
+def test_the_global_sequence_continues_on_another_world_size_batch_size_and_worker_count(
+    keying: str,
+) -> None:
     """Saved after step 6 on one process (batch 4, num_workers 2: the change of step 3 applies after
     the prefetched batches), resumed on two ranks of batch 2 with num_workers 0: each step holds the
     same 4 samples as the uninterrupted run's until the epoch's last, uneven, step — and, keyed per
@@ -170,14 +201,20 @@ def test_the_global_sequence_continues_on_another_world_size_batch_size_and_work
     _, (state,) = run(workers=2, stop=6, keying=keying, changes=first_change)
     # requested: 4 delivered + 2 workers x prefetch 2, x 4
     assert state["dataset_state"]["changes"][1][0] == 32
-    rest, _ = run(world=2, batch=2, state=state, start=6, steps=19, keying=keying, changes=first_change)
+    rest, _ = run(
+        world=2, batch=2, state=state, start=6, steps=19, keying=keying, changes=first_change
+    )
     columns = slice(None) if keying == "sample" else slice(0, 1)
     for got, want in zip(rest, full[6:], strict=True):
-        assert torch.equal(got[torch.argsort(got[:, 0])][:, columns], want[torch.argsort(want[:, 0])][:, columns])
+        assert torch.equal(
+            got[torch.argsort(got[:, 0])][:, columns], want[torch.argsort(want[:, 0])][:, columns]
+        )
 
 
 @pytest.mark.parametrize("reused", [False, True])
-def test_a_change_made_after_a_load_before_the_first_batch_applies_from_the_loaded_position(reused: bool) -> None:
+def test_a_change_made_after_a_load_before_the_first_batch_applies_from_the_loaded_position(
+    reused: bool,
+) -> None:
     """The change due after step 3 made on a loader just resumed from a state taken after step 3's
     batch, before that change (as a schedule applied at the top of the loop, or in a restore hook):
     nothing past the loaded position has been requested, so it applies there, as in the
@@ -238,8 +275,11 @@ def test_a_later_call_replaces_a_change_not_yet_requested() -> None:
 def test_a_source_whose_length_changed_is_refused_naming_it() -> None:
     state = mixture().state_dict()
     grown = mixture(lengths={"a": 50, "b": 21, "c": 7})
-    with pytest.raises(StateError, match=r"'dataset_state.sources.b': saved 20, expected 21. Source 'b' has 21 "
-                                         r"items; the state was saved with 20"):
+    with pytest.raises(
+        StateError,
+        match=r"'dataset_state.sources.b': saved 20, expected 21. Source 'b' has 21 "
+        r"items; the state was saved with 20",
+    ):
         grown.load_state_dict(state)
     loader = ResumableDataLoader(mixture(lengths={"a": 50, "b": 21, "c": 7}), batch_size=4, seed=1)
     saved = ResumableDataLoader(mixture(), batch_size=4, seed=1).state_dict()
@@ -259,7 +299,9 @@ def test_bad_use_is_refused_with_what_was_expected() -> None:
         mixture().set_weights({"a": 1, "b": 1, "d": 1})
     with pytest.raises(ValueError, match="expected finite numbers >= 0, not all 0"):
         mixture().set_weights({"a": 0, "b": 0, "c": 0})
-    with pytest.raises(TypeError, match=r"Mixture source 'x'.*expected a map-style dataset with __len__"):
+    with pytest.raises(
+        TypeError, match=r"Mixture source 'x'.*expected a map-style dataset with __len__"
+    ):
         Mixture({"x": iter([])}, {"x": 1})
 
 
@@ -273,8 +315,12 @@ def test_assert_resumes_exactly_covers_a_mixture_with_weight_changes(workers: in
     """Every cut of two epochs (40 batches), the weights changed after batches 4, 10 and 30; each
     state through JSON. Without the calls in the resumed runs the check fails: the helper runs them
     too."""
-    report = assert_resumes_exactly(lambda: ResumableDataLoader(mixture(), batch_size=4, seed=1, num_workers=workers),
-                                    epochs=2, round_trip="json", after_batch=change_weights)
+    report = assert_resumes_exactly(
+        lambda: ResumableDataLoader(mixture(), batch_size=4, seed=1, num_workers=workers),
+        epochs=2,
+        round_trip="json",
+        after_batch=change_weights,
+    )
     assert report.batches == 40 and len(report.cuts) == 41
     built: list[ResumableDataLoader] = []
 
@@ -318,11 +364,15 @@ def test_a_sources_own_state_is_saved_and_a_mismatch_refused_naming_it() -> None
     assert reused.sources["a"].level == 3
     assert reused.resolve(0, list(range(77))) == saving.resolve(0, list(range(77)))
     plain = Mixture({"a": Noisy(0, 50), "b": Noisy(1000, 20)}, {"a": 1, "b": 1}, block_size=10)
-    with pytest.raises(StateError, match=r"'dataset_state.source_states.a': saved \{'level': 3\}, expected none"):
+    with pytest.raises(
+        StateError, match=r"'dataset_state.source_states.a': saved \{'level': 3\}, expected none"
+    ):
         plain.load_state_dict(state)
 
 
-def test_a_resume_costs_the_same_at_any_position_and_the_state_keeps_its_size(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_resume_costs_the_same_at_any_position_and_the_state_keeps_its_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Sources of 10^9 and 10^6 items: a resume at 10 %, 50 % or 90 % of a 10^9-sample epoch
     evaluates the same number of permutation values for its first batch (one block, one chunk per
     source), and the state is the same size wherever it was taken."""
@@ -338,12 +388,14 @@ def test_a_resume_costs_the_same_at_any_position_and_the_state_keeps_its_size(mo
     monkeypatch.setattr(permutation.KeyedPermutation, "__getitem__", counting)
 
     def resumed_at(fraction: float) -> tuple[int, int]:
-        saving = ResumableDataLoader(Mixture({"a": range(10**9), "b": range(10**6)}, {"a": 3, "b": 1}),
-                                     batch_size=64, seed=1)
+        saving = ResumableDataLoader(
+            Mixture({"a": range(10**9), "b": range(10**6)}, {"a": 3, "b": 1}), batch_size=64, seed=1
+        )
         state = saving.state_dict()
         state["position"] = int(fraction * len(saving.dataset)) // 64 * 64
-        loader = ResumableDataLoader(Mixture({"a": range(10**9), "b": range(10**6)}, {"a": 3, "b": 1}),
-                                     batch_size=64, seed=1)
+        loader = ResumableDataLoader(
+            Mixture({"a": range(10**9), "b": range(10**6)}, {"a": 3, "b": 1}), batch_size=64, seed=1
+        )
         loader.load_state_dict(json.loads(json.dumps(state)))
         evaluated.clear()
         first = next(iter(loader))

@@ -22,8 +22,9 @@ from loader_resume.workers.torch_internals import caps_worker_tasks
 
 # NOTE: torch 2.6 has in_order=False but no per-worker cap: the loader refuses it there
 # (tests/workers/test_torch_internals.py)
-pytestmark = pytest.mark.skipif(not caps_worker_tasks(), reason=f"in_order=False needs torch >= 2.7 (torch "
-                                                                f"{torch.__version__})")
+pytestmark = pytest.mark.skipif(
+    not caps_worker_tasks(), reason=f"in_order=False needs torch >= 2.7 (torch {torch.__version__})"
+)
 
 N, BATCH = 40, 4
 
@@ -66,7 +67,9 @@ def cut_with_batches_ahead(release: Path, count: int) -> tuple[list[Any], dict[s
     return delivered, state
 
 
-def test_a_held_batch_does_not_stall_the_others_and_each_batch_is_the_in_order_runs(tmp_path: Path) -> None:
+def test_a_held_batch_does_not_stall_the_others_and_each_batch_is_the_in_order_runs(
+    tmp_path: Path,
+) -> None:
     release = tmp_path / "release"
     in_order = [batch for batch in loader(release / "x", in_order=True, held=-1)]
     delivered, state = cut_with_batches_ahead(release, 5)
@@ -79,7 +82,9 @@ def test_a_held_batch_does_not_stall_the_others_and_each_batch_is_the_in_order_r
 
 
 @pytest.mark.parametrize("workers", [2, 0])
-def test_the_rest_of_the_epoch_comes_exactly_once_after_a_resume(tmp_path: Path, workers: int) -> None:
+def test_the_rest_of_the_epoch_comes_exactly_once_after_a_resume(
+    tmp_path: Path, workers: int
+) -> None:
     """Resumed with 2 workers out of order, or with none (in order): the held batch and every batch
     not yet delivered, once each, with the values of the in-order run; then whole epochs as the
     in-order run's."""
@@ -97,13 +102,18 @@ def test_the_rest_of_the_epoch_comes_exactly_once_after_a_resume(tmp_path: Path,
     assert by_first_id(list(resumed)) == by_first_id(reference[1])
 
 
-def test_a_state_with_batches_ahead_is_refused_at_another_batch_size_or_in_order(tmp_path: Path) -> None:
+def test_a_state_with_batches_ahead_is_refused_at_another_batch_size_or_in_order(
+    tmp_path: Path,
+) -> None:
     """(An in-order loader's own states have no ``ahead``: one taken before the skipped steps would
     lose them.)"""
     release = tmp_path / "release"
     _, state = cut_with_batches_ahead(release, 3)
-    with pytest.raises(StateError, match=r"'ahead': saved \[.*\], expected \[\] to resume with world_size=1, "
-                                         r"batch_size=8. Batches were delivered out of order"):
+    with pytest.raises(
+        StateError,
+        match=r"'ahead': saved \[.*\], expected \[\] to resume with world_size=1, "
+        r"batch_size=8. Batches were delivered out of order",
+    ):
         loader(release, batch_size=8).load_state_dict(state)
     with pytest.raises(StateError, match=r"expected \[\] for a loader built with in_order=True"):
         loader(release, in_order=True).load_state_dict(state)
@@ -148,7 +158,9 @@ def test_an_iterable_dataset_out_of_order_resumes_each_remaining_item_once(tmp_p
     worker 0's run on while worker 1 waits, and a resume gives every item not yet delivered once
     (its order, like the uninterrupted run's, depends on which worker finishes first)."""
     release = tmp_path / "release"
-    running = ResumableDataLoader(HeldStream(release), batch_size=2, num_workers=2, in_order=False, seed=1)
+    running = ResumableDataLoader(
+        HeldStream(release), batch_size=2, num_workers=2, in_order=False, seed=1
+    )
     iterator = iter(running)
     delivered = [next(iterator).tolist() for _ in range(4)]
     state = json.loads(json.dumps(running.state_dict()))
@@ -156,7 +168,9 @@ def test_an_iterable_dataset_out_of_order_resumes_each_remaining_item_once(tmp_p
     del iterator
     # worker 1 held: worker 0's batches came on
     assert all(i % 2 == 0 for batch in delivered for i in batch)
-    resumed = ResumableDataLoader(HeldStream(release), batch_size=2, num_workers=2, in_order=False, seed=1)
+    resumed = ResumableDataLoader(
+        HeldStream(release), batch_size=2, num_workers=2, in_order=False, seed=1
+    )
     resumed.load_state_dict(state)
     rest = [i for batch in resumed for i in batch.tolist()]
     assert sorted([i for batch in delivered for i in batch] + rest) == list(range(20))
@@ -169,7 +183,9 @@ def test_a_converted_loader_keeps_in_order_false(tmp_path: Path) -> None:
 
     from loader_resume.convert import resumable
 
-    converted = resumable(DataLoader(HeldAt(tmp_path), batch_size=BATCH, num_workers=2, in_order=False), seed=5)
+    converted = resumable(
+        DataLoader(HeldAt(tmp_path), batch_size=BATCH, num_workers=2, in_order=False), seed=5
+    )
     assert converted.in_order is False and converted.state_dict()["ahead"] == []
 
 

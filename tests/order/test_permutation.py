@@ -64,7 +64,10 @@ def _reference(n: int, key: int, position: int) -> int:
     while True:
         left, right = x >> half, x & mask
         for xor, multiplier in zip(xors, multipliers, strict=True):
-            left, right = right, left ^ ((((right ^ xor) * multiplier) & (2**64 - 1)) >> (64 - half))
+            left, right = (
+                right,
+                left ^ ((((right ^ xor) * multiplier) & (2**64 - 1)) >> (64 - half)),
+            )
         x = (left << half) | right
         if x < n:
             return x
@@ -77,10 +80,14 @@ def test_values_are_those_of_the_plain_integer_definition(n: int, key: int, seed
     """Both code paths (lookup tables up to n = 2^32, 64-bit arithmetic above) against the
     definition."""
     positions = np.random.default_rng(seed).integers(0, n, size=50)
-    assert KeyedPermutation(n, key)[positions].tolist() == [_reference(n, key, int(p)) for p in positions]
+    assert KeyedPermutation(n, key)[positions].tolist() == [
+        _reference(n, key, int(p)) for p in positions
+    ]
 
 
-@pytest.mark.parametrize("n", [0, 1, 2, 3, 255, 256, 257, 4_096, 4_097, 16_384, 16_385, 65_536, 65_537])
+@pytest.mark.parametrize(
+    "n", [0, 1, 2, 3, 255, 256, 257, 4_096, 4_097, 16_384, 16_385, 65_536, 65_537]
+)
 def test_whole_and_walked_lookups_give_the_definitions_values_at_the_domain_edges(n: int) -> None:
     """Up to a domain of 2^14 values the whole permutation is computed at the first lookup; above,
     position by position: on both sides of that edge and of the domain's own edges, the values are
@@ -89,12 +96,16 @@ def test_whole_and_walked_lookups_give_the_definitions_values_at_the_domain_edge
     positions = np.random.default_rng(n).integers(0, max(n, 1), size=40 if n else 0)
     perm = KeyedPermutation(n, key)
     assert perm[positions].tolist() == [_reference(n, key, int(p)) for p in positions]
-    assert perm[positions[::-1].reshape(-1, 8)].reshape(-1).tolist() == perm[positions][::-1].tolist()
+    assert (
+        perm[positions[::-1].reshape(-1, 8)].reshape(-1).tolist() == perm[positions][::-1].tolist()
+    )
     assert sorted(KeyedPermutation(n, key)[np.arange(n)].tolist()) == list(range(n))
 
 
 @pytest.mark.parametrize("n", [4_097, 16_384])
-def test_every_position_of_a_whole_permutation_is_the_definitions_and_lookups_return_copies(n: int) -> None:
+def test_every_position_of_a_whole_permutation_is_the_definitions_and_lookups_return_copies(
+    n: int,
+) -> None:
     perm = KeyedPermutation(n, 77)
     values = perm[np.arange(n)]
     assert values.tolist() == [_reference(n, 77, p) for p in range(n)]

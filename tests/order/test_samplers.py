@@ -14,8 +14,7 @@ from loader_resume.testing import assert_resumes_exactly
 from support.data import Augmented, PlainSampler, ids
 
 
-# --- ported from torchdata's "Stateful DataLoader Tutorial" (map-style part)
-# ------------------------
+# --- ported from torchdata's "Stateful DataLoader Tutorial" (map-style part) ----------------------
 class MySampler(torch.utils.data.Sampler[int]):
     def __init__(self, high: int, seed: int, limit: int) -> None:
         self.seed, self.high, self.limit = seed, high, limit
@@ -105,7 +104,9 @@ class CountingSampler(torch.utils.data.Sampler[int]):
 
 
 def test_stateful_sampler_state_is_taken_at_the_last_yielded_batch_not_the_prefetched_one() -> None:
-    loader = ResumableDataLoader(Augmented(20), sampler=CountingSampler(20), batch_size=2, num_workers=2)
+    loader = ResumableDataLoader(
+        Augmented(20), sampler=CountingSampler(20), batch_size=2, num_workers=2
+    )
     iterator = iter(loader)
     next(iterator)
     next(iterator)
@@ -113,7 +114,9 @@ def test_stateful_sampler_state_is_taken_at_the_last_yielded_batch_not_the_prefe
     assert loader.state_dict()["sampler_state"] == {"i": 4}
 
 
-def test_pass_ended_over_a_stateful_sampler_holds_its_own_state_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+def test_pass_ended_over_a_stateful_sampler_holds_its_own_state_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """A loop that left a pass on purpose (``pass_ended=True``) over a user's sampler that keeps its
     own position: the state is the sampler's ``state_dict()`` as it is then — 4 indices delivered
     and the next batch's 2 already read from it (a mid-pass state would hold 4: where the pass
@@ -126,12 +129,17 @@ def test_pass_ended_over_a_stateful_sampler_holds_its_own_state_and_says_so(capl
         state = loader.state_dict(pass_ended=True)
     assert state["sampler_state"] == loader.sampler.state_dict() == {"i": 6}
     assert loader.state_dict()["sampler_state"] == {"i": 4}
-    assert "a pass over CountingSampler was left before its end: the state holds that sampler's own" in caplog.text
+    assert (
+        "a pass over CountingSampler was left before its end: the state holds that sampler's own"
+        in caplog.text
+    )
 
 
 def test_stateful_sampler_resumes_at_every_cut() -> None:
-    assert_resumes_exactly(lambda: ResumableDataLoader(Augmented(11), sampler=CountingSampler(11), batch_size=3),
-                           epochs=2)
+    assert_resumes_exactly(
+        lambda: ResumableDataLoader(Augmented(11), sampler=CountingSampler(11), batch_size=3),
+        epochs=2,
+    )
 
 
 def test_stateless_sampler_is_replayed_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
@@ -148,17 +156,22 @@ def test_torch_random_sampler_with_replacement_is_replayed_exactly() -> None:
 
     def build() -> ResumableDataLoader[Any]:
         dataset = Augmented(10)
-        return ResumableDataLoader(dataset, sampler=torch.utils.data.RandomSampler(dataset, replacement=True),
-                                   batch_size=3)
+        return ResumableDataLoader(
+            dataset, sampler=torch.utils.data.RandomSampler(dataset, replacement=True), batch_size=3
+        )
 
     assert_resumes_exactly(build, epochs=2)
 
 
 def test_torch_random_sampler_is_treated_as_shuffle() -> None:
     dataset = Augmented(10)
-    explicit = ResumableDataLoader(dataset, sampler=torch.utils.data.RandomSampler(dataset), batch_size=3)
+    explicit = ResumableDataLoader(
+        dataset, sampler=torch.utils.data.RandomSampler(dataset), batch_size=3
+    )
     assert explicit.state_dict()["shuffle"] and explicit.state_dict()["source"] == "permutation"
-    assert ids(list(explicit)) == ids(list(ResumableDataLoader(dataset, shuffle=True, batch_size=3)))
+    assert ids(list(explicit)) == ids(
+        list(ResumableDataLoader(dataset, shuffle=True, batch_size=3))
+    )
 
 
 class Batches(torch.utils.data.Sampler[list[int]]):
@@ -194,7 +207,10 @@ def test_batch_sampler_resumes_exactly(num_workers: int) -> None:
 
 
 def test_batch_sampler_is_sharded_by_batches_across_ranks() -> None:
-    shards = [ResumableDataLoader(Augmented(10), batch_sampler=Batches(), rank=r, world_size=2) for r in (0, 1)]
+    shards = [
+        ResumableDataLoader(Augmented(10), batch_sampler=Batches(), rank=r, world_size=2)
+        for r in (0, 1)
+    ]
     assert [ids(list(s)) for s in shards] == [[[0, 1], [5]], [[2, 3, 4], [6, 7, 8, 9]]]
 
 

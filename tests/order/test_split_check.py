@@ -9,7 +9,9 @@ import torch.distributed as dist
 from loader_resume.workers.torch_internals import default_store
 
 
-def test_the_default_store_is_the_process_groups_and_answers_without_waiting(tmp_path: Path) -> None:
+def test_the_default_store_is_the_process_groups_and_answers_without_waiting(
+    tmp_path: Path,
+) -> None:
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:

@@ -13,12 +13,15 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from loader_resume import ResumableDataLoader, StateError
-from loader_resume.testing import assert_delivers_rest_exactly_once, assert_resumes_exactly, run_epochs
+from loader_resume.testing import (
+    assert_delivers_rest_exactly_once,
+    assert_resumes_exactly,
+    run_epochs,
+)
 from support.data import Shards, StatefulShards
 
 
-# --- ported from torchdata's "Stateful DataLoader Tutorial" (iterable part)
-# --------------------------
+# --- ported from torchdata's "Stateful DataLoader Tutorial" (iterable part) -----------------------
 class MyIterableDataset(IterableDataset[torch.Tensor]):
     def __init__(self, high: int, seed: int) -> None:
         self.high, self.seed = high, seed
@@ -51,7 +54,9 @@ class MyIterableDataset(IterableDataset[torch.Tensor]):
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_torchdata_tutorial_iterable(num_workers: int) -> None:
     def build() -> ResumableDataLoader[Any]:
-        return ResumableDataLoader(MyIterableDataset(12, 0), batch_size=2, drop_last=False, num_workers=num_workers)
+        return ResumableDataLoader(
+            MyIterableDataset(12, 0), batch_size=2, drop_last=False, num_workers=num_workers
+        )
 
     dl = build()
     batches = []
@@ -87,7 +92,11 @@ def test_stateful_stream_resumes_exactly_at_chosen_cuts(
                                    num_workers=workers, persistent_workers=persistent)
 
     per_epoch = len(run_epochs(build(), 1))
-    cuts = None if workers == 0 else sorted({0, 1, 2, per_epoch // 2, per_epoch - 1, per_epoch, per_epoch + 1})
+    cuts = (
+        None
+        if workers == 0
+        else sorted({0, 1, 2, per_epoch // 2, per_epoch - 1, per_epoch, per_epoch + 1})
+    )
     report = assert_resumes_exactly(build, epochs=2, cuts=cuts)
     assert report.batches == 2 * per_epoch
 
@@ -104,18 +113,26 @@ def test_stream_values_are_keyed_by_worker_and_ordinal_not_by_history() -> None:
     torch.manual_seed(99)
     np.random.seed(99)
     random.seed(99)
-    assert run_epochs(ResumableDataLoader(StatefulShards(9), batch_size=2, num_workers=2), 2) == first
-    other_seed = run_epochs(ResumableDataLoader(StatefulShards(9), batch_size=2, num_workers=2, seed=5), 2)
+    assert (
+        run_epochs(ResumableDataLoader(StatefulShards(9), batch_size=2, num_workers=2), 2) == first
+    )
+    other_seed = run_epochs(
+        ResumableDataLoader(StatefulShards(9), batch_size=2, num_workers=2, seed=5), 2
+    )
     assert other_seed != first
 
 
-def test_dataset_without_state_is_replayed_exactly_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+def test_dataset_without_state_is_replayed_exactly_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     def build() -> ResumableDataLoader[Any]:
         return ResumableDataLoader(Shards(11), batch_size=2, num_workers=2)
 
     with caplog.at_level(logging.WARNING, logger="loader_resume"):
         assert_resumes_exactly(build, epochs=2, cuts=[0, 1, 3, 5, 8])
-    assert "Shards has no state_dict(): replaying" in caplog.text and "items to resume" in caplog.text
+    assert (
+        "Shards has no state_dict(): replaying" in caplog.text and "items to resume" in caplog.text
+    )
 
 
 def test_dataset_without_state_replays_in_process_too() -> None:
@@ -165,13 +182,19 @@ class ResetByEpoch(IterableDataset[int]):
 
 
 @pytest.mark.parametrize(("workers", "persistent"), [(0, False), (1, True)])
-def test_a_state_taken_after_a_resume_between_epochs_resumes_exactly(workers: int, persistent: bool) -> None:
+def test_a_state_taken_after_a_resume_between_epochs_resumes_exactly(
+    workers: int, persistent: bool
+) -> None:
     """Resumed from a state taken between epochs (its copy's state loaded before set_epoch), then
     cut again in the next epoch: that state is of the epoch, loaded after set_epoch (it said "before
     the epoch" and the second resume started the epoch over). ``assert_resumes_exactly`` resumes
     again from each resumed run's first state that is not the uninterrupted run's."""
-    assert_resumes_exactly(lambda: ResumableDataLoader(ResetByEpoch(), batch_size=3, num_workers=workers,
-                                                       persistent_workers=persistent), epochs=3)
+    assert_resumes_exactly(
+        lambda: ResumableDataLoader(
+            ResetByEpoch(), batch_size=3, num_workers=workers, persistent_workers=persistent
+        ),
+        epochs=3,
+    )
 
 
 @pytest.mark.parametrize(("saved", "now", "field"), [(2, 3, "num_workers"), (2, 0, "num_workers")])
@@ -181,15 +204,21 @@ def test_other_worker_count_is_refused_clearly(saved: int, now: int, field: str)
     next(iterator)
     state = loader.state_dict()
     fresh = ResumableDataLoader(StatefulShards(9), batch_size=2, num_workers=now)
-    with pytest.raises(StateError, match=rf"'{field}': saved {saved}, expected {now}\. An iterable dataset's"):
+    with pytest.raises(
+        StateError, match=rf"'{field}': saved {saved}, expected {now}\. An iterable dataset's"
+    ):
         fresh.load_state_dict(state)
 
 
 def test_another_ranks_state_is_refused() -> None:
     loader = ResumableDataLoader(StatefulShards(9), batch_size=2, rank=1, world_size=2)
     state = loader.state_dict()
-    with pytest.raises(StateError, match=r"'stream.rank': saved 1, expected 0\. This is another rank's state"):
-        ResumableDataLoader(StatefulShards(9), batch_size=2, rank=0, world_size=2).load_state_dict(state)
+    with pytest.raises(
+        StateError, match=r"'stream.rank': saved 1, expected 0\. This is another rank's state"
+    ):
+        ResumableDataLoader(StatefulShards(9), batch_size=2, rank=0, world_size=2).load_state_dict(
+            state
+        )
 
 
 def test_map_state_is_refused_by_an_iterable_loader() -> None:
@@ -222,7 +251,9 @@ def test_worker_error_reaches_caller_and_last_good_state_resumes(workers: int) -
         for batch in loader:
             delivered.append(batch)
     if workers:
-        assert "Original Traceback" in str(caught.value) and "raise RuntimeError" in str(caught.value)
+        assert "Original Traceback" in str(caught.value) and "raise RuntimeError" in str(
+            caught.value
+        )
     state = loader.state_dict()
     assert state["stream"]["delivered"] == len(delivered) > 0
     resumed = build(None)
@@ -280,7 +311,9 @@ class Pool(IterableDataset[int]):
         return [{"remaining": sorted(left)[shard::num_shards]} for shard in range(num_shards)]
 
 
-def test_a_dataset_that_can_reshard_resumes_with_another_worker_count(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_dataset_that_can_reshard_resumes_with_another_worker_count(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     loader = ResumableDataLoader(Pool(23), batch_size=2, num_workers=2)
     before = []
     for batch in loader:
@@ -302,16 +335,29 @@ def test_a_dataset_that_can_reshard_resumes_with_another_worker_count(caplog: py
 def test_a_dataset_that_can_reshard_resumes_at_another_world_size() -> None:
     from loader_resume.distributed import load_rank_state
 
-    old = [ResumableDataLoader(Pool(31, r, 2), batch_size=2, rank=r, world_size=2) for r in range(2)]
+    old = [
+        ResumableDataLoader(Pool(31, r, 2), batch_size=2, rank=r, world_size=2) for r in range(2)
+    ]
     iterators = [iter(loader) for loader in old]
     before = [i for _ in range(3) for it in iterators for i in next(it).tolist()]
     gathered = {"world_size": 2, "ranks": [loader.state_dict() for loader in old]}
-    new = [ResumableDataLoader(Pool(31, r, 3), batch_size=2, rank=r, world_size=3) for r in range(3)]
+    new = [
+        ResumableDataLoader(Pool(31, r, 3), batch_size=2, rank=r, world_size=3) for r in range(3)
+    ]
     for loader in new:
         load_rank_state(loader, gathered)
     after = [i for loader in new for batch in loader for i in batch.tolist()]
     assert_delivers_rest_exactly_once(before, after, 31)
     with pytest.raises(StateError, match="'world_size': saved 2, expected 3"):
-        load_rank_state(ResumableDataLoader(StatefulShards(31), batch_size=2, rank=0, world_size=3), {
-            "world_size": 2, "ranks": [ResumableDataLoader(StatefulShards(31), batch_size=2, rank=r,
-                                                           world_size=2).state_dict() for r in range(2)]})
+        load_rank_state(
+            ResumableDataLoader(StatefulShards(31), batch_size=2, rank=0, world_size=3),
+            {
+                "world_size": 2,
+                "ranks": [
+                    ResumableDataLoader(
+                        StatefulShards(31), batch_size=2, rank=r, world_size=2
+                    ).state_dict()
+                    for r in range(2)
+                ],
+            },
+        )

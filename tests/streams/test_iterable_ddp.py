@@ -16,7 +16,9 @@ from support.launch import CHILDREN, launch
 
 
 @pytest.mark.parametrize("via", ["torch", "dcp"])
-def test_each_rank_resumes_its_own_stream_from_one_gathered_checkpoint(tmp_path: Path, via: str) -> None:
+def test_each_rank_resumes_its_own_stream_from_one_gathered_checkpoint(
+    tmp_path: Path, via: str
+) -> None:
     """Through torch.save of gather_states on rank 0, or torch.distributed.checkpoint with a
     DCPLoaderState."""
     script = CHILDREN / "ddp_stream_child.py"
@@ -30,7 +32,9 @@ def test_each_rank_resumes_its_own_stream_from_one_gathered_checkpoint(tmp_path:
     assert sorted(first_epoch) == list(range(37))
 
 
-def test_a_stream_state_goes_through_dcp_as_one_value_where_the_loader_itself_does_not_fit(tmp_path: Path) -> None:
+def test_a_stream_state_goes_through_dcp_as_one_value_where_the_loader_itself_does_not_fit(
+    tmp_path: Path,
+) -> None:
     """DCP loads into a fresh loader's state as a template; a stream's worker states change its
     shape."""
     import torch.distributed.checkpoint as dcp
@@ -45,7 +49,9 @@ def test_a_stream_state_goes_through_dcp_as_one_value_where_the_loader_itself_do
     for _ in range(3):
         next(iterator)
     dcp.save({"loader": loader}, checkpoint_id=str(tmp_path / "raw"), no_dist=True)
-    with pytest.raises(CheckpointException, match=r"Missing key in checkpoint state_dict: loader\.stream\.workers"):
+    with pytest.raises(
+        CheckpointException, match=r"Missing key in checkpoint state_dict: loader\.stream\.workers"
+    ):
         dcp.load({"loader": build()}, checkpoint_id=str(tmp_path / "raw"), no_dist=True)
     dcp.save({"loader": DCPLoaderState(loader)}, checkpoint_id=str(tmp_path / "one"), no_dist=True)
     resumed = build()
@@ -68,7 +74,9 @@ def test_map_states_load_at_another_world_size_through_the_helper() -> None:
 
 def test_gathered_state_errors_are_clear() -> None:
     loader = make(10)
-    with pytest.raises(StateError, match=r"'<gathered>'.*expected a dict with keys world_size, ranks"):
+    with pytest.raises(
+        StateError, match=r"'<gathered>'.*expected a dict with keys world_size, ranks"
+    ):
         load_rank_state(loader, {"ranks": []})
     with pytest.raises(StateError, match=r"'ranks'.*expected a list of 2 rank states"):
         load_rank_state(loader, {"world_size": 2, "ranks": [loader.state_dict()]})

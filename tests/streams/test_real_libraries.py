@@ -30,8 +30,7 @@ from support.data import caller_draws, seed_all
 N = 24
 
 
-# --- HF datasets, map-style
-# ------------------------------------------------------------------------------
+# --- HF datasets, map-style -----------------------------------------------------------------------
 def _augment(batch: dict[str, list[Any]]) -> dict[str, torch.Tensor]:
     count = len(batch["id"])
     return {"id": torch.tensor(batch["id"]), "torch": torch.rand(count),
@@ -64,11 +63,12 @@ def test_hf_map_style_resumes_exactly_at_every_cut(workers: int) -> None:
 
 
 def test_hf_map_style_resumes_across_worker_counts() -> None:
-    assert_resumes_exactly(lambda: _hf_map(2), make_resumed=lambda: _hf_map(0), cuts=[1, 3, 6, 7, 9])
+    assert_resumes_exactly(
+        lambda: _hf_map(2), make_resumed=lambda: _hf_map(0), cuts=[1, 3, 6, 7, 9]
+    )
 
 
-# --- HF datasets, streams
-# ----------------------------------------------------------------------------------
+# --- HF datasets, streams -------------------------------------------------------------------------
 def _noise(example: dict[str, Any]) -> dict[str, Any]:
     return {"id": example["id"], "noise": torch.rand(()).item()}
 
@@ -77,7 +77,9 @@ def _mix(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     return {"id": torch.tensor([x["id"] for x in items]), "mix": torch.rand(len(items))}
 
 
-def _hf_stream(workers: int, persistent: bool = False, shuffle: str = "") -> ResumableDataLoader[Any]:
+def _hf_stream(
+    workers: int, persistent: bool = False, shuffle: str = ""
+) -> ResumableDataLoader[Any]:
     stream = datasets.Dataset.from_dict({"id": list(range(N))}).to_iterable_dataset(num_shards=4)
     if shuffle == "shards":
         stream = stream.shuffle(seed=1, buffer_size=1)
@@ -85,9 +87,16 @@ def _hf_stream(workers: int, persistent: bool = False, shuffle: str = "") -> Res
         # NOTE: random numbers drawn in an HF .map() upstream of a shuffle buffer are not
         # reproducible even between two uninterrupted runs (measured on datasets 5.2; docs: Works
         # with), so here the randomness is the collate's, keyed by the loader.
-        return ResumableDataLoader(stream.shuffle(seed=1, buffer_size=8), batch_size=4, num_workers=workers,
-                                   persistent_workers=persistent, collate_fn=_mix)
-    return ResumableDataLoader(stream.map(_noise), batch_size=4, num_workers=workers, persistent_workers=persistent)
+        return ResumableDataLoader(
+            stream.shuffle(seed=1, buffer_size=8),
+            batch_size=4,
+            num_workers=workers,
+            persistent_workers=persistent,
+            collate_fn=_mix,
+        )
+    return ResumableDataLoader(
+        stream.map(_noise), batch_size=4, num_workers=workers, persistent_workers=persistent
+    )
 
 
 STREAM_CASES = [(0, False), (2, False), (2, True)]
@@ -120,8 +129,7 @@ def test_hf_stream_is_told_the_epoch_and_reshuffles_its_shards() -> None:
     assert_resumes_exactly(lambda: _hf_stream(0, shuffle="shards"), epochs=3)
 
 
-# --- WebDataset
-# ---------------------------------------------------------------------------------------------
+# --- WebDataset -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     folder = tmp_path_factory.mktemp("wds")
@@ -150,7 +158,9 @@ def _wds(urls: list[str], workers: int, shuffle: str = "") -> ResumableDataLoade
 
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("shuffle", ["", "seeded"])
-def test_webdataset_resumes_exactly_by_replay(shards: list[str], workers: int, shuffle: str) -> None:
+def test_webdataset_resumes_exactly_by_replay(
+    shards: list[str], workers: int, shuffle: str
+) -> None:
     assert_resumes_exactly(lambda: _wds(shards, workers, shuffle))
 
 
@@ -169,8 +179,7 @@ def test_webdataset_unseeded_shuffle_is_named_as_not_bit_identical(
     assert [fingerprint(b) for b in resumed] != rest
 
 
-# --- litdata
-# ------------------------------------------------------------------------------------------------
+# --- litdata --------------------------------------------------------------------------------------
 def _lit_item(i: int) -> dict[str, Any]:
     return {"id": i, "x": np.full(3, i, dtype=np.float32)}
 
@@ -192,14 +201,22 @@ def lit_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     # unpicklable): put it back.
     previous = multiprocessing.get_start_method(allow_none=True)
     try:
-        litdata.optimize(fn=_lit_item, inputs=list(range(N)), output_dir=out, chunk_size=5, num_workers=1,
-                         start_method="fork")
+        litdata.optimize(
+            fn=_lit_item,
+            inputs=list(range(N)),
+            output_dir=out,
+            chunk_size=5,
+            num_workers=1,
+            start_method="fork",
+        )
     finally:
         multiprocessing.set_start_method(previous, force=True)
     return out
 
 
-def _lit(folder: str, workers: int, shuffle: bool, persistent: bool = False) -> ResumableDataLoader[Any]:
+def _lit(
+    folder: str, workers: int, shuffle: bool, persistent: bool = False
+) -> ResumableDataLoader[Any]:
     return ResumableDataLoader(_NoisyLit(input_dir=folder, shuffle=shuffle, seed=3), batch_size=4,
                                num_workers=workers, persistent_workers=persistent)
 
@@ -208,7 +225,9 @@ LIT_CASES = [(0, False), (0, True), (2, False), (2, True)]
 
 
 @pytest.mark.parametrize(("workers", "shuffle"), LIT_CASES)
-def test_litdata_resumes_exactly_through_its_own_state(lit_dir: str, workers: int, shuffle: bool) -> None:
+def test_litdata_resumes_exactly_through_its_own_state(
+    lit_dir: str, workers: int, shuffle: bool
+) -> None:
     """litdata's ``state_dict(num_samples_yielded, num_workers, batch_size)`` is fed with each
     worker's count."""
     loader = _lit(lit_dir, workers, shuffle)
@@ -233,16 +252,22 @@ class _CountingLit(_NoisyLit):
         return super().__getitem__(index)
 
 
-def test_litdata_resume_reads_nothing_to_skip(lit_dir: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_litdata_resume_reads_nothing_to_skip(
+    lit_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """O(1): the first batch after a resume at 90 % of the epoch reads that batch's items and no
     other."""
-    loader = ResumableDataLoader(_CountingLit(input_dir=lit_dir, shuffle=True, seed=3), batch_size=4)
+    loader = ResumableDataLoader(
+        _CountingLit(input_dir=lit_dir, shuffle=True, seed=3), batch_size=4
+    )
     iterator = iter(loader)
     for _ in range(5):
         next(iterator)
     state, rest = loader.state_dict(), [fingerprint(b) for b in iterator]
     with caplog.at_level(logging.WARNING, logger="loader_resume"):
-        resumed = ResumableDataLoader(_CountingLit(input_dir=lit_dir, shuffle=True, seed=3), batch_size=4)
+        resumed = ResumableDataLoader(
+            _CountingLit(input_dir=lit_dir, shuffle=True, seed=3), batch_size=4
+        )
         resumed.load_state_dict(state)
         _CountingLit.reads = 0
         first = next(iter(resumed))

@@ -23,10 +23,14 @@ CLI = Path(sys.executable).parent / "loader-resume"
 
 
 def _loader(workers: int, persistent: bool) -> ResumableDataLoader[Any]:
-    return ResumableDataLoader(CountsOwnEpochs(), batch_size=3, num_workers=workers, persistent_workers=persistent)
+    return ResumableDataLoader(
+        CountsOwnEpochs(), batch_size=3, num_workers=workers, persistent_workers=persistent
+    )
 
 
-def _cut(workers: int, persistent: bool, epoch: int, batches: int) -> tuple[dict[str, Any], list[str]]:
+def _cut(
+    workers: int, persistent: bool, epoch: int, batches: int
+) -> tuple[dict[str, Any], list[str]]:
     loader = _loader(workers, persistent)
     for _ in range(epoch):
         list(loader)
@@ -78,4 +82,6 @@ def test_loader_resume_check_reports_the_warning_with_the_divergence() -> None:
                       capture_output=True, text=True, cwd=CHILDREN, timeout=300)
     (scenario,) = json.loads(done.stdout)
     assert done.returncode == 1 and not scenario["exact"]
-    assert any("will NOT be bit-identical" in w and "'epochs_seen'" in w for w in scenario["warned"])
+    assert any(
+        "will NOT be bit-identical" in w and "'epochs_seen'" in w for w in scenario["warned"]
+    )

@@ -93,7 +93,9 @@ class StatefulShardsResetAtEnd(IterableDataset[dict[str, Any]]):
         self.n, self.i = n, 0
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        mine = _my_share(self.n) + (list(range(100, 105)) if (get_worker_info() or _Zero).id == 0 else [])
+        mine = _my_share(self.n) + (
+            list(range(100, 105)) if (get_worker_info() or _Zero).id == 0 else []
+        )
         while self.i < len(mine):
             self.i += 1
             yield {"id": mine[self.i - 1], "noise": torch.rand(())}
@@ -114,7 +116,9 @@ STREAMS = [(ResetsInIter, 0), (ResetsInIter, 2), (ReturnsCursor, 0), (ReturnsCur
 
 
 @pytest.mark.parametrize(("cls", "workers"), STREAMS)
-def test_datasets_written_for_stateful_dataloader_resume_exactly(cls: type[IterableDataset[Any]], workers: int) -> None:
+def test_datasets_written_for_stateful_dataloader_resume_exactly(
+    cls: type[IterableDataset[Any]], workers: int
+) -> None:
     def make() -> ResumableDataLoader[Any]:
         return ResumableDataLoader(cls(11), batch_size=2, num_workers=workers)
 
@@ -144,8 +148,7 @@ def test_a_worker_that_ran_dry_stays_dry_after_resume(workers: int, persistent: 
     assert sorted(seen) == sorted([*range(21), *range(100, 105)])  # each id once per epoch
 
 
-# --- set_epoch
-# ----------------------------------------------------------------------------------------
+# --- set_epoch ------------------------------------------------------------------------------------
 class EpochShuffledStream(IterableDataset[dict[str, Any]]):
     """Shuffles its shard by the epoch it is told (as HF streams and Mosaic do), and reports that
     epoch."""
@@ -158,7 +161,9 @@ class EpochShuffledStream(IterableDataset[dict[str, Any]]):
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         mine = _my_share(self.n)
-        order = torch.randperm(len(mine), generator=torch.Generator().manual_seed(self.epoch)).tolist()
+        order = torch.randperm(
+            len(mine), generator=torch.Generator().manual_seed(self.epoch)
+        ).tolist()
         while self.i < len(mine):
             self.i += 1
             yield {"id": mine[order[self.i - 1]], "told": self.epoch}
@@ -186,7 +191,9 @@ class EpochMap(Dataset[dict[str, Any]]):
 
 
 @pytest.mark.parametrize(("workers", "persistent"), [(0, False), (2, False), (2, True)])
-def test_every_copy_of_a_stream_is_told_the_loaders_epoch_and_resumes_exactly(workers: int, persistent: bool) -> None:
+def test_every_copy_of_a_stream_is_told_the_loaders_epoch_and_resumes_exactly(
+    workers: int, persistent: bool
+) -> None:
     def make() -> ResumableDataLoader[Any]:
         return ResumableDataLoader(EpochShuffledStream(12), batch_size=3, num_workers=workers,
                                    persistent_workers=persistent)
@@ -202,7 +209,9 @@ def test_every_copy_of_a_stream_is_told_the_loaders_epoch_and_resumes_exactly(wo
 
 
 @pytest.mark.parametrize(("workers", "persistent"), [(0, False), (2, False), (2, True)])
-def test_every_copy_of_a_map_dataset_is_told_the_loaders_epoch(workers: int, persistent: bool) -> None:
+def test_every_copy_of_a_map_dataset_is_told_the_loaders_epoch(
+    workers: int, persistent: bool
+) -> None:
     def make() -> ResumableDataLoader[Any]:
         return ResumableDataLoader(EpochMap(), batch_size=3, shuffle=True, num_workers=workers,
                                    persistent_workers=persistent)
@@ -217,8 +226,7 @@ def test_every_copy_of_a_map_dataset_is_told_the_loaders_epoch(workers: int, per
     assert {int(t) for b in resumed for t in b["told"]} == {3}
 
 
-# --- a state_dict that is another library's protocol
-# -----------------------------------------------------
+# --- a state_dict that is another library's protocol ----------------------------------------------
 class ForeignStateStream(IterableDataset[dict[str, Any]]):
     """Like litdata's and Mosaic's datasets: ``state_dict`` takes required arguments."""
 
@@ -247,7 +255,10 @@ def test_a_foreign_state_dict_never_breaks_iteration_and_resumes_by_replay(
 
     with caplog.at_level(logging.WARNING, logger="loader_resume"):
         make()
-    assert "Foreign.state_dict(num_samples_yielded, num_workers) takes required arguments" in caplog.text
+    assert (
+        "Foreign.state_dict(num_samples_yielded, num_workers) takes required arguments"
+        in caplog.text
+    )
     assert "For O(1) resume use that library's own loader" in caplog.text
     assert len(run_epochs(make(), 2)) == 2 * 5  # 9 items, batches of 2, whatever the worker count
     assert_resumes_exactly(make)
@@ -261,15 +272,23 @@ def test_a_version_1_stream_state_still_loads() -> None:
     rest = [b["id"].tolist() for b in iterator]
     # version 1: the stream's delivered count was the state's position; workers had three keys
     stream = {k: v for k, v in state["stream"].items() if k != "delivered"}
-    old = {**state, "version": 1, "position": state["stream"]["delivered"], "stream": {**stream, "workers": [
-        {k: w[k] for k in ("batches", "items", "state")} for w in state["stream"]["workers"]]}}
+    old = {
+        **state,
+        "version": 1,
+        "position": state["stream"]["delivered"],
+        "stream": {
+            **stream,
+            "workers": [
+                {k: w[k] for k in ("batches", "items", "state")} for w in state["stream"]["workers"]
+            ],
+        },
+    }
     resumed = ResumableDataLoader(StatefulShardsResetAtEnd(9), batch_size=2, num_workers=2)
     resumed.load_state_dict(old)
     assert [b["id"].tolist() for b in resumed] == rest and len(expected) == 3
 
 
-# --- keyed randomness in a stream's collate
-# ------------------------------------------------------------
+# --- keyed randomness in a stream's collate -------------------------------------------------------
 def _mixing_collate(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     return {"id": torch.tensor([x["id"] for x in items]), "mix": torch.rand(len(items))}
 
@@ -277,7 +296,9 @@ def _mixing_collate(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_streams_collate_randomness_is_keyed_and_the_callers_untouched(workers: int) -> None:
     def make() -> ResumableDataLoader[Any]:
-        return ResumableDataLoader(ResetsInIter(11), batch_size=2, num_workers=workers, collate_fn=_mixing_collate)
+        return ResumableDataLoader(
+            ResetsInIter(11), batch_size=2, num_workers=workers, collate_fn=_mixing_collate
+        )
 
     torch.manual_seed(7)
     expected = torch.rand(3)
@@ -288,8 +309,7 @@ def test_a_streams_collate_randomness_is_keyed_and_the_callers_untouched(workers
     assert_resumes_exactly(make)
 
 
-# --- bad input in the new state fields
-# -------------------------------------------------------------------
+# --- bad input in the new state fields ------------------------------------------------------------
 def _stream_state(cls: type[IterableDataset[Any]]) -> dict[str, Any]:
     loader = ResumableDataLoader(cls(9), batch_size=2)
     iterator = iter(loader)
@@ -302,11 +322,16 @@ def test_a_corrupted_dry_flag_is_refused_naming_the_field() -> None:
 
     state = _stream_state(StatefulShardsResetAtEnd)
     state["stream"]["workers"][0]["dry"] = "yes"
-    with pytest.raises(StateError, match=r"'stream.workers\[0\].dry': saved 'yes', expected a bool"):
+    with pytest.raises(
+        StateError, match=r"'stream.workers\[0\].dry': saved 'yes', expected a bool"
+    ):
         ResumableDataLoader(StatefulShardsResetAtEnd(9), batch_size=2).load_state_dict(state)
     state["stream"]["workers"][0] = {"batches": 1, "items": 2, "state": {"i": 2}, "dri": False}
-    with pytest.raises(StateError, match=r"'stream.workers\[0\]'.*expected a dict with keys batches, items, state "
-                                         r"and optionally before_epoch, dry, iterator, own, self_iterator"):
+    with pytest.raises(
+        StateError,
+        match=r"'stream.workers\[0\]'.*expected a dict with keys batches, items, state "
+        r"and optionally before_epoch, dry, iterator, own, self_iterator",
+    ):
         ResumableDataLoader(StatefulShardsResetAtEnd(9), batch_size=2).load_state_dict(state)
 
 
@@ -325,8 +350,11 @@ def test_an_iterator_state_for_an_iterator_without_state_is_refused_naming_the_f
     state = _stream_state(ReturnsCursor)
     resumed = ResumableDataLoader(SameNameNoCursor(9), batch_size=2)
     resumed.load_state_dict(state)
-    with pytest.raises(StateError, match=r"'stream.workers\[0\].iterator': saved \{'cursor': 2\}, expected None. "
-                                         r"iter\(SameNameNoCursor\) returned a list_iterator, which has no state_dict"):
+    with pytest.raises(
+        StateError,
+        match=r"'stream.workers\[0\].iterator': saved \{'cursor': 2\}, expected None. "
+        r"iter\(SameNameNoCursor\) returned a list_iterator, which has no state_dict",
+    ):
         next(iter(resumed))
 
 
@@ -341,7 +369,9 @@ class ArrayStream(IterableDataset[Any]):
 def test_a_stream_of_numpy_arrays_is_delivered_untouched(workers: int) -> None:
     loader = ResumableDataLoader(ArrayStream(), batch_size=2, num_workers=workers)
     assert sorted(int(row[0]) for batch in loader for row in batch) == list(range(8))
-    assert_resumes_exactly(lambda: ResumableDataLoader(ArrayStream(), batch_size=2, num_workers=workers))
+    assert_resumes_exactly(
+        lambda: ResumableDataLoader(ArrayStream(), batch_size=2, num_workers=workers)
+    )
 
 
 class ShufflesInIter(IterableDataset[dict[str, Any]]):
@@ -410,7 +440,9 @@ def test_a_worker_stream_is_one_per_loader_and_process_wherever_it_travels() -> 
     from loader_resume.streams.stream_worker import WorkerStream
 
     first, second = WorkerStream(), WorkerStream()
-    assert pickle.loads(pickle.dumps(first)) is first and pickle.loads(pickle.dumps(second)) is second
+    assert (
+        pickle.loads(pickle.dumps(first)) is first and pickle.loads(pickle.dumps(second)) is second
+    )
 
     def make() -> ResumableDataLoader[Any]:
         return ResumableDataLoader(StatefulShards(12), batch_size=2)
@@ -441,6 +473,8 @@ def test_a_copied_loader_has_a_worker_stream_of_its_own() -> None:
     original = make()
     copied = copy.deepcopy(original)
     ia, ib = iter(original), iter(copied)
-    assert [[next(ia)["id"].tolist(), next(ib)["id"].tolist()] for _ in range(3)] == [[i, i] for i in alone[:3]]
+    assert [[next(ia)["id"].tolist(), next(ib)["id"].tolist()] for _ in range(3)] == [
+        [i, i] for i in alone[:3]
+    ]
     # each counted its own batches
     assert original.state_dict() == copied.state_dict() == single.state_dict()

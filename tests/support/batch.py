@@ -51,7 +51,9 @@ def _status(code: Any) -> int:
     return 1
 
 
-def run_each(main: Callable[[list[str]], Any], plan: str, fresh: Callable[[], None] = lambda: None) -> None:
+def run_each(
+    main: Callable[[list[str]], Any], plan: str, fresh: Callable[[], None] = lambda: None
+) -> None:
     """The child's side: every run of the JSON file ``plan`` (``[{"argv": [...], "stderr": PATH,
     "exit": PATH}]``); ``fresh()`` before each run forgets what a library keeps for the whole
     process (Accelerate's shared state)."""
@@ -97,14 +99,22 @@ def fresh_accelerate() -> None:
     GradientState._reset_state()
 
 
-def run_batch(script: Path, runs: Sequence[Sequence[str]], where: Path, timeout: float = 600) -> list[Done]:
+def run_batch(
+    script: Path, runs: Sequence[Sequence[str]], where: Path, timeout: float = 600
+) -> list[Done]:
     """The test's side: ``script --batch`` with ``runs`` (each the arguments of one run), its plan
     and the runs' reports in ``where``; each run's exit status and standard error."""
     where.mkdir(parents=True, exist_ok=True)
     plan = [{"argv": [str(arg) for arg in argv], "stderr": str(where / f"run-{index}.stderr"),
              "exit": str(where / f"run-{index}.exit")} for index, argv in enumerate(runs)]
     (where / "plan.json").write_text(json.dumps(plan))
-    done = forked.run([sys.executable, str(script), "--batch", str(where / "plan.json")], capture_output=True,
-                      text=True, timeout=timeout)
+    done = forked.run(
+        [sys.executable, str(script), "--batch", str(where / "plan.json")],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    return [Done(int(Path(run["exit"]).read_text()), Path(run["stderr"]).read_text()) for run in plan]
+    return [
+        Done(int(Path(run["exit"]).read_text()), Path(run["stderr"]).read_text()) for run in plan
+    ]

@@ -110,14 +110,21 @@ class Shards(IterableDataset[dict[str, Any]]):
     def _mine(self) -> list[int]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        return list(range(worker, self.n, workers)) + (list(range(self.n, self.n + 5)) if worker == 0 else [])
+        return list(range(worker, self.n, workers)) + (
+            list(range(self.n, self.n + 5)) if worker == 0 else []
+        )
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         mine = self._mine()
         while self.i < len(mine):
             index = mine[self.i]
             self.i += 1
-            yield {"id": index, "torch": torch.rand(2), "numpy": np.random.rand(), "random": random.random()}
+            yield {
+                "id": index,
+                "torch": torch.rand(2),
+                "numpy": np.random.rand(),
+                "random": random.random(),
+            }
         self.i = 0
 
 

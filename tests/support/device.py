@@ -13,6 +13,14 @@ __all__ = ["add_device_options"]
 
 
 def add_device_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model trains")
-    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (the framework's mixed precision)")
-    parser.add_argument("--pin-memory", action="store_true", help="DataLoader(pin_memory=True) for the training data")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="where the model trains"
+    )
+    parser.add_argument(
+        "--bf16", action="store_true", help="bf16 autocast (the framework's mixed precision)"
+    )
+    parser.add_argument(
+        "--pin-memory",
+        action="store_true",
+        help="DataLoader(pin_memory=True) for the training data",
+    )

@@ -38,8 +38,16 @@ from typing import IO, Any
 
 __all__ = ["Forked", "popen", "run"]
 
-PRELOAD = ("torch", "torch.distributed", "numpy", "lightning", "lightning.pytorch", "accelerate", "transformers",
-           "transformers.trainer")
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "numpy",
+    "lightning",
+    "lightning.pytorch",
+    "accelerate",
+    "transformers",
+    "transformers.trainer",
+)
 """What the zygote imports: the frameworks the child scripts import (a fresh interpreter's cost of
 each run)."""
 STARTUP = frozenset({"PYTHONFAULTHANDLER"})
@@ -48,7 +56,9 @@ STARTUP = frozenset({"PYTHONFAULTHANDLER"})
 
 
 def _startup_variables(env: Mapping[str, str]) -> dict[str, str]:
-    return {key: value for key, value in env.items() if key.startswith("PYTHON") and key not in STARTUP}
+    return {
+        key: value for key, value in env.items() if key.startswith("PYTHON") and key not in STARTUP
+    }
 
 
 class _Zygote:
@@ -56,8 +66,13 @@ class _Zygote:
         self.directory = tempfile.mkdtemp(prefix="zygote-")
         self.path = os.path.join(self.directory, "socket")
         self.env = dict(os.environ)
-        self.process = subprocess.Popen([sys.executable, __file__, self.path, *PRELOAD], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, start_new_session=True, env=self.env)
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, self.path, *PRELOAD],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+            env=self.env,
+        )
         assert self.process.stdout is not None
         ready = self.process.stdout.readline()
         if ready.strip() != b"ready":
@@ -112,9 +127,18 @@ def _fd(stream: Any, default: int, mode: str) -> tuple[int, int | None]:
 class Forked:
     """A forked run of ``python SCRIPT ARGS``, used as a ``subprocess.Popen``."""
 
-    def __init__(self, args: Sequence[str | os.PathLike[str]], *, stdin: Any = None, stdout: Any = None,
-                 stderr: Any = None, env: Mapping[str, str] | None = None, cwd: str | os.PathLike[str] | None = None,
-                 text: bool = False, start_new_session: bool = False) -> None:
+    def __init__(
+        self,
+        args: Sequence[str | os.PathLike[str]],
+        *,
+        stdin: Any = None,
+        stdout: Any = None,
+        stderr: Any = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+        text: bool = False,
+        start_new_session: bool = False,
+    ) -> None:
         self.args = [str(arg) for arg in args]
         self.returncode: int | None = None
         ours: list[int] = []  # the child's ends, closed here once the zygote has them
@@ -128,9 +152,15 @@ class Forked:
                 ours.append(fd)
             fds.append(fd)
             pipes.append(pipe)
-        self.stdin: IO[Any] | None = None if pipes[0] is None else os.fdopen(pipes[0], "w" if text else "wb")
-        self.stdout: IO[Any] | None = None if pipes[1] is None else os.fdopen(pipes[1], "r" if text else "rb")
-        self.stderr: IO[Any] | None = None if pipes[2] is None else os.fdopen(pipes[2], "r" if text else "rb")
+        self.stdin: IO[Any] | None = (
+            None if pipes[0] is None else os.fdopen(pipes[0], "w" if text else "wb")
+        )
+        self.stdout: IO[Any] | None = (
+            None if pipes[1] is None else os.fdopen(pipes[1], "r" if text else "rb")
+        )
+        self.stderr: IO[Any] | None = (
+            None if pipes[2] is None else os.fdopen(pipes[2], "r" if text else "rb")
+        )
         request = {"argv": self.args[1:], "cwd": str(cwd or os.getcwd()),
                    "env": dict(os.environ if env is None else env), "session": start_new_session}
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -197,8 +227,11 @@ class Forked:
             results[name] = stream.read()
             stream.close()
 
-        threads = [threading.Thread(target=drain, args=(name, stream), daemon=True)
-                   for name, stream in (("out", self.stdout), ("err", self.stderr)) if stream is not None]
+        threads = [
+            threading.Thread(target=drain, args=(name, stream), daemon=True)
+            for name, stream in (("out", self.stdout), ("err", self.stderr))
+            if stream is not None
+        ]
         for thread in threads:
             thread.start()
         if self.stdin is not None:
@@ -224,14 +257,28 @@ class Forked:
 
 def popen(args: Sequence[str | os.PathLike[str]], **kwargs: Any) -> Forked | subprocess.Popen[Any]:
     """``subprocess.Popen(args, **kwargs)``, forked from the zygote where :func:`forkable`."""
-    if forkable(args, kwargs.get("env")) and set(kwargs) <= {"stdin", "stdout", "stderr", "env", "cwd", "text",
-                                                               "start_new_session"}:
+    if forkable(args, kwargs.get("env")) and set(kwargs) <= {
+        "stdin",
+        "stdout",
+        "stderr",
+        "env",
+        "cwd",
+        "text",
+        "start_new_session",
+    }:
         return Forked(args, **kwargs)
     return subprocess.Popen(args, **kwargs)
 
 
-def run(args: Sequence[str | os.PathLike[str]], *, capture_output: bool = False, timeout: float | None = None,
-        check: bool = False, input: Any = None, **kwargs: Any) -> subprocess.CompletedProcess[Any]:
+def run(
+    args: Sequence[str | os.PathLike[str]],
+    *,
+    capture_output: bool = False,
+    timeout: float | None = None,
+    check: bool = False,
+    input: Any = None,
+    **kwargs: Any,
+) -> subprocess.CompletedProcess[Any]:
     """``subprocess.run``, forked from the zygote where :func:`forkable`."""
     if capture_output:
         kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -64,12 +64,31 @@ def command(out: Path, processes: int, *args: str) -> list[str]:
         return [sys.executable, str(ACCELERATE_CHILD), str(out), *args]
     port = free_port()
     accelerate = Path(sys.executable).with_name("accelerate")
-    return [str(accelerate), "launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
-            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
-            str(ACCELERATE_CHILD), str(out), "--processes", str(processes), *args]
+    return [
+        str(accelerate),
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        str(processes),
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(port),
+        str(ACCELERATE_CHILD),
+        str(out),
+        "--processes",
+        str(processes),
+        *args,
+    ]
 
 
-def run(out: Path, processes: int, *args: str, expect: int = 0, env: dict[str, str] | None = None) -> str:
+def run(
+    out: Path, processes: int, *args: str, expect: int = 0, env: dict[str, str] | None = None
+) -> str:
     """Run the Accelerate child (``env``: variables added to this process's environment); its
     stderr."""
     done = forked.run(command(out, processes, *args), capture_output=True, text=True, timeout=300,
@@ -82,7 +101,10 @@ def run(out: Path, processes: int, *args: str, expect: int = 0, env: dict[str, s
 
 
 def logs(out: Path) -> list[list[dict[str, Any]]]:
-    return [[json.loads(line) for line in path.read_text().splitlines()] for path in sorted(out.glob("log-*.jsonl"))]
+    return [
+        [json.loads(line) for line in path.read_text().splitlines()]
+        for path in sorted(out.glob("log-*.jsonl"))
+    ]
 
 
 def weights(out: Path) -> list[str]:

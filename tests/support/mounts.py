@@ -12,7 +12,9 @@ from pathlib import Path
 
 def _mount(*args: str) -> None:
     done = subprocess.run(["mount", *args], capture_output=True, text=True)
-    assert done.returncode == 0, f"mount {' '.join(args)}: {done.stderr} (the storage-fault tests need root)"
+    assert done.returncode == 0, (
+        f"mount {' '.join(args)}: {done.stderr} (the storage-fault tests need root)"
+    )
 
 
 @contextmanager

@@ -17,8 +17,14 @@ def build(config: dict[str, Any]) -> ResumableDataLoader[Any]:
     """``config``: ``kind`` ("map": shuffled, augmented items; "stream": a stateful stream whose
     workers run dry at different times), ``workers``, ``persistent``."""
     dataset = Augmented(N) if config["kind"] == "map" else StatefulShards(N)
-    return ResumableDataLoader(dataset, batch_size=BATCH, shuffle=config["kind"] == "map", seed=7,
-                               num_workers=config["workers"], persistent_workers=config["persistent"])
+    return ResumableDataLoader(
+        dataset,
+        batch_size=BATCH,
+        shuffle=config["kind"] == "map",
+        seed=7,
+        num_workers=config["workers"],
+        persistent_workers=config["persistent"],
+    )
 
 
 def record(batch: dict[str, Any]) -> list[Any]:

@@ -60,9 +60,15 @@ def _name(*parts: str) -> str:
 def child_run(factory: pytest.TempPathFactory, child: str, *args: str) -> Path:
     """``python tests/CHILD OUT *args`` (it must exit 0), made once per session."""
     def make(out: Path) -> None:
-        done = forked.run([sys.executable, str(CHILDREN / child), str(out), *args], capture_output=True, text=True,
-                          timeout=300)
-        assert done.returncode == 0, f"{child} {args}: exit {done.returncode}\n{done.stderr[-3000:]}"
+        done = forked.run(
+            [sys.executable, str(CHILDREN / child), str(out), *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, (
+            f"{child} {args}: exit {done.returncode}\n{done.stderr[-3000:]}"
+        )
 
     return shared_run(factory, _name(Path(child).stem, *args), make)
 
@@ -70,4 +76,6 @@ def child_run(factory: pytest.TempPathFactory, child: str, *args: str) -> Path:
 def accelerate_run(factory: pytest.TempPathFactory, processes: int, *args: str) -> Path:
     """tests/children/accelerate_child.py on ``processes`` processes (``accelerate launch`` for more
     than one), made once per session."""
-    return shared_run(factory, _name("accelerate", str(processes), *args), lambda out: run(out, processes, *args))
+    return shared_run(
+        factory, _name("accelerate", str(processes), *args), lambda out: run(out, processes, *args)
+    )

@@ -23,8 +23,11 @@ def s3_server() -> Iterator[dict[str, str]]:
     """Start the server; yield the variables that send S3 clients to it (set in ``os.environ``
     meanwhile, so this process's clients and its children use it); stop it."""
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
     before = {name: os.environ.get(name) for name in env}
@@ -36,7 +39,9 @@ def s3_server() -> Iterator[dict[str, str]]:
                 break
             except OSError:
                 if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto's S3 server did not start (exit {server.poll()})") from None
+                    raise RuntimeError(
+                        f"moto's S3 server did not start (exit {server.poll()})"
+                    ) from None
                 time.sleep(0.1)
         os.environ.update(env)
         # NOTE: fsspec keeps one S3FileSystem per process; one made earlier sends to another server
@@ -143,7 +148,11 @@ class Cuttable:
 def _relay(source: Any, target: Any, link: Cuttable | None) -> None:
     try:
         while data := source.recv(1 << 16):
-            if link is not None and link.stall is not None and link.stall.search(data.split(b"\r\n", 1)[0]):
+            if (
+                link is not None
+                and link.stall is not None
+                and link.stall.search(data.split(b"\r\n", 1)[0])
+            ):
                 link.stalled.set()
                 link._released.wait()
                 return

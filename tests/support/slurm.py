@@ -28,8 +28,20 @@ DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol")
 # The states a job ends in (``squeue --help``'s base states); every other one (PENDING, RUNNING,
 # CONFIGURING, COMPLETING, REQUEUED, SIGNALING, STAGE_OUT, RESIZING...) is on its way to one of
 # these.
-ENDED = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
-                   "DEADLINE", "OUT_OF_MEMORY", "SPECIAL_EXIT"})
+ENDED = frozenset(
+    {
+        "COMPLETED",
+        "FAILED",
+        "CANCELLED",
+        "TIMEOUT",
+        "NODE_FAIL",
+        "PREEMPTED",
+        "BOOT_FAIL",
+        "DEADLINE",
+        "OUT_OF_MEMORY",
+        "SPECIAL_EXIT",
+    }
+)
 
 
 def _free_port() -> int:
@@ -78,18 +90,41 @@ class Cluster:
 
 
 def _configuration(root: Path, node: str) -> str:
-    return "\n".join([
-        "ClusterName=tests", f"SlurmctldHost={node}(127.0.0.1)", f"SlurmctldPort={_free_port()}",
-        f"SlurmdPort={_free_port()}", "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/munge",
-        f"StateSaveLocation={root}/state", f"SlurmdSpoolDir={root}/spool",
-        f"SlurmctldPidFile={root}/slurmctld.pid", f"SlurmdPidFile={root}/slurmd.pid",
-        f"SlurmctldLogFile={root}/slurmctld.log", f"SlurmdLogFile={root}/slurmd.log",
-        "ProctrackType=proctrack/pgid", "TaskPlugin=task/none", "SwitchType=switch/none", "MpiDefault=none",
-        "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
-        "SchedulerType=sched/builtin", "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",
-        "ReturnToService=2", "JobRequeue=1", "KillWait=30", "MinJobAge=600",
-        f"NodeName={node} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} RealMemory=1000 State=UNKNOWN",
-        f"PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4", ""])
+    return "\n".join(
+        [
+            "ClusterName=tests",
+            f"SlurmctldHost={node}(127.0.0.1)",
+            f"SlurmctldPort={_free_port()}",
+            f"SlurmdPort={_free_port()}",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            "AuthType=auth/munge",
+            f"StateSaveLocation={root}/state",
+            f"SlurmdSpoolDir={root}/spool",
+            f"SlurmctldPidFile={root}/slurmctld.pid",
+            f"SlurmdPidFile={root}/slurmd.pid",
+            f"SlurmctldLogFile={root}/slurmctld.log",
+            f"SlurmdLogFile={root}/slurmd.log",
+            "ProctrackType=proctrack/pgid",
+            "TaskPlugin=task/none",
+            "SwitchType=switch/none",
+            "MpiDefault=none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "AccountingStorageType=accounting_storage/none",
+            "SchedulerType=sched/builtin",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core",
+            "ReturnToService=2",
+            "JobRequeue=1",
+            "KillWait=30",
+            "MinJobAge=600",
+            f"NodeName={node} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} RealMemory=1000 "
+            "State=UNKNOWN",
+            f"PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP "
+            "OverSubscribe=FORCE:4",
+            "",
+        ]
+    )
 
 
 def _munge() -> None:
@@ -112,7 +147,10 @@ def cluster(root: Path) -> Iterator[Cluster]:
     """A one-node cluster under ``root``, idle and ready for jobs."""
     missing = [name for name in DAEMONS if shutil.which(name) is None
                and not os.path.exists(f"/usr/sbin/{name}")]
-    assert not missing, f"{missing} not installed: apt-get install slurmd slurmctld slurm-client munge (.ci/run does)"
+    assert not missing, (
+        f"{missing} not installed: apt-get install slurmd slurmctld slurm-client munge (.ci/run "
+        "does)"
+    )
     for folder in ("state", "spool"):
         (root / folder).mkdir(parents=True, exist_ok=True)
     slurm = Cluster(root)

@@ -19,11 +19,31 @@ def command(out: Path, processes: int, *args: str, launcher: str = "torchrun") -
     if processes == 1:
         launch = [sys.executable, str(CHILD)]
     elif launcher == "torchrun":
-        launch = [TORCHRUN, "--nproc_per_node", str(processes), "--master_port", str(free_port()), str(CHILD)]
+        launch = [
+            TORCHRUN,
+            "--nproc_per_node",
+            str(processes),
+            "--master_port",
+            str(free_port()),
+            str(CHILD),
+        ]
     else:
-        launch = [ACCELERATE, "launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
-                  "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-                  str(CHILD)]
+        launch = [
+            ACCELERATE,
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            str(processes),
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(free_port()),
+            str(CHILD),
+        ]
     return [*launch, str(out), "--processes", str(processes), *args]
 
 
@@ -36,8 +56,13 @@ def run(out: Path, processes: int, *args: str, launcher: str = "torchrun", expec
     """The Trainer child on ``processes`` processes (``env``: variables added to ``ENV``); its
     stderr. A launcher reports a rank's failure with its own exit code and the rank's in its
     report."""
-    done = forked.run(command(out, processes, *args, launcher=launcher), capture_output=True, text=True,
-                      timeout=300, env={**ENV, **(env or {})})
+    done = forked.run(
+        command(out, processes, *args, launcher=launcher),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**ENV, **(env or {})},
+    )
     report = f"{args}: exit {done.returncode}\n{done.stderr[-6000:]}"
     if processes > 1 and expect != 0:
         assert done.returncode != 0 and f"exitcode  : {expect}" in done.stderr, report

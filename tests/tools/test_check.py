@@ -13,7 +13,9 @@ CLI = Path(sys.executable).parent / "loader-resume"
 
 
 def check(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(CLI), "check", *args], cwd=CHILDREN, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [str(CLI), "check", *args], cwd=CHILDREN, capture_output=True, text=True, timeout=600
+    )
 
 
 def test_a_deterministic_pipeline_resumes_exactly_in_every_scenario() -> None:
@@ -31,7 +33,9 @@ def test_a_deterministic_pipeline_resumes_exactly_in_every_scenario() -> None:
 
 
 def test_an_unseeded_generator_is_caught_and_the_first_diverging_batch_named() -> None:
-    done = check("check_pipelines:unkeyed", "--epochs", "1", "--cuts", "2", "--workers", "0", "--json")
+    done = check(
+        "check_pipelines:unkeyed", "--epochs", "1", "--cuts", "2", "--workers", "0", "--json"
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     scenario, rescale = json.loads(done.stdout)
     assert scenario["exact"] is False and scenario["diverged_at"] == 2 and scenario["epoch"] == 0
@@ -59,7 +63,16 @@ def test_a_resumable_factory_is_really_run_at_the_other_worker_count() -> None:
     """The factory returns a ResumableDataLoader(num_workers=2) whose values depend on the worker
     count: 2 -> 2 is exact and 2 -> 0 must diverge (it did not when the other count was silently
     ignored)."""
-    done = check("check_pipelines:resumable_unkeyed", "--epochs", "1", "--cuts", "2", "--worlds", "", "--json")
+    done = check(
+        "check_pipelines:resumable_unkeyed",
+        "--epochs",
+        "1",
+        "--cuts",
+        "2",
+        "--worlds",
+        "",
+        "--json",
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     by_workers = {s["resume_workers"]: s for s in json.loads(done.stdout)}
     assert by_workers[2]["exact"] is True
@@ -72,9 +85,13 @@ def test_a_scenario_refused_by_design_is_reported_as_refused_not_a_traceback() -
     lines = done.stdout.splitlines()
     assert "cut after    2 batches, num_workers 2 -> 2: exact" in lines
     refused = [line for line in lines if "num_workers 2 -> 0" in line]
-    assert refused and refused[0].startswith("cut after    2 batches, num_workers 2 -> 0: refused: loader state "
-                                             "field 'num_workers': saved 2, expected 0")
-    assert lines[-1] == "2 exact, 0 diverging, 1 refused by design" and "Traceback" not in done.stderr
+    assert refused and refused[0].startswith(
+        "cut after    2 batches, num_workers 2 -> 0: refused: loader state "
+        "field 'num_workers': saved 2, expected 0"
+    )
+    assert (
+        lines[-1] == "2 exact, 0 diverging, 1 refused by design" and "Traceback" not in done.stderr
+    )
 
 
 def test_a_mixture_with_a_weight_schedule_resumes_exactly_in_every_scenario() -> None:
@@ -83,8 +100,17 @@ def test_a_mixture_with_a_weight_schedule_resumes_exactly_in_every_scenario() ->
     epoch boundary, resumed with the same 2 workers and over 2 ranks. (With another num_workers, a
     change made after the resume applies after that run's own prefetched batches: the check reports
     those batches as diverging, as they do.)"""
-    done = check("check_pipelines:mixture", "--epochs", "2", "--cuts", "1,3,10,19,20,21", "--workers", "2",
-                 "--after-batch", "check_pipelines:mixture_schedule")
+    done = check(
+        "check_pipelines:mixture",
+        "--epochs",
+        "2",
+        "--cuts",
+        "1,3,10,19,20,21",
+        "--workers",
+        "2",
+        "--after-batch",
+        "check_pipelines:mixture_schedule",
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert lines[-1] == "18 exact, 0 diverging"
@@ -96,8 +122,20 @@ def test_a_schedule_that_does_not_follow_the_step_is_caught() -> None:
     """Counting its own calls, the schedule restarts in the resumed process: its second change comes
     3 batches late (after the prefetched batches: from batch 8 on), and the check names the first
     batch that differs."""
-    done = check("check_pipelines:mixture", "--epochs", "1", "--cuts", "3", "--workers", "2", "--worlds", "",
-                 "--after-batch", "check_pipelines:mixture_schedule_by_own_count", "--json")
+    done = check(
+        "check_pipelines:mixture",
+        "--epochs",
+        "1",
+        "--cuts",
+        "3",
+        "--workers",
+        "2",
+        "--worlds",
+        "",
+        "--after-batch",
+        "check_pipelines:mixture_schedule_by_own_count",
+        "--json",
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     (scenario,) = json.loads(done.stdout)
     assert scenario["exact"] is False and scenario["diverged_at"] == 8 and scenario["fields"]
@@ -106,9 +144,13 @@ def test_a_schedule_that_does_not_follow_the_step_is_caught() -> None:
 def test_a_state_right_once_and_wrong_after_a_resume_is_caught_by_the_second_cut() -> None:
     """A stream whose loaded state sets its start but whose state after that counts from it: the
     resume is exact, the job cut again after that resume repeats batches (a job preempted twice)."""
-    done = check("check_pipelines:counts_since_load", "--epochs", "1", "--cuts", "2", "--workers", "0")
+    done = check(
+        "check_pipelines:counts_since_load", "--epochs", "1", "--cuts", "2", "--workers", "0"
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "cut after    2 batches, num_workers 0 -> 0: exact"
-    assert lines[1].startswith("cut after    2 batches, num_workers 0 -> 0, cut again after 3: DIVERGES at batch 3 "
-                               "(epoch 0)")
+    assert lines[1].startswith(
+        "cut after    2 batches, num_workers 0 -> 0, cut again after 3: DIVERGES at batch 3 "
+        "(epoch 0)"
+    )

@@ -21,6 +21,8 @@ def test_map_style_resumes_exactly_with_spawned_workers() -> None:
 
 def test_iterable_resumes_exactly_with_spawned_workers() -> None:
     def build() -> ResumableDataLoader[Any]:
-        return ResumableDataLoader(StatefulShards(9), batch_size=2, num_workers=2, multiprocessing_context="spawn")
+        return ResumableDataLoader(
+            StatefulShards(9), batch_size=2, num_workers=2, multiprocessing_context="spawn"
+        )
 
     assert_resumes_exactly(build, epochs=1, cuts=[3])

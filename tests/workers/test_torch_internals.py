@@ -40,8 +40,10 @@ def test_a_profiler_still_sees_the_dataloader_ranges_torch_records() -> None:
         kind = "_SingleProcessDataLoaderIter" if workers == 0 else "_MultiProcessingDataLoaderIter"
         name = f"enumerate(DataLoader)#{kind}.__next__"
         ranges = []
-        for loader in (torch.utils.data.DataLoader(Augmented(12), batch_size=3, num_workers=workers),
-                       ResumableDataLoader(Augmented(12), batch_size=3, num_workers=workers)):
+        for loader in (
+            torch.utils.data.DataLoader(Augmented(12), batch_size=3, num_workers=workers),
+            ResumableDataLoader(Augmented(12), batch_size=3, num_workers=workers),
+        ):
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 assert sum(1 for _ in loader) == 4
             ranges.append(sum(1 for event in prof.events() if event.name == name))
@@ -93,7 +95,9 @@ def test_next_numbered_names_the_index_list_each_out_of_order_batch_was_made_fro
     iterator = iter(loader)
     pairs = [next_numbered(iterator) for _ in range(8)]
     assert all(number == int(batch) for number, batch in pairs)
-    assert [number for number, _ in pairs] != list(range(8)) and sorted(n for n, _ in pairs) == list(range(8))
+    assert [number for number, _ in pairs] != list(range(8)) and sorted(
+        n for n, _ in pairs
+    ) == list(range(8))
 
 
 def test_torch_caps_each_workers_lists_in_flight_from_2_7() -> None:
@@ -112,9 +116,14 @@ def test_in_order_false_is_refused_at_construction_where_torch_does_not_cap_work
         loader = ResumableDataLoader(list(range(8)), batch_size=2, num_workers=2, in_order=False)
         assert sorted(x for batch in loader for x in batch.tolist()) == list(range(8))
     else:
-        with pytest.raises(ValueError, match=r"in_order=False needs torch >= 2\.7: torch 2\.6.*in_order=True\)"):
+        with pytest.raises(
+            ValueError, match=r"in_order=False needs torch >= 2\.7: torch 2\.6.*in_order=True\)"
+        ):
             ResumableDataLoader(list(range(8)), batch_size=2, num_workers=2, in_order=False)
-    assert list(ResumableDataLoader(list(range(4)), batch_size=2, in_order=True))[1].tolist() == [2, 3]
+    assert list(ResumableDataLoader(list(range(4)), batch_size=2, in_order=True))[1].tolist() == [
+        2,
+        3,
+    ]
 
 
 class _EveryOther(torch_internals.IndexHooks[int]):
@@ -189,7 +198,8 @@ def test_set_past_guard_writes_what_torch_refuses() -> None:
     torch_internals.set_past_guard(loader, "dataset", [9])
     assert loader.dataset == [9]
     info = WorkerInfo(id=0, num_workers=2, seed=1, dataset=None)
-    with pytest.raises(Exception):  # noqa: B017  # frozen: torch's own error type varies between releases
+    # frozen: torch's own error type varies between releases
+    with pytest.raises(Exception):  # noqa: B017
         info.id = 1
     torch_internals.set_past_guard(info, "id", 1)
     assert info.id == 1
@@ -203,5 +213,8 @@ def test_random_sampler_num_samples_is_none_unless_given() -> None:
     from loader_resume.workers.torch_internals import random_sampler_num_samples
 
     data = list(range(10))
-    assert random_sampler_num_samples(RandomSampler(data)) is None and RandomSampler(data).num_samples == 10
+    assert (
+        random_sampler_num_samples(RandomSampler(data)) is None
+        and RandomSampler(data).num_samples == 10
+    )
     assert random_sampler_num_samples(RandomSampler(data, num_samples=10)) == 10

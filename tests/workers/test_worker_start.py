@@ -20,23 +20,36 @@ import pytest
 from torch.utils.data import DataLoader
 
 from loader_resume import ResumableDataLoader
-from loader_resume.workers.torch_internals import closing_feeder_threads, kill_workers, starts_workers, worker_processes
+from loader_resume.workers.torch_internals import (
+    closing_feeder_threads,
+    kill_workers,
+    starts_workers,
+    worker_processes,
+)
 from support.launch import CHILDREN
 
 CHILD = CHILDREN / "worker_start_child.py"
 
 
 def child(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, str(CHILD), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, str(CHILD), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def test_a_worker_stuck_after_its_fork_is_named_and_killed_and_iter_raises() -> None:
     process = child("stuck", "ours")
     out, err = process.communicate(timeout=60)
     assert process.returncode == 0, err[-3000:]
-    match = re.search(r"raised after ([\d.]+) s: WorkerStartError: DataLoader worker\(s\) 0 \(pid (\d+)\) never "
-                      r"started: \d+ s after", out)
+    match = re.search(
+        r"raised after ([\d.]+) s: WorkerStartError: DataLoader worker\(s\) 0 \(pid (\d+)\) never "
+        r"started: \d+ s after",
+        out,
+    )
     assert match, out + err[-3000:]
     assert 3.0 <= float(match.group(1)) < 20
     assert "multiprocessing_context='forkserver'" in out
@@ -61,19 +74,27 @@ def test_no_pool_is_forked_while_a_feeder_thread_of_an_earlier_pool_stops() -> N
     hazard exists here), ours never does."""
     counts = {}
     for kind in ("plain", "ours"):
-        done = subprocess.run([sys.executable, str(CHILD), "feeders", kind, "100"], capture_output=True, text=True,
-                              timeout=300)
+        done = subprocess.run(
+            [sys.executable, str(CHILD), "feeders", kind, "100"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         counts[kind] = int(done.stdout.split(":")[-1])
     assert counts["plain"] > 0 and counts["ours"] == 0, counts
 
 
 def test_workers_that_start_are_waited_for_only_when_iter_starts_them() -> None:
-    loader = ResumableDataLoader(list(range(16)), batch_size=4, num_workers=2, persistent_workers=True)
+    loader = ResumableDataLoader(
+        list(range(16)), batch_size=4, num_workers=2, persistent_workers=True
+    )
     assert starts_workers(loader)
     first = [batch.tolist() for batch in loader]
     assert not starts_workers(loader)  # the persistent pool goes on
-    assert [batch.tolist() for batch in loader] == [batch.tolist() for batch in DataLoader(list(range(16)), 4)]
+    assert [batch.tolist() for batch in loader] == [
+        batch.tolist() for batch in DataLoader(list(range(16)), 4)
+    ]
     assert first == [batch.tolist() for batch in DataLoader(list(range(16)), 4)]
 
 

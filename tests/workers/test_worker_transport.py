@@ -17,8 +17,19 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 from loader_resume import ResumableDataLoader
 from loader_resume.workers.worker_transport import BY_VALUE_BYTES, send_small_tensors_by_value
 
-DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.int8, torch.uint8,
-          torch.int16, torch.int32, torch.int64, torch.bool)
+DTYPES = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+)
 BIG = BY_VALUE_BYTES // 8 + 1  # float64s: one more than fits, in one item already
 
 
@@ -32,7 +43,9 @@ class Mixed(Dataset[dict[str, Any]]):
     def __getitem__(self, index: int) -> dict[str, Any]:
         generator = torch.Generator().manual_seed(index)
         noise = torch.randn(3, generator=generator) * 50
-        item: dict[str, Any] = {str(dtype).removeprefix("torch."): noise.to(dtype) for dtype in DTYPES}
+        item: dict[str, Any] = {
+            str(dtype).removeprefix("torch."): noise.to(dtype) for dtype in DTYPES
+        }
         item["nan"] = torch.tensor([float("nan"), -0.0, float("inf")])
         item["scalar"] = torch.tensor(index)
         item["empty"] = torch.empty(0, 5)
@@ -55,7 +68,11 @@ def transposed(items: list[dict[str, Any]]) -> dict[str, Any]:
 def same(ours: Any, theirs: Any) -> None:
     assert type(ours) is type(theirs)
     if isinstance(theirs, torch.Tensor):
-        assert (ours.dtype, ours.shape, ours.stride()) == (theirs.dtype, theirs.shape, theirs.stride())
+        assert (ours.dtype, ours.shape, ours.stride()) == (
+            theirs.dtype,
+            theirs.shape,
+            theirs.stride(),
+        )
         assert ours.contiguous().view(-1).view(torch.uint8).tolist() == \
             theirs.contiguous().view(-1).view(torch.uint8).tolist()  # bytes: NaN, -0.0 and all
     elif isinstance(theirs, dict):
@@ -77,7 +94,11 @@ def test_batches_equal_dataloaders_and_only_small_tensors_come_by_value(persiste
         assert len(ours) == len(theirs) == 6
         for mine, reference in zip(ours, theirs, strict=True):
             same(mine, reference)
-            shared = {key for key, value in mine.items() if isinstance(value, torch.Tensor) and value.is_shared()}
+            shared = {
+                key
+                for key, value in mine.items()
+                if isinstance(value, torch.Tensor) and value.is_shared()
+            }
             assert shared == {"big", "view"}  # over the limit, and a view: as DataLoader sends them
             assert all(reference[key].is_shared() for key in shared)
 
@@ -87,7 +108,9 @@ def test_by_value_bytes_0_sends_every_tensor_as_dataloader_does() -> None:
     ours, theirs = next(iter(loader)), next(iter(DataLoader(Mixed(), batch_size=4, num_workers=2)))
     assert loader.by_value_bytes == 0
     tensors = [key for key, value in theirs.items() if isinstance(value, torch.Tensor)]
-    assert {key: ours[key].is_shared() for key in tensors} == {key: theirs[key].is_shared() for key in tensors}
+    assert {key: ours[key].is_shared() for key in tensors} == {
+        key: theirs[key].is_shared() for key in tensors
+    }
     assert sum(theirs[key].is_shared() for key in tensors) > len(DTYPES)
 
 
@@ -101,7 +124,12 @@ class Counting(IterableDataset[torch.Tensor]):
 def test_a_converted_loader_keeps_by_value_bytes() -> None:
     from loader_resume.convert import resumable
 
-    assert resumable(ResumableDataLoader(Mixed(), num_workers=2, by_value_bytes=0), num_workers=1).by_value_bytes == 0
+    assert (
+        resumable(
+            ResumableDataLoader(Mixed(), num_workers=2, by_value_bytes=0), num_workers=1
+        ).by_value_bytes
+        == 0
+    )
 
 
 def test_a_stream_with_workers_comes_by_value_too() -> None:
@@ -114,7 +142,9 @@ def test_a_stream_with_workers_comes_by_value_too() -> None:
 
 @pytest.mark.parametrize("value", [-1, 1.5, "64", True, None, 2**30 + 1])
 def test_a_bad_by_value_bytes_is_refused_naming_it(value: Any) -> None:
-    with pytest.raises(ValueError, match=r"by_value_bytes=.*expected an int from 0 .* to 1073741824"):
+    with pytest.raises(
+        ValueError, match=r"by_value_bytes=.*expected an int from 0 .* to 1073741824"
+    ):
         ResumableDataLoader(Mixed(), by_value_bytes=value)
 
 

@@ -34,8 +34,16 @@ from typing import Any
 from loader_resume.job.storage import is_remote, join, local_path, remote_filesystem
 from loader_resume.state import ENDING
 
-__all__ = ["AUDIT_FORMAT", "AUDIT_VARIABLE", "AuditLog", "audit_from_environment", "audit_log", "record_state",
-           "state_digest", "warn_unaudited"]
+__all__ = [
+    "AUDIT_FORMAT",
+    "AUDIT_VARIABLE",
+    "AuditLog",
+    "audit_from_environment",
+    "audit_log",
+    "record_state",
+    "state_digest",
+    "warn_unaudited",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -75,10 +83,16 @@ def warn_unaudited(setup: Any) -> None:
     if _SAID_UNAUDITED or not os.environ.get(AUDIT_VARIABLE):
         return
     _SAID_UNAUDITED = True
-    logger.warning("%s=%s is set, but a ResumableDataLoader of %s was built without audit=: its batches are not "
-                   "recorded. A loader your own code builds reads only audit= (audit=os.environ.get(%r)); the "
-                   "Lightning, Fabric, Accelerate and transformers front doors read the variable themselves",
-                   AUDIT_VARIABLE, os.environ[AUDIT_VARIABLE], type(setup.dataset).__name__, AUDIT_VARIABLE)
+    logger.warning(
+        "%s=%s is set, but a ResumableDataLoader of %s was built without audit=: its batches are "
+        "not "
+        "recorded. A loader your own code builds reads only audit= (audit=os.environ.get(%r)); the "
+        "Lightning, Fabric, Accelerate and transformers front doors read the variable themselves",
+        AUDIT_VARIABLE,
+        os.environ[AUDIT_VARIABLE],
+        type(setup.dataset).__name__,
+        AUDIT_VARIABLE,
+    )
 
 
 def state_digest(state: Mapping[str, Any]) -> str:
@@ -96,11 +110,16 @@ def state_digest(state: Mapping[str, Any]) -> str:
 def ids_field(ids: Sequence[Any]) -> dict[str, Any]:
     """A batch's sample ids as recorded: the ids themselves up to ``MAX_IDS``, else their count and
     digest."""
-    plain = [_plain(value) for value in ids] if any(type(value) is not int for value in ids) else ids
+    plain = (
+        [_plain(value) for value in ids] if any(type(value) is not int for value in ids) else ids
+    )
     if len(plain) <= MAX_IDS:
         return {"ids": plain}
     text = json.dumps(plain, separators=(",", ":"), default=repr)
-    return {"count": len(plain), "digest": hashlib.blake2b(text.encode(), digest_size=8).hexdigest()}
+    return {
+        "count": len(plain),
+        "digest": hashlib.blake2b(text.encode(), digest_size=8).hexdigest(),
+    }
 
 
 def _plain(value: Any) -> Any:
@@ -144,9 +163,19 @@ class AuditLog:
             # NOTE: said at the first write (flush), never raised into training
             except OSError as error:
                 logger.debug("audit directory %s: %s", folder, error)
-        header = dict(self._header, loader=name, format=AUDIT_FORMAT, rank=rank, world=world, time=now,
-                      host=host, pid=os.getpid())
-        self._buffer.append(json.dumps({"t": "begin", **header}, default=repr, separators=(",", ":")))
+        header = dict(
+            self._header,
+            loader=name,
+            format=AUDIT_FORMAT,
+            rank=rank,
+            world=world,
+            time=now,
+            host=host,
+            pid=os.getpid(),
+        )
+        self._buffer.append(
+            json.dumps({"t": "begin", **header}, default=repr, separators=(",", ":"))
+        )
         _OPEN.append(self)
         # NOTE: every process that opened a log has its file, even one killed before the next write
         self.flush()
@@ -154,14 +183,21 @@ class AuditLog:
     def record(self, fields: dict[str, Any], *, flush: bool = False) -> None:
         """Append one record; written now if ``flush`` or the buffer is due."""
         self._buffer.append(json.dumps(fields, default=repr, separators=(",", ":")))
-        if flush or len(self._buffer) >= FLUSH_RECORDS or time.monotonic() - self._last_flush > FLUSH_SECONDS:
+        if (
+            flush
+            or len(self._buffer) >= FLUSH_RECORDS
+            or time.monotonic() - self._last_flush > FLUSH_SECONDS
+        ):
             self.flush(sync=flush)
 
     def delivered(self, fields: tuple[Any, ...]) -> None:
         """Append a delivered batch's record, kept as a tuple until it is written (``_line``): ~0.3
         µs a batch."""
         self._buffer.append(fields)
-        if len(self._buffer) >= FLUSH_RECORDS or time.monotonic() - self._last_flush > FLUSH_SECONDS:
+        if (
+            len(self._buffer) >= FLUSH_RECORDS
+            or time.monotonic() - self._last_flush > FLUSH_SECONDS
+        ):
             self.flush()
 
     def flush(self, *, sync: bool = False) -> None:
@@ -186,16 +222,28 @@ class AuditLog:
                     head = lines[0] if lines[0].startswith('{"t":"begin"') else ""
                     dropped = len(lines) - bool(head)
                     text = head + json.dumps({"t": "lost", "records": dropped}) + "\n"
-                    logger.error("audit log %s: %d records dropped after failed writes (%s); loader-resume audit "
-                                 "will name the loss", self._path, dropped, error)
+                    logger.error(
+                        "audit log %s: %d records dropped after failed writes (%s); loader-resume "
+                        "audit will name the loss",
+                        self._path,
+                        dropped,
+                        error,
+                    )
                 elif not self._unwritten:
-                    logger.error("audit log %s: could not write %d records (%s); kept in memory and written at "
-                                 "the next flush that can", self._path, text.count("\n"), error)
+                    logger.error(
+                        "audit log %s: could not write %d records (%s); kept in memory and written "
+                        "at the next flush that can",
+                        self._path,
+                        text.count("\n"),
+                        error,
+                    )
                 self._unwritten = text
             else:
                 if self._unwritten:
-                    logger.warning("audit log %s: the records kept after a failed write are written now",
-                                   self._path)
+                    logger.warning(
+                        "audit log %s: the records kept after a failed write are written now",
+                        self._path,
+                    )
                 self._unwritten = ""
 
     def _write(self, data: bytes, sync: bool) -> None:
@@ -226,30 +274,59 @@ class AuditLog:
             self._buffer.append(json.dumps({"t": "end", "time": time.time()}))
             self.flush(sync=True)
             if self._unwritten:
-                logger.error("audit log %s: %d records were never written; loader-resume audit sees the log end "
-                             "where the writes stopped, as if the job had stopped there", self._path,
-                             self._unwritten.count("\n"))
+                logger.error(
+                    "audit log %s: %d records were never written; loader-resume audit sees the log "
+                    "end where the writes stopped, as if the job had stopped there",
+                    self._path,
+                    self._unwritten.count("\n"),
+                )
 
 
-def audit_log(directory: str | os.PathLike[str], setup: Any, length: int | None, order: str, shuffle: bool,
-              num_workers: int) -> Any:
+def audit_log(
+    directory: str | os.PathLike[str],
+    setup: Any,
+    length: int | None,
+    order: str,
+    shuffle: bool,
+    num_workers: int,
+) -> Any:
     """``setup`` (a loader's ``loader_resume.position.Setup``) with the ``AuditLog`` of
     ``audit=directory``, named by what identifies its data (``order``: its state's ``source``)."""
     if not setup.in_order and num_workers > 0:
-        raise ValueError("audit= with in_order=False: the audit records batches in the order of their global "
-                         "positions; build the loader with in_order=True to audit it")
+        raise ValueError(
+            "audit= with in_order=False: the audit records batches in the order of their global "
+            "positions; build the loader with in_order=True to audit it"
+        )
     if not isinstance(directory, str | os.PathLike) or not os.fspath(directory):
-        raise ValueError(f"audit={directory!r}: expected a directory or an fsspec URL (s3://bucket/run/audit)")
+        raise ValueError(
+            f"audit={directory!r}: expected a directory or an fsspec URL (s3://bucket/run/audit)"
+        )
     kind = "iterable" if order == "iterable" else "map"
     size = "stream" if kind == "iterable" else length
-    arranged = "shuffled" if shuffle else "in-order" if order == "permutation" else order.partition(":")[0]
-    name = re.sub(r"[^A-Za-z0-9._-]", "_", f"{type(setup.dataset).__name__}-{size}-seed{setup.seed}-{arranged}")
-    header = {"loader": name, "kind": kind, "n": length, "order": order, "seed": setup.seed, "keying": setup.keying,
-              "batch_size": setup.batch_size, "drop_last": setup.shard().drop_last}
+    arranged = (
+        "shuffled" if shuffle else "in-order" if order == "permutation" else order.partition(":")[0]
+    )
+    name = re.sub(
+        r"[^A-Za-z0-9._-]",
+        "_",
+        f"{type(setup.dataset).__name__}-{size}-seed{setup.seed}-{arranged}",
+    )
+    header = {
+        "loader": name,
+        "kind": kind,
+        "n": length,
+        "order": order,
+        "seed": setup.seed,
+        "keying": setup.keying,
+        "batch_size": setup.batch_size,
+        "drop_last": setup.shard().drop_last,
+    }
     # NOTE: loaders of one identity in one process (a framework's rebuilt copies, a loader made anew
     # each epoch) share one log: they are the same data in the same order
     with _LOGS_LOCK:
-        log = _LOGS.setdefault((local_path(os.fspath(directory)), name), AuditLog(directory, header))
+        log = _LOGS.setdefault(
+            (local_path(os.fspath(directory)), name), AuditLog(directory, header)
+        )
     return dataclasses.replace(setup, audit=log)
 
 
@@ -301,7 +378,8 @@ def _line(item: str | tuple[Any, ...]) -> str:
     if isinstance(item, str):
         return item
     if item[0] == "w":
-        return '{"t":"b","e":%d,"w":%d,"b":%d,"i":%d}' % item[1:]  # noqa: UP031 (twice as fast as format)
+        # NOTE: %-formatting, twice as fast as format here
+        return '{"t":"b","e":%d,"w":%d,"b":%d,"i":%d}' % item[1:]  # noqa: UP031
     _, epoch, start, end, ids, last = item
     line = '{"t":"b","e":%d,"s":%d,"end":%d' % (epoch, start, end)  # noqa: UP031
     if last:

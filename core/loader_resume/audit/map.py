@@ -70,7 +70,13 @@ class MapCheck:
             where = None if load is None else (load["e"], load["pos"])
             # NOTE: a state no attempt took (named by resumed_from) continues the attempt before, as
             # its position says
-            parent = taken[load["d"]][0] if load is not None and load["d"] in taken else index - 1 if index else None
+            parent = (
+                taken[load["d"]][0]
+                if load is not None and load["d"] in taken
+                else index - 1
+                if index
+                else None
+            )
             if load is not None and index and load["d"] not in taken and "resharded" not in load:
                 # NOTE: a gap (resumed_from): a log missing, or another run's
                 self.untaken[index - 1] = attempt.number
@@ -91,9 +97,18 @@ class MapCheck:
             owns.append(own)
             starts.append(where)
             parents.append(parent)
-            self.report.attempts.append({"number": attempt.number, "world": attempt.world, "batches": batches,
-                                         "resumed": "(fresh)" if where is None else f"epoch {where[0]} position "
-                                         f"{where[1]}", "rolled_back": rolled, "rolled_back_exact": exact})
+            self.report.attempts.append(
+                {
+                    "number": attempt.number,
+                    "world": attempt.world,
+                    "batches": batches,
+                    "resumed": "(fresh)"
+                    if where is None
+                    else f"epoch {where[0]} position {where[1]}",
+                    "rolled_back": rolled,
+                    "rolled_back_exact": exact,
+                }
+            )
         counted: dict[Key, tuple[int, int, int]] = {}
         # position -> (attempt, rank) of a rank with no log
         unknown: dict[Key, tuple[int, int]] = {}
@@ -119,7 +134,9 @@ class MapCheck:
             until, cursor = starts[cursor], parents[cursor] if starts[cursor] is not None else None
         self._epochs(counted, unknown, steps)
 
-    def _read(self, attempt: Attempt, taken: dict[str, tuple[int, dict[str, Any]]], index: int) -> tuple[_Own, int]:
+    def _read(
+        self, attempt: Attempt, taken: dict[str, tuple[int, dict[str, Any]]], index: int
+    ) -> tuple[_Own, int]:
         own, batches = _Own(attempt.number, attempt.world), 0
         absent = sorted(set(range(attempt.world)) - {log.rank for log in attempt.logs})
         # NOTE: ranks step together: an epoch whose last step one rank delivered was not left by the
@@ -132,8 +149,14 @@ class MapCheck:
                 kind = record["t"]
                 if kind == "pass":
                     self.units[record["e"]] = record["units"]
-                    if epoch_of_pass is not None and record["e"] > epoch_of_pass and epoch_of_pass not in ended:
-                        self.left.setdefault(epoch_of_pass, "the loop began the next pass before its end")
+                    if (
+                        epoch_of_pass is not None
+                        and record["e"] > epoch_of_pass
+                        and epoch_of_pass not in ended
+                    ):
+                        self.left.setdefault(
+                            epoch_of_pass, "the loop began the next pass before its end"
+                        )
                     epoch_of_pass = record["e"]
                     self.latest = max(self.latest, record["e"])
                 elif kind == "b":
@@ -144,9 +167,13 @@ class MapCheck:
                             own.unknown.setdefault((record["e"], position), (rank, record["s"]))
                 elif kind == "state":
                     taken[record["d"]] = (index, record)
-                    self.latest = max(self.latest, record["e"] if record.get("e") is not None else -1)
+                    self.latest = max(
+                        self.latest, record["e"] if record.get("e") is not None else -1
+                    )
                 elif kind == "load":
-                    self.latest = max(self.latest, record["e"] if record.get("e") is not None else -1)
+                    self.latest = max(
+                        self.latest, record["e"] if record.get("e") is not None else -1
+                    )
         return own, batches
 
     def _check_landing(self, attempt: Attempt, where: Key) -> None:
@@ -155,11 +182,21 @@ class MapCheck:
             if first is None:
                 continue
             got = (first["e"], first["s"])
-            at_end = got == (where[0] + 1, 0) and where[1] in (self.units.get(where[0]), self.last_end.get(where[0]))
+            at_end = got == (where[0] + 1, 0) and where[1] in (
+                self.units.get(where[0]),
+                self.last_end.get(where[0]),
+            )
             if got != where and not at_end:
-                self.report.findings.append(Finding(
-                    attempt.number, got[0], got[1], f"resumed from epoch {where[0]} position {where[1]}, but its first "
-                    f"batch starts at epoch {got[0]} position {got[1]}", log.rank))
+                self.report.findings.append(
+                    Finding(
+                        attempt.number,
+                        got[0],
+                        got[1],
+                        f"resumed from epoch {where[0]} position {where[1]}, but its first "
+                        f"batch starts at epoch {got[0]} position {got[1]}",
+                        log.rank,
+                    )
+                )
 
     def _between(self, first: Key, until: Key | None) -> list[Key]:
         """The positions from ``first`` up to ``until`` (epochs of unknown length: none)."""
@@ -179,7 +216,9 @@ class MapCheck:
         first = record["s"] + rank * units
         total = self.units.get(record["e"])
         limit = total if total is not None else record["end"] if record.get("l") else None
-        return range(first, first + units if limit is None else max(first, min(first + units, limit)))
+        return range(
+            first, first + units if limit is None else max(first, min(first + units, limit))
+        )
 
     def _add(self, own: _Own, rank: int, world: int, record: dict[str, Any]) -> None:
         epoch, start, end = record["e"], record["s"], record["end"]
@@ -204,9 +243,15 @@ class MapCheck:
                 index = len(findings) - 1
             own.twice[(epoch, previous[0], rank, position + 1)] = index
             count = findings[index].count + 1
-            findings[index] = dataclasses.replace(findings[index], count=count, message=(
-                f"delivered twice in one attempt (ranks {previous[0]} and {rank}), with no resume between: {count} "
-                f"sample{'s' * (count > 1)} from position {findings[index].position}"))
+            findings[index] = dataclasses.replace(
+                findings[index],
+                count=count,
+                message=(
+                    f"delivered twice in one attempt (ranks {previous[0]} and {rank}), with no "
+                    f"resume between: {count} "
+                    f"sample{'s' * (count > 1)} from position {findings[index].position}"
+                ),
+            )
 
     def _owner(self, key: Key) -> tuple[int, int | None]:
         """The attempt (of the batches that count) and rank that should have delivered ``key``."""
@@ -215,7 +260,9 @@ class MapCheck:
                 # NOTE: the step itself, if it ran (a tail is smaller)
                 for (epoch, start), end in own.steps.items():
                     if epoch == key[0] and start <= key[1] < end:
-                        return own.number, min((key[1] - start) // -(-(end - start) // own.world), own.world - 1)
+                        return own.number, min(
+                            (key[1] - start) // -(-(end - start) // own.world), own.world - 1
+                        )
                 step = self.step_size.get(key[0]) or 1
                 base = begin[1] if begin[0] == key[0] else 0
                 offset = (key[1] - base) % step
@@ -227,7 +274,9 @@ class MapCheck:
         header = self.report.header
         # (attempt, rank with no log) -> its positions that count
         gaps: dict[tuple[int, int], list[Key]] = {}
-        for epoch in sorted({epoch for epoch, _ in counted} | set(self.padding) | {epoch for epoch, _ in unknown}):
+        for epoch in sorted(
+            {epoch for epoch, _ in counted} | set(self.padding) | {epoch for epoch, _ in unknown}
+        ):
             positions = sorted(position for e, position in counted if e == epoch)
             total = self.units.get(epoch)
             end = total if total is not None else self.last_end.get(epoch)
@@ -253,25 +302,54 @@ class MapCheck:
                     step = sum(1 for e, start in steps if e == epoch and start < missing[0])
                     status = f"position {missing[0]} never delivered ({len(missing)} missing)"
                     attempt, rank = self._owner((epoch, missing[0]))
-                    self.report.findings.append(Finding(attempt, epoch, missing[0], f"never delivered: {len(missing)} "
-                                                        f"samples from step {step} of the epoch on", rank,
-                                                        len(missing)))
+                    self.report.findings.append(
+                        Finding(
+                            attempt,
+                            epoch,
+                            missing[0],
+                            f"never delivered: {len(missing)} "
+                            f"samples from step {step} of the epoch on",
+                            rank,
+                            len(missing),
+                        )
+                    )
             if begin:
-                status += f" (from position {begin}: " + ("earlier ones ran before this audit)" if
-                                                           self.report.checked_from else "earlier ones are in no log)")
-            self.report.epochs.append({"epoch": epoch, "delivered": len(positions), "dropped": dropped,
-                                       "dropped_from": dropped_from, "padding": self.padding.get(epoch, 0),
-                                       "status": status})
+                status += f" (from position {begin}: " + (
+                    "earlier ones ran before this audit)"
+                    if self.report.checked_from
+                    else "earlier ones are in no log)"
+                )
+            self.report.epochs.append(
+                {
+                    "epoch": epoch,
+                    "delivered": len(positions),
+                    "dropped": dropped,
+                    "dropped_from": dropped_from,
+                    "padding": self.padding.get(epoch, 0),
+                    "status": status,
+                }
+            )
         for (attempt, rank), keys in sorted(gaps.items()):
             if rank >= 0:
-                self.report.gaps.append(Finding(attempt, keys[0][0], keys[0][1], f"no log of rank {rank}: what it "
-                                                f"was handed is not known ({len(keys)} samples that count were its "
-                                                "share; its file deleted, or written to another directory?)", rank,
-                                                len(keys)))
+                self.report.gaps.append(
+                    Finding(
+                        attempt,
+                        keys[0][0],
+                        keys[0][1],
+                        f"no log of rank {rank}: what it "
+                        f"was handed is not known ({len(keys)} samples that count were its "
+                        "share; its file deleted, or written to another directory?)",
+                        rank,
+                        len(keys),
+                    )
+                )
                 continue
             index = next(i for i, gap in enumerate(self.report.gaps) if gap.attempt == attempt)
             gap = self.report.gaps[index]
-            self.report.gaps[index] = dataclasses.replace(gap, count=len(keys), message=f"{gap.message}; {len(keys)} "
-                                                          f"samples before it, from epoch {keys[0][0]} position "
-                                                          f"{keys[0][1]}, are in no log")
+            self.report.gaps[index] = dataclasses.replace(
+                gap,
+                count=len(keys),
+                message=f"{gap.message}; {len(keys)} samples before it, from epoch {keys[0][0]} "
+                f"position {keys[0][1]}, are in no log",
+            )
 

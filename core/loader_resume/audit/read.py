@@ -128,12 +128,16 @@ def read_audit(directory: str | os.PathLike[str]) -> dict[str, list[Attempt]]:
     else:
         found = os.path.isdir(where)
     if not found:
-        raise AuditFormatError(f"{os.fspath(directory)}: no such directory (expected the audit=DIR the job's loaders "
-                               "were given)")
+        raise AuditFormatError(
+            f"{os.fspath(directory)}: no such directory (expected the audit=DIR the job's loaders "
+            "were given)"
+        )
     texts = _texts(where)
     if not texts:
-        raise AuditFormatError(f"{os.fspath(directory)}: no audit logs (expected <loader>/rank*.jsonl files written by "
-                               "a loader built with audit=DIR)")
+        raise AuditFormatError(
+            f"{os.fspath(directory)}: no audit logs (expected <loader>/rank*.jsonl files written "
+            "by a loader built with audit=DIR)"
+        )
     by_loader: dict[str, list[RankLog]] = {}
     for path, text in sorted(texts.items()):
         log = _parse(path, text)
@@ -149,8 +153,12 @@ def _texts(directory: str) -> dict[str, str]:
         filesystem, root = remote_filesystem(directory)
         names = [str(name) for name in filesystem.find(root) if str(name).endswith(".jsonl")]
     else:
-        names = [os.path.join(folder, name) for folder, _, files in os.walk(directory) for name in files
-                 if name.endswith(".jsonl")]
+        names = [
+            os.path.join(folder, name)
+            for folder, _, files in os.walk(directory)
+            for name in files
+            if name.endswith(".jsonl")
+        ]
     for name in names:
         found = _FILE.match(os.path.basename(name))
         if found is None:
@@ -158,8 +166,12 @@ def _texts(directory: str) -> dict[str, str]:
         key = os.path.join(os.path.dirname(name), found.group(1))
         parts.setdefault(key, []).append((int(found.group(2) or 0), name))
     # NOTE: a file is named as it is (a local log), or by its parts' pattern (object storage)
-    return {files[0][1] if len(files) == 1 else f"{key}.*.jsonl": "".join(_read(filesystem, name) for _, name in
-            sorted(files)) for key, files in parts.items()}
+    return {
+        files[0][1] if len(files) == 1 else f"{key}.*.jsonl": "".join(
+            _read(filesystem, name) for _, name in sorted(files)
+        )
+        for key, files in parts.items()
+    }
 
 
 def _read(filesystem: Any, name: str) -> str:
@@ -171,8 +183,10 @@ def _read(filesystem: Any, name: str) -> str:
     try:
         return data.decode()
     except UnicodeDecodeError as error:
-        raise AuditFormatError(f"{name}: not an audit log (byte {error.start} is not UTF-8 text; the loaders write "
-                               "JSON lines)") from None
+        raise AuditFormatError(
+            f"{name}: not an audit log (byte {error.start} is not UTF-8 text; the loaders write "
+            "JSON lines)"
+        ) from None
 
 
 def _parse(path: str, text: str) -> RankLog:
@@ -191,27 +205,37 @@ def _parse(path: str, text: str) -> RankLog:
             if number == len(lines) and torn is None:
                 torn = line
                 break
-            raise AuditFormatError(f"{path}: line {number} is damaged ({error}); a record in the middle of a log is "
-                                   "only ever written whole") from error
+            raise AuditFormatError(
+                f"{path}: line {number} is damaged ({error}); a record in the middle of a log is "
+                "only ever written whole"
+            ) from error
         _check_record(path, number, records[-1])
     if not records or records[0].get("t") != "begin":
-        raise AuditFormatError(f"{path}: no header record (expected the first line to be a 'begin' record)")
+        raise AuditFormatError(
+            f"{path}: no header record (expected the first line to be a 'begin' record)"
+        )
     header = records[0]
     if header.get("format") != AUDIT_FORMAT:
-        raise AuditFormatError(f"{path}: audit format {header.get('format')!r}; expected {AUDIT_FORMAT} (written by "
-                               "another loader-resume release?)")
+        raise AuditFormatError(
+            f"{path}: audit format {header.get('format')!r}; expected {AUDIT_FORMAT} (written by "
+            "another loader-resume release?)"
+        )
     return RankLog(path, header, records[1:], torn)
 
 
 def _check_record(path: str, number: int, record: Any) -> None:
     if not isinstance(record, dict) or not isinstance(record.get("t"), str):
-        raise AuditFormatError(f"{path}: line {number} is not a record (expected a JSON object with a 't' field)")
+        raise AuditFormatError(
+            f"{path}: line {number} is not a record (expected a JSON object with a 't' field)"
+        )
     need: tuple[str, ...] = REQUIRED.get(record["t"], ())
     if record["t"] == "b":
         need += ("w", "b") if "w" in record else ("s", "end")
     missing = [key for key in need if key not in record]
     if missing:
-        raise AuditFormatError(f"{path}: line {number}: a {record['t']!r} record without {', '.join(missing)}")
+        raise AuditFormatError(
+            f"{path}: line {number}: a {record['t']!r} record without {', '.join(missing)}"
+        )
 
 
 def _attempts(logs: list[RankLog]) -> list[Attempt]:
@@ -225,9 +249,12 @@ def _attempts(logs: list[RankLog]) -> list[Attempt]:
             attempts.append(Attempt(len(attempts) + 1, [log]))
         running = [other for other in running if other.reading_until - AT_ONCE_SECONDS > log.start]
         load = first_load(log)
-        attempts[-1].alongside.extend((other, log) for other in running
-                                      if (other.rank == log.rank or other.world != log.world)
-                                      and not (load is not None and other.took(load["d"], log.start)))
+        attempts[-1].alongside.extend(
+            (other, log)
+            for other in running
+            if (other.rank == log.rank or other.world != log.world)
+            and not (load is not None and other.took(load["d"], log.start))
+        )
         running.append(log)
     for attempt in attempts:
         attempt.logs.sort(key=lambda log: log.rank)
@@ -248,12 +275,17 @@ def _joins(log: RankLog, attempt: Attempt) -> bool:
         # NOTE: it resumed after every process of an attempt that started afresh was gone: a restart
         return False
     loads = [load for load in map(first_load, attempt.logs) if load is not None]
-    if mine is not None and "pos" in mine and any((load.get("e"), load.get("pos")) == (mine["e"], mine["pos"])
-                                                  for load in loads):
+    if (
+        mine is not None
+        and "pos" in mine
+        and any((load.get("e"), load.get("pos")) == (mine["e"], mine["pos"]) for load in loads)
+    ):
         return True
     # NOTE: a state taken right after a load is the loaded one again (a front door may take it at
     # once)
-    taken = {record["d"] for other in attempt.logs for record in other.records if record["t"] == "state"}
+    taken = {
+        record["d"] for other in attempt.logs for record in other.records if record["t"] == "state"
+    }
     return mine is None or mine.get("d") not in taken - {load.get("d") for load in loads}
 
 

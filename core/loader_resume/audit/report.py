@@ -85,8 +85,13 @@ def first_place(log: RankLog) -> tuple[int | None, int | None]:
 
 def states_taken(attempts: list[Attempt]) -> dict[str, int]:
     """Digest of each state taken -> the attempt that took it (the latest)."""
-    return {record["d"]: attempt.number for attempt in attempts for log in attempt.logs for record in log.records
-            if record["t"] == "state"}
+    return {
+        record["d"]: attempt.number
+        for attempt in attempts
+        for log in attempt.logs
+        for record in log.records
+        if record["t"] == "state"
+    }
 
 
 def _saved(log: RankLog) -> bool:
@@ -100,38 +105,76 @@ def _saved(log: RankLog) -> bool:
     return False
 
 
-def resumed_from(report: LoaderReport, attempt: Attempt, earlier: list[Attempt]) -> dict[str, Any] | None:
+def resumed_from(
+    report: LoaderReport, attempt: Attempt, earlier: list[Attempt]
+) -> dict[str, Any] | None:
     """The state ``attempt`` resumed from (checked to be one an earlier attempt took), or None: it
     began afresh."""
     loads = [first_load(log) for log in attempt.logs]
     if all(load is None for load in loads):
         if any(_saved(log) for other in earlier for log in other.logs):
             epoch, position = first_place(attempt.logs[0])
-            report.findings.append(Finding(attempt.number, epoch, position, "started from the beginning, though "
-                                           "earlier attempts took states: no state was loaded before its first batch"))
+            report.findings.append(
+                Finding(
+                    attempt.number,
+                    epoch,
+                    position,
+                    "started from the beginning, though "
+                    "earlier attempts took states: no state was loaded before its first batch",
+                )
+            )
         elif states_taken(earlier):
-            report.notes.append(f"attempt {attempt.number} started from the beginning: the only states taken before "
-                                "were each their attempt's last record (killed while saving: no checkpoint, maybe)")
+            report.notes.append(
+                f"attempt {attempt.number} started from the beginning: the only states taken "
+                "before "
+                "were each their attempt's last record (killed while saving: no checkpoint, maybe)"
+            )
         return None
     missing = [log.rank for log, load in zip(attempt.logs, loads, strict=True) if load is None]
     load = next(load for load in loads if load is not None)
     if missing:
-        report.findings.append(Finding(attempt.number, load.get("e"), load.get("pos"), f"ranks {missing} loaded no "
-                                       "state, the others did", missing[0]))
-    where = f"epoch {load.get('e')} position {load.get('pos')}" if "pos" in load else f"epoch {load.get('e')}"
+        report.findings.append(
+            Finding(
+                attempt.number,
+                load.get("e"),
+                load.get("pos"),
+                f"ranks {missing} loaded no state, the others did",
+                missing[0],
+            )
+        )
+    where = (
+        f"epoch {load.get('e')} position {load.get('pos')}"
+        if "pos" in load
+        else f"epoch {load.get('e')}"
+    )
     if "resharded" in load or load["d"] in states_taken(earlier):
         return load
     if not earlier and report.began_before_audit:
         report.checked_from = where
-        report.notes.append(f"attempt 1 resumed from {where}, a state taken before these logs (--began-before-audit): "
-                            "what was delivered before it is not checked")
+        report.notes.append(
+            f"attempt 1 resumed from {where}, a state taken before these logs "
+            "(--began-before-audit): what was delivered before it is not checked"
+        )
     elif not earlier:
-        report.gaps.append(Finding(attempt.number, load.get("e"), load.get("pos"), f"resumed from {where}, a state no "
-                                   "attempt in these logs took: the logs of the attempts before it are missing "
-                                   "(deleted, or in another directory), or the job ran before its audit was turned on "
-                                   "(then audit it with --began-before-audit)"))
+        report.gaps.append(
+            Finding(
+                attempt.number,
+                load.get("e"),
+                load.get("pos"),
+                f"resumed from {where}, a state no attempt in these logs took: the logs of the "
+                "attempts before it are missing (deleted, or in another directory), or the job "
+                "ran before its audit was turned on (then audit it with --began-before-audit)",
+            )
+        )
     else:
-        report.gaps.append(Finding(attempt.number, load.get("e"), load.get("pos"), f"loaded a state ({where}) that no "
-                                   "earlier attempt in these logs took: the log of the attempt that took it is "
-                                   "missing, or it is another run's checkpoint or an edited state"))
+        report.gaps.append(
+            Finding(
+                attempt.number,
+                load.get("e"),
+                load.get("pos"),
+                f"loaded a state ({where}) that no "
+                "earlier attempt in these logs took: the log of the attempt that took it is "
+                "missing, or it is another run's checkpoint or an edited state",
+            )
+        )
     return load

@@ -33,16 +33,29 @@ class StreamCheck:
         for index, attempt in enumerate(attempts):
             gaps = len(self.report.gaps)
             load = resumed_from(self.report, attempt, attempts[:index])
-            counts = {len(record["wb"]) for log in attempt.logs for record in log.records if record["t"] == "pass"}
+            counts = {
+                len(record["wb"])
+                for log in attempt.logs
+                for record in log.records
+                if record["t"] == "pass"
+            }
             changed = workers is not None and bool(counts - {workers})
             workers = next(iter(counts), workers)
             if load is not None and ("resharded" in load or changed):
-                self.report.findings.append(Finding(attempt.number, load.get("e"), None, "resumed a stream at another "
-                                                    "world size or num_workers: the audit cannot follow a re-shard "
-                                                    "(not checked)"))
+                self.report.findings.append(
+                    Finding(
+                        attempt.number,
+                        load.get("e"),
+                        None,
+                        "resumed a stream at another world size or num_workers: the audit cannot "
+                        "follow a re-shard (not checked)",
+                    )
+                )
                 return
-            outside = load is not None and (len(self.report.gaps) > gaps or (self.report.checked_from is not None
-                                            and index == 0))
+            outside = load is not None and (
+                len(self.report.gaps) > gaps
+                or (self.report.checked_from is not None and index == 0)
+            )
             rolled, batches = 0, 0
             for log in attempt.logs:
                 loaded = first_load(log)
@@ -55,39 +68,85 @@ class StreamCheck:
                         batches += 1
                         self._add(attempt.number, log.rank, record)
             self.unseen = self._absent(attempt, batches)
-            resumed = "(fresh)" if load is None else f"epoch {load['e']}, workers at batches {load.get('wb')}"
+            resumed = (
+                "(fresh)"
+                if load is None
+                else f"epoch {load['e']}, workers at batches {load.get('wb')}"
+            )
             exact = all(log.ended for other in attempts[:index] for log in other.logs)
-            self.report.attempts.append({"number": attempt.number, "world": attempt.world, "batches": batches,
-                                         "resumed": resumed, "rolled_back": rolled, "rolled_back_exact": exact})
+            self.report.attempts.append(
+                {
+                    "number": attempt.number,
+                    "world": attempt.world,
+                    "batches": batches,
+                    "resumed": resumed,
+                    "rolled_back": rolled,
+                    "rolled_back_exact": exact,
+                }
+            )
         self._epochs(attempts[-1].number)
 
     def _epochs(self, last: int) -> None:
         for key, numbers in sorted(self.seen.items()):
             epoch, rank, worker = key
             outside = self.outside.get(key, {})
-            gaps = sorted(set(range(1, max(numbers) + 1)) - set(numbers) - set(range(1, max(outside, default=0) + 1)))
+            gaps = sorted(
+                set(range(1, max(numbers) + 1))
+                - set(numbers)
+                - set(range(1, max(outside, default=0) + 1))
+            )
             samples = 0
             for n, (attempt, items) in sorted(numbers.items()):
-                before = numbers[n - 1][1] if n - 1 in numbers else outside.get(n - 1, 0 if n == 1 else None)
+                before = (
+                    numbers[n - 1][1]
+                    if n - 1 in numbers
+                    else outside.get(n - 1, 0 if n == 1 else None)
+                )
                 if before is None:
                     continue
                 samples += items - before
                 if items - before > self.batch:
-                    self.report.findings.append(Finding(attempt, epoch, n, f"worker {worker}: batch {n} moved the "
-                                                        f"stream {items - before} items on, more than a batch holds "
-                                                        f"({self.batch}): {items - before - self.batch} items skipped",
-                                                        rank, items - before - self.batch))
+                    self.report.findings.append(
+                        Finding(
+                            attempt,
+                            epoch,
+                            n,
+                            f"worker {worker}: batch {n} moved the "
+                            f"stream {items - before} items on, more than a batch holds "
+                            f"({self.batch}): {items - before - self.batch} items skipped",
+                            rank,
+                            items - before - self.batch,
+                        )
+                    )
             status = "ok"
             if gaps:
                 after = next((numbers[n][0] for n in sorted(numbers) if n > gaps[0]), last)
                 status = f"batch {gaps[0]} never delivered ({len(gaps)} missing)"
-                self.report.findings.append(Finding(after, epoch, gaps[0], f"worker {worker}: {len(gaps)} batch"
-                                                    f"{'es' * (len(gaps) > 1)} never delivered, from batch {gaps[0]}",
-                                                    rank, len(gaps)))
+                self.report.findings.append(
+                    Finding(
+                        after,
+                        epoch,
+                        gaps[0],
+                        f"worker {worker}: {len(gaps)} batch"
+                        f"{'es' * (len(gaps) > 1)} never delivered, from batch {gaps[0]}",
+                        rank,
+                        len(gaps),
+                    )
+                )
             if outside:
                 status += f" (from batch {max(outside) + 1}: earlier ones are not in these logs)"
-            self.report.epochs.append({"epoch": epoch, "rank": rank, "worker": worker, "batches": len(numbers),
-                                       "delivered": samples, "padding": 0, "dropped": 0, "status": status})
+            self.report.epochs.append(
+                {
+                    "epoch": epoch,
+                    "rank": rank,
+                    "worker": worker,
+                    "batches": len(numbers),
+                    "delivered": samples,
+                    "padding": 0,
+                    "dropped": 0,
+                    "status": status,
+                }
+            )
 
     def _outside(self, rank: int, load: dict[str, Any]) -> None:
         """A state taken outside the logs: its workers' batches up to it are not known (not
@@ -101,9 +160,16 @@ class StreamCheck:
         """The ranks of ``attempt`` with no log (gaps, if it delivered anything)."""
         missing = set(range(attempt.world)) - {log.rank for log in attempt.logs}
         for rank in sorted(missing) if batches else []:
-            self.report.gaps.append(Finding(attempt.number, None, None, f"no log of rank {rank}: what its workers "
-                                            "handed over is not known (its file deleted, or written to another "
-                                            "directory?)", rank))
+            self.report.gaps.append(
+                Finding(
+                    attempt.number,
+                    None,
+                    None,
+                    f"no log of rank {rank}: what its workers handed over is not known (its file "
+                    "deleted, or written to another directory?)",
+                    rank,
+                )
+            )
         return missing
 
     def _cut(self, rank: int, load: dict[str, Any] | None) -> int:
@@ -111,7 +177,13 @@ class StreamCheck:
         for (epoch, owner, worker), numbers in self.seen.items():
             if owner != rank:
                 continue
-            keep = 0 if load is None or epoch > load["e"] else None if epoch < load["e"] else load["wb"][worker]
+            keep = (
+                0
+                if load is None or epoch > load["e"]
+                else None
+                if epoch < load["e"]
+                else load["wb"][worker]
+            )
             if keep is None:
                 continue
             cut = [n for n in numbers if n > keep]
@@ -124,6 +196,14 @@ class StreamCheck:
         key = (record["e"], rank, record["w"])
         numbers = self.seen.setdefault(key, {})
         if record["b"] in numbers:
-            self.report.findings.append(Finding(attempt, record["e"], record["b"], f"worker {record['w']}: batch "
-                                                f"{record['b']} delivered again, with no resume between", rank))
+            self.report.findings.append(
+                Finding(
+                    attempt,
+                    record["e"],
+                    record["b"],
+                    f"worker {record['w']}: batch "
+                    f"{record['b']} delivered again, with no resume between",
+                    rank,
+                )
+            )
         numbers[record["b"]] = (attempt, int(record.get("i", 0)))

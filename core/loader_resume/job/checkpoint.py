@@ -32,9 +32,22 @@ from loader_resume.errors import CheckpointError
 from loader_resume.job.generators import global_rng_state, set_global_rng_state
 
 __all__ = [
-    "CHECKPOINT_FORMAT", "MANIFEST", "CheckpointError", "complete_checkpoints", "describe_failure", "global_rng_state",
-    "is_temporary", "prune", "seal", "set_global_rng_state", "storage_failure", "temporary_name", "verify",
-    "writer_token", "write_manifest", "write_sealed",
+    "CHECKPOINT_FORMAT",
+    "MANIFEST",
+    "CheckpointError",
+    "complete_checkpoints",
+    "describe_failure",
+    "global_rng_state",
+    "is_temporary",
+    "prune",
+    "seal",
+    "set_global_rng_state",
+    "storage_failure",
+    "temporary_name",
+    "verify",
+    "writer_token",
+    "write_manifest",
+    "write_sealed",
 ]
 
 logger = logging.getLogger(__name__)
@@ -66,7 +79,12 @@ def writer_token(broadcast: Callable[[str], str] | None = None) -> str:
     sent by ``broadcast`` (a framework's, as Lightning's ``strategy.broadcast``), else by
     ``torch.distributed`` if in use."""
     token = [f"{os.getpid()}-{uuid.uuid4().hex[:8]}"]
-    if broadcast is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if (
+        broadcast is None
+        and dist.is_available()
+        and dist.is_initialized()
+        and dist.get_world_size() > 1
+    ):
         dist.broadcast_object_list(token, src=0)
     return token[0] if broadcast is None else broadcast(token[0])
 
@@ -76,7 +94,9 @@ def write_manifest(directory: Path, *, checksums: bool = True) -> None:
     atomically."""
     files = {name: _describe(directory / name, checksums) for name in _files(directory)}
     manifest = directory / MANIFEST
-    _write_atomically(manifest, json.dumps({"format": _MANIFEST_FORMAT, "files": files}, indent=1, sort_keys=True))
+    _write_atomically(
+        manifest, json.dumps({"format": _MANIFEST_FORMAT, "files": files}, indent=1, sort_keys=True)
+    )
 
 
 def seal(directory: Path, final: Path, *, checksums: bool = True) -> None:
@@ -99,21 +119,29 @@ def verify(directory: Path) -> None:
     try:
         described = json.loads(manifest.read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"{directory}: no {MANIFEST}; expected a checkpoint sealed by loader-resume "
-                              "(killed before it was complete?)") from None
+        raise CheckpointError(
+            f"{directory}: no {MANIFEST}; expected a checkpoint sealed by loader-resume "
+            "(killed before it was complete?)"
+        ) from None
     except (OSError, ValueError) as error:
-        raise CheckpointError(f"{manifest}: unreadable ({error}); expected the JSON manifest") from None
+        raise CheckpointError(
+            f"{manifest}: unreadable ({error}); expected the JSON manifest"
+        ) from None
     if not isinstance(described, dict) or described.get("format") != _MANIFEST_FORMAT:
         found = described.get("format") if isinstance(described, dict) else described
         raise CheckpointError(f"{manifest}: format {found!r}; expected {_MANIFEST_FORMAT}")
     for name, expected in described["files"].items():
         path = directory / name
         if not path.is_file():
-            raise CheckpointError(f"{path}: missing; the manifest lists it ({expected['size']} bytes)")
+            raise CheckpointError(
+                f"{path}: missing; the manifest lists it ({expected['size']} bytes)"
+            )
         found = _describe(path, "sha256" in expected)
         if found != expected:
-            raise CheckpointError(f"{path}: {found} does not match the manifest's {expected} "
-                                  "(truncated, corrupted or edited after it was written); refusing to load it")
+            raise CheckpointError(
+                f"{path}: {found} does not match the manifest's {expected} "
+                "(truncated, corrupted or edited after it was written); refusing to load it"
+            )
 
 
 def complete_checkpoints(root: Path, pattern: str = r"step_(\d+)") -> list[Path]:
@@ -129,7 +157,9 @@ def complete_checkpoints(root: Path, pattern: str = r"step_(\d+)") -> list[Path]
         if not path.is_dir():
             continue
         if is_temporary(path):
-            logger.warning("skipping %s: an incomplete checkpoint (a save interrupted, or in progress)", path)
+            logger.warning(
+                "skipping %s: an incomplete checkpoint (a save interrupted, or in progress)", path
+            )
             continue
         match = re.fullmatch(pattern, path.name)
         if match is None:
@@ -147,9 +177,18 @@ def prune(root: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def write_sealed(final: Path, write_into: Callable[[Path], None], *, main: bool, agree: Callable[[bool], bool],
-                 step: int, checksums: bool = True, keep: int = 2, token: str | None = None,
-                 copy: Callable[[Path], object] | None = None) -> bool:
+def write_sealed(
+    final: Path,
+    write_into: Callable[[Path], None],
+    *,
+    main: bool,
+    agree: Callable[[bool], bool],
+    step: int,
+    checksums: bool = True,
+    keep: int = 2,
+    token: str | None = None,
+    copy: Callable[[Path], object] | None = None,
+) -> bool:
     """Write a checkpoint directory atomically, every process of a job together:
     ``write_into(temporary)`` on every process (the main one creates the directory first, under a
     name of this write alone: ``temporary_name``, ``writer_token``), then the main process seals it
@@ -195,7 +234,9 @@ def write_sealed(final: Path, write_into: Callable[[Path], None], *, main: bool,
                 try:
                     prune(final.parent, keep)
                 except OSError as error:
-                    logger.warning("checkpoint at step %d written; deleting older ones failed: %s", step, error)
+                    logger.warning(
+                        "checkpoint at step %d written; deleting older ones failed: %s", step, error
+                    )
             return True
     if main:
         shutil.rmtree(temporary, ignore_errors=True)
@@ -204,15 +245,26 @@ def write_sealed(final: Path, write_into: Callable[[Path], None], *, main: bool,
     if agree(bug):
         if failure is not None and bug:
             raise failure
-        raise RuntimeError(f"checkpoint at step {step} NOT written to {final}: another process failed with an "
-                           "error that is not the storage's (its log names it)")
-    cause = describe_failure(failure, final.parent) if failure is not None else "failed on another process"
+        raise RuntimeError(
+            f"checkpoint at step {step} NOT written to {final}: another process failed with an "
+            "error that is not the storage's (its log names it)"
+        )
+    cause = (
+        describe_failure(failure, final.parent)
+        if failure is not None
+        else "failed on another process"
+    )
     if sealed:
         logger.error("checkpoint at step %d written to %s but NOT copied: %s", step, final, cause)
         return False
     kept = complete_checkpoints(final.parent)
-    logger.error("checkpoint at step %d NOT written to %s: %s; the newest complete checkpoint is still %s", step,
-                 final, cause, kept[-1] if kept else "none")
+    logger.error(
+        "checkpoint at step %d NOT written to %s: %s; the newest complete checkpoint is still %s",
+        step,
+        final,
+        cause,
+        kept[-1] if kept else "none",
+    )
     return False
 
 
@@ -246,8 +298,14 @@ def describe_failure(error: BaseException, directory: Path) -> str:
         free: int | None = shutil.disk_usage(directory).free
     except OSError:
         free = None
-    if number in (errno.ENOSPC, errno.EDQUOT) or (free is not None and free < _CHUNK) or "No space left" in text:
-        return f"{text} (no space left on device, or over quota: {free} bytes free under {directory})"
+    if (
+        number in (errno.ENOSPC, errno.EDQUOT)
+        or (free is not None and free < _CHUNK)
+        or "No space left" in text
+    ):
+        return (
+            f"{text} (no space left on device, or over quota: {free} bytes free under {directory})"
+        )
     if number in (errno.EROFS, errno.EACCES, errno.EPERM):
         return f"{text} ({directory} cannot be written)"
     return text

@@ -40,12 +40,27 @@ from pathlib import Path
 from typing import Final
 
 from loader_resume.errors import CheckpointDirectoryError
-from loader_resume.job.checkpoint import CheckpointError, complete_checkpoints, describe_failure, is_temporary, verify
+from loader_resume.job.checkpoint import (
+    CheckpointError,
+    complete_checkpoints,
+    describe_failure,
+    is_temporary,
+    verify,
+)
 from loader_resume.job.remote_lease import RemoteLease
 from loader_resume.job.storage import is_remote, local_path
 
-__all__ = ["FAILED_SAVE_EXIT_CODE", "LOCK_FILE", "CheckpointDirectoryError", "DirectoryLock", "claim",
-           "local_directory", "newest_complete", "newest_usable", "preemption_exit_code"]
+__all__ = [
+    "FAILED_SAVE_EXIT_CODE",
+    "LOCK_FILE",
+    "CheckpointDirectoryError",
+    "DirectoryLock",
+    "claim",
+    "local_directory",
+    "newest_complete",
+    "newest_usable",
+    "preemption_exit_code",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -90,22 +105,29 @@ class DirectoryLock:
                 directory.mkdir(parents=True, exist_ok=True)
                 descriptor = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
             except OSError as error:
-                raise CheckpointDirectoryError(f"checkpoint directory {directory} cannot be written ({error}); "
-                                               "expected a writable directory (checkpoint_dir / dirpath)") from None
+                raise CheckpointDirectoryError(
+                    f"checkpoint directory {directory} cannot be written ({error}); "
+                    "expected a writable directory (checkpoint_dir / dirpath)"
+                ) from None
             try:
                 _lock(descriptor)
             except OSError as error:
                 os.close(descriptor)
                 # NOTE: locks unsupported (NFS without lockd)
                 if error.errno not in (errno.EAGAIN, errno.EACCES):
-                    logger.warning("checkpoint directory %s cannot be locked (%s): a second job on it is not "
-                                   "refused", directory, error)
+                    logger.warning(
+                        "checkpoint directory %s cannot be locked (%s): a second job on it is not "
+                        "refused",
+                        directory,
+                        error,
+                    )
                     return cls(directory, -1)
                 if time.monotonic() >= deadline:
                     raise CheckpointDirectoryError(
-                        f"checkpoint directory {directory} is in use by another job ({_owner(directory)}); "
-                        "expected one job per directory: stop that job, or give this one another "
-                        "directory") from None
+                        f"checkpoint directory {directory} is in use by another job "
+                        f"({_owner(directory)}); expected one job per directory: stop that job, or "
+                        "give this one another directory"
+                    ) from None
                 time.sleep(0.1)
                 continue
             if _same_file(descriptor, directory / LOCK_FILE):
@@ -119,9 +141,11 @@ class DirectoryLock:
             lock._clean_leftovers()
         except OSError as error:
             lock._close()
-            raise CheckpointDirectoryError(f"checkpoint directory {directory} cannot be written "
-                                           f"({describe_failure(error, directory)}); expected a writable "
-                                           "directory (checkpoint_dir / dirpath)") from None
+            raise CheckpointDirectoryError(
+                f"checkpoint directory {directory} cannot be written "
+                f"({describe_failure(error, directory)}); expected a writable "
+                "directory (checkpoint_dir / dirpath)"
+            ) from None
         _HELD[directory] = lock
         return lock
 
@@ -149,7 +173,9 @@ class DirectoryLock:
         # NOTE: through the locked descriptor (_write_owner)
         self._earlier = os.pread(self._descriptor, 1 << 16, 0)
         if self._earlier:
-            self.traces.append(f"the lock file of a job that did not end cleanly ({_holder(self._earlier)})")
+            self.traces.append(
+                f"the lock file of a job that did not end cleanly ({_holder(self._earlier)})"
+            )
 
     def keep_traces(self) -> None:
         """Leave the lock file (the earlier job's, where there was one) as it lets go: a start
@@ -160,8 +186,12 @@ class DirectoryLock:
         self._keep = True
 
     def _write_owner(self) -> None:
-        owner = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
-                 "command": " ".join(sys.argv)}
+        owner = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "command": " ".join(sys.argv),
+        }
         data = json.dumps(owner).encode()
         # NOTE: through the locked descriptor (closing another drops the lock)
         os.ftruncate(self._descriptor, 0)
@@ -185,9 +215,11 @@ def local_directory(directory: str | os.PathLike[str]) -> Path:
     directories; a URL of another store is refused, naming it (never a local ``./s3:/...`` directory
     that only looks remote)."""
     if is_remote(directory):
-        raise CheckpointDirectoryError(f"checkpoint directory {os.fspath(directory)}: a URL, but this front door "
-                                       "writes its checkpoints as local directories; expected a local path (a shared "
-                                       "mount, for checkpoints that outlive the machine)")
+        raise CheckpointDirectoryError(
+            f"checkpoint directory {os.fspath(directory)}: a URL, but this front door "
+            "writes its checkpoints as local directories; expected a local path (a shared "
+            "mount, for checkpoints that outlive the machine)"
+        )
     return Path(local_path(directory))
 
 
@@ -201,16 +233,20 @@ def claim(directory: str | os.PathLike[str], *, main: bool, agree: Callable[[boo
     error: Exception | None = None
     if main:
         try:
-            lock = RemoteLease.acquire(os.fspath(directory)) if is_remote(directory) and remote else \
-                DirectoryLock.acquire(local_directory(directory))
+            lock = (
+                RemoteLease.acquire(os.fspath(directory))
+                if is_remote(directory) and remote
+                else DirectoryLock.acquire(local_directory(directory))
+            )
         # NOTE: whatever the main process met, every process learns of it
         except Exception as refused:
             error = refused
     if agree(error is not None):
         if lock is not None:
             lock.release()
-        raise error or CheckpointDirectoryError(f"checkpoint directory {directory}: refused on the main process "
-                                                "(its log names why)")
+        raise error or CheckpointDirectoryError(
+            f"checkpoint directory {directory}: refused on the main process (its log names why)"
+        )
     return lock
 
 
@@ -228,7 +264,9 @@ def _lock(descriptor: int) -> None:
         fcntl.lockf(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
     # NOTE: struct flock of 64-bit Linux: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks)
     else:
-        fcntl.fcntl(descriptor, _OFD_LOCK, struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+        fcntl.fcntl(
+            descriptor, _OFD_LOCK, struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+        )
 
 
 _OFD_LOCK = getattr(fcntl, "F_OFD_SETLK", None) if struct.calcsize("P") == 8 else None
@@ -290,23 +328,36 @@ def newest_usable(checkpoints: list[Path], agree: Callable[[bool], bool]) -> Pat
         newest = newest or reason
         logger.warning("skipping checkpoint %s: %s; trying the one before it", path, reason)
     if newest is not None:
-        raise CheckpointError(f"{newest}; and no older checkpoint in {checkpoints[0].parent} verifies either (expected "
-                              "at least one intact: move them away to start over)")
+        raise CheckpointError(
+            f"{newest}; and no older checkpoint in {checkpoints[0].parent} verifies either "
+            "(expected at least one intact: move them away to start over)"
+        )
     return None
 
 
-def preemption_exit_code(written: Path | None, step: int, resumable: int, continues_from: str) -> int:
+def preemption_exit_code(
+    written: Path | None, step: int, resumable: int, continues_from: str
+) -> int:
     """The exit code after the agreed preemption checkpoint at ``step`` (``written``: where it went,
     ``None`` if the write failed), logged: ``resumable`` (143) once written, else
     ``FAILED_SAVE_EXIT_CODE`` (the log says that a rerun ``continues_from``: ``newest_complete``, or
     what the framework will find)."""
     if written is not None:
-        logger.warning("preemption signal: checkpoint written at step %d (%s); exiting with %d", step, written,
-                       resumable)
+        logger.warning(
+            "preemption signal: checkpoint written at step %d (%s); exiting with %d",
+            step,
+            written,
+            resumable,
+        )
         return resumable
-    logger.error("preemption signal: the checkpoint at step %d could NOT be written (the error above says why); "
-                 "exiting with %d, not %d: a rerun continues from %s", step, FAILED_SAVE_EXIT_CODE, resumable,
-                 continues_from)
+    logger.error(
+        "preemption signal: the checkpoint at step %d could NOT be written (the error above says "
+        "why); exiting with %d, not %d: a rerun continues from %s",
+        step,
+        FAILED_SAVE_EXIT_CODE,
+        resumable,
+        continues_from,
+    )
     return FAILED_SAVE_EXIT_CODE
 
 

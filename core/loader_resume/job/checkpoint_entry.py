@@ -30,18 +30,24 @@ def new_entry(**fields: Any) -> dict[str, Any]:
     return {"format": CHECKPOINT_FORMAT, **fields}
 
 
-def checked_entry(saved: Any, where: str | os.PathLike[str], *, needs: tuple[str, ...] = ()) -> dict[str, Any]:
+def checked_entry(
+    saved: Any, where: str | os.PathLike[str], *, needs: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """``saved``, a front door's entry found at ``where`` (a file, or a checkpoint's key), if it is
     one this release reads, with every key in ``needs``; else ``CheckpointError`` naming where, what
     it found and what was expected. Every front door reads its entry through this."""
     found = saved.get("format") if isinstance(saved, dict) else saved
     if found != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{os.fspath(where)}: format {found!r}; expected {CHECKPOINT_FORMAT} (written by another "
-                              "loader-resume release?)")
+        raise CheckpointError(
+            f"{os.fspath(where)}: format {found!r}; expected {CHECKPOINT_FORMAT} (written by "
+            "another loader-resume release?)"
+        )
     absent = [key for key in needs if key not in saved]
     if absent:
-        raise CheckpointError(f"{os.fspath(where)}: {', '.join(absent)} missing; expected an entry written by "
-                              "loader-resume")
+        raise CheckpointError(
+            f"{os.fspath(where)}: {', '.join(absent)} missing; expected an entry written by "
+            "loader-resume"
+        )
     return saved  # type: ignore[no-any-return]
 
 
@@ -59,8 +65,11 @@ class PendingEntry:
         rng = checked_entry(saved, path, needs=("rng", "loaders", "world_size"))["rng"]
         self._rng = rng[rank] if rank < len(rng) else None
         if self._rng is None:
-            logger.warning("rank %d has no saved RNG state (the checkpoint is from %d processes)", rank,
-                           saved["world_size"])
+            logger.warning(
+                "rank %d has no saved RNG state (the checkpoint is from %d processes)",
+                rank,
+                saved["world_size"],
+            )
         self._loaders = saved["loaders"]
         return saved  # type: ignore[no-any-return]
 
@@ -71,8 +80,10 @@ class PendingEntry:
         if saved is None or len(loaders) < len(saved):
             return
         if len(saved) != len(loaders):
-            raise CheckpointError(f"the checkpoint holds {len(saved)} loader states; {len(loaders)} loaders were set "
-                                  "up (expected the same loaders, in the same order)")
+            raise CheckpointError(
+                f"the checkpoint holds {len(saved)} loader states; {len(loaders)} loaders were set "
+                "up (expected the same loaders, in the same order)"
+            )
         for loader, gathered in zip(loaders, saved, strict=True):
             load_rank_state(loader, gathered)
         self._loaders = None

@@ -27,8 +27,13 @@ from typing import Final
 
 from loader_resume.job.checkpoint_dir import CheckpointDirectoryError, DirectoryLock, newest_usable
 
-__all__ = ["NO_CHECKPOINT_CHOICES", "NO_CHECKPOINT_VARIABLE", "newest_or_start", "no_checkpoint_choice",
-           "resuming_nothing"]
+__all__ = [
+    "NO_CHECKPOINT_CHOICES",
+    "NO_CHECKPOINT_VARIABLE",
+    "newest_or_start",
+    "no_checkpoint_choice",
+    "resuming_nothing",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +48,10 @@ def no_checkpoint_choice() -> str:
     another value."""
     choice = os.environ.get(NO_CHECKPOINT_VARIABLE, "").strip() or NO_CHECKPOINT_CHOICES[0]
     if choice not in NO_CHECKPOINT_CHOICES:
-        raise ValueError(f"{NO_CHECKPOINT_VARIABLE}={choice!r}: expected one of {list(NO_CHECKPOINT_CHOICES)} (what a "
-                         "job that finds no checkpoint does where an earlier job left traces)")
+        raise ValueError(
+            f"{NO_CHECKPOINT_VARIABLE}={choice!r}: expected one of {list(NO_CHECKPOINT_CHOICES)} "
+            "(what a job that finds no checkpoint does where an earlier job left traces)"
+        )
     return choice
 
 
@@ -55,22 +62,38 @@ def resuming_nothing(lock: object, agree: Callable[[bool], bool]) -> bool:
     (``agree``: a flag held on any process, a collective). Whether this process warned."""
     refuse = no_checkpoint_choice() == "refuse"
     traces = lock.traces if isinstance(lock, DirectoryLock) else []
-    found = f"{lock.directory}: an earlier job left {'; '.join(traces)}" if isinstance(lock, DirectoryLock) else ""
+    found = (
+        f"{lock.directory}: an earlier job left {'; '.join(traces)}"
+        if isinstance(lock, DirectoryLock)
+        else ""
+    )
     if traces and not refuse:
-        logger.warning("%s, and there is no checkpoint to resume from: starting from step 0 (%s=refuse stops "
-                       "instead)", found, NO_CHECKPOINT_VARIABLE)
+        logger.warning(
+            "%s, and there is no checkpoint to resume from: starting from step 0 (%s=refuse stops "
+            "instead)",
+            found,
+            NO_CHECKPOINT_VARIABLE,
+        )
     if agree(bool(traces) and refuse):
         if isinstance(lock, DirectoryLock):
             # NOTE: the next start meets them again (refused or told) until a person acts
             lock.keep_traces()
-        where = found if traces else "the main process found an earlier job's traces (its log names them)"
-        raise CheckpointDirectoryError(f"{where}, and there is no checkpoint to resume from; refused, as "
-                                       f"{NO_CHECKPOINT_VARIABLE}=refuse: expected a checkpoint to resume from (set "
-                                       "it to start-over to start from step 0)")
+        where = (
+            found
+            if traces
+            else "the main process found an earlier job's traces (its log names them)"
+        )
+        raise CheckpointDirectoryError(
+            f"{where}, and there is no checkpoint to resume from; refused, as "
+            f"{NO_CHECKPOINT_VARIABLE}=refuse: expected a checkpoint to resume from (set "
+            "it to start-over to start from step 0)"
+        )
     return bool(traces)
 
 
-def newest_or_start(checkpoints: list[Path], lock: object, agree: Callable[[bool], bool]) -> Path | None:
+def newest_or_start(
+    checkpoints: list[Path], lock: object, agree: Callable[[bool], bool]
+) -> Path | None:
     """``newest_usable(checkpoints, agree)``; when there is none, ``resuming_nothing(lock, agree)``
     first."""
     # NOTE: a misspelt value fails on every start, not only on one that needs it

@@ -26,11 +26,22 @@ def global_rng_state() -> dict[str, Any]:
     generators, so resuming the model's random sequence needs them as much as the CPU one.
     """
     kind, key, pos, has_gauss, gauss = np.random.get_state(legacy=True)
-    numpy_state = {"kind": kind, "key": torch.from_numpy(np.asarray(key).astype(np.int64)), "pos": int(pos),
-                   "has_gauss": int(has_gauss), "gauss": float(gauss)}
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": numpy_state, "random": random.getstate()}
+    numpy_state = {
+        "kind": kind,
+        "key": torch.from_numpy(np.asarray(key).astype(np.int64)),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "gauss": float(gauss),
+    }
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": numpy_state,
+        "random": random.getstate(),
+    }
     if torch.cuda.is_available():
-        state["cuda"] = [torch.cuda.get_rng_state(device) for device in range(torch.cuda.device_count())]
+        state["cuda"] = [
+            torch.cuda.get_rng_state(device) for device in range(torch.cuda.device_count())
+        ]
     if _mps_available():
         state["mps"] = torch.mps.get_rng_state()
     return state
@@ -55,15 +66,22 @@ def set_global_rng_state(state: dict[str, Any]) -> None:
             for device, device_state in enumerate(cuda):
                 torch.cuda.set_rng_state(device_state, device)
         else:
-            logger.warning("RNG state: saved for %d CUDA device(s), this process sees %d; the CUDA generators "
-                           "are NOT restored (GPU dropout will not continue the saved sequence; run with the same "
-                           "CUDA_VISIBLE_DEVICES layout to restore them)", len(cuda), visible)
+            logger.warning(
+                "RNG state: saved for %d CUDA device(s), this process sees %d; the CUDA generators "
+                "are NOT restored (GPU dropout will not continue the saved sequence; run with the "
+                "same CUDA_VISIBLE_DEVICES layout to restore them)",
+                len(cuda),
+                visible,
+            )
     mps = state.get("mps")
     if mps is not None:
         if _mps_available():
             torch.mps.set_rng_state(mps)
         else:
-            logger.warning("RNG state: saved with an MPS generator, this process has no MPS device; not restored")
+            logger.warning(
+                "RNG state: saved with an MPS generator, this process has no MPS device; not "
+                "restored"
+            )
 
 
 def _mps_available() -> bool:

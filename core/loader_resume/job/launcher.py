@@ -38,12 +38,20 @@ def silent_launcher(parent: int | None = None) -> str | None:
     if "TORCHELASTIC_RUN_ID" in os.environ or not sys.platform.startswith("linux"):
         return None
     try:
-        words = Path(f"/proc/{parent or os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        words = (
+            Path(f"/proc/{parent or os.getppid()}/cmdline")
+            .read_bytes()
+            .decode(errors="replace")
+            .split("\0")
+        )
     except OSError:
         return None
     names = [os.path.basename(word) for word in words[:3]]
     launches = any(name in _ACCELERATE_LAUNCH for name in names) and (
-        "launch" in words[:4] or "accelerate-launch" in names or "accelerate.commands.launch" in names)
+        "launch" in words[:4]
+        or "accelerate-launch" in names
+        or "accelerate.commands.launch" in names
+    )
     return " ".join(word for word in words if word) if launches else None
 
 
@@ -59,8 +67,12 @@ def follow_launcher(signum: int | None) -> bool:
     command = silent_launcher(parent)
     if command is None or not _prctl_death_signal(signum):
         return False
-    logger.info("this process's launcher (%s) does not pass signals on: a %s to it reaches this process when it "
-                "ends, and leads to the agreed checkpoint", command, signal.Signals(signum).name)
+    logger.info(
+        "this process's launcher (%s) does not pass signals on: a %s to it reaches this process "
+        "when it ends, and leads to the agreed checkpoint",
+        command,
+        signal.Signals(signum).name,
+    )
     if os.getppid() != parent:  # NOTE: it ended before the kernel was asked: nothing will come
         os.kill(os.getpid(), signum)
     return True

@@ -28,7 +28,12 @@ from typing import Any, NoReturn, Protocol
 
 from loader_resume.distributed import gather_rng_states, gather_states
 from loader_resume.job.checkpoint import complete_checkpoints, write_sealed
-from loader_resume.job.checkpoint_dir import DirectoryLock, claim, newest_complete, preemption_exit_code
+from loader_resume.job.checkpoint_dir import (
+    DirectoryLock,
+    claim,
+    newest_complete,
+    preemption_exit_code,
+)
 from loader_resume.job.checkpoint_entry import PendingEntry, new_entry
 from loader_resume.job.fresh_start import newest_or_start
 from loader_resume.job.preemption import Preemption
@@ -78,11 +83,22 @@ class SaveEvery:
     ``exit_code`` after a preemption checkpoint; each checked here, naming ``owner`` (the front
     door's call) in the error (``None``: checked by the front door's own configuration)."""
 
-    def __init__(self, owner: str | None, *, save_every_n_steps: int = 0, check_every_n_steps: int = 1, keep: int = 2,
-                 exit_code: int = 143, verify_checksums: bool = True) -> None:
-        for name, value, least in (("save_every_n_steps", save_every_n_steps, 0),
-                                   ("check_every_n_steps", check_every_n_steps, 1), ("keep", keep, 1),
-                                   ("exit_code", exit_code, 0)):
+    def __init__(
+        self,
+        owner: str | None,
+        *,
+        save_every_n_steps: int = 0,
+        check_every_n_steps: int = 1,
+        keep: int = 2,
+        exit_code: int = 143,
+        verify_checksums: bool = True,
+    ) -> None:
+        for name, value, least in (
+            ("save_every_n_steps", save_every_n_steps, 0),
+            ("check_every_n_steps", check_every_n_steps, 1),
+            ("keep", keep, 1),
+            ("exit_code", exit_code, 0),
+        ):
             if owner is not None and (type(value) is not int or value < least):
                 raise ValueError(f"{owner}({name}={value!r}): expected an int >= {least}")
         self.save_every_n_steps = save_every_n_steps
@@ -107,8 +123,16 @@ class LoopSession:
             may be set later, before ``hold``.
     """
 
-    def __init__(self, framework: Framework, checkpoint_dir: Path, every: SaveEvery, *,
-                 signals: Sequence[str | int], slurm_requeue: bool = False, remote: RemoteCopy | None = None) -> None:
+    def __init__(
+        self,
+        framework: Framework,
+        checkpoint_dir: Path,
+        every: SaveEvery,
+        *,
+        signals: Sequence[str | int],
+        slurm_requeue: bool = False,
+        remote: RemoteCopy | None = None,
+    ) -> None:
         self.framework = framework
         self.checkpoint_dir = checkpoint_dir
         self.every = every
@@ -186,9 +210,16 @@ class LoopSession:
         # NOTE: every collective before any write: a failed write cannot unpair them
         self._saving = self._gathered()
         try:
-            written = write_sealed(final, framework.write, main=framework.is_main, agree=framework.any_rank,
-                                   step=self.step, checksums=every.verify_checksums, keep=every.keep,
-                                   copy=self.remote.upload if self.remote else None)
+            written = write_sealed(
+                final,
+                framework.write,
+                main=framework.is_main,
+                agree=framework.any_rank,
+                step=self.step,
+                checksums=every.verify_checksums,
+                keep=every.keep,
+                copy=self.remote.upload if self.remote else None,
+            )
         finally:
             self._saving = None
         if not written:
@@ -206,8 +237,7 @@ class LoopSession:
                 held.release()
         self._lock, self._held = None, False
 
-    # --- the checkpoint entry
-    # -----------------------------------------------------------------------
+    # --- the checkpoint entry ---------------------------------------------------------------------
     def add(self, loader: ReportingDataLoader) -> None:
         """A loader of the loop, reporting to this session (its state saved after the ones added
         before it)."""
@@ -220,8 +250,13 @@ class LoopSession:
         collective (every rank), except inside ``save``, which gathered them before its write
         began."""
         gathered = self._saving if self._saving is not None else self._gathered()
-        return new_entry(step=self.step, epoch=self.epoch, world_size=self.framework.world_size, **fields,
-                         **gathered)
+        return new_entry(
+            step=self.step,
+            epoch=self.epoch,
+            world_size=self.framework.world_size,
+            **fields,
+            **gathered,
+        )
 
     def _gathered(self) -> dict[str, Any]:
         left = self.boundaries.left
@@ -239,8 +274,7 @@ class LoopSession:
         self._entry.apply(self.loaders)
         return entry
 
-    # --- step boundaries (``BatchRequests``: the loaders report here)
-    # ---------------------------------
+    # --- step boundaries (``BatchRequests``: the loaders report here) -----------------------------
     def before_batch(self, loader: ReportingDataLoader) -> None:
         """A loader is asked for a batch: a loaded checkpoint's generators go back; a step boundary
         is here."""
@@ -268,7 +302,9 @@ class LoopSession:
             return
         self.preempted_at = self.step
         self._requeue.decide(self.preemption.received, framework.any_rank)
-        code = preemption_exit_code(written, self.step, every.exit_code, newest_complete(self.checkpoint_dir))
+        code = preemption_exit_code(
+            written, self.step, every.exit_code, newest_complete(self.checkpoint_dir)
+        )
         if written is not None:
             self._requeue.after_checkpoint(framework.is_main)
         self.preemption.uninstall()

@@ -24,7 +24,13 @@ import torch.multiprocessing
 from loader_resume.distributed import any_rank
 from loader_resume.job.launcher import follow_launcher
 
-__all__ = ["IgnoreSignalsInWorker", "Preemption", "held_while_forking", "signal_numbers", "workers_ignore_signals"]
+__all__ = [
+    "IgnoreSignalsInWorker",
+    "Preemption",
+    "held_while_forking",
+    "signal_numbers",
+    "workers_ignore_signals",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +42,10 @@ def signal_numbers(names: Sequence[str | int]) -> tuple[int, ...]:
         number = name if isinstance(name, int) else getattr(signal, str(name), None)
         if not isinstance(number, int) or isinstance(number, bool):
             valid = sorted(s.name for s in signal.Signals)
-            raise ValueError(f"signals: unknown signal {name!r}; expected names such as 'SIGTERM', one of {valid}")
+            raise ValueError(
+                f"signals: unknown signal {name!r}; expected names such as 'SIGTERM', one of "
+                f"{valid}"
+            )
         numbers.append(int(number))
     return tuple(numbers)
 
@@ -131,7 +140,11 @@ def workers_ignore_signals(loader: Any, signals: Sequence[int]) -> Any:
     already, it is returned as it is."""
     # NOTE: Accelerate's adapter iterates the loader it wraps
     inner = getattr(loader, "base_dataloader", loader)
-    if not signals or not getattr(inner, "num_workers", 0) or isinstance(inner.worker_init_fn, IgnoreSignalsInWorker):
+    if (
+        not signals
+        or not getattr(inner, "num_workers", 0)
+        or isinstance(inner.worker_init_fn, IgnoreSignalsInWorker)
+    ):
         return loader
     inner.worker_init_fn = IgnoreSignalsInWorker(signals, inner.worker_init_fn)
     inner.multiprocessing_context = _holding_context(inner.multiprocessing_context, tuple(signals))
@@ -142,7 +155,11 @@ def _holding_context(context: Any, signals: tuple[int, ...]) -> Any:
     """A multiprocessing context like ``context`` (DataLoader's: ``None`` is torch's default, a
     name, or a context), whose processes start with ``signals`` held in the starting thread;
     ``context`` itself where it is of no standard kind."""
-    base = torch.multiprocessing.get_context(context) if context is None or isinstance(context, str) else context
+    base = (
+        torch.multiprocessing.get_context(context)
+        if context is None or isinstance(context, str)
+        else context
+    )
     holding = _HOLDING_CONTEXTS.get(type(base))
     return base if holding is None else holding(signals)
 
@@ -155,7 +172,9 @@ class _HoldingStart:
 
     def start(self) -> None:
         main = threading.current_thread() is threading.main_thread()
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, self.held) if main and self.held else None
+        previous = (
+            signal.pthread_sigmask(signal.SIG_BLOCK, self.held) if main and self.held else None
+        )
         try:
             super().start()  # type: ignore[misc]
         finally:
@@ -198,7 +217,9 @@ class _HoldingSpawnContext(_HoldingContext, mp_context.SpawnContext):  # type: i
     process_class = _HoldingSpawnProcess
 
 
-class _HoldingForkServerContext(_HoldingContext, mp_context.ForkServerContext):  # type: ignore[misc]
+class _HoldingForkServerContext(  # type: ignore[misc]
+    _HoldingContext, mp_context.ForkServerContext
+):
     process_class = _HoldingForkServerProcess
 
 

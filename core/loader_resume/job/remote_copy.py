@@ -41,11 +41,20 @@ class RemoteCopy:
     """Sealed checkpoints of the local directory ``local_root``, copied to the fsspec URL ``url``
     (``s3://``, ``gs://``, ``memory://``...)."""
 
-    def __init__(self, url: str, local_root: Path, *, keep: int = 2, pattern: str = r"step_(\d+)") -> None:
+    def __init__(
+        self, url: str, local_root: Path, *, keep: int = 2, pattern: str = r"step_(\d+)"
+    ) -> None:
         if not is_remote(url):
-            raise ValueError(f"remote copy {url!r}: expected an fsspec URL of another store (s3://bucket/run, "
-                             "gs://...); a local path or a file: URL is a local directory already")
-        self.url, self.local_root, self.keep, self.pattern = url.rstrip("/"), local_root, keep, pattern
+            raise ValueError(
+                f"remote copy {url!r}: expected an fsspec URL of another store (s3://bucket/run, "
+                "gs://...); a local path or a file: URL is a local directory already"
+            )
+        self.url, self.local_root, self.keep, self.pattern = (
+            url.rstrip("/"),
+            local_root,
+            keep,
+            pattern,
+        )
         self.lease: RemoteLease | None = None
         """This job's lease of ``url`` (``start_remote_copy``), ``None`` where the store cannot
         lock."""
@@ -91,7 +100,9 @@ class RemoteCopy:
             for old in self.complete()[:-self.keep]:
                 self._call(f"delete {self.url}/{old}", _remove, old)
         except RemoteCopyError as error:
-            logger.warning("%s uploaded; deleting older remote checkpoints failed: %s", target, error)
+            logger.warning(
+                "%s uploaded; deleting older remote checkpoints failed: %s", target, error
+            )
         return target
 
     def complete(self) -> list[str]:
@@ -100,8 +111,15 @@ class RemoteCopy:
         def names(fs: Any, root: str) -> list[str]:
             # NOTE: another process (an earlier attempt) wrote it; never a cached listing
             fs.invalidate_cache(root)
-            return [entry["name"].rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(root, detail=True)
-                    if entry["type"] == "directory"] if fs.exists(root) else []
+            return (
+                [
+                    entry["name"].rstrip("/").rsplit("/", 1)[-1]
+                    for entry in fs.ls(root, detail=True)
+                    if entry["type"] == "directory"
+                ]
+                if fs.exists(root)
+                else []
+            )
 
         found: list[tuple[int, str]] = []
         for name in self._call(f"list {self.url}", names):
@@ -109,8 +127,13 @@ class RemoteCopy:
             if match is None:
                 continue
             if not self._call(f"list {self.url}/{name}", _sealed, name):
-                logger.warning("skipping %s/%s: it has no %s, so its upload did not complete (a kill or a cut link "
-                               "during it)", self.url, name, MANIFEST)
+                logger.warning(
+                    "skipping %s/%s: it has no %s, so its upload did not complete (a kill or a cut "
+                    "link during it)",
+                    self.url,
+                    name,
+                    MANIFEST,
+                )
                 continue
             found.append((int(match.group(1)), name))
         return [name for _, name in sorted(found)]
@@ -172,8 +195,15 @@ def _get(fs: Any, root: str, name: str, into: Path) -> None:
         fs.get_file(path, str(local))
 
 
-def start_remote_copy(url: str | None, local_root: Path, *, keep: int, main: bool,
-                      agree: Callable[[bool], bool], pattern: str = r"step_(\d+)") -> RemoteCopy | None:
+def start_remote_copy(
+    url: str | None,
+    local_root: Path,
+    *,
+    keep: int,
+    main: bool,
+    agree: Callable[[bool], bool],
+    pattern: str = r"step_(\d+)",
+) -> RemoteCopy | None:
     """The ``RemoteCopy`` of ``url`` (``None``: no copy), holding its lease
     (``RemoteCopy.hold``)."""
     if url is None:
@@ -196,5 +226,7 @@ def fetch_newer(copy: RemoteCopy | None, *, main: bool, agree: Callable[[bool], 
         except RemoteCopyError as failed:
             error = failed
     if agree(error is not None):
-        raise error or RemoteCopyError(f"{copy.url}: the download before the resume failed on the main process "
-                                       "(its log names why)")
+        raise error or RemoteCopyError(
+            f"{copy.url}: the download before the resume failed on the main process "
+            "(its log names why)"
+        )

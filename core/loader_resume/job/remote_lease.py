@@ -64,11 +64,21 @@ def lease_seconds() -> float:
 class RemoteLease:
     """This job holds the remote directory (see the module's description); ``release`` lets go."""
 
-    def __init__(self, fs: Any, root: str, directory: str, number: int, term: float, token: str) -> None:
-        self._fs, self._root, self.directory, self.number, self._term = fs, root, directory, number, term
+    def __init__(
+        self, fs: Any, root: str, directory: str, number: int, term: float, token: str
+    ) -> None:
+        self._fs, self._root, self.directory, self.number, self._term = (
+            fs,
+            root,
+            directory,
+            number,
+            term,
+        )
         self._token, self.lost = token, False
         self._stop = threading.Event()
-        self._renewer = threading.Thread(target=self._renew, name="loader-resume lease", daemon=True)
+        self._renewer = threading.Thread(
+            target=self._renew, name="loader-resume lease", daemon=True
+        )
         self._renewer.start()
 
     @property
@@ -84,8 +94,12 @@ class RemoteLease:
         fs, root = remote_filesystem(directory)
         root = root.rstrip("/")
         if not _creates_conditionally(fs):
-            logger.warning("the checkpoint directory %s is not locked: its store (%s) has no conditional create, so "
-                           "a second job writing to it is not refused", directory, type(fs).__name__)
+            logger.warning(
+                "the checkpoint directory %s is not locked: its store (%s) has no conditional "
+                "create, so a second job writing to it is not refused",
+                directory,
+                type(fs).__name__,
+            )
             return None
         term, token = lease_seconds(), uuid.uuid4().hex
         deadline, first = time.monotonic() + wait, None
@@ -101,14 +115,21 @@ class RemoteLease:
                         if (number, modified) != first and time.monotonic() > deadline:
                             holder = _read(fs, f"{root}/{LEASE_FILE}.{number}")
                             raise CheckpointDirectoryError(
-                                f"checkpoint directory {directory} is in use by another job ({holder}; its lease "
-                                f"{LEASE_FILE}.{number} is renewed while that job runs); expected one job per "
-                                "directory: give this job its own, or stop the other")
+                                f"checkpoint directory {directory} is in use by another job "
+                                f"({holder}; its lease {LEASE_FILE}.{number} is renewed while that "
+                                "job runs); expected one job per directory: give this job its "
+                                "own, or stop the other"
+                            )
                         time.sleep(min(1.0, term / 6))
                         continue
-                    logger.warning("taking over %s: its lease %s.%d ended %.0f s ago (its job was killed: %s)",
-                                   directory, LEASE_FILE, number, time.time() - modified - term,
-                                   _read(fs, f"{root}/{LEASE_FILE}.{number}"))
+                    logger.warning(
+                        "taking over %s: its lease %s.%d ended %.0f s ago (its job was killed: %s)",
+                        directory,
+                        LEASE_FILE,
+                        number,
+                        time.time() - modified - term,
+                        _read(fs, f"{root}/{LEASE_FILE}.{number}"),
+                    )
                     number += 1
                 fs.pipe_file(f"{root}/{LEASE_FILE}.{number}", _record(token), mode="create")
             except FileExistsError:
@@ -116,8 +137,10 @@ class RemoteLease:
             except CheckpointDirectoryError:
                 raise
             except Exception as error:
-                raise CheckpointDirectoryError(f"checkpoint directory {directory}: cannot take its lease "
-                                               f"({type(error).__name__}: {error})") from error
+                raise CheckpointDirectoryError(
+                    f"checkpoint directory {directory}: cannot take its lease "
+                    f"({type(error).__name__}: {error})"
+                ) from error
             # NOTE: ended, or of a job whose renewal will find this one's number
             for older, _ in leases:
                 _remove(fs, f"{root}/{LEASE_FILE}.{older}")
@@ -137,21 +160,32 @@ class RemoteLease:
                 leases = _leases(self._fs, self._root)
                 if leases and leases[-1][0] > self.number:
                     self.lost = True
-                    logger.error("the lease of %s was taken by another job (%s) after this one's renewals stopped "
-                                 "for longer than its term: two jobs may now write checkpoints there", self.directory,
-                                 _read(self._fs, f"{self._root}/{LEASE_FILE}.{leases[-1][0]}"))
+                    logger.error(
+                        "the lease of %s was taken by another job (%s) after this one's renewals "
+                        "stopped "
+                        "for longer than its term: two jobs may now write checkpoints there",
+                        self.directory,
+                        _read(self._fs, f"{self._root}/{LEASE_FILE}.{leases[-1][0]}"),
+                    )
                     return
                 self._fs.pipe_file(f"{self._root}/{LEASE_FILE}.{self.number}", _record(self._token))
             except Exception as error:
-                logger.warning("could not renew the lease %s (%s: %s); trying again", self.url, type(error).__name__,
-                               error)
+                logger.warning(
+                    "could not renew the lease %s (%s: %s); trying again",
+                    self.url,
+                    type(error).__name__,
+                    error,
+                )
 
 
 def _creates_conditionally(fs: Any) -> bool:
     """Whether ``fs.pipe_file`` takes ``mode="create"``: s3fs's S3 conditional write
     (``If-None-Match``)."""
     try:
-        return type(fs).__name__ == "S3FileSystem" and "mode" in inspect.signature(fs._pipe_file).parameters
+        return (
+            type(fs).__name__ == "S3FileSystem"
+            and "mode" in inspect.signature(fs._pipe_file).parameters
+        )
     except (AttributeError, TypeError, ValueError):
         return False
 
@@ -165,10 +199,16 @@ def _leases(fs: Any, root: str) -> list[tuple[int, float]]:
         return []
     found = []
     for entry in entries:
-        match = re.fullmatch(re.escape(LEASE_FILE) + r"\.(\d+)", entry["name"].rstrip("/").rsplit("/", 1)[-1])
+        match = re.fullmatch(
+            re.escape(LEASE_FILE) + r"\.(\d+)", entry["name"].rstrip("/").rsplit("/", 1)[-1]
+        )
         if match is not None:
             modified = entry.get("LastModified")
-            stamp = modified.timestamp() if modified is not None else fs.modified(entry["name"]).timestamp()
+            stamp = (
+                modified.timestamp()
+                if modified is not None
+                else fs.modified(entry["name"]).timestamp()
+            )
             found.append((int(match.group(1)), stamp))
     return sorted(found)
 

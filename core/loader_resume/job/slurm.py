@@ -34,10 +34,16 @@ def slurm_job_id(environ: Mapping[str, str] = os.environ) -> str | None:
     """The id ``scontrol requeue`` takes for this job (an array task's: ``ARRAYJOB_TASK``), or
     ``None`` outside SLURM; ``ValueError`` for an id that is not one."""
     array_job = environ.get("SLURM_ARRAY_JOB_ID")
-    job = f"{array_job}_{environ.get('SLURM_ARRAY_TASK_ID', '')}" if array_job else environ.get("SLURM_JOB_ID")
+    job = (
+        f"{array_job}_{environ.get('SLURM_ARRAY_TASK_ID', '')}"
+        if array_job
+        else environ.get("SLURM_JOB_ID")
+    )
     if job is not None and re.fullmatch(r"\d+(_\d+)?", job) is None:
-        raise ValueError(f"SLURM job id {job!r} (SLURM_JOB_ID / SLURM_ARRAY_JOB_ID_SLURM_ARRAY_TASK_ID): expected "
-                         "digits, or ARRAYJOB_TASK for an array task")
+        raise ValueError(
+            f"SLURM job id {job!r} (SLURM_JOB_ID / SLURM_ARRAY_JOB_ID_SLURM_ARRAY_TASK_ID): "
+            "expected digits, or ARRAYJOB_TASK for an array task"
+        )
     return job
 
 
@@ -46,7 +52,9 @@ def requeue_job(environ: Mapping[str, str] = os.environ) -> bool:
     ``scontrol`` on ``PATH``, or its exit code)."""
     job = slurm_job_id(environ)
     if job is None:
-        logger.error("SLURM requeue asked for, but SLURM_JOB_ID is not set (not a SLURM job?): not requeued")
+        logger.error(
+            "SLURM requeue asked for, but SLURM_JOB_ID is not set (not a SLURM job?): not requeued"
+        )
         return False
     try:
         code = subprocess.call(["scontrol", "requeue", job])
@@ -56,7 +64,9 @@ def requeue_job(environ: Mapping[str, str] = os.environ) -> bool:
     if code != 0:
         logger.error("requeuing SLURM job %s failed: scontrol exited with %d", job, code)
         return False
-    logger.warning("requeued SLURM job %s: it continues from the checkpoint when it starts again", job)
+    logger.warning(
+        "requeued SLURM job %s: it continues from the checkpoint when it starts again", job
+    )
     return True
 
 
@@ -67,8 +77,10 @@ class Requeue:
     def __init__(self, asked: bool, requeue_signal: int = signal.SIGUSR1) -> None:
         self.signal = int(requeue_signal) if asked and "SLURM_JOB_ID" in os.environ else None
         if asked and self.signal is None:
-            logger.warning("a SLURM requeue was asked for (slurm_requeue, or Lightning's auto_requeue) outside a SLURM "
-                           "job (no SLURM_JOB_ID): no requeue")
+            logger.warning(
+                "a SLURM requeue was asked for (slurm_requeue, or Lightning's auto_requeue) "
+                "outside a SLURM job (no SLURM_JOB_ID): no requeue"
+            )
         self.wanted = False
 
     def decide(self, received: int | None, agree: Callable[[bool], bool]) -> None:

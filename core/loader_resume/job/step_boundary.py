@@ -71,7 +71,8 @@ class ReportingDataLoader(ResumableDataLoader[Any]):
         its device; ``None``: as it is)."""
         self._reports, self._place = reports, place
 
-    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator, not torch's iterator class
+    # a generator, not torch's iterator class
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         return self._batches()
 
     def _batches(self) -> Iterator[Any]:
@@ -114,7 +115,9 @@ class ReportingDataLoader(ResumableDataLoader[Any]):
         finally:
             self.pass_ends()
 
-    def resume_state(self, *, pass_ended: bool = False, loop_ends_pass: bool = True) -> dict[str, Any]:
+    def resume_state(
+        self, *, pass_ended: bool = False, loop_ends_pass: bool = True
+    ) -> dict[str, Any]:
         """The state at the last batch handed to the training loop (not at a batch fetched ahead); a
         pass the loop left continues there, unless ``pass_ended`` (the front door knows its loop
         moved on: an epoch of its own ended) or the state is taken at the first request of this
@@ -131,7 +134,9 @@ class ReportingDataLoader(ResumableDataLoader[Any]):
         """
         if pass_ended or self._requesting:
             return self.state_dict(pass_ended=True)
-        return self.state_dict(batches_ago=self._held, pass_ended=False, ending=loop_ends_pass and self._open_at_end)
+        return self.state_dict(
+            batches_ago=self._held, pass_ended=False, ending=loop_ends_pass and self._open_at_end
+        )
 
     def pass_begins(self) -> None:
         """A pass begins (after ``iter()``): for subclasses."""
@@ -171,7 +176,9 @@ class StepBoundaries:
     def hook(self, optimizer: torch.optim.Optimizer) -> Any:
         """Count ``optimizer``'s steps, two per batch as two (a Fabric or Accelerate wrapper: the
         optimizer inside it); the hook's handle."""
-        return getattr(optimizer, "optimizer", optimizer).register_step_post_hook(self.optimizer_stepped)
+        return getattr(optimizer, "optimizer", optimizer).register_step_post_hook(
+            self.optimizer_stepped
+        )
 
     def optimizer_stepped(self, *_: Any) -> None:
         self._stepped += 1

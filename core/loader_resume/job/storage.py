@@ -37,7 +37,9 @@ def is_remote(path: str | os.PathLike[str]) -> bool:
 
 def join(directory: str, name: str) -> str:
     """``directory/name`` for a local path or a URL (a URL's separator is always ``/``)."""
-    return f"{directory.rstrip('/')}/{name}" if is_remote(directory) else os.path.join(directory, name)
+    return (
+        f"{directory.rstrip('/')}/{name}" if is_remote(directory) else os.path.join(directory, name)
+    )
 
 
 def remote_filesystem(url: str) -> tuple[Any, str]:
@@ -48,7 +50,9 @@ def remote_filesystem(url: str) -> tuple[Any, str]:
     try:
         return fsspec.core.url_to_fs(url)  # type: ignore[no-any-return]
     except ImportError as error:
-        raise ImportError(f"{url}: {error} (fsspec needs the package of this filesystem to reach it)") from error
+        raise ImportError(
+            f"{url}: {error} (fsspec needs the package of this filesystem to reach it)"
+        ) from error
 
 
 def open_remote(url: str) -> Any:

@@ -37,16 +37,24 @@ def verify_torch_file(path: str | os.PathLike[str]) -> None:
         with contextlib.ExitStack() as stack:
             # NOTE: a URL (s3://...) is read through fsspec, as a seekable file: ranged reads of the
             # zip directory
-            source: Any = stack.enter_context(open_remote(os.fspath(path))) if is_remote(path) else local_path(path)
+            source: Any = (
+                stack.enter_context(open_remote(os.fspath(path)))
+                if is_remote(path)
+                else local_path(path)
+            )
             bad = _bad_record(source)
     except FileNotFoundError:
         raise CheckpointError(f"{os.fspath(path)}: no such checkpoint file") from None
     except (zipfile.BadZipFile, OSError, EOFError, ValueError) as error:
-        raise CheckpointError(f"{os.fspath(path)}: not a complete torch checkpoint ({type(error).__name__}: "
-                              f"{error}; truncated?); refusing to load it") from None
+        raise CheckpointError(
+            f"{os.fspath(path)}: not a complete torch checkpoint ({type(error).__name__}: "
+            f"{error}; truncated?); refusing to load it"
+        ) from None
     if bad is not None:
-        raise CheckpointError(f"{os.fspath(path)}: record {bad!r} does not match the CRC-32 stored for it "
-                              "(changed on disk after it was written); refusing to load it")
+        raise CheckpointError(
+            f"{os.fspath(path)}: record {bad!r} does not match the CRC-32 stored for it "
+            "(changed on disk after it was written); refusing to load it"
+        )
 
 
 def verify_safetensors(path: str | os.PathLike[str]) -> None:
@@ -59,16 +67,30 @@ def verify_safetensors(path: str | os.PathLike[str]) -> None:
             if length > size - 8:
                 raise ValueError(f"a header of {length} bytes in a file of {size}")
             header = json.loads(file.read(length))
-        ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+        ends = [
+            entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"
+        ]
         expected = 8 + length + max(ends, default=0)
     except FileNotFoundError:
         raise CheckpointError(f"{os.fspath(path)}: no such checkpoint file") from None
-    except (OSError, struct.error, ValueError, TypeError, KeyError, IndexError, AttributeError) as error:
-        raise CheckpointError(f"{os.fspath(path)}: not a complete safetensors file ({type(error).__name__}: "
-                              f"{error}; truncated?); refusing to load it") from None
+    except (
+        OSError,
+        struct.error,
+        ValueError,
+        TypeError,
+        KeyError,
+        IndexError,
+        AttributeError,
+    ) as error:
+        raise CheckpointError(
+            f"{os.fspath(path)}: not a complete safetensors file ({type(error).__name__}: "
+            f"{error}; truncated?); refusing to load it"
+        ) from None
     if expected != size:
-        raise CheckpointError(f"{os.fspath(path)}: {size} bytes, its header describes {expected} (truncated or "
-                              "changed on disk after it was written); refusing to load it")
+        raise CheckpointError(
+            f"{os.fspath(path)}: {size} bytes, its header describes {expected} (truncated or "
+            "changed on disk after it was written); refusing to load it"
+        )
 
 
 def _bad_record(source: Any) -> str | None:
@@ -80,7 +102,14 @@ def _bad_record(source: Any) -> str | None:
         # NOTE: torch's legacy format (or a custom CheckpointIO's): nothing to check it against
         return None
     with zipfile.ZipFile(source) as archive:
-        return next((info.filename for info in archive.infolist() if info.CRC and not _matches(archive, info)), None)
+        return next(
+            (
+                info.filename
+                for info in archive.infolist()
+                if info.CRC and not _matches(archive, info)
+            ),
+            None,
+        )
 
 
 def _matches(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> bool:

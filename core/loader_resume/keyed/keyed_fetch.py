@@ -130,7 +130,11 @@ class KeyedFetch:
                         check_read_again(states, *again)
                     if not unseeded or not (strays := states.changed(caller, unseeded)):
                         return data
-                logger.debug("the dataset drew from generator(s) %d unkeyed: fetching the batch again, keyed", strays)
+                logger.debug(
+                    "the dataset drew from generator(s) %d unkeyed: fetching the batch again, "
+                    "keyed",
+                    strays,
+                )
                 states.put(caller, strays)
                 drawn.mask |= strays
                 seeded |= strays

@@ -24,7 +24,14 @@ import torch
 from loader_resume.keyed.rng_memory import GENERATORS, generator_states
 
 __all__ = [
-    "GENERATORS", "KEYING_MODES", "TORCH", "CallerRng", "DrawnGenerators", "KeysUnder", "derive_key", "generator_mask",
+    "GENERATORS",
+    "KEYING_MODES",
+    "TORCH",
+    "CallerRng",
+    "DrawnGenerators",
+    "KeysUnder",
+    "derive_key",
+    "generator_mask",
     "seed_generators",
 ]
 
@@ -49,7 +56,9 @@ class KeysUnder:
     __slots__ = ("_prefix",)
 
     def __init__(self, *base: int | str) -> None:
-        self._prefix = hashlib.blake2b(("".join(f"{part}:" for part in base)).encode(), digest_size=8)
+        self._prefix = hashlib.blake2b(
+            ("".join(f"{part}:" for part in base)).encode(), digest_size=8
+        )
 
     def __call__(self, part: int | str) -> int:
         hashed = self._prefix.copy()
@@ -61,7 +70,10 @@ def generator_mask(names: Sequence[str]) -> int:
     """Bit mask of the generator ``names``; raises ValueError naming an unknown one."""
     unknown = [n for n in names if n not in _BIT]
     if unknown:
-        raise ValueError(f"keyed_generators: unknown generator(s) {unknown}; expected a subset of {list(GENERATORS)}")
+        raise ValueError(
+            f"keyed_generators: unknown generator(s) {unknown}; expected a subset of "
+            f"{list(GENERATORS)}"
+        )
     mask = 0
     for name in names:
         mask |= _BIT[name]

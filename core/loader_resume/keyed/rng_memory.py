@@ -60,7 +60,9 @@ class _Block:
 
     __slots__ = ("_cells", "extra", "main", "owner")
 
-    def __init__(self, main: memoryview, extra: memoryview | None, owner: Any, marks: list[int]) -> None:
+    def __init__(
+        self, main: memoryview, extra: memoryview | None, owner: Any, marks: list[int]
+    ) -> None:
         self.main, self.extra = main, extra
         self.owner = owner
         """The object the blocks belong to (kept alive; compared to find a replaced numpy bit
@@ -95,7 +97,8 @@ class _RandomBlock(_Block):
         return bytes(self.main), random._inst.gauss_next  # type: ignore[attr-defined]
 
     def marks(self) -> Any:
-        return (*[cell.value for cell in self._cells], random._inst.gauss_next)  # type: ignore[attr-defined]
+        gauss_next = random._inst.gauss_next  # type: ignore[attr-defined]
+        return (*[cell.value for cell in self._cells], gauss_next)
 
     def put(self, taken: Any) -> None:
         self.main[:], random._inst.gauss_next = taken  # type: ignore[attr-defined]
@@ -121,7 +124,12 @@ def _torch_block() -> _Block | None:
         assert address is not None
         engine = address + offset
         # next_ and state_[0]; state_[1..2]; optional<float> (value, flag); optional<double>'s flag
-        marks = [engine + 16, engine + 24, engine + _TORCH_ENGINE_BYTES, engine + _TORCH_ENGINE_BYTES + 20]
+        marks = [
+            engine + 16,
+            engine + 24,
+            engine + _TORCH_ENGINE_BYTES,
+            engine + _TORCH_ENGINE_BYTES + 20,
+        ]
         return _Block(_view(engine, _TORCH_BLOCK_BYTES), None, generator, marks)
 
     def words(view: _Block) -> tuple[int, ...]:
@@ -144,8 +152,9 @@ def _torch_block() -> _Block | None:
     torch.rand(1000, generator=probe)
     mine.put(taken)
     again = torch.Generator().set_state(state)
-    if not torch.equal(probe.get_state(), state) or not torch.equal(torch.randn(3, generator=probe),
-                                                                    torch.randn(3, generator=again)):
+    if not torch.equal(probe.get_state(), state) or not torch.equal(
+        torch.randn(3, generator=probe), torch.randn(3, generator=again)
+    ):
         return None
     default = block(torch.default_generator)
     return default if words(default) == serialized_words(torch.default_generator) else None
@@ -170,7 +179,12 @@ def _numpy_block() -> _Block | None:
     def block(random_state: Any, mt19937: Any) -> _Block:
         key, aug = int(mt19937.ctypes.state_address), id(random_state) + offset
         # key[0..1]; key[623] and pos; has_gauss
-        return _Block(_view(key, _NP_STATE_BYTES), _view(aug, 16), mt19937, [key, key + _NP_STATE_BYTES - 8, aug])
+        return _Block(
+            _view(key, _NP_STATE_BYTES),
+            _view(aug, 16),
+            mt19937,
+            [key, key + _NP_STATE_BYTES - 8, aug],
+        )
 
     mine = block(probe, probe._bit_generator)
     taken, marks = mine.take(), mine.marks()
@@ -214,7 +228,10 @@ class GeneratorStates:
         blocks = _torch_block(), _numpy_block(), _random_block()
         fallbacks = [name for name, block in zip(GENERATORS, blocks, strict=True) if block is None]
         if fallbacks:
-            logger.info("generator states through the public API (slower) for %s: layout not as probed", fallbacks)
+            logger.info(
+                "generator states through the public API (slower) for %s: layout not as probed",
+                fallbacks,
+            )
         self._generators: tuple[_Block | PublicApi, ...] = (
             blocks[0] or torch_api(), blocks[1] or numpy_api(), blocks[2] or random_api())
         self._numpy_owner = blocks[1].owner if blocks[1] is not None else None
@@ -229,11 +246,17 @@ class GeneratorStates:
         """The marks (``_Block.marks``) of the generators of ``among``: equal marks before and after
         a fetch mean the generators did not move (different ones are confirmed by ``changed``)."""
         self._follow_numpy()
-        return tuple([generator.marks() for i, generator in enumerate(self._generators) if among >> i & 1])
+        return tuple(
+            [generator.marks() for i, generator in enumerate(self._generators) if among >> i & 1]
+        )
 
     def _follow_numpy(self) -> None:
-        if self._numpy_owner is not None and self._numpy_owner is not np.random.mtrand._rand._bit_generator:
-            self.__init__()  # type: ignore[misc]  # np.random.set_bit_generator replaced numpy's: probe again
+        if (
+            self._numpy_owner is not None
+            and self._numpy_owner is not np.random.mtrand._rand._bit_generator
+        ):
+            # np.random.set_bit_generator replaced numpy's: probe again
+            self.__init__()  # type: ignore[misc]
 
     def moved(self, marks: tuple[Any, ...], among: int) -> int:
         """The generators of ``among`` whose marks are no longer ``marks`` (taken by ``marks`` with

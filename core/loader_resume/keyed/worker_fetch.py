@@ -22,8 +22,16 @@ from loader_resume.keyed.rng_memory import generator_states
 from loader_resume.workers.torch_internals import fetch_items
 
 __all__ = [
-    "SEED_AHEAD", "WORKER_FETCH", "KeySpec", "KeyedIndices", "SampleKeyedIndices", "SeedAhead", "SeedAheadCollate",
-    "WorkerFetch", "check_read_again", "keyed_indices",
+    "SEED_AHEAD",
+    "WORKER_FETCH",
+    "KeySpec",
+    "KeyedIndices",
+    "SampleKeyedIndices",
+    "SeedAhead",
+    "SeedAheadCollate",
+    "WorkerFetch",
+    "check_read_again",
+    "keyed_indices",
 ]
 
 logger = logging.getLogger(__name__)
@@ -37,10 +45,15 @@ def check_read_again(states: Any, marks: tuple[Any, ...], strays: int) -> None:
     quiet = strays & ~states.moved(marks, strays)
     if quiet:
         logger.warning(
-            "the dataset drew from generator(s) %d before they were keyed, and did not draw from them when the "
-            "batch was read again keyed: it keeps what it drew (a cache?). Those values are not keyed, and a "
-            "resume may NOT reproduce them; use keying=\"sample\" (every generator seeded before every item) or "
-            "a dataset that does not keep its random draws", quiet)
+            "the dataset drew from generator(s) %d before they were keyed, and did not draw from "
+            "them when the "
+            "batch was read again keyed: it keeps what it drew (a cache?). Those values are not "
+            "keyed, and a "
+            'resume may NOT reproduce them; use keying="sample" (every generator seeded before '
+            'every item) or '
+            "a dataset that does not keep its random draws",
+            quiet,
+        )
 
 
 class KeySpec(NamedTuple):
@@ -105,7 +118,9 @@ def keyed_indices(indices: Sequence[int], spec: KeySpec, ahead: int | None = Non
     return (KeyedIndices if spec.sample_base is None else SampleKeyedIndices)(indices, spec, ahead)
 
 
-def _arrived(indices: list[int], key: int, sample_base: int | None, mask: int, ahead: int | None) -> KeyedIndices:
+def _arrived(
+    indices: list[int], key: int, sample_base: int | None, mask: int, ahead: int | None
+) -> KeyedIndices:
     """Unpickling a batch's indices in a worker: the last thing a worker does before fetching the
     batch.
 
@@ -166,7 +181,9 @@ class WorkerFetch:
         drawn = self._drawn
         return (drawn.mask | TORCH) & mask if drawn.learned and not self._eager else mask
 
-    def arrive(self, worker: Any, indices: KeyedIndices, key: int, mask: int, ahead: int | None) -> None:
+    def arrive(
+        self, worker: Any, indices: KeyedIndices, key: int, mask: int, ahead: int | None
+    ) -> None:
         """``indices`` arrived in ``worker`` (its ``WorkerInfo``): seed for its fetch (unless seeded
         ahead) and note what to check."""
         if worker is not self._worker:
@@ -197,7 +214,11 @@ class WorkerFetch:
         else:
             unseeded = mask & ~seeded
             while unseeded and (strays := states.moved(before, unseeded)):
-                logger.debug("the dataset drew from generator(s) %d unkeyed: fetching the batch again, keyed", strays)
+                logger.debug(
+                    "the dataset drew from generator(s) %d unkeyed: fetching the batch again, "
+                    "keyed",
+                    strays,
+                )
                 drawn.mask |= strays
                 seeded |= strays
                 seed_generators(key, seeded)

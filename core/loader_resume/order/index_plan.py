@@ -16,7 +16,14 @@ from itertools import chain, islice
 from typing import Any
 
 from loader_resume.keyed.keyed_fetch import NextFetch
-from loader_resume.keyed.keyed_rng import GENERATORS, CallerRng, KeysUnder, derive_key, generator_mask, seed_generators
+from loader_resume.keyed.keyed_rng import (
+    GENERATORS,
+    CallerRng,
+    KeysUnder,
+    derive_key,
+    generator_mask,
+    seed_generators,
+)
 from loader_resume.keyed.worker_fetch import KeySpec, keyed_indices
 from loader_resume.order.permutation import KeyedPermutation
 from loader_resume.order.sampler import Shard, Step, permutation_steps, sampler_steps
@@ -58,7 +65,9 @@ class Plan:
     the dataset is read with, as the list is handed out."""
 
 
-def plan_indices(plan: Plan, epoch: int, start: int, sampler_state: Any = None) -> Iterator[tuple[list[int], Pending]]:
+def plan_indices(
+    plan: Plan, epoch: int, start: int, sampler_state: Any = None
+) -> Iterator[tuple[list[int], Pending]]:
     """The index lists of ``epoch`` from global position ``start``, each with where it moves the
     position.
 
@@ -87,7 +96,9 @@ def plan_indices(plan: Plan, epoch: int, start: int, sampler_state: Any = None) 
             plan.next_fetch.record(indices, batch_keys, key_position, plan.mask)
             yield indices, pending
             continue
-        key = ahead_keys.pop(key_position) if key_position in ahead_keys else batch_keys(key_position)
+        key = (
+            ahead_keys.pop(key_position) if key_position in ahead_keys else batch_keys(key_position)
+        )
         ahead = None
         if plan.workers and sample_base is None:
             ahead_position = key_position + plan.workers * plan.shard.step
@@ -102,7 +113,9 @@ def _steps(plan: Plan, epoch: int, start: int, sampler_state: Any) -> Iterator[S
         perm = KeyedPermutation(plan.n, key) if plan.shuffle else None
         return permutation_steps(perm, plan.n, start, plan.shard)
     snapshot = plan.sampler.state_dict if is_stateful(plan.sampler) else None
-    return sampler_steps(_sampler_units(plan, epoch, start, sampler_state), start, plan.shard, snapshot)
+    return sampler_steps(
+        _sampler_units(plan, epoch, start, sampler_state), start, plan.shard, snapshot
+    )
 
 
 def _sampler_units(plan: Plan, epoch: int, start: int, sampler_state: Any) -> Iterator[Any]:
@@ -116,7 +129,9 @@ def _sampler_units(plan: Plan, epoch: int, start: int, sampler_state: Any) -> It
     if skip:
         logger.warning(
             "%s has no state_dict(): replaying %d of its indices to resume (no data is loaded); "
-            "give it state_dict()/load_state_dict() to resume in O(1)", type(sampler).__name__, skip,
+            "give it state_dict()/load_state_dict() to resume in O(1)",
+            type(sampler).__name__,
+            skip,
         )
     # NOTE: a sampler that draws its seed from the global RNG when iteration starts (torch's
     # RandomSampler without a generator does) is given a keyed seed, so a replay is exact.

@@ -84,8 +84,11 @@ class MapPosition:
         self._warned_left = False  # warn_sampler_left said once
         self._mixture = setup.dataset if isinstance(setup.dataset, Mixture) else None
         if self._mixture is not None and (order.shuffle or order.sampler is not None):
-            raise ValueError("ResumableDataLoader over a Mixture: expected shuffle=False and no sampler (a Mixture "
-                             "orders its samples itself, and its weight changes apply from a position in that order)")
+            raise ValueError(
+                "ResumableDataLoader over a Mixture: expected shuffle=False and no sampler (a "
+                "Mixture orders its samples itself, and its weight changes apply from a position "
+                "in that order)"
+            )
         self.next_fetch = NextFetch()
         """Where the index plan records each list's key for the fetch in this process
         (``num_workers=0``)."""
@@ -103,7 +106,11 @@ class MapPosition:
             if state["dataset_state"] is not None:
                 self.setup.dataset.load_state_dict(state["dataset_state"])
                 restart = True  # persistent workers hold copies of the old dataset
-            epoch, position, sampler_state = state["epoch"], state["position"], state["sampler_state"]
+            epoch, position, sampler_state = (
+                state["epoch"],
+                state["position"],
+                state["sampler_state"],
+            )
             ahead = checked_ahead(state, self.setup)
             if self.sampler is None and position == self._n:
                 epoch, position = epoch + 1, 0
@@ -116,7 +123,9 @@ class MapPosition:
         self.epoch, self._samples, self._sampler_state = epoch, position, sampler_state
         self._next = NextPass(epoch, position, sampler_state, frozenset(ahead))
 
-    def begin(self, collate_fn: Callable[[Any], Any], worker_init_fn: Callable[[int], None] | None) -> PassStart:
+    def begin(
+        self, collate_fn: Callable[[Any], Any], worker_init_fn: Callable[[int], None] | None
+    ) -> PassStart:
         # under torch.distributed: a dataset split per rank is refused
         if self._split_check is not None:
             shard = self.setup.shard()
@@ -141,7 +150,10 @@ class MapPosition:
         # are still skipped
         self._pass = MapPass(self.epoch, self._samples, start.sampler_state,
                              OutOfOrder(skip) if numbered or skip else None)
-        if map_pass(self.setup, self.epoch, self._samples, self.sampler, self._n) and self.sampler is not None:
+        if (
+            map_pass(self.setup, self.epoch, self._samples, self.sampler, self._n)
+            and self.sampler is not None
+        ):
             # a user sampler's ids are recorded (ours follow from the positions)
             self._pass.audited = deque()
         collate = _Unbatch(collate_fn) if self.setup.unbatched else collate_fn
@@ -152,7 +164,9 @@ class MapPosition:
     def deliver(self, pass_: MapPass, item: Any, number: int | None = None) -> Any:
         if pass_ is self._pass:
             if pass_.out_of_order is not None:
-                pass_.out_of_order.deliver(number, lambda end, last, state: self._advance(pass_, end, last, state))
+                pass_.out_of_order.deliver(
+                    number, lambda end, last, state: self._advance(pass_, end, last, state)
+                )
                 return item
             end, last, self._sampler_state = pass_.pending.popleft()
             if self.setup.audit is not None:
@@ -178,10 +192,14 @@ class MapPosition:
         known = self.sampler is None or hasattr(self.sampler, "__len__")
         return -(-self._samples // unit), self.batches_per_epoch() if known else None
 
-    def fill_state(self, state: dict[str, Any], batches_ago: int = 0, pass_ended: bool = False) -> None:
+    def fill_state(
+        self, state: dict[str, Any], batches_ago: int = 0, pass_ended: bool = False
+    ) -> None:
         if batches_ago:
-            raise ValueError(f"batches_ago={batches_ago}: map-style states are exact at the last delivered "
-                             "batch; frameworks do not fetch ahead of sized loaders")
+            raise ValueError(
+                f"batches_ago={batches_ago}: map-style states are exact at the last delivered "
+                "batch; frameworks do not fetch ahead of sized loaders"
+            )
         pass_ = self._pass
         live = pass_ is not None and not pass_.done
         # NOTE: where the next iter() starts (a loop that leaves this pass on purpose)
@@ -193,8 +211,11 @@ class MapPosition:
         else:
             state["epoch"], state["position"] = self.epoch, self._samples
             if not self.setup.in_order:
-                in_flight = live and pass_.out_of_order is not None  # type: ignore[union-attr]
-                state["ahead"] = pass_.out_of_order.ahead(self._samples) if in_flight else sorted(self._next.ahead)  # type: ignore[union-attr]
+                order = pass_.out_of_order if live else None  # type: ignore[union-attr]
+                if order is not None:
+                    state["ahead"] = order.ahead(self._samples)
+                else:
+                    state["ahead"] = sorted(self._next.ahead)
         sampler_stateful, dataset_stateful = self._stateful or self._stateful_flags()
         if sampler_stateful:
             if pass_ended and live:
@@ -243,14 +264,23 @@ class MapPosition:
     def _plan(self, *, fetch_here: bool = False) -> Plan:
         setup = self.setup
         return Plan(
-            sampler=self.sampler, n=self._n, shard=setup.shard(), seed=setup.seed, shuffle=self.shuffle,
-            keying=setup.keying, mask=setup.mask, unit_is_batch=self.unit_is_batch,
-            workers=setup.num_workers if setup.seeds_ahead else 0, next_fetch=self.next_fetch if fetch_here else None,
+            sampler=self.sampler,
+            n=self._n,
+            shard=setup.shard(),
+            seed=setup.seed,
+            shuffle=self.shuffle,
+            keying=setup.keying,
+            mask=setup.mask,
+            unit_is_batch=self.unit_is_batch,
+            workers=setup.num_workers if setup.seeds_ahead else 0,
+            next_fetch=self.next_fetch if fetch_here else None,
             resolve=None if self._mixture is None else self._mixture.resolve,
         )
 
     @staticmethod
-    def _recorded(pass_: MapPass, lists: Iterator[tuple[list[Any], Pending]]) -> Iterator[list[Any]]:
+    def _recorded(
+        pass_: MapPass, lists: Iterator[tuple[list[Any], Pending]]
+    ) -> Iterator[list[Any]]:
         audited = pass_.audited
         for indices, pending in lists:
             pass_.pending.append(pending)
@@ -311,6 +341,13 @@ class _Unbatch:
 def _check_user_state(field: str, saved: Any, owner: Any) -> None:
     stateful = is_stateful(owner)
     if saved is not None and not stateful:
-        raise StateError(field, "<a saved state>", repr("None"), f"{type(owner).__name__} has no load_state_dict().")
+        raise StateError(
+            field,
+            "<a saved state>",
+            repr("None"),
+            f"{type(owner).__name__} has no load_state_dict().",
+        )
     if saved is None and stateful:
-        raise StateError(field, None, repr(f"the state of {type(owner).__name__}"), "Required state missing.")
+        raise StateError(
+            field, None, repr(f"the state of {type(owner).__name__}"), "Required state missing."
+        )

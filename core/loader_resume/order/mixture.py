@@ -78,7 +78,9 @@ class Mixture:
                 raise ValueError(f"Mixture({name}={value!r}): expected an int >= {least}")
         total = sum(self.lengths) if samples_per_epoch is None else samples_per_epoch
         if type(total) is not int or total < 1:
-            raise ValueError(f"Mixture(samples_per_epoch={samples_per_epoch!r}): expected an int >= 1")
+            raise ValueError(
+                f"Mixture(samples_per_epoch={samples_per_epoch!r}): expected an int >= 1"
+            )
         self.seed, self.block_size, self.samples_per_epoch = seed, block_size, total
         self._weights = [self._checked(weights, "weights")]
         self._starts = [0]  # segment k starts at global position _starts[k]
@@ -151,11 +153,21 @@ class Mixture:
     def state_dict(self) -> dict[str, Any]:
         """The sources' names and lengths, the weights and their changes (plain JSON), and the own
         state of each source that has one (the Stateful protocol), as a loader saves a dataset's."""
-        return {"version": MIXTURE_VERSION, "sources": dict(zip(self.names, self.lengths, strict=True)),
-                "seed": self.seed, "block_size": self.block_size, "samples_per_epoch": self.samples_per_epoch,
-                "changes": [[start, list(w)] for start, w in zip(self._starts, self._weights, strict=True)],
-                "source_states": {name: self.sources[name].state_dict() for name in self.names
-                                  if is_stateful(self.sources[name])}}
+        return {
+            "version": MIXTURE_VERSION,
+            "sources": dict(zip(self.names, self.lengths, strict=True)),
+            "seed": self.seed,
+            "block_size": self.block_size,
+            "samples_per_epoch": self.samples_per_epoch,
+            "changes": [
+                [start, list(w)] for start, w in zip(self._starts, self._weights, strict=True)
+            ],
+            "source_states": {
+                name: self.sources[name].state_dict()
+                for name in self.names
+                if is_stateful(self.sources[name])
+            },
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """The weights and changes of ``state`` (checked by
@@ -182,15 +194,21 @@ class Mixture:
         it before its own fields."""
         if not isinstance(state, Mapping) or state.get("version") != MIXTURE_VERSION:
             found = state.get("version") if isinstance(state, Mapping) else type(state).__name__
-            raise StateError("dataset_state.version", found, repr(MIXTURE_VERSION), "Not a Mixture state.")
+            raise StateError(
+                "dataset_state.version", found, repr(MIXTURE_VERSION), "Not a Mixture state."
+            )
         saved = dict(state["sources"])
         if sorted(saved) != self.names:
             raise StateError("dataset_state.sources", sorted(saved), repr(self.names),
                              "The mixture's sources are not the saving run's.")
         for name, length in zip(self.names, self.lengths, strict=True):
             if saved[name] != length:
-                raise StateError(f"dataset_state.sources.{name}", saved[name], repr(length),
-                                 f"Source {name!r} has {length} items; the state was saved with {saved[name]}.")
+                raise StateError(
+                    f"dataset_state.sources.{name}",
+                    saved[name],
+                    repr(length),
+                    f"Source {name!r} has {length} items; the state was saved with {saved[name]}.",
+                )
         for field in ("seed", "block_size", "samples_per_epoch"):
             if state[field] != getattr(self, field):
                 raise StateError(f"dataset_state.{field}", state[field], repr(getattr(self, field)),
@@ -198,9 +216,18 @@ class Mixture:
         states = state["source_states"]
         for name in self.names:
             if is_stateful(self.sources[name]) != (name in states):
-                expected = f"the state of {type(self.sources[name]).__name__}" if name not in states else "none"
-                raise StateError(f"dataset_state.source_states.{name}", states.get(name), expected,
-                                 f"Source {name!r} is not the saving run's (one has a state of its own, one not).")
+                expected = (
+                    f"the state of {type(self.sources[name]).__name__}"
+                    if name not in states
+                    else "none"
+                )
+                raise StateError(
+                    f"dataset_state.source_states.{name}",
+                    states.get(name),
+                    expected,
+                    f"Source {name!r} is not the saving run's (one has a state of its own, one "
+                    "not).",
+                )
 
     # --- internals --------------------------------------------------------------------------------
     def _resolved(self, k: int, block: int) -> tuple[list[int], list[int]]:
@@ -222,7 +249,9 @@ class Mixture:
             if not mine.size:
                 continue
             width = min(_CHUNK, length)
-            draws = np.arange(mine.size, dtype=np.int64) + (before[source] + block * int(counts[source]))
+            draws = np.arange(mine.size, dtype=np.int64) + (
+                before[source] + block * int(counts[source])
+            )
             epochs, within = np.divmod(draws, length)
             # the source's chunks, numbered across epochs
             chunks = epochs * (-(-length // width)) + within // width
@@ -239,21 +268,27 @@ class Mixture:
         """Each slot's source in block ``block`` of segment ``k``: the slots, permuted by a keyed
         permutation, are dealt to the sources by their counts."""
         size = self.block_size
-        values = KeyedPermutation(size, _key("block", self.seed, k, block))[np.arange(size, dtype=np.int64)]
+        values = KeyedPermutation(size, _key("block", self.seed, k, block))[
+            np.arange(size, dtype=np.int64)
+        ]
         return np.searchsorted(np.cumsum(self._counts(k)), values, side="right").astype(np.int64)
 
     def _counts(self, k: int) -> npt.NDArray[np.int64]:
         """Segment ``k``'s count of each source per full block."""
         cached = self._count_cache.get(k)
         if cached is None:
-            cached = self._count_cache[k] = np.asarray(_apportion(self._weights[k], self.block_size), dtype=np.int64)
+            cached = self._count_cache[k] = np.asarray(
+                _apportion(self._weights[k], self.block_size), dtype=np.int64
+            )
         return cached
 
     def _drawn_until(self, k: int, end: int) -> list[int]:
         """Draws of each source before global position ``end`` (in segment ``k``)."""
         blocks, part = divmod(end - self._starts[k], self.block_size)
         counts = self._counts(k).tolist()
-        drawn = [before + blocks * count for before, count in zip(self._drawn[k], counts, strict=True)]
+        drawn = [
+            before + blocks * count for before, count in zip(self._drawn[k], counts, strict=True)
+        ]
         if part:
             sources = self._block_sources(k, blocks)[:part]
             for source in range(len(drawn)):
@@ -271,7 +306,9 @@ class Mixture:
         width = min(_CHUNK, length)
         epoch, part = divmod(chunk, -(-length // width))
         key = _key("source", self.seed, self.names[source], epoch)
-        items = KeyedPermutation(length, key)[np.arange(part * width, min((part + 1) * width, length), dtype=np.int64)]
+        items = KeyedPermutation(length, key)[
+            np.arange(part * width, min((part + 1) * width, length), dtype=np.int64)
+        ]
         self._chunks[source] = (chunk, items)
         return items
 
@@ -279,11 +316,18 @@ class Mixture:
         unknown = sorted(set(weights) - set(self.names))
         missing = [name for name in self.names if name not in weights]
         if unknown or missing:
-            raise ValueError(f"Mixture {call}: unknown source(s) {unknown}, missing {missing}; expected a weight for "
-                             f"each of {self.names}")
+            raise ValueError(
+                f"Mixture {call}: unknown source(s) {unknown}, missing {missing}; expected a "
+                f"weight for each of {self.names}"
+            )
         values = [weights[name] for name in self.names]
-        if not all(isinstance(w, int | float) and math.isfinite(w) and w >= 0 for w in values) or sum(values) <= 0:
-            raise ValueError(f"Mixture {call}: weights {dict(weights)}; expected finite numbers >= 0, not all 0")
+        if (
+            not all(isinstance(w, int | float) and math.isfinite(w) and w >= 0 for w in values)
+            or sum(values) <= 0
+        ):
+            raise ValueError(
+                f"Mixture {call}: weights {dict(weights)}; expected finite numbers >= 0, not all 0"
+            )
         return [float(w) for w in values]
 
 
@@ -300,7 +344,9 @@ def _apportion(weights: list[float], size: int) -> list[int]:
 
 
 def _key(*parts: Any) -> int:
-    digest = hashlib.blake2b("/".join(map(str, ("mixture", *parts))).encode(), digest_size=16).digest()
+    digest = hashlib.blake2b(
+        "/".join(map(str, ("mixture", *parts))).encode(), digest_size=16
+    ).digest()
     return int.from_bytes(digest, "little")
 
 
@@ -308,8 +354,10 @@ def _length(name: str, source: Any) -> int:
     try:
         length = len(source)
     except TypeError:
-        raise TypeError(f"Mixture source {name!r} ({type(source).__name__}): expected a map-style dataset with "
-                        "__len__") from None
+        raise TypeError(
+            f"Mixture source {name!r} ({type(source).__name__}): expected a map-style dataset with "
+            "__len__"
+        ) from None
     if length < 1:
         raise ValueError(f"Mixture source {name!r}: empty; expected at least one item")
     return length

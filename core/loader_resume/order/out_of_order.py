@@ -83,11 +83,19 @@ def checked_ahead(state: Mapping[str, Any], setup: Any) -> list[int]:
         return []
     # NOTE: its own states have no `ahead`: a state taken before those steps would lose them
     if setup.in_order:
-        raise StateError("ahead", ahead, "[] for a loader built with in_order=True",
-                         "Batches were delivered out of order past the position: resume with in_order=False.")
+        raise StateError(
+            "ahead",
+            ahead,
+            "[] for a loader built with in_order=True",
+            "Batches were delivered out of order past the position: resume with in_order=False.",
+        )
     shard = setup.shard()
     if (state["world_size"], state["batch_size"]) != (shard.world, setup.batch_size):
-        raise StateError("ahead", ahead, f"[] to resume with world_size={shard.world}, batch_size={setup.batch_size}",
-                         f"Batches were delivered out of order past the position, as steps of world_size="
-                         f"{state['world_size']} and batch_size={state['batch_size']}: resume with those.")
+        raise StateError(
+            "ahead",
+            ahead,
+            f"[] to resume with world_size={shard.world}, batch_size={setup.batch_size}",
+            f"Batches were delivered out of order past the position, as steps of world_size="
+            f"{state['world_size']} and batch_size={state['batch_size']}: resume with those.",
+        )
     return list(ahead)

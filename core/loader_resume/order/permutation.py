@@ -40,7 +40,11 @@ class KeyedPermutation:
             raise ValueError(f"KeyedPermutation needs n >= 0, got n={n}")
         self.n = n
         half = max(1, ((max(n, 2) - 1).bit_length() + 1) // 2)
-        self._half, self._mask, self._shift = np.uint64(half), np.uint64((1 << half) - 1), np.uint64(64 - half)
+        self._half, self._mask, self._shift = (
+            np.uint64(half),
+            np.uint64((1 << half) - 1),
+            np.uint64(64 - half),
+        )
         digest = hashlib.shake_256(key.to_bytes(16, "little", signed=False)).digest(16 * _ROUNDS)
         words = np.frombuffer(digest, dtype=np.uint64)
         self._xors = words[:_ROUNDS].copy()

@@ -27,8 +27,17 @@ from loader_resume.order.permutation import KeyedPermutation
 from loader_resume.workers.torch_internals import random_sampler_num_samples
 
 __all__ = [
-    "ShardedSampler", "Shard", "Order", "Step", "classify_order", "default_seed", "loader_seed", "permutation_steps",
-    "sampler_steps", "steps_per_epoch", "torch_order",
+    "ShardedSampler",
+    "Shard",
+    "Order",
+    "Step",
+    "classify_order",
+    "default_seed",
+    "loader_seed",
+    "permutation_steps",
+    "sampler_steps",
+    "steps_per_epoch",
+    "torch_order",
 ]
 
 U = TypeVar("U")
@@ -67,7 +76,9 @@ def steps_per_epoch(total: int, shard: Shard) -> int:
     return full + (1 if left and not shard.drop_last else 0)
 
 
-def permutation_steps(perm: KeyedPermutation | None, n: int, start: int, shard: Shard) -> Iterator[Step]:
+def permutation_steps(
+    perm: KeyedPermutation | None, n: int, start: int, shard: Shard
+) -> Iterator[Step]:
     """Steps of a map-style epoch from ``start``; ``perm`` None means the identity order."""
     step, batch = shard.step, shard.batch
     full_end = start + (n - start) // step * step
@@ -93,7 +104,9 @@ def permutation_steps(perm: KeyedPermutation | None, n: int, start: int, shard: 
         yield rows.tolist(), first, n, True, None
 
 
-def sampler_steps(units: Iterator[U], start: int, shard: Shard, snapshot: Callable[[], Any] | None) -> Iterator[Step]:
+def sampler_steps(
+    units: Iterator[U], start: int, shard: Shard, snapshot: Callable[[], Any] | None
+) -> Iterator[Step]:
     """Steps drawn from a user's sampler or batch sampler, already positioned at ``start``.
 
     Reads one step ahead so the last step of an epoch is known when it is yielded. ``snapshot``
@@ -114,7 +127,13 @@ def sampler_steps(units: Iterator[U], start: int, shard: Shard, snapshot: Callab
         # run their end-of-epoch code (e.g. reset a counter); the state after that is the true
         # boundary state.
         mine = current[rank * batch : (rank + 1) * batch]
-        yield mine, position + rank * batch, position + step, last, following_state if last else state
+        yield (
+            mine,
+            position + rank * batch,
+            position + step,
+            last,
+            following_state if last else state,
+        )
         position += step
         current, state = ([], None) if last else (following, following_state)
     if current and not shard.drop_last:
@@ -131,7 +150,10 @@ def torch_order(sampler: Any, dataset: Any) -> bool | None:
     whose data source has the dataset's length: ``SequentialSampler(range(5))`` over 10 items is
     custom.
     """
-    if type(sampler) not in (RandomSampler, SequentialSampler) or getattr(sampler, "data_source", None) is None:
+    if (
+        type(sampler) not in (RandomSampler, SequentialSampler)
+        or getattr(sampler, "data_source", None) is None
+    ):
         return None
     if len(sampler) != len(dataset):
         return None
@@ -169,7 +191,9 @@ class ShardedSampler(DistributedSampler):  # type: ignore[type-arg]
     """
 
     def __init__(self, sampler: Any, dataset: Any, *, num_replicas: int, rank: int) -> None:
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)
+        super().__init__(
+            dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False
+        )
         self.sampler = sampler
 
     def __iter__(self) -> Iterator[Any]:
@@ -207,7 +231,9 @@ def loader_seed(seed: int, index: int) -> int:
 def classify_order(dataset: Any, sampler: Any, batch_sampler: Any, shuffle: bool | None) -> Order:
     """What orders a map-style ``dataset``'s units, given DataLoader's arguments."""
     if batch_sampler is not None:
-        return Order(batch_sampler, f"batch_sampler:{_qualname(batch_sampler)}", False, unit_is_batch=True)
+        return Order(
+            batch_sampler, f"batch_sampler:{_qualname(batch_sampler)}", False, unit_is_batch=True
+        )
     if type(sampler) is ShardedSampler:
         return Order(sampler.sampler, f"sampler:{_qualname(sampler.sampler)}", False)
     if sampler is None:

@@ -48,7 +48,11 @@ class SplitCheck:
     def at_iter(self, rank: int, world: int) -> SplitCheck | None:
         """Publish and compare (raises ValueError on a split); None when there is nothing more to
         check."""
-        if world == 1 or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != world:
+        if (
+            world == 1
+            or not (dist.is_available() and dist.is_initialized())
+            or dist.get_world_size() != world
+        ):
             return None
         store = default_store()
         size = len(self.dataset) if isinstance(self.dataset, Sized) else None
@@ -74,8 +78,11 @@ def describe_difference(every: list[Any]) -> str:
     described = "; ".join(f"rank {rank}: {kind} of {size} items" + (f", {ident}" if ident else "")
                           for rank, entry in enumerate(every) if entry is not None
                           for kind, size, ident in [entry])
-    return (f"the ranks' datasets differ ({described}); expected the same whole dataset on every rank, which the "
-            "loader shards across ranks itself. A dataset split per rank beforehand (HF split_dataset_by_node, a "
-            "per-rank Subset) would be split again and each rank would see a fraction of its part. Pass the whole "
-            "dataset, or, to keep your own split, build the loader with rank=0, world_size=1 on every rank (each "
-            "rank's state is then its own; save it per rank)")
+    return (
+        f"the ranks' datasets differ ({described}); expected the same whole dataset on every rank, "
+        "which the loader shards across ranks itself. A dataset split per rank beforehand (HF "
+        "split_dataset_by_node, a per-rank Subset) would be split again and each rank would see a "
+        "fraction of its part. Pass the whole dataset, or, to keep your own split, build the "
+        "loader with rank=0, world_size=1 on every rank (each rank's state is then its own; save "
+        "it per rank)"
+    )

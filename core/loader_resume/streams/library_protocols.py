@@ -42,8 +42,17 @@ class LibraryProtocol(Protocol):
     """Each worker resumes its own items (litdata); else the rank's items as one global count
     (Mosaic)."""
 
-    def main_process(self, dataset: Any, *, epoch: int, items: int, worker: int, workers: int, world: int,
-                     batch_size: int) -> Any:
+    def main_process(
+        self,
+        dataset: Any,
+        *,
+        epoch: int,
+        items: int,
+        worker: int,
+        workers: int,
+        world: int,
+        batch_size: int,
+    ) -> Any:
         """In the main process, before the pass's workers start: what the copy that iterates is
         handed (``in_worker``). ``items``: this worker's delivered items in ``epoch``
         (``per_worker``), else the rank's."""
@@ -57,8 +66,17 @@ class LibraryProtocol(Protocol):
 class _Litdata:
     per_worker = True
 
-    def main_process(self, dataset: Any, *, epoch: int, items: int, worker: int, workers: int, world: int,
-                     batch_size: int) -> Any:
+    def main_process(
+        self,
+        dataset: Any,
+        *,
+        epoch: int,
+        items: int,
+        worker: int,
+        workers: int,
+        world: int,
+        batch_size: int,
+    ) -> Any:
         if items == 0:
             return None
         size = int(getattr(dataset, "batch_size", 1) or 1)
@@ -85,13 +103,24 @@ class _Litdata:
 class _Mosaic:
     per_worker = False
 
-    def main_process(self, dataset: Any, *, epoch: int, items: int, worker: int, workers: int, world: int,
-                     batch_size: int) -> Any:
+    def main_process(
+        self,
+        dataset: Any,
+        *,
+        epoch: int,
+        items: int,
+        worker: int,
+        workers: int,
+        world: int,
+        batch_size: int,
+    ) -> Any:
         if getattr(dataset, "batch_size", None) != batch_size:
-            raise ValueError(f"{type(dataset).__name__}(batch_size={getattr(dataset, 'batch_size', None)!r}): Mosaic "
-                             "partitions each epoch over the workers in batches of its own batch_size, so the "
-                             f"loader's batches follow its order only with the loader's batch_size={batch_size}; "
-                             "pass the same batch_size to both")
+            raise ValueError(
+                f"{type(dataset).__name__}(batch_size={getattr(dataset, 'batch_size', None)!r}): "
+                "Mosaic partitions each epoch over the workers in batches of its own batch_size, "
+                "so the loader's batches follow its order only with the loader's "
+                f"batch_size={batch_size}; pass the same batch_size to both"
+            )
         # NOTE: Mosaic's state_dict resolves its defaults (num_canonical_nodes) as its own loader's
         # would; the epoch and the position are then the loader's. Every rank's count is the same
         # mid-epoch (Mosaic pads ranks to equal partitions), so the job's is this rank's times the
@@ -109,7 +138,11 @@ class _Mosaic:
 
 _PROTOCOLS: tuple[tuple[tuple[str, ...], tuple[str, ...], LibraryProtocol], ...] = (
     # (state_dict's required parameters, other members the protocol needs, the protocol)
-    (("num_samples_yielded", "num_workers", "batch_size"), ("reset_state_dict", "set_epoch"), _Litdata()),
+    (
+        ("num_samples_yielded", "num_workers", "batch_size"),
+        ("reset_state_dict", "set_epoch"),
+        _Litdata(),
+    ),
     (("num_samples", "from_beginning"), ("next_epoch",), _Mosaic()),
 )
 

@@ -20,7 +20,13 @@ from loader_resume.position import SKIP, PassStart, Setup, tell_epoch
 from loader_resume.state import StateError
 from loader_resume.streams.library_protocols import LibraryProtocol, library_protocol
 from loader_resume.streams.stream_state import StreamPass, parse_stream, stream_to_dict
-from loader_resume.streams.stream_tasks import StreamCollate, Ticket, TicketSpec, WorkerInit, WorkerRestore
+from loader_resume.streams.stream_tasks import (
+    StreamCollate,
+    Ticket,
+    TicketSpec,
+    WorkerInit,
+    WorkerRestore,
+)
 from loader_resume.streams.stream_worker import ENDED, Progress, StreamStandIn, WorkerStream
 from loader_resume.thirdparty import is_stateful, warn_replay, warn_self_kept
 
@@ -29,10 +35,10 @@ __all__ = ["RESHARD_HINT", "StreamPosition"]
 logger = logging.getLogger(__name__)
 
 RESHARD_HINT = (
-    "An iterable dataset's position lives in each worker's (and rank's) own copy of the dataset, so it "
-    "can only resume with the num_workers and world size it was saved with; or give the dataset a "
-    "reshard_states(states, num_shards) method (see the docs: Iterable datasets) to allow a change "
-    "(world size changes go through loader_resume.distributed.load_rank_state)."
+    "An iterable dataset's position lives in each worker's (and rank's) own copy of the dataset, "
+    "so it can only resume with the num_workers and world size it was saved with; or give the "
+    "dataset a reshard_states(states, num_shards) method (see the docs: Iterable datasets) to "
+    "allow a change (world size changes go through loader_resume.distributed.load_rank_state)."
 )
 
 
@@ -82,7 +88,9 @@ class StreamPosition:
             progress, next_worker = self._reshard(shards, change), 0
         self._restore_to(state["epoch"], delivered, progress, next_worker)
 
-    def begin(self, collate_fn: Callable[[Any], Any], worker_init_fn: Callable[[int], None] | None) -> PassStart:
+    def begin(
+        self, collate_fn: Callable[[Any], Any], worker_init_fn: Callable[[int], None] | None
+    ) -> PassStart:
         setup = self.setup
         # NOTE: one left mid-way
         start = self._next if self._pass is None or self._pass.done else _after(self._pass)
@@ -90,7 +98,9 @@ class StreamPosition:
         tell_epoch(setup.dataset, self.epoch)
         # NOTE: a carried end-of-epoch state is not loaded into copies that live on (they hold it);
         # it stands for each worker in this pass's state until that worker delivers.
-        carry = start.carry if start.carry is not None and len(start.carry) == setup.workers else None
+        carry = (
+            start.carry if start.carry is not None and len(start.carry) == setup.workers else None
+        )
         fresh = carry or [Progress() for _ in range(setup.workers)]
         restored = start.restore is not None
         progress, offset = start.restore or (fresh, 0)
@@ -98,8 +108,11 @@ class StreamPosition:
         if protocol is not None:
             progress, offset = self._through_library(protocol, progress, offset, restored)
         if len(progress) != setup.workers:
-            raise ValueError(f"num_workers={setup.num_workers}, but the state loaded holds {len(progress)} workers' "
-                             "positions: set num_workers before load_state_dict() (a stream re-shards only there)")
+            raise ValueError(
+                f"num_workers={setup.num_workers}, but the state loaded holds {len(progress)} "
+                "workers' positions: set num_workers before load_state_dict() (a stream re-shards "
+                "only there)"
+            )
         # NOTE: a pass left mid-epoch ends its epoch: the iter() after it starts the next one, from
         # nothing (set once nothing above can raise: a failed iter() leaves the start where it was)
         self._next = NextStreamPass(start.epoch + 1)
@@ -114,8 +127,13 @@ class StreamPosition:
         else:
             warn_unaudited(setup)
         stream = self.worker_stream
-        collate = StreamCollate(collate_fn, stream, unbatch=setup.unbatched, drop_last=setup.drop_last,
-                                batch_size=setup.batch_size or 1)
+        collate = StreamCollate(
+            collate_fn,
+            stream,
+            unbatch=setup.unbatched,
+            drop_last=setup.drop_last,
+            batch_size=setup.batch_size or 1,
+        )
         if setup.num_workers == 0:
             stream.start(self.epoch, 0, progress[0] if restored else None)
             attributes = {"collate_fn": collate, "dataset": StreamStandIn(setup.dataset, stream)}
@@ -131,7 +149,11 @@ class StreamPosition:
         init = WorkerInit(worker_init_fn, WorkerRestore(
             self.epoch, offset, tuple(progress) if load else (None,) * setup.workers,
             report=protocol is None or protocol.per_worker), stream)
-        attributes = {"collate_fn": collate, "worker_init_fn": init, "dataset": StreamStandIn(setup.dataset, stream)}
+        attributes = {
+            "collate_fn": collate,
+            "worker_init_fn": init,
+            "dataset": StreamStandIn(setup.dataset, stream),
+        }
         return PassStart(self._pass, attributes, restart)
 
     def deliver(self, pass_: StreamPass, item: Any, number: int | None = None) -> Any:
@@ -145,7 +167,9 @@ class StreamPosition:
             pass_.deliver(meta)
             # epoch, worker, and the worker's batches and items after this one
             if self.setup.audit is not None:
-                self.setup.audit.delivered(("w", pass_.epoch, meta[0], meta[1].batches, meta[1].items))
+                self.setup.audit.delivered(
+                    ("w", pass_.epoch, meta[0], meta[1].batches, meta[1].items)
+                )
         return batch
 
     def end(self, pass_: StreamPass) -> None:
@@ -163,13 +187,20 @@ class StreamPosition:
     def progress(self) -> tuple[int, int | None]:
         return self._current().delivered, None
 
-    def fill_state(self, state: dict[str, Any], batches_ago: int = 0, pass_ended: bool = False) -> None:
+    def fill_state(
+        self, state: dict[str, Any], batches_ago: int = 0, pass_ended: bool = False
+    ) -> None:
         if pass_ended and batches_ago:
-            raise ValueError(f"batches_ago={batches_ago} with pass_ended=True: a pass that ended has no batches "
-                             "to go back over")
+            raise ValueError(
+                f"batches_ago={batches_ago} with pass_ended=True: a pass that ended has no batches "
+                "to go back over"
+            )
         current = self._current(pass_ended)
         current = current.rewound(batches_ago) if batches_ago else current
-        state["epoch"], state["stream"] = current.epoch, stream_to_dict(self.setup.shard().rank, current)
+        state["epoch"], state["stream"] = (
+            current.epoch,
+            stream_to_dict(self.setup.shard().rank, current),
+        )
 
     def batches_per_epoch(self) -> int:
         raise TypeError("an IterableDataset's stream has no length for the loader to compute")
@@ -182,7 +213,9 @@ class StreamPosition:
         epoch = self._pass.epoch if self._pass is not None else self.epoch
         setup = self.setup
         stream_key = derive_key(setup.seed, epoch, "stream", setup.shard().rank)
-        spec = TicketSpec(epoch, stream_key, 0 if setup.keying == "off" else setup.mask, setup.batch_size or 1)
+        spec = TicketSpec(
+            epoch, stream_key, 0 if setup.keying == "off" else setup.mask, setup.batch_size or 1
+        )
         return _endless(spec, self.worker_stream)
 
     # --- beyond the interface --------------------------------------------------------------------
@@ -197,7 +230,9 @@ class StreamPosition:
         ``reshard_states``)."""
         shards: list[Any] = []
         for rank, state in enumerate(ranks):
-            shards += [p.state if p.batches else None for p in parse_stream(state["stream"], rank).progress]
+            shards += [
+                p.state if p.batches else None for p in parse_stream(state["stream"], rank).progress
+            ]
         progress = self._reshard(shards, ("world_size", len(ranks), self.setup.shard().world))
         self._restore_to(ranks[0]["epoch"], 0, progress, 0)
 
@@ -212,12 +247,33 @@ class StreamPosition:
         if protocol.per_worker:
             if not restored:
                 return progress, offset
-            return [replace(p, library=protocol.main_process(dataset, epoch=self.epoch, items=p.items, worker=i,
-                                                              workers=workers, world=world, batch_size=size))
-                    if p.items and not p.ended else p for i, p in enumerate(progress)], offset
+            return [
+                replace(
+                    p,
+                    library=protocol.main_process(
+                        dataset,
+                        epoch=self.epoch,
+                        items=p.items,
+                        worker=i,
+                        workers=workers,
+                        world=world,
+                        batch_size=size,
+                    ),
+                )
+                if p.items and not p.ended
+                else p
+                for i, p in enumerate(progress)
+            ], offset
         items = sum(p.items for p in progress) if restored else 0
-        handed = protocol.main_process(dataset, epoch=self.epoch, items=items, worker=0, workers=workers, world=world,
-                                       batch_size=size)
+        handed = protocol.main_process(
+            dataset,
+            epoch=self.epoch,
+            items=items,
+            worker=0,
+            workers=workers,
+            world=world,
+            batch_size=size,
+        )
         # NOTE: the library re-partitions the rest of the epoch from the worker torch starts first,
         # and reads the worker's number itself (so workers are not renumbered for it, see
         # WorkerRestore.report); in the round-robin that worker's batch is the one the saved
@@ -234,8 +290,14 @@ class StreamPosition:
         if start.restore is not None:
             progress, next_worker = start.restore
             return StreamPass(start.epoch, list(progress), next_worker, start.delivered)
-        carry = start.carry if start.carry is not None and len(start.carry) == self.setup.workers else None
-        return StreamPass(start.epoch, list(carry or [Progress() for _ in range(self.setup.workers)]), 0)
+        carry = (
+            start.carry
+            if start.carry is not None and len(start.carry) == self.setup.workers
+            else None
+        )
+        return StreamPass(
+            start.epoch, list(carry or [Progress() for _ in range(self.setup.workers)]), 0
+        )
 
     def _reshard(self, shards: list[Any], change: tuple[str, int, int]) -> list[Progress]:
         """This rank's workers' progress after the dataset re-shards ``shards`` (all old shards'
@@ -250,26 +312,48 @@ class StreamPosition:
         rank, world = (shard.rank, shard.world) if change[0] == "world_size" else (0, 1)
         states = list(reshard(shards, world * workers))
         if len(states) != world * workers:
-            raise ValueError(f"{type(dataset).__name__}.reshard_states returned {len(states)} states, "
-                             f"expected {world * workers} (one per new worker of every rank)")
-        logger.warning("re-sharded %s for %s %d -> %d: delivery continues exactly once as its reshard_states() "
-                       "guarantees, but order and keyed values differ from an uninterrupted run",
-                       type(dataset).__name__, *change)
+            raise ValueError(
+                f"{type(dataset).__name__}.reshard_states returned {len(states)} states, "
+                f"expected {world * workers} (one per new worker of every rank)"
+            )
+        logger.warning(
+            "re-sharded %s for %s %d -> %d: delivery continues exactly once as its "
+            "reshard_states() "
+            "guarantees, but order and keyed values differ from an uninterrupted run",
+            type(dataset).__name__,
+            *change,
+        )
         return [Progress(0, 0, s) for s in states[rank * workers : (rank + 1) * workers]]
 
-    def _restore_to(self, epoch: int, delivered: int, progress: list[Progress], next_worker: int) -> None:
+    def _restore_to(
+        self, epoch: int, delivered: int, progress: list[Progress], next_worker: int
+    ) -> None:
         workers = self.setup.workers
         if len(progress) != workers:
-            raise StateError("stream.workers", f"{len(progress)} workers", repr(f"{workers} workers"),
-                             "The state was edited or corrupted.")
+            raise StateError(
+                "stream.workers",
+                f"{len(progress)} workers",
+                repr(f"{workers} workers"),
+                "The state was edited or corrupted.",
+            )
         stateful = is_stateful(self.setup.dataset)
         for i, p in enumerate(progress):
-            if (p.state is not None and not stateful) or (stateful and p.batches > 0 and p.state is None):
-                expected = f"the state of {type(self.setup.dataset).__name__}" if stateful else "None"
+            if (p.state is not None and not stateful) or (
+                stateful and p.batches > 0 and p.state is None
+            ):
+                expected = (
+                    f"the state of {type(self.setup.dataset).__name__}" if stateful else "None"
+                )
                 raise StateError(f"stream.workers[{i}].state", p.state, expected)
         own = sorted({name for p in progress for name in p.own})
         lives_on = self.setup.num_workers == 0 or self.setup.persistent_workers
-        if own and epoch > 0 and lives_on and not stateful and library_protocol(self.setup.dataset) is None:
+        if (
+            own
+            and epoch > 0
+            and lives_on
+            and not stateful
+            and library_protocol(self.setup.dataset) is None
+        ):
             warn_self_kept(self.setup.dataset, own)
         self.epoch, self._pass = epoch, None
         self._next = NextStreamPass(epoch, delivered, (progress, next_worker))
@@ -288,9 +372,12 @@ def _after(pass_: StreamPass) -> NextStreamPass:
     carry = None
     if pass_.lives_on:
         left = not pass_.done
-        carry = [Progress(state=p.state, before_epoch=True, own=p.own)
-                 if (p.ended or left) and p.state is not None and not p.self_iterator else Progress(own=p.own)
-                 for p in pass_.progress]
+        carry = [
+            Progress(state=p.state, before_epoch=True, own=p.own)
+            if (p.ended or left) and p.state is not None and not p.self_iterator
+            else Progress(own=p.own)
+            for p in pass_.progress
+        ]
     useful = carry is not None and any(p.before_epoch or p.own for p in carry)
     return NextStreamPass(pass_.epoch + 1, carry=carry if useful else None)
 

@@ -6,8 +6,10 @@ State layout under the loader state's ``"stream"`` key (``None`` for map-style d
      "workers": [{"batches": 3, "items": 6, "state": <dataset.state_dict() or None>,
                   "iterator": <state_dict() of the iterator iter(dataset) returned, or None>,
                   "dry": <bool: the worker's stream ended in this epoch>,
-                  "self_iterator": <bool: iter(dataset) returned the dataset; state is loaded after iter()>,
-                  "before_epoch": <bool: state is from the end of the previous epoch, loaded before set_epoch>,
+                  "self_iterator": <bool: iter(dataset) returned the dataset; state is loaded
+                                    after iter()>,
+                  "before_epoch": <bool: state is from the end of the previous epoch, loaded
+                                   before set_epoch>,
                   "own": [<attributes the copy's own iter() changed (no state restores them)>]},
                   ...]}
 
@@ -50,7 +52,9 @@ class StreamPass:
     lives_on: bool = False
     """Its dataset copies live on into the next pass (``num_workers=0`` or persistent workers, at
     its ``iter()``)."""
-    history: deque[tuple[int, Progress, int, bool]] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    history: deque[tuple[int, Progress, int, bool]] = field(
+        default_factory=lambda: deque(maxlen=HISTORY)
+    )
     """What each of the last deliveries replaced, and whether it was a batch, to rewind (see
     ``rewound``)."""
 
@@ -69,7 +73,9 @@ class StreamPass:
         if batches > recorded:
             raise ValueError(f"batches_ago={batches}: only the last {recorded} deliveries of this "
                              f"pass can be rewound (at most {HISTORY})")
-        past = StreamPass(self.epoch, list(self.progress), self.next_worker, self.delivered - batches)
+        past = StreamPass(
+            self.epoch, list(self.progress), self.next_worker, self.delivered - batches
+        )
         past.history = copy.copy(self.history)
         undone = 0
         # end-of-stream records after the batch rewound to are undone with it
@@ -81,10 +87,25 @@ class StreamPass:
 
 
 def stream_to_dict(rank: int, pass_: StreamPass) -> dict[str, Any]:
-    workers = [{"batches": p.batches, "items": p.items, "state": p.state, "iterator": p.iterator, "dry": p.ended,
-                "self_iterator": p.self_iterator, "before_epoch": p.before_epoch, "own": list(p.own)}
-               for p in pass_.progress]
-    return {"rank": rank, "next_worker": pass_.next_worker, "delivered": pass_.delivered, "workers": workers}
+    workers = [
+        {
+            "batches": p.batches,
+            "items": p.items,
+            "state": p.state,
+            "iterator": p.iterator,
+            "dry": p.ended,
+            "self_iterator": p.self_iterator,
+            "before_epoch": p.before_epoch,
+            "own": list(p.own),
+        }
+        for p in pass_.progress
+    ]
+    return {
+        "rank": rank,
+        "next_worker": pass_.next_worker,
+        "delivered": pass_.delivered,
+        "workers": workers,
+    }
 
 
 class SavedStream(NamedTuple):
@@ -98,12 +119,21 @@ class SavedStream(NamedTuple):
 
 def parse_stream(saved: Any, rank: int) -> SavedStream:
     """The validated ``SavedStream`` of a saved ``"stream"`` value."""
-    if not isinstance(saved, Mapping) or set(saved) != {"rank", "next_worker", "delivered", "workers"}:
+    if not isinstance(saved, Mapping) or set(saved) != {
+        "rank",
+        "next_worker",
+        "delivered",
+        "workers",
+    }:
         raise StateError("stream", saved, "a dict with keys rank, next_worker, delivered, workers",
                          "The state was edited or corrupted.")
     if saved["rank"] != rank:
-        raise StateError("stream.rank", saved["rank"], repr(rank),
-                         "This is another rank's state: give each rank its own (see loader_resume.distributed).")
+        raise StateError(
+            "stream.rank",
+            saved["rank"],
+            repr(rank),
+            "This is another rank's state: give each rank its own (see loader_resume.distributed).",
+        )
     workers = saved["workers"]
     if type(workers) is not list or not workers:
         raise StateError("stream.workers", workers, "a non-empty list")
@@ -136,8 +166,15 @@ def _parse_worker(index: int, entry: Any) -> Progress:
     own = entry.get("own", [])
     if type(own) is not list or not all(type(name) is str for name in own):
         raise StateError(f"{where}.own", own, "a list of attribute names")
-    return Progress(entry["batches"], entry["items"], entry["state"], entry.get("iterator"), dry, **flags,
-                    own=tuple(own))
+    return Progress(
+        entry["batches"],
+        entry["items"],
+        entry["state"],
+        entry.get("iterator"),
+        dry,
+        **flags,
+        own=tuple(own),
+    )
 
 
 _WORKER_KEYS_V1 = frozenset({"batches", "items", "state"})

@@ -23,10 +23,24 @@ from typing import Any, NamedTuple
 
 from torch.utils.data import get_worker_info
 
-from loader_resume.streams.stream_worker import END_OF_STREAM, ENDED, Progress, StreamStandIn, WorkerStream
+from loader_resume.streams.stream_worker import (
+    END_OF_STREAM,
+    ENDED,
+    Progress,
+    StreamStandIn,
+    WorkerStream,
+)
 from loader_resume.workers.torch_internals import set_past_guard
 
-__all__ = ["StreamCollate", "Ticket", "TicketSpec", "WorkerInit", "WorkerMeta", "WorkerRestore", "report_worker_id"]
+__all__ = [
+    "StreamCollate",
+    "Ticket",
+    "TicketSpec",
+    "WorkerInit",
+    "WorkerMeta",
+    "WorkerRestore",
+    "report_worker_id",
+]
 
 
 class TicketSpec(NamedTuple):
@@ -81,7 +95,9 @@ class Ticket(list[None]):
         return self._replaying(stream_key, mask, batch_size, stream)
 
     @staticmethod
-    def _replaying(stream_key: int, mask: int, batch_size: int, stream: WorkerStream) -> Iterator[None]:
+    def _replaying(
+        stream_key: int, mask: int, batch_size: int, stream: WorkerStream
+    ) -> Iterator[None]:
         # NOTE: replayed items are pulled under the keys of the batches they first came in.
         left, ordinal = stream.replay, 0
         while left > 0:
@@ -92,16 +108,30 @@ class Ticket(list[None]):
         yield from [None] * batch_size
 
 
-def _ticket(epoch: int, stream_key: int, mask: int, batch_size: int, stream: WorkerStream) -> Ticket:
+def _ticket(
+    epoch: int, stream_key: int, mask: int, batch_size: int, stream: WorkerStream
+) -> Ticket:
     return Ticket(TicketSpec(epoch, stream_key, mask, batch_size), stream)
 
 
 class StreamCollate:
     """Collate in the worker, then tag the batch with the worker's progress and dataset state."""
 
-    def __init__(self, collate_fn: Callable[[Any], Any], stream: WorkerStream, *, unbatch: bool, drop_last: bool,
-                 batch_size: int) -> None:
-        self.collate_fn, self.unbatch, self.drop_last, self.batch_size = collate_fn, unbatch, drop_last, batch_size
+    def __init__(
+        self,
+        collate_fn: Callable[[Any], Any],
+        stream: WorkerStream,
+        *,
+        unbatch: bool,
+        drop_last: bool,
+        batch_size: int,
+    ) -> None:
+        self.collate_fn, self.unbatch, self.drop_last, self.batch_size = (
+            collate_fn,
+            unbatch,
+            drop_last,
+            batch_size,
+        )
         self.stream = stream
 
     def __call__(self, items: list[Any]) -> tuple[Any, WorkerMeta]:
@@ -144,7 +174,9 @@ class WorkerInit:
     """``worker_init_fn`` wrapper: renumber, restore the dataset copy, then call the user's
     function."""
 
-    def __init__(self, user_fn: Callable[[int], None] | None, restore: WorkerRestore, stream: WorkerStream) -> None:
+    def __init__(
+        self, user_fn: Callable[[int], None] | None, restore: WorkerRestore, stream: WorkerStream
+    ) -> None:
         self.user_fn, self.restore, self.stream = user_fn, restore, stream
 
     def __call__(self, started_as: int) -> None:

@@ -144,10 +144,18 @@ class WorkerStream:
 
     def start(self, epoch: int, worker: int, restore: Progress | None) -> None:
         """Become ``worker`` of ``epoch``, at the progress it is restored to (if any)."""
-        self.epoch, self.worker, self.restore, self.iterator, self.keyed = epoch, worker, restore, None, None
+        self.epoch, self.worker, self.restore, self.iterator, self.keyed = (
+            epoch,
+            worker,
+            restore,
+            None,
+            None,
+        )
         # NOTE: sent with every batch of this epoch: the state it makes is of this epoch, never
         # "before" it
-        self.progress = replace(restore, library=None, before_epoch=False) if restore else Progress()
+        self.progress = (
+            replace(restore, library=None, before_epoch=False) if restore else Progress()
+        )
         self.replay = restore.items if restore is not None and restore.needs_replay() else 0
 
     def open(self, dataset: Any) -> Iterator[Any]:
@@ -193,17 +201,29 @@ class WorkerStream:
         before = _scalars(dataset) if not self.dataset_state and protocol is None else None
         iterator = iter(dataset)
         if before is not None:
-            own = {name for name, value in _scalars(dataset).items() if before.get(name, value) != value}
+            own = {
+                name
+                for name, value in _scalars(dataset).items()
+                if before.get(name, value) != value
+            }
             self.progress.own = tuple(sorted(own.union(self.progress.own)))
         self.progress.self_iterator = iterator is dataset
         if restore.self_iterator and iterator is not dataset:
-            raise StateError(f"stream.workers[{self.worker}].self_iterator", True, repr(False),
-                             f"iter({type(dataset).__name__}) no longer returns the dataset itself.")
+            raise StateError(
+                f"stream.workers[{self.worker}].self_iterator",
+                True,
+                repr(False),
+                f"iter({type(dataset).__name__}) no longer returns the dataset itself.",
+            )
         if restore.iterator is not None:
             if not is_stateful(iterator):
-                raise StateError(f"stream.workers[{self.worker}].iterator", restore.iterator, "None",
-                                 f"iter({type(dataset).__name__}) returned a {type(iterator).__name__}, which "
-                                 "has no state_dict()/load_state_dict().")
+                raise StateError(
+                    f"stream.workers[{self.worker}].iterator",
+                    restore.iterator,
+                    "None",
+                    f"iter({type(dataset).__name__}) returned a {type(iterator).__name__}, which "
+                    "has no state_dict()/load_state_dict().",
+                )
             iterator.load_state_dict(restore.iterator)
         elif iterator is dataset and restore.state is not None:
             # NOTE: as StatefulDataLoader does: a dataset whose __iter__ resets its position and
@@ -222,7 +242,9 @@ class WorkerStream:
         """
         progress = self.progress
         progress.state = _snapshot(self.dataset.state_dict()) if self.dataset_state else None
-        progress.iterator = _snapshot(self.iterator.state_dict()) if self.iterator is not None else None
+        progress.iterator = (
+            _snapshot(self.iterator.state_dict()) if self.iterator is not None else None
+        )
 
 
 _ATOMIC = frozenset({int, float, str, bool, bytes, type(None)})

@@ -25,11 +25,19 @@ not)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("directory", help="the audit directory (a path or an fsspec URL) the job's loaders wrote to")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON instead of tables")
-    parser.add_argument("--began-before-audit", action="store_true",
-                        help="the job ran before its audit was turned on: check it from the state its first attempt "
-                             "in the logs loaded (else that attempt is a gap: exit 3)")
+    parser.add_argument(
+        "directory", help="the audit directory (a path or an fsspec URL) the job's loaders wrote to"
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print the report as JSON instead of tables"
+    )
+    parser.add_argument(
+        "--began-before-audit",
+        action="store_true",
+        help="the job ran before its audit was turned on: check it from the state its first "
+             "attempt "
+        "in the logs loaded (else that attempt is a gap: exit 3)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -41,7 +49,9 @@ def main(args: argparse.Namespace) -> int:
         sys.stderr.write(f"loader-resume audit: {error}\n")
         return 2
     if args.json:
-        payload = [dict(asdict(report), ok=report.ok, complete=report.complete) for report in reports]
+        payload = [
+            dict(asdict(report), ok=report.ok, complete=report.complete) for report in reports
+        ]
         sys.stdout.write(json.dumps(payload, indent=1, default=repr) + "\n")
     else:
         sys.stdout.write(render(reports))
@@ -56,20 +66,54 @@ def render(reports: list[LoaderReport]) -> str:
     for report in reports:
         header = report.header
         size = f"{header['n']} samples" if header.get("n") is not None else "a stream"
-        out.append(f"loader {report.name} ({header['kind']}, {header.get('order')}, {size}, seed {header['seed']})")
-        out.append(_table(["attempt", "ranks", "resumed from", "batches (all ranks)", "steps rolled back"],
-                          [[a["number"], a["world"], a["resumed"], a["batches"],
-                            a["rolled_back"] if a.get("rolled_back_exact", True) else f"{a['rolled_back']} or more"]
-                           for a in report.attempts]))
+        out.append(
+            f"loader {report.name} ({header['kind']}, {header.get('order')}, {size}, seed "
+            f"{header['seed']})"
+        )
+        out.append(
+            _table(
+                ["attempt", "ranks", "resumed from", "batches (all ranks)", "steps rolled back"],
+                [
+                    [
+                        a["number"],
+                        a["world"],
+                        a["resumed"],
+                        a["batches"],
+                        a["rolled_back"]
+                        if a.get("rolled_back_exact", True)
+                        else f"{a['rolled_back']} or more",
+                    ]
+                    for a in report.attempts
+                ],
+            )
+        )
         streams = header["kind"] != "map"
-        columns = ["epoch", *(["rank", "worker", "batches"] if streams else []), "delivered", "padding", "dropped",
-                   "status"]
-        rows = [dict(row, dropped=f"{row['dropped']} (from {row['dropped_from']})" if row.get("dropped") else
-                     row.get("dropped", 0)) for row in report.epochs]
+        columns = [
+            "epoch",
+            *(["rank", "worker", "batches"] if streams else []),
+            "delivered",
+            "padding",
+            "dropped",
+            "status",
+        ]
+        rows = [
+            dict(
+                row,
+                dropped=f"{row['dropped']} (from {row['dropped_from']})"
+                if row.get("dropped")
+                else row.get("dropped", 0),
+            )
+            for row in report.epochs
+        ]
         out.append(_table(columns, [[row.get(column, "") for column in columns] for row in rows]))
         out.extend(_wrap(f"note: {note}") for note in report.notes)
-        out.extend(_wrap(f"FAIL {_where(finding, streams)}: {finding.message}") for finding in report.findings)
-        out.extend(_wrap(f"GAP {_where(finding, streams)}: {finding.message}") for finding in report.gaps)
+        out.extend(
+            _wrap(f"FAIL {_where(finding, streams)}: {finding.message}")
+            for finding in report.findings
+        )
+        out.extend(
+            _wrap(f"GAP {_where(finding, streams)}: {finding.message}") for finding in report.gaps
+        )
         out.append("")
     out.append(_wrap(_verdict(reports)))
     return "\n".join(out) + "\n"
@@ -78,11 +122,16 @@ def render(reports: list[LoaderReport]) -> str:
 def _wrap(line: str) -> str:
     """A line of words at most ``WIDTH`` characters wide, the rest indented (a path or a word is
     never cut)."""
-    return textwrap.fill(line, WIDTH, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
+    return textwrap.fill(
+        line, WIDTH, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False
+    )
 
 
 def _where(finding: Finding, streams: bool) -> str:
-    parts = [f"attempt {finding.attempt}", "all ranks" if finding.rank is None else f"rank {finding.rank}"]
+    parts = [
+        f"attempt {finding.attempt}",
+        "all ranks" if finding.rank is None else f"rank {finding.rank}",
+    ]
     if finding.epoch is not None:
         parts.append(f"epoch {finding.epoch}")
     if finding.position is not None:
@@ -98,15 +147,23 @@ def _verdict(reports: list[LoaderReport]) -> str:
         return f"FAILED: {count} finding{'s' * (count != 1)}, the first: {findings[0].message}"
     if gaps:
         count = len(gaps)
-        return (f"INCOMPLETE: nothing found wrong, but the logs do not show the whole job ({count} gap"
-                f"{'s' * (count != 1)}, the first: attempt {gaps[0].attempt} {gaps[0].message.split(': ')[0]})")
+        return (
+            f"INCOMPLETE: nothing found wrong, but the logs do not show the whole job ({count} gap"
+            f"{'s' * (count != 1)}, the first: attempt {gaps[0].attempt} "
+            f"{gaps[0].message.split(': ')[0]})"
+        )
     attempts = max((len(report.attempts) for report in reports), default=0)
-    since = "".join(f" from {report.checked_from} on" for report in reports[:1] if report.checked_from)
-    return f"OK: every sample{since} delivered exactly once, across {attempts} attempt{'s' * (attempts != 1)}"
+    since = "".join(
+        f" from {report.checked_from} on" for report in reports[:1] if report.checked_from
+    )
+    plural = "s" * (attempts != 1)
+    return f"OK: every sample{since} delivered exactly once, across {attempts} attempt{plural}"
 
 
 def _table(columns: list[str], rows: list[list[Any]]) -> str:
     cells = [columns, *[[str(cell) for cell in row] for row in rows]]
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-                     for row in cells)
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in cells
+    )

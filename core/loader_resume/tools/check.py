@@ -60,7 +60,8 @@ class Scenario:
         if self.exact:
             return "exact" + warned
         where = f"batch {self.diverged_at} (epoch {self.epoch})"
-        return f"DIVERGES at {where}: {', '.join(self.fields) or 'missing or extra batches'} differ{warned}"
+        fields = ", ".join(self.fields) or "missing or extra batches"
+        return f"DIVERGES at {where}: {fields} differ{warned}"
 
 
 def _fields(batch: Any) -> dict[str, str]:
@@ -76,19 +77,31 @@ def _fields(batch: Any) -> dict[str, str]:
 def _named(spec: str, what: str) -> Any:
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
-        raise SystemExit(f"loader-resume check: {spec!r} is not MODULE:{what} (e.g. mypkg.data:make_loader)")
+        raise SystemExit(
+            f"loader-resume check: {spec!r} is not MODULE:{what} (e.g. mypkg.data:make_loader)"
+        )
     return getattr(importlib.import_module(module_name), attribute)
 
 
-def _build(spec: str, workers: int | None, rank: int | None = None, world: int | None = None) -> Any:
+def _build(
+    spec: str, workers: int | None, rank: int | None = None, world: int | None = None
+) -> Any:
     factory: Callable[[], Any] = _named(spec, "FACTORY")
     from loader_resume.convert import resumable
 
     return resumable(factory(), num_workers=workers, rank=rank, world_size=world)
 
 
-def _run(spec: str, epochs: int, workers: int | None, cut: int | None, load: str | None, save: str | None,
-         after_batch: str | None = None, again: int | None = None) -> None:
+def _run(
+    spec: str,
+    epochs: int,
+    workers: int | None,
+    cut: int | None,
+    load: str | None,
+    save: str | None,
+    after_batch: str | None = None,
+    again: int | None = None,
+) -> None:
     """Runner (a separate process): print one JSON line per batch: [epoch, {field: fingerprint}].
     ``cut``: the batches to deliver before saving to ``save``, or those delivered before the state
     in ``load``; with both, ``again``: the batches delivered in all when the resumed run saves to
@@ -164,7 +177,10 @@ def _judge_rescale(found: Mapping[str, Any], world: int) -> tuple[bool, str]:
         # JSON turned a Mixture's keys into lists
         return tuple(index) if isinstance(index, list) else index
 
-    counts, plan = Counter(map(key, found["before"] + found["after"])), Counter(map(key, found["full"]))
+    counts, plan = (
+        Counter(map(key, found["before"] + found["after"])),
+        Counter(map(key, found["full"])),
+    )
     lost, extra = plan - counts, counts - plan
     if found["drop_last"]:
         if extra:
@@ -180,18 +196,25 @@ def _judge_rescale(found: Mapping[str, Any], world: int) -> tuple[bool, str]:
 
 
 def _spawn(args: list[str]) -> list[Any]:
-    done = subprocess.run([sys.executable, "-m", "loader_resume.tools.check", *args], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "loader_resume.tools.check", *args], capture_output=True, text=True
+    )
     if done.returncode:
-        raise SystemExit(f"loader-resume check: the pipeline failed in a subprocess:\n{done.stderr[-3000:]}")
+        raise SystemExit(
+            f"loader-resume check: the pipeline failed in a subprocess:\n{done.stderr[-3000:]}"
+        )
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith(("[", "{"))]
 
 
-def _compare(reference: list[list[Any]], resumed: list[list[Any]], cut: int) -> tuple[bool, int | None, int | None,
-                                                                                          tuple[str, ...]]:
+def _compare(
+    reference: list[list[Any]], resumed: list[list[Any]], cut: int
+) -> tuple[bool, int | None, int | None, tuple[str, ...]]:
     expected = reference[cut:]
     for offset, (want, got) in enumerate(zip(expected, resumed, strict=False)):
         if want != got:
-            fields = tuple(sorted(k for k in set(want[1]) | set(got[1]) if want[1].get(k) != got[1].get(k)))
+            fields = tuple(
+                sorted(k for k in set(want[1]) | set(got[1]) if want[1].get(k) != got[1].get(k))
+            )
             return False, cut + offset, want[0], fields
     if len(expected) != len(resumed):
         at = cut + min(len(expected), len(resumed))
@@ -199,9 +222,16 @@ def _compare(reference: list[list[Any]], resumed: list[list[Any]], cut: int) -> 
     return True, None, None, ()
 
 
-def run_check(spec: str, *, epochs: int = 2, cuts: list[int] | None = None, workers: list[int] | None = None,
-              worlds: list[int] | None = None, progress: Callable[[int, int], None] | None = None,
-              after_batch: str | None = None) -> list[Scenario]:
+def run_check(
+    spec: str,
+    *,
+    epochs: int = 2,
+    cuts: list[int] | None = None,
+    workers: list[int] | None = None,
+    worlds: list[int] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    after_batch: str | None = None,
+) -> list[Scenario]:
     """The scenarios' verdicts (the uninterrupted run is the reference).
 
     ``worlds``: world sizes to resume a map-style loader's state over (default ``[2]``; ``[]`` for
@@ -223,29 +253,74 @@ def run_check(spec: str, *, epochs: int = 2, cuts: list[int] | None = None, work
     if cuts is None:
         candidates = (1, per_epoch // 2, per_epoch - 1, per_epoch, per_epoch + 1)
         cuts = sorted({c for c in candidates if 0 < c <= len(reference)})
-    resume_workers = workers if workers is not None else sorted({own_workers, 0 if own_workers else 2})
-    plan = [(cut, w, None) for cut in cuts for w in resume_workers] + [(cut, 0, r) for cut in cuts for r in rescales]
+    resume_workers = (
+        workers if workers is not None else sorted({own_workers, 0 if own_workers else 2})
+    )
+    plan = [(cut, w, None) for cut in cuts for w in resume_workers] + [
+        (cut, 0, r) for cut in cuts for r in rescales
+    ]
     scenarios = []
     with tempfile.TemporaryDirectory() as tmp:
         for done, (cut, resume_with, world) in enumerate(plan):
             state = str(Path(tmp) / f"state-{cut}.pt")
             if not Path(state).exists():
-                _spawn(["_run", spec, "--epochs", str(epochs), "--cut", str(cut), "--save", state, *calls])
+                _spawn(
+                    [
+                        "_run",
+                        spec,
+                        "--epochs",
+                        str(epochs),
+                        "--cut",
+                        str(cut),
+                        "--save",
+                        state,
+                        *calls,
+                    ]
+                )
             if world is None:
-                resumed = _spawn(["_run", spec, "--epochs", str(epochs), "--load", state, "--cut", str(cut),
-                                  "--workers", str(resume_with), *calls])
+                resumed = _spawn(
+                    [
+                        "_run",
+                        spec,
+                        "--epochs",
+                        str(epochs),
+                        "--load",
+                        state,
+                        "--cut",
+                        str(cut),
+                        "--workers",
+                        str(resume_with),
+                        *calls,
+                    ]
+                )
                 if resumed and isinstance(resumed[0], dict) and "refused" in resumed[0]:
-                    scenarios.append(Scenario(cut, own_workers, resume_with, False, refused=resumed[0]["refused"]))
+                    scenarios.append(
+                        Scenario(
+                            cut, own_workers, resume_with, False, refused=resumed[0]["refused"]
+                        )
+                    )
                 else:
-                    warned = tuple(resumed.pop()["warned"]) if resumed and isinstance(resumed[-1], dict) else ()
+                    warned = (
+                        tuple(resumed.pop()["warned"])
+                        if resumed and isinstance(resumed[-1], dict)
+                        else ()
+                    )
                     exact, at, epoch, fields = _compare(reference, resumed, cut)
-                    scenarios.append(Scenario(cut, own_workers, resume_with, exact, at, epoch, fields, warned=warned))
+                    scenarios.append(
+                        Scenario(
+                            cut, own_workers, resume_with, exact, at, epoch, fields, warned=warned
+                        )
+                    )
                     if resume_with == own_workers and exact and cut < len(reference):
-                        scenarios.append(_again(spec, epochs, state, cut, own_workers, reference, calls, tmp))
+                        scenarios.append(
+                            _again(spec, epochs, state, cut, own_workers, reference, calls, tmp)
+                        )
             else:
                 (found,) = _spawn(["_run", spec, "--load", state, "--world", str(world)])
                 exact, problem = _judge_rescale(found, world)
-                scenarios.append(Scenario(cut, own_workers, own_workers, exact, world=world, problem=problem))
+                scenarios.append(
+                    Scenario(cut, own_workers, own_workers, exact, world=world, problem=problem)
+                )
             if progress is not None:
                 progress(done + 1, len(plan))
     return scenarios
@@ -257,7 +332,21 @@ def _again(spec: str, epochs: int, state: str, cut: int, workers: int, reference
     resumed again."""
     again, second = cut + 1, str(Path(tmp) / f"state-{cut}-again.pt")
     same = ["--epochs", str(epochs), "--workers", str(workers), *calls]
-    _spawn(["_run", spec, *same, "--load", state, "--cut", str(cut), "--again", str(again), "--save", second])
+    _spawn(
+        [
+            "_run",
+            spec,
+            *same,
+            "--load",
+            state,
+            "--cut",
+            str(cut),
+            "--again",
+            str(again),
+            "--save",
+            second,
+        ]
+    )
     resumed = _spawn(["_run", spec, *same, "--load", second, "--cut", str(again)])
     warned = tuple(resumed.pop()["warned"]) if resumed and isinstance(resumed[-1], dict) else ()
     exact, at, epoch, fields = _compare(reference, resumed, again)
@@ -272,16 +361,29 @@ def _bar(done: int, total: int) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("factory", metavar="MODULE:FACTORY", help="a callable returning your DataLoader")
+    parser.add_argument(
+        "factory", metavar="MODULE:FACTORY", help="a callable returning your DataLoader"
+    )
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--cuts", type=lambda s: [int(x) for x in s.split(",")], help="e.g. 1,5,10 (batches)")
-    parser.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",")],
-                        help="num_workers to resume with, e.g. 0,2 (default: the loader's own and another)")
-    parser.add_argument("--worlds", type=lambda s: [int(x) for x in s.split(",") if x],
-                        help="world sizes to resume over, e.g. 2,3 (default: 2; '' for none; map-style data only)")
-    parser.add_argument("--after-batch", metavar="MODULE:FUNCTION",
-                        help="called as FUNCTION(loader, batches_delivered) after every batch of every run "
-                             "(your job's per-step calls, e.g. Mixture.set_weights)")
+    parser.add_argument(
+        "--cuts", type=lambda s: [int(x) for x in s.split(",")], help="e.g. 1,5,10 (batches)"
+    )
+    parser.add_argument(
+        "--workers",
+        type=lambda s: [int(x) for x in s.split(",")],
+        help="num_workers to resume with, e.g. 0,2 (default: the loader's own and another)",
+    )
+    parser.add_argument(
+        "--worlds",
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        help="world sizes to resume over, e.g. 2,3 (default: 2; '' for none; map-style data only)",
+    )
+    parser.add_argument(
+        "--after-batch",
+        metavar="MODULE:FUNCTION",
+        help="called as FUNCTION(loader, batches_delivered) after every batch of every run "
+        "(your job's per-step calls, e.g. Mixture.set_weights)",
+    )
     parser.add_argument("--json", action="store_true", help="print the verdicts as JSON")
 
 
@@ -291,15 +393,29 @@ def main(args: argparse.Namespace) -> int:
     A scenario the loader refuses by design (an iterable dataset resumed at another ``num_workers``)
     is reported as ``refused: <reason>`` and does not fail the check: the refusal is the guarantee.
     """
-    scenarios = run_check(args.factory, epochs=args.epochs, cuts=args.cuts, workers=args.workers,
-                          worlds=args.worlds, progress=None if args.json else _bar, after_batch=args.after_batch)
+    scenarios = run_check(
+        args.factory,
+        epochs=args.epochs,
+        cuts=args.cuts,
+        workers=args.workers,
+        worlds=args.worlds,
+        progress=None if args.json else _bar,
+        after_batch=args.after_batch,
+    )
     if args.json:
         sys.stdout.write(json.dumps([asdict(s) for s in scenarios], indent=2) + "\n")
     else:
-        rows = [f"cut after {s.cut:>4} batches, " + (f"world size 1 -> {s.world}" if s.world is not None else
-                f"num_workers {s.save_workers} -> {s.resume_workers}") + (
-                f", cut again after {s.again}" if s.again is not None else "") + f": {s.describe()}"
-                for s in scenarios]
+        rows = [
+            f"cut after {s.cut:>4} batches, "
+            + (
+                f"world size 1 -> {s.world}"
+                if s.world is not None
+                else f"num_workers {s.save_workers} -> {s.resume_workers}"
+            )
+            + (f", cut again after {s.again}" if s.again is not None else "")
+            + f": {s.describe()}"
+            for s in scenarios
+        ]
         sys.stdout.write("\n".join(rows) + "\n")
         refused = sum(bool(s.refused) for s in scenarios)
         bad = sum(not s.exact and not s.refused for s in scenarios)
@@ -325,7 +441,16 @@ def _runner_main(argv: list[str]) -> None:
     if args.world:
         _rescale(args.spec, args.load, args.world)
         return
-    _run(args.spec, args.epochs, args.workers, args.cut, args.load, args.save, args.after_batch, args.again)
+    _run(
+        args.spec,
+        args.epochs,
+        args.workers,
+        args.cut,
+        args.load,
+        args.save,
+        args.after_batch,
+        args.again,
+    )
 
 
 if __name__ == "__main__":

@@ -19,12 +19,27 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command")
     from . import audit, check, demo
 
-    check.add_arguments(commands.add_parser(
-        "check", help="verify that a DataLoader factory resumes exactly (cut, resume in fresh processes, compare)"))
-    demo.add_arguments(commands.add_parser(
-        "demo", help="train on digits, SIGTERM it mid-epoch, resume, and compare with the uninterrupted run"))
-    audit.add_arguments(commands.add_parser(
-        "audit", help="check a job's audit=DIR logs: every sample delivered exactly once across its restarts"))
+    check.add_arguments(
+        commands.add_parser(
+            "check",
+            help="verify that a DataLoader factory resumes exactly (cut, resume in fresh "
+                 "processes, compare)",
+        )
+    )
+    demo.add_arguments(
+        commands.add_parser(
+            "demo",
+            help="train on digits, SIGTERM it mid-epoch, resume, and compare with the "
+                 "uninterrupted run",
+        )
+    )
+    audit.add_arguments(
+        commands.add_parser(
+            "audit",
+            help="check a job's audit=DIR logs: every sample delivered exactly once across its "
+                 "restarts",
+        )
+    )
     return parser
 
 

@@ -41,7 +41,9 @@ class NoisyDigits(Dataset[tuple[torch.Tensor, int, int]]):
         try:
             from sklearn.datasets import load_digits
         except ImportError as error:  # an optional dependency: say how to get it
-            raise SystemExit("the demo needs scikit-learn: pip install 'loader-resume[examples]'") from error
+            raise SystemExit(
+                "the demo needs scikit-learn: pip install 'loader-resume[examples]'"
+            ) from error
         digits = load_digits()
         self.x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
         self.y = torch.tensor(digits.target)
@@ -61,7 +63,9 @@ def _build(args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer, 
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     if args.plain:
-        loader: Any = DataLoader(NoisyDigits(), batch_size=args.batch_size, shuffle=True, num_workers=args.workers)
+        loader: Any = DataLoader(
+            NoisyDigits(), batch_size=args.batch_size, shuffle=True, num_workers=args.workers
+        )
     else:
         loader = ResumableDataLoader(NoisyDigits(), batch_size=args.batch_size, shuffle=True,
                                      num_workers=args.workers, seed=2024)
@@ -106,10 +110,18 @@ def _train(args: argparse.Namespace) -> int:
                 print(f"step {step}", flush=True)
                 time.sleep(0.01)  # slow enough to be signalled mid-epoch
                 if preemption.agreed() or step == args.stop_at:  # a step boundary: save, then leave
-                    _save_atomically({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                      "rng": global_rng_state(), "step": step, "epoch": epoch,
-                                      "batch_in_epoch": batch_in_epoch + 1,
-                                      "loader": None if args.plain else loader.state_dict()}, checkpoint)
+                    _save_atomically(
+                        {
+                            "model": model.state_dict(),
+                            "optimizer": optimizer.state_dict(),
+                            "rng": global_rng_state(),
+                            "step": step,
+                            "epoch": epoch,
+                            "batch_in_epoch": batch_in_epoch + 1,
+                            "loader": None if args.plain else loader.state_dict(),
+                        },
+                        checkpoint,
+                    )
                     Path(args.out).write_text(json.dumps({"log": log, "weights": None}))
                     return 143
     weights = fingerprint([p.detach() for p in model.parameters()])
@@ -117,13 +129,31 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _phase(phase: str, args: argparse.Namespace, workdir: Path, plain: bool, stop_at: int = 0) -> dict[str, Any]:
+def _phase(
+    phase: str, args: argparse.Namespace, workdir: Path, plain: bool, stop_at: int = 0
+) -> dict[str, Any]:
     tag = f"{phase}{'-plain' if plain else ''}"
     out = workdir / f"{tag}.json"
-    command = [sys.executable, "-m", "loader_resume.tools.demo", "--phase", phase, "--out", str(out),
-               "--checkpoint", str(workdir / f"ckpt{'-plain' if plain else ''}.pt"), "--workers", str(args.workers),
-               "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--stop-at", str(stop_at),
-               *(["--plain"] if plain else [])]
+    command = [
+        sys.executable,
+        "-m",
+        "loader_resume.tools.demo",
+        "--phase",
+        phase,
+        "--out",
+        str(out),
+        "--checkpoint",
+        str(workdir / f"ckpt{'-plain' if plain else ''}.pt"),
+        "--workers",
+        str(args.workers),
+        "--epochs",
+        str(args.epochs),
+        "--batch-size",
+        str(args.batch_size),
+        "--stop-at",
+        str(stop_at),
+        *(["--plain"] if plain else []),
+    ]
     if phase != "stop" or stop_at:
         subprocess.run(command, check=phase != "stop", stdout=subprocess.DEVNULL)
     else:  # a real SIGTERM, from here, once the run is well into its first epoch
@@ -156,13 +186,23 @@ def _orchestrate(args: argparse.Namespace) -> int:
     same_batches = stopped["log"] + resumed["log"] == full["log"]
     same_weights = resumed["weights"] == full["weights"]
     diverged = _first_difference(plain["log"], full["log"][stop_step:])
-    print(f"digits: {len(full['log'])} steps ({args.epochs} epochs of {per_epoch}); SIGTERM during step "
-          f"{args.signal_after}, checkpoint at the step boundary after step {stop_step} (mid-epoch), resumed in a "
-          f"fresh process, num_workers={args.workers}")
-    print(f"  ResumableDataLoader: {len(resumed['log'])} batches after resume, identical ids and noise: "
-          f"{'yes' if same_batches else 'NO'}; final weights identical: {'yes' if same_weights else 'NO'}")
-    where = ("never" if diverged is None else f"at the first step after resume (step {stop_step + 1})"
-             if diverged == 0 else f"at step {stop_step + diverged + 1}, {diverged + 1} steps after resume")
+    print(
+        f"digits: {len(full['log'])} steps ({args.epochs} epochs of {per_epoch}); SIGTERM during "
+        f"step {args.signal_after}, checkpoint at the step boundary after step {stop_step} "
+        f"(mid-epoch), resumed in a fresh process, num_workers={args.workers}"
+    )
+    print(
+        f"  ResumableDataLoader: {len(resumed['log'])} batches after resume, identical ids and "
+        f"noise: {'yes' if same_batches else 'NO'}; final weights identical: "
+        f"{'yes' if same_weights else 'NO'}"
+    )
+    where = (
+        "never"
+        if diverged is None
+        else f"at the first step after resume (step {stop_step + 1})"
+        if diverged == 0
+        else f"at step {stop_step + diverged + 1}, {diverged + 1} steps after resume"
+    )
     print(f"  plain DataLoader + skipping seen batches: diverges {where}; final weights identical: "
           f"{'yes' if plain['weights'] == full['weights'] else 'no'}")
     return 0 if same_batches and same_weights else 1
@@ -172,7 +212,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--signal-after", type=int, default=40, help="send SIGTERM once this step has started")
+    parser.add_argument(
+        "--signal-after", type=int, default=40, help="send SIGTERM once this step has started"
+    )
     parser.add_argument("--phase", choices=["full", "stop", "resume"], help=argparse.SUPPRESS)
     parser.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)

@@ -49,11 +49,30 @@ from typing import Any, Final, TypeVar
 from torch._C._autograd import _profiler_enabled
 from torch.utils.data import DataLoader
 from torch.utils.data._utils import signal_handling
-from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind, _MultiProcessingDataLoaderIter
+from torch.utils.data.dataloader import (
+    _BaseDataLoaderIter,
+    _DatasetKind,
+    _MultiProcessingDataLoaderIter,
+)
 
-__all__ = ["IndexHooks", "caps_worker_tasks", "closing_feeder_threads", "default_store", "fetch_items",
-           "forget_persistent_iterator", "forks_workers", "is_map_style", "kill_workers", "next_batch", "next_numbered",
-           "random_sampler_num_samples", "set_past_guard", "starts_workers", "worker_processes", "wrap_fetcher"]
+__all__ = [
+    "IndexHooks",
+    "caps_worker_tasks",
+    "closing_feeder_threads",
+    "default_store",
+    "fetch_items",
+    "forget_persistent_iterator",
+    "forks_workers",
+    "is_map_style",
+    "kill_workers",
+    "next_batch",
+    "next_numbered",
+    "random_sampler_num_samples",
+    "set_past_guard",
+    "starts_workers",
+    "worker_processes",
+    "wrap_fetcher",
+]
 
 T = TypeVar("T")
 
@@ -163,7 +182,9 @@ def forks_workers(loader: DataLoader[Any]) -> bool:
     """Whether ``loader``'s workers start by ``fork`` (its ``multiprocessing_context``, else the
     default one)."""
     context = loader.multiprocessing_context
-    method = context.get_start_method() if context is not None else multiprocessing.get_start_method()
+    method = (
+        context.get_start_method() if context is not None else multiprocessing.get_start_method()
+    )
     return method == "fork"
 
 
@@ -202,7 +223,8 @@ def closing_feeder_threads() -> list[threading.Thread]:
             continue
         buffer, reader_close = arguments[0], arguments[4]
         closing = getattr(getattr(reader_close, "__self__", None), "closed", False)
-        if closing or any(item is queues._sentinel for item in tuple(buffer)):  # type: ignore[attr-defined]
+        sentinel = queues._sentinel  # type: ignore[attr-defined]
+        if closing or any(item is sentinel for item in tuple(buffer)):
             found.append(thread)
     return found
 

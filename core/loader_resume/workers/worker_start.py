@@ -101,7 +101,9 @@ def _guard_forks() -> None:
     collector at any moment."""
     if not _GUARDED:
         _GUARDED.append(True)
-        os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork)
+        os.register_at_fork(
+            before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork
+        )
 
 
 # whether the garbage collector was enabled before the fork in progress
@@ -146,11 +148,14 @@ def wait_started(iterator: Any, mark: StartMark, timeout: float | None) -> None:
         waited = time.monotonic() - start
         if timeout is not None and waited > timeout:
             stuck = [(i, worker.pid) for i, worker in enumerate(workers) if not mark.marks[i]]
-            message = (f"DataLoader worker(s) {', '.join(f'{i} (pid {pid})' for i, pid in stuck)} never started: "
-                       f"{waited:.0f} s after they were forked (a fork while another thread of this process held "
-                       f"an interpreter lock; loader.worker_start_timeout={timeout}). Killed them instead of waiting "
-                       "forever; the job can be rerun (it resumes from its last checkpoint). To avoid the hazard, "
-                       "build the loader with multiprocessing_context='forkserver' (or 'spawn')")
+            message = (
+                f"DataLoader worker(s) {', '.join(f'{i} (pid {pid})' for i, pid in stuck)} never "
+                f"started: {waited:.0f} s after they were forked (a fork while another thread of "
+                f"this process held an interpreter lock; loader.worker_start_timeout={timeout}). "
+                "Killed them instead of waiting forever; the job can be rerun (it resumes from "
+                "its last checkpoint). To avoid the hazard, build the loader with "
+                "multiprocessing_context='forkserver' (or 'spawn')"
+            )
             logger.error("%s", message)
             kill_workers(iterator, [pid for _, pid in stuck if pid is not None])
             raise WorkerStartError(message)

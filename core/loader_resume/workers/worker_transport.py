@@ -47,7 +47,9 @@ MAX_BY_VALUE_BYTES: Final = 1 << 30
 """The largest ``by_value_bytes`` accepted (far past where shared memory is cheaper)."""
 
 
-def rebuild_by_value(data: bytes, dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
+def rebuild_by_value(
+    data: bytes, dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...]
+) -> torch.Tensor:
     """The tensor pickled by value: an ordinary (resizable, unshared) CPU tensor of that shape and
     strides holding ``data`` (whatever default device the receiving thread has set)."""
     tensor = torch.empty_strided(shape, stride, dtype=dtype, device="cpu")
@@ -67,10 +69,18 @@ def send_small_tensors_by_value(limit: int) -> None:
         # and leave the main process waiting for it: anything unexpected goes the shared-memory way,
         # as DataLoader sends it
         try:
-            if (tensor.layout is torch.strided and tensor.device.type == "cpu"
-                    and tensor.nbytes <= limit and not tensor.requires_grad and tensor.is_contiguous()
-                    and tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.nbytes
-                    and not (tensor.is_nested or tensor.is_quantized or tensor.is_conj() or tensor.is_neg())):
+            if (
+                tensor.layout is torch.strided
+                and tensor.device.type == "cpu"
+                and tensor.nbytes <= limit
+                and not tensor.requires_grad
+                and tensor.is_contiguous()
+                and tensor.storage_offset() == 0
+                and tensor.untyped_storage().nbytes() == tensor.nbytes
+                and not (
+                    tensor.is_nested or tensor.is_quantized or tensor.is_conj() or tensor.is_neg()
+                )
+            ):
                 # contiguous, the whole storage
                 data = ctypes.string_at(tensor.data_ptr(), tensor.nbytes)
                 return rebuild_by_value, (data, tensor.dtype, tuple(tensor.shape), tensor.stride())
@@ -82,13 +92,19 @@ def send_small_tensors_by_value(limit: int) -> None:
     ForkingPickler.register(torch.Tensor, reduce)
 
 
-def by_value_init(attributes: dict[str, Any], worker_init_fn: Callable[[int], None] | None, num_workers: int,
-                  limit: int) -> None:
+def by_value_init(
+    attributes: dict[str, Any],
+    worker_init_fn: Callable[[int], None] | None,
+    num_workers: int,
+    limit: int,
+) -> None:
     """With workers and a ``limit``, the ``worker_init_fn`` torch's iterator is built with (in
     ``attributes``, the loader's attributes for it; else the loader's own) becomes a ``ByValueInit``
     around it."""
     if num_workers and limit:
-        attributes["worker_init_fn"] = ByValueInit(attributes.get("worker_init_fn", worker_init_fn), limit)
+        attributes["worker_init_fn"] = ByValueInit(
+            attributes.get("worker_init_fn", worker_init_fn), limit
+        )
 
 
 class ByValueInit:

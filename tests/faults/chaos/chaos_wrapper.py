@@ -75,7 +75,9 @@ _seal = checkpoint.seal
 
 def seal(directory: Path, final: Path, **options: Any) -> None:
     if KILL is not None and KILL["in_save"] and steps >= KILL["after"]:
-        biggest = max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+        biggest = max(
+            (p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size
+        )
         biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
         die()
     _seal(directory, final, **options)

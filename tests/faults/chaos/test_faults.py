@@ -13,7 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from loader_resume.job.checkpoint import MANIFEST, CheckpointError, complete_checkpoints, seal, temporary_name, verify
+from loader_resume.job.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    complete_checkpoints,
+    seal,
+    temporary_name,
+    verify,
+)
 from support.launch import logs, run, trained, weights
 from support.reference import accelerate_run
 
@@ -54,8 +61,9 @@ def test_a_storm_of_signals_each_ends_in_one_checkpoint_and_the_job_stays_exact(
     assert weights(tmp_path) == weights(uninterrupted)
 
 
-def test_a_signal_to_one_rank_only_stops_both_at_the_same_step(tmp_path: Path,
-                                                               tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_a_signal_to_one_rank_only_stops_both_at_the_same_step(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     # made once per session (other modules compare with it too)
     full = accelerate_run(tmp_path_factory, 2)
     run(tmp_path / "job", 2, "--signal-at", "3", "--signal-rank", "1", expect=143)
@@ -65,10 +73,16 @@ def test_a_signal_to_one_rank_only_stops_both_at_the_same_step(tmp_path: Path,
     assert weights(tmp_path / "job") == weights(full)
 
 
-def test_a_full_disk_during_a_save_keeps_training_and_reports_it(uninterrupted: Path, tmp_path: Path) -> None:
+def test_a_full_disk_during_a_save_keeps_training_and_reports_it(
+    uninterrupted: Path, tmp_path: Path
+) -> None:
     stderr = run(tmp_path, 1, *EVAL, "--disk-full-at", "10", "save_every_n_steps=5", "keep=5")
     assert "checkpoint at step 10 NOT written to" in stderr
-    assert "OSError: [Errno 28] No space left on device (simulated) (no space left on device, or over quota:" in stderr
+    assert (
+        "OSError: [Errno 28] No space left on device (simulated) (no space left on device, or over "
+        "quota:"
+        in stderr
+    )
     assert "the newest complete checkpoint is still" in stderr and "step_000000005" in stderr
     assert checkpoints(tmp_path) == ["step_000000005", "step_000000015", "step_000000020"]
     assert not list((tmp_path / "resume_checkpoints").glob(".*"))  # the partial one is gone
@@ -83,8 +97,7 @@ def test_a_full_disk_on_two_processes_is_agreed_by_both(tmp_path: Path) -> None:
     assert checkpoints(tmp_path) == ["step_000000008"]
 
 
-# --- writes interrupted at any byte (no processes needed: the files a kill would leave)
-# -------------
+# --- writes interrupted at any byte (no processes needed: the files a kill would leave) -----------
 def sealed_pair(root: Path) -> tuple[Path, Path]:
     """A sealed checkpoint step_1 and the files of step_2, ready to be sealed."""
     first = root / "step_000000001"
@@ -100,8 +113,9 @@ def sealed_pair(root: Path) -> tuple[Path, Path]:
     return first, second
 
 
-def test_a_save_killed_at_any_byte_leaves_the_previous_checkpoint_whole(tmp_path: Path,
-                                                                         caplog: pytest.LogCaptureFixture) -> None:
+def test_a_save_killed_at_any_byte_leaves_the_previous_checkpoint_whole(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     first, second = sealed_pair(tmp_path)
     full = (second / "model.bin").read_bytes()
     # the second save stopped after `cut` bytes of its largest file
@@ -115,7 +129,9 @@ def test_a_save_killed_at_any_byte_leaves_the_previous_checkpoint_whole(tmp_path
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "append", "delete", "manifest"])
-def test_a_damaged_sealed_checkpoint_is_refused_naming_the_file(tmp_path: Path, damage: str) -> None:
+def test_a_damaged_sealed_checkpoint_is_refused_naming_the_file(
+    tmp_path: Path, damage: str
+) -> None:
     first, _ = sealed_pair(tmp_path)
     target = first / "loader_resume.pt"
     data = target.read_bytes()

@@ -31,9 +31,19 @@ class Ids(Dataset[int]):
 
 
 def ranks(n: int, world: int, case: dict[str, Any], workers: int) -> list[ResumableDataLoader[Any]]:
-    return [ResumableDataLoader(Ids(n), batch_size=case["batch"], shuffle=case["shuffle"], drop_last=case["drop_last"],
-                                num_workers=workers, seed=case["seed"], rank=rank, world_size=world)
-            for rank in range(world)]
+    return [
+        ResumableDataLoader(
+            Ids(n),
+            batch_size=case["batch"],
+            shuffle=case["shuffle"],
+            drop_last=case["drop_last"],
+            num_workers=workers,
+            seed=case["seed"],
+            rank=rank,
+            world_size=world,
+        )
+        for rank in range(world)
+    ]
 
 
 _HELD: list[Any] = []
@@ -67,23 +77,38 @@ def check(case: dict[str, Any]) -> None:
     new = ranks(n, after, case, case["workers_after"])
     for loader in new:
         loader.load_state_dict(state)
-    rest = [i for loader in new for i in (delivered(loader, None) if state["epoch"] == case["epoch"] else [])]
+    rest = [
+        i
+        for loader in new
+        for i in (delivered(loader, None) if state["epoch"] == case["epoch"] else [])
+    ]
     counts = Counter(seen + rest)
     widest = max(before, after)
     if case["drop_last"]:
         assert max(counts.values(), default=1) == 1, "a sample was delivered twice"
-        assert n - len(counts) < widest * case["batch"], "more was dropped than one partial global step"
+        assert n - len(counts) < widest * case["batch"], (
+            "more was dropped than one partial global step"
+        )
     else:
         assert set(counts) == set(range(n)), f"lost: {sorted(set(range(n)) - set(counts))}"
         assert sum(counts.values()) - n < widest, "more repeats than the padding of the last step"
 
 
-CASES = st.fixed_dictionaries({
-    "n": st.integers(1, 300), "batch": st.integers(1, 17), "world_before": st.integers(1, 8),
-    "world_after": st.integers(1, 8), "cut": st.integers(0, 40), "epoch": st.integers(0, 1),
-    "shuffle": st.booleans(), "drop_last": st.booleans(), "seed": st.integers(0, 2**31),
-    "workers_before": st.sampled_from([0] * 9 + [2]), "workers_after": st.sampled_from([0] * 9 + [1]),
-})
+CASES = st.fixed_dictionaries(
+    {
+        "n": st.integers(1, 300),
+        "batch": st.integers(1, 17),
+        "world_before": st.integers(1, 8),
+        "world_after": st.integers(1, 8),
+        "cut": st.integers(0, 40),
+        "epoch": st.integers(0, 1),
+        "shuffle": st.booleans(),
+        "drop_last": st.booleans(),
+        "seed": st.integers(0, 2**31),
+        "workers_before": st.sampled_from([0] * 9 + [2]),
+        "workers_after": st.sampled_from([0] * 9 + [1]),
+    }
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -30,14 +30,23 @@ HERE = Path(__file__).parent
 ROOT = HERE.parents[2]
 
 
-RENDEZVOUS = ["--rdzv-backend", "static", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+RENDEZVOUS = [
+    "--rdzv-backend",
+    "static",
+    "--master-addr",
+    "127.0.0.1",
+    "--master-port",
+    str(free_port()),
+]
 
 
 def rows(log_dir: Path, rank: int) -> list[dict[str, Any]]:
     path = log_dir / f"log-{rank}.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip() and "ids" in line]
+    return [
+        json.loads(line) for line in path.read_text().splitlines() if line.strip() and "ids" in line
+    ]
 
 
 def effective(history: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[int]]:
@@ -59,17 +68,27 @@ def effective(history: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list
     return [{key: row[key] for key in KEYS} for row in kept], lost
 
 
-def launch(command: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+def launch(
+    command: list[str], env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess[str]:
     """Run torchrun in its own process group; on a timeout the whole group (its workers too) is
     killed."""
-    process = forked.popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           start_new_session=True)
+    process = forked.popen(
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
-        raise AssertionError(f"torchrun did not finish in {timeout:.0f} s:\n{stderr[-3000:]}") from None
+        raise AssertionError(
+            f"torchrun did not finish in {timeout:.0f} s:\n{stderr[-3000:]}"
+        ) from None
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
@@ -92,7 +111,12 @@ def chaos(command: list[str], out: Path, kills: list[dict[str, Any]]) -> None:
     for number, kill in enumerate(kills):
         print(f"kill {number}: rank {kill['rank']} after {kill['after']} steps of its attempt"
               f"{', mid checkpoint write' if kill['in_save'] else ''}", flush=True)
-    env = {**os.environ, "CHAOS_PLAN": json.dumps(kills), "CHAOS_DIR": str(out), "CHAOS_STEP_SLEEP": "0.01"}
+    env = {
+        **os.environ,
+        "CHAOS_PLAN": json.dumps(kills),
+        "CHAOS_DIR": str(out),
+        "CHAOS_STEP_SLEEP": "0.01",
+    }
     # NOTE: restarts to spare: after a restart, torch 2.13's gloo init now and then reads a dead
     # worker's address ("connectFullMesh failed ... Connection refused") and that attempt dies at
     # once; torchrun retries. With --standalone (c10d rendezvous) such a retry could also hang; the
@@ -106,8 +130,11 @@ def chaos(command: list[str], out: Path, kills: list[dict[str, Any]]) -> None:
 
 def reference(command: list[str], out: Path) -> list[list[dict[str, Any]]]:
     (out / "log").mkdir(parents=True)
-    done = launch([TORCHRUN, *RENDEZVOUS, "--nproc_per_node", "2", str(HERE / "chaos_wrapper.py"), *command],
-                  dict(os.environ), timeout=300)
+    done = launch(
+        [TORCHRUN, *RENDEZVOUS, "--nproc_per_node", "2", str(HERE / "chaos_wrapper.py"), *command],
+        dict(os.environ),
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     (out / "stdout.txt").write_text(done.stdout)
     return [[{key: row[key] for key in KEYS} for row in rows(out / "log", rank)] for rank in (0, 1)]
@@ -119,22 +146,57 @@ EVERY = 4
 def plain(out: Path) -> list[str]:
     """The plain-PyTorch example: 15 steps an epoch on 2 ranks, 4 epochs, a checkpoint every 4
     steps."""
-    return [str(ROOT / "examples" / "plain_digits.py"), "--out", str(out), "--batch-log", str(out / "log"),
-            "--every", str(EVERY), "--epochs", "4", "--audit", str(out / "audit")]
+    return [
+        str(ROOT / "examples" / "plain_digits.py"),
+        "--out",
+        str(out),
+        "--batch-log",
+        str(out / "log"),
+        "--every",
+        str(EVERY),
+        "--epochs",
+        "4",
+        "--audit",
+        str(out / "audit"),
+    ]
 
 
 def accelerate(out: Path) -> list[str]:
     """The Accelerate test script: 15 steps an epoch on 2 processes, 4 epochs, a checkpoint every 4
     steps."""
-    return [str(ROOT / "tests" / "children" / "accelerate_child.py"), str(out), "--processes", "2", "--items", "120",
-            "--epochs", "4", "--log-dir", "log", f"save_every_n_steps={EVERY}", "keep=3"]
+    return [
+        str(ROOT / "tests" / "children" / "accelerate_child.py"),
+        str(out),
+        "--processes",
+        "2",
+        "--items",
+        "120",
+        "--epochs",
+        "4",
+        "--log-dir",
+        "log",
+        f"save_every_n_steps={EVERY}",
+        "keep=3",
+    ]
 
 
 def lightning(out: Path) -> list[str]:
     """The Lightning test script (DDP, ResumeCallback, ModelCheckpoint every 4 steps): 15 steps an
     epoch."""
-    return [str(ROOT / "tests" / "children" / "lightning_child.py"), str(out), "--devices", "2", "--items", "120",
-            "--epochs", "4", "--every", str(EVERY), "--batch-log", str(out / "log")]
+    return [
+        str(ROOT / "tests" / "children" / "lightning_child.py"),
+        str(out),
+        "--devices",
+        "2",
+        "--items",
+        "120",
+        "--epochs",
+        "4",
+        "--every",
+        str(EVERY),
+        "--batch-log",
+        str(out / "log"),
+    ]
 
 
 # name: (command, file with the final weights, whether its checkpoints are ours to cut mid-write)
@@ -154,7 +216,9 @@ def audit(job: str, tmp_path: Path, kills: int, seed: int) -> None:
     for rank in (0, 1):
         history = rows(tmp_path / "job" / "log", rank)
         kept, lost = effective(history)
-        assert kept == expected[rank], f"rank {rank}: the audited batches differ from the uninterrupted run's"
+        assert kept == expected[rank], (
+            f"rank {rank}: the audited batches differ from the uninterrupted run's"
+        )
         # only the steps since the last sealed checkpoint
         assert all(0 <= n <= 2 * EVERY + 2 for n in lost), lost
     survived = len(list((tmp_path / "job").glob("killed-*")))
@@ -164,16 +228,31 @@ def audit(job: str, tmp_path: Path, kills: int, seed: int) -> None:
     # the job's own audit (audit=DIR) agrees: every sample once per epoch, across the kills
     if job == "plain":
         for out, attempts in ((tmp_path / "full", 1), (tmp_path / "job", survived + 1)):
-            done = forked.run([str(Path(sys.executable).parent / "loader-resume"), "audit", str(out / "audit"),
-                               "--json"], capture_output=True, text=True, timeout=120)
+            done = forked.run(
+                [
+                    str(Path(sys.executable).parent / "loader-resume"),
+                    "audit",
+                    str(out / "audit"),
+                    "--json",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
             (report,) = json.loads(done.stdout)
-            assert [(row["epoch"], row["delivered"], row["status"]) for row in report["epochs"]] == [
-                (epoch, 1797, "ok") for epoch in range(4)]
-            assert len(report["attempts"]) >= attempts and {a["world"] for a in report["attempts"]} == {2}
+            assert [
+                (row["epoch"], row["delivered"], row["status"]) for row in report["epochs"]
+            ] == [(epoch, 1797, "ok") for epoch in range(4)]
+            assert len(report["attempts"]) >= attempts and {
+                a["world"] for a in report["attempts"]
+            } == {2}
     final = (tmp_path / "job" / weights).read_text().split()[-1]
     assert final == (tmp_path / "full" / weights).read_text().split()[-1]
-    print(f"{job}: survived {survived} SIGKILLs under torchrun ({kills} planned); the audit is exact", flush=True)
+    print(
+        f"{job}: survived {survived} SIGKILLs under torchrun ({kills} planned); the audit is exact",
+        flush=True,
+    )
 
 
 @pytest.mark.parametrize("job", sorted(JOBS))

@@ -34,8 +34,18 @@ STEPS_PER_EPOCH = 15  # at world size 2: ceil(1797 / 128); at world size 1: 29 (
 
 
 def job(out: Path, epochs: int) -> list[str]:
-    return [str(HERE / "chaos_wrapper.py"), str(ROOT / "examples" / "plain_digits.py"), "--out", str(out / "run"),
-            "--batch-log", str(out / "log"), "--every", "4", "--epochs", str(epochs)]
+    return [
+        str(HERE / "chaos_wrapper.py"),
+        str(ROOT / "examples" / "plain_digits.py"),
+        "--out",
+        str(out / "run"),
+        "--batch-log",
+        str(out / "log"),
+        "--every",
+        "4",
+        "--epochs",
+        str(epochs),
+    ]
 
 
 class Node:
@@ -46,10 +56,27 @@ class Node:
     (torch's c10d rendezvous lives on its host), as on a real cluster whose rendezvous endpoint is
     one node's."""
 
-    def __init__(self, out: Path, name: str, port: int, epochs: int, env: dict[str, str], restarts: int) -> None:
-        command = [TORCHRUN, "--nnodes", "1:2", "--nproc_per_node", "1", "--rdzv-backend", "c10d",
-                   "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "nodes", "--max-restarts", str(restarts),
-                   "--rdzv-conf", f"last_call_timeout=1,is_host={int(name == 'a')}", *job(out, epochs)]
+    def __init__(
+        self, out: Path, name: str, port: int, epochs: int, env: dict[str, str], restarts: int
+    ) -> None:
+        command = [
+            TORCHRUN,
+            "--nnodes",
+            "1:2",
+            "--nproc_per_node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "nodes",
+            "--max-restarts",
+            str(restarts),
+            "--rdzv-conf",
+            f"last_call_timeout=1,is_host={int(name == 'a')}",
+            *job(out, epochs),
+        ]
         self.name, self.out = name, out
         self.stdout, self.stderr = (out / f"{name}.out").open("w"), (out / f"{name}.err").open("w")
         self.process = forked.popen(command, env=env, stdout=self.stdout, stderr=self.stderr,
@@ -116,25 +143,39 @@ def audit(out: Path, epochs: int) -> dict[int, list[dict[str, Any]]]:
         before_last = [i for step in steps[:-1] for row in kept[step] for i in row["ids"]]
         assert set(ids) == set(range(N)), f"epoch {epoch}: samples lost"
         assert max(Counter(before_last).values()) == 1, f"epoch {epoch}: a sample delivered twice"
-        assert len(ids) - N <= len(kept[steps[-1]]) - 1, f"epoch {epoch}: more repeats than the last step's padding"
+        assert len(ids) - N <= len(kept[steps[-1]]) - 1, (
+            f"epoch {epoch}: more repeats than the last step's padding"
+        )
     return kept
 
 
 def digest(out: Path) -> str:
-    lines = [line for name in ("a", "b", "c") if (out / f"{name}.out").exists()
-             for line in (out / f"{name}.out").read_text().splitlines() if "final weights digest" in line]
+    lines = [
+        line
+        for name in ("a", "b", "c")
+        if (out / f"{name}.out").exists()
+        for line in (out / f"{name}.out").read_text().splitlines()
+        if "final weights digest" in line
+    ]
     return lines[-1].split()[-1]
 
 
 def environment(out: Path, plan: list[dict[str, Any]], share_store: bool = True) -> dict[str, str]:
-    env = {**os.environ, "CHAOS_PLAN": json.dumps(plan), "CHAOS_DIR": str(out), "CHAOS_STEP_SLEEP": "0.02"}
+    env = {
+        **os.environ,
+        "CHAOS_PLAN": json.dumps(plan),
+        "CHAOS_DIR": str(out),
+        "CHAOS_STEP_SLEEP": "0.02",
+    }
     if not share_store:
         # torch 2.13: a joining node needs it (docs: Reliability)
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return env
 
 
-def two_nodes(out: Path, plan: list[dict[str, Any]], epochs: int) -> dict[int, list[dict[str, Any]]]:
+def two_nodes(
+    out: Path, plan: list[dict[str, Any]], epochs: int
+) -> dict[int, list[dict[str, Any]]]:
     """Run the job on two nodes with the crash plan; it must finish; the audited steps."""
     (out / "log").mkdir(parents=True)
     env, port = environment(out, plan), free_port()
@@ -150,11 +191,18 @@ def worker_crashes(tmp_path: Path, crashes: int, epochs: int) -> None:
     # torchrun leaves OMP_NUM_THREADS alone, so float sums differ from a one-agent, two-process
     # run's.
     expected = two_nodes(tmp_path / "full", [], epochs)
-    plan = [{"rank": number % 2, "after": 3 + number % 4, "in_save": False} for number in range(crashes)]
+    plan = [
+        {"rank": number % 2, "after": 3 + number % 4, "in_save": False} for number in range(crashes)
+    ]
     kept = two_nodes(tmp_path / "job", plan, epochs)
-    strip = lambda rows: sorted(({key: row[key] for key in KEYS} | {"rank": row["rank"]} for row in rows),  # noqa: E731
-                                key=lambda row: row["rank"])
-    assert {step: strip(rows) for step, rows in kept.items()} == {step: strip(rows) for step, rows in expected.items()}
+
+    def strip(rows: list[dict[str, object]]) -> list[dict[str, object]]:
+        kept_keys = ({key: row[key] for key in KEYS} | {"rank": row["rank"]} for row in rows)
+        return sorted(kept_keys, key=lambda row: row["rank"])
+
+    assert {step: strip(rows) for step, rows in kept.items()} == {
+        step: strip(rows) for step, rows in expected.items()
+    }
     assert digest(tmp_path / "job") == digest(tmp_path / "full")
 
 
@@ -185,7 +233,9 @@ def leave_and_join(tmp_path: Path, cycles: int, epochs: int) -> None:
         wait_for_steps(out, 14 + 30 * cycle)
         held.write_text(f"join{cycle}")
         b = Node(out, "b" if cycle + 1 == cycles else "c", port, epochs, env, restarts=1)
-        wait_for(out, f"held-join{cycle}-*-of-2", f"join {cycle + 1}: a world of two reached a step")
+        wait_for(
+            out, f"held-join{cycle}-*-of-2", f"join {cycle + 1}: a world of two reached a step"
+        )
         held.unlink()
     deadline = time.monotonic() + 400
     assert a.finish(deadline) == 0 and b.finish(deadline) == 0
@@ -207,8 +257,11 @@ def test_a_lost_node_and_a_joining_node_resume_exactly_once(tmp_path: Path) -> N
 def test_ten_worker_crashes_alternating_between_two_nodes(tmp_path: Path) -> None:
     start = time.monotonic()
     worker_crashes(tmp_path, crashes=10, epochs=4)
-    print(f"two nodes: 10 one-node worker crashes survived (10 planned), no hang, audit exact, final weights "
-          f"equal ({time.monotonic() - start:.0f} s with the reference run)", flush=True)
+    print(
+        "two nodes: 10 one-node worker crashes survived (10 planned), no hang, audit exact, final "
+        f"weights equal ({time.monotonic() - start:.0f} s with the reference run)",
+        flush=True,
+    )
 
 
 @pytest.mark.chaos
@@ -216,8 +269,11 @@ def test_ten_worker_crashes_alternating_between_two_nodes(tmp_path: Path) -> Non
 def test_a_node_leaves_and_joins_again_twice(tmp_path: Path) -> None:
     start = time.monotonic()
     leave_and_join(tmp_path, cycles=2, epochs=5)
-    print(f"two nodes: 2 node losses and 2 joins (world 2 -> 1 -> 2, twice), no hang, every sample of each "
-          f"epoch once ({time.monotonic() - start:.0f} s)", flush=True)
+    print(
+        "two nodes: 2 node losses and 2 joins (world 2 -> 1 -> 2, twice), no hang, every sample "
+        f"of each epoch once ({time.monotonic() - start:.0f} s)",
+        flush=True,
+    )
 
 
 @pytest.mark.chaos
@@ -236,6 +292,12 @@ def test_a_node_joining_a_finished_job_changes_nothing(tmp_path: Path) -> None:
     late = Node(out, "c", port, 1, env, restarts=1)
     assert late.finish(time.monotonic() + 600) == 1
     assert "RendezvousConnectionError" in (out / "c.err").read_text()
-    assert logged(out) == rows and sorted(p.name for p in (out / "run" / "checkpoints").iterdir()) == checkpoints
-    print(f"two nodes: a third node started after the job finished, no hang, exit 1 without running the script, "
-          f"logs and checkpoints unchanged ({time.monotonic() - start:.0f} s)", flush=True)
+    assert (
+        logged(out) == rows
+        and sorted(p.name for p in (out / "run" / "checkpoints").iterdir()) == checkpoints
+    )
+    print(
+        "two nodes: a third node started after the job finished, no hang, exit 1 without running "
+        f"the script, logs and checkpoints unchanged ({time.monotonic() - start:.0f} s)",
+        flush=True,
+    )

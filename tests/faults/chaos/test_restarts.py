@@ -32,12 +32,30 @@ def accelerate(out: Path, *extra: str) -> list[str]:
 
 
 def fabric(out: Path, *extra: str) -> list[str]:
-    return [sys.executable, str(CHILDREN / "fabric_child.py"), str(out), "--devices", "2", "--workers", "2", *extra]
+    return [
+        sys.executable,
+        str(CHILDREN / "fabric_child.py"),
+        str(out),
+        "--devices",
+        "2",
+        "--workers",
+        "2",
+        *extra,
+    ]
 
 
 def lightning(out: Path, *extra: str) -> list[str]:
-    return [sys.executable, str(CHILDREN / "lightning_child.py"), str(out), "--devices", "2", "--workers", "2",
-            "--append", *extra]
+    return [
+        sys.executable,
+        str(CHILDREN / "lightning_child.py"),
+        str(out),
+        "--devices",
+        "2",
+        "--workers",
+        "2",
+        "--append",
+        *extra,
+    ]
 
 
 JOBS = {"accelerate": accelerate, "fabric": fabric, "lightning": lightning}
@@ -49,7 +67,11 @@ def outcome(out: Path) -> tuple[list[Any], list[str]]:
     logs = []
     for path in sorted(out.glob("log-*.json*")):
         text = path.read_text()
-        logs.append([json.loads(line) for line in text.splitlines()] if path.suffix == ".jsonl" else json.loads(text))
+        logs.append(
+            [json.loads(line) for line in text.splitlines()]
+            if path.suffix == ".jsonl"
+            else json.loads(text)
+        )
     return logs, [path.read_text() for path in sorted(out.glob("weights-*.txt"))]
 
 
@@ -59,13 +81,20 @@ def restarts(job: str, out: Path, count: int, seed: int, epochs: str) -> int:
     build, rng = JOBS[job], random.Random(seed)
     signalled = 0
     for attempt in range(count + 1):
-        run = forked.popen(build(out, "--epochs", epochs, "--sleep", "0.05"), stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+        run = forked.popen(
+            build(out, "--epochs", epochs, "--sleep", "0.05"),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         if attempt < count:
             start, wait = max(progress_of(out / "progress-0"), 0), rng.randint(1, 3)
             deadline = time.monotonic() + 120
             while progress_of(out / "progress-0") < start + wait and run.poll() is None:
-                assert time.monotonic() < deadline, f"{job}: run {attempt} made no progress in 120 s (a hang?)"
+                assert time.monotonic() < deadline, (
+                    f"{job}: run {attempt} made no progress in 120 s (a hang?)"
+                )
                 time.sleep(0.02)
             if run.poll() is None:
                 os.killpg(run.pid, signal.SIGTERM)
@@ -73,7 +102,9 @@ def restarts(job: str, out: Path, count: int, seed: int, epochs: str) -> int:
             _, stderr = run.communicate(timeout=180)
         except subprocess.TimeoutExpired:
             os.killpg(run.pid, signal.SIGKILL)
-            raise AssertionError(f"{job}: run {attempt} hung (still running 180 s after its signal)") from None
+            raise AssertionError(
+                f"{job}: run {attempt} hung (still running 180 s after its signal)"
+            ) from None
         if run.returncode == 0:
             return signalled
         # NOTE: the launcher, signalled with its group, ends with an error of its own
@@ -88,7 +119,9 @@ def restarts(job: str, out: Path, count: int, seed: int, epochs: str) -> int:
 def check(job: str, tmp_path: Path, count: int) -> None:
     # 4 steps an epoch; a run makes 1 to 4 before its signal
     full, epochs = tmp_path / "full", str(3 + count)
-    done = forked.run(JOBS[job](full, "--epochs", epochs), capture_output=True, text=True, timeout=600)
+    done = forked.run(
+        JOBS[job](full, "--epochs", epochs), capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     signalled = restarts(job, tmp_path / "job", count, seed=count, epochs=epochs)
     assert signalled == count

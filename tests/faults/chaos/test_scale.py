@@ -31,7 +31,9 @@ def simulate(n: int, batch: int) -> dict[str, float]:
         # a checkpoint at a step boundary
         stop = n if final else position + (n // len(WORLDS)) // step * step
         for rank in range(world):
-            for units, _, end, _, _ in permutation_steps(perm, n, position, Shard(rank, world, batch, False)):
+            for units, _, end, _, _ in permutation_steps(
+                perm, n, position, Shard(rank, world, batch, False)
+            ):
                 if end > stop:
                     break
                 seen[np.asarray(units)] += 1
@@ -41,7 +43,9 @@ def simulate(n: int, batch: int) -> dict[str, float]:
         position = stop
     elapsed = time.perf_counter() - start
     assert seen.min() == 1, "a sample was never delivered"
-    assert int(seen.sum()) - n == padded and seen.max() <= 2, "a sample was delivered twice (beyond padding)"
+    assert int(seen.sum()) - n == padded and seen.max() <= 2, (
+        "a sample was delivered twice (beyond padding)"
+    )
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"seconds_per_rank": elapsed / sum(WORLDS), "peak_rss_mib": peak}
 
@@ -53,5 +57,8 @@ def test_elastic_resume_across_1024_768_1536_ranks_delivers_the_epoch_exactly_on
 @pytest.mark.chaos
 def test_elastic_resume_at_scale_n_1e8() -> None:
     figures = simulate(10**8, batch=32)
-    print(f"\nn=1e8 over {WORLDS} ranks: {1000 * figures['seconds_per_rank']:.1f} ms per rank; "
-          f"peak RSS of the whole simulation {figures['peak_rss_mib']:.0f} MiB (the sampler itself is O(1) per rank)")
+    print(
+        f"\nn=1e8 over {WORLDS} ranks: {1000 * figures['seconds_per_rank']:.1f} ms per rank; "
+        f"peak RSS of the whole simulation {figures['peak_rss_mib']:.0f} MiB (the sampler itself "
+        "is O(1) per rank)"
+    )
