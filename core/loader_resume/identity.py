@@ -94,13 +94,13 @@ class StateIdentity:
         """A state was loaded: its position is reported with the identity as it is now."""
         self.at_pass = None
 
-    def for_state(self, pass_ended: bool = False) -> dict[str, Any]:
-        """A fresh dict of the fields for ``state_dict()`` (``pass_ended``: for where the next pass
-        starts)."""
+    def for_state(self, position: dict[str, Any], pass_ended: bool = False) -> dict[str, Any]:
+        """The state for ``state_dict()``: these fields with the ``position``'s laid over them, a
+        fresh dict (``pass_ended``: for where the next pass starts)."""
         at_pass = self.at_pass
         workers = self.position.setup.num_workers  # NOTE: the loader keeps it equal to its own
         if not pass_ended and at_pass is not None and not at_pass[0].done and at_pass[1] == workers:
-            state = at_pass[2].copy()
+            state = at_pass[2] | position
             state["keyed_generators"] = list(self.position.setup.generators)
             return state
-        return self.fields()
+        return self.fields() | position

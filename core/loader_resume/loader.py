@@ -329,9 +329,10 @@ class ResumableDataLoader(IndexHooks[T]):
         door, at a step boundary inside its last step): after a load, the first ``iter()`` is that
         pass's empty rest (the ``"ending"`` key), the next one the next pass."""
         ended = bool(pass_ended)
-        state = self._identity.for_state(ended)
-        self._position.fill_state(state, batches_ago, ended)
-        record_state(self._position.setup, "state", state, ended=ended)
+        position = self._position
+        state = self._identity.for_state(position.state(batches_ago, ended), ended)
+        if position.setup.audit is not None:
+            record_state(position.setup, "state", state, ended=ended)
         # NOTE: a loaded "ending" no iter() has taken up: still the same
         if ending or self._rest_empty:
             state[ENDING] = True

@@ -148,15 +148,12 @@ class Position(Protocol):
         (None for a stream, which has no length); for the log line about a state that continues a
         pass."""
 
-    def fill_state(
-        self, state: dict[str, Any], batches_ago: int = 0, pass_ended: bool = False
-    ) -> None:
-        """Write the state's position fields (``epoch``, ``position``, ``sampler_state``,
-        ``dataset_state``, ``stream``) into ``state``, a copy of the loader's identity fields; those
-        left unwritten keep the identity's zeroed values (``state_dict()`` runs between steps: no
-        dict of its own). A pass in flight is described where it continues, whether or not its
-        iterator still exists; ``pass_ended``: where the next pass starts instead (a loop that
-        leaves the pass on purpose)."""
+    def state(self, batches_ago: int = 0, pass_ended: bool = False) -> dict[str, Any]:
+        """The state's position fields (``epoch``, ``position``, ``ahead``, ``sampler_state``,
+        ``dataset_state``, ``stream``), as a value: the loader lays them over its identity fields,
+        and those not returned keep the identity's zeroed values. A pass in flight is described
+        where it continues, whether or not its iterator still exists; ``pass_ended``: where the
+        next pass starts instead (a loop that leaves the pass on purpose)."""
 
     def batches_per_epoch(self) -> int:
         """This rank's batches in a whole epoch (TypeError for a stream: it has no length to

@@ -109,9 +109,9 @@ def main() -> int:
     if args.regression:
         from loader_resume.order.map_position import MapPosition
 
-        fill = MapPosition.fill_state
-        MapPosition.fill_state = (  # type: ignore[method-assign]
-            lambda self, state, ago=0, pass_ended=False: fill(self, state, ago, True)
+        position_state = MapPosition.state
+        MapPosition.state = (  # type: ignore[method-assign]
+            lambda self, ago=0, pass_ended=False: position_state(self, ago, True)
         )
     dataset = Lines() if args.stream else Ids(args.n)
     loader = ResumableDataLoader(

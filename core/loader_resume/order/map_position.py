@@ -192,9 +192,7 @@ class MapPosition:
         known = self.sampler is None or hasattr(self.sampler, "__len__")
         return -(-self._samples // unit), self.batches_per_epoch() if known else None
 
-    def fill_state(
-        self, state: dict[str, Any], batches_ago: int = 0, pass_ended: bool = False
-    ) -> None:
+    def state(self, batches_ago: int = 0, pass_ended: bool = False) -> dict[str, Any]:
         if batches_ago:
             raise ValueError(
                 f"batches_ago={batches_ago}: map-style states are exact at the last delivered "
@@ -203,13 +201,14 @@ class MapPosition:
         pass_ = self._pass
         live = pass_ is not None and not pass_.done
         # NOTE: where the next iter() starts (a loop that leaves this pass on purpose)
+        state: dict[str, Any]
         if pass_ended and live:
             start = self._next
-            state["epoch"], state["position"] = start.epoch, start.position
+            state = {"epoch": start.epoch, "position": start.position}
             if not self.setup.in_order:
                 state["ahead"] = sorted(start.ahead)
         else:
-            state["epoch"], state["position"] = self.epoch, self._samples
+            state = {"epoch": self.epoch, "position": self._samples}
             if not self.setup.in_order:
                 order = pass_.out_of_order if live else None  # type: ignore[union-attr]
                 if order is not None:
@@ -225,6 +224,7 @@ class MapPosition:
                 state["sampler_state"] = self._current_sampler_state()
         if dataset_stateful:
             state["dataset_state"] = self.setup.dataset.state_dict()
+        return state
 
     def batches_per_epoch(self) -> int:
         total = self.dataset_len() if self.sampler is None else len(self.sampler)

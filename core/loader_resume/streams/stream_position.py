@@ -187,9 +187,7 @@ class StreamPosition:
     def progress(self) -> tuple[int, int | None]:
         return self._current().delivered, None
 
-    def fill_state(
-        self, state: dict[str, Any], batches_ago: int = 0, pass_ended: bool = False
-    ) -> None:
+    def state(self, batches_ago: int = 0, pass_ended: bool = False) -> dict[str, Any]:
         if pass_ended and batches_ago:
             raise ValueError(
                 f"batches_ago={batches_ago} with pass_ended=True: a pass that ended has no batches "
@@ -197,10 +195,7 @@ class StreamPosition:
             )
         current = self._current(pass_ended)
         current = current.rewound(batches_ago) if batches_ago else current
-        state["epoch"], state["stream"] = (
-            current.epoch,
-            stream_to_dict(self.setup.shard().rank, current),
-        )
+        return {"epoch": current.epoch, "stream": stream_to_dict(self.setup.shard().rank, current)}
 
     def batches_per_epoch(self) -> int:
         raise TypeError("an IterableDataset's stream has no length for the loader to compute")
