@@ -42,7 +42,6 @@ def read_state(path: str) -> dict[str, Any] | None:
     try:
         state = torch.load(path, weights_only=True)
     except Exception as error:
-        raise CheckpointError(
-            f"{path}: unreadable ({error}); expected a state written by loader-resume"
-        ) from None
+        raise CheckpointError(f"{path}: unreadable ({error}); expected a state written by "
+                              "loader-resume") from None
     return checked_entry(state, path)

@@ -103,9 +103,8 @@ def load_state_file(path: Path) -> dict[str, Any]:
     try:
         saved = torch.load(path, weights_only=True)
     except Exception as error:
-        raise CheckpointError(
-            f"{path}: unreadable ({error}); expected a loader state written by ResumableTrainer"
-        ) from None
+        raise CheckpointError(f"{path}: unreadable ({error}); expected a loader state written "
+                              "by ResumableTrainer") from None
     return checked_entry(saved, path, needs=("world_size", "rank", "global_step", "loader"))
 
 
@@ -208,10 +207,8 @@ def verify_named(
     except CheckpointError as error:
         failure = error
     if agree(failure is not None):
-        raise failure or CheckpointError(
-            f"{checkpoint}: a file failed verification on another process (its log "
-            "names it); refusing to load it"
-        )
+        raise failure or CheckpointError(f"{checkpoint}: a file failed verification on another "
+                                         "process (its log names it); refusing to load it")
 
 
 def _verify_files(checkpoint: Path, rank: int, world_size: int) -> None:

@@ -132,16 +132,8 @@ def sharded_resumable(
 ) -> L:
     """``resumable`` for a framework's process ``rank`` of ``world_size``, the ranks' datasets
     compared (``distributed.check_same_dataset``: a collective, every rank calls it)."""
-    ours = resumable(
-        loader,
-        seed=seed,
-        keying=keying,
-        keyed_generators=keyed_generators,
-        rank=rank,
-        world_size=world_size,
-        ignore_signals=ignore_signals,
-        loader_class=loader_class,
-        audit=audit,
-    )
+    ours = resumable(loader, seed=seed, keying=keying, keyed_generators=keyed_generators,
+                     rank=rank, world_size=world_size, ignore_signals=ignore_signals,
+                     loader_class=loader_class, audit=audit)
     check_same_dataset(ours)
     return ours

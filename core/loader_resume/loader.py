@@ -146,21 +146,12 @@ class ResumableDataLoader(IndexHooks[T]):
             in_order=in_order,
         )
         setup = settings(
-            self.dataset,
-            seed=seed if seed is not None else default_seed(generator, sampler),
-            keying=keying,
-            keyed_generators=keyed_generators,
-            snapshot_every_n_steps=snapshot_every_n_steps,
-            sampler=sampler,
-            batch_size=batch_size,
-            unbatched=unbatched,
-            drop_last=drop_last,
-            num_workers=num_workers,
-            persistent_workers=persistent_workers,
-            rank=rank,
-            world_size=world_size,
-            in_order=in_order,
-            by_value_bytes=by_value_bytes,
+            self.dataset, seed=seed if seed is not None else default_seed(generator, sampler),
+            keying=keying, keyed_generators=keyed_generators,
+            snapshot_every_n_steps=snapshot_every_n_steps, sampler=sampler, batch_size=batch_size,
+            unbatched=unbatched, drop_last=drop_last, num_workers=num_workers,
+            persistent_workers=persistent_workers, rank=rank, world_size=world_size,
+            in_order=in_order, by_value_bytes=by_value_bytes,
         )
         order, self._position = positioned(
             setup, is_map_style(self), sampler, batch_sampler, shuffle, audit

@@ -74,20 +74,10 @@ def settings(
         shard_drop_last = sampler.drop_last or drop_last
     rank_and_world(rank, world_size)  # fail at construction on an impossible explicit pair
     return Setup(
-        dataset=dataset,
-        seed=seed,
-        keying=keying,
-        generators=tuple(keyed_generators),
-        mask=generator_mask(keyed_generators),
-        batch_size=batch_size,
-        unbatched=unbatched,
-        drop_last=drop_last,
-        num_workers=num_workers,
-        persistent_workers=persistent_workers,
-        rank=rank,
-        world_size=world_size,
-        shard_drop_last=shard_drop_last,
-        in_order=in_order,
+        dataset=dataset, seed=seed, keying=keying, generators=tuple(keyed_generators),
+        mask=generator_mask(keyed_generators), batch_size=batch_size, unbatched=unbatched,
+        drop_last=drop_last, num_workers=num_workers, persistent_workers=persistent_workers,
+        rank=rank, world_size=world_size, shard_drop_last=shard_drop_last, in_order=in_order,
         by_value_bytes=by_value_bytes,
     )
 

@@ -163,16 +163,8 @@ class AuditLog:
             # NOTE: said at the first write (flush), never raised into training
             except OSError as error:
                 logger.debug("audit directory %s: %s", folder, error)
-        header = dict(
-            self._header,
-            loader=name,
-            format=AUDIT_FORMAT,
-            rank=rank,
-            world=world,
-            time=now,
-            host=host,
-            pid=os.getpid(),
-        )
+        header = dict(self._header, loader=name, format=AUDIT_FORMAT, rank=rank, world=world,
+                      time=now, host=host, pid=os.getpid())
         self._buffer.append(
             json.dumps({"t": "begin", **header}, default=repr, separators=(",", ":"))
         )

@@ -42,17 +42,8 @@ class LibraryProtocol(Protocol):
     """Each worker resumes its own items (litdata); else the rank's items as one global count
     (Mosaic)."""
 
-    def main_process(
-        self,
-        dataset: Any,
-        *,
-        epoch: int,
-        items: int,
-        worker: int,
-        workers: int,
-        world: int,
-        batch_size: int,
-    ) -> Any:
+    def main_process(self, dataset: Any, *, epoch: int, items: int, worker: int, workers: int,
+                     world: int, batch_size: int) -> Any:
         """In the main process, before the pass's workers start: what the copy that iterates is
         handed (``in_worker``). ``items``: this worker's delivered items in ``epoch``
         (``per_worker``), else the rank's."""
@@ -66,17 +57,8 @@ class LibraryProtocol(Protocol):
 class _Litdata:
     per_worker = True
 
-    def main_process(
-        self,
-        dataset: Any,
-        *,
-        epoch: int,
-        items: int,
-        worker: int,
-        workers: int,
-        world: int,
-        batch_size: int,
-    ) -> Any:
+    def main_process(self, dataset: Any, *, epoch: int, items: int, worker: int, workers: int,
+                     world: int, batch_size: int) -> Any:
         if items == 0:
             return None
         size = int(getattr(dataset, "batch_size", 1) or 1)
@@ -103,17 +85,8 @@ class _Litdata:
 class _Mosaic:
     per_worker = False
 
-    def main_process(
-        self,
-        dataset: Any,
-        *,
-        epoch: int,
-        items: int,
-        worker: int,
-        workers: int,
-        world: int,
-        batch_size: int,
-    ) -> Any:
+    def main_process(self, dataset: Any, *, epoch: int, items: int, worker: int, workers: int,
+                     world: int, batch_size: int) -> Any:
         if getattr(dataset, "batch_size", None) != batch_size:
             raise ValueError(
                 f"{type(dataset).__name__}(batch_size={getattr(dataset, 'batch_size', None)!r}): "
