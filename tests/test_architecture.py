@@ -8,13 +8,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = [ROOT / "core" / "loader_resume", ROOT / "lightning_resume", ROOT / "accelerate_resume",
-            ROOT / "transformers_resume", ROOT / "ray_resume"]
+            ROOT / "transformers_resume", ROOT / "ray_resume", ROOT / "torchft_resume"]
 OURS = {
     "loader_resume",
     "lightning_resume",
     "accelerate_resume",
     "transformers_resume",
     "ray_resume",
+    "torchft_resume",
 }
 
 

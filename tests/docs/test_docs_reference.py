@@ -15,6 +15,7 @@ PACKAGES = {
     "accelerate_resume": ROOT / "accelerate_resume",
     "transformers_resume": ROOT / "transformers_resume",
     "ray_resume": ROOT / "ray_resume",
+    "torchft_resume": ROOT / "torchft_resume",
 }
 # Public modules beside the packages themselves: their whole __all__ is public too.
 PUBLIC_MODULES = {"loader_resume.testing": PACKAGES["loader_resume"] / "testing.py",

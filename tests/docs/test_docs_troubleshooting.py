@@ -14,7 +14,8 @@ PACKAGES = [
     ROOT / "core" / "loader_resume",
     *(
         ROOT / name
-        for name in ("lightning_resume", "accelerate_resume", "transformers_resume", "ray_resume")
+        for name in ("lightning_resume", "accelerate_resume", "transformers_resume", "ray_resume",
+                     "torchft_resume")
     ),
 ]
 LOG_CALLS = {"warning", "error", "critical", "exception", "warn", "_warn_once"}

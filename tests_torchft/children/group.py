@@ -1,0 +1,127 @@
+"""One replica group (one process) of a TorchFT job, for the tests: trains a small model on
+generated data with ``TorchFTResume`` and writes one JSON line per step to OUT/log-GROUP.jsonl.
+
+    python group.py OUT GROUP LIGHTHOUSE [--epochs E] [--workers W] [--n N] [--kill-at STEP]
+
+``--kill-at STEP``: SIGKILL itself once STEP steps are committed (between steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+from torchft import Manager, ProcessGroupGloo
+
+from torchft_resume import TorchFTResume
+
+
+class Noisy(Dataset[dict[str, torch.Tensor]]):
+    """Item ``i``: its id, features from the id, and augmentation noise drawn from torch."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        x = torch.full((4,), float(index % 7)) + torch.randn(4)
+        return {"id": torch.tensor(index), "x": x}
+
+
+class Model(torch.nn.Module):
+    """A linear layer, and a large parameter that keeps the gradient exchange in flight for a
+    while (the loss adds zero times its sum: its gradient is zeros)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+        self.large = torch.nn.Parameter(torch.zeros(1 << 22))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + 0.0 * self.large.sum()
+
+
+def digest(tensors: list[torch.Tensor]) -> str:
+    return hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in tensors)).hexdigest()[:16]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("group", type=int)
+    parser.add_argument("lighthouse")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--n", type=int, default=96)
+    parser.add_argument("--kill-at", type=int)
+    parser.add_argument("--checkpoint-dir", type=Path)
+    parser.add_argument("--save-every", type=int, default=0)
+    parser.add_argument("--step-seconds", type=float, default=0.25,
+                        help="a step's least duration (a restarted group rejoins a running job)")
+    parser.add_argument("--die-in-exchange", type=int,
+                        help="SIGKILL itself once the gradient exchange of this step has begun")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model = Model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=5)), min_replica_size=1,
+        load_state_dict=None, state_dict=None,
+        use_async_quorum=False, lighthouse_addr=args.lighthouse, replica_id=f"group{args.group}",
+        store_addr="127.0.0.1", store_port=store.port, rank=0, world_size=1,
+        timeout=timedelta(seconds=10), quorum_timeout=timedelta(seconds=30),
+    )
+    loader = DataLoader(Noisy(args.n), batch_size=4, shuffle=True, num_workers=args.workers)
+    resume = TorchFTResume(manager, loader, seed=3, model=model, optimizer=optimizer,
+                           checkpoint_dir=args.checkpoint_dir, save_every_n_steps=args.save_every)
+    log = (args.out / f"log-{args.group}.jsonl").open("a")
+    start = {"t": "start", "group": args.group, "pid": os.getpid(), "step": manager.current_step(),
+             "loaded_from": str(resume.loaded_from), "weights": digest(list(model.parameters()))}
+    log.write(json.dumps(start) + "\n")
+    for batch in resume.batches(args.epochs):
+        before = manager.current_step()
+        take = {"t": "take", "group": args.group, "pid": os.getpid(), "step": before,
+                "epoch": resume.epoch,
+                "participant": [manager.participating_rank(), manager.num_participants()],
+                "ids": batch["id"].tolist(), "noise": [digest([x]) for x in batch["x"]]}
+        log.write(json.dumps(take) + "\n")
+        log.flush()
+        time.sleep(args.step_seconds)
+        loss = ((model(batch["x"]) - 1.0) ** 2).mean()
+        loss.backward()
+        if args.die_in_exchange == before + 1:
+            # NOTE: the exchange begun (the large gradient in flight), then the process is gone
+            for parameter in model.parameters():
+                manager.allreduce(parameter.grad)
+            time.sleep(0.002)
+            os.kill(os.getpid(), signal.SIGKILL)
+        resume.average_gradients(model.parameters())
+        committed = resume.commit()
+        if committed:
+            optimizer.step()
+        optimizer.zero_grad()
+        end = {"t": "end", "group": args.group, "pid": os.getpid(), "step": before,
+               "committed": committed, "weights": digest(list(model.parameters()))}
+        log.write(json.dumps(end) + "\n")
+        log.flush()
+        if committed and args.kill_at is not None and manager.current_step() == args.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+    manager.shutdown(wait=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""``TorchFTResume`` under real TorchFT: a lighthouse (``torchft_lighthouse``) and three replica
+groups, one process each, gloo on loopback. Groups are SIGKILLed between steps and during the
+gradient exchange, restarted (they rejoin through TorchFT's recovery) or never restarted; every
+sample is trained exactly once per epoch (the tail of an epoch padded as documented), each with the
+augmentation it draws in a run without failures, and the weights are equal on every group at every
+committed step."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+CHILD = Path(__file__).parent / "children" / "group.py"
+LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
+N, BATCH, EPOCHS = 96, 4, 2
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def lighthouse(tmp_path: Path) -> Iterator[str]:
+    port = free_port()
+    log = (tmp_path / "lighthouse.log").open("w")
+    process = subprocess.Popen(
+        [str(LIGHTHOUSE), "--min_replicas", "2", "--bind", f"127.0.0.1:{port}",
+         "--join_timeout_ms", "500", "--quorum_tick_ms", "50", "--heartbeat_timeout_ms", "1500"],
+        stdout=log, stderr=subprocess.STDOUT)
+    time.sleep(0.5)
+    yield f"http://127.0.0.1:{port}"
+    process.kill()
+    process.wait()
+
+
+def start(out: Path, group: int, lighthouse: str, *options: str) -> subprocess.Popen[bytes]:
+    log = (out / f"group-{group}.out").open("ab")
+    return subprocess.Popen(
+        [sys.executable, str(CHILD), str(out), str(group), lighthouse, "--epochs", str(EPOCHS),
+         "--n", str(N), *options],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def run_job(out: Path, lighthouse: str, faults: dict[int, list[str]], *, restart: set[int],
+            workers: int = 0) -> list[dict[str, Any]]:
+    """Three groups (``faults``: a group's options for its first process); a group in
+    ``restart`` is started again, with no fault, once its first process died."""
+    out.mkdir()
+    common = ["--workers", str(workers)]
+    processes = {g: start(out, g, lighthouse, *common, *faults.get(g, [])) for g in range(3)}
+    deadline = time.monotonic() + 240
+    restarted: set[int] = set()
+    while time.monotonic() < deadline:
+        for group, process in list(processes.items()):
+            code = process.poll()
+            if code == -signal.SIGKILL and group in restart and group not in restarted:
+                restarted.add(group)
+                processes[group] = start(out, group, lighthouse, *common)
+        if all(process.poll() is not None for process in processes.values()):
+            break
+        time.sleep(0.2)
+    for group, process in processes.items():
+        if process.poll() is None:
+            process.kill()
+        expected = -signal.SIGKILL if group in faults and group not in restart else 0
+        assert process.wait() == expected, (group, (out / f"group-{group}.out").read_text()[-3000:])
+    return [json.loads(line) for path in sorted(out.glob("log-*.jsonl"))
+            for line in path.read_text().splitlines()]
+
+
+def trained(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The batches whose gradients went into a committed step: a batch taken by a process whose
+    step committed; a batch taken by a process that died before its step ended counts when the
+    groups left committed that step with it among the participants."""
+    outcome: dict[int, bool | None] = {}
+    last_take: dict[int, int] = {}
+    for index, row in enumerate(rows):  # each process's rows in their order
+        if row["t"] == "take":
+            outcome[index], last_take[row["pid"]] = None, index
+        elif row["t"] == "end":
+            outcome[last_take[row["pid"]]] = row["committed"]
+    committed_with = {(row["step"], row["participant"][1]) for index, row in enumerate(rows)
+                      if row["t"] == "take" and outcome[index]}
+    return [row for index, row in enumerate(rows) if row["t"] == "take" and (
+        outcome[index] or (outcome[index] is None
+        and (row["step"], row["participant"][1]) in committed_with))]
+
+
+def assert_exactly_once(rows: list[dict[str, Any]]) -> dict[tuple[int, int], str]:
+    """Every sample once per epoch but the padding of an epoch's last step (the step's leftover
+    samples spread evenly, the short participants padded from the epoch's start, as
+    ``DistributedSampler``); returns each (epoch, id)'s noise digest."""
+    noise: dict[tuple[int, int], str] = {}
+    for epoch in range(EPOCHS):
+        batches = [row for row in trained(rows) if row["epoch"] == epoch]
+        last_step = max(row["step"] for row in batches)
+        last = [row for row in batches if row["step"] == last_step]
+        before = collections.Counter(i for row in batches if row["step"] != last_step
+                                     for i in row["ids"])
+        assert max(before.values()) == 1, f"epoch {epoch}: a sample trained twice"
+        world, share = last[0]["participant"][1], len(last[0]["ids"])
+        assert len(last) == world, f"epoch {epoch}: the last step lost a participant's batch"
+        left = N - sum(before.values())
+        assert share == -(-left // world), f"epoch {epoch}: the tail is not spread evenly"
+        ending = collections.Counter(i for row in last for i in row["ids"])
+        assert set(before) | set(ending) == set(range(N)), f"epoch {epoch}: samples never trained"
+        assert len(set(ending) - set(before)) == left, f"epoch {epoch}: the tail repeats a sample"
+        for row in batches:
+            assert len(row["ids"]) == (share if row["step"] == last_step else BATCH)
+            for i, digest in zip(row["ids"], row["noise"], strict=True):
+                assert noise.setdefault((epoch, i), digest) == digest, (epoch, i)
+    return noise
+
+
+def assert_weights_agree(rows: list[dict[str, Any]]) -> None:
+    by_step = collections.defaultdict(set)
+    for row in rows:
+        if row["t"] == "end" and row["committed"]:
+            by_step[row["step"]].add(row["weights"])
+    assert by_step
+    assert all(len(weights) == 1 for weights in by_step.values()), by_step
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], str]:
+    """The noise each (epoch, sample) draws in a run without failures."""
+    out = tmp_path_factory.mktemp("reference")
+    port = free_port()
+    light = subprocess.Popen(
+        [str(LIGHTHOUSE), "--min_replicas", "2", "--bind", f"127.0.0.1:{port}",
+         "--join_timeout_ms", "500", "--quorum_tick_ms", "50", "--heartbeat_timeout_ms", "1500"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(0.5)
+        rows = run_job(out / "job", f"http://127.0.0.1:{port}", {}, restart=set())
+    finally:
+        light.kill()
+        light.wait()
+    assert all(row["committed"] for row in rows if row["t"] == "end")
+    assert_weights_agree(rows)
+    return assert_exactly_once(rows)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_group_killed_between_steps_and_restarted_trains_every_sample_once(
+        tmp_path: Path, lighthouse: str, reference: dict[tuple[int, int], str],
+        workers: int) -> None:
+    rows = run_job(tmp_path / "job", lighthouse, {2: ["--kill-at", "6"]}, restart={2},
+                   workers=workers)
+    pids = {row["pid"] for row in rows if row["group"] == 2}
+    assert len(pids) == 2, "the group was killed and ran again"
+    worlds = [row["participant"][1] for row in rows if row["t"] == "take" and row["group"] == 0]
+    assert 2 in worlds and worlds[-1] == 3, "the quorum shrank to 2 groups and grew back to 3"
+    assert assert_exactly_once(rows) == reference
+    assert_weights_agree(rows)
+
+
+def test_a_group_killed_during_the_gradient_exchange_gives_the_step_back(
+        tmp_path: Path, lighthouse: str, reference: dict[tuple[int, int], str]) -> None:
+    rows = run_job(tmp_path / "job", lighthouse, {1: ["--die-in-exchange", "5"]}, restart={1})
+    failed = [row for row in rows if row["t"] == "end" and not row["committed"]]
+    assert failed, "the groups left saw the step fail"
+    assert assert_exactly_once(rows) == reference
+    assert_weights_agree(rows)
+
+
+def test_a_group_that_never_returns_leaves_its_samples_to_the_others(
+        tmp_path: Path, lighthouse: str, reference: dict[tuple[int, int], str]) -> None:
+    rows = run_job(tmp_path / "job", lighthouse, {0: ["--kill-at", "4"]}, restart=set())
+    assert assert_exactly_once(rows) == reference
+    assert_weights_agree(rows)
+
+
+def whole_job(out: Path, lighthouse: str, *options: str) -> list[subprocess.Popen[bytes]]:
+    out.mkdir(exist_ok=True)
+    return [start(out, group, lighthouse, "--checkpoint-dir", str(out / "checkpoints"), *options)
+            for group in range(3)]
+
+
+def wait_for_step(out: Path, step: int) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        path = out / "log-0.jsonl"
+        if path.exists() and any(json.loads(line).get("step", -1) >= step
+                                 for line in path.read_text().splitlines()):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} never came")
+
+
+def finish(processes: list[subprocess.Popen[bytes]], out: Path) -> list[int]:
+    codes = []
+    for group, process in enumerate(processes):
+        try:
+            codes.append(process.wait(timeout=180))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise AssertionError((out / f"group-{group}.out").read_text()[-3000:]) from None
+    return codes
+
+
+def rows_of(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for path in sorted(out.glob("log-*.jsonl"))
+            for line in path.read_text().splitlines()]
+
+
+def test_every_group_killed_resumes_the_job_from_the_periodic_checkpoint(
+        tmp_path: Path, lighthouse: str, reference: dict[tuple[int, int], str]) -> None:
+    out = tmp_path / "job"
+    first = whole_job(out, lighthouse, "--save-every", "3")
+    wait_for_step(out, 8)
+    for process in first:
+        process.kill()
+    assert finish(first, out) == [-signal.SIGKILL] * 3
+    kept = sorted((out / "checkpoints").glob("step_*"))
+    saved = int(kept[-1].name.removeprefix("step_"))
+    assert saved % 3 == 0 and saved >= 6
+    attempt_one = {row["pid"] for row in rows_of(out)}
+    assert finish(whole_job(out, lighthouse, "--save-every", "3"), out) == [0, 0, 0]
+    rows = rows_of(out)
+    starts = [row for row in rows if row["t"] == "start" and row["pid"] not in attempt_one]
+    assert {row["loaded_from"] for row in starts} == {str(kept[-1])}
+    assert {row["step"] for row in starts} == {saved}
+    saved_weights = {row["weights"] for row in rows if row["t"] == "end" and row["committed"]
+                     and row["pid"] in attempt_one and row["step"] == saved - 1}
+    assert {row["weights"] for row in starts} == saved_weights
+    # what the finished model trained on: the first job's steps the checkpoint holds, then the
+    # second job's
+    kept_rows = [row for row in rows if row["pid"] not in attempt_one or row["step"] < saved]
+    assert assert_exactly_once(kept_rows) == reference
+    assert_weights_agree(kept_rows)
+
+
+def test_sigterm_to_one_group_stops_every_group_at_one_checkpoint_and_the_rerun_continues(
+        tmp_path: Path, lighthouse: str, reference: dict[tuple[int, int], str]) -> None:
+    out = tmp_path / "job"
+    first = whole_job(out, lighthouse)
+    wait_for_step(out, 5)
+    first[1].send_signal(signal.SIGTERM)
+    assert finish(first, out) == [143, 143, 143]
+    (kept,) = sorted((out / "checkpoints").glob("step_*"))
+    attempt_one = {row["pid"] for row in rows_of(out)}
+    last = max(row["step"] for row in rows_of(out) if row["t"] == "end" and row["committed"])
+    assert kept.name == f"step_{last + 1:09d}", "the checkpoint is the last committed step's"
+    assert finish(whole_job(out, lighthouse), out) == [0, 0, 0]
+    rows = rows_of(out)
+    assert {row["step"] for row in rows if row["t"] == "start"
+            and row["pid"] not in attempt_one} == {last + 1}
+    assert assert_exactly_once(rows) == reference, "no step lost or repeated across the stop"
+    assert_weights_agree(rows)

@@ -1,0 +1,325 @@
+"""``TorchFTResume``: every sample exactly once per epoch while TorchFT's replica groups fail and
+rejoin, without restarting the job.
+
+The epoch is one global order of samples (``ResumableDataLoader``'s): each committed step takes the
+next ``participants * batch_size`` of it, participant ``r`` the ``r``-th slice. So:
+
+- at each quorum the loader is sharded over the participating replica groups (rebuilt, from the
+  same global position, when the participants change): the samples a dead group would have read
+  are read by the groups left;
+- a step that does not commit gives its batch back: the loader returns to the state taken before
+  the batch, and the step's samples are read again by whoever takes part in the next one;
+- a group that rejoins takes the loader state from a healthy peer in TorchFT's own recovery (the
+  state holds no rank: one state serves every group), with the model and optimizer the user
+  registered.
+
+Random augmentations are keyed per sample (``keying="sample"``): a sample read by another group,
+in another batch, draws the same numbers.
+
+When every group is lost (the whole job stopped), the periodic checkpoint brings it back: with
+``checkpoint_dir``, the first participant writes the model, the optimizer, TorchFT's step and the
+loader state every ``save_every_n_steps`` committed steps (sealed: a kill during a write leaves the
+previous one), and a restarted job loads the newest complete one before its first quorum. A
+preemption signal (SIGTERM, SIGUSR1) on any group stops them all at the same committed step: the
+groups agree inside the step's gradient exchange, the first participant writes the checkpoint, and
+every group exits with 143 once it is on storage (74 when the write failed, or a group cannot
+learn that it succeeded). A group restarted
+while the others train loads the checkpoint, then TorchFT's recovery brings it to their step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed import ReduceOp
+from torch.utils.data import DataLoader
+
+from loader_resume.convert import resumable
+from loader_resume.job.checkpoint import complete_checkpoints, write_sealed
+from loader_resume.job.checkpoint_dir import newest_usable
+from loader_resume.job.checkpoint_entry import checked_entry, new_entry
+from loader_resume.job.preemption import Preemption
+from loader_resume.keyed.keyed_rng import GENERATORS
+from loader_resume.loader import ResumableDataLoader
+
+if TYPE_CHECKING:
+    from torchft import Manager
+
+__all__ = ["STATE_KEY", "TorchFTResume"]
+
+logger = logging.getLogger(__name__)
+
+_DONE = object()
+
+STATE_KEY = "loader_resume"
+"""The name the loader state is registered under with ``Manager.register_state_dict_fn``."""
+CHECKPOINT_FILE = "torchft_resume.pt"
+"""The file of a ``step_N`` checkpoint directory: model, optimizer, TorchFT's and the loader's
+state."""
+WRITE_FAILED = 74
+
+
+class TorchFTResume:
+    """The data side of a TorchFT training loop (see the module docstring).
+
+    Args:
+        manager: the replica group's ``torchft.Manager``, built with ``use_async_quorum=False``
+            (an asynchronous quorum lets a step run before its participants are known: refused).
+        loader: the training loader, a plain ``DataLoader`` or a ``ResumableDataLoader`` (map-style
+            data); its batch size is each group's share of a step.
+        seed: the order of every epoch and every keyed random number.
+        keyed_generators: the generators a sample's loading draws from, keyed per sample.
+        model, optimizer: registered with the manager (a rejoining group takes them from a peer)
+            and saved in the checkpoint; leave them out if the manager already has them, then no
+            checkpoint can be written.
+        checkpoint_dir: the directory of ``step_N`` checkpoints, shared by the groups (``None``:
+            no checkpoint; the job lives as long as one group does).
+        save_every_n_steps: a checkpoint every N committed steps (0: only on preemption).
+        keep: the newest checkpoints kept.
+        signals: the signals that stop the job at an agreed checkpoint.
+        exit_code: every group's exit after that checkpoint.
+
+    The loop::
+
+        resume = TorchFTResume(manager, loader)
+        for batch in resume.batches(epochs=2):
+            loss = model(batch).sum()
+            loss.backward()
+            resume.average_gradients(model.parameters())
+            if resume.commit():
+                optimizer.step()
+            optimizer.zero_grad()
+    """
+
+    def __init__(self, manager: Manager, loader: DataLoader[Any], *, seed: int = 0,
+                 keyed_generators: Iterable[str] = GENERATORS, model: torch.nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None,
+                 checkpoint_dir: str | os.PathLike[str] | None = None, save_every_n_steps: int = 0,
+                 keep: int = 2, signals: Sequence[str | int] = ("SIGTERM", "SIGUSR1"),
+                 exit_code: int = 143) -> None:
+        if getattr(manager, "_use_async_quorum", False):
+            raise ValueError(
+                "TorchFTResume: Manager(use_async_quorum=True) starts a step before its quorum "
+                "(and so its participants) is known; expected Manager(use_async_quorum=False)"
+            )
+        if isinstance(loader.dataset, torch.utils.data.IterableDataset):
+            raise TypeError(
+                "TorchFTResume: an IterableDataset has no global order to share between replica "
+                "groups; expected a map-style dataset"
+            )
+        self.manager = manager
+        self._source = loader
+        self._seed = seed
+        self._generators = tuple(keyed_generators)
+        self._shard: tuple[int, int] | None = None
+        self.loader: ResumableDataLoader[Any] = self._build(0, 1)
+        self._iterator: Iterator[Any] | None = None
+        self._before: dict[str, Any] | None = None
+        self._pending: dict[str, Any] | None = None
+        self._uncommitted = False
+        self._exchanged = False
+        self._due: str | None = None
+        self.steps_committed = 0
+        """Steps this group committed in this process."""
+        self.batches_given_back = 0
+        """Batches of steps that did not commit, read again in a later step."""
+        manager.register_state_dict_fn(STATE_KEY, self._load, self._state)
+        self.model, self.optimizer = model, optimizer
+        if model is not None:
+            manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
+        if optimizer is not None:
+            manager.register_state_dict_fn("optimizer", optimizer.load_state_dict,
+                                           optimizer.state_dict)
+        if checkpoint_dir is not None and (model is None or optimizer is None):
+            raise ValueError("TorchFTResume(checkpoint_dir=...): expected model= and optimizer= "
+                             "too (the checkpoint holds them)")
+        for name, value, least in (("save_every_n_steps", save_every_n_steps, 0),
+                                   ("keep", keep, 1), ("exit_code", exit_code, 0)):
+            if type(value) is not int or value < least:
+                raise ValueError(f"TorchFTResume({name}={value!r}): expected an int >= {least}")
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.save_every_n_steps, self.keep, self.exit_code = save_every_n_steps, keep, exit_code
+        self.preemption = Preemption(signals)
+        self.preemption.install()
+        self._stop = torch.zeros(1)
+        self.loaded_from: Path | None = self._resume()
+        """The checkpoint this process started from (``None``: the start, or TorchFT's recovery
+        alone)."""
+
+    # --- the user's API ----------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        """The epoch of the batch in hand (between steps, of the next batch)."""
+        if self._uncommitted and self._before is not None:
+            return int(self._before["epoch"])
+        return self.loader.epoch
+
+    def batches(self, epochs: int) -> Iterator[Any]:
+        """This group's batch of each step until ``epochs`` epochs are done (counted from 0, over
+        the whole job: a group that rejoins ends with the others). Each step starts TorchFT's
+        quorum, shards the loader over its participants and takes this group's batch; the step
+        must end with ``commit()``."""
+        while True:
+            if self._uncommitted:
+                raise RuntimeError(
+                    "TorchFTResume: a batch was taken and its step never ended; expected "
+                    "resume.commit() once per step (after the gradients, before optimizer.step)"
+                )
+            due, self._due = self._due, None
+            if due == "stop":
+                self._preempted(self.manager.current_step())
+            if due == "save":
+                self.save()
+            self.manager.start_quorum()
+            self._follow_quorum()
+            batch = self._next_batch(epochs)
+            if batch is _DONE:
+                return
+            self._uncommitted = True
+            yield batch
+
+    def average_gradients(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+        """Average each parameter's gradient over the participating groups
+        (``Manager.allreduce``), and learn whether any group received a preemption signal. A peer
+        that dies during the exchange makes the step fail to commit; nothing is raised here."""
+        self._stop.fill_(0.0 if self.preemption.received is None else 1.0)
+        works = [self.manager.allreduce(p.grad) for p in parameters if p.grad is not None]
+        works.append(self.manager.allreduce(self._stop, reduce_op=ReduceOp.SUM))
+        for work in works:
+            work.wait()
+        self._exchanged = True
+
+    def commit(self) -> bool:
+        """End the step: ``True`` when every participant may step its optimizer
+        (``Manager.should_commit``); ``False`` gives the batch back (read again in a later step)."""
+        if not self._uncommitted:
+            raise RuntimeError("TorchFTResume.commit(): no batch in hand; expected one per step")
+        self._uncommitted = False
+        exchanged, self._exchanged = self._exchanged, False
+        if self.manager.should_commit():
+            self.steps_committed += 1
+            step = self.manager.current_step()
+            # NOTE: done before the next step, once the caller has stepped its optimizer
+            if exchanged and self._stop.item() > 0:
+                self._due = "stop"
+            elif self.save_every_n_steps and step % self.save_every_n_steps == 0:
+                self._due = "save"
+            return True
+        assert self._before is not None
+        self.batches_given_back += 1
+        logger.info("TorchFTResume: step not committed; its batch is given back (epoch %d)",
+                    self._before["epoch"])
+        self.loader.load_state_dict(self._before)
+        self._iterator = None
+        return False
+
+    # --- checkpoints ------------------------------------------------------------------------------
+    def save(self) -> Path | None:
+        """Write ``step_N`` (N: TorchFT's committed steps) on the first participant, between steps
+        (``None`` elsewhere, or without ``checkpoint_dir``); ``None`` too when the write failed
+        (logged; the previous checkpoints stay)."""
+        if self.checkpoint_dir is None or not self._writes():
+            return None
+        assert self.model is not None and self.optimizer is not None
+        step = self.manager.current_step()
+        entry = new_entry(step=step, epoch=self.loader.epoch, torchft=self.manager.state_dict(),
+                          loader=self.loader.state_dict(pass_ended=False),
+                          model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
+        final = self.checkpoint_dir / f"step_{step:09d}"
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        written = write_sealed(final, lambda into: torch.save(entry, into / CHECKPOINT_FILE),
+                               main=True, agree=lambda flag: flag, step=step, keep=self.keep)
+        return final if written else None
+
+    def _writes(self) -> bool:
+        first_rank = getattr(self.manager, "_group_rank", 0) == 0
+        return first_rank and self.manager.participating_rank() == 0
+
+    def _resume(self) -> Path | None:
+        if self.checkpoint_dir is None:
+            return None
+        newest = newest_usable(complete_checkpoints(self.checkpoint_dir), lambda flag: flag)
+        if newest is None:
+            return None
+        path = newest / CHECKPOINT_FILE
+        entry = checked_entry(torch.load(path, weights_only=True), path,
+                              needs=("step", "torchft", "loader", "model", "optimizer"))
+        assert self.model is not None and self.optimizer is not None
+        self.model.load_state_dict(entry["model"])
+        self.optimizer.load_state_dict(entry["optimizer"])
+        self.manager.load_state_dict(entry["torchft"])
+        self._pending = entry["loader"]
+        logger.info("TorchFTResume: resumed from %s (step %d, epoch %d)", newest, entry["step"],
+                    entry["epoch"])
+        return newest
+
+    def _preempted(self, step: int) -> None:
+        """A group received a preemption signal: every group stops after this committed step, the
+        first participant having written its checkpoint."""
+        written = self.save() if self._writes() else None
+        # NOTE: every group learns whether the checkpoint is on storage (a peer lost on the way:
+        # this group's own answer, 74 where it wrote nothing)
+        on_storage = torch.tensor([0.0 if written is None else 1.0])
+        self.manager.allreduce(on_storage, reduce_op=ReduceOp.SUM).wait()
+        code = self.exit_code if on_storage.item() > 0 else WRITE_FAILED
+        logger.warning("TorchFTResume: preemption signal; stopping at step %d, checkpoint %s, "
+                       "exit %d", step, "written" if code == self.exit_code else "NOT written",
+                       code)
+        self.preemption.uninstall()
+        self.manager.shutdown(wait=False)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    # --- the quorum ----------------------------------------------------------------------------
+    def _follow_quorum(self) -> None:
+        rank = self.manager.participating_rank()
+        world = self.manager.num_participants()
+        if rank is None:
+            raise RuntimeError("TorchFTResume: this group takes no part in the quorum")
+        pending, self._pending = self._pending, None
+        if pending is None and self._shard == (rank, world):
+            return
+        state = pending if pending is not None else self.loader.state_dict()
+        if self._shard is not None or pending is not None:
+            logger.info("TorchFTResume: participant %d of %d from epoch %d, position %s",
+                        rank, world, state["epoch"], state["position"])
+        self.loader = self._build(rank, world)
+        self.loader.load_state_dict(state)
+        self._iterator = None
+
+    def _next_batch(self, epochs: int) -> Any:
+        """This group's batch of the step, the next epoch's first after an epoch's end; ``_DONE``
+        once ``epochs`` are."""
+        for _ in range(2):
+            if self.loader.epoch >= epochs:
+                return _DONE
+            if self._iterator is None:
+                self._iterator = iter(self.loader)
+            self._before = self.loader.state_dict(pass_ended=False)
+            try:
+                return next(self._iterator)
+            except StopIteration:
+                self._iterator = None
+        raise RuntimeError(f"TorchFTResume: epoch {self.loader.epoch} has no batch for this group")
+
+    def _build(self, rank: int, world: int) -> ResumableDataLoader[Any]:
+        self._shard = (rank, world)
+        return resumable(self._source, seed=self._seed, keying="sample",
+                         keyed_generators=self._generators, rank=rank, world_size=world)
+
+    # --- TorchFT's recovery ----------------------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        # NOTE: called by TorchFT's quorum thread while the main thread waits in start_quorum:
+        # between steps, so the state after the last committed one
+        return self.loader.state_dict(pass_ended=False)
+
+    def _load(self, state: dict[str, Any]) -> None:
+        # NOTE: applied at the next quorum, sharded over its participants
+        self._pending = state
