@@ -75,9 +75,10 @@ class TorchFTResume:
             data); its batch size is each group's share of a step.
         seed: the order of every epoch and every keyed random number.
         keyed_generators: the generators a sample's loading draws from, keyed per sample.
-        model, optimizer: registered with the manager (a rejoining group takes them from a peer)
-            and saved in the checkpoint; leave them out if the manager already has them, then no
-            checkpoint can be written.
+        model: registered with the manager (a rejoining group takes it from a peer) and saved in
+            the checkpoint; leave it out if the manager already has it (then no checkpoint can be
+            written).
+        optimizer: the same, for the optimizer.
         checkpoint_dir: the directory of ``step_N`` checkpoints, shared by the groups (``None``:
             no checkpoint; the job lives as long as one group does).
         save_every_n_steps: a checkpoint every N committed steps (0: only on preemption).
@@ -119,7 +120,7 @@ class TorchFTResume:
         self._generators = tuple(keyed_generators)
         self._shard: tuple[int, int] | None = None
         self.loader: ResumableDataLoader[Any] = self._build(0, 1)
-        self._iterator: Iterator[Any] | None = None
+        self._pass: Iterator[Any] | None = None
         self._before: dict[str, Any] | None = None
         self._pending: dict[str, Any] | None = None
         self._uncommitted = False
@@ -216,7 +217,7 @@ class TorchFTResume:
         logger.info("TorchFTResume: step not committed; its batch is given back (epoch %d)",
                     self._before["epoch"])
         self.loader.load_state_dict(self._before)
-        self._iterator = None
+        self._pass = None
         return False
 
     # --- checkpoints ------------------------------------------------------------------------------
@@ -292,7 +293,7 @@ class TorchFTResume:
                         rank, world, state["epoch"], state["position"])
         self.loader = self._build(rank, world)
         self.loader.load_state_dict(state)
-        self._iterator = None
+        self._pass = None
 
     def _next_batch(self, epochs: int) -> Any:
         """This group's batch of the step, the next epoch's first after an epoch's end; ``_DONE``
@@ -300,13 +301,13 @@ class TorchFTResume:
         for _ in range(2):
             if self.loader.epoch >= epochs:
                 return _DONE
-            if self._iterator is None:
-                self._iterator = iter(self.loader)
+            if self._pass is None:
+                self._pass = iter(self.loader)
             self._before = self.loader.state_dict(pass_ended=False)
             try:
-                return next(self._iterator)
+                return next(self._pass)
             except StopIteration:
-                self._iterator = None
+                self._pass = None
         raise RuntimeError(f"TorchFTResume: epoch {self.loader.epoch} has no batch for this group")
 
     def _build(self, rank: int, world: int) -> ResumableDataLoader[Any]:

@@ -74,6 +74,7 @@ ENTRIES = {
     "the loop left the pass": "pass-left",
     "was left before its end": "pass-left",
     "preemption notice": "preemption",
+    "TorchFTResume: preemption signal": "preemption",
     "outside a SLURM job": "preemption",
     "SLURM_JOB_ID is not set": "preemption",
     "scontrol could not run": "preemption",

@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 from torchft import Manager, ProcessGroupGloo
+from torchft.data import DistributedSampler
 
 from torchft_resume import TorchFTResume
 
@@ -70,6 +72,8 @@ def main() -> int:
     parser.add_argument("--save-every", type=int, default=0)
     parser.add_argument("--step-seconds", type=float, default=0.25,
                         help="a step's least duration (a restarted group rejoins a running job)")
+    parser.add_argument("--sampler", choices=["ours", "torchft"], default="ours",
+                        help="torchft: TorchFT's own DistributedSampler and a plain loader")
     parser.add_argument("--die-in-exchange", type=int,
                         help="SIGKILL itself once the gradient exchange of this step has begun")
     args = parser.parse_args()
@@ -84,21 +88,19 @@ def main() -> int:
         store_addr="127.0.0.1", store_port=store.port, rank=0, world_size=1,
         timeout=timedelta(seconds=10), quorum_timeout=timedelta(seconds=30),
     )
-    loader = DataLoader(Noisy(args.n), batch_size=4, shuffle=True, num_workers=args.workers)
-    resume = TorchFTResume(manager, loader, seed=3, model=model, optimizer=optimizer,
-                           checkpoint_dir=args.checkpoint_dir, save_every_n_steps=args.save_every)
     log = (args.out / f"log-{args.group}.jsonl").open("a")
-    start = {"t": "start", "group": args.group, "pid": os.getpid(), "step": manager.current_step(),
-             "loaded_from": str(resume.loaded_from), "weights": digest(list(model.parameters()))}
-    log.write(json.dumps(start) + "\n")
-    for batch in resume.batches(args.epochs):
-        before = manager.current_step()
-        take = {"t": "take", "group": args.group, "pid": os.getpid(), "step": before,
-                "epoch": resume.epoch,
-                "participant": [manager.participating_rank(), manager.num_participants()],
-                "ids": batch["id"].tolist(), "noise": [digest([x]) for x in batch["x"]]}
-        log.write(json.dumps(take) + "\n")
+
+    def write(row: dict[str, object]) -> None:
+        log.write(json.dumps({**row, "group": args.group, "pid": os.getpid(),
+                              "time": time.time()}) + "\n")
         log.flush()
+
+    def step(batch: dict[str, torch.Tensor], epoch: int, exchange: Callable[[], None],
+             commit: Callable[[], bool]) -> None:
+        before = manager.current_step()
+        write({"t": "take", "step": before, "epoch": epoch,
+               "participant": [manager.participating_rank(), manager.num_participants()],
+               "ids": batch["id"].tolist(), "noise": [digest([x]) for x in batch["x"]]})
         time.sleep(args.step_seconds)
         loss = ((model(batch["x"]) - 1.0) ** 2).mean()
         loss.backward()
@@ -108,17 +110,51 @@ def main() -> int:
                 manager.allreduce(parameter.grad)
             time.sleep(0.002)
             os.kill(os.getpid(), signal.SIGKILL)
-        resume.average_gradients(model.parameters())
-        committed = resume.commit()
+        exchange()
+        committed = commit()
         if committed:
             optimizer.step()
         optimizer.zero_grad()
-        end = {"t": "end", "group": args.group, "pid": os.getpid(), "step": before,
-               "committed": committed, "weights": digest(list(model.parameters()))}
-        log.write(json.dumps(end) + "\n")
-        log.flush()
+        write({"t": "end", "step": before, "committed": committed,
+               "weights": digest(list(model.parameters()))})
         if committed and args.kill_at is not None and manager.current_step() == args.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
+
+    dataset = Noisy(args.n)
+    if args.sampler == "torchft":
+        # NOTE: TorchFT's own recipe, for the benchmark beside ours: its sampler, a plain loader
+        sampler = DistributedSampler(dataset, replica_rank=args.group, num_replica_groups=3,
+                                     group_rank=0, num_replicas=1, shuffle=True, seed=3)
+        plain = DataLoader(dataset, batch_size=4, sampler=sampler, num_workers=args.workers)
+        manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
+        manager.register_state_dict_fn("optimizer", optimizer.load_state_dict,
+                                       optimizer.state_dict)
+        write({"t": "start", "step": manager.current_step(), "loaded_from": "None",
+               "weights": digest(list(model.parameters()))})
+
+        def exchange() -> None:
+            for work in [manager.allreduce(p.grad) for p in model.parameters()]:
+                work.wait()
+
+        epoch = 0
+        while manager.batches_committed() * 4 < args.n * args.epochs:
+            sampler.set_epoch(epoch)
+            for batch in plain:
+                manager.start_quorum()
+                if manager.batches_committed() * 4 >= args.n * args.epochs:
+                    break
+                step(batch, epoch, exchange, manager.should_commit)
+            epoch += 1
+        manager.shutdown(wait=False)
+        return 0
+    loader = DataLoader(dataset, batch_size=4, shuffle=True, num_workers=args.workers)
+    resume = TorchFTResume(manager, loader, seed=3, model=model, optimizer=optimizer,
+                           checkpoint_dir=args.checkpoint_dir, save_every_n_steps=args.save_every)
+    write({"t": "start", "step": manager.current_step(), "loaded_from": str(resume.loaded_from),
+           "weights": digest(list(model.parameters()))})
+    for batch in resume.batches(args.epochs):
+        step(batch, resume.epoch, lambda: resume.average_gradients(model.parameters()),
+             resume.commit)
     manager.shutdown(wait=False)
     return 0
 
