@@ -99,10 +99,12 @@ def _counts(rows: list[dict[str, Any]], fail: bool, pads: bool) -> dict[str, Any
         elif row["t"] == "end":
             outcome[last[row["pid"]]] = row["committed"]
     trained = [row for index, row in enumerate(rows) if row["t"] == "take" and outcome.get(index)]
-    counts = collections.Counter(i for row in trained for i in row["ids"])
     last = max(row["step"] for row in trained)
-    earlier = {i for row in trained if row["step"] < last for i in row["ids"]}
-    padding = sum(i in earlier for row in trained if row["step"] == last for i in row["ids"])
+    earlier = collections.Counter(i for row in trained if row["step"] < last for i in row["ids"])
+    final = [i for row in trained if row["step"] == last for i in row["ids"]]
+    padding = sum(i in earlier for i in final) if pads else 0
+    # NOTE: the padded occurrences counted apart, never a repeat of the steps before
+    counts = earlier + collections.Counter(i for i in final if not (pads and i in earlier))
     ends = [row for row in rows if row["t"] == "end"]
     took = [row["time"] for row in rows if row["t"] == "take"]
     rejoin = None
@@ -115,8 +117,8 @@ def _counts(rows: list[dict[str, Any]], fail: bool, pads: bool) -> dict[str, Any
     return {
         "trained": sum(counts.values()),
         "distinct": len(counts),
-        "repeated": sum(1 for count in counts.values() if count > 1) - (padding if pads else 0),
-        "padding": padding if pads else 0,
+        "repeated": sum(1 for count in counts.values() if count > 1),
+        "padding": padding,
         "lost": N - len(counts),
         "rejoin_s": rejoin,
         "samples_per_s": sum(counts.values()) / (max(row["time"] for row in ends) - min(took)),
@@ -159,11 +161,12 @@ def main() -> None:
                       "samples/s, one failure"], rows)
     print(table)
     if not args.quick:
+        from importlib.metadata import version
+
         import torch
-        import torchft  # noqa: F401
 
         machine = (f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-                   f"torchft 0.2.0")
+                   f"torchft {version('torchft')}")
         text = (f"{table}\n\nMeasured by `python benchmarks/bench_torchft.py` ({machine}), in "
                 f"TorchFT's environment: three replica groups, {N} samples, batches of 4, one "
                 f"group SIGKILLed at step {KILL_AT} and started again at once; min to max over "

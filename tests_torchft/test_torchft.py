@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -51,7 +52,8 @@ def start(out: Path, group: int, lighthouse: str, *options: str) -> subprocess.P
     return subprocess.Popen(
         [sys.executable, str(CHILD), str(out), str(group), lighthouse, "--epochs", str(EPOCHS),
          "--n", str(N), *options],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True)
 
 
 def run_job(out: Path, lighthouse: str, faults: dict[int, list[str]], *, restart: set[int],
@@ -82,9 +84,10 @@ def run_job(out: Path, lighthouse: str, faults: dict[int, list[str]], *, restart
 
 
 def trained(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The batches whose gradients went into a committed step: a batch taken by a process whose
-    step committed; a batch taken by a process that died before its step ended counts when the
-    groups left committed that step with it among the participants."""
+    """The batches whose gradients went into a committed step: those of a step (a quorum's) that
+    committed on any group. A group whose commit failed while others committed contributed its
+    gradients all the same, and heals from a peer that stepped; a group that died before its step
+    ended counts when the others committed that quorum's step."""
     outcome: dict[int, bool | None] = {}
     last_take: dict[int, int] = {}
     for index, row in enumerate(rows):  # each process's rows in their order
@@ -92,11 +95,9 @@ def trained(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             outcome[index], last_take[row["pid"]] = None, index
         elif row["t"] == "end":
             outcome[last_take[row["pid"]]] = row["committed"]
-    committed_with = {(row["step"], row["participant"][1]) for index, row in enumerate(rows)
-                      if row["t"] == "take" and outcome[index]}
-    return [row for index, row in enumerate(rows) if row["t"] == "take" and (
-        outcome[index] or (outcome[index] is None
-        and (row["step"], row["participant"][1]) in committed_with))]
+    committed = {(row["step"], row["quorum"]) for index, row in enumerate(rows)
+                 if row["t"] == "take" and outcome[index]}
+    return [row for row in rows if row["t"] == "take" and (row["step"], row["quorum"]) in committed]
 
 
 def assert_exactly_once(rows: list[dict[str, Any]]) -> dict[tuple[int, int], str]:
@@ -244,20 +245,76 @@ def test_every_group_killed_resumes_the_job_from_the_periodic_checkpoint(
     assert_weights_agree(kept_rows)
 
 
+@pytest.mark.parametrize("sent, options", [
+    ("process", []),
+    ("process group", ["--workers", "2"]),  # its DataLoader workers receive it too
+    ("process", ["--own-allreduce"]),  # the gradients averaged by the script's own calls
+])
 def test_sigterm_to_one_group_stops_every_group_at_one_checkpoint_and_the_rerun_continues(
-        tmp_path: Path, lighthouse: str, reference: dict[tuple[int, int], str]) -> None:
+        tmp_path: Path, lighthouse: str, reference: dict[tuple[int, int], str], sent: str,
+        options: list[str]) -> None:
     out = tmp_path / "job"
-    first = whole_job(out, lighthouse)
+    first = whole_job(out, lighthouse, *options)
     wait_for_step(out, 5)
-    first[1].send_signal(signal.SIGTERM)
+    if sent == "process group":
+        os.killpg(first[1].pid, signal.SIGTERM)
+    else:
+        first[1].send_signal(signal.SIGTERM)
     assert finish(first, out) == [143, 143, 143]
     (kept,) = sorted((out / "checkpoints").glob("step_*"))
     attempt_one = {row["pid"] for row in rows_of(out)}
     last = max(row["step"] for row in rows_of(out) if row["t"] == "end" and row["committed"])
     assert kept.name == f"step_{last + 1:09d}", "the checkpoint is the last committed step's"
-    assert finish(whole_job(out, lighthouse), out) == [0, 0, 0]
+    assert finish(whole_job(out, lighthouse, *options), out) == [0, 0, 0]
     rows = rows_of(out)
     assert {row["step"] for row in rows if row["t"] == "start"
             and row["pid"] not in attempt_one} == {last + 1}
     assert assert_exactly_once(rows) == reference, "no step lost or repeated across the stop"
     assert_weights_agree(rows)
+
+
+def test_what_cannot_be_kept_exact_is_refused_by_name(lighthouse: str) -> None:
+    """Each refused setting names itself (a real Manager, before any quorum)."""
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
+    from torchft import Manager, Optimizer, ProcessGroupGloo
+
+    from torchft_resume import TorchFTResume
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+    made: list[Manager] = []
+
+    def manager(**options: Any) -> Manager:
+        made.append(Manager(pg=ProcessGroupGloo(), load_state_dict=None, state_dict=None,
+                       min_replica_size=1, lighthouse_addr=lighthouse, replica_id="refused",
+                       store_addr="127.0.0.1", store_port=store.port, rank=0, world_size=1,
+                       **options))
+        return made[-1]
+
+    class Stream(IterableDataset[int]):
+        def __iter__(self) -> Iterator[int]:
+            return iter(range(4))
+
+    data = TensorDataset(torch.arange(8.0))
+    model = torch.nn.Linear(1, 1)
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync = manager(use_async_quorum=False)
+    cases = [
+        (dict(manager=manager(use_async_quorum=True), loader=DataLoader(data)),
+         "use_async_quorum=True"),
+        (dict(manager=sync, loader=DataLoader(
+            data, sampler=DistributedSampler(data, num_replicas=2, rank=0))),
+         "a loader already sharded (DistributedSampler)"),
+        (dict(manager=sync, loader=DataLoader(Stream())), "an IterableDataset"),
+        (dict(manager=sync, loader=DataLoader(data, num_workers=2, in_order=False)),
+         "DataLoader(in_order=False)"),
+        (dict(manager=sync, loader=DataLoader(data), optimizer=Optimizer(sync, plain)),
+         "torchft's Optimizer"),
+    ]
+    for arguments, named in cases:
+        with pytest.raises(ValueError, match=re.escape(named)):
+            TorchFTResume(**arguments)
+    for each in made:
+        each.shutdown(wait=False)

@@ -22,9 +22,10 @@ loader state every ``save_every_n_steps`` committed steps (sealed: a kill during
 previous one), and a restarted job loads the newest complete one before its first quorum. A
 preemption signal (SIGTERM, SIGUSR1) on any group stops them all at the same committed step: the
 groups agree inside the step's gradient exchange, the first participant writes the checkpoint, and
-every group exits with 143 once it is on storage (74 when the write failed, or a group cannot
-learn that it succeeded). A group restarted
-while the others train loads the checkpoint, then TorchFT's recovery brings it to their step.
+every group exits with 143 once it is on storage (74 when the write failed, or a group does not see
+it within ``WAIT_SECONDS``); without ``checkpoint_dir`` the signals are left as they are. A group
+restarted while the others train loads the checkpoint, then TorchFT's recovery brings it to their
+step.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,6 +49,7 @@ from loader_resume.job.checkpoint_entry import checked_entry, new_entry
 from loader_resume.job.preemption import Preemption
 from loader_resume.keyed.keyed_rng import GENERATORS
 from loader_resume.loader import ResumableDataLoader
+from loader_resume.workers.torch_internals import shut_down_workers
 
 if TYPE_CHECKING:
     from torchft import Manager
@@ -63,6 +66,8 @@ CHECKPOINT_FILE = "torchft_resume.pt"
 """The file of a ``step_N`` checkpoint directory: model, optimizer, TorchFT's and the loader's
 state."""
 WRITE_FAILED = 74
+WAIT_SECONDS = 600.0
+"""How long a group that does not write waits for the first participant's preemption checkpoint."""
 
 
 class TorchFTResume:
@@ -104,17 +109,17 @@ class TorchFTResume:
                  checkpoint_dir: str | os.PathLike[str] | None = None, save_every_n_steps: int = 0,
                  keep: int = 2, signals: Sequence[str | int] = ("SIGTERM", "SIGUSR1"),
                  exit_code: int = 143) -> None:
-        if getattr(manager, "_use_async_quorum", False):
-            raise ValueError(
-                "TorchFTResume: Manager(use_async_quorum=True) starts a step before its quorum "
-                "(and so its participants) is known; expected Manager(use_async_quorum=False)"
-            )
-        if isinstance(loader.dataset, torch.utils.data.IterableDataset):
-            raise TypeError(
-                "TorchFTResume: an IterableDataset has no global order to share between replica "
-                "groups; expected a map-style dataset"
-            )
+        _refuse_unsupported(manager, loader, optimizer)
+        if checkpoint_dir is not None and (model is None or optimizer is None):
+            raise ValueError("TorchFTResume(checkpoint_dir=...): expected model= and optimizer= "
+                             "too (the checkpoint holds them)")
+        for name, value, least in (("save_every_n_steps", save_every_n_steps, 0),
+                                   ("keep", keep, 1), ("exit_code", exit_code, 0)):
+            if type(value) is not int or value < least:
+                raise ValueError(f"TorchFTResume({name}={value!r}): expected an int >= {least}")
         self.manager = manager
+        self.preemption = Preemption(signals)
+        self._ignores = checkpoint_dir is not None
         self._source = loader
         self._seed = seed
         self._generators = tuple(keyed_generators)
@@ -130,25 +135,18 @@ class TorchFTResume:
         """Steps this group committed in this process."""
         self.batches_given_back = 0
         """Batches of steps that did not commit, read again in a later step."""
-        manager.register_state_dict_fn(STATE_KEY, self._load, self._state)
         self.model, self.optimizer = model, optimizer
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.save_every_n_steps, self.keep, self.exit_code = save_every_n_steps, keep, exit_code
+        self._stop = torch.zeros(1)
+        manager.register_state_dict_fn(STATE_KEY, self._load, self._state)
         if model is not None:
             manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
         if optimizer is not None:
             manager.register_state_dict_fn("optimizer", optimizer.load_state_dict,
                                            optimizer.state_dict)
-        if checkpoint_dir is not None and (model is None or optimizer is None):
-            raise ValueError("TorchFTResume(checkpoint_dir=...): expected model= and optimizer= "
-                             "too (the checkpoint holds them)")
-        for name, value, least in (("save_every_n_steps", save_every_n_steps, 0),
-                                   ("keep", keep, 1), ("exit_code", exit_code, 0)):
-            if type(value) is not int or value < least:
-                raise ValueError(f"TorchFTResume({name}={value!r}): expected an int >= {least}")
-        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-        self.save_every_n_steps, self.keep, self.exit_code = save_every_n_steps, keep, exit_code
-        self.preemption = Preemption(signals)
-        self.preemption.install()
-        self._stop = torch.zeros(1)
+        if checkpoint_dir is not None:  # NOTE: without one, a signal ends the group as it would
+            self.preemption.install()
         self.loaded_from: Path | None = self._resume()
         """The checkpoint this process started from (``None``: the start, or TorchFT's recovery
         alone)."""
@@ -166,6 +164,17 @@ class TorchFTResume:
         the whole job: a group that rejoins ends with the others). Each step starts TorchFT's
         quorum, shards the loader over its participants and takes this group's batch; the step
         must end with ``commit()``."""
+        if self._ignores:
+            self.preemption.install()
+        try:
+            yield from self._steps(epochs)
+        finally:
+            # NOTE: the last pass's workers stop here, whatever ends the loop (a break, an error):
+            # never at interpreter exit, where workers that ignore SIGTERM would block it
+            self._drop_pass()
+            self.preemption.uninstall()
+
+    def _steps(self, epochs: int) -> Iterator[Any]:
         while True:
             if self._uncommitted:
                 raise RuntimeError(
@@ -189,12 +198,17 @@ class TorchFTResume:
         """Average each parameter's gradient over the participating groups
         (``Manager.allreduce``), and learn whether any group received a preemption signal. A peer
         that dies during the exchange makes the step fail to commit; nothing is raised here."""
-        self._stop.fill_(0.0 if self.preemption.received is None else 1.0)
         works = [self.manager.allreduce(p.grad) for p in parameters if p.grad is not None]
-        works.append(self.manager.allreduce(self._stop, reduce_op=ReduceOp.SUM))
+        works.append(self._share_stop())
         for work in works:
             work.wait()
         self._exchanged = True
+
+    def _share_stop(self) -> Any:
+        """Whether any group received a preemption signal: one more value in the step's exchange
+        (a SUM over the participants)."""
+        self._stop.fill_(0.0 if self.preemption.received is None else 1.0)
+        return self.manager.allreduce(self._stop, reduce_op=ReduceOp.SUM)
 
     def commit(self) -> bool:
         """End the step: ``True`` when every participant may step its optimizer
@@ -202,23 +216,34 @@ class TorchFTResume:
         if not self._uncommitted:
             raise RuntimeError("TorchFTResume.commit(): no batch in hand; expected one per step")
         self._uncommitted = False
-        exchanged, self._exchanged = self._exchanged, False
-        if self.manager.should_commit():
+        if not self._exchanged:  # NOTE: the gradients went another way (the user's own allreduce)
+            self._share_stop().wait()
+        self._exchanged = False
+        try:
+            committed = self.manager.should_commit()
+        except BaseException:
+            self._give_back()
+            raise
+        # NOTE: done before the next step, once the caller has stepped its optimizer; a group
+        # whose step did not commit stops too (its state is the step before, whole)
+        if self._stop.item() > 0:
+            self._due = "stop"
+        if committed:
             self.steps_committed += 1
             step = self.manager.current_step()
-            # NOTE: done before the next step, once the caller has stepped its optimizer
-            if exchanged and self._stop.item() > 0:
-                self._due = "stop"
-            elif self.save_every_n_steps and step % self.save_every_n_steps == 0:
+            if self.save_every_n_steps and step % self.save_every_n_steps == 0 and not self._due:
                 self._due = "save"
             return True
+        self._give_back()
+        return False
+
+    def _give_back(self) -> None:
         assert self._before is not None
         self.batches_given_back += 1
         logger.info("TorchFTResume: step not committed; its batch is given back (epoch %d)",
                     self._before["epoch"])
+        self._drop_pass()
         self.loader.load_state_dict(self._before)
-        self._pass = None
-        return False
 
     # --- checkpoints ------------------------------------------------------------------------------
     def save(self) -> Path | None:
@@ -263,12 +288,16 @@ class TorchFTResume:
     def _preempted(self, step: int) -> None:
         """A group received a preemption signal: every group stops after this committed step, the
         first participant having written its checkpoint."""
-        written = self.save() if self._writes() else None
-        # NOTE: every group learns whether the checkpoint is on storage (a peer lost on the way:
-        # this group's own answer, 74 where it wrote nothing)
-        on_storage = torch.tensor([0.0 if written is None else 1.0])
-        self.manager.allreduce(on_storage, reduce_op=ReduceOp.SUM).wait()
-        code = self.exit_code if on_storage.item() > 0 else WRITE_FAILED
+        assert self.checkpoint_dir is not None
+        self._drop_pass()
+        if self._writes():
+            written = self.save() is not None
+            if not written:
+                (self.checkpoint_dir / f".preemption-{step}.failed").touch()
+        else:
+            # NOTE: no collective: the write may take longer than the process group's timeout
+            written = _wait_for_checkpoint(self.checkpoint_dir, step - 1)
+        code = self.exit_code if written else WRITE_FAILED
         logger.warning("TorchFTResume: preemption signal; stopping at step %d, checkpoint %s, "
                        "exit %d", step, "written" if code == self.exit_code else "NOT written",
                        code)
@@ -291,9 +320,9 @@ class TorchFTResume:
         if self._shard is not None or pending is not None:
             logger.info("TorchFTResume: participant %d of %d from epoch %d, position %s",
                         rank, world, state["epoch"], state["position"])
+        self._drop_pass()
         self.loader = self._build(rank, world)
         self.loader.load_state_dict(state)
-        self._pass = None
 
     def _next_batch(self, epochs: int) -> Any:
         """This group's batch of the step, the next epoch's first after an epoch's end; ``_DONE``
@@ -307,20 +336,74 @@ class TorchFTResume:
             try:
                 return next(self._pass)
             except StopIteration:
-                self._pass = None
+                self._drop_pass()
         raise RuntimeError(f"TorchFTResume: epoch {self.loader.epoch} has no batch for this group")
+
+    def _drop_pass(self) -> None:
+        if self._pass is not None:
+            shut_down_workers(self._pass)
+            self._pass = None
 
     def _build(self, rank: int, world: int) -> ResumableDataLoader[Any]:
         self._shard = (rank, world)
         return resumable(self._source, seed=self._seed, keying="sample",
-                         keyed_generators=self._generators, rank=rank, world_size=world)
+                         keyed_generators=self._generators, rank=rank, world_size=world,
+                         ignore_signals=self.preemption.signals if self._ignores else ())
 
     # --- TorchFT's recovery ----------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
         # NOTE: called by TorchFT's quorum thread while the main thread waits in start_quorum:
-        # between steps, so the state after the last committed one
+        # between steps, so the state after the last committed one (or the one loaded from a
+        # checkpoint or a peer and not yet applied)
+        if self._pending is not None:
+            return self._pending
         return self.loader.state_dict(pass_ended=False)
 
     def _load(self, state: dict[str, Any]) -> None:
         # NOTE: applied at the next quorum, sharded over its participants
         self._pending = state
+
+
+def _refuse_unsupported(manager: Manager, loader: DataLoader[Any], optimizer: Any) -> None:
+    """What ``TorchFTResume`` cannot keep exact, refused by name."""
+    refused = []
+    if getattr(manager, "_use_async_quorum", False):
+        refused.append("Manager(use_async_quorum=True) starts a step before its quorum (and so its "
+                       "participants) is known; expected use_async_quorum=False")
+    if getattr(manager, "_group_world_size", 1) != 1:
+        refused.append("a replica group of several processes (the loader is sharded over groups); "
+                       "expected one process per group")
+    mode = getattr(manager, "_world_size_mode", None)
+    if mode is not None and getattr(mode, "name", "") == "FIXED_WITH_SPARES":
+        refused.append("WorldSizeMode.FIXED_WITH_SPARES (a spare group takes no part in a step); "
+                       "expected WorldSizeMode.DYNAMIC")
+    if isinstance(loader.dataset, torch.utils.data.IterableDataset):
+        refused.append("an IterableDataset has no global order to share between replica groups; "
+                       "expected a map-style dataset")
+    if isinstance(loader.sampler, torch.utils.data.DistributedSampler):
+        refused.append(f"a loader already sharded ({type(loader.sampler).__name__}); expected "
+                       "DataLoader(shuffle=...): TorchFTResume shards over the groups itself")
+    if getattr(loader, "in_order", True) is False:
+        refused.append("DataLoader(in_order=False): the groups must hand out one step's batches "
+                       "together; expected in_order=True")
+    if type(optimizer).__module__.startswith("torchft"):
+        refused.append(f"torchft's {type(optimizer).__name__} starts a quorum and commits itself; "
+                       "expected the plain optimizer it wraps")
+    if refused:
+        raise ValueError("TorchFTResume: " + "; ".join(refused))
+
+
+def _wait_for_checkpoint(directory: Path, step: int) -> bool:
+    """Whether a sealed checkpoint of ``step`` or later appears in ``directory`` (``False`` at once
+    when the first participant marked its write failed, or after ``WAIT_SECONDS``)."""
+    deadline = time.monotonic() + WAIT_SECONDS
+    while time.monotonic() < deadline:
+        # NOTE: a step_N directory appears only sealed (renamed into place whole)
+        if any(int(path.name.removeprefix("step_")) >= step
+               for path in directory.glob("step_[0-9]*") if path.name[5:].isdigit()):
+            return True
+        if any(int(path.name[len(".preemption-"):-len(".failed")]) >= step
+               for path in directory.glob(".preemption-*.failed")):
+            return False
+        time.sleep(0.1)
+    return False

@@ -48,8 +48,8 @@ class Model(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.linear = torch.nn.Linear(4, 1)
         self.large = torch.nn.Parameter(torch.zeros(1 << 22))
+        self.linear = torch.nn.Linear(4, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x) + 0.0 * self.large.sum()
@@ -72,6 +72,8 @@ def main() -> int:
     parser.add_argument("--save-every", type=int, default=0)
     parser.add_argument("--step-seconds", type=float, default=0.25,
                         help="a step's least duration (a restarted group rejoins a running job)")
+    parser.add_argument("--own-allreduce", action="store_true",
+                        help="average the gradients with the script's own allreduce calls")
     parser.add_argument("--sampler", choices=["ours", "torchft"], default="ours",
                         help="torchft: TorchFT's own DistributedSampler and a plain loader")
     parser.add_argument("--die-in-exchange", type=int,
@@ -98,7 +100,7 @@ def main() -> int:
     def step(batch: dict[str, torch.Tensor], epoch: int, exchange: Callable[[], None],
              commit: Callable[[], bool]) -> None:
         before = manager.current_step()
-        write({"t": "take", "step": before, "epoch": epoch,
+        write({"t": "take", "step": before, "epoch": epoch, "quorum": manager._quorum_id,
                "participant": [manager.participating_rank(), manager.num_participants()],
                "ids": batch["id"].tolist(), "noise": [digest([x]) for x in batch["x"]]})
         time.sleep(args.step_seconds)
@@ -106,9 +108,7 @@ def main() -> int:
         loss.backward()
         if args.die_in_exchange == before + 1:
             # NOTE: the exchange begun (the large gradient in flight), then the process is gone
-            for parameter in model.parameters():
-                manager.allreduce(parameter.grad)
-            time.sleep(0.002)
+            manager.allreduce(model.large.grad)
             os.kill(os.getpid(), signal.SIGKILL)
         exchange()
         committed = commit()
@@ -119,6 +119,10 @@ def main() -> int:
                "weights": digest(list(model.parameters()))})
         if committed and args.kill_at is not None and manager.current_step() == args.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def own_allreduce() -> None:
+        for work in [manager.allreduce(p.grad) for p in model.parameters()]:
+            work.wait()
 
     dataset = Noisy(args.n)
     if args.sampler == "torchft":
@@ -132,10 +136,6 @@ def main() -> int:
         write({"t": "start", "step": manager.current_step(), "loaded_from": "None",
                "weights": digest(list(model.parameters()))})
 
-        def exchange() -> None:
-            for work in [manager.allreduce(p.grad) for p in model.parameters()]:
-                work.wait()
-
         epoch = 0
         while manager.batches_committed() * 4 < args.n * args.epochs:
             sampler.set_epoch(epoch)
@@ -143,7 +143,7 @@ def main() -> int:
                 manager.start_quorum()
                 if manager.batches_committed() * 4 >= args.n * args.epochs:
                     break
-                step(batch, epoch, exchange, manager.should_commit)
+                step(batch, epoch, own_allreduce, manager.should_commit)
             epoch += 1
         manager.shutdown(wait=False)
         return 0
@@ -153,8 +153,9 @@ def main() -> int:
     write({"t": "start", "step": manager.current_step(), "loaded_from": str(resume.loaded_from),
            "weights": digest(list(model.parameters()))})
     for batch in resume.batches(args.epochs):
-        step(batch, resume.epoch, lambda: resume.average_gradients(model.parameters()),
-             resume.commit)
+        exchange = (own_allreduce if args.own_allreduce
+                    else lambda: resume.average_gradients(model.parameters()))
+        step(batch, resume.epoch, exchange, resume.commit)
     manager.shutdown(wait=False)
     return 0
 

@@ -68,6 +68,7 @@ __all__ = [
     "next_batch",
     "next_numbered",
     "random_sampler_num_samples",
+    "shut_down_workers",
     "set_past_guard",
     "starts_workers",
     "worker_processes",
@@ -192,6 +193,15 @@ def worker_processes(iterator: Any) -> list[Any]:
     """The worker processes of one of torch's DataLoader iterators (none for a single-process
     one)."""
     return list(getattr(iterator, "_workers", ()))
+
+
+def shut_down_workers(iterator: Any) -> None:
+    """Stop the worker processes of one of torch's DataLoader iterators (or of a ``PassIterator``,
+    which passes the call on) now, not whenever the iterator is collected; a single-process
+    iterator has none."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
 
 
 def kill_workers(iterator: Any, pids: list[int]) -> None:
