@@ -312,6 +312,8 @@ def test_what_cannot_be_kept_exact_is_refused_by_name(lighthouse: str) -> None:
          "DataLoader(in_order=False)"),
         (dict(manager=sync, loader=DataLoader(data), optimizer=Optimizer(sync, plain)),
          "torchft's Optimizer"),
+        (dict(manager=sync, loader=DataLoader(data), model=model, optimizer=plain,
+              checkpoint_dir="s3://bucket/run"), "checkpoint_dir='s3://bucket/run'): a URL"),
     ]
     for arguments, named in cases:
         with pytest.raises(ValueError, match=re.escape(named)):

@@ -47,6 +47,7 @@ from loader_resume.job.checkpoint import complete_checkpoints, write_sealed
 from loader_resume.job.checkpoint_dir import newest_usable
 from loader_resume.job.checkpoint_entry import checked_entry, new_entry
 from loader_resume.job.preemption import Preemption
+from loader_resume.job.storage import is_remote
 from loader_resume.keyed.keyed_rng import GENERATORS
 from loader_resume.loader import ResumableDataLoader
 from loader_resume.workers.torch_internals import shut_down_workers
@@ -110,6 +111,9 @@ class TorchFTResume:
                  keep: int = 2, signals: Sequence[str | int] = ("SIGTERM", "SIGUSR1"),
                  exit_code: int = 143) -> None:
         _refuse_unsupported(manager, loader, optimizer)
+        if checkpoint_dir is not None and is_remote(checkpoint_dir):
+            raise ValueError(f"TorchFTResume(checkpoint_dir={os.fspath(checkpoint_dir)!r}): a URL; "
+                             "expected a directory every group sees (a shared mount)")
         if checkpoint_dir is not None and (model is None or optimizer is None):
             raise ValueError("TorchFTResume(checkpoint_dir=...): expected model= and optimizer= "
                              "too (the checkpoint holds them)")
