@@ -1,7 +1,9 @@
 """TorchFT: samples lost and repeated per failure, rejoin time and throughput, ours and TorchFT's.
 
-    .venv-torchft-ci/bin/python benchmarks/bench_torchft.py           # ~3 min; updates docs/
-    .venv-torchft-ci/bin/python benchmarks/bench_torchft.py --quick   # one run each, docs untouched
+    .venv-torchft/bin/python benchmarks/bench_torchft.py           # ~3 min; updates docs/
+    .venv-torchft/bin/python benchmarks/bench_torchft.py --quick   # one run each, docs untouched
+
+(``.venv-torchft``: the venv from ``.ci/locks/torchft.txt``, made as docs/development.md shows.)
 
 A real ``torchft_lighthouse`` and three replica groups (one process each, gloo on loopback) train a
 small model on ``N`` generated samples for one epoch's worth of samples, in batches of 4, a step
