@@ -7,10 +7,10 @@ committed step."""
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from accounting import EPOCHS, N, assert_exactly_once, assert_weights_agree
 
 CHILD = Path(__file__).parent / "children" / "group.py"
 LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
-N, BATCH, EPOCHS = 96, 4, 2
 
 
 def free_port() -> int:
@@ -51,9 +51,18 @@ def start(out: Path, group: int, lighthouse: str, *options: str) -> subprocess.P
     log = (out / f"group-{group}.out").open("ab")
     return subprocess.Popen(
         [sys.executable, str(CHILD), str(out), str(group), lighthouse, "--epochs", str(EPOCHS),
-         "--n", str(N), *options],
+         "--n", str(N), "--audit", str(out / "audit"), *options],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         start_new_session=True)
+
+
+def audit(out: Path) -> dict[str, Any]:
+    """``loader-resume audit`` on the job's log (every group's processes, every run): its exit
+    code and JSON report."""
+    done = subprocess.run([str(Path(sys.executable).parent / "loader-resume"), "audit",
+                           str(out / "audit"), "--json"], capture_output=True, text=True)
+    return {"exit": done.returncode, "reports": json.loads(done.stdout or "[]"),
+            "stderr": done.stderr}
 
 
 def run_job(out: Path, lighthouse: str, faults: dict[int, list[str]], *, restart: set[int],
@@ -83,58 +92,6 @@ def run_job(out: Path, lighthouse: str, faults: dict[int, list[str]], *, restart
             for line in path.read_text().splitlines()]
 
 
-def trained(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The batches whose gradients went into a committed step: those of a step (a quorum's) that
-    committed on any group. A group whose commit failed while others committed contributed its
-    gradients all the same, and heals from a peer that stepped; a group that died before its step
-    ended counts when the others committed that quorum's step."""
-    outcome: dict[int, bool | None] = {}
-    last_take: dict[int, int] = {}
-    for index, row in enumerate(rows):  # each process's rows in their order
-        if row["t"] == "take":
-            outcome[index], last_take[row["pid"]] = None, index
-        elif row["t"] == "end":
-            outcome[last_take[row["pid"]]] = row["committed"]
-    committed = {(row["step"], row["quorum"]) for index, row in enumerate(rows)
-                 if row["t"] == "take" and outcome[index]}
-    return [row for row in rows if row["t"] == "take" and (row["step"], row["quorum"]) in committed]
-
-
-def assert_exactly_once(rows: list[dict[str, Any]]) -> dict[tuple[int, int], str]:
-    """Every sample once per epoch but the padding of an epoch's last step (the step's leftover
-    samples spread evenly, the short participants padded from the epoch's start, as
-    ``DistributedSampler``); returns each (epoch, id)'s noise digest."""
-    noise: dict[tuple[int, int], str] = {}
-    for epoch in range(EPOCHS):
-        batches = [row for row in trained(rows) if row["epoch"] == epoch]
-        last_step = max(row["step"] for row in batches)
-        last = [row for row in batches if row["step"] == last_step]
-        before = collections.Counter(i for row in batches if row["step"] != last_step
-                                     for i in row["ids"])
-        assert max(before.values()) == 1, f"epoch {epoch}: a sample trained twice"
-        world, share = last[0]["participant"][1], len(last[0]["ids"])
-        assert len(last) == world, f"epoch {epoch}: the last step lost a participant's batch"
-        left = N - sum(before.values())
-        assert share == -(-left // world), f"epoch {epoch}: the tail is not spread evenly"
-        ending = collections.Counter(i for row in last for i in row["ids"])
-        assert set(before) | set(ending) == set(range(N)), f"epoch {epoch}: samples never trained"
-        assert len(set(ending) - set(before)) == left, f"epoch {epoch}: the tail repeats a sample"
-        for row in batches:
-            assert len(row["ids"]) == (share if row["step"] == last_step else BATCH)
-            for i, digest in zip(row["ids"], row["noise"], strict=True):
-                assert noise.setdefault((epoch, i), digest) == digest, (epoch, i)
-    return noise
-
-
-def assert_weights_agree(rows: list[dict[str, Any]]) -> None:
-    by_step = collections.defaultdict(set)
-    for row in rows:
-        if row["t"] == "end" and row["committed"]:
-            by_step[row["step"]].add(row["weights"])
-    assert by_step
-    assert all(len(weights) == 1 for weights in by_step.values()), by_step
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], str]:
     """The noise each (epoch, sample) draws in a run without failures."""
@@ -152,6 +109,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int],
         light.wait()
     assert all(row["committed"] for row in rows if row["t"] == "end")
     assert_weights_agree(rows)
+    assert audit(out / "job")["exit"] == 0
     return assert_exactly_once(rows)
 
 
@@ -167,6 +125,7 @@ def test_a_group_killed_between_steps_and_restarted_trains_every_sample_once(
     assert 2 in worlds and worlds[-1] == 3, "the quorum shrank to 2 groups and grew back to 3"
     assert assert_exactly_once(rows) == reference
     assert_weights_agree(rows)
+    assert audit(tmp_path / "job")["exit"] == 0
 
 
 def test_a_group_killed_during_the_gradient_exchange_gives_the_step_back(
@@ -176,6 +135,7 @@ def test_a_group_killed_during_the_gradient_exchange_gives_the_step_back(
     assert failed, "the groups left saw the step fail"
     assert assert_exactly_once(rows) == reference
     assert_weights_agree(rows)
+    assert audit(tmp_path / "job")["exit"] == 0
 
 
 def test_a_group_that_never_returns_leaves_its_samples_to_the_others(
@@ -183,6 +143,7 @@ def test_a_group_that_never_returns_leaves_its_samples_to_the_others(
     rows = run_job(tmp_path / "job", lighthouse, {0: ["--kill-at", "4"]}, restart=set())
     assert assert_exactly_once(rows) == reference
     assert_weights_agree(rows)
+    assert audit(tmp_path / "job")["exit"] == 0
 
 
 def whole_job(out: Path, lighthouse: str, *options: str) -> list[subprocess.Popen[bytes]]:
@@ -243,6 +204,34 @@ def test_every_group_killed_resumes_the_job_from_the_periodic_checkpoint(
     kept_rows = [row for row in rows if row["pid"] not in attempt_one or row["step"] < saved]
     assert assert_exactly_once(kept_rows) == reference
     assert_weights_agree(kept_rows)
+    checked = audit(out)
+    assert checked["exit"] == 0, checked
+    lives = checked["reports"][0]["attempts"]
+    trained_past = {row["step"] for row in rows if row["t"] == "end" and row["committed"]
+                    and row["pid"] in attempt_one and row["step"] >= saved}
+    assert lives[0]["resumed"] == "(fresh)" and lives[1]["resumed"].startswith("epoch ")
+    # NOTE: the kill may fall between a step's commit and the child's row of it
+    assert lives[0]["rolled_back"] == 0
+    assert len(trained_past) <= lives[1]["rolled_back"] <= len(trained_past) + 1
+
+
+def test_the_audit_fails_a_job_restarted_afresh_after_its_checkpoints_were_lost(
+        tmp_path: Path, lighthouse: str) -> None:
+    """Every group killed, the checkpoints deleted, the job started again: it trains from the
+    start (every sample is seen again), and the audit names the silent restart."""
+    out = tmp_path / "job"
+    first = whole_job(out, lighthouse, "--save-every", "3")
+    wait_for_step(out, 5)
+    for process in first:
+        process.kill()
+    assert finish(first, out) == [-signal.SIGKILL] * 3
+    shutil.rmtree(out / "checkpoints")
+    assert finish(whole_job(out, lighthouse, "--save-every", "3"), out) == [0, 0, 0]
+    checked = audit(out)
+    assert checked["exit"] == 1
+    (finding,) = checked["reports"][0]["findings"]
+    assert finding["message"].startswith("started afresh although earlier groups saved checkpoints")
+    assert finding["attempt"] == 2
 
 
 @pytest.mark.parametrize("sent, options", [
@@ -271,6 +260,9 @@ def test_sigterm_to_one_group_stops_every_group_at_one_checkpoint_and_the_rerun_
             and row["pid"] not in attempt_one} == {last + 1}
     assert assert_exactly_once(rows) == reference, "no step lost or repeated across the stop"
     assert_weights_agree(rows)
+    checked = audit(out)
+    assert checked["exit"] == 0, checked
+    assert [life["rolled_back"] for life in checked["reports"][0]["attempts"]] == [0, 0]
 
 
 def test_what_cannot_be_kept_exact_is_refused_by_name(lighthouse: str) -> None:

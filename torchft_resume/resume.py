@@ -42,6 +42,7 @@ import torch
 from torch.distributed import ReduceOp
 from torch.utils.data import DataLoader
 
+from loader_resume.audit.log import audit_from_environment, quorum_log, state_digest
 from loader_resume.convert import resumable
 from loader_resume.job.checkpoint import complete_checkpoints, write_sealed
 from loader_resume.job.checkpoint_dir import newest_usable
@@ -91,6 +92,8 @@ class TorchFTResume:
         keep: the newest checkpoints kept.
         signals: the signals that stop the job at an agreed checkpoint.
         exit_code: every group's exit after that checkpoint.
+        audit: a directory every group sees (or ``$LOADER_RESUME_AUDIT``): each process records
+            the steps it took part in, for ``loader-resume audit DIR``.
 
     The loop::
 
@@ -109,7 +112,7 @@ class TorchFTResume:
                  optimizer: torch.optim.Optimizer | None = None,
                  checkpoint_dir: str | os.PathLike[str] | None = None, save_every_n_steps: int = 0,
                  keep: int = 2, signals: Sequence[str | int] = ("SIGTERM", "SIGUSR1"),
-                 exit_code: int = 143) -> None:
+                 exit_code: int = 143, audit: str | os.PathLike[str] | None = None) -> None:
         _refuse_unsupported(manager, loader, optimizer)
         if checkpoint_dir is not None and is_remote(checkpoint_dir):
             raise ValueError(f"TorchFTResume(checkpoint_dir={os.fspath(checkpoint_dir)!r}): a URL; "
@@ -129,11 +132,16 @@ class TorchFTResume:
         self._generators = tuple(keyed_generators)
         self._shard: tuple[int, int] | None = None
         self.loader: ResumableDataLoader[Any] = self._build(0, 1)
+        directory = audit_from_environment(audit)
+        self._audit = None if directory is None else quorum_log(
+            directory, self.loader.dataset, self.loader.state_dict(),
+            str(getattr(manager, "_replica_id", "")))
         self._pass: Iterator[Any] | None = None
         self._before: dict[str, Any] | None = None
         self._pending: dict[str, Any] | None = None
         self._uncommitted = False
         self._exchanged = False
+        self._taken_at = 0
         self._due: str | None = None
         self.steps_committed = 0
         """Steps this group committed in this process."""
@@ -195,6 +203,8 @@ class TorchFTResume:
             batch = self._next_batch(epochs)
             if batch is _DONE:
                 return
+            if self._audit is not None:
+                self._record_step()
             self._uncommitted = True
             yield batch
 
@@ -232,6 +242,9 @@ class TorchFTResume:
         # whose step did not commit stops too (its state is the step before, whole)
         if self._stop.item() > 0:
             self._due = "stop"
+        if self._audit is not None:
+            self._audit.record({"t": "c", "step": self._taken_at, "ok": int(committed)})
+            self._audit.flush()
         if committed:
             self.steps_committed += 1
             step = self.manager.current_step()
@@ -258,13 +271,17 @@ class TorchFTResume:
             return None
         assert self.model is not None and self.optimizer is not None
         step = self.manager.current_step()
+        loader = self.loader.state_dict(pass_ended=False)
         entry = new_entry(step=step, epoch=self.loader.epoch, torchft=self.manager.state_dict(),
-                          loader=self.loader.state_dict(pass_ended=False),
-                          model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
+                          loader=loader, model=self.model.state_dict(),
+                          optimizer=self.optimizer.state_dict())
         final = self.checkpoint_dir / f"step_{step:09d}"
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         written = write_sealed(final, lambda into: torch.save(entry, into / CHECKPOINT_FILE),
                                main=True, agree=lambda flag: flag, step=step, keep=self.keep)
+        if written and self._audit is not None:
+            self._audit.record({"t": "save", "step": step, "e": loader["epoch"],
+                                "pos": loader["position"], "d": state_digest(loader)}, flush=True)
         return final if written else None
 
     def _writes(self) -> bool:
@@ -285,6 +302,10 @@ class TorchFTResume:
         self.optimizer.load_state_dict(entry["optimizer"])
         self.manager.load_state_dict(entry["torchft"])
         self._pending = entry["loader"]
+        if self._audit is not None:
+            self._audit.record({"t": "load", "step": entry["step"], "e": entry["loader"]["epoch"],
+                                "pos": entry["loader"]["position"],
+                                "d": state_digest(entry["loader"])}, flush=True)
         logger.info("TorchFTResume: resumed from %s (step %d, epoch %d)", newest, entry["step"],
                     entry["epoch"])
         return newest
@@ -342,6 +363,25 @@ class TorchFTResume:
             except StopIteration:
                 self._drop_pass()
         raise RuntimeError(f"TorchFTResume: epoch {self.loader.epoch} has no batch for this group")
+
+    def _record_step(self) -> None:
+        """The audit's record of the batch in hand: the step, its epoch, the step's global start
+        and end (past the epoch's end: the padding of its last step, ``DistributedSampler``'s rule)
+        and this group's place in it; written before the gradients are exchanged."""
+        assert self._audit is not None and self._before is not None and self._shard is not None
+        before, after = self._before, self.loader.state_dict(pass_ended=False)
+        rank, world = self._shard
+        start, epoch = int(before["position"]), int(before["epoch"])
+        self._taken_at = self.manager.current_step()
+        record = {"t": "b", "step": self._taken_at, "e": epoch, "s": start, "r": rank, "w": world}
+        if after["epoch"] == epoch:
+            record["end"] = int(after["position"])
+        else:
+            left = int(before["dataset_len"]) - start
+            record["end"] = start + min(world * self.loader.batch_size, -(-left // world) * world)
+            record["l"] = 1
+        self._audit.record(record)
+        self._audit.flush()
 
     def _drop_pass(self) -> None:
         if self._pass is not None:

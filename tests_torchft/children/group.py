@@ -69,6 +69,7 @@ def main() -> int:
     parser.add_argument("--n", type=int, default=96)
     parser.add_argument("--kill-at", type=int)
     parser.add_argument("--checkpoint-dir", type=Path)
+    parser.add_argument("--audit", type=Path, help="TorchFTResume(audit=...)")
     parser.add_argument("--save-every", type=int, default=0)
     parser.add_argument("--step-seconds", type=float, default=0.25,
                         help="a step's least duration (a restarted group rejoins a running job)")
@@ -149,7 +150,8 @@ def main() -> int:
         return 0
     loader = DataLoader(dataset, batch_size=4, shuffle=True, num_workers=args.workers)
     resume = TorchFTResume(manager, loader, seed=3, model=model, optimizer=optimizer,
-                           checkpoint_dir=args.checkpoint_dir, save_every_n_steps=args.save_every)
+                           checkpoint_dir=args.checkpoint_dir, save_every_n_steps=args.save_every,
+                           audit=args.audit)
     write({"t": "start", "step": manager.current_step(), "loaded_from": str(resume.loaded_from),
            "weights": digest(list(model.parameters()))})
     for batch in resume.batches(args.epochs):

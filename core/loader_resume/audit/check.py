@@ -7,7 +7,8 @@ have loaded one an earlier attempt took (its digest is recorded), and one that l
 states were taken is named. What the logs cannot show (the attempts before the first one in them, a
 state no attempt in them took, a rank with no log) is a *gap*: the report is incomplete, never
 "exactly once" (``loader_resume.audit.report``). Map-style data: ``loader_resume.audit.map``;
-streams: ``loader_resume.audit.stream``.
+streams: ``loader_resume.audit.stream``; a job whose groups come and go while it runs (TorchFT):
+``loader_resume.audit.quorum``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import os
 
 from loader_resume.audit.map import MapCheck
+from loader_resume.audit.quorum import QuorumCheck
 from loader_resume.audit.read import Attempt, AuditFormatError, RankLog, read_audit
 from loader_resume.audit.report import (
     Finding,
@@ -101,7 +103,12 @@ def check_loader(
             for attempt in attempts
         ]
         return report
-    (MapCheck if header["kind"] == "map" else StreamCheck)(report).run(attempts)
+    if header["kind"] == "map":
+        MapCheck(report).run(attempts)
+    elif header["kind"] == "quorum":
+        QuorumCheck(report).run(attempts)
+    else:
+        StreamCheck(report).run(attempts)
     return report
 
 

@@ -40,6 +40,7 @@ __all__ = [
     "AuditLog",
     "audit_from_environment",
     "audit_log",
+    "quorum_log",
     "record_state",
     "state_digest",
     "warn_unaudited",
@@ -294,15 +295,8 @@ def audit_log(
             f"audit={directory!r}: expected a directory or an fsspec URL (s3://bucket/run/audit)"
         )
     kind = "iterable" if order == "iterable" else "map"
-    size = "stream" if kind == "iterable" else length
-    arranged = (
-        "shuffled" if shuffle else "in-order" if order == "permutation" else order.partition(":")[0]
-    )
-    name = re.sub(
-        r"[^A-Za-z0-9._-]",
-        "_",
-        f"{type(setup.dataset).__name__}-{size}-seed{setup.seed}-{arranged}",
-    )
+    name = _loader_name(setup.dataset, "stream" if kind == "iterable" else length, setup.seed,
+                        order, shuffle)
     header = {
         "loader": name,
         "kind": kind,
@@ -320,6 +314,34 @@ def audit_log(
             (local_path(os.fspath(directory)), name), AuditLog(directory, header)
         )
     return dataclasses.replace(setup, audit=log)
+
+
+def _loader_name(dataset: Any, size: int | str | None, seed: int, order: str,
+                 shuffle: bool) -> str:
+    """A loader's folder in the audit directory: what identifies its data and its order."""
+    arranged = (
+        "shuffled" if shuffle else "in-order" if order == "permutation" else order.partition(":")[0]
+    )
+    return re.sub(r"[^A-Za-z0-9._-]", "_", f"{type(dataset).__name__}-{size}-seed{seed}-{arranged}")
+
+
+def quorum_log(directory: str | os.PathLike[str], dataset: Any, state: Mapping[str, Any],
+               replica: str) -> AuditLog:
+    """The log of one process of a job whose groups come and go while it runs (``kind:
+    "quorum"``, TorchFT's replica groups), opened now: ``state`` is its loader's state (what
+    identifies the data and the order); the caller records each step (``loader_resume.audit.quorum``
+    reads them). The loaders it shards are recorded through it: the warning of loaders built
+    without ``audit=`` is not given in this process."""
+    global _SAID_UNAUDITED
+    _SAID_UNAUDITED = True
+    n = state["dataset_len"]
+    header = {"loader": _loader_name(dataset, n, state["seed"], state["source"], state["shuffle"]),
+              "kind": "quorum", "n": n, "order": state["source"], "seed": state["seed"],
+              "keying": state["keying"], "batch_size": state["batch_size"],
+              "drop_last": state["drop_last"], "replica": replica}
+    log = AuditLog(directory, header)
+    log.open(0, 1)
+    return log
 
 
 def record_state(setup: Any, kind: str, state: Mapping[str, Any], *, ended: bool = False) -> None:

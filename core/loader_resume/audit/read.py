@@ -27,7 +27,8 @@ attempt."""
 AT_ONCE_SECONDS = 0.5
 """How long two processes must both have been reading (clocks of two hosts may differ by a little)
 to be told to have read at the same time."""
-REQUIRED = {"b": ("e",), "pass": ("e",), "state": ("d",), "load": ("d",), "lost": ("records",)}
+REQUIRED = {"b": ("e",), "pass": ("e",), "state": ("d",), "load": ("d",), "lost": ("records",),
+            "c": ("ok",), "save": ("d", "step")}
 """The fields a record of each kind cannot lack (a batch: also ``s`` and ``end``, or a stream's
 ``w`` and ``b``)."""
 _FILE = re.compile(r"^(rank\d+\.[^/]+?)(?:\.(\d{6}))?\.jsonl$")
@@ -142,7 +143,11 @@ def read_audit(directory: str | os.PathLike[str]) -> dict[str, list[Attempt]]:
     for path, text in sorted(texts.items()):
         log = _parse(path, text)
         by_loader.setdefault(str(log.header["loader"]), []).append(log)
-    return {name: _attempts(logs) for name, logs in sorted(by_loader.items())}
+    # NOTE: a job whose groups come and go while it runs (kind "quorum") has no attempts of fixed
+    # ranks: its logs are read as one, and checked step by step (loader_resume.audit.quorum)
+    return {name: [Attempt(1, sorted(logs, key=lambda log: log.start))]
+            if all(log.header.get("kind") == "quorum" for log in logs) else _attempts(logs)
+            for name, logs in sorted(by_loader.items())}
 
 
 def _texts(directory: str) -> dict[str, str]:
@@ -230,7 +235,9 @@ def _check_record(path: str, number: int, record: Any) -> None:
         )
     need: tuple[str, ...] = REQUIRED.get(record["t"], ())
     if record["t"] == "b":
-        need += ("w", "b") if "w" in record else ("s", "end")
+        need += ("w", "b") if "b" in record else ("s", "end")
+        if "step" in record:  # NOTE: a quorum job's step: its participant rank and count too
+            need += ("r", "w")
     missing = [key for key in need if key not in record]
     if missing:
         raise AuditFormatError(

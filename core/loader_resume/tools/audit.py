@@ -87,7 +87,7 @@ def render(reports: list[LoaderReport]) -> str:
                 ],
             )
         )
-        streams = header["kind"] != "map"
+        streams = header["kind"] not in ("map", "quorum")
         columns = [
             "epoch",
             *(["rank", "worker", "batches"] if streams else []),
