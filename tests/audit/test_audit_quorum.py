@@ -177,3 +177,17 @@ def test_a_whole_job_restart_from_no_checkpoint_or_an_unknown_one_is_named(
     assert code == 3
     assert report["gaps"][0]["message"].startswith(
         "resumed from step 2, a checkpoint no group in these logs saved")
+
+
+def test_a_job_whose_logs_begin_at_a_checkpoint_is_incomplete_never_wrong(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The first processes in the logs loaded a checkpoint of step 3 (12 samples in): the samples
+    before it are in no log, a gap, not "never delivered"."""
+    load = {"t": "load", "step": 3, "e": 0, "pos": 12, "d": state_digest(state(0, 12))}
+    processes(tmp_path, *[[load, *epoch_of(2, 0, 3, rank, start=12)] for rank in range(2)])
+    code, report = audited(tmp_path, capsys)
+    assert (code, report["findings"]) == (3, [])
+    assert report["gaps"][0]["message"].startswith(
+        "resumed from step 3, a checkpoint no group in these logs saved (the logs of the job "
+        "before it are missing")
+    assert report["epochs"][0]["status"] == "ok (from position 12: earlier ones are in no log)"

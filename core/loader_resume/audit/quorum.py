@@ -42,6 +42,9 @@ class QuorumCheck:
 
     def __init__(self, report: LoaderReport) -> None:
         self.report = report
+        # the furthest (epoch, position) a life resumed from with a checkpoint no process in the
+        # logs saved: what is missing before it was trained in no log (a gap, not a finding)
+        self.unlogged_until = (-1, 0)
 
     def run(self, attempts: list[Attempt]) -> None:
         logs = sorted((log for attempt in attempts for log in attempt.logs),
@@ -54,6 +57,9 @@ class QuorumCheck:
             rolled = 0
             if life.number > 1:
                 rolled = self._roll_back(life, counted, saved)
+            elif life.load is not None:
+                self._unsaved(life, life.load, "the logs of the job before it are missing, or it "
+                              "ran before its audit was turned on")
             for step, ranks in taken.items():
                 if step in committed:
                     for rank in ranks:
@@ -116,16 +122,21 @@ class QuorumCheck:
             past = set(counted)
         else:
             if load["d"] not in saved:
-                self.report.gaps.append(Finding(
-                    life.number, load["e"], load["pos"],
-                    f"resumed from step {load['step']}, a checkpoint no group in these logs saved "
-                    "(the logs of the lives before it are missing, or another run's)", None))
+                self._unsaved(life, load, "the logs of the lives before it are missing, or the "
+                              "checkpoint is another run's")
             # NOTE: a checkpoint of step K holds the steps taken at 0 .. K - 1 (TorchFT counts a
             # step when it commits)
             past = {step for step in counted if step[0] >= load["step"]}
         for step in past:
             del counted[step]
         return len(past)
+
+    def _unsaved(self, life: _Life, load: dict[str, Any], why: str) -> None:
+        self.report.gaps.append(Finding(
+            life.number, load["e"], load["pos"],
+            f"resumed from step {load['step']}, a checkpoint no group in these logs saved ({why})",
+            None))
+        self.unlogged_until = max(self.unlogged_until, (load["e"], load["pos"]))
 
     def _epochs(self, counted: dict[Step, dict[int, int]], lives: list[_Life]) -> None:
         header = self.report.header
@@ -162,7 +173,8 @@ class QuorumCheck:
                 f"step {earlier} again in step {number}", None, count))
         latest = max([epoch for epoch, _ in seen] or [0])
         for epoch in range(latest + 1):
-            missing = [p for p in range(n) if (epoch, p) not in seen and (epoch, p) not in unknown]
+            missing = [p for p in range(n) if (epoch, p) not in seen and (epoch, p) not in unknown
+                       and (epoch, p) >= self.unlogged_until]
             dropped, status = 0, "ok"
             suffix = bool(missing) and missing == list(range(missing[0], n))
             if missing and suffix and header.get("drop_last") and (
@@ -175,6 +187,10 @@ class QuorumCheck:
                 self.report.findings.append(Finding(
                     lives[-1].number, epoch, missing[0],
                     f"never delivered: {len(missing)} samples", None, len(missing)))
+            if (epoch, 0) < self.unlogged_until:
+                status += (" (from position "
+                           f"{self.unlogged_until[1] if epoch == self.unlogged_until[0] else n}: "
+                           "earlier ones are in no log)")
             self.report.epochs.append({
                 "epoch": epoch, "delivered": sum(1 for e, _ in seen if e == epoch),
                 "dropped": dropped,
