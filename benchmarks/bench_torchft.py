@@ -64,7 +64,7 @@ def job(out: Path, sampler: str, fail: bool) -> dict[str, Any]:
     def start(group: int, *extra: str) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
             [sys.executable, str(CHILD), str(out), str(group), f"http://127.0.0.1:{port}",
-             "--epochs", "1", "--n", str(N), "--step-seconds", "0.05", "--sampler", sampler,
+             "--epochs", "1", "--samples", str(N), "--step-seconds", "0.05", "--sampler", sampler,
              *extra],
             stdout=(out / f"group-{group}.out").open("ab"), stderr=subprocess.STDOUT)
 

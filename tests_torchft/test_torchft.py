@@ -25,6 +25,7 @@ from accounting import EPOCHS, N, assert_exactly_once, assert_weights_agree
 
 CHILD = Path(__file__).parent / "children" / "group.py"
 LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
+TORCHRUN = Path(sys.executable).parent / "torchrun"
 
 
 def free_port() -> int:
@@ -47,11 +48,17 @@ def lighthouse(tmp_path: Path) -> Iterator[str]:
     process.wait()
 
 
-def start(out: Path, group: int, lighthouse: str, *options: str) -> subprocess.Popen[bytes]:
+def start(out: Path, group: int, lighthouse: str, *options: str,
+          torchrun: bool = False) -> subprocess.Popen[bytes]:
+    """A group's process (``torchrun``: launched by torchrun, one process, one restart)."""
     log = (out / f"group-{group}.out").open("ab")
+    launcher = [sys.executable]
+    if torchrun:
+        launcher = [str(TORCHRUN), "--nproc_per_node", "1", "--max-restarts", "1",
+                    "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
     return subprocess.Popen(
-        [sys.executable, str(CHILD), str(out), str(group), lighthouse, "--epochs", str(EPOCHS),
-         "--n", str(N), "--audit", str(out / "audit"), *options],
+        [*launcher, str(CHILD), str(out), str(group), lighthouse, "--epochs", str(EPOCHS),
+         "--samples", str(N), "--audit", str(out / "audit"), *options],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         start_new_session=True)
 
@@ -126,6 +133,23 @@ def test_a_group_killed_between_steps_and_restarted_trains_every_sample_once(
     assert assert_exactly_once(rows) == reference
     assert_weights_agree(rows)
     assert audit(tmp_path / "job")["exit"] == 0
+
+
+def test_groups_launched_by_torchrun_one_restarted_by_it_train_every_sample_once(
+        tmp_path: Path, lighthouse: str, reference: dict[tuple[int, int], str]) -> None:
+    """Each group under its own torchrun (one process, ``--max-restarts 1``; the manager takes
+    torchrun's store, rank and world size); group 2's process SIGKILLed between steps, and
+    torchrun starts it again."""
+    out = tmp_path / "job"
+    out.mkdir()
+    groups = [start(out, group, lighthouse, *(["--kill-at", "6"] if group == 2 else []),
+                    torchrun=True) for group in range(3)]
+    assert finish(groups, out) == [0, 0, 0]
+    rows = rows_of(out)
+    assert len({row["pid"] for row in rows if row["group"] == 2}) == 2, "torchrun restarted it"
+    assert assert_exactly_once(rows) == reference
+    assert_weights_agree(rows)
+    assert audit(out)["exit"] == 0
 
 
 def test_a_group_killed_during_the_gradient_exchange_gives_the_step_back(

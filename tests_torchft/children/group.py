@@ -1,7 +1,7 @@
 """One replica group (one process) of a TorchFT job, for the tests: trains a small model on
 generated data with ``TorchFTResume`` and writes one JSON line per step to OUT/log-GROUP.jsonl.
 
-    python group.py OUT GROUP LIGHTHOUSE [--epochs E] [--workers W] [--n N] [--kill-at STEP]
+    python group.py OUT GROUP LIGHTHOUSE [--epochs E] [--workers W] [--samples N] [--kill-at STEP]
 
 ``--kill-at STEP``: SIGKILL itself once STEP steps are committed (between steps).
 """
@@ -66,7 +66,7 @@ def main() -> int:
     parser.add_argument("lighthouse")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--workers", type=int, default=0)
-    parser.add_argument("--n", type=int, default=96)
+    parser.add_argument("--samples", type=int, default=96)
     parser.add_argument("--kill-at", type=int)
     parser.add_argument("--checkpoint-dir", type=Path)
     parser.add_argument("--audit", type=Path, help="TorchFTResume(audit=...)")
@@ -83,12 +83,16 @@ def main() -> int:
     torch.manual_seed(0)
     model = Model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    # NOTE: under torchrun (one process a group) the store is torchrun's, named by its MASTER_ADDR
+    # and MASTER_PORT, and RANK and WORLD_SIZE are its; alone, the group makes its own
+    alone = "TORCHELASTIC_RUN_ID" not in os.environ
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if alone else None
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=5)), min_replica_size=1,
         load_state_dict=None, state_dict=None,
         use_async_quorum=False, lighthouse_addr=args.lighthouse, replica_id=f"group{args.group}",
-        store_addr="127.0.0.1", store_port=store.port, rank=0, world_size=1,
+        store_addr="127.0.0.1" if store else None, store_port=store.port if store else None,
+        rank=0 if store else None, world_size=1 if store else None,
         timeout=timedelta(seconds=10), quorum_timeout=timedelta(seconds=30),
     )
     log = (args.out / f"log-{args.group}.jsonl").open("a")
@@ -118,14 +122,17 @@ def main() -> int:
         optimizer.zero_grad()
         write({"t": "end", "step": before, "committed": committed,
                "weights": digest(list(model.parameters()))})
-        if committed and args.kill_at is not None and manager.current_step() == args.kill_at:
+        marker = args.out / f"killed-{args.group}"  # NOTE: once (torchrun reruns the command)
+        if (committed and args.kill_at is not None and manager.current_step() == args.kill_at
+                and not marker.exists()):
+            marker.touch()
             os.kill(os.getpid(), signal.SIGKILL)
 
     def own_allreduce() -> None:
         for work in [manager.allreduce(p.grad) for p in model.parameters()]:
             work.wait()
 
-    dataset = Noisy(args.n)
+    dataset = Noisy(args.samples)
     if args.sampler == "torchft":
         # NOTE: TorchFT's own recipe, for the benchmark beside ours: its sampler, a plain loader
         sampler = DistributedSampler(dataset, replica_rank=args.group, num_replica_groups=3,
@@ -138,11 +145,11 @@ def main() -> int:
                "weights": digest(list(model.parameters()))})
 
         epoch = 0
-        while manager.batches_committed() * 4 < args.n * args.epochs:
+        while manager.batches_committed() * 4 < args.samples * args.epochs:
             sampler.set_epoch(epoch)
             for batch in plain:
                 manager.start_quorum()
-                if manager.batches_committed() * 4 >= args.n * args.epochs:
+                if manager.batches_committed() * 4 >= args.samples * args.epochs:
                     break
                 step(batch, epoch, own_allreduce, manager.should_commit)
             epoch += 1
