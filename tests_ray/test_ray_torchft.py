@@ -30,7 +30,7 @@ pytestmark = pytest.mark.timeout(900)
 
 @pytest.fixture(scope="module", autouse=True)
 def cluster() -> Any:
-    path = f"{ROOT / 'core'}:{ROOT}:{HERE}"
+    path = f"{ROOT / 'core'}:{ROOT}:{HERE}:{ROOT / 'tests_torchft'}"
     # NOTE: 3 workers a CPU each, on 2 cores (the steps sleep; Ray counts CPUs, it does not pin)
     ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": path}})

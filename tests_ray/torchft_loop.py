@@ -12,7 +12,6 @@ group's worker SIGKILLs itself once that many steps are committed, once per job 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -22,24 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset
-
-
-class Noisy(Dataset[dict[str, torch.Tensor]]):
-    """Item ``i``: its id, features from the id, and augmentation noise drawn from torch."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"id": torch.tensor(index), "x": torch.full((4,), float(index % 7)) + torch.randn(4)}
-
-
-def digest(tensors: list[torch.Tensor]) -> str:
-    return hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in tensors)).hexdigest()[:16]
+from accounting import Noisy, digest
+from torch.utils.data import DataLoader
 
 
 def train_func(config: dict[str, Any]) -> None:

@@ -1,13 +1,35 @@
-"""The accounting of a TorchFT job's rows (``children/group.py`` writes them; the Ray suite's
-TorchFT job writes the same): which batches went into a committed step, every sample exactly once
-per epoch, the weights equal on every group. Shared by ``tests_torchft`` and ``tests_ray``."""
+"""A TorchFT test job's data and the accounting of its rows (``children/group.py`` writes them; the
+Ray suite's TorchFT job writes the same): which batches went into a committed step, every sample
+exactly once per epoch, the weights equal on every group. Shared by ``tests_torchft`` and
+``tests_ray``."""
 
 from __future__ import annotations
 
 import collections
+import hashlib
 from typing import Any
 
+import torch
+from torch.utils.data import Dataset
+
 N, BATCH, EPOCHS = 96, 4, 2
+
+
+class Noisy(Dataset[dict[str, torch.Tensor]]):
+    """Item ``i``: its id, features from the id, and augmentation noise drawn from torch."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"id": torch.tensor(index), "x": torch.full((4,), float(index % 7)) + torch.randn(4)}
+
+
+def digest(tensors: list[torch.Tensor]) -> str:
+    return hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in tensors)).hexdigest()[:16]
 
 
 def trained(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -203,14 +203,19 @@ def rows_of(out: Path) -> list[dict[str, Any]]:
             for line in path.read_text().splitlines()]
 
 
-def test_every_group_killed_resumes_the_job_from_the_periodic_checkpoint(
-        tmp_path: Path, lighthouse: str, reference: dict[tuple[int, int], str]) -> None:
-    out = tmp_path / "job"
+def killed_at(out: Path, lighthouse: str, step: int) -> None:
+    """A job saving every 3 steps, every group SIGKILLed once group 0 reached ``step``."""
     first = whole_job(out, lighthouse, "--save-every", "3")
-    wait_for_step(out, 8)
+    wait_for_step(out, step)
     for process in first:
         process.kill()
     assert finish(first, out) == [-signal.SIGKILL] * 3
+
+
+def test_every_group_killed_resumes_the_job_from_the_periodic_checkpoint(
+        tmp_path: Path, lighthouse: str, reference: dict[tuple[int, int], str]) -> None:
+    out = tmp_path / "job"
+    killed_at(out, lighthouse, 8)
     kept = sorted((out / "checkpoints").glob("step_*"))
     saved = int(kept[-1].name.removeprefix("step_"))
     assert saved % 3 == 0 and saved >= 6
@@ -244,11 +249,7 @@ def test_the_audit_fails_a_job_restarted_afresh_after_its_checkpoints_were_lost(
     """Every group killed, the checkpoints deleted, the job started again: it trains from the
     start (every sample is seen again), and the audit names the silent restart."""
     out = tmp_path / "job"
-    first = whole_job(out, lighthouse, "--save-every", "3")
-    wait_for_step(out, 5)
-    for process in first:
-        process.kill()
-    assert finish(first, out) == [-signal.SIGKILL] * 3
+    killed_at(out, lighthouse, 5)
     shutil.rmtree(out / "checkpoints")
     assert finish(whole_job(out, lighthouse, "--save-every", "3"), out) == [0, 0, 0]
     checked = audit(out)

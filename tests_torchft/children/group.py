@@ -9,7 +9,6 @@ generated data with ``TorchFTResume`` and writes one JSON line per step to OUT/l
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import signal
@@ -21,25 +20,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from torchft import Manager, ProcessGroupGloo
 from torchft.data import DistributedSampler
 
 from torchft_resume import TorchFTResume
 
-
-class Noisy(Dataset[dict[str, torch.Tensor]]):
-    """Item ``i``: its id, features from the id, and augmentation noise drawn from torch."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        x = torch.full((4,), float(index % 7)) + torch.randn(4)
-        return {"id": torch.tensor(index), "x": x}
+# the suite's data and digests (tests_torchft/accounting.py)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from accounting import Noisy, digest
 
 
 class Model(torch.nn.Module):
@@ -53,10 +42,6 @@ class Model(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x) + 0.0 * self.large.sum()
-
-
-def digest(tensors: list[torch.Tensor]) -> str:
-    return hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in tensors)).hexdigest()[:16]
 
 
 def main() -> int:
