@@ -109,12 +109,12 @@ def _default(function: Any, name: str) -> Any:
 
 
 def exit_code() -> int:
-    """The exit code after a preemption checkpoint: every front door's default, which must be one
+    """The exit code after a preemption checkpoint: every front-end's default, which must be one
     number."""
     config = {f.name: f.default for f in dataclasses.fields(ResumeConfig)}["exit_code"]
     defaults = {config, _default(ResumeCallback, "exit_code"), _default(FabricResume, "exit_code"),
                 _default(ResumableTrainer, "exit_code")}
-    assert len(defaults) == 1, f"the front doors' exit codes differ: {defaults}"
+    assert len(defaults) == 1, f"the front-ends' exit codes differ: {defaults}"
     return int(defaults.pop())
 
 
@@ -153,7 +153,7 @@ class Door:
 
 
 def doors(world: int = WORLD) -> list[Door]:
-    """What a checkpoint holds, per front door, for a job of ``world`` processes stopped after
+    """What a checkpoint holds, per front-end, for a job of ``world`` processes stopped after
     ``STEP``."""
     ranks = range(world)
     rank_file, lightning = _ray_files().RANK_FILE, lightning_file()
@@ -432,7 +432,7 @@ def checkpoint_contents(path: Path) -> None:
     inner = sheet.width - 2 * MARGIN
     y = (
         MARGIN
-        + sheet.text(MARGIN, MARGIN, "What a checkpoint holds, per front door", "title", inner)
+        + sheet.text(MARGIN, MARGIN, "What a checkpoint holds, per front-end", "title", inner)
         + 2
     )
     y += (

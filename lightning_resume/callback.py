@@ -13,7 +13,6 @@ import functools
 import logging
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
@@ -245,7 +244,7 @@ class ResumeCallback(OnExceptionCheckpoint):
             written = save_atomically(trainer, self.ckpt_path)
             self.preempted_at = trainer.global_step
             self._exit_with = preemption_exit_code(
-                None if written is None else Path(written),
+                written,
                 trainer.global_step,
                 self.exit_code or 0,
                 "the newest checkpoint Lightning finds",

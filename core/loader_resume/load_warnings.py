@@ -47,7 +47,7 @@ class LoadWarnings:
                         f"another loader with the same seed ({self.seed}) is mid-pass: loaders "
                         "iterated together with one seed draw the same random values at the same "
                         "positions (the same augmentation in both). Give each its own seed= (the "
-                        "front doors do: loader_seed)",
+                        "front-ends do: loader_seed)",
                     )
                     break
             _ITERATING.add(self)

@@ -68,7 +68,7 @@ class ResumableDataLoader(IndexHooks[T]):
         seed: decides the shuffle order and every keyed random number. ``None``: the
             ``initial_seed()`` of ``generator`` (or of a ``RandomSampler``'s) when given, else ``0``
             (as ``DistributedSampler``). Loaders iterated together should each have their own (the
-            front doors: ``loader_seed``).
+            front-ends: ``loader_seed``).
         snapshot_every_n_steps: as torchdata's (None or an int >= 0), ignored: the state is exact at
             every step.
         keying: ``"batch"`` (default) seeds the keyed generators before each batch from ``(seed,

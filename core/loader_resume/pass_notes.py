@@ -4,7 +4,7 @@ leaving it.
 A state describes where the pass in flight continues, whether or not its iterator still exists: a
 loop that ``break``s (or fails) and then saves is most often a job that stops, and continuing the
 pass loses nothing. A loop that leaves passes on purpose (an epoch limit of its own) says so with
-``state_dict(pass_ended=True)``; the front doors say it for theirs. Where the loop said neither, the
+``state_dict(pass_ended=True)``; the front-ends say it for theirs. Where the loop said neither, the
 loader says which it did, once per loader:
 
 1. at the first such state: that loading it continues the pass, and how to choose the other;

@@ -264,3 +264,30 @@ def test_the_fsdp_launch_configuration_is_one_accelerate_reads() -> None:
     config = config_args.load_config_from_file(str(ROOT / "configs" / "accelerate_fsdp.yaml"))
     assert config.distributed_type == "FSDP"
     assert config.fsdp_config["fsdp_state_dict_type"] == "SHARDED_STATE_DICT"
+
+
+# NOTE: the pages describe the product as it is; its history is the changelog's, and how it is built
+# is the development page's
+HISTORY = re.compile(
+    r"\b20\d\d-\d\d-\d\d\b|[Ll]ast run|[Ww]here it last ran|once existed|used to \w+ (?:a|the)\b"
+    r"|no longer|[Pp]reviously|was fixed|fixed in \d|\bbefore (?:this|that) release"
+)
+
+
+def test_user_pages_hold_no_dated_status_lines_or_history() -> None:
+    pages = [ROOT / "README.md"] + [
+        path for path in sorted((ROOT / "docs").glob("*.md"))
+        if path.name not in ("changelog.md", "development.md")
+    ]
+    found = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+             for path in pages
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if HISTORY.search(line)]
+    assert found == []
+
+
+def test_the_history_check_sees_dates_and_history() -> None:
+    for line in ("Last run: 63 passed (2026-11-27).", "a bug of this kind once existed",
+                 "fixed in 5.20", "it no longer reads them"):
+        assert HISTORY.search(line), line
+    assert not HISTORY.search("transformers 5.18 and newer place it on `cpu`")

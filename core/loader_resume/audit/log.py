@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 AUDIT_FORMAT = 1
 """The version of the log's records (the header's ``"format"``)."""
 AUDIT_VARIABLE = "LOADER_RESUME_AUDIT"
-"""The front doors' default ``audit=`` (a directory or fsspec URL), read on every rank."""
+"""The front-ends' default ``audit=`` (a directory or fsspec URL), read on every rank."""
 MAX_IDS = 1024
 """Batches with more samples record a digest of their ids, not the ids."""
 FLUSH_RECORDS = 512
@@ -69,7 +69,7 @@ _SAID_UNAUDITED = False  # the warning of warn_unaudited, once a process
 
 
 def audit_from_environment(audit: str | os.PathLike[str] | None) -> str | None:
-    """A front door's ``audit=``: the value given, else ``$LOADER_RESUME_AUDIT`` (unset or empty: no
+    """A front-end's ``audit=``: the value given, else ``$LOADER_RESUME_AUDIT`` (unset or empty: no
     audit)."""
     if audit is not None:
         return os.fspath(audit)
@@ -78,7 +78,7 @@ def audit_from_environment(audit: str | os.PathLike[str] | None) -> str | None:
 
 def warn_unaudited(setup: Any) -> None:
     """Once a process: ``$LOADER_RESUME_AUDIT`` is set, but a loader built without ``audit=`` begins
-    a pass (a loader your own code builds reads only ``audit=``; the front doors give theirs the
+    a pass (a loader your own code builds reads only ``audit=``; the front-ends give theirs the
     variable's value)."""
     global _SAID_UNAUDITED
     if _SAID_UNAUDITED or not os.environ.get(AUDIT_VARIABLE):
@@ -88,7 +88,7 @@ def warn_unaudited(setup: Any) -> None:
         "%s=%s is set, but a ResumableDataLoader of %s was built without audit=: its batches are "
         "not "
         "recorded. A loader your own code builds reads only audit= (audit=os.environ.get(%r)); the "
-        "Lightning, Fabric, Accelerate and transformers front doors read the variable themselves",
+        "Lightning, Fabric, Accelerate and transformers front-ends read the variable themselves",
         AUDIT_VARIABLE,
         os.environ[AUDIT_VARIABLE],
         type(setup.dataset).__name__,
@@ -98,7 +98,7 @@ def warn_unaudited(setup: Any) -> None:
 
 def state_digest(state: Mapping[str, Any]) -> str:
     """A short digest of a loader state's content (what a later attempt's load is matched by); its
-    ``"ending"`` mark, which front doors add after the state is taken, is left out."""
+    ``"ending"`` mark, which front-ends add after the state is taken, is left out."""
     plain = {key: value for key, value in state.items() if key != ENDING}
     try:
         text = json.dumps(plain, sort_keys=True, default=repr, separators=(",", ":"))

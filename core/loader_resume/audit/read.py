@@ -288,7 +288,7 @@ def _joins(log: RankLog, attempt: Attempt) -> bool:
         and any((load.get("e"), load.get("pos")) == (mine["e"], mine["pos"]) for load in loads)
     ):
         return True
-    # NOTE: a state taken right after a load is the loaded one again (a front door may take it at
+    # NOTE: a state taken right after a load is the loaded one again (a front-end may take it at
     # once)
     taken = {
         record["d"] for other in attempt.logs for record in other.records if record["t"] == "state"

@@ -211,12 +211,12 @@ class DirectoryLock:
 
 
 def local_directory(directory: str | os.PathLike[str]) -> Path:
-    """``directory`` as a local path (a ``file:`` URL's path), for a front door that writes local
+    """``directory`` as a local path (a ``file:`` URL's path), for a front-end that writes local
     directories; a URL of another store is refused, naming it (never a local ``./s3:/...`` directory
     that only looks remote)."""
     if is_remote(directory):
         raise CheckpointDirectoryError(
-            f"checkpoint directory {os.fspath(directory)}: a URL, but this front door "
+            f"checkpoint directory {os.fspath(directory)}: a URL, but this front-end "
             "writes its checkpoints as local directories; expected a local path (a shared "
             "mount, for checkpoints that outlive the machine)"
         )
@@ -225,7 +225,7 @@ def local_directory(directory: str | os.PathLike[str]) -> Path:
 
 def claim(directory: str | os.PathLike[str], *, main: bool, agree: Callable[[bool], bool],
           remote: bool = False) -> DirectoryLock | RemoteLease | None:
-    """``DirectoryLock.acquire`` on the main process (an fsspec URL, where the front door writes
+    """``DirectoryLock.acquire`` on the main process (an fsspec URL, where the front-end writes
     there (``remote``): ``RemoteLease.acquire``, ``None`` where its store cannot lock); every
     process of the job calls it (``agree``: a flag held on any process, a collective) and raises if
     the main process was refused."""
@@ -336,7 +336,7 @@ def newest_usable(checkpoints: list[Path], agree: Callable[[bool], bool]) -> Pat
 
 
 def preemption_exit_code(
-    written: Path | None, step: int, resumable: int, continues_from: str
+    written: str | os.PathLike[str] | None, step: int, resumable: int, continues_from: str
 ) -> int:
     """The exit code after the agreed preemption checkpoint at ``step`` (``written``: where it went,
     ``None`` if the write failed), logged: ``resumable`` (143) once written, else
@@ -346,7 +346,7 @@ def preemption_exit_code(
         logger.warning(
             "preemption signal: checkpoint written at step %d (%s); exiting with %d",
             step,
-            written,
+            os.fspath(written),  # NOTE: a URL as given (a Path would make s3:// read s3:/)
             resumable,
         )
         return resumable

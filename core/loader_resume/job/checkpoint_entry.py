@@ -1,5 +1,5 @@
-"""A front door's checkpoint entry: written by ``new_entry``, read back by ``checked_entry`` (every
-front door).
+"""A front-end's checkpoint entry: written by ``new_entry``, read back by ``checked_entry`` (every
+front-end).
 
 The entry of a hand-written loop's session (``{"format", "step", "epoch", "world_size", "rng": [each
 rank's], "loaders": [each loader's gathered states], ...}``) is read before the loaders exist, or
@@ -24,8 +24,8 @@ logger = logging.getLogger(__name__)
 
 
 def new_entry(**fields: Any) -> dict[str, Any]:
-    """A front door's checkpoint entry holding ``fields`` (its loaders' states, its generators, its
-    step ...), in the format this release writes and ``checked_entry`` reads. Every front door
+    """A front-end's checkpoint entry holding ``fields`` (its loaders' states, its generators, its
+    step ...), in the format this release writes and ``checked_entry`` reads. Every front-end
     writes its entry through this."""
     return {"format": CHECKPOINT_FORMAT, **fields}
 
@@ -33,9 +33,9 @@ def new_entry(**fields: Any) -> dict[str, Any]:
 def checked_entry(
     saved: Any, where: str | os.PathLike[str], *, needs: tuple[str, ...] = ()
 ) -> dict[str, Any]:
-    """``saved``, a front door's entry found at ``where`` (a file, or a checkpoint's key), if it is
+    """``saved``, a front-end's entry found at ``where`` (a file, or a checkpoint's key), if it is
     one this release reads, with every key in ``needs``; else ``CheckpointError`` naming where, what
-    it found and what was expected. Every front door reads its entry through this."""
+    it found and what was expected. Every front-end reads its entry through this."""
     found = saved.get("format") if isinstance(saved, dict) else saved
     if found != CHECKPOINT_FORMAT:
         raise CheckpointError(

@@ -13,7 +13,7 @@ What happens is ``LOADER_RESUME_NO_CHECKPOINT``'s choice:
 - ``refuse``: the job stops at once with ``CheckpointDirectoryError`` naming the same traces, for a
   person to look before anything is trained again.
 
-Every front door calls ``resuming_nothing`` once it knows that it resumes nothing (every process of
+Every front-end calls ``resuming_nothing`` once it knows that it resumes nothing (every process of
 the job: the choice is agreed).
 """
 

@@ -1,4 +1,4 @@
-"""One session of a hand-written training loop: what every front door for such loops does the same
+"""One session of a hand-written training loop: what every front-end for such loops does the same
 way.
 
 Accelerate's ``enable_resume`` and Lightning's ``FabricResume`` hand their framework's own ways as a
@@ -14,7 +14,7 @@ out of one, how a process leaves after a preemption checkpoint); the ``LoopSessi
   download before a resume and its upload after each sealed write;
 - the automatic resume: the newest complete checkpoint that verifies, never a silent start over a
   job that left traces (``newest_or_start``);
-- the front door's checkpoint entry, written by ``entry`` and read back by ``take`` (its format
+- the front-end's checkpoint entry, written by ``entry`` and read back by ``take`` (its format
   checked; the loaders' states loaded as soon as the loaders exist, this rank's generators right
   before the next batch).
 """
@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 
 class Framework(Protocol):
-    """What a front door's framework does its own way; every method is called on every rank."""
+    """What a front-end's framework does its own way; every method is called on every rank."""
 
     @property
     def is_main(self) -> bool:
@@ -81,7 +81,7 @@ class SaveEvery:
     """When a ``LoopSession`` saves and stops: ``save_every_n_steps`` (0: only on preemption),
     agreeing on signals every ``check_every_n_steps``, keeping ``keep`` checkpoints, exiting with
     ``exit_code`` after a preemption checkpoint; each checked here, naming ``owner`` (the front
-    door's call) in the error (``None``: checked by the front door's own configuration)."""
+    door's call) in the error (``None``: checked by the front-end's own configuration)."""
 
     def __init__(
         self,
@@ -109,7 +109,7 @@ class SaveEvery:
 
 
 class LoopSession:
-    """The session of one hand-written loop (see the module docstring): one per front-door object.
+    """The session of one hand-written loop (see the module docstring): one per front-end object.
 
     Args:
         framework: the framework's own ways.
@@ -149,7 +149,7 @@ class LoopSession:
         self.failed_saves = 0
         """Checkpoints that could not be written (each logged as an error)."""
         self.saving = True
-        """Whether a step boundary may save (a front door that has no state to save yet turns it
+        """Whether a step boundary may save (a front-end that has no state to save yet turns it
         off)."""
         self._requeue = Requeue(slurm_requeue)
         # a loaded entry's generators and loader states, until they can go in
@@ -245,7 +245,7 @@ class LoopSession:
         self._entry.apply(self.loaders)
 
     def entry(self, **fields: Any) -> dict[str, Any]:
-        """The front door's checkpoint entry now, with ``fields``: the step, the epoch, the world
+        """The front-end's checkpoint entry now, with ``fields``: the step, the epoch, the world
         size, every rank's loader states (a loop's pass it left ends there) and generators. A
         collective (every rank), except inside ``save``, which gathered them before its write
         began."""
@@ -312,7 +312,7 @@ class LoopSession:
 
 
 class LoopHandle:
-    """What the object a hand-written loop's front door hands the user shows of its ``session``: the
+    """What the object a hand-written loop's front-end hands the user shows of its ``session``: the
     step and epoch the loop is at, what was loaded, the checkpoints, the preemption signals."""
 
     session: LoopSession

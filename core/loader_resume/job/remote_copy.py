@@ -1,4 +1,4 @@
-"""A copy of a job's sealed checkpoint directories on object storage, for front doors whose
+"""A copy of a job's sealed checkpoint directories on object storage, for front-ends whose
 frameworks write local directories only (Accelerate's ``save_state``, Fabric's sharded saves, a
 plain loop's ``write_sealed``).
 

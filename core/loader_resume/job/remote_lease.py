@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 LEASE_FILE: Final = ".loader_resume.lease"
 """The leases' name, before their number."""
 LEASE_VARIABLE: Final = "LOADER_RESUME_LEASE_SECONDS"
-"""The environment variable of the lease's term, in seconds (every front door; not a field of their
+"""The environment variable of the lease's term, in seconds (every front-end; not a field of their
 configs)."""
 # seconds a job waits for a lease being renewed (its holder still exiting) before it is refused
 _WAIT: Final = 10.0

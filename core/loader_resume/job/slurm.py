@@ -9,7 +9,7 @@ the array form when the job is an array task (``SLURM_ARRAY_JOB_ID_SLURM_ARRAY_T
 ``SLURM_JOB_ID``. A failed requeue is logged with its exit code, never raised: the checkpoint is
 written and the job ends as it would without the requeue.
 
-``Requeue`` is the same for the front doors without a SLURM environment of their own (Fabric,
+``Requeue`` is the same for the front-ends without a SLURM environment of their own (Fabric,
 Accelerate, the transformers Trainer): asked for (``slurm_requeue=True``) and inside a SLURM job,
 the requeue signal (SIGUSR1: ``sbatch --signal=USR1@90``) requests a preemption checkpoint as any
 signal does, and once it is written the main process requeues the job. Other signals (SIGTERM:

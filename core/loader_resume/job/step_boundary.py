@@ -119,7 +119,7 @@ class ReportingDataLoader(ResumableDataLoader[Any]):
         self, *, pass_ended: bool = False, loop_ends_pass: bool = True
     ) -> dict[str, Any]:
         """The state at the last batch handed to the training loop (not at a batch fetched ahead); a
-        pass the loop left continues there, unless ``pass_ended`` (the front door knows its loop
+        pass the loop left continues there, unless ``pass_ended`` (the front-end knows its loop
         moved on: an epoch of its own ended) or the state is taken at the first request of this
         loader's next pass (the loop began it). ``loop_ends_pass=False``: the resumed loop starts
         the next pass with a new ``iter()`` even where the last batch is out (the transformers
@@ -197,7 +197,7 @@ class StepBoundaries:
             self._ran_out = next(self._events)
 
     def epoch_ended(self) -> None:
-        """The loop's epoch is over: the front door's ``epochs()`` moves to the next one."""
+        """The loop's epoch is over: the front-end's ``epochs()`` moves to the next one."""
         self._epochs += 1
 
     def left(self, loader: Any) -> bool:

@@ -219,7 +219,7 @@ def default_seed(generator: Any, sampler: Any) -> int:
 
 
 def loader_seed(seed: int, index: int) -> int:
-    """The seed a front door (``ResumeCallback``, ``FabricResume``, ``enable_resume``) gives the
+    """The seed a front-end (``ResumeCallback``, ``FabricResume``, ``enable_resume``) gives the
     ``index``-th loader of a job it converts: ``seed`` itself for the first, for each other a 31-bit
     seed derived from ``(seed, index)``. Loaders of one job thus never share a shuffle order or
     keyed random values, as plain ``DataLoader``s, each seeded from the global generator, never do;
