@@ -291,3 +291,81 @@ def test_the_history_check_sees_dates_and_history() -> None:
                  "fixed in 5.20", "it no longer reads them"):
         assert HISTORY.search(line), line
     assert not HISTORY.search("transformers 5.18 and newer place it on `cpu`")
+
+
+# What each page's text names as its highlighted lines: the lines holding these (with the rest
+# of the statement a line opens). The text says why; this keeps the numbers on the lines as the
+# files change.
+PLAIN = ["gather_states(loader)", "gather_rng_states()}", "verify(found[-1])",
+         "load_rank_state(loader,", "set_global_rng_state(rng", "loader = ResumableDataLoader(",
+         "preemption = Preemption(", "preemption.agreed()", "save(root, step, epoch +",
+         "raise SystemExit(143)"]
+HIGHLIGHTED = {
+    "lightning.md": ["from lightning_resume import ResumeCallback",
+                     "return DataLoader(NoisyDigits()", "ResumeCallback(dirpath=root",
+                     "trainer.fit(model)"],
+    "fabric.md": ["from lightning_resume import FabricResume", "resume = FabricResume(",
+                  "fabric.setup_dataloaders(", "state = {", "resume.restore(state)",
+                  "in resume.epochs("],
+    "accelerate.md": ["from accelerate_resume import enable_resume", "resume = enable_resume(",
+                      "DataLoader(NoisyDigits()", "= accelerator.prepare(", "resume.restore()",
+                      "in resume.epochs("],
+    "transformers.md": ["from transformers_resume import ResumableTrainer",
+                        "trainer = ResumableTrainer(",
+                        "trainer.train(resume_from_checkpoint=True)"],
+    "ray.md": ["from ray_resume import RayResume, to_device", "loader = ResumableDataLoader(",
+               "resume = RayResume(", "in resume.epochs(", "= to_device(", "resume.step_end(",
+               "run_config=RunConfig("],
+    "pytorch.md": PLAIN,
+    "index.md": PLAIN,
+}
+
+
+def shown_lines(block: str) -> list[str]:
+    """The lines a code block shows: its literal lines, and each included file (or section of one)
+    without pymdownx.snippets' section markers."""
+    lines: list[str] = []
+    for line in block.splitlines():
+        included = re.fullmatch(r'--8<-- "([^":]+)(?::(\w+))?"', line.strip())
+        if included is None:
+            lines.append(line)
+            continue
+        text = (ROOT / included.group(1)).read_text().splitlines()
+        if included.group(2):
+            name = included.group(2)
+            start = next(i for i, t in enumerate(text) if f"[start:{name}]" in t)
+            end = next(i for i, t in enumerate(text) if f"[end:{name}]" in t)
+            text = text[start + 1:end]
+        lines.extend(t for t in text if "--8<--" not in t)
+    return lines
+
+
+def statement_lines(lines: list[str], anchors: list[str]) -> set[int]:
+    """The 1-based numbers of the lines holding each anchor (exactly one line each), with the lines
+    that continue the statement the line leaves open (brackets)."""
+    numbers: set[int] = set()
+    for anchor in anchors:
+        found = [number for number, line in enumerate(lines) if anchor in line]
+        assert len(found) == 1, f"{anchor!r} is on {len(found)} lines, expected one"
+        number, depth = found[0], 0
+        while True:
+            numbers.add(number + 1)
+            code = re.sub(r"#.*$|'[^']*'|\"[^\"]*\"", "", lines[number])
+            depth += sum(code.count(c) for c in "([{") - sum(code.count(c) for c in ")]}")
+            if depth <= 0:
+                break
+            number += 1
+    return numbers
+
+
+@pytest.mark.parametrize("page", sorted(HIGHLIGHTED))
+def test_the_highlighted_lines_are_the_ones_the_text_names(page: str) -> None:
+    text = (ROOT / "docs" / page).read_text()
+    (block,) = re.findall(r'```python[^\n]*hl_lines="([^"]+)"\n(.*?)\n```', text, re.S)
+    lines = shown_lines(block[1])
+    highlighted = {int(number) for number in block[0].split()}
+    expected = statement_lines(lines, HIGHLIGHTED[page])
+    assert highlighted == expected, (
+        f"{page}: hl_lines=\"{' '.join(map(str, sorted(expected)))}\" would highlight "
+        + "; ".join(lines[n - 1].strip() for n in sorted(expected))
+    )
