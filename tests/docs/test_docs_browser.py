@@ -3,7 +3,8 @@ px and at a phone's 390 px.
 
 The code is highlighted (a keyword's colour is not the plain text's), no code block scrolls sideways
 at 1280 px (at 390 px a code block scrolls inside its box), no page itself does at either width,
-nothing is requested from another host, and the search finds a page without a server. Marked
+nothing is requested from another host, the copy button covers no code (on a phone the code scrolls
+under it), and the search finds a page without a server. Marked
 `browser` (the default run deselects it); CI runs it with Debian's chromium-headless-shell, driven
 by Playwright (`python -m pytest -m browser`).
 """
@@ -26,7 +27,8 @@ import pytest
 pytestmark = pytest.mark.browser
 
 ROOT = Path(__file__).resolve().parents[2]
-# The home page, each front door's page (a whole program each), the journeys: pages of code.
+# The home page, each front-end's page (a whole program each), the journeys and recipes: pages of
+# code.
 CODE_PAGES = [
     "",
     "pytorch/",
@@ -36,6 +38,8 @@ CODE_PAGES = [
     "transformers/",
     "ray/",
     "journeys/",
+    "torchft/",
+    "recipes/",
 ]
 # Pages of tables and prose.
 TEXT_PAGES = ["guarantees/", "how-tested/", "troubleshooting/", "changelog/"]
@@ -88,7 +92,24 @@ MEASURE = """() => {
   const figures = [...document.querySelectorAll('.md-content img')].map(img => ({
     src: img.getAttribute('src'), loaded: img.complete && img.naturalWidth > 0, alt: img.alt,
     right: img.getBoundingClientRect().right, shown: img.getBoundingClientRect().width}));
+  // the copy button of each code block, and the code text under it (the part in view)
+  const covered = [];
+  for (const pre of document.querySelectorAll('.md-content pre')) {
+    const button = pre.querySelector('.md-code__button[data-md-type=copy]');
+    const code = pre.querySelector('code');
+    if (!button || !code) continue;
+    const b = button.getBoundingClientRect();
+    const box = code.getBoundingClientRect();
+    const range = document.createRange();
+    range.selectNodeContents(code);
+    const under = [...range.getClientRects()].filter(r => r.width > 0 && r.right > box.left
+      && r.left < box.right && r.left < b.right && r.right > b.left && r.top < b.bottom
+      && r.bottom > b.top);
+    if (under.length) covered.push(code.innerText.split('\\n')[0].slice(0, 60));
+  }
   return {
+    buttons: document.querySelectorAll('.md-content .md-code__button[data-md-type=copy]').length,
+    covered,
     figures,
     viewport: window.innerWidth,
     blocks: blocks.length,
@@ -150,6 +171,10 @@ def test_a_page_reads_well_on_a_screen_and_a_phone(browser: object, site_url: st
         )
         if seen["comment"]:
             assert seen["comment"] != seen["plain"], seen
+        assert seen["buttons"] > 0, "code blocks have their copy button"
+        assert not seen["covered"], (
+            f"the copy button covers code at {width} px, in the blocks beginning: {seen['covered']}"
+        )
         if width == WIDTH:
             assert not seen["overflowing"], (
                 f"code blocks scroll sideways at {WIDTH} px: {seen['overflowing']}"
