@@ -378,7 +378,8 @@ class TorchFTResume:
             record["end"] = int(after["position"])
         else:
             left = int(before["dataset_len"]) - start
-            record["end"] = start + min(world * self.loader.batch_size, -(-left // world) * world)
+            padded, full = -(-left // world) * world, world * int(self.loader.batch_size or 0)
+            record["end"] = start + (min(full, padded) if full else padded)
             record["l"] = 1
         self._audit.record(record)
         self._audit.flush()
