@@ -136,6 +136,7 @@ class TorchFTResume:
         self._audit = None if directory is None else quorum_log(
             directory, self.loader.dataset, self.loader.state_dict(),
             str(getattr(manager, "_replica_id", "")))
+        self._units = _units(loader, self.loader) if self._audit is not None else 0
         self._pass: Iterator[Any] | None = None
         self._before: dict[str, Any] | None = None
         self._pending: dict[str, Any] | None = None
@@ -373,11 +374,12 @@ class TorchFTResume:
         rank, world = self._shard
         start, epoch = int(before["position"]), int(before["epoch"])
         self._taken_at = self.manager.current_step()
-        record = {"t": "b", "step": self._taken_at, "e": epoch, "s": start, "r": rank, "w": world}
+        record = {"t": "b", "step": self._taken_at, "e": epoch, "s": start, "r": rank, "w": world,
+                  "u": self._units}
         if after["epoch"] == epoch:
             record["end"] = int(after["position"])
         else:
-            left = int(before["dataset_len"]) - start
+            left = self._units - start
             padded, full = -(-left // world) * world, world * int(self.loader.batch_size or 0)
             record["end"] = start + (min(full, padded) if full else padded)
             record["l"] = 1
@@ -407,6 +409,20 @@ class TorchFTResume:
     def _load(self, state: dict[str, Any]) -> None:
         # NOTE: applied at the next quorum, sharded over its participants
         self._pending = state
+
+
+def _units(source: DataLoader[Any], loader: ResumableDataLoader[Any]) -> int:
+    """The positions of an epoch: the dataset's, or those of the user's sampler."""
+    state = loader.state_dict()
+    if state["source"] == "permutation":
+        return int(state["dataset_len"])
+    try:
+        return len(source.sampler)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(
+            f"TorchFTResume(audit=...): the loader's sampler ({type(source.sampler).__name__}) has "
+            "no length; expected one with __len__ (the audit counts an epoch's positions)"
+        ) from None
 
 
 def _refuse_unsupported(manager: Manager, loader: DataLoader[Any], optimizer: Any) -> None:

@@ -39,19 +39,36 @@ def _warning_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(audit_module, "_SAID_UNAUDITED", False)
 
 
-def processes(directory: Path, *records: list[dict[str, Any]],
-              killed: tuple[int, ...] = ()) -> None:
-    """Group processes running at once (their logs opened together): each one's records, then its
-    exit (``killed``: those that write no end record)."""
-    logs = [quorum_log(directory, Items(range(N)), state(), f"group{number}")
-            for number in range(len(records))]
-    for number, (log, written) in enumerate(zip(logs, records, strict=True)):
-        for record in written:
-            log.record(record)
-        log.flush()
+def opened(directory: Path, count: int) -> list[audit_module.AuditLog]:
+    """The logs of ``count`` group processes starting now."""
+    return [quorum_log(directory, Items(range(N)), state(), f"group{number}")
+            for number in range(count)]
+
+
+def write(logs: list[audit_module.AuditLog], *records: list[dict[str, Any]]) -> None:
+    """The processes' records in turn, each written at once as the groups' writer does (record i
+    of every process before record i + 1 of any: the steps go together)."""
+    for index in range(max(map(len, records))):
+        for log, written in zip(logs, records, strict=True):
+            if index < len(written):
+                log.record(written[index])
+                log.flush()
+
+
+def ended(logs: list[audit_module.AuditLog], *, killed: tuple[int, ...] = ()) -> None:
+    """Each process's exit (``killed``: those that write no end record)."""
+    for number, log in enumerate(logs):
         if number not in killed:
             log.close()
         audit_module._OPEN.remove(log)
+
+
+def processes(directory: Path, *records: list[dict[str, Any]],
+              killed: tuple[int, ...] = ()) -> None:
+    """Group processes running at once, from start to exit."""
+    logs = opened(directory, len(records))
+    write(logs, *records)
+    ended(logs, killed=killed)
 
 
 def take(step: int, epoch: int, start: int, rank: int, world: int, ok: bool | None = True,
@@ -191,3 +208,65 @@ def test_a_job_whose_logs_begin_at_a_checkpoint_is_incomplete_never_wrong(
         "resumed from step 3, a checkpoint no group in these logs saved (the logs of the job "
         "before it are missing")
     assert report["epochs"][0]["status"] == "ok (from position 12: earlier ones are in no log)"
+
+
+def test_a_sampler_of_fewer_positions_than_the_dataset_is_checked_over_its_own(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A sampler of 12 of the 24 items: each step's record carries the epoch's 12 units; all 12
+    delivered is "ok", one step lost is named."""
+    def sampled(rank: int, lose: bool) -> list[dict[str, Any]]:
+        records = []
+        for step, start in enumerate(range(0, 12, 4)):
+            if lose and step == 1:
+                continue
+            records += [dict(record, u=12) if record["t"] == "b" else record
+                        for record in take(step, 0, start, rank, 2)]
+        return records
+    processes(tmp_path / "whole", sampled(0, False), sampled(1, False))
+    code, report = audited(tmp_path / "whole", capsys)
+    assert (code, report["findings"], report["epochs"][0]["delivered"]) == (0, [], 12)
+    processes(tmp_path / "lost", sampled(0, True), sampled(1, True))
+    code, report = audited(tmp_path / "lost", capsys)
+    assert code == 1 and report["findings"][0]["message"] == "never delivered: 4 samples"
+
+
+def test_a_restarted_process_that_died_before_its_first_step_begins_no_life(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """After the whole job died, a process starts and dies while loading the checkpoint (its log
+    holds no step); the job then restarts from the checkpoint: one restart, exact."""
+    save = {"t": "save", "step": 2, "e": 0, "pos": 8, "d": state_digest(state(0, 8))}
+    processes(tmp_path, *[take(0, 0, 0, rank, 2) + take(1, 0, 4, rank, 2) + [save] * (rank == 0)
+                          + take(2, 0, 8, rank, 2) for rank in range(2)], killed=(0, 1))
+    processes(tmp_path, [], killed=(0,))
+    load = {"t": "load", "step": 2, "e": 0, "pos": 8, "d": save["d"]}
+    processes(tmp_path, *[[load, *epoch_of(2, 0, 2, rank, start=8)] for rank in range(2)])
+    code, report = audited(tmp_path, capsys)
+    assert (code, report["findings"], report["gaps"]) == (0, [], [])
+    assert [life["rolled_back"] for life in report["attempts"]] == [0, 1]
+
+
+def test_a_job_that_lost_its_state_while_a_restarted_group_was_starting_restarts_from_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Groups a, b, c commit steps 0-1 (a checkpoint at step 2, 12 samples in); a dies, b and c
+    commit steps 2-3 without it; a2 starts and loads the checkpoint while b and c are alive, then
+    b and c die before a2 took a step; b2 and c2 load the checkpoint too, and the three go on from
+    step 2: what b and c committed after the checkpoint was rolled back, though a process of the
+    job was alive throughout."""
+    save = {"t": "save", "step": 2, "e": 0, "pos": 12, "d": state_digest(state(0, 12))}
+    load = {"t": "load", "step": 2, "e": 0, "pos": 12, "d": save["d"]}
+    abc = opened(tmp_path, 3)
+    write(abc, *[take(0, 0, 0, rank, 3) + take(1, 0, 6, rank, 3) + [save] * (rank == 0)
+                 for rank in range(3)])
+    ended(abc[:1], killed=(0,))
+    (a2,) = opened(tmp_path, 1)
+    write([a2], [load])
+    write(abc[1:], *[take(2, 0, 12, rank, 2) + take(3, 0, 16, rank, 2) for rank in range(2)])
+    ended(abc[1:], killed=(0, 1))
+    b2c2 = opened(tmp_path, 2)
+    write(b2c2, [load], [load])
+    write([a2, *b2c2], *[take(2, 0, 12, rank, 3) + take(3, 0, 18, rank, 3) for rank in range(3)])
+    ended([a2, *b2c2])
+    code, report = audited(tmp_path, capsys)
+    assert (code, report["findings"], report["gaps"]) == (0, [], [])
+    assert [(life["resumed"], life["rolled_back"]) for life in report["attempts"]] == [
+        ("(fresh)", 0), ("epoch 0 position 12", 2)]

@@ -6,13 +6,17 @@ loaded at its start (``save``, ``load``, with the loader state's digest).
 
 A step counts when any of its participants recorded it committed (TorchFT commits a step on every
 participant or on none; a participant that died after its gradients were exchanged has no outcome
-of its own). A *life* of the job is the processes between two restarts of the whole job: a process
-that loaded a checkpoint after every earlier process had ended starts one, and the steps earlier
-lives committed past that checkpoint's step were rolled back with the model (counted, not an
-error). Each epoch must then hold every position exactly once across the steps that count; the
-documented exceptions are those of ``loader_resume.audit.map`` (the padding of an epoch's last step,
-what ``drop_last`` leaves out, the job's last epoch stopping part-way). A step that counts and lacks
-a participant's record is a gap: what that participant trained is not known.
+of its own). A *life* of the job is the processes between two restarts of the whole job: TorchFT's
+step only grows while any group keeps the job's state (a group that rejoins takes it from a peer),
+so a process whose first step is one the job had already committed (read by the records' write
+times) began a new life: the job's state was lost, and it started again from a checkpoint (its
+first step is that checkpoint's) or afresh. The steps earlier lives committed from there on were
+rolled back with the model (counted, not an error). Each epoch must then hold every position
+exactly once across the steps that count, its positions numbered up to its units (the dataset's
+length, or the sampler's: each step's record says); the documented exceptions are those of
+``loader_resume.audit.map`` (the padding of an epoch's last step, what ``drop_last`` leaves out of
+its last step, the job's last epoch stopping part-way). A step that counts and lacks a participant's
+record is a gap: what that participant trained is not known.
 """
 
 from __future__ import annotations
@@ -34,7 +38,27 @@ it."""
 class _Life:
     number: int
     logs: list[RankLog]
-    load: dict[str, Any] | None
+    first: dict[str, Any]
+    """Its first step's record: where the job stood when this life began."""
+
+    @property
+    def load(self) -> dict[str, Any] | None:
+        """The checkpoint of its first step that one of its processes loaded, if any."""
+        return next((record for log in self.logs for record in log.records
+                     if record["t"] == "load" and record["step"] == self.first["step"]), None)
+
+
+def _timed(log: RankLog) -> list[tuple[float, dict[str, Any]]]:
+    """Each record with the time it was written (the time mark of the write that carried it)."""
+    timed: list[tuple[float, dict[str, Any]]] = []
+    pending: list[dict[str, Any]] = []
+    for record in log.records:
+        if record["t"] == "at":
+            timed.extend((float(record["time"]), waiting) for waiting in pending)
+            pending = []
+        else:
+            pending.append(record)
+    return timed + [(log.end, waiting) for waiting in pending]
 
 
 class QuorumCheck:
@@ -50,6 +74,10 @@ class QuorumCheck:
         logs = sorted((log for attempt in attempts for log in attempt.logs),
                       key=lambda log: log.start)
         lives = self._lives(logs)
+        # NOTE: an epoch's positions are numbered up to its units: the dataset's length, or a
+        # sampler's (each step's record carries them)
+        self.units = {record["e"]: int(record.get("u", self.report.header["n"]))
+                      for log in logs for record in log.records if record["t"] == "b"}
         saved: dict[str, dict[str, Any]] = {}
         counted: dict[Step, dict[int, int]] = {}  # step -> participant rank -> life
         for life in lives:
@@ -57,9 +85,9 @@ class QuorumCheck:
             rolled = 0
             if life.number > 1:
                 rolled = self._roll_back(life, counted, saved)
-            elif life.load is not None:
-                self._unsaved(life, life.load, "the logs of the job before it are missing, or it "
-                              "ran before its audit was turned on")
+            elif life.first["step"] > 0:
+                self._unsaved(life, "the logs of the job before it are missing, or it ran before "
+                              "its audit was turned on")
             for step, ranks in taken.items():
                 if step in committed:
                     for rank in ranks:
@@ -67,29 +95,46 @@ class QuorumCheck:
             for log in life.logs:
                 saved.update({record["d"]: record for record in log.records
                               if record["t"] == "save"})
-            load = life.load
+            first = life.first
             self.report.attempts.append({
                 "number": life.number,
                 "world": max([step[4] for step in committed] or [0]),
                 "batches": sum(record["t"] == "b" for log in life.logs for record in log.records),
-                "resumed": "(fresh)" if load is None
-                else f"epoch {load['e']} position {load['pos']}",
+                "resumed": "(fresh)" if first["step"] == 0
+                else f"epoch {first['e']} position {first['s']}",
                 "rolled_back": rolled,
                 "rolled_back_exact": True,
             })
         self._epochs(counted, lives)
 
     def _lives(self, logs: list[RankLog]) -> list[_Life]:
-        """A process that started after every earlier one ended starts a life (the whole job
-        started again); any other joins the life running (a group rejoining through TorchFT's
-        recovery, whether or not it loaded a checkpoint first)."""
-        lives: list[_Life] = []
+        """In the order of their first steps: a process whose first step the life running had
+        already committed (before that step was written), or that took it after every process of
+        that life had ended (a job stopped at a checkpoint and started again), begins a new life;
+        any other joins the life running (a group rejoining through TorchFT's recovery, whether or
+        not it loaded a checkpoint first). A process that took no step is in no life."""
+        starts = []
         for log in logs:
-            load = next((record for record in log.records if record["t"] == "load"), None)
-            if lives and any(other.end > log.start for life in lives for other in life.logs):
-                lives[-1].logs.append(log)
+            timed = _timed(log)
+            found = next(((time, record) for time, record in timed if record["t"] == "b"), None)
+            if found is not None:
+                starts.append((found[0], found[1], log, timed))
+        lives: list[_Life] = []
+        # the current life's commits: (time written, step)
+        commits: list[tuple[float, int]] = []
+        for time, first, log, timed in sorted(starts, key=lambda start: start[0]):
+            if (not lives or any(step >= first["step"] for when, step in commits if when < time)
+                    or all(other.end < time for other in lives[-1].logs)):
+                lives.append(_Life(len(lives) + 1, [log], first))
+                commits = []
             else:
-                lives.append(_Life(len(lives) + 1, [log], load))
+                lives[-1].logs.append(log)
+            step = None
+            for when, record in timed:
+                if record["t"] == "b":
+                    step = record["step"]
+                elif record["t"] == "c" and record.get("ok") and step is not None:
+                    commits.append((when, step))
         return lives
 
     def _steps(self, life: _Life) -> tuple[set[Step], dict[Step, set[int]]]:
@@ -112,45 +157,42 @@ class QuorumCheck:
                    saved: dict[str, dict[str, Any]]) -> int:
         """Drop what earlier lives committed past the checkpoint this life loaded; the number of
         steps dropped."""
-        load = life.load
-        if load is None:
-            if saved:  # NOTE: a silent restart: checkpoints existed, none was loaded
-                self.report.findings.append(Finding(
-                    life.number, 0, 0, "started afresh although earlier groups saved checkpoints "
-                    f"(the newest at step {max(record['step'] for record in saved.values())}): "
-                    "its checkpoint was not found", None))
-            past = set(counted)
-        else:
-            if load["d"] not in saved:
-                self._unsaved(life, load, "the logs of the lives before it are missing, or the "
-                              "checkpoint is another run's")
-            # NOTE: a checkpoint of step K holds the steps taken at 0 .. K - 1 (TorchFT counts a
-            # step when it commits)
-            past = {step for step in counted if step[0] >= load["step"]}
+        began = life.first["step"]
+        if began == 0 and saved:  # NOTE: a silent restart: checkpoints existed, none was loaded
+            self.report.findings.append(Finding(
+                life.number, 0, 0, "started afresh although earlier groups saved checkpoints "
+                f"(the newest at step {max(record['step'] for record in saved.values())}): "
+                "its checkpoint was not found", None))
+        elif began > 0 and (life.load is None or life.load["d"] not in saved):
+            self._unsaved(life, "the logs of the lives before it are missing, or the "
+                          "checkpoint is another run's")
+        # NOTE: a checkpoint of step K holds the steps taken at 0 .. K - 1 (TorchFT counts a step
+        # when it commits); what the lives before took from K on was rolled back
+        past = {step for step in counted if step[0] >= began}
         for step in past:
             del counted[step]
         return len(past)
 
-    def _unsaved(self, life: _Life, load: dict[str, Any], why: str) -> None:
+    def _unsaved(self, life: _Life, why: str) -> None:
+        first = life.first
         self.report.gaps.append(Finding(
-            life.number, load["e"], load["pos"],
-            f"resumed from step {load['step']}, a checkpoint no group in these logs saved ({why})",
+            life.number, first["e"], first["s"],
+            f"resumed from step {first['step']}, a checkpoint no group in these logs saved ({why})",
             None))
-        self.unlogged_until = max(self.unlogged_until, (load["e"], load["pos"]))
+        self.unlogged_until = max(self.unlogged_until, (first["e"], first["s"]))
 
     def _epochs(self, counted: dict[Step, dict[int, int]], lives: list[_Life]) -> None:
         header = self.report.header
-        n, step_size = int(header["n"]), int(header["batch_size"])
         seen: dict[tuple[int, int], tuple[int, int]] = {}  # (epoch, position) -> (life, step)
         padding: dict[int, int] = {}
-        largest: dict[int, int] = {}
+        last_step: dict[int, tuple[int, int]] = {}  # epoch -> (start, size) of its last step
         # (life, epoch, the earlier step, the step) -> [first position, count]
         twice: dict[tuple[int, int, int, int], list[int]] = {}
         unknown: set[tuple[int, int]] = set()  # positions of participants with no record
         for step in sorted(counted):
             number, epoch, start, end, world = step
-            units = -(-(end - start) // world)
-            largest[epoch] = max(largest.get(epoch, 0), units * world)
+            units, n = -(-(end - start) // world), self.units.get(epoch, int(header["n"]))
+            last_step[epoch] = max(last_step.get(epoch, (-1, 0)), (start, units * world))
             for rank in sorted(set(range(world)) - set(counted[step])):
                 first = start + rank * units
                 unknown.update((epoch, p) for p in range(first, min(first + units, n)))
@@ -173,12 +215,15 @@ class QuorumCheck:
                 f"step {earlier} again in step {number}", None, count))
         latest = max([epoch for epoch, _ in seen] or [0])
         for epoch in range(latest + 1):
+            n = self.units.get(epoch, int(header["n"]))
             missing = [p for p in range(n) if (epoch, p) not in seen and (epoch, p) not in unknown
                        and (epoch, p) >= self.unlogged_until]
             dropped, status = 0, "ok"
             suffix = bool(missing) and missing == list(range(missing[0], n))
-            if missing and suffix and header.get("drop_last") and (
-                    len(missing) < largest.get(epoch, step_size)):
+            last_start, last_size = last_step.get(epoch, (0, 0))
+            # NOTE: drop_last leaves out a tail shorter than the step it would have been
+            if (missing and suffix and header.get("drop_last")
+                    and missing[0] == last_start + last_size and len(missing) < last_size):
                 dropped = len(missing)
             elif missing and suffix and epoch == latest:
                 status = f"partial: the job stopped at position {missing[0]}"
