@@ -316,9 +316,9 @@ class ResumableDataLoader(IndexHooks[T]):
         ``pass_ended=True``: the next pass's start instead (a loop that leaves passes on purpose);
         ``False``: continues, said; unsaid, the first state of a pass in flight logs which (once per
         loader). ``batches_ago`` (streams): that many deliveries ago. ``ending=True``: the pass's
-        last batch is out and the loop will still end that pass itself (a hand-written loop's front
-        door, at a step boundary inside its last step): after a load, the first ``iter()`` is that
-        pass's empty rest (the ``"ending"`` key), the next one the next pass."""
+        last batch is out and the loop will still end that pass itself (a hand-written loop's
+        front-end, at a step boundary inside its last step): after a load, the first ``iter()`` is
+        that pass's empty rest (the ``"ending"`` key), the next one the next pass."""
         ended = bool(pass_ended)
         position = self._position
         state = self._identity.for_state(position.state(batches_ago, ended), ended)

@@ -109,8 +109,8 @@ def evaluate(job: Job, model: nn.Module, loader: Any, step: int) -> None:
 
 
 def hand_written(job: Job, front: str) -> None:
-    """Fabric and Accelerate: the loop written by hand, its evaluation loader set up by the front
-    door."""
+    """Fabric and Accelerate: the loop written by hand, its evaluation loader set up by the
+    front-end."""
     model, optimizer = model_and_optimizer()
     if front == "fabric":
         from lightning.fabric import Fabric

@@ -452,8 +452,8 @@ def test_a_front_door_that_writes_local_directories_refuses_a_url_for_them(tmp_p
 
     with pytest.raises(
         CheckpointDirectoryError,
-        match=r"checkpoint directory s3://bucket/run: a URL, but this front "
-        r"door writes its checkpoints as local directories",
+        match=r"checkpoint directory s3://bucket/run: a URL, but this front-end "
+        r"writes its checkpoints as local directories",
     ):
         enable_resume(Accelerator(cpu=True), {"checkpoint_dir": "s3://bucket/run"})
     assert not Path("s3:").exists()

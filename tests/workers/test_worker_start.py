@@ -70,10 +70,11 @@ def test_a_plain_dataloader_waits_for_such_a_worker_forever() -> None:
 
 
 def test_no_pool_is_forked_while_a_feeder_thread_of_an_earlier_pool_stops() -> None:
-    """100 passes left after one batch: a plain DataLoader forks while a feeder thread stops (the
-    hazard exists here), ours never does."""
-    counts = {}
-    for kind in ("plain", "ours"):
+    """Passes left after one batch, 100 at a time: a plain DataLoader forks while a feeder thread
+    stops (the hazard exists here: a race, seen within at most 5 rounds), ours never does in as
+    many rounds."""
+
+    def forks(kind: str) -> int:
         done = subprocess.run(
             [sys.executable, str(CHILD), "feeders", kind, "100"],
             capture_output=True,
@@ -81,8 +82,13 @@ def test_no_pool_is_forked_while_a_feeder_thread_of_an_earlier_pool_stops() -> N
             timeout=300,
         )
         assert done.returncode == 0, done.stderr[-3000:]
-        counts[kind] = int(done.stdout.split(":")[-1])
-    assert counts["plain"] > 0 and counts["ours"] == 0, counts
+        return int(done.stdout.split(":")[-1])
+
+    rounds, plain = 0, 0
+    while plain == 0 and rounds < 5:
+        rounds, plain = rounds + 1, forks("plain")
+    assert plain > 0, f"the hazard was not seen in {rounds} rounds of a plain DataLoader"
+    assert [forks("ours") for _ in range(rounds)] == [0] * rounds
 
 
 def test_workers_that_start_are_waited_for_only_when_iter_starts_them() -> None:

@@ -80,8 +80,8 @@ class Framework(Protocol):
 class SaveEvery:
     """When a ``LoopSession`` saves and stops: ``save_every_n_steps`` (0: only on preemption),
     agreeing on signals every ``check_every_n_steps``, keeping ``keep`` checkpoints, exiting with
-    ``exit_code`` after a preemption checkpoint; each checked here, naming ``owner`` (the front
-    door's call) in the error (``None``: checked by the front-end's own configuration)."""
+    ``exit_code`` after a preemption checkpoint; each checked here, naming ``owner`` (the
+    front-end's call) in the error (``None``: checked by the front-end's own configuration)."""
 
     def __init__(
         self,
