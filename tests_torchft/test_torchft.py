@@ -290,11 +290,17 @@ def test_sigterm_to_one_group_stops_every_group_at_one_checkpoint_and_the_rerun_
     assert [life["rolled_back"] for life in checked["reports"][0]["attempts"]] == [0, 0]
 
 
-def test_what_cannot_be_kept_exact_is_refused_by_name(lighthouse: str) -> None:
+def test_what_cannot_be_kept_exact_is_refused_by_name(lighthouse: str, tmp_path: Path) -> None:
     """Each refused setting names itself (a real Manager, before any quorum)."""
     import torch
     import torch.distributed as dist
-    from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
+    from torch.utils.data import (
+        DataLoader,
+        DistributedSampler,
+        IterableDataset,
+        Sampler,
+        TensorDataset,
+    )
     from torchft import Manager, Optimizer, ProcessGroupGloo
 
     from torchft_resume import TorchFTResume
@@ -314,6 +320,10 @@ def test_what_cannot_be_kept_exact_is_refused_by_name(lighthouse: str) -> None:
         def __iter__(self) -> Iterator[int]:
             return iter(range(4))
 
+    class Endless(Sampler[int]):  # NOTE: no __len__
+        def __iter__(self) -> Iterator[int]:
+            return iter(range(8))
+
     data = TensorDataset(torch.arange(8.0))
     model = torch.nn.Linear(1, 1)
     plain = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -331,6 +341,8 @@ def test_what_cannot_be_kept_exact_is_refused_by_name(lighthouse: str) -> None:
          "torchft's Optimizer"),
         (dict(manager=sync, loader=DataLoader(data), model=model, optimizer=plain,
               checkpoint_dir="s3://bucket/run"), "checkpoint_dir='s3://bucket/run'): a URL"),
+        (dict(manager=sync, loader=DataLoader(data, sampler=Endless()), audit=tmp_path),
+         "the loader's sampler (Endless) has no length"),
     ]
     for arguments, named in cases:
         with pytest.raises(ValueError, match=re.escape(named)):
