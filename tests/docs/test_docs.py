@@ -42,8 +42,11 @@ def test_the_two_commands_are_one_line_each() -> None:
 
 def test_every_docs_page_is_in_the_site_navigation() -> None:
     navigation = (ROOT / "mkdocs.yml").read_text()
-    pages = sorted(page.name for page in (ROOT / "docs").glob("*.md"))
-    assert [page for page in pages if f": {page}" not in navigation] == []
+    docs = ROOT / "docs"
+    pages = sorted(page.relative_to(docs).as_posix() for page in docs.rglob("*.md"))
+    assert "api/index.md" in pages
+    assert [page for page in pages
+            if f": {page}\n" not in navigation and f"- {page}\n" not in navigation] == []
 
 
 def _named_test_paths() -> dict[str, list[str]]:
@@ -51,7 +54,7 @@ def _named_test_paths() -> dict[str, list[str]]:
     ``.ci`` name."""
     sources = [
         ROOT / "README.md",
-        *sorted((ROOT / "docs").glob("*.md")),
+        *sorted((ROOT / "docs").rglob("*.md")),
         *sorted((ROOT / ".ci").glob("*")),
     ]
     named: dict[str, list[str]] = {}

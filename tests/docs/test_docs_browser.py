@@ -41,8 +41,10 @@ CODE_PAGES = [
     "torchft/",
     "recipes/",
 ]
-# Pages of tables and prose.
-TEXT_PAGES = ["guarantees/", "how-tested/", "troubleshooting/", "changelog/"]
+# Pages of tables and prose, and the API reference's pages (the docstrings, with signatures).
+TEXT_PAGES = ["guarantees/", "how-tested/", "troubleshooting/", "changelog/", "api/",
+              *(f"api/{package}/" for package in ("loader_resume", "lightning_resume",
+                "accelerate_resume", "transformers_resume", "ray_resume", "torchft_resume"))]
 # Pages with a figure (docs/figures.py's SVGs, the benchmark's plot).
 FIGURE_PAGES = ["how-it-works/", "clusters/", "benchmarks/"]
 WIDTH, PHONE = 1280, 390

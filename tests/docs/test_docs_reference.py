@@ -1,6 +1,6 @@
-"""The API reference (docs/api.md) lists every public name, and the docstrings it renders are
-Markdown that mkdocstrings reads: no Sphinx role (``:class:`X```) shown as raw text. Read from the
-sources, nothing imported."""
+"""The API reference (docs/api/, a page per package) lists every public name, each on its
+package's page, and the docstrings it renders are Markdown that mkdocstrings reads: no Sphinx role
+(``:class:`X```) shown as raw text. Read from the sources, nothing imported."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ ROLE = re.compile(r":(?:py:)?(?:class|func|meth|attr|mod|data|exc|obj|const|ref|
 
 
 def _directives() -> set[str]:
-    return set(re.findall(r"^::: (\S+)\s*$", (ROOT / "docs" / "api.md").read_text(), re.M))
+    return {name for page in sorted((ROOT / "docs" / "api").glob("*.md"))
+            for name in re.findall(r"^::: (\S+)\s*$", page.read_text(), re.M)}
 
 
 def _all(path: Path) -> list[str]:
@@ -45,13 +46,25 @@ def test_every_name_of_each_public_module_is_on_the_api_page() -> None:
     modules = {name: folder / "__init__.py" for name, folder in PACKAGES.items()} | PUBLIC_MODULES
     missing = [f"{module}.{name}" for module, path in modules.items() for name in _all(path)
                if f"{module}.{name}" not in directives]
-    assert not missing, f"public names missing from docs/api.md (add a '::: name' line): {missing}"
+    assert not missing, (
+        f"public names missing from docs/api/ (add a '::: name' line to its package's page): "
+        f"{missing}"
+    )
+
+
+def test_each_name_is_on_its_package_page() -> None:
+    pages = sorted((ROOT / "docs" / "api").glob("*.md"))
+    assert {page.stem for page in pages} == {"index", *PACKAGES}
+    elsewhere = [f"{page.name}: {name}" for page in pages
+                 for name in re.findall(r"^::: (\S+)\s*$", page.read_text(), re.M)
+                 if name.split(".")[0] != page.stem]
+    assert not elsewhere, f"a name on another package's page of docs/api/: {elsewhere}"
 
 
 def _imported_names() -> set[tuple[str, str]]:
     """``(module, name)`` of every ``from <our package...> import name`` in the pages, the README
     and the examples."""
-    texts = [path.read_text() for path in [ROOT / "README.md", *(ROOT / "docs").glob("*.md"),
+    texts = [path.read_text() for path in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"),
                                            *(ROOT / "examples").glob("*.py")]]
     ours = re.compile(r"^\s*from ((?:" + "|".join(PACKAGES) + r")[\w.]*) import ([^\n#]+)", re.M)
     found = set()

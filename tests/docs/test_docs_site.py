@@ -29,7 +29,7 @@ BUNDLE_URLS = {
 
 
 def _markdown_files() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
 SNIPPET = re.compile(r'^\s*--8<-- "([^":]+)(?::([\w-]+))?"\s*$')
@@ -276,7 +276,7 @@ HISTORY = re.compile(
 
 def test_user_pages_hold_no_dated_status_lines_or_history() -> None:
     pages = [ROOT / "README.md"] + [
-        path for path in sorted((ROOT / "docs").glob("*.md"))
+        path for path in sorted((ROOT / "docs").rglob("*.md"))
         if path.name not in ("changelog.md", "development.md")
     ]
     found = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
