@@ -1,24 +1,23 @@
 """Accelerate + enable_resume on scikit-learn's digits: stopped and rerun, it continues.
 
-    python examples/accelerate_digits.py       # Ctrl-C or `kill -TERM <pid>`...
-    python examples/accelerate_digits.py       # ...and the same command continues
+    python accelerate_digits.py       # `kill -TERM <pid>` mid-run...
+    python accelerate_digits.py       # ...and the same command continues
     accelerate launch --multi_gpu --num_processes 2 \
-        examples/accelerate_digits.py --cpu    # two CPU processes
-    python examples/accelerate_digits.py save_every_n_steps=50 epochs=5   # overrides
+        accelerate_digits.py --cpu    # two CPU processes
+    python accelerate_digits.py save_every_n_steps=50 epochs=5   # overrides
 
-Resume settings come from configs/accelerate_resume.yaml (our keys; override any of them
-as ``key=value``); ``epochs``, ``workers``, ``batch_size`` and ``project_dir`` are this
-script's own. On a signal the run checkpoints at the next optimizer step and exits with
-code 143; the next run resumes from the newest complete checkpoint automatically. The
-last line printed is a digest of the final weights: an interrupted-and-rerun job prints
-the same one as an uninterrupted job.
+Resume settings are enable_resume's defaults (configs/accelerate_resume.yaml shows
+them); override any as ``key=value``. ``epochs``, ``workers``, ``batch_size`` and
+``project_dir`` are this script's own. On a signal the run checkpoints at the next
+optimizer step and exits with code 143; the next run resumes from the newest complete
+checkpoint automatically. The last line printed is a digest of the final weights: an
+interrupted-and-rerun job prints the same one as an uninterrupted job.
 """
 
 from __future__ import annotations
 
 import gc
 import sys
-from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -29,7 +28,6 @@ from accelerate_resume import enable_resume
 from loader_resume.testing import fingerprint
 from loader_resume.tools.demo import NoisyDigits
 
-CONFIG = Path(__file__).resolve().parent.parent / "configs" / "accelerate_resume.yaml"
 OWN = {"epochs": 3, "workers": 2, "batch_size": 32,
        "project_dir": "runs/accelerate_digits"}
 
@@ -52,7 +50,7 @@ def main(argv: list[str]) -> None:
     own, overrides, cpu = split(argv)
     torch.manual_seed(0)
     accelerator = Accelerator(cpu=cpu, project_dir=own["project_dir"])
-    resume = enable_resume(accelerator, CONFIG, overrides)
+    resume = enable_resume(accelerator, overrides=overrides)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.2),
                           nn.Linear(64, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

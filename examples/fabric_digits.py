@@ -1,9 +1,9 @@
 """Fabric + FabricResume on scikit-learn's digits: stopped and rerun, it continues.
 
-    python examples/fabric_digits.py              # Ctrl-C or `kill -TERM <pid>`...
-    python examples/fabric_digits.py              # ...and the same command continues
-    python examples/fabric_digits.py --devices 2  # two CPU processes
-    python examples/fabric_digits.py checkpoint_dir=/tmp/x epochs=5
+    python fabric_digits.py              # `kill -TERM <pid>` mid-run...
+    python fabric_digits.py              # ...and the same command continues
+    python fabric_digits.py --devices 2  # two CPU processes
+    python fabric_digits.py checkpoint_dir=/tmp/x epochs=5
 
 On a signal the run checkpoints at the next optimizer step and exits with code 143; the
 next run resumes from the newest complete checkpoint by itself. The last line printed is

@@ -1,15 +1,15 @@
 """Lightning + ResumeCallback on scikit-learn's digits: stopped and rerun, it continues.
 
-    python examples/lightning_digits.py        # Ctrl-C or `kill -TERM <pid>` mid-run...
-    python examples/lightning_digits.py        # ...and the same command continues
-    python examples/lightning_digits.py --devices 2   # DDP on two CPU processes
-    python examples/lightning_digits.py data.num_workers=0 trainer.max_epochs=5
+    python lightning_digits.py        # Ctrl-C or `kill -TERM <pid>` mid-run...
+    python lightning_digits.py        # ...and the same command continues
+    python lightning_digits.py --devices 2   # DDP on two CPU processes
+    python lightning_digits.py data.num_workers=0 trainer.max_epochs=5
 
-Settings live in configs/lightning_digits.yaml, overridden by omegaconf dotlist words
-(``--devices N`` is ``trainer.devices=N``). On a signal the run checkpoints at the next
-step and exits with `resume.exit_code`; the next run resumes from that checkpoint
-automatically. The last line printed is a digest of the final weights: an
-interrupted-and-rerun job prints the same one as an uninterrupted job.
+Settings live in lightning_digits.yaml beside this file, overridden by omegaconf
+dotlist words (``--devices N`` is ``trainer.devices=N``). On a signal the run
+checkpoints at the next step and exits with `resume.exit_code`; the next run resumes
+from that checkpoint automatically. The last line printed is a digest of the final
+weights: an interrupted-and-rerun job prints the same one as an uninterrupted job.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from loader_resume.job.storage import local_path
 from loader_resume.testing import fingerprint
 from loader_resume.tools.demo import NoisyDigits
 
-CONFIG = Path(__file__).resolve().parent.parent / "configs" / "lightning_digits.yaml"
+CONFIG = Path(__file__).resolve().with_name("lightning_digits.yaml")  # beside this file
 
 
 class DigitsModule(L.LightningModule):
@@ -60,8 +60,8 @@ class DigitsModule(L.LightningModule):
 
 
 def load_config(overrides: list[str]) -> DictConfig:
-    """configs/lightning_digits.yaml with omegaconf dotlist overrides; a key that is not
-    in it is an error."""
+    """lightning_digits.yaml with omegaconf dotlist overrides; a key that is not in it
+    is an error."""
     base = OmegaConf.load(CONFIG)
     OmegaConf.set_struct(base, True)
     cfg = OmegaConf.merge(base, OmegaConf.from_dotlist(overrides))

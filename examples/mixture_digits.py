@@ -1,7 +1,7 @@
 """A data mixture whose weights follow a schedule, under Accelerate: interrupt it, run it again, it
 continues.
 
-    python examples/mixture_digits.py                        # Ctrl-C or `kill -TERM <pid>`...
+    python examples/mixture_digits.py                        # `kill -TERM <pid>` mid-run...
     python examples/mixture_digits.py                        # ...and the same command continues
     python examples/mixture_digits.py epochs=4 workers=0     # this script's settings, as key=value
 

@@ -1,9 +1,9 @@
 """Plain PyTorch (core only) on scikit-learn's digits: DDP-ready, resumes by itself.
 
-    python examples/plain_digits.py --out runs/plain                     # one process
+    python plain_digits.py --out runs/plain                     # one process
     torchrun --nproc_per_node 2 --max-restarts 3 \
-        examples/plain_digits.py --out runs/plain                        # DDP, gloo
-    python examples/plain_digits.py --device cuda --bf16 --deterministic # on a GPU
+        plain_digits.py --out runs/plain                        # DDP, gloo
+    python plain_digits.py --device cuda --bf16 --deterministic # on a GPU
 
 Every ``--every`` optimizer steps (and on SIGTERM/SIGUSR1, at the next step) all ranks
 agree and rank 0 writes ``OUT/checkpoints/step_N``: model, optimizer, every rank's
@@ -184,6 +184,8 @@ def main() -> None:
                                       "ids": ids.tolist(),
                                       "batch": fingerprint([x, y])}) + "\n")
                 log.flush()
+            if step % 10 == 0 and loader.rank == 0:
+                print(f"epoch {epoch} step {step} loss {loss.item():.3f}", flush=True)
             stop = preemption.agreed()  # every rank, every step: one tiny all_reduce
             if stop or step % args.every == 0:
                 # NOTE: a checkpoint taken after an epoch's last batch resumes at

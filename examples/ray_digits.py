@@ -1,6 +1,6 @@
 """Ray Train + RayResume on scikit-learn's digits: stopped and rerun, the same digest.
 
-    python examples/ray_digits.py --out runs/ray_digits   # 2 CPU workers, a local Ray
+    python ray_digits.py --out runs/ray_digits   # 2 CPU workers, a local Ray
 
 ``TorchTrainer`` with 2 workers (gloo); every worker's ``ResumableDataLoader`` takes its
 share of each epoch, and ``RayResume`` reports a checkpoint every ``--every`` steps into

@@ -1,8 +1,8 @@
 """The transformers Trainer + ResumableTrainer on scikit-learn's digits: stopped, rerun.
 
-    python examples/transformers_digits.py   # kill -TERM it: it checkpoints, exits 143
-    python examples/transformers_digits.py   # the same command continues
-    torchrun --nproc_per_node 2 examples/transformers_digits.py     # two CPU processes
+    python transformers_digits.py   # kill -TERM it: it checkpoints, exits 143
+    python transformers_digits.py   # the same command continues
+    torchrun --nproc_per_node 2 transformers_digits.py     # two CPU processes
 
 Settings are ``key=value`` words (``max_steps=60 workers=2 batch_size=32
 output_dir=...``). SIGTERM or SIGUSR1 makes every process checkpoint at the next

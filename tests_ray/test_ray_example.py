@@ -1,6 +1,7 @@
-"""``examples/ray_digits.py`` as a user runs it: interrupted with Ctrl-C (SIGINT) mid-run, then the
-same command again; it ends with the uninterrupted run's digest, and every step's batch is the
-uninterrupted run's."""
+"""The Ray Train page's program, copied from the built page (``ray_digits.py``) into an empty
+directory and run with the page's command, as a user runs it: interrupted with Ctrl-C (SIGINT)
+mid-run, then the same command again; it ends with the uninterrupted run's digest, and every step's
+batch is the uninterrupted run's."""
 
 from __future__ import annotations
 
@@ -15,26 +16,25 @@ from typing import Any
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from support.pages import runnable
+
 pytestmark = pytest.mark.timeout(900)
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'core'}:{ROOT}"}
 
 
 def command(out: Path) -> list[str]:
-    return [
-        sys.executable,
-        str(ROOT / "examples" / "ray_digits.py"),
-        "--out",
-        str(out),
-        "--every",
-        "4",
-        "--batch-log",
-        str(out),
-        "--sleep",
-        "0.1",
-        "--audit",
-        str(out / "audit"),
-    ]
+    """The page's command, in ``out`` (where the page's files are saved), with what the test
+    watches: a checkpoint every 4 steps, each step's batch logged, steps slowed down, the audit."""
+    program = runnable("ray/")
+    program.save(out)
+    first, again = program.commands
+    assert first.words == again.words and first.words[:2] == ["python", "ray_digits.py"], (
+        "the page runs ray_digits.py, then the same command again"
+    )
+    return [sys.executable, *first.words[1:], "--every", "4", "--batch-log", str(out),
+            "--sleep", "0.1", "--audit", str(out / "audit")]
 
 
 def batches(out: Path) -> dict[tuple[int, int], Any]:
@@ -51,13 +51,14 @@ def test_interrupted_with_ctrl_c_and_run_again_it_ends_with_the_uninterrupted_di
     tmp_path: Path,
 ) -> None:
     full = subprocess.run(
-        command(tmp_path / "full"), capture_output=True, text=True, timeout=600, env=ENV
+        command(tmp_path / "full"), capture_output=True, text=True, timeout=600, env=ENV,
+        cwd=tmp_path / "full",
     )
     assert full.returncode == 0, full.stderr[-4000:]
     log = tmp_path / "cut" / "log-0.jsonl"
-    (tmp_path / "cut").mkdir()
     first = subprocess.Popen(
         command(tmp_path / "cut"),
+        cwd=tmp_path / "cut",
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -74,7 +75,8 @@ def test_interrupted_with_ctrl_c_and_run_again_it_ends_with_the_uninterrupted_di
     _, stderr = first.communicate(timeout=120)
     assert first.returncode != 0 and "digest" not in stderr, stderr[-4000:]
     again = subprocess.run(
-        command(tmp_path / "cut"), capture_output=True, text=True, timeout=600, env=ENV
+        command(tmp_path / "cut"), capture_output=True, text=True, timeout=600, env=ENV,
+        cwd=tmp_path / "cut",
     )
     assert again.returncode == 0, again.stderr[-4000:]
     assert again.stdout.splitlines()[-1] == full.stdout.splitlines()[-1]

@@ -15,14 +15,14 @@ import functools
 import http.server
 import os
 import shutil
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
+
+from support.pages import built_site
 
 pytestmark = pytest.mark.browser
 
@@ -42,7 +42,8 @@ CODE_PAGES = [
     "recipes/",
 ]
 # Pages of tables and prose, and the API reference's pages (the docstrings, with signatures).
-TEXT_PAGES = ["guarantees/", "how-tested/", "troubleshooting/", "changelog/", "api/",
+TEXT_PAGES = ["lightning-reference/", "guarantees/", "how-tested/", "troubleshooting/",
+              "changelog/", "api/",
               *(f"api/{package}/" for package in ("loader_resume", "lightning_resume",
                 "accelerate_resume", "transformers_resume", "ray_resume", "torchft_resume"))]
 # Pages with a figure (docs/figures.py's SVGs, the benchmark's plot).
@@ -56,13 +57,8 @@ CHROMIUM = os.environ.get("LOADER_RESUME_CHROMIUM") or next(
 
 
 @pytest.fixture(scope="module")
-def site_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    mkdocs = shutil.which("mkdocs", path=str(Path(sys.executable).parent)) or shutil.which("mkdocs")
-    assert mkdocs, "mkdocs is installed with the docs extra"
-    site = tmp_path_factory.mktemp("site")
-    subprocess.run(
-        [mkdocs, "build", "--strict", "--quiet", "--site-dir", str(site)], cwd=ROOT, check=True
-    )
+def site_url() -> Iterator[str]:
+    site = built_site()
     handler = functools.partial(QuietHandler, directory=str(site))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)

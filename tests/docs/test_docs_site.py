@@ -5,12 +5,11 @@ box."""
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from support.pages import built_site
 
 ROOT = Path(__file__).resolve().parents[2]
 # characters: a code box at 1280 px holds this many without a horizontal scroll bar
@@ -85,14 +84,8 @@ def test_the_line_check_sees_code_blocks() -> None:
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    mkdocs = shutil.which("mkdocs", path=str(Path(sys.executable).parent)) or shutil.which("mkdocs")
-    assert mkdocs, "mkdocs is installed with the docs extra"
-    out = tmp_path_factory.mktemp("site")
-    subprocess.run(
-        [mkdocs, "build", "--strict", "--quiet", "--site-dir", str(out)], cwd=ROOT, check=True
-    )
-    return out
+def site() -> Path:
+    return built_site()
 
 
 def _files(site: Path, *suffixes: str) -> list[Path]:
@@ -184,14 +177,16 @@ FRONT_ENDS = [
 
 
 @pytest.mark.parametrize("page", FRONT_ENDS)
-def test_a_front_end_page_opens_with_a_recipe_then_what_happens_then_the_reference(
+def test_a_front_end_page_opens_with_the_change_then_a_whole_program_then_the_rest(
     page: str,
 ) -> None:
     text = (ROOT / "docs" / page).read_text()
     sections = re.findall(r"^## (.+)$", text, re.M)
-    assert sections[:3] == ["Recipe", "What happens", "Reference"], sections
-    recipe = text[text.index("\n## Recipe\n") : text.index("\n## What happens\n")]
-    assert "```python" in recipe, f"{page}: the recipe is code"
+    assert sections[:4] == ["The change", "A whole program", "What happens", "Reference"], sections
+    change = text[text.index("\n## The change\n") : text.index("\n## A whole program\n")]
+    assert re.search(r"^```diff\n(.*\n)*\+", change, re.M), f"{page}: the change is a diff"
+    program = text[text.index("\n## A whole program\n") : text.index("\n## What happens\n")]
+    assert ".runnable" in program, f"{page}: the whole program is marked runnable"
     assert "!!! " in text, f"{page}: its limits and warnings are set apart as admonitions"
 
 
@@ -243,13 +238,15 @@ def test_a_front_end_page_links_to_its_example(page: str) -> None:
 
 
 @pytest.mark.parametrize("page", FRONT_ENDS)
-def test_a_front_end_recipe_is_its_whole_example_included_from_the_file(page: str) -> None:
+def test_a_front_end_program_is_its_whole_example_included_from_the_file(page: str) -> None:
     """One source: the page shows the file CI runs, never a copy that can drift from it."""
     text = (ROOT / "docs" / page).read_text()
-    recipe = text[text.index("\n## Recipe\n") : text.index("\n## What happens\n")]
-    assert f'--8<-- "examples/{EXAMPLES[page]}"' in recipe
+    program = text[text.index("\n## A whole program\n") : text.index("\n## What happens\n")]
+    assert f'--8<-- "examples/{EXAMPLES[page]}"' in program
     assert re.search(
-        r'```python title="examples/' + re.escape(EXAMPLES[page]) + r'" hl_lines="[\d ]+"', recipe
+        r'``` \{ \.python \.runnable title="' + re.escape(EXAMPLES[page])
+        + r'" hl_lines="[\d ]+" \}',
+        program,
     )
 
 
@@ -293,79 +290,3 @@ def test_the_history_check_sees_dates_and_history() -> None:
     assert not HISTORY.search("transformers 5.18 and newer place it on `cpu`")
 
 
-# What each page's text names as its highlighted lines: the lines holding these (with the rest
-# of the statement a line opens). The text says why; this keeps the numbers on the lines as the
-# files change.
-PLAIN = ["gather_states(loader)", "gather_rng_states()}", "verify(found[-1])",
-         "load_rank_state(loader,", "set_global_rng_state(rng", "loader = ResumableDataLoader(",
-         "preemption = Preemption(", "preemption.agreed()", "save(root, step, epoch +",
-         "raise SystemExit(143)"]
-HIGHLIGHTED = {
-    "lightning.md": ["from lightning_resume import ResumeCallback",
-                     "return DataLoader(NoisyDigits()", "ResumeCallback(dirpath=root",
-                     "trainer.fit(model)"],
-    "fabric.md": ["from lightning_resume import FabricResume", "resume = FabricResume(",
-                  "fabric.setup_dataloaders(", "state = {", "resume.restore(state)",
-                  "in resume.epochs("],
-    "accelerate.md": ["from accelerate_resume import enable_resume", "resume = enable_resume(",
-                      "DataLoader(NoisyDigits()", "= accelerator.prepare(", "resume.restore()",
-                      "in resume.epochs("],
-    "transformers.md": ["from transformers_resume import ResumableTrainer",
-                        "trainer = ResumableTrainer(",
-                        "trainer.train(resume_from_checkpoint=True)"],
-    "ray.md": ["from ray_resume import RayResume, to_device", "loader = ResumableDataLoader(",
-               "resume = RayResume(", "in resume.epochs(", "= to_device(", "resume.step_end(",
-               "run_config=RunConfig("],
-    "pytorch.md": PLAIN,
-    "index.md": PLAIN,
-}
-
-
-def shown_lines(block: str) -> list[str]:
-    """The lines a code block shows: its literal lines, and each included file (or section of one)
-    without pymdownx.snippets' section markers."""
-    lines: list[str] = []
-    for line in block.splitlines():
-        included = re.fullmatch(r'--8<-- "([^":]+)(?::(\w+))?"', line.strip())
-        if included is None:
-            lines.append(line)
-            continue
-        text = (ROOT / included.group(1)).read_text().splitlines()
-        if included.group(2):
-            name = included.group(2)
-            start = next(i for i, t in enumerate(text) if f"[start:{name}]" in t)
-            end = next(i for i, t in enumerate(text) if f"[end:{name}]" in t)
-            text = text[start + 1:end]
-        lines.extend(t for t in text if "--8<--" not in t)
-    return lines
-
-
-def statement_lines(lines: list[str], anchors: list[str]) -> set[int]:
-    """The 1-based numbers of the lines holding each anchor (exactly one line each), with the lines
-    that continue the statement the line leaves open (brackets)."""
-    numbers: set[int] = set()
-    for anchor in anchors:
-        found = [number for number, line in enumerate(lines) if anchor in line]
-        assert len(found) == 1, f"{anchor!r} is on {len(found)} lines, expected one"
-        number, depth = found[0], 0
-        while True:
-            numbers.add(number + 1)
-            code = re.sub(r"#.*$|'[^']*'|\"[^\"]*\"", "", lines[number])
-            depth += sum(code.count(c) for c in "([{") - sum(code.count(c) for c in ")]}")
-            if depth <= 0:
-                break
-            number += 1
-    return numbers
-
-
-@pytest.mark.parametrize("page", sorted(HIGHLIGHTED))
-def test_the_highlighted_lines_are_the_ones_the_text_names(page: str) -> None:
-    text = (ROOT / "docs" / page).read_text()
-    (block,) = re.findall(r'```python[^\n]*hl_lines="([^"]+)"\n(.*?)\n```', text, re.S)
-    lines = shown_lines(block[1])
-    highlighted = {int(number) for number in block[0].split()}
-    expected = statement_lines(lines, HIGHLIGHTED[page])
-    assert highlighted == expected, (
-        f"{page}: hl_lines=\"{' '.join(map(str, sorted(expected)))}\" would highlight "
-        + "; ".join(lines[n - 1].strip() for n in sorted(expected))
-    )
