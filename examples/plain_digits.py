@@ -126,9 +126,10 @@ def main() -> None:
                         help="torch.use_deterministic_algorithms(True)")
     parser.add_argument("--sleep", type=float, default=0.0,
                         help="seconds per step (to interrupt it by hand)")
-    parser.add_argument("--audit",
+    parser.add_argument("--audit", default=os.environ.get("LOADER_RESUME_AUDIT"),
                         help="a directory or fsspec URL each rank logs the batches it "
-                        "is handed to, for `loader-resume audit DIR`")
+                        "is handed to, for `loader-resume audit DIR` (default: "
+                        "$LOADER_RESUME_AUDIT, as the front-ends read it)")
     parser.add_argument("--remote",
                         help="an fsspec URL (s3://bucket/run) each checkpoint is "
                         "copied to, and resumed from on a machine without them")

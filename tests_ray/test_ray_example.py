@@ -20,13 +20,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from support.pages import runnable
 
 pytestmark = pytest.mark.timeout(900)
-ROOT = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'core'}:{ROOT}"}
+# the package as installed, nothing of the repository's on the path
+ENV = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
 
 
 def command(out: Path) -> list[str]:
     """The page's command, in ``out`` (where the page's files are saved), with what the test
-    watches: a checkpoint every 4 steps, each step's batch logged, steps slowed down, the audit."""
+    watches added (the program's own options): a checkpoint every 4 steps, each step's batch
+    logged, steps of 0.1 s, the audit."""
     program = runnable("ray/")
     program.save(out)
     first, again = program.commands

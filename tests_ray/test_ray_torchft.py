@@ -43,9 +43,11 @@ def rows(out: Path) -> list[dict[str, Any]]:
             for line in path.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("workers", [0, 2])
 def test_a_replica_group_killed_and_replaced_by_ray_trains_every_sample_once(
-        tmp_path: Path, workers: int) -> None:
+        tmp_path: Path) -> None:
+    # NOTE: with DataLoader workers (the harder case: the loader's workers start again with the
+    # group); without them, the same kill is tests_torchft's (plain processes)
+    workers = 2
     assert fit(tmp_path / "full", n=N, epochs=EPOCHS, workers=workers, step_seconds=0.1) is None
     full = rows(tmp_path / "full")
     assert all(row["committed"] for row in full if row["t"] == "end")

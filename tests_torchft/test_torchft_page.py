@@ -40,6 +40,7 @@ def test_the_pages_program_survives_a_killed_group_as_the_page_says(tmp_path: Pa
                                 stderr=subprocess.STDOUT)]
     try:
         time.sleep(0.5)
+        assert started[0].poll() is None, "the page's lighthouse did not start (its port taken?)"
         outputs = []
         for n, command in enumerate(groups):
             if n == k + 1:
@@ -66,6 +67,7 @@ def test_the_pages_program_survives_a_killed_group_as_the_page_says(tmp_path: Pa
         assert [p.wait(timeout=300) for p in running] == [0] * len(running), [
             path.read_text()[-2000:] for path in outputs
         ]
+        assert started[0].poll() is None, "the page's lighthouse ran throughout"
     finally:
         for process in started:
             process.kill()

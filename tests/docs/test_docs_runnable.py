@@ -9,17 +9,20 @@ their own suites: ``tests_ray/test_ray_example.py``, ``tests_torchft/test_torchf
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from support import forked
-from support.pages import Command, Program, blocks, runnable
+from support.pages import Command, Program, blocks, built_site, runnable
 
 ROOT = Path(__file__).resolve().parents[2]
 # The pages whose programs run in this suite's environment.
@@ -55,8 +58,38 @@ def digest(output: str) -> str:
     return found[-1][len(DIGEST):]
 
 
-def run(command: Command, directory: Path) -> subprocess.CompletedProcess[str]:
-    done = forked.run(argv(command), cwd=directory, env={**os.environ, **command.environment},
+def environment(command: Command, audit: Path) -> dict[str, str]:
+    """The page's variables over ours, with every run's batches audited into ``audit`` (each
+    front-end reads ``$LOADER_RESUME_AUDIT``; the plain program takes it for its ``--audit``) and
+    torchrun on a free port (``PET_MASTER_PORT``: its ``--master-port``)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return {**os.environ, "LOADER_RESUME_AUDIT": str(audit), "PET_MASTER_PORT": str(port),
+            **command.environment}
+
+
+def audited(audit: Path) -> dict[str, Any]:
+    """``loader-resume audit`` of one job's log: it must pass (exit 0: every sample of each epoch
+    it ran once, across the stop, nothing left unchecked); its report."""
+    done = forked.run([str(Path(sys.executable).with_name("loader-resume")), "audit", str(audit),
+                       "--json"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (report,) = json.loads(done.stdout)
+    assert report["epochs"], report
+    return dict(report)
+
+
+def processes(command: Command) -> int:
+    """How many processes the page says a command starts (a launcher's count, else one)."""
+    for flag in ("--nproc_per_node", "--num_processes", "--devices"):
+        if flag in command.words:
+            return int(command.words[command.words.index(flag) + 1])
+    return 1
+
+
+def run(command: Command, directory: Path, audit: Path) -> subprocess.CompletedProcess[str]:
+    done = forked.run(argv(command), cwd=directory, env=environment(command, audit),
                       capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (
         f"{' '.join(command.words)} in {directory}: exit {done.returncode}\n{done.stderr[-3000:]}"
@@ -64,11 +97,11 @@ def run(command: Command, directory: Path) -> subprocess.CompletedProcess[str]:
     return done
 
 
-def stop_mid_run(command: Command, directory: Path) -> str:
+def stop_mid_run(command: Command, directory: Path, audit: Path) -> str:
     """Run ``command``, SIGTERM it at its first progress line after step 0; it must exit 143
     before its end. Its output."""
     process = forked.popen(argv(command), cwd=directory, text=True,
-                           env={**os.environ, **command.environment},
+                           env=environment(command, audit),
                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert process.stdout is not None
     seen = []
@@ -99,20 +132,41 @@ def test_a_front_end_pages_program_runs_as_copied_into_an_empty_directory(
         f"{page}: the command after the stopped one is the same command"
     )
     program.save(tmp_path / "uninterrupted")
-    uninterrupted = run(program.commands[k], tmp_path / "uninterrupted").stdout
+    uninterrupted = run(program.commands[k], tmp_path / "uninterrupted",
+                        tmp_path / "audit-0").stdout
     directory = tmp_path / "copied"
     program.save(directory)
-    for command in program.commands[:k]:
-        run(command, directory)
-    cut = stop_mid_run(program.commands[k], directory)
-    rerun = run(program.commands[k + 1], directory).stdout
+    audits = {n: tmp_path / f"audit-{n + 1}" for n in range(len(program.commands))}
+    audits[k + 1] = audits[k]  # the rerun continues the stopped job
+    for n, command in enumerate(program.commands[:k]):
+        run(command, directory, audits[n])
+    cut = stop_mid_run(program.commands[k], directory, audits[k])
+    rerun = run(program.commands[k + 1], directory, audits[k]).stdout
     # it continued: every step it printed is after the stop's, with the uninterrupted run's loss
     steps, done = progress(rerun), progress(uninterrupted)
     assert steps and min(steps) > max(progress(cut)), (cut[-2000:], rerun[-2000:])
     assert all(done[step] == steps[step] for step in steps), (steps, done)
     assert digest(rerun) == digest(uninterrupted)
-    for command in program.commands[k + 2:]:
-        assert digest(run(command, directory).stdout)
+    # the stopped job's audit: every sample once per epoch across the stop, in two attempts
+    assert len(audited(audits[k])["attempts"]) == 2
+    for n, command in enumerate(program.commands[k + 2:], k + 2):
+        assert digest(run(command, directory, audits[n]).stdout)
+        # as many processes as the page says, each with its share
+        assert {attempt["world"] for attempt in audited(audits[n])["attempts"]} == {
+            processes(command)
+        }, " ".join(command.words)
+
+
+def test_every_page_with_a_runnable_block_is_run_by_a_test() -> None:
+    """A block marked runnable on any page runs somewhere: here, or in the Ray and TorchFT
+    suites."""
+    site = built_site()
+    marked = sorted(
+        str(path.parent.relative_to(site)) + "/"
+        for path in site.rglob("index.html")
+        if 'class="runnable highlight"' in path.read_text()
+    )
+    assert marked == sorted([*PAGES, "ray/", "torchft/"])
 
 
 # What each page's text names as its highlighted lines: the lines holding these (with the rest
