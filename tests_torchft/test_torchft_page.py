@@ -15,15 +15,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from support.pages import Command, runnable
+from support.pages import runnable
 
 BIN = Path(sys.executable).parent
 DIGEST = re.compile(r"^final weights digest: (\w+)$", re.M)
-
-
-def argv(command: Command) -> list[str]:
-    first, *rest = command.words
-    return [sys.executable, *rest] if first == "python" else [str(BIN / first), *rest]
 
 
 def test_the_pages_program_survives_a_killed_group_as_the_page_says(tmp_path: Path) -> None:
@@ -36,7 +31,7 @@ def test_the_pages_program_survives_a_killed_group_as_the_page_says(tmp_path: Pa
     assert (groups[k + 1].words, groups[k + 1].environment) == (
         groups[k].words, groups[k].environment), "the killed group is started again the same way"
     env = {**os.environ, "LOADER_RESUME_AUDIT": str(tmp_path / "audit")}
-    started = [subprocess.Popen(argv(lighthouse), cwd=tmp_path, stdout=subprocess.DEVNULL,
+    started = [subprocess.Popen(lighthouse.argv(), cwd=tmp_path, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.STDOUT)]
     try:
         time.sleep(0.5)
@@ -47,7 +42,7 @@ def test_the_pages_program_survives_a_killed_group_as_the_page_says(tmp_path: Pa
                 continue  # started once its first run is killed
             outputs.append(tmp_path / f"{n}.out")
             started.append(subprocess.Popen(
-                argv(command), cwd=tmp_path, env={**env, **command.environment},
+                command.argv(), cwd=tmp_path, env={**env, **command.environment},
                 stdout=outputs[-1].open("w"), stderr=subprocess.STDOUT))
         killed = started[1 + k]
         deadline = time.monotonic() + 240
@@ -61,7 +56,7 @@ def test_the_pages_program_survives_a_killed_group_as_the_page_says(tmp_path: Pa
         outputs.append(tmp_path / "again.out")
         again = groups[k + 1]
         started.append(subprocess.Popen(
-            argv(again), cwd=tmp_path, env={**env, **again.environment},
+            again.argv(), cwd=tmp_path, env={**env, **again.environment},
             stdout=outputs[-1].open("w"), stderr=subprocess.STDOUT))
         running = [p for n, p in enumerate(started[1:]) if n != k]
         assert [p.wait(timeout=300) for p in running] == [0] * len(running), [

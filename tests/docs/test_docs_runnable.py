@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 import pytest
 
 from support import forked
+from support.launch import free_port
 from support.pages import Command, Program, blocks, built_site, runnable
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,17 +29,6 @@ ROOT = Path(__file__).resolve().parents[2]
 PAGES = ["pytorch/", "lightning/", "fabric/", "accelerate/", "transformers/"]
 PROGRESS = re.compile(r"^epoch (\d+) step (\d+)\b(.*)$")
 DIGEST = "final weights digest: "
-
-
-def argv(command: Command) -> list[str]:
-    """The command as this environment runs it: ``python`` is this interpreter, a launcher
-    (``torchrun``, ``accelerate``) the one installed beside it."""
-    first, *rest = command.words
-    if first == "python":
-        return [sys.executable, *rest]
-    launcher = Path(sys.executable).with_name(first)
-    assert launcher.is_file(), f"{first}: not installed beside {sys.executable}"
-    return [str(launcher), *rest]
 
 
 def progress(output: str) -> dict[int, tuple[int, str]]:
@@ -62,10 +51,7 @@ def environment(command: Command, audit: Path) -> dict[str, str]:
     """The page's variables over ours, with every run's batches audited into ``audit`` (each
     front-end reads ``$LOADER_RESUME_AUDIT``; the plain program takes it for its ``--audit``) and
     torchrun on a free port (``PET_MASTER_PORT``: its ``--master-port``)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return {**os.environ, "LOADER_RESUME_AUDIT": str(audit), "PET_MASTER_PORT": str(port),
+    return {**os.environ, "LOADER_RESUME_AUDIT": str(audit), "PET_MASTER_PORT": str(free_port()),
             **command.environment}
 
 
@@ -89,7 +75,7 @@ def processes(command: Command) -> int:
 
 
 def run(command: Command, directory: Path, audit: Path) -> subprocess.CompletedProcess[str]:
-    done = forked.run(argv(command), cwd=directory, env=environment(command, audit),
+    done = forked.run(command.argv(), cwd=directory, env=environment(command, audit),
                       capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (
         f"{' '.join(command.words)} in {directory}: exit {done.returncode}\n{done.stderr[-3000:]}"
@@ -100,7 +86,7 @@ def run(command: Command, directory: Path, audit: Path) -> subprocess.CompletedP
 def stop_mid_run(command: Command, directory: Path, audit: Path) -> str:
     """Run ``command``, SIGTERM it at its first progress line after step 0; it must exit 143
     before its end. Its output."""
-    process = forked.popen(argv(command), cwd=directory, text=True,
+    process = forked.popen(command.argv(), cwd=directory, text=True,
                            env=environment(command, audit),
                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert process.stdout is not None

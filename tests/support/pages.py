@@ -131,6 +131,16 @@ class Command:
     stopped: bool
     killed: bool = False
 
+    def argv(self) -> list[str]:
+        """The command as this environment runs it: ``python`` is this interpreter, a launcher
+        (``torchrun``, ``accelerate``, ``torchft_lighthouse``) the one installed beside it."""
+        first, *rest = self.words
+        if first == "python":
+            return [sys.executable, *rest]
+        launcher = Path(sys.executable).with_name(first)
+        assert launcher.is_file(), f"{first}: not installed beside {sys.executable}"
+        return [str(launcher), *rest]
+
 
 @dataclass
 class Program:
